@@ -1,0 +1,4 @@
+//! One module per subcommand.
+
+pub mod gc;
+pub mod serve;

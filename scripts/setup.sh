@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs everything snapctl's build, tests and benchmarks need on a fresh Debian machine.
+# Idempotent: safe to run again. Run as root (or with sudo available).
+set -euo pipefail
+SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+
+# Debian packages: build deps and the real peers the tests talk to.
+APT_PKGS=(
+  pkg-config libclang-dev clang      # bindgen (userfaultfd-sys)
+  b3sum casync                       # format benchmark peers
+  skopeo docker-registry             # registry peers
+  hyperfine curl jq python3-pip
+)
+missing=()
+for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+# docker-registry's package starts a system service on :5000; tests start their own on free ports.
+if command -v systemctl >/dev/null 2>&1; then $SUDO systemctl disable --now docker-registry >/dev/null 2>&1 || true; fi
+pkill -f '^/usr/bin/docker-registry serve /etc/docker/registry/config.yml' 2>/dev/null || true
+
+# PyPI packages: oras (OCI artifact client) and moto (S3 server).
+PIP_PKGS=(oras "moto[server]")
+python3 -m pip install -q --disable-pip-version-check "${PIP_PKGS[@]}" >/dev/null 2>&1 || \
+  python3 -m pip install -q --disable-pip-version-check --break-system-packages "${PIP_PKGS[@]}"
