@@ -1,4 +1,29 @@
 //! An OCI Distribution (v1.1) server that stores blobs content-addressed over a
 //! blob-store trait: local disk by default, object storage for scale-out.
 //!
-//! Filled in by the registry issue; see `spec/registry.md`.
+//! Layers, bottom up:
+//! ```text
+//! store/     BlobStore trait: FsStore (dir), ObjectStoreBackend (S3), MeteredStore
+//! layout     storage keys: blobs/, repositories/<name>/{_layers,_manifests,_tags,_referrers}, _uploads/
+//! upload     resumable upload sessions persisted in the store
+//! auth       htpasswd users, ACL, docker token flow (HMAC-signed tokens)
+//! server     axum routes for the /v2/ API, /token, /metrics
+//! gc         mark and sweep of unreachable blobs
+//! ```
+//! The wire and storage formats are specified in `spec/registry.md`.
+
+pub mod auth;
+pub mod digest;
+pub mod error;
+pub mod gc;
+pub mod layout;
+pub mod metrics;
+pub mod name;
+pub mod server;
+pub mod store;
+pub mod upload;
+
+pub use digest::{Algorithm, Digest};
+pub use name::{RepoName, Tag};
+pub use server::{Config, Server};
+pub use store::{BlobStore, StoreError};

@@ -1,0 +1,438 @@
+//! Authentication and authorization.
+//!
+//! - Users: an htpasswd file of bcrypt hashes (`user:$2y$...`; other schemes refused).
+//! - Rights: an ACL file (TOML, below) giving `pull`, `push` and `delete` per repository
+//!   pattern; without one, any authenticated user may do anything and anonymous users
+//!   may pull only if `anonymous_read` is set.
+//! - Credentials: HTTP Basic on any request, or a Bearer token from `GET /token` (the
+//!   docker token flow). Tokens are HS256 JWTs signed with a server secret; replicas that
+//!   share a secret accept each other's tokens.
+//!
+//! ACL file:
+//! ```toml
+//! [[rule]]
+//! users = ["alice", "bob"]     # user names; "*" = any authenticated user; "anonymous"
+//! repos = ["team/*", "public"] # exact name, "prefix/*" (any depth below), or "*"
+//! actions = ["pull", "push"]   # pull, push, delete
+//! ```
+//! A request is allowed if any rule grants the action.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::http::{header, HeaderMap};
+use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
+use base64::Engine as _;
+use hmac::{Hmac, Mac};
+use sha2::{Digest as _, Sha256};
+
+/// How long an issued token is valid.
+pub const TOKEN_TTL: Duration = Duration::from_secs(300);
+
+/// Something a client may do to a repository.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Action {
+    /// Read manifests, blobs, tags, referrers.
+    Pull,
+    /// Upload blobs, put manifests and tags.
+    Push,
+    /// Delete manifests, tags, blobs.
+    Delete,
+}
+
+impl Action {
+    /// Wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Pull => "pull",
+            Action::Push => "push",
+            Action::Delete => "delete",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Action> {
+        match s {
+            "pull" => Some(Action::Pull),
+            "push" => Some(Action::Push),
+            "delete" => Some(Action::Delete),
+            _ => None,
+        }
+    }
+}
+
+/// One ACL rule.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rule {
+    /// Who: user names, `*` (any authenticated user) or `anonymous`.
+    pub users: Vec<String>,
+    /// Which repositories: exact names, `prefix/*`, or `*`.
+    pub repos: Vec<String>,
+    /// What.
+    pub actions: Vec<Action>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AclFile {
+    #[serde(default)]
+    rule: Vec<Rule>,
+}
+
+/// Errors loading auth configuration.
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
+#[non_exhaustive]
+pub enum AuthConfigError {
+    /// htpasswd line {line}: {reason}
+    Htpasswd {
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// ACL file: {0}
+    Acl(String),
+    /// token secret must be at least 32 bytes, got {0}
+    ShortSecret(usize),
+}
+
+/// Who is asking.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Identity {
+    /// No credentials.
+    Anonymous,
+    /// A user who presented a valid password.
+    User(String),
+    /// A valid bearer token: its subject and the access it grants.
+    Token {
+        /// User name, empty for anonymous.
+        sub: String,
+        /// Granted (repository, action) pairs.
+        access: HashSet<(String, Action)>,
+    },
+}
+
+/// Credentials were presented but are wrong.
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
+pub enum Rejected {
+    /// invalid username or password
+    BadPassword,
+    /// invalid or expired token
+    BadToken,
+    /// malformed Authorization header
+    Malformed,
+}
+
+/// One `access` entry of a token (docker token spec).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Access {
+    /// Always `repository` here.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Repository name.
+    pub name: String,
+    /// Granted actions.
+    pub actions: Vec<String>,
+}
+
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Claims {
+    iss: String,
+    sub: String,
+    aud: String,
+    exp: u64,
+    iat: u64,
+    access: Vec<Access>,
+}
+
+/// The auth configuration of a server.
+#[derive(Debug)]
+pub struct Auth {
+    users: HashMap<String, String>,
+    rules: Vec<Rule>,
+    secret: Vec<u8>,
+    /// `service` of the token flow.
+    pub service: String,
+    /// Token realm URL; `None` derives `http(s)://<Host>/token` from each request.
+    pub realm: Option<String>,
+    /// Successful (user, sha256(password)) checks, so bcrypt runs once per credential.
+    verified: Mutex<HashSet<(String, [u8; 32])>>,
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// Whether repository `name` matches an ACL pattern.
+pub fn repo_matches(pattern: &str, name: &str) -> bool {
+    if pattern == "*" {
+        return true;
+    }
+    if let Some(prefix) = pattern.strip_suffix("/*") {
+        return name.strip_prefix(prefix).is_some_and(|r| r.starts_with('/'));
+    }
+    pattern == name
+}
+
+/// Parse an htpasswd file (bcrypt only).
+pub fn parse_htpasswd(text: &str) -> Result<HashMap<String, String>, AuthConfigError> {
+    let mut users = HashMap::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let err = |reason: &str| AuthConfigError::Htpasswd { line: i + 1, reason: reason.to_owned() };
+        let (u, h) = line.split_once(':').ok_or_else(|| err("expected user:hash"))?;
+        if u.is_empty() {
+            return Err(err("empty user name"));
+        }
+        if !(h.starts_with("$2y$") || h.starts_with("$2b$") || h.starts_with("$2a$")) {
+            return Err(err("only bcrypt hashes ($2y$/$2b$/$2a$, `htpasswd -B`) are supported"));
+        }
+        users.insert(u.to_owned(), h.to_owned());
+    }
+    Ok(users)
+}
+
+impl Auth {
+    /// Build from htpasswd text, optional ACL TOML text, the anonymous-read switch and
+    /// the token signing secret (>= 32 bytes).
+    pub fn new(htpasswd: &str, acl: Option<&str>, anonymous_read: bool, secret: Vec<u8>) -> Result<Auth, AuthConfigError> {
+        if secret.len() < 32 {
+            return Err(AuthConfigError::ShortSecret(secret.len()));
+        }
+        let users = parse_htpasswd(htpasswd)?;
+        let mut rules = match acl {
+            Some(t) => toml::from_str::<AclFile>(t).map_err(|e| AuthConfigError::Acl(e.to_string()))?.rule,
+            None => vec![Rule {
+                users: vec!["*".into()],
+                repos: vec!["*".into()],
+                actions: vec![Action::Pull, Action::Push, Action::Delete],
+            }],
+        };
+        if anonymous_read {
+            rules.push(Rule { users: vec!["anonymous".into()], repos: vec!["*".into()], actions: vec![Action::Pull] });
+        }
+        Ok(Auth {
+            users,
+            rules,
+            secret,
+            service: "snapctl".into(),
+            realm: None,
+            verified: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// Whether a user (None = anonymous) has `action` on `repo` per the ACL.
+    pub fn acl_allows(&self, user: Option<&str>, repo: &str, action: Action) -> bool {
+        self.rules.iter().any(|r| {
+            let who = r.users.iter().any(|u| match user {
+                None => u == "anonymous",
+                Some(name) => u == "*" || u == name,
+            });
+            who && r.actions.contains(&action) && r.repos.iter().any(|p| repo_matches(p, repo))
+        })
+    }
+
+    /// Whether `id` may do `action` on `repo`.
+    pub fn allows(&self, id: &Identity, repo: &str, action: Action) -> bool {
+        match id {
+            Identity::Anonymous => self.acl_allows(None, repo, action),
+            Identity::User(u) => self.acl_allows(Some(u), repo, action),
+            Identity::Token { access, .. } => access.contains(&(repo.to_owned(), action)),
+        }
+    }
+
+    /// Check a password (bcrypt, cached on success).
+    pub fn check_password(&self, user: &str, password: &str) -> bool {
+        let key = (user.to_owned(), <[u8; 32]>::from(Sha256::digest(password.as_bytes())));
+        if self.verified.lock().unwrap_or_else(|p| p.into_inner()).contains(&key) {
+            return true;
+        }
+        let ok = self.users.get(user).is_some_and(|h| bcrypt::verify(password, h).unwrap_or(false));
+        if ok {
+            self.verified.lock().unwrap_or_else(|p| p.into_inner()).insert(key);
+        }
+        ok
+    }
+
+    /// Who sent these headers. Wrong credentials are an error, no credentials are
+    /// `Anonymous`. Runs bcrypt: call off the reactor for uncached passwords.
+    pub fn identify(&self, headers: &HeaderMap) -> Result<Identity, Rejected> {
+        let Some(v) = headers.get(header::AUTHORIZATION) else { return Ok(Identity::Anonymous) };
+        let v = v.to_str().map_err(|_| Rejected::Malformed)?;
+        if let Some(b) = v.strip_prefix("Basic ").or_else(|| v.strip_prefix("basic ")) {
+            let (u, p) = basic_credentials(b).ok_or(Rejected::Malformed)?;
+            if self.check_password(&u, &p) {
+                Ok(Identity::User(u))
+            } else {
+                Err(Rejected::BadPassword)
+            }
+        } else if let Some(t) = v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")) {
+            self.verify_token(t.trim()).ok_or(Rejected::BadToken)
+        } else {
+            Err(Rejected::Malformed)
+        }
+    }
+
+    fn sign(&self, data: &[u8]) -> Vec<u8> {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.secret).expect("HMAC takes any key length");
+        mac.update(data);
+        mac.finalize().into_bytes().to_vec()
+    }
+
+    /// Issue a token for `sub` (empty for anonymous) granting the requested scopes
+    /// intersected with what the ACL allows. Returns the token and the granted access.
+    pub fn issue_token(&self, sub: Option<&str>, scopes: &[String]) -> (String, Vec<Access>) {
+        let mut access: Vec<Access> = Vec::new();
+        for s in scopes {
+            // repository:<name>:<actions>; the name may itself not contain ':'.
+            let mut it = s.splitn(3, ':');
+            let (Some(kind), Some(name), Some(acts)) = (it.next(), it.next(), it.next()) else { continue };
+            if kind != "repository" {
+                continue;
+            }
+            let wanted: Vec<Action> = if acts == "*" {
+                vec![Action::Pull, Action::Push, Action::Delete]
+            } else {
+                acts.split(',').filter_map(Action::parse).collect()
+            };
+            let granted: Vec<String> = wanted
+                .into_iter()
+                .filter(|a| self.acl_allows(sub, name, *a))
+                .map(|a| a.as_str().to_owned())
+                .collect();
+            if let Some(e) = access.iter_mut().find(|e| e.name == name) {
+                for g in granted {
+                    if !e.actions.contains(&g) {
+                        e.actions.push(g);
+                    }
+                }
+            } else {
+                access.push(Access { kind: "repository".into(), name: name.to_owned(), actions: granted });
+            }
+        }
+        let iat = now();
+        let claims = Claims {
+            iss: "snapctl".into(),
+            sub: sub.unwrap_or("").to_owned(),
+            aud: self.service.clone(),
+            exp: iat + TOKEN_TTL.as_secs(),
+            iat,
+            access: access.clone(),
+        };
+        let head = URL_SAFE_NO_PAD.encode(br#"{"alg":"HS256","typ":"JWT"}"#);
+        let body = URL_SAFE_NO_PAD.encode(serde_json::to_vec(&claims).expect("claims serialize"));
+        let signing_input = format!("{head}.{body}");
+        let sig = URL_SAFE_NO_PAD.encode(self.sign(signing_input.as_bytes()));
+        (format!("{signing_input}.{sig}"), access)
+    }
+
+    /// Check a token's signature and expiry; return what it grants.
+    pub fn verify_token(&self, token: &str) -> Option<Identity> {
+        let (signing_input, sig) = token.rsplit_once('.')?;
+        let sig = URL_SAFE_NO_PAD.decode(sig).ok()?;
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.secret).ok()?;
+        mac.update(signing_input.as_bytes());
+        mac.verify_slice(&sig).ok()?; // constant time
+        let (_, body) = signing_input.split_once('.')?;
+        let claims: Claims = serde_json::from_slice(&URL_SAFE_NO_PAD.decode(body).ok()?).ok()?;
+        if claims.exp <= now() || claims.aud != self.service {
+            return None;
+        }
+        let access = claims
+            .access
+            .iter()
+            .flat_map(|a| a.actions.iter().filter_map(|x| Action::parse(x)).map(|x| (a.name.clone(), x)))
+            .collect();
+        Some(Identity::Token { sub: claims.sub, access })
+    }
+}
+
+/// Decode the base64 part of a Basic header into (user, password).
+pub fn basic_credentials(b64: &str) -> Option<(String, String)> {
+    let raw = STANDARD.decode(b64.trim()).ok()?;
+    let s = String::from_utf8(raw).ok()?;
+    let (u, p) = s.split_once(':')?;
+    Some((u.to_owned(), p.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn auth(acl: Option<&str>, anon: bool) -> Auth {
+        let h = bcrypt::hash("secret", 4).unwrap();
+        Auth::new(&format!("alice:{h}\nbob:{h}\n"), acl, anon, vec![7; 32]).unwrap()
+    }
+
+    #[test]
+    fn default_rules() {
+        let a = auth(None, false);
+        assert!(a.acl_allows(Some("alice"), "x", Action::Push));
+        assert!(!a.acl_allows(None, "x", Action::Pull));
+        let a = auth(None, true);
+        assert!(a.acl_allows(None, "x", Action::Pull));
+        assert!(!a.acl_allows(None, "x", Action::Push));
+    }
+
+    #[test]
+    fn acl_file_rules() {
+        let acl = r#"
+            [[rule]]
+            users = ["alice"]
+            repos = ["team/*"]
+            actions = ["pull", "push"]
+            [[rule]]
+            users = ["*"]
+            repos = ["public"]
+            actions = ["pull"]
+        "#;
+        let a = auth(Some(acl), false);
+        assert!(a.acl_allows(Some("alice"), "team/a/b", Action::Push));
+        assert!(!a.acl_allows(Some("alice"), "team", Action::Push));
+        assert!(!a.acl_allows(Some("alice"), "teamx/a", Action::Pull));
+        assert!(!a.acl_allows(Some("bob"), "team/a", Action::Pull));
+        assert!(a.acl_allows(Some("bob"), "public", Action::Pull));
+        assert!(!a.acl_allows(None, "public", Action::Pull));
+        assert!(Auth::new("", Some("[[rule]]\nusers=[1]"), false, vec![0; 32]).is_err());
+    }
+
+    #[test]
+    fn passwords_and_headers() {
+        let a = auth(None, false);
+        let mut h = HeaderMap::new();
+        assert_eq!(a.identify(&h).unwrap(), Identity::Anonymous);
+        h.insert(header::AUTHORIZATION, format!("Basic {}", STANDARD.encode("alice:secret")).parse().unwrap());
+        assert_eq!(a.identify(&h).unwrap(), Identity::User("alice".into()));
+        assert_eq!(a.identify(&h).unwrap(), Identity::User("alice".into()), "cached path");
+        h.insert(header::AUTHORIZATION, format!("Basic {}", STANDARD.encode("alice:wrong")).parse().unwrap());
+        assert!(matches!(a.identify(&h), Err(Rejected::BadPassword)));
+        h.insert(header::AUTHORIZATION, format!("Basic {}", STANDARD.encode("carol:secret")).parse().unwrap());
+        assert!(matches!(a.identify(&h), Err(Rejected::BadPassword)));
+        assert!(parse_htpasswd("eve:{SHA}abc").is_err());
+    }
+
+    #[test]
+    fn tokens_grant_only_what_acl_allows_and_cannot_be_forged() {
+        let acl = "[[rule]]\nusers=[\"alice\"]\nrepos=[\"a\"]\nactions=[\"pull\"]\n";
+        let a = auth(Some(acl), false);
+        let (tok, access) = a.issue_token(Some("alice"), &["repository:a:pull,push".into(), "repository:b:pull".into()]);
+        assert_eq!(access[0].actions, ["pull"]);
+        assert!(access[1].actions.is_empty());
+        let id = a.verify_token(&tok).unwrap();
+        assert!(a.allows(&id, "a", Action::Pull));
+        assert!(!a.allows(&id, "a", Action::Push));
+        assert!(!a.allows(&id, "b", Action::Pull));
+        // Flip one character of the payload: signature no longer matches.
+        let mut bad = tok.clone().into_bytes();
+        let i = tok.find('.').unwrap() + 3;
+        bad[i] = if bad[i] == b'A' { b'B' } else { b'A' };
+        assert!(a.verify_token(std::str::from_utf8(&bad).unwrap()).is_none());
+        let other = Auth::new("", None, false, vec![8; 32]).unwrap();
+        assert!(other.verify_token(&tok).is_none(), "another secret must not verify");
+    }
+}

@@ -1,0 +1,141 @@
+//! Storage keys: where each kind of object lives in a [`crate::BlobStore`].
+//!
+//! ```text
+//! blobs/<alg>/<hex[0..2]>/<hex>                          blob or manifest bytes (content-addressed, shared)
+//! repositories/<name>/_layers/<alg>/<hex>                empty: blob is part of <name>
+//! repositories/<name>/_manifests/<alg>/<hex>             manifest is in <name>; content = its media type
+//! repositories/<name>/_tags/<tag>                        content = digest string
+//! repositories/<name>/_referrers/<alg>/<subject-hex>/<alg>-<hex>   descriptor JSON of a referrer
+//! _uploads/<id>/state.json                               upload session: {repo, started}
+//! _uploads/<id>/parts/<offset, 20 digits>                committed chunk starting at offset
+//! ```
+//! Names and tags are validated ([`crate::name`]) and cannot start with `_`, so a
+//! repository component can never collide with `_layers`, `_tags`, ... .
+
+use crate::digest::Digest;
+use crate::name::{RepoName, Tag};
+
+/// Prefix of all content-addressed bytes.
+pub const BLOBS: &str = "blobs/";
+/// Prefix of all repositories.
+pub const REPOS: &str = "repositories/";
+/// Prefix of all upload sessions.
+pub const UPLOADS: &str = "_uploads/";
+
+/// Key of a blob's (or manifest's) bytes.
+pub fn blob(d: &Digest) -> String {
+    format!("blobs/{}/{}/{}", d.algorithm().as_str(), &d.hex()[..2], d.hex())
+}
+
+/// The digest a `blobs/...` key stores, if it is one.
+pub fn parse_blob_key(key: &str) -> Option<Digest> {
+    let mut it = key.split('/');
+    let (b, alg, _, hex) = (it.next()?, it.next()?, it.next()?, it.next()?);
+    if b != "blobs" || it.next().is_some() {
+        return None;
+    }
+    format!("{alg}:{hex}").parse().ok()
+}
+
+/// Link saying blob `d` belongs to `repo`.
+pub fn layer_link(repo: &RepoName, d: &Digest) -> String {
+    format!("repositories/{repo}/_layers/{}/{}", d.algorithm().as_str(), d.hex())
+}
+
+/// Link saying manifest `d` is in `repo` (content: the manifest's media type).
+pub fn manifest_link(repo: &RepoName, d: &Digest) -> String {
+    format!("repositories/{repo}/_manifests/{}/{}", d.algorithm().as_str(), d.hex())
+}
+
+/// A tag (content: the digest it points at).
+pub fn tag(repo: &RepoName, t: &Tag) -> String {
+    format!("repositories/{repo}/_tags/{t}")
+}
+
+/// Directory of all tags of `repo`.
+pub fn tags_dir(repo: &RepoName) -> String {
+    format!("repositories/{repo}/_tags/")
+}
+
+/// Directory of all manifest links of `repo`.
+pub fn manifests_dir(repo: &RepoName) -> String {
+    format!("repositories/{repo}/_manifests/")
+}
+
+/// Directory of the referrers of `subject` in `repo`.
+pub fn referrers_dir(repo: &RepoName, subject: &Digest) -> String {
+    format!("repositories/{repo}/_referrers/{}/{}/", subject.algorithm().as_str(), subject.hex())
+}
+
+/// One referrer descriptor of `subject` in `repo`.
+pub fn referrer(repo: &RepoName, subject: &Digest, d: &Digest) -> String {
+    format!("{}{}-{}", referrers_dir(repo, subject), d.algorithm().as_str(), d.hex())
+}
+
+/// An upload session's state object.
+pub fn upload_state(id: &str) -> String {
+    format!("_uploads/{id}/state.json")
+}
+
+/// Directory of an upload session's committed chunks.
+pub fn upload_parts(id: &str) -> String {
+    format!("_uploads/{id}/parts/")
+}
+
+/// The chunk of upload `id` starting at `offset`.
+pub fn upload_part(id: &str, offset: u64) -> String {
+    format!("_uploads/{id}/parts/{offset:020}")
+}
+
+/// What a key under `repositories/` is, for listing-based walks (gc).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RepoKey {
+    /// `_layers` link.
+    Layer(RepoName, Digest),
+    /// `_manifests` link.
+    Manifest(RepoName, Digest),
+    /// `_tags` entry.
+    Tag(RepoName, Tag),
+    /// `_referrers` entry: (repo, subject, referrer).
+    Referrer(RepoName, Digest, Digest),
+}
+
+/// Classify a key under `repositories/`.
+pub fn parse_repo_key(key: &str) -> Option<RepoKey> {
+    let rest = key.strip_prefix(REPOS)?;
+    let parts: Vec<&str> = rest.split('/').collect();
+    let pos = parts.iter().position(|p| p.starts_with('_'))?;
+    let repo = RepoName::parse(&parts[..pos].join("/")).ok()?;
+    let tail = &parts[pos..];
+    let dig = |a: &str, h: &str| format!("{a}:{h}").parse::<Digest>().ok();
+    match tail {
+        ["_layers", a, h] => Some(RepoKey::Layer(repo, dig(a, h)?)),
+        ["_manifests", a, h] => Some(RepoKey::Manifest(repo, dig(a, h)?)),
+        ["_tags", t] => Some(RepoKey::Tag(repo, Tag::parse(t).ok()?)),
+        ["_referrers", a, h, r] => {
+            let (ra, rh) = r.split_once('-')?;
+            Some(RepoKey::Referrer(repo, dig(a, h)?, dig(ra, rh)?))
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::digest::Algorithm;
+
+    #[test]
+    fn keys_round_trip() {
+        let d = Digest::of(Algorithm::Sha256, b"x");
+        let s = Digest::of(Algorithm::Sha512, b"s");
+        let r = RepoName::parse("a/b-c").unwrap();
+        assert_eq!(parse_blob_key(&blob(&d)), Some(d.clone()));
+        assert_eq!(parse_repo_key(&layer_link(&r, &d)), Some(RepoKey::Layer(r.clone(), d.clone())));
+        assert_eq!(parse_repo_key(&manifest_link(&r, &d)), Some(RepoKey::Manifest(r.clone(), d.clone())));
+        let t = Tag::parse("v1").unwrap();
+        assert_eq!(parse_repo_key(&tag(&r, &t)), Some(RepoKey::Tag(r.clone(), t)));
+        assert_eq!(parse_repo_key(&referrer(&r, &s, &d)), Some(RepoKey::Referrer(r, s, d)));
+        assert_eq!(parse_repo_key("repositories/x/_bogus/1"), None);
+    }
+}

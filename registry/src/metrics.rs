@@ -1,0 +1,143 @@
+//! Prometheus text metrics, kept in atomics and small maps (no metrics framework).
+//!
+//! Exposed at `GET /metrics`:
+//! - `snapctl_http_requests_total{method,status}` counter
+//! - `snapctl_http_request_bytes_total`, `snapctl_http_response_bytes_total` counters
+//! - `snapctl_http_errors_total{code}` counter of OCI error responses
+//! - `snapctl_uploads_started_total`, `snapctl_uploads_completed_total`,
+//!   `snapctl_uploads_cancelled_total` counters; `snapctl_uploads_in_progress` gauge (this process)
+//! - `snapctl_storage_seconds{op}` histogram, `snapctl_storage_errors_total{op}` counter
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Histogram bucket upper bounds, seconds.
+const BUCKETS: [f64; 10] = [0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0];
+
+#[derive(Debug, Default, Clone)]
+struct Hist {
+    counts: [u64; BUCKETS.len()],
+    count: u64,
+    sum: f64,
+    errors: u64,
+}
+
+/// All counters of one server.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    requests: Mutex<BTreeMap<(String, u16), u64>>,
+    errors: Mutex<BTreeMap<&'static str, u64>>,
+    storage: Mutex<BTreeMap<&'static str, Hist>>,
+    /// Request body bytes received.
+    pub bytes_in: AtomicU64,
+    /// Response body bytes sent.
+    pub bytes_out: AtomicU64,
+    /// Upload sessions started.
+    pub uploads_started: AtomicU64,
+    /// Upload sessions that produced a blob.
+    pub uploads_completed: AtomicU64,
+    /// Upload sessions cancelled or failed digest checks.
+    pub uploads_cancelled: AtomicU64,
+    /// Sessions started here and not finished yet.
+    pub uploads_in_progress: AtomicI64,
+}
+
+impl Metrics {
+    /// Count one request.
+    pub fn request(&self, method: &str, status: u16) {
+        *self.requests.lock().unwrap_or_else(|p| p.into_inner()).entry((method.to_owned(), status)).or_default() += 1;
+    }
+
+    /// Count one OCI error response.
+    pub fn error(&self, code: &'static str) {
+        *self.errors.lock().unwrap_or_else(|p| p.into_inner()).entry(code).or_default() += 1;
+    }
+
+    /// Record one storage call.
+    pub fn storage_op(&self, op: &'static str, took: Duration, failed: bool) {
+        let s = took.as_secs_f64();
+        let mut m = self.storage.lock().unwrap_or_else(|p| p.into_inner());
+        let h = m.entry(op).or_default();
+        for (i, b) in BUCKETS.iter().enumerate() {
+            if s <= *b {
+                h.counts[i] += 1;
+            }
+        }
+        h.count += 1;
+        h.sum += s;
+        if failed {
+            h.errors += 1;
+        }
+    }
+
+    /// Render in Prometheus text exposition format 0.0.4.
+    pub fn render(&self) -> String {
+        let mut o = String::new();
+        o.push_str("# HELP snapctl_http_requests_total HTTP requests by method and status.\n");
+        o.push_str("# TYPE snapctl_http_requests_total counter\n");
+        for ((m, s), n) in self.requests.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            let _ = writeln!(o, "snapctl_http_requests_total{{method=\"{m}\",status=\"{s}\"}} {n}");
+        }
+        o.push_str("# HELP snapctl_http_errors_total OCI error responses by code.\n");
+        o.push_str("# TYPE snapctl_http_errors_total counter\n");
+        for (c, n) in self.errors.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            let _ = writeln!(o, "snapctl_http_errors_total{{code=\"{c}\"}} {n}");
+        }
+        let counters = [
+            ("snapctl_http_request_bytes_total", "Request body bytes received.", self.bytes_in.load(Relaxed)),
+            ("snapctl_http_response_bytes_total", "Response body bytes sent.", self.bytes_out.load(Relaxed)),
+            ("snapctl_uploads_started_total", "Blob upload sessions started.", self.uploads_started.load(Relaxed)),
+            ("snapctl_uploads_completed_total", "Blob upload sessions completed.", self.uploads_completed.load(Relaxed)),
+            ("snapctl_uploads_cancelled_total", "Blob upload sessions cancelled or refused.", self.uploads_cancelled.load(Relaxed)),
+        ];
+        for (name, help, v) in counters {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+        }
+        let _ = writeln!(
+            o,
+            "# HELP snapctl_uploads_in_progress Upload sessions started by this process and not finished.\n# TYPE snapctl_uploads_in_progress gauge\nsnapctl_uploads_in_progress {}",
+            self.uploads_in_progress.load(Relaxed)
+        );
+        o.push_str("# HELP snapctl_storage_seconds Latency of storage calls by operation.\n");
+        o.push_str("# TYPE snapctl_storage_seconds histogram\n");
+        let storage = self.storage.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        for (op, h) in &storage {
+            for (i, b) in BUCKETS.iter().enumerate() {
+                let _ = writeln!(o, "snapctl_storage_seconds_bucket{{op=\"{op}\",le=\"{b}\"}} {}", h.counts[i]);
+            }
+            let _ = writeln!(o, "snapctl_storage_seconds_bucket{{op=\"{op}\",le=\"+Inf\"}} {}", h.count);
+            let _ = writeln!(o, "snapctl_storage_seconds_sum{{op=\"{op}\"}} {}", h.sum);
+            let _ = writeln!(o, "snapctl_storage_seconds_count{{op=\"{op}\"}} {}", h.count);
+        }
+        o.push_str("# HELP snapctl_storage_errors_total Failed storage calls by operation (not-found excluded).\n");
+        o.push_str("# TYPE snapctl_storage_errors_total counter\n");
+        for (op, h) in &storage {
+            let _ = writeln!(o, "snapctl_storage_errors_total{{op=\"{op}\"}} {}", h.errors);
+        }
+        o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_prometheus_text() {
+        let m = Metrics::default();
+        m.request("GET", 200);
+        m.request("GET", 200);
+        m.error("BLOB_UNKNOWN");
+        m.storage_op("get", Duration::from_millis(2), false);
+        m.bytes_out.fetch_add(42, Relaxed);
+        let t = m.render();
+        assert!(t.contains("snapctl_http_requests_total{method=\"GET\",status=\"200\"} 2\n"), "{t}");
+        assert!(t.contains("snapctl_http_errors_total{code=\"BLOB_UNKNOWN\"} 1\n"));
+        assert!(t.contains("snapctl_storage_seconds_bucket{op=\"get\",le=\"0.001\"} 0\n"));
+        assert!(t.contains("snapctl_storage_seconds_bucket{op=\"get\",le=\"0.005\"} 1\n"));
+        assert!(t.contains("snapctl_http_response_bytes_total 42\n"));
+    }
+}

@@ -1,0 +1,937 @@
+//! The HTTP API: OCI Distribution v1.1 under `/v2/`, the docker token endpoint
+//! `/token`, and Prometheus `/metrics`.
+//!
+//! Repository names contain `/`, so `/v2/*` is routed by hand from the end of the path
+//! ([`parse_route`]). Every name, tag and digest is validated before it reaches storage.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get};
+use axum::Router;
+use bytes::Bytes;
+use futures::StreamExt;
+
+use crate::auth::{Action, Auth, Identity, Rejected};
+use crate::digest::{Algorithm, Digest};
+use crate::error::{ApiError, Code};
+use crate::layout;
+use crate::metrics::Metrics;
+use crate::name::{RepoName, Tag};
+use crate::store::{BlobStore, MeteredStore};
+use crate::upload::{self, range_header, upload_location, Uploads};
+
+/// Default manifest size limit: 4 MiB, the spec's minimum that registries should accept.
+pub const DEFAULT_MAX_MANIFEST: usize = 4 * 1024 * 1024;
+
+/// Media type of an OCI image index.
+pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
+/// Media type of an OCI image manifest.
+pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+const API_VERSION: (&str, &str) = ("docker-distribution-api-version", "registry/2.0");
+
+/// Server configuration.
+#[derive(Debug)]
+pub struct Config {
+    /// Largest manifest accepted; bigger ones get 413.
+    pub max_manifest_bytes: usize,
+    /// Authentication; `None` = open registry (anyone may pull and push).
+    pub auth: Option<Auth>,
+    /// Whether the server is reached over TLS (for the token realm URL).
+    pub tls: bool,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config { max_manifest_bytes: DEFAULT_MAX_MANIFEST, auth: None, tls: false }
+    }
+}
+
+/// A registry server: store, upload sessions, metrics, config.
+#[derive(Debug)]
+pub struct Server {
+    store: Arc<dyn BlobStore>,
+    uploads: Uploads,
+    /// The server's counters.
+    pub metrics: Arc<Metrics>,
+    cfg: Config,
+}
+
+/// A parsed `/v2/...` route. Names are validated; references are raw strings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    /// `/v2/`
+    Base,
+    /// `/v2/<name>/blobs/<digest>`
+    Blob(RepoName, String),
+    /// `/v2/<name>/manifests/<reference>`
+    Manifest(RepoName, String),
+    /// `/v2/<name>/tags/list`
+    Tags(RepoName),
+    /// `/v2/<name>/referrers/<digest>`
+    Referrers(RepoName, String),
+    /// `/v2/<name>/blobs/uploads/`
+    UploadStart(RepoName),
+    /// `/v2/<name>/blobs/uploads/<id>`
+    Upload(RepoName, String),
+}
+
+fn bad_name(n: &str) -> ApiError {
+    ApiError::bad(Code::NameInvalid, format!("invalid repository name {n:?}"))
+}
+
+/// Parse the path of a `/v2/` request. `None` = no such endpoint (404).
+pub fn parse_route(path: &str) -> Option<Result<Route, ApiError>> {
+    let rest = path.strip_prefix("/v2")?;
+    if rest.is_empty() || rest == "/" {
+        return Some(Ok(Route::Base));
+    }
+    let rest = rest.strip_prefix('/')?;
+    let segs: Vec<&str> = rest.split('/').collect();
+    let n = segs.len();
+    let name = |k: usize| -> Result<RepoName, ApiError> {
+        let s = segs[..k].join("/");
+        RepoName::parse(&s).map_err(|_| bad_name(&s))
+    };
+    let r = if n >= 4 && segs[n - 3] == "blobs" && segs[n - 2] == "uploads" {
+        if segs[n - 1].is_empty() {
+            name(n - 3).map(Route::UploadStart)
+        } else {
+            name(n - 3).map(|r| Route::Upload(r, segs[n - 1].to_owned()))
+        }
+    } else if n >= 3 && segs[n - 2] == "blobs" && segs[n - 1] == "uploads" {
+        name(n - 2).map(Route::UploadStart)
+    } else if n >= 3 && segs[n - 2] == "blobs" {
+        name(n - 2).map(|r| Route::Blob(r, segs[n - 1].to_owned()))
+    } else if n >= 3 && segs[n - 2] == "manifests" {
+        name(n - 2).map(|r| Route::Manifest(r, segs[n - 1].to_owned()))
+    } else if n >= 3 && segs[n - 2] == "tags" && segs[n - 1] == "list" {
+        name(n - 2).map(Route::Tags)
+    } else if n >= 3 && segs[n - 2] == "referrers" {
+        name(n - 2).map(|r| Route::Referrers(r, segs[n - 1].to_owned()))
+    } else {
+        return None;
+    };
+    Some(r)
+}
+
+/// Query parameters of a URI, decoded, repeated keys kept.
+fn query(uri: &Uri) -> Vec<(String, String)> {
+    form_urlencoded::parse(uri.query().unwrap_or("").as_bytes()).into_owned().collect()
+}
+
+fn param<'a>(q: &'a [(String, String)], k: &str) -> Option<&'a str> {
+    q.iter().find(|(a, _)| a == k).map(|(_, v)| v.as_str())
+}
+
+fn parse_digest(s: &str) -> Result<Digest, ApiError> {
+    s.parse().map_err(|e| ApiError::bad(Code::DigestInvalid, format!("{e}")))
+}
+
+fn hv(s: &str) -> HeaderValue {
+    HeaderValue::from_str(s).unwrap_or_else(|_| HeaderValue::from_static("invalid"))
+}
+
+/// Build a response from status, headers and body.
+fn respond(status: StatusCode, headers: &[(HeaderName, String)], body: Body) -> Response {
+    let mut r = Response::new(body);
+    *r.status_mut() = status;
+    let h = r.headers_mut();
+    h.insert(HeaderName::from_static(API_VERSION.0), HeaderValue::from_static(API_VERSION.1));
+    for (k, v) in headers {
+        h.insert(k.clone(), hv(v));
+    }
+    r
+}
+
+fn empty(status: StatusCode, headers: &[(HeaderName, String)]) -> Response {
+    let mut all = headers.to_vec();
+    if !all.iter().any(|(k, _)| k == header::CONTENT_LENGTH) {
+        all.push((header::CONTENT_LENGTH, "0".into()));
+    }
+    respond(status, &all, Body::empty())
+}
+
+/// Whether the store has `key`.
+async fn exists(store: &dyn BlobStore, key: &str) -> Result<bool, ApiError> {
+    match store.head(key).await {
+        Ok(_) => Ok(true),
+        Err(e) if e.is_not_found() => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// A `Range: bytes=...` request header resolved against `size`: `Ok(None)` = whole
+/// object, `Err` = 416.
+fn parse_range(h: Option<&HeaderValue>, size: u64) -> Result<Option<std::ops::Range<u64>>, ApiError> {
+    let Some(h) = h else { return Ok(None) };
+    let unsat = || {
+        ApiError::new(StatusCode::RANGE_NOT_SATISFIABLE, Code::BlobUnknown, "range not satisfiable")
+            .with_header(header::CONTENT_RANGE, format!("bytes */{size}"))
+    };
+    let s = h.to_str().map_err(|_| unsat())?;
+    let spec = s.trim().strip_prefix("bytes=").ok_or_else(unsat)?;
+    if spec.contains(',') {
+        return Ok(None); // multipart ranges: serve the whole blob (allowed by RFC 9110)
+    }
+    let (a, b) = spec.split_once('-').ok_or_else(unsat)?;
+    let (start, end) = match (a.trim(), b.trim()) {
+        ("", suffix) => {
+            let n: u64 = suffix.parse().map_err(|_| unsat())?;
+            if n == 0 || size == 0 {
+                return Err(unsat());
+            }
+            (size.saturating_sub(n), size - 1)
+        }
+        (a, "") => (a.parse().map_err(|_| unsat())?, size.saturating_sub(1)),
+        (a, b) => {
+            let (x, y): (u64, u64) = (a.parse().map_err(|_| unsat())?, b.parse().map_err(|_| unsat())?);
+            if y < x {
+                return Err(unsat());
+            }
+            (x, y.min(size.saturating_sub(1)))
+        }
+    };
+    if start >= size {
+        return Err(unsat());
+    }
+    Ok(Some(start..end + 1))
+}
+
+/// `Content-Range: [bytes ]<start>-<end>` of a PATCH: the first byte's offset and the
+/// chunk length.
+fn parse_content_range(h: Option<&HeaderValue>) -> Result<Option<(u64, u64)>, ApiError> {
+    let Some(h) = h else { return Ok(None) };
+    let bad = || ApiError::new(StatusCode::RANGE_NOT_SATISFIABLE, Code::BlobUploadInvalid, "invalid Content-Range");
+    let s = h.to_str().map_err(|_| bad())?.trim();
+    let s = s.strip_prefix("bytes ").unwrap_or(s);
+    let s = s.split('/').next().unwrap_or(s);
+    let (a, b) = s.split_once('-').ok_or_else(bad)?;
+    let (a, b): (u64, u64) = (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
+    if b < a {
+        return Err(bad());
+    }
+    Ok(Some((a, b - a + 1)))
+}
+
+impl Server {
+    /// A server over `store` (wrapped to record storage latency).
+    pub fn new(store: Arc<dyn BlobStore>, cfg: Config) -> Arc<Server> {
+        let metrics = Arc::new(Metrics::default());
+        let store: Arc<dyn BlobStore> = Arc::new(MeteredStore::new(store, metrics.clone()));
+        Arc::new(Server { uploads: Uploads::new(store.clone()), store, metrics, cfg })
+    }
+
+    /// The axum router of this server.
+    pub fn router(self: &Arc<Self>) -> Router {
+        Router::new()
+            .route("/v2", any(v2))
+            .route("/v2/", any(v2))
+            .route("/v2/{*rest}", any(v2))
+            .route("/token", get(token))
+            .route("/metrics", get(metrics))
+            .layer(middleware::from_fn_with_state(self.clone(), count))
+            .layer(DefaultBodyLimit::disable())
+            .with_state(self.clone())
+    }
+
+    /// Serve plain HTTP on `listener` until `shutdown` resolves, then finish in-flight
+    /// requests.
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        let app = self.router().into_make_service_with_connect_info::<SocketAddr>();
+        axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+    }
+
+    /// Serve HTTPS with a PEM certificate chain and key until `shutdown` resolves, then
+    /// finish in-flight requests.
+    pub async fn serve_tls(
+        self: Arc<Self>,
+        listener: std::net::TcpListener,
+        cert: &Path,
+        key: &Path,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let tls = axum_server::tls_rustls::RustlsConfig::from_pem_file(cert, key).await?;
+        let handle = axum_server::Handle::new();
+        let h = handle.clone();
+        tokio::spawn(async move {
+            shutdown.await;
+            h.graceful_shutdown(None);
+        });
+        listener.set_nonblocking(true)?;
+        let app = self.router().into_make_service_with_connect_info::<SocketAddr>();
+        axum_server::from_tcp_rustls(listener, tls).handle(handle).serve(app).await
+    }
+
+    fn challenge(&self, headers: &HeaderMap, scope: Option<String>, insufficient: bool) -> String {
+        let auth = self.cfg.auth.as_ref().expect("challenge only with auth");
+        let realm = auth.realm.clone().unwrap_or_else(|| {
+            let host = headers.get(header::HOST).and_then(|h| h.to_str().ok()).unwrap_or("localhost");
+            format!("{}://{host}/token", if self.cfg.tls { "https" } else { "http" })
+        });
+        let mut c = format!("Bearer realm=\"{realm}\",service=\"{}\"", auth.service);
+        if let Some(s) = scope {
+            c.push_str(&format!(",scope=\"{s}\""));
+        }
+        if insufficient {
+            c.push_str(",error=\"insufficient_scope\"");
+        }
+        c
+    }
+
+    async fn identify(&self, headers: &HeaderMap) -> Result<Identity, ApiError> {
+        let Some(auth) = &self.cfg.auth else { return Ok(Identity::Anonymous) };
+        let is_basic = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.len() > 6 && v[..6].eq_ignore_ascii_case("basic "));
+        let r = if is_basic {
+            // bcrypt is deliberately slow (tens of ms per uncached check): on the
+            // multi-thread runtime, let the other tasks of this worker move elsewhere.
+            let h = headers.clone();
+            match tokio::runtime::Handle::current().runtime_flavor() {
+                tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(|| auth.identify(&h)),
+                _ => auth.identify(&h),
+            }
+        } else {
+            auth.identify(headers)
+        };
+        r.map_err(|e: Rejected| {
+            ApiError::new(StatusCode::UNAUTHORIZED, Code::Unauthorized, e.to_string())
+                .with_header(header::WWW_AUTHENTICATE, self.challenge(headers, None, false))
+        })
+    }
+
+    /// Check that `id` may do `action` on `repo`; the error is the right 401/403.
+    fn authorize(&self, id: &Identity, headers: &HeaderMap, repo: &RepoName, action: Action) -> Result<(), ApiError> {
+        let Some(auth) = &self.cfg.auth else { return Ok(()) };
+        if auth.allows(id, repo.as_str(), action) {
+            return Ok(());
+        }
+        let scope = format!(
+            "repository:{repo}:{}",
+            match action {
+                Action::Pull => "pull",
+                Action::Push => "pull,push",
+                Action::Delete => "delete",
+            }
+        );
+        let msg = format!("{} access to {repo} denied", action.as_str());
+        Err(match id {
+            Identity::User(_) => ApiError::new(StatusCode::FORBIDDEN, Code::Denied, msg),
+            Identity::Anonymous => ApiError::new(StatusCode::UNAUTHORIZED, Code::Unauthorized, msg)
+                .with_header(header::WWW_AUTHENTICATE, self.challenge(headers, Some(scope), false)),
+            Identity::Token { .. } => ApiError::new(StatusCode::UNAUTHORIZED, Code::Unauthorized, msg)
+                .with_header(header::WWW_AUTHENTICATE, self.challenge(headers, Some(scope), true)),
+        })
+    }
+
+    fn may(&self, id: &Identity, repo: &RepoName, action: Action) -> bool {
+        self.cfg.auth.as_ref().is_none_or(|a| a.allows(id, repo.as_str(), action))
+    }
+
+    async fn handle(&self, method: Method, uri: Uri, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+        let route = match parse_route(uri.path()) {
+            Some(r) => r?,
+            None => return Err(ApiError::not_found(Code::Unsupported, format!("no such endpoint {}", uri.path()))),
+        };
+        let id = self.identify(&headers).await?;
+        use Route as R;
+        let need = match (&route, &method) {
+            (R::Base, _) => None,
+            (R::Blob(..) | R::Manifest(..), &Method::DELETE) => Some(Action::Delete),
+            (R::Blob(..) | R::Manifest(..) | R::Tags(..) | R::Referrers(..), &Method::GET | &Method::HEAD) => Some(Action::Pull),
+            (R::Manifest(..), &Method::PUT) => Some(Action::Push),
+            (R::UploadStart(..) | R::Upload(..), _) => Some(Action::Push),
+            _ => return Err(ApiError::new(StatusCode::METHOD_NOT_ALLOWED, Code::Unsupported, format!("{method} not allowed here"))),
+        };
+        let repo = match &route {
+            R::Base => None,
+            R::Blob(r, _) | R::Manifest(r, _) | R::Tags(r) | R::Referrers(r, _) | R::UploadStart(r) | R::Upload(r, _) => Some(r),
+        };
+        if let (Some(repo), Some(action)) = (repo, need) {
+            self.authorize(&id, &headers, repo, action)?;
+        }
+        let q = query(&uri);
+        let head = method == Method::HEAD;
+        let counted = count_bytes(body.into_data_stream(), self.metrics.clone(), true);
+        match (route, method) {
+            (R::Base, _) => {
+                if self.cfg.auth.is_some() && id == Identity::Anonymous {
+                    return Err(ApiError::new(StatusCode::UNAUTHORIZED, Code::Unauthorized, "authentication required")
+                        .with_header(header::WWW_AUTHENTICATE, self.challenge(&headers, None, false)));
+                }
+                Ok(respond(StatusCode::OK, &[(header::CONTENT_TYPE, "application/json".into())], Body::from("{}")))
+            }
+            (R::Blob(repo, d), Method::GET | Method::HEAD) => self.get_blob(&repo, &d, &headers, head).await,
+            (R::Blob(repo, d), Method::DELETE) => self.delete_blob(&repo, &d).await,
+            (R::Manifest(repo, r), Method::GET | Method::HEAD) => self.get_manifest(&repo, &r, &headers, head).await,
+            (R::Manifest(repo, r), Method::PUT) => self.put_manifest(&repo, &r, &headers, counted).await,
+            (R::Manifest(repo, r), Method::DELETE) => self.delete_manifest(&repo, &r).await,
+            (R::Tags(repo), _) => self.tags(&repo, &q).await,
+            (R::Referrers(repo, d), _) => self.referrers(&repo, &d, &q).await,
+            (R::UploadStart(repo), Method::POST) => self.start_upload(&repo, &q, &id, counted).await,
+            (R::Upload(repo, uid), Method::GET) => {
+                let n = self.uploads.status(&repo, &uid).await?;
+                Ok(empty(StatusCode::NO_CONTENT, &upload_headers(&repo, &uid, n)))
+            }
+            (R::Upload(repo, uid), Method::PATCH) => {
+                let cr = parse_content_range(headers.get(header::CONTENT_RANGE))?;
+                if let (Some((_, len)), Some(cl)) = (cr, content_length(&headers)) {
+                    if len != cl {
+                        return Err(ApiError::bad(Code::BlobUploadInvalid, "Content-Range and Content-Length disagree"));
+                    }
+                }
+                let n = self.uploads.append(&repo, &uid, cr.map(|c| c.0), counted).await?;
+                Ok(empty(StatusCode::ACCEPTED, &upload_headers(&repo, &uid, n)))
+            }
+            (R::Upload(repo, uid), Method::PUT) => {
+                let d = parse_digest(param(&q, "digest").unwrap_or(""))?;
+                match self.uploads.finish(&repo, &uid, &d, counted).await {
+                    Ok(()) => {
+                        self.metrics.uploads_completed.fetch_add(1, Relaxed);
+                        self.metrics.uploads_in_progress.fetch_sub(1, Relaxed);
+                    }
+                    Err(e) => {
+                        if e.code == Code::DigestInvalid {
+                            self.metrics.uploads_cancelled.fetch_add(1, Relaxed);
+                            self.metrics.uploads_in_progress.fetch_sub(1, Relaxed);
+                        }
+                        return Err(e);
+                    }
+                }
+                Ok(blob_created(&repo, &d))
+            }
+            (R::Upload(repo, uid), Method::DELETE) => {
+                self.uploads.cancel(&repo, &uid).await?;
+                self.metrics.uploads_cancelled.fetch_add(1, Relaxed);
+                self.metrics.uploads_in_progress.fetch_sub(1, Relaxed);
+                Ok(empty(StatusCode::NO_CONTENT, &[]))
+            }
+            (_, method) => Err(ApiError::new(StatusCode::METHOD_NOT_ALLOWED, Code::Unsupported, format!("{method} not allowed here"))),
+        }
+    }
+
+    async fn get_blob(&self, repo: &RepoName, d: &str, headers: &HeaderMap, head: bool) -> Result<Response, ApiError> {
+        let d = parse_digest(d)?;
+        let unknown = || ApiError::not_found(Code::BlobUnknown, format!("blob {d} unknown to {repo}"));
+        let linked = exists(self.store.as_ref(), &layout::layer_link(repo, &d)).await?
+            || exists(self.store.as_ref(), &layout::manifest_link(repo, &d)).await?;
+        if !linked {
+            return Err(unknown());
+        }
+        let key = layout::blob(&d);
+        let meta = match self.store.head(&key).await {
+            Ok(m) => m,
+            Err(e) if e.is_not_found() => return Err(unknown()),
+            Err(e) => return Err(e.into()),
+        };
+        let range = parse_range(headers.get(header::RANGE), meta.size)?;
+        let mut hs = vec![
+            (header::CONTENT_TYPE, "application/octet-stream".to_owned()),
+            (HeaderName::from_static("docker-content-digest"), d.to_string()),
+            (header::ACCEPT_RANGES, "bytes".to_owned()),
+            (header::ETAG, format!("\"{d}\"")),
+        ];
+        let status = match &range {
+            Some(r) => {
+                hs.push((header::CONTENT_RANGE, format!("bytes {}-{}/{}", r.start, r.end - 1, meta.size)));
+                StatusCode::PARTIAL_CONTENT
+            }
+            None => StatusCode::OK,
+        };
+        let len = range.as_ref().map(|r| r.end - r.start).unwrap_or(meta.size);
+        hs.push((header::CONTENT_LENGTH, len.to_string()));
+        if head {
+            return Ok(respond(status, &hs, Body::empty()));
+        }
+        let (_, stream) = match self.store.get(&key, range).await {
+            Ok(s) => s,
+            Err(e) if e.is_not_found() => return Err(unknown()),
+            Err(e) => return Err(e.into()),
+        };
+        let stream = count_bytes(stream, self.metrics.clone(), false);
+        Ok(respond(status, &hs, Body::from_stream(stream)))
+    }
+
+    async fn delete_blob(&self, repo: &RepoName, d: &str) -> Result<Response, ApiError> {
+        let d = parse_digest(d)?;
+        let link = layout::layer_link(repo, &d);
+        if !exists(self.store.as_ref(), &link).await? {
+            return Err(ApiError::not_found(Code::BlobUnknown, format!("blob {d} unknown to {repo}")));
+        }
+        // Only the repository's link goes; the bytes are shared and left to gc.
+        self.store.delete(&link).await?;
+        Ok(empty(StatusCode::ACCEPTED, &[]))
+    }
+
+    async fn start_upload(
+        &self,
+        repo: &RepoName,
+        q: &[(String, String)],
+        id: &Identity,
+        body: impl futures::Stream<Item = Result<Bytes, axum::Error>> + Send,
+    ) -> Result<Response, ApiError> {
+        if let Some(m) = param(q, "mount") {
+            let d = parse_digest(m)?;
+            if self.try_mount(repo, &d, param(q, "from"), id).await? {
+                return Ok(blob_created(repo, &d));
+            }
+            // Not mountable (unknown, or no read access to the source): fall through to a
+            // fresh upload session, as the spec allows.
+        } else if let Some(ds) = param(q, "digest") {
+            // Monolithic upload in one POST.
+            let d = parse_digest(ds)?;
+            self.put_whole_blob(repo, &d, body).await?;
+            self.metrics.uploads_completed.fetch_add(1, Relaxed);
+            return Ok(blob_created(repo, &d));
+        }
+        let uid = self.uploads.start(repo).await?;
+        self.metrics.uploads_started.fetch_add(1, Relaxed);
+        self.metrics.uploads_in_progress.fetch_add(1, Relaxed);
+        let mut hs = upload_headers(repo, &uid, 0);
+        hs.push((HeaderName::from_static("oci-chunk-min-length"), "0".into()));
+        Ok(empty(StatusCode::ACCEPTED, &hs))
+    }
+
+    /// Cross-repository mount; `false` when the blob cannot (or may not) be mounted.
+    async fn try_mount(&self, repo: &RepoName, d: &Digest, from: Option<&str>, id: &Identity) -> Result<bool, ApiError> {
+        let blob_there = exists(self.store.as_ref(), &layout::blob(d)).await?;
+        if !blob_there {
+            return Ok(false);
+        }
+        match from {
+            Some(f) => {
+                let Ok(from) = RepoName::parse(f) else { return Ok(false) };
+                if !self.may(id, &from, Action::Pull) {
+                    tracing::info!(%repo, %from, "mount refused: no pull access to source");
+                    return Ok(false);
+                }
+                if !exists(self.store.as_ref(), &layout::layer_link(&from, d)).await? {
+                    return Ok(false);
+                }
+            }
+            None => {
+                // Without `from` only an open registry mounts: with auth, knowing a digest
+                // must not be enough to obtain a blob from a repository one cannot read.
+                if self.cfg.auth.is_some() {
+                    return Ok(false);
+                }
+            }
+        }
+        self.store.put(&layout::layer_link(repo, d), Bytes::new()).await?;
+        Ok(true)
+    }
+
+    async fn put_whole_blob(
+        &self,
+        repo: &RepoName,
+        d: &Digest,
+        body: impl futures::Stream<Item = Result<Bytes, axum::Error>> + Send,
+    ) -> Result<(), ApiError> {
+        let tmp = upload::staging_path(self.store.as_ref(), "mono");
+        let (_, h) = upload::stream_to_file(body, &tmp, Some(d.algorithm().hasher()), None).await?;
+        let got = h.expect("hasher").finish();
+        if &got != d {
+            let _ = tokio::fs::remove_file(&tmp).await;
+            self.metrics.uploads_cancelled.fetch_add(1, Relaxed);
+            return Err(ApiError::bad(Code::DigestInvalid, format!("content is {got}, not {d}")));
+        }
+        let key = layout::blob(d);
+        if exists(self.store.as_ref(), &key).await? {
+            let _ = tokio::fs::remove_file(&tmp).await;
+        } else if let Err(e) = self.store.put_file(&key, &tmp).await {
+            let _ = tokio::fs::remove_file(&tmp).await;
+            return Err(e.into());
+        }
+        self.store.put(&layout::layer_link(repo, d), Bytes::new()).await?;
+        Ok(())
+    }
+
+    /// Resolve a manifest reference to (digest, media type); `MANIFEST_UNKNOWN` if absent.
+    async fn resolve(&self, repo: &RepoName, reference: &str) -> Result<(Digest, String), ApiError> {
+        let unknown = || ApiError::not_found(Code::ManifestUnknown, format!("manifest {reference} unknown to {repo}"));
+        let d = if reference.contains(':') {
+            parse_digest(reference)?
+        } else {
+            let t = Tag::parse(reference).map_err(|e| ApiError::bad(Code::ManifestInvalid, e.to_string()))?;
+            match self.store.get_bytes(&layout::tag(repo, &t)).await {
+                Ok(b) => std::str::from_utf8(&b)
+                    .ok()
+                    .and_then(|s| s.trim().parse().ok())
+                    .ok_or_else(|| ApiError::internal(format!("tag {t} of {repo} is corrupt")))?,
+                Err(e) if e.is_not_found() => return Err(unknown()),
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let mt = match self.store.get_bytes(&layout::manifest_link(repo, &d)).await {
+            Ok(b) => String::from_utf8_lossy(&b).trim().to_owned(),
+            Err(e) if e.is_not_found() => return Err(unknown()),
+            Err(e) => return Err(e.into()),
+        };
+        Ok((d, mt))
+    }
+
+    async fn get_manifest(&self, repo: &RepoName, reference: &str, headers: &HeaderMap, head: bool) -> Result<Response, ApiError> {
+        let (d, mt) = self.resolve(repo, reference).await?;
+        if !accepts(headers, &mt) {
+            return Err(ApiError::not_found(
+                Code::ManifestUnknown,
+                format!("manifest {reference} is {mt}, which the Accept header does not allow"),
+            ));
+        }
+        let bytes = match self.store.get_bytes(&layout::blob(&d)).await {
+            Ok(b) => b,
+            Err(e) if e.is_not_found() => {
+                return Err(ApiError::not_found(Code::ManifestUnknown, format!("manifest {d} content missing")))
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let hs = [
+            (header::CONTENT_TYPE, mt),
+            (HeaderName::from_static("docker-content-digest"), d.to_string()),
+            (header::CONTENT_LENGTH, bytes.len().to_string()),
+            (header::ETAG, format!("\"{d}\"")),
+        ];
+        if !head {
+            self.metrics.bytes_out.fetch_add(bytes.len() as u64, Relaxed);
+        }
+        Ok(respond(StatusCode::OK, &hs, if head { Body::empty() } else { Body::from(bytes) }))
+    }
+
+    async fn put_manifest(
+        &self,
+        repo: &RepoName,
+        reference: &str,
+        headers: &HeaderMap,
+        body: impl futures::Stream<Item = Result<Bytes, axum::Error>> + Send,
+    ) -> Result<Response, ApiError> {
+        let limit = self.cfg.max_manifest_bytes;
+        let too_big = || {
+            ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, Code::SizeInvalid, format!("manifest larger than {limit} bytes"))
+        };
+        if content_length(headers).is_some_and(|n| n > limit as u64) {
+            return Err(too_big());
+        }
+        let mut buf = Vec::new();
+        let mut body = std::pin::pin!(body);
+        while let Some(c) = body.next().await {
+            let c = c.map_err(|e| ApiError::bad(Code::ManifestInvalid, format!("reading body: {e}")))?;
+            if buf.len() + c.len() > limit {
+                return Err(too_big());
+            }
+            buf.extend_from_slice(&c);
+        }
+        let tag = if reference.contains(':') { None } else {
+            Some(Tag::parse(reference).map_err(|e| ApiError::bad(Code::ManifestInvalid, e.to_string()))?)
+        };
+        let d = match &tag {
+            None => {
+                let want = parse_digest(reference)?;
+                let got = Digest::of(want.algorithm(), &buf);
+                if got != want {
+                    return Err(ApiError::bad(Code::DigestInvalid, format!("manifest is {got}, not {want}")));
+                }
+                got
+            }
+            Some(_) => Digest::of(Algorithm::Sha256, &buf),
+        };
+        let json: serde_json::Value = serde_json::from_slice(&buf)
+            .map_err(|e| ApiError::bad(Code::ManifestInvalid, format!("manifest is not JSON: {e}")))?;
+        let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(|s| s.split(';').next().unwrap_or(s).trim().to_owned());
+        let field = json.get("mediaType").and_then(|v| v.as_str()).map(str::to_owned);
+        let mt = match (ct, field) {
+            (Some(c), Some(f)) if c != f => {
+                return Err(ApiError::bad(Code::ManifestInvalid, format!("Content-Type {c} but mediaType {f}")))
+            }
+            (Some(c), _) => c,
+            (None, Some(f)) => f,
+            (None, None) => return Err(ApiError::bad(Code::ManifestInvalid, "no Content-Type and no mediaType")),
+        };
+        let refs = manifest_refs(&json)?;
+        for (child, is_manifest) in &refs.children {
+            let key = if *is_manifest { layout::manifest_link(repo, child) } else { layout::layer_link(repo, child) };
+            if !exists(self.store.as_ref(), &key).await? {
+                return Err(ApiError::bad(Code::ManifestBlobUnknown, format!("{child} is not in {repo}")));
+            }
+        }
+        self.store.put(&layout::blob(&d), Bytes::from(buf.clone())).await?;
+        self.store.put(&layout::manifest_link(repo, &d), Bytes::from(mt.clone())).await?;
+        let mut hs = vec![
+            (header::LOCATION, format!("/v2/{repo}/manifests/{d}")),
+            (HeaderName::from_static("docker-content-digest"), d.to_string()),
+        ];
+        if let Some(subject) = &refs.subject {
+            let mut desc = serde_json::json!({ "mediaType": mt, "digest": d.to_string(), "size": buf.len() });
+            let at = json
+                .get("artifactType")
+                .and_then(|v| v.as_str())
+                .or_else(|| json.pointer("/config/mediaType").and_then(|v| v.as_str()));
+            if let Some(at) = at {
+                desc["artifactType"] = at.into();
+            }
+            if let Some(a) = json.get("annotations").filter(|a| a.is_object()) {
+                desc["annotations"] = a.clone();
+            }
+            let raw = serde_json::to_vec(&desc).expect("descriptor serializes");
+            self.store.put(&layout::referrer(repo, subject, &d), raw.into()).await?;
+            hs.push((HeaderName::from_static("oci-subject"), subject.to_string()));
+        }
+        if let Some(t) = &tag {
+            self.store.put(&layout::tag(repo, t), Bytes::from(d.to_string())).await?;
+        }
+        Ok(empty(StatusCode::CREATED, &hs))
+    }
+
+    async fn delete_manifest(&self, repo: &RepoName, reference: &str) -> Result<Response, ApiError> {
+        if !reference.contains(':') {
+            let t = Tag::parse(reference).map_err(|e| ApiError::bad(Code::ManifestInvalid, e.to_string()))?;
+            let key = layout::tag(repo, &t);
+            if !exists(self.store.as_ref(), &key).await? {
+                return Err(ApiError::not_found(Code::ManifestUnknown, format!("tag {t} unknown to {repo}")));
+            }
+            self.store.delete(&key).await?;
+            return Ok(empty(StatusCode::ACCEPTED, &[]));
+        }
+        let (d, _) = self.resolve(repo, reference).await?;
+        if let Ok(b) = self.store.get_bytes(&layout::blob(&d)).await {
+            if let Ok(json) = serde_json::from_slice::<serde_json::Value>(&b) {
+                if let Ok(Some(subject)) = manifest_refs(&json).map(|r| r.subject) {
+                    self.store.delete(&layout::referrer(repo, &subject, &d)).await?;
+                }
+            }
+        }
+        // Tags pointing at the manifest go with it, as in docker/distribution.
+        for m in self.store.list(&layout::tags_dir(repo)).await? {
+            if let Ok(b) = self.store.get_bytes(&m.key).await {
+                if b.as_ref() == d.to_string().as_bytes() {
+                    self.store.delete(&m.key).await?;
+                }
+            }
+        }
+        self.store.delete(&layout::manifest_link(repo, &d)).await?;
+        Ok(empty(StatusCode::ACCEPTED, &[]))
+    }
+
+    async fn tags(&self, repo: &RepoName, q: &[(String, String)]) -> Result<Response, ApiError> {
+        let mut tags: Vec<String> = self
+            .store
+            .list(&layout::tags_dir(repo))
+            .await?
+            .into_iter()
+            .filter_map(|m| m.key.rsplit('/').next().map(str::to_owned))
+            .collect();
+        if tags.is_empty() && self.store.list(&layout::manifests_dir(repo)).await?.is_empty() {
+            return Err(ApiError::not_found(Code::NameUnknown, format!("repository {repo} unknown")));
+        }
+        tags.sort();
+        if let Some(last) = param(q, "last") {
+            tags.retain(|t| t.as_str() > last);
+        }
+        let mut hs = vec![(header::CONTENT_TYPE, "application/json".to_owned())];
+        if let Some(n) = param(q, "n") {
+            let n: usize = n.parse().map_err(|_| ApiError::bad(Code::Unsupported, format!("bad n={n:?}")))?;
+            if tags.len() > n {
+                tags.truncate(n);
+                if let Some(last) = tags.last() {
+                    hs.push((header::LINK, format!("</v2/{repo}/tags/list?n={n}&last={last}>; rel=\"next\"")));
+                }
+            }
+        }
+        let body = serde_json::to_vec(&serde_json::json!({ "name": repo.as_str(), "tags": tags })).expect("json");
+        Ok(respond(StatusCode::OK, &hs, Body::from(body)))
+    }
+
+    async fn referrers(&self, repo: &RepoName, d: &str, q: &[(String, String)]) -> Result<Response, ApiError> {
+        let subject = parse_digest(d)?;
+        let filter = param(q, "artifactType");
+        let mut manifests = Vec::new();
+        for m in self.store.list(&layout::referrers_dir(repo, &subject)).await? {
+            let b = match self.store.get_bytes(&m.key).await {
+                Ok(b) => b,
+                Err(e) if e.is_not_found() => continue,
+                Err(e) => return Err(e.into()),
+            };
+            let Ok(desc) = serde_json::from_slice::<serde_json::Value>(&b) else { continue };
+            if let Some(f) = filter {
+                if desc.get("artifactType").and_then(|v| v.as_str()) != Some(f) {
+                    continue;
+                }
+            }
+            manifests.push(desc);
+        }
+        manifests.sort_by(|a, b| a["digest"].as_str().cmp(&b["digest"].as_str()));
+        let body = serde_json::json!({ "schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": manifests });
+        let mut hs = vec![(header::CONTENT_TYPE, OCI_INDEX.to_owned())];
+        if filter.is_some() {
+            hs.push((HeaderName::from_static("oci-filters-applied"), "artifactType".to_owned()));
+        }
+        Ok(respond(StatusCode::OK, &hs, Body::from(serde_json::to_vec(&body).expect("json"))))
+    }
+}
+
+/// Pass a byte stream through, adding its sizes to the request (`inbound`) or response
+/// byte counter.
+fn count_bytes<E>(
+    s: impl futures::Stream<Item = Result<Bytes, E>> + Send + 'static,
+    m: Arc<Metrics>,
+    inbound: bool,
+) -> impl futures::Stream<Item = Result<Bytes, E>> + Send + 'static {
+    s.map(move |r| {
+        if let Ok(b) = &r {
+            let c = if inbound { &m.bytes_in } else { &m.bytes_out };
+            c.fetch_add(b.len() as u64, Relaxed);
+        }
+        r
+    })
+}
+
+fn content_length(h: &HeaderMap) -> Option<u64> {
+    h.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+}
+
+fn upload_headers(repo: &RepoName, uid: &str, size: u64) -> Vec<(HeaderName, String)> {
+    vec![
+        (header::LOCATION, upload_location(repo, uid)),
+        (header::RANGE, range_header(size)),
+        (HeaderName::from_static("docker-upload-uuid"), uid.to_owned()),
+    ]
+}
+
+fn blob_created(repo: &RepoName, d: &Digest) -> Response {
+    empty(
+        StatusCode::CREATED,
+        &[
+            (header::LOCATION, format!("/v2/{repo}/blobs/{d}")),
+            (HeaderName::from_static("docker-content-digest"), d.to_string()),
+        ],
+    )
+}
+
+/// Whether the request's `Accept` allows media type `mt`. No `Accept` allows all.
+fn accepts(h: &HeaderMap, mt: &str) -> bool {
+    let mut any_header = false;
+    for v in h.get_all(header::ACCEPT) {
+        let Ok(v) = v.to_str() else { continue };
+        for item in v.split(',') {
+            any_header = true;
+            let t = item.split(';').next().unwrap_or("").trim();
+            if t == mt || t == "*/*" || t == "application/*" || t.is_empty() {
+                return true;
+            }
+        }
+    }
+    !any_header
+}
+
+/// What a manifest points at.
+#[derive(Debug, Default)]
+pub struct ManifestRefs {
+    /// (digest, is_manifest): config and layers are blobs; index entries are manifests.
+    pub children: Vec<(Digest, bool)>,
+    /// The `subject`, if any.
+    pub subject: Option<Digest>,
+}
+
+/// Descriptors referenced by an image manifest or index (docker v2 included).
+pub fn manifest_refs(json: &serde_json::Value) -> Result<ManifestRefs, ApiError> {
+    let desc = |v: &serde_json::Value| -> Result<Digest, ApiError> {
+        let d = v.get("digest").and_then(|d| d.as_str()).ok_or_else(|| ApiError::bad(Code::ManifestInvalid, "descriptor without digest"))?;
+        d.parse().map_err(|e| ApiError::bad(Code::ManifestInvalid, format!("descriptor: {e}")))
+    };
+    let mut r = ManifestRefs::default();
+    if !json.is_object() {
+        return Err(ApiError::bad(Code::ManifestInvalid, "manifest is not a JSON object"));
+    }
+    if let Some(c) = json.get("config") {
+        r.children.push((desc(c)?, false));
+    }
+    for key in ["layers", "blobs"] {
+        if let Some(ls) = json.get(key).and_then(|v| v.as_array()) {
+            for l in ls {
+                // Foreign layers live elsewhere (`urls`); they need not be in the registry.
+                if l.get("urls").is_some_and(|u| u.as_array().is_some_and(|a| !a.is_empty())) {
+                    continue;
+                }
+                r.children.push((desc(l)?, false));
+            }
+        }
+    }
+    if let Some(ms) = json.get("manifests").and_then(|v| v.as_array()) {
+        for m in ms {
+            r.children.push((desc(m)?, true));
+        }
+    }
+    if let Some(s) = json.get("subject") {
+        r.subject = Some(desc(s)?);
+    }
+    Ok(r)
+}
+
+async fn v2(State(s): State<Arc<Server>>, method: Method, uri: Uri, headers: HeaderMap, body: Body) -> Response {
+    match s.handle(method, uri, headers, body).await {
+        Ok(r) => r,
+        Err(e) => {
+            s.metrics.error(e.code.as_str());
+            let mut r = e.into_response();
+            r.headers_mut().insert(HeaderName::from_static(API_VERSION.0), HeaderValue::from_static(API_VERSION.1));
+            r
+        }
+    }
+}
+
+async fn token(State(s): State<Arc<Server>>, uri: Uri, headers: HeaderMap) -> Response {
+    let Some(auth) = &s.cfg.auth else {
+        return ApiError::not_found(Code::Unsupported, "authentication is not enabled").into_response();
+    };
+    let sub = match s.identify(&headers).await {
+        Ok(Identity::User(u)) => Some(u),
+        Ok(Identity::Anonymous) => None,
+        Ok(Identity::Token { .. }) | Err(_) => {
+            return ApiError::new(StatusCode::UNAUTHORIZED, Code::Unauthorized, "invalid credentials")
+                .with_header(header::WWW_AUTHENTICATE, "Basic realm=\"snapctl\"")
+                .into_response();
+        }
+    };
+    let q = query(&uri);
+    let scopes: Vec<String> =
+        q.iter().filter(|(k, _)| k == "scope").flat_map(|(_, v)| v.split(' ').map(str::to_owned)).collect();
+    let (tok, _) = auth.issue_token(sub.as_deref(), &scopes);
+    let issued = time::OffsetDateTime::now_utc().format(&time::format_description::well_known::Rfc3339).unwrap_or_default();
+    axum::Json(serde_json::json!({
+        "token": tok, "access_token": tok,
+        "expires_in": crate::auth::TOKEN_TTL.as_secs(), "issued_at": issued,
+    }))
+    .into_response()
+}
+
+async fn metrics(State(s): State<Arc<Server>>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], s.metrics.render()).into_response()
+}
+
+/// Middleware: count requests by method and status, and log them.
+async fn count(State(s): State<Arc<Server>>, req: Request, next: Next) -> Response {
+    let method = req.method().clone();
+    let path = req.uri().path().to_owned();
+    let t = std::time::Instant::now();
+    let resp = next.run(req).await;
+    s.metrics.request(method.as_str(), resp.status().as_u16());
+    tracing::info!(%method, %path, status = resp.status().as_u16(), ms = t.elapsed().as_millis() as u64, "request");
+    resp
+}
+
+#[cfg(test)]
+mod tests;

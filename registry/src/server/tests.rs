@@ -1,0 +1,639 @@
+//! API tests in the spirit of the OCI distribution-spec conformance suite: a real
+//! server on 127.0.0.1:0 over a temp-dir store, driven with reqwest.
+
+use std::sync::Arc;
+
+use reqwest::{Client, StatusCode};
+use serde_json::json;
+
+use super::*;
+use crate::store::FsStore;
+
+pub(crate) struct TestServer {
+    pub url: String,
+    pub dir: tempfile::TempDir,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl TestServer {
+    pub async fn start(cfg: Config) -> TestServer {
+        let dir = tempfile::tempdir().unwrap();
+        TestServer::start_in(dir, cfg).await
+    }
+
+    pub async fn start_in(dir: tempfile::TempDir, cfg: Config) -> TestServer {
+        let store = Arc::new(FsStore::open(dir.path()).unwrap());
+        let server = Server::new(store, cfg);
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            server.serve(l, async { let _ = rx.await; }).await.unwrap();
+        });
+        TestServer { url, dir, stop: Some(tx), task: Some(task) }
+    }
+
+    /// Stop serving and hand back the storage directory.
+    pub async fn stop(mut self) -> tempfile::TempDir {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.take().unwrap().await.unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        std::mem::replace(&mut self.dir, tmp)
+    }
+
+    pub fn u(&self, path: &str) -> String {
+        format!("{}{path}", self.url)
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+    }
+}
+
+fn sha(data: &[u8]) -> Digest {
+    Digest::of(Algorithm::Sha256, data)
+}
+
+fn code_of(body: &str) -> String {
+    let v: serde_json::Value = serde_json::from_str(body).unwrap_or_else(|_| panic!("not an OCI error body: {body}"));
+    v["errors"][0]["code"].as_str().unwrap().to_owned()
+}
+
+async fn push_blob(c: &Client, s: &TestServer, repo: &str, data: &[u8]) -> Digest {
+    let d = sha(data);
+    let r = c.post(s.u(&format!("/v2/{repo}/blobs/uploads/?digest={d}"))).body(data.to_vec()).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED, "{}", r.text().await.unwrap());
+    d
+}
+
+fn image_manifest(config: &Digest, config_len: usize, layers: &[(Digest, usize)]) -> serde_json::Value {
+    json!({
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config.to_string(), "size": config_len},
+        "layers": layers.iter().map(|(d, n)| json!({"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": d.to_string(), "size": n})).collect::<Vec<_>>(),
+    })
+}
+
+async fn push_manifest(c: &Client, s: &TestServer, repo: &str, reference: &str, m: &serde_json::Value) -> reqwest::Response {
+    c.put(s.u(&format!("/v2/{repo}/manifests/{reference}")))
+        .header("content-type", m["mediaType"].as_str().unwrap_or(OCI_MANIFEST))
+        .body(serde_json::to_vec(m).unwrap())
+        .send()
+        .await
+        .unwrap()
+}
+
+/// A repo with one config + one layer + a manifest tagged `t`; returns the manifest digest.
+async fn sample_image(c: &Client, s: &TestServer, repo: &str, tag: &str, salt: &str) -> Digest {
+    let cfg = format!("{{\"salt\":\"{salt}\"}}");
+    let cd = push_blob(c, s, repo, cfg.as_bytes()).await;
+    let layer = format!("layer bytes {salt}");
+    let ld = push_blob(c, s, repo, layer.as_bytes()).await;
+    let m = image_manifest(&cd, cfg.len(), &[(ld, layer.len())]);
+    let r = push_manifest(c, s, repo, tag, &m).await;
+    assert_eq!(r.status(), StatusCode::CREATED);
+    sha(&serde_json::to_vec(&m).unwrap())
+}
+
+#[tokio::test]
+async fn base_endpoint_answers_200_with_api_version() {
+    let s = TestServer::start(Config::default()).await;
+    let r = reqwest::get(s.u("/v2/")).await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(r.headers()["docker-distribution-api-version"], "registry/2.0");
+}
+
+#[tokio::test]
+async fn monolithic_post_put_then_pull_and_head() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let data = b"some blob content".to_vec();
+    let d = sha(&data);
+    let r = c.post(s.u("/v2/a/b/blobs/uploads/")).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::ACCEPTED);
+    let loc = r.headers()["location"].to_str().unwrap().to_owned();
+    assert!(loc.starts_with("/v2/a/b/blobs/uploads/"));
+    let r = c.put(s.u(&format!("{loc}?digest={d}"))).body(data.clone()).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    assert_eq!(r.headers()["docker-content-digest"], d.to_string().as_str());
+    assert_eq!(r.headers()["location"], format!("/v2/a/b/blobs/{d}").as_str());
+    let r = c.get(s.u(&format!("/v2/a/b/blobs/{d}"))).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(r.bytes().await.unwrap(), data);
+    let r = c.head(s.u(&format!("/v2/a/b/blobs/{d}"))).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(r.headers()["content-length"], data.len().to_string().as_str());
+    // Same digest, other repository: not linked there.
+    let r = c.get(s.u(&format!("/v2/other/blobs/{d}"))).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    assert_eq!(code_of(&r.text().await.unwrap()), "BLOB_UNKNOWN");
+}
+
+#[tokio::test]
+async fn sha512_blobs_are_accepted_and_checked() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let data = b"sha512 content";
+    let d = Digest::of(Algorithm::Sha512, data);
+    let r = c.post(s.u(&format!("/v2/r/blobs/uploads/?digest={d}"))).body(data.to_vec()).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    assert_eq!(c.get(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap().bytes().await.unwrap(), &data[..]);
+    // Chunked + sha512 (the cached running hash is sha256; the server must rehash).
+    let loc = c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap().headers()["location"].to_str().unwrap().to_owned();
+    let data2 = b"more sha512";
+    let d2 = Digest::of(Algorithm::Sha512, data2);
+    assert_eq!(c.patch(s.u(&loc)).body(data2.to_vec()).send().await.unwrap().status(), StatusCode::ACCEPTED);
+    let r = c.put(s.u(&format!("{loc}?digest={d2}"))).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+}
+
+#[tokio::test]
+async fn wrong_digest_is_digest_invalid_and_never_visible() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    for alg in [Algorithm::Sha256, Algorithm::Sha512] {
+        let claimed = Digest::of(alg, b"what the client claims");
+        // Single POST.
+        let r = c.post(s.u(&format!("/v2/r/blobs/uploads/?digest={claimed}"))).body("other bytes").send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(code_of(&r.text().await.unwrap()), "DIGEST_INVALID");
+        // Session.
+        let loc = c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap().headers()["location"].to_str().unwrap().to_owned();
+        let r = c.put(s.u(&format!("{loc}?digest={claimed}"))).body("other bytes").send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(code_of(&r.text().await.unwrap()), "DIGEST_INVALID");
+        let r = c.head(s.u(&format!("/v2/r/blobs/{claimed}"))).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::NOT_FOUND);
+        assert!(!s.dir.path().join(layout::blob(&claimed)).exists(), "refused blob reached storage");
+    }
+    // A malformed digest is refused too.
+    let r = c.post(s.u("/v2/r/blobs/uploads/?digest=sha256:nothex")).body("x").send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn chunked_upload_out_of_order_is_416_and_status_reports_range() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
+    let d = sha(&data);
+    let r = c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap();
+    let loc = r.headers()["location"].to_str().unwrap().to_owned();
+    let r = c.patch(s.u(&loc)).header("content-range", "0-99999").header("content-type", "application/octet-stream").body(data[..100_000].to_vec()).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::ACCEPTED);
+    assert_eq!(r.headers()["range"], "0-99999");
+    // Out of order: skips bytes 100000..150000.
+    let r = c.patch(s.u(&loc)).header("content-range", "150000-199999").body(data[150_000..200_000].to_vec()).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::RANGE_NOT_SATISFIABLE);
+    let r = c.get(s.u(&loc)).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::NO_CONTENT);
+    assert_eq!(r.headers()["range"], "0-99999");
+    let r = c.patch(s.u(&loc)).header("content-range", "100000-199999").body(data[100_000..200_000].to_vec()).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::ACCEPTED);
+    // Final chunk with the PUT.
+    let r = c.put(s.u(&format!("{loc}?digest={d}"))).body(data[200_000..].to_vec()).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let back = c.get(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap().bytes().await.unwrap();
+    assert!(back == data);
+    // The session is gone.
+    assert_eq!(c.get(s.u(&loc)).send().await.unwrap().status(), StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn cancel_upload_then_unknown() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let loc = c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap().headers()["location"].to_str().unwrap().to_owned();
+    c.patch(s.u(&loc)).body("abc").send().await.unwrap();
+    assert_eq!(c.delete(s.u(&loc)).send().await.unwrap().status(), StatusCode::NO_CONTENT);
+    let r = c.get(s.u(&loc)).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    assert_eq!(code_of(&r.text().await.unwrap()), "BLOB_UPLOAD_UNKNOWN");
+    // Someone else's session id, bogus ids, and a session used via another repo.
+    let loc2 = c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap().headers()["location"].to_str().unwrap().to_owned();
+    let other = loc2.replace("/v2/r/", "/v2/q/");
+    assert_eq!(c.get(s.u(&other)).send().await.unwrap().status(), StatusCode::NOT_FOUND);
+    assert_eq!(c.get(s.u("/v2/r/blobs/uploads/..%2f..%2fetc")).send().await.unwrap().status(), StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn upload_session_survives_restart_and_resumes() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let data: Vec<u8> = (0..1_000_000u32).map(|i| (i * 7 % 256) as u8).collect();
+    let d = sha(&data);
+    let loc = c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap().headers()["location"].to_str().unwrap().to_owned();
+    c.patch(s.u(&loc)).header("content-range", "0-399999").body(data[..400_000].to_vec()).send().await.unwrap();
+    let dir = s.stop().await;
+    let s = TestServer::start_in(dir, Config::default()).await;
+    let r = c.get(s.u(&loc)).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::NO_CONTENT);
+    assert_eq!(r.headers()["range"], "0-399999");
+    c.patch(s.u(&loc)).header("content-range", "400000-999999").body(data[400_000..].to_vec()).send().await.unwrap();
+    let r = c.put(s.u(&format!("{loc}?digest={d}"))).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    assert!(c.get(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap().bytes().await.unwrap() == data);
+}
+
+#[tokio::test]
+async fn range_requests() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let data: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
+    let d = push_blob(&c, &s, "r", &data).await;
+    let url = s.u(&format!("/v2/r/blobs/{d}"));
+    let r = c.get(&url).header("range", "bytes=10-19").send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::PARTIAL_CONTENT);
+    assert_eq!(r.headers()["content-range"], "bytes 10-19/1000");
+    assert_eq!(r.bytes().await.unwrap(), &data[10..20]);
+    let r = c.get(&url).header("range", "bytes=990-").send().await.unwrap();
+    assert_eq!(r.headers()["content-range"], "bytes 990-999/1000");
+    assert_eq!(r.bytes().await.unwrap(), &data[990..]);
+    let r = c.get(&url).header("range", "bytes=-5").send().await.unwrap();
+    assert_eq!(r.bytes().await.unwrap(), &data[995..]);
+    let r = c.get(&url).header("range", "bytes=995-5000").send().await.unwrap();
+    assert_eq!(r.bytes().await.unwrap(), &data[995..]);
+    let r = c.get(&url).header("range", "bytes=1000-1001").send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::RANGE_NOT_SATISFIABLE);
+    assert_eq!(r.headers()["content-range"], "bytes */1000");
+}
+
+#[tokio::test]
+async fn manifests_by_tag_and_digest_with_accept_negotiation() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let md = sample_image(&c, &s, "img", "v1", "a").await;
+    for reference in ["v1".to_owned(), md.to_string()] {
+        let r = c.get(s.u(&format!("/v2/img/manifests/{reference}"))).header("accept", OCI_MANIFEST).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(r.headers()["content-type"], OCI_MANIFEST);
+        assert_eq!(r.headers()["docker-content-digest"], md.to_string().as_str());
+        let body = r.bytes().await.unwrap();
+        assert_eq!(sha(&body), md);
+        let r = c.head(s.u(&format!("/v2/img/manifests/{reference}"))).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(r.headers()["content-length"], body.len().to_string().as_str());
+    }
+    let r = c.get(s.u("/v2/img/manifests/v1")).header("accept", "application/vnd.docker.distribution.manifest.v2+json").send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::NOT_FOUND, "Accept without the stored type");
+    let r = c.get(s.u("/v2/img/manifests/v1")).header("accept", "application/vnd.docker.distribution.manifest.v2+json, */*;q=0.1").send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let r = c.get(s.u("/v2/img/manifests/nope")).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    assert_eq!(code_of(&r.text().await.unwrap()), "MANIFEST_UNKNOWN");
+    // Pushing by digest: the digest must match the body.
+    let m = json!({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [{"mediaType": OCI_MANIFEST, "digest": md.to_string(), "size": 1}]});
+    let body = serde_json::to_vec(&m).unwrap();
+    let r = push_manifest(&c, &s, "img", &sha(b"not it").to_string(), &m).await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let r = push_manifest(&c, &s, "img", &sha(&body).to_string(), &m).await;
+    assert_eq!(r.status(), StatusCode::CREATED, "index whose child is in the repo");
+}
+
+#[tokio::test]
+async fn manifest_referring_to_missing_blobs_is_refused() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let cd = push_blob(&c, &s, "r", b"{}").await;
+    let m = image_manifest(&cd, 2, &[(sha(b"never uploaded"), 14)]);
+    let r = push_manifest(&c, &s, "r", "t", &m).await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(code_of(&r.text().await.unwrap()), "MANIFEST_BLOB_UNKNOWN");
+    let r = c.put(s.u("/v2/r/manifests/t")).header("content-type", OCI_MANIFEST).body("{not json").send().await.unwrap();
+    assert_eq!(code_of(&r.text().await.unwrap()), "MANIFEST_INVALID");
+}
+
+#[tokio::test]
+async fn manifests_up_to_4_mib_accepted_beyond_413() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let cd = push_blob(&c, &s, "r", b"{}").await;
+    let mut m = image_manifest(&cd, 2, &[]);
+    let base = serde_json::to_vec(&m).unwrap().len();
+    let pad = |m: &mut serde_json::Value, n: usize| m["annotations"] = json!({ "pad": "x".repeat(n) });
+    pad(&mut m, 0);
+    let overhead = serde_json::to_vec(&m).unwrap().len() - base;
+    pad(&mut m, DEFAULT_MAX_MANIFEST - base - overhead);
+    assert_eq!(serde_json::to_vec(&m).unwrap().len(), DEFAULT_MAX_MANIFEST);
+    assert_eq!(push_manifest(&c, &s, "r", "big", &m).await.status(), StatusCode::CREATED);
+    pad(&mut m, DEFAULT_MAX_MANIFEST - base - overhead + 1);
+    assert_eq!(push_manifest(&c, &s, "r", "bigger", &m).await.status(), StatusCode::PAYLOAD_TOO_LARGE);
+}
+
+#[tokio::test]
+async fn tags_list_paginates() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let md = sample_image(&c, &s, "r", "a", "x").await;
+    let m = c.get(s.u(&format!("/v2/r/manifests/{md}"))).send().await.unwrap().bytes().await.unwrap();
+    for t in ["d", "c", "b", "e"] {
+        let r = c.put(s.u(&format!("/v2/r/manifests/{t}"))).header("content-type", OCI_MANIFEST).body(m.clone()).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::CREATED);
+    }
+    let v: serde_json::Value = c.get(s.u("/v2/r/tags/list")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v, json!({"name": "r", "tags": ["a", "b", "c", "d", "e"]}));
+    let r = c.get(s.u("/v2/r/tags/list?n=2")).send().await.unwrap();
+    assert_eq!(r.headers()["link"], "</v2/r/tags/list?n=2&last=b>; rel=\"next\"");
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["tags"], json!(["a", "b"]));
+    let v: serde_json::Value = c.get(s.u("/v2/r/tags/list?n=2&last=b")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["tags"], json!(["c", "d"]));
+    let v: serde_json::Value = c.get(s.u("/v2/r/tags/list?last=d")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["tags"], json!(["e"]));
+    let v: serde_json::Value = c.get(s.u("/v2/r/tags/list?n=0")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["tags"], json!([]));
+    let r = c.get(s.u("/v2/nothing/tags/list")).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    assert_eq!(code_of(&r.text().await.unwrap()), "NAME_UNKNOWN");
+}
+
+#[tokio::test]
+async fn referrers_api_with_subject_header_and_filter() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let subject = sample_image(&c, &s, "r", "v1", "subj").await;
+    let empty_cfg = push_blob(&c, &s, "r", b"{}").await;
+    let mut digests = Vec::new();
+    for (i, at) in ["application/vnd.example.sig", "application/vnd.example.sbom"].iter().enumerate() {
+        let m = json!({
+            "schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": at,
+            "config": {"mediaType": "application/vnd.oci.empty.v1+json", "digest": empty_cfg.to_string(), "size": 2},
+            "layers": [],
+            "subject": {"mediaType": OCI_MANIFEST, "digest": subject.to_string(), "size": 1},
+            "annotations": {"n": i.to_string()},
+        });
+        let r = push_manifest(&c, &s, "r", &sha(&serde_json::to_vec(&m).unwrap()).to_string(), &m).await;
+        assert_eq!(r.status(), StatusCode::CREATED);
+        assert_eq!(r.headers()["oci-subject"], subject.to_string().as_str());
+        digests.push(sha(&serde_json::to_vec(&m).unwrap()));
+    }
+    let r = c.get(s.u(&format!("/v2/r/referrers/{subject}"))).send().await.unwrap();
+    assert_eq!(r.headers()["content-type"], OCI_INDEX);
+    assert!(r.headers().get("oci-filters-applied").is_none());
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["manifests"].as_array().unwrap().len(), 2);
+    let r = c.get(s.u(&format!("/v2/r/referrers/{subject}?artifactType=application/vnd.example.sbom"))).send().await.unwrap();
+    assert_eq!(r.headers()["oci-filters-applied"], "artifactType");
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["manifests"].as_array().unwrap().len(), 1);
+    assert_eq!(v["manifests"][0]["artifactType"], "application/vnd.example.sbom");
+    assert_eq!(v["manifests"][0]["annotations"]["n"], "1");
+    // Deleting a referrer removes it from the list.
+    let r = c.delete(s.u(&format!("/v2/r/manifests/{}", digests[1]))).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::ACCEPTED);
+    let v: serde_json::Value = c.get(s.u(&format!("/v2/r/referrers/{subject}"))).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["manifests"].as_array().unwrap().len(), 1);
+    // Unknown subject: empty index, 200.
+    let v: serde_json::Value = c.get(s.u(&format!("/v2/r/referrers/{}", sha(b"none")))).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["manifests"], json!([]));
+    assert_eq!(c.get(s.u("/v2/r/referrers/sha256:zz")).send().await.unwrap().status(), StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn cross_repo_mount_with_and_without_from() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let d = push_blob(&c, &s, "src", b"shared layer").await;
+    let r = c.post(s.u(&format!("/v2/dst/blobs/uploads/?mount={d}&from=src"))).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    assert_eq!(r.headers()["location"], format!("/v2/dst/blobs/{d}").as_str());
+    assert_eq!(c.get(s.u(&format!("/v2/dst/blobs/{d}"))).send().await.unwrap().status(), StatusCode::OK);
+    let r = c.post(s.u(&format!("/v2/dst2/blobs/uploads/?mount={d}"))).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED, "mount without from: blob exists somewhere");
+    let r = c.post(s.u(&format!("/v2/dst3/blobs/uploads/?mount={}&from=src", sha(b"unknown")))).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::ACCEPTED, "unknown blob: a session starts instead");
+    assert!(r.headers()["location"].to_str().unwrap().starts_with("/v2/dst3/blobs/uploads/"));
+    let r = c.post(s.u(&format!("/v2/dst4/blobs/uploads/?mount={d}&from=elsewhere"))).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::ACCEPTED, "blob not in `from`");
+}
+
+#[tokio::test]
+async fn delete_manifest_tag_and_blob() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let md = sample_image(&c, &s, "r", "v1", "del").await;
+    let m = c.get(s.u("/v2/r/manifests/v1")).send().await.unwrap().bytes().await.unwrap();
+    c.put(s.u("/v2/r/manifests/v2")).header("content-type", OCI_MANIFEST).body(m).send().await.unwrap();
+    assert_eq!(c.delete(s.u("/v2/r/manifests/v2")).send().await.unwrap().status(), StatusCode::ACCEPTED);
+    assert_eq!(c.get(s.u("/v2/r/manifests/v2")).send().await.unwrap().status(), StatusCode::NOT_FOUND);
+    assert_eq!(c.get(s.u("/v2/r/manifests/v1")).send().await.unwrap().status(), StatusCode::OK);
+    assert_eq!(c.delete(s.u(&format!("/v2/r/manifests/{md}"))).send().await.unwrap().status(), StatusCode::ACCEPTED);
+    assert_eq!(c.get(s.u(&format!("/v2/r/manifests/{md}"))).send().await.unwrap().status(), StatusCode::NOT_FOUND);
+    assert_eq!(c.get(s.u("/v2/r/manifests/v1")).send().await.unwrap().status(), StatusCode::NOT_FOUND, "tags go with the manifest");
+    assert_eq!(c.delete(s.u(&format!("/v2/r/manifests/{md}"))).send().await.unwrap().status(), StatusCode::NOT_FOUND);
+    let d = push_blob(&c, &s, "r", b"to delete").await;
+    assert_eq!(c.delete(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap().status(), StatusCode::ACCEPTED);
+    assert_eq!(c.head(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap().status(), StatusCode::NOT_FOUND);
+    assert_eq!(c.delete(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap().status(), StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn bad_names_and_paths_are_refused() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    for p in ["/v2/UPPER/tags/list", "/v2/a..b/tags/list", "/v2/_uploads/tags/list", "/v2/a/%2e%2e%2fx/tags/list"] {
+        let r = c.get(s.u(p)).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST, "{p}");
+        assert_eq!(code_of(&r.text().await.unwrap()), "NAME_INVALID");
+    }
+    let r = c.get(s.u("/v2/a/manifests/..")).send().await.unwrap();
+    assert!(r.status().is_client_error());
+    assert_eq!(c.get(s.u("/v2/a/unknown-endpoint/x")).send().await.unwrap().status(), StatusCode::NOT_FOUND);
+    assert_eq!(c.put(s.u("/v2/a/tags/list")).send().await.unwrap().status(), StatusCode::METHOD_NOT_ALLOWED);
+    // Raw paths (an HTTP client would normalise these before sending).
+    for raw in ["/v2/a/../b/tags/list", "/v2/../../etc/manifests/x", "/v2//a/blobs/x", "/v2/a/./b/referrers/x"] {
+        assert_eq!(parse_route(raw).unwrap().unwrap_err().code, Code::NameInvalid, "{raw}");
+    }
+    assert_eq!(parse_route("/v2/a/b/blobs/uploads/").unwrap().unwrap(), Route::UploadStart(RepoName::parse("a/b").unwrap()));
+    assert_eq!(parse_route("/v2/blobs/blobs/x").unwrap().unwrap(), Route::Blob(RepoName::parse("blobs").unwrap(), "x".into()));
+}
+
+#[tokio::test]
+async fn metrics_count_requests_bytes_and_storage() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let d = push_blob(&c, &s, "r", b"0123456789").await;
+    c.get(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap().bytes().await.unwrap();
+    c.get(s.u("/v2/r/blobs/sha256:0000000000000000000000000000000000000000000000000000000000000000")).send().await.unwrap();
+    let t = c.get(s.u("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(t.contains("snapctl_http_requests_total{method=\"POST\",status=\"201\"} 1"), "{t}");
+    assert!(t.contains("snapctl_http_errors_total{code=\"BLOB_UNKNOWN\"} 1"), "{t}");
+    assert!(t.contains("snapctl_http_request_bytes_total 10"), "{t}");
+    assert!(t.contains("snapctl_http_response_bytes_total 10"), "{t}");
+    assert!(t.contains("snapctl_storage_seconds_count{op=\"put_file\"} 1"), "{t}");
+    assert!(t.contains("snapctl_uploads_completed_total 1"), "{t}");
+}
+
+mod auth {
+    use super::*;
+    use base64::Engine as _;
+
+    fn cfg(acl: Option<&str>, anon: bool) -> Config {
+        let h = bcrypt::hash("pw", 4).unwrap();
+        let a = Auth::new(&format!("alice:{h}\nbob:{h}\n"), acl, anon, vec![9; 32]).unwrap();
+        Config { auth: Some(a), ..Config::default() }
+    }
+
+    const ACL: &str = r#"
+        [[rule]]
+        users = ["alice"]
+        repos = ["*"]
+        actions = ["pull", "push", "delete"]
+        [[rule]]
+        users = ["bob"]
+        repos = ["bob/*"]
+        actions = ["pull", "push"]
+        [[rule]]
+        users = ["anonymous"]
+        repos = ["public"]
+        actions = ["pull"]
+    "#;
+
+    async fn token(c: &Client, s: &TestServer, user: Option<&str>, scope: &str) -> String {
+        let mut rq = c.get(s.u(&format!("/token?service=snapctl&scope={scope}")));
+        if let Some(u) = user {
+            rq = rq.basic_auth(u, Some("pw"));
+        }
+        let r = rq.send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        let v: serde_json::Value = r.json().await.unwrap();
+        v["token"].as_str().unwrap().to_owned()
+    }
+
+    #[tokio::test]
+    async fn anonymous_gets_bearer_challenge() {
+        let s = TestServer::start(cfg(Some(ACL), false)).await;
+        let r = reqwest::get(s.u("/v2/")).await.unwrap();
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+        let ch = r.headers()["www-authenticate"].to_str().unwrap().to_owned();
+        assert!(ch.starts_with(&format!("Bearer realm=\"{}/token\",service=\"snapctl\"", s.url)), "{ch}");
+        let r = reqwest::get(s.u("/v2/private/tags/list")).await.unwrap();
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+        assert!(r.headers()["www-authenticate"].to_str().unwrap().contains("scope=\"repository:private:pull\""));
+        // Anonymous read of a public repository is allowed by the ACL.
+        let r = reqwest::get(s.u("/v2/public/tags/list")).await.unwrap();
+        assert_eq!(r.status(), StatusCode::NOT_FOUND, "allowed (the repo just does not exist)");
+    }
+
+    #[tokio::test]
+    async fn token_flow_grants_only_acl_rights() {
+        let s = TestServer::start(cfg(Some(ACL), false)).await;
+        let c = Client::new();
+        let t = token(&c, &s, Some("bob"), "repository:bob/x:pull,push").await;
+        let data = b"bob's blob";
+        let d = sha(data);
+        let r = c.post(s.u(&format!("/v2/bob/x/blobs/uploads/?digest={d}"))).bearer_auth(&t).body(data.to_vec()).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::CREATED);
+        // Push outside bob/*: the token does not carry it.
+        let t2 = token(&c, &s, Some("bob"), "repository:alice/x:pull,push").await;
+        let r = c.post(s.u("/v2/alice/x/blobs/uploads/")).bearer_auth(&t2).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+        assert!(r.headers()["www-authenticate"].to_str().unwrap().contains("insufficient_scope"));
+        // With Basic directly: 403.
+        let r = c.post(s.u("/v2/alice/x/blobs/uploads/")).basic_auth("bob", Some("pw")).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::FORBIDDEN);
+        assert_eq!(code_of(&r.text().await.unwrap()), "DENIED");
+        // Wrong password: 401 at the token endpoint and on the API.
+        let r = c.get(s.u("/token?scope=repository:bob/x:pull")).basic_auth("bob", Some("nope")).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+        let r = c.get(s.u("/v2/")).basic_auth("bob", Some("nope")).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+        // A forged token is refused.
+        let r = c.get(s.u("/v2/")).bearer_auth(format!("{t}x")).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+        let basic = base64::engine::general_purpose::STANDARD.encode("alice:pw");
+        let r = c.get(s.u("/v2/")).header("authorization", format!("Basic {basic}")).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn mount_from_unreadable_repo_falls_back_to_upload() {
+        let s = TestServer::start(cfg(Some(ACL), false)).await;
+        let c = Client::new();
+        let data = b"alice's secret layer";
+        let d = sha(data);
+        let r = c.post(s.u(&format!("/v2/alice/private/blobs/uploads/?digest={d}"))).basic_auth("alice", Some("pw")).body(data.to_vec()).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::CREATED);
+        for q in [format!("mount={d}&from=alice/private"), format!("mount={d}")] {
+            let r = c.post(s.u(&format!("/v2/bob/steal/blobs/uploads/?{q}"))).basic_auth("bob", Some("pw")).send().await.unwrap();
+            assert_eq!(r.status(), StatusCode::ACCEPTED, "{q}: must not mount");
+        }
+        let r = c.head(s.u(&format!("/v2/bob/steal/blobs/{d}"))).basic_auth("bob", Some("pw")).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::NOT_FOUND);
+        // alice may mount within her rights.
+        let r = c.post(s.u(&format!("/v2/alice/copy/blobs/uploads/?mount={d}&from=alice/private"))).basic_auth("alice", Some("pw")).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::CREATED);
+    }
+
+    #[tokio::test]
+    async fn anonymous_read_flag() {
+        let s = TestServer::start(cfg(None, true)).await;
+        let c = Client::new();
+        let d = sha(b"x");
+        let r = c.post(s.u(&format!("/v2/r/blobs/uploads/?digest={d}"))).body("x").send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED, "anonymous push refused");
+        let r = c.post(s.u(&format!("/v2/r/blobs/uploads/?digest={d}"))).basic_auth("bob", Some("pw")).body("x").send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::CREATED);
+        let r = c.get(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK, "anonymous pull allowed");
+        let t = token(&c, &s, None, "repository:r:pull,push").await;
+        let r = c.get(s.u(&format!("/v2/r/blobs/{d}"))).bearer_auth(&t).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        let r = c.post(s.u("/v2/r/blobs/uploads/")).bearer_auth(&t).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED, "anonymous token carries no push");
+    }
+}
+
+mod gc {
+    use super::*;
+    use crate::gc::{run, GcOptions};
+
+    #[tokio::test]
+    async fn sweeps_unreferenced_keeps_reachable_and_young() {
+        let s = TestServer::start(Config::default()).await;
+        let c = Client::new();
+        let md = sample_image(&c, &s, "r", "v1", "keep").await;
+        let orphan = push_blob(&c, &s, "r", b"orphan blob").await;
+        // A referrer whose own blob is only reachable via its manifest.
+        let sig = push_blob(&c, &s, "r", b"signature").await;
+        let m = json!({"schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": "application/x-sig",
+            "config": {"mediaType": "application/vnd.oci.empty.v1+json", "digest": sig.to_string(), "size": 9},
+            "layers": [], "subject": {"mediaType": OCI_MANIFEST, "digest": md.to_string(), "size": 1}});
+        assert_eq!(push_manifest(&c, &s, "r", &sha(&serde_json::to_vec(&m).unwrap()).to_string(), &m).await.status(), StatusCode::CREATED);
+        let store = FsStore::open(s.dir.path()).unwrap();
+        // Fresh blobs are within the grace period.
+        let rep = run(&store, &GcOptions::default()).await.unwrap();
+        assert_eq!((rep.swept, rep.kept_young), (0, 1));
+        let now = GcOptions { grace: std::time::Duration::ZERO, ..GcOptions::default() };
+        let dry = run(&store, &GcOptions { dry_run: true, ..now.clone() }).await.unwrap();
+        assert_eq!(dry.swept, 1);
+        assert!(s.dir.path().join(layout::blob(&orphan)).exists(), "dry run deletes nothing");
+        let rep = run(&store, &now).await.unwrap();
+        assert_eq!((rep.swept, rep.links_removed, rep.manifests), (1, 1, 2), "{rep:?}");
+        assert!(!s.dir.path().join(layout::blob(&orphan)).exists());
+        assert_eq!(c.head(s.u(&format!("/v2/r/blobs/{orphan}"))).send().await.unwrap().status(), StatusCode::NOT_FOUND);
+        assert_eq!(c.head(s.u(&format!("/v2/r/blobs/{sig}"))).send().await.unwrap().status(), StatusCode::OK);
+        let r = c.get(s.u("/v2/r/manifests/v1")).send().await.unwrap();
+        let man: serde_json::Value = r.json().await.unwrap();
+        for l in man["layers"].as_array().unwrap().iter().chain([&man["config"]]) {
+            let r = c.get(s.u(&format!("/v2/r/blobs/{}", l["digest"].as_str().unwrap()))).send().await.unwrap();
+            assert_eq!(r.status(), StatusCode::OK);
+        }
+        // A referrer keeps its subject alive: deleting the image alone frees nothing.
+        c.delete(s.u(&format!("/v2/r/manifests/{md}"))).send().await.unwrap();
+        let rep = run(&store, &now).await.unwrap();
+        assert_eq!(rep.swept, 0, "{rep:?}");
+        // Delete the referrer too: all five blobs go; an old upload session goes too.
+        let rd = sha(&serde_json::to_vec(&m).unwrap());
+        c.delete(s.u(&format!("/v2/r/manifests/{rd}"))).send().await.unwrap();
+        c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap();
+        let rep = run(&store, &GcOptions { upload_ttl: std::time::Duration::ZERO, ..now }).await.unwrap();
+        assert_eq!((rep.swept, rep.uploads_removed), (5, 1), "{rep:?}");
+    }
+}

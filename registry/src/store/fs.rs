@@ -1,0 +1,251 @@
+//! [`FsStore`]: objects as files under a root directory.
+//!
+//! Durability: every write goes to `ROOT/_tmp/`, is `fsync`ed, renamed into place, and
+//! the destination directory is `fsync`ed. A crash at any moment leaves either the old
+//! object or the complete new one; leftovers in `_tmp/` are removed on open.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::io::{AsyncReadExt, AsyncSeekExt};
+
+use super::{check_key, BlobStore, ByteStream, ObjectMeta, Result, StoreError};
+
+/// Directory (under the root) for staged and in-flight temp files.
+const TMP_DIR: &str = "_tmp";
+/// Read buffer for streaming objects out.
+const READ_BUF: usize = 256 * 1024;
+
+/// A blob store on a local directory.
+#[derive(Debug, Clone)]
+pub struct FsStore {
+    root: PathBuf,
+    tmp: PathBuf,
+}
+
+impl FsStore {
+    /// Open (creating if needed) a store at `root`, clearing stale temp files.
+    pub fn open(root: &Path) -> Result<FsStore> {
+        let tmp = root.join(TMP_DIR);
+        if tmp.exists() {
+            // Temp files belong to writes that never committed (crash or kill -9).
+            std::fs::remove_dir_all(&tmp).map_err(|e| StoreError::io(tmp.display().to_string(), e))?;
+        }
+        std::fs::create_dir_all(&tmp).map_err(|e| StoreError::io(tmp.display().to_string(), e))?;
+        let root = root.canonicalize().map_err(|e| StoreError::io(root.display().to_string(), e))?;
+        Ok(FsStore { tmp: root.join(TMP_DIR), root })
+    }
+
+    /// The root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn path(&self, key: &str) -> Result<PathBuf> {
+        check_key(key)?;
+        if key == TMP_DIR || key.starts_with("_tmp/") {
+            return Err(StoreError::InvalidKey(key.to_owned()));
+        }
+        Ok(self.root.join(key))
+    }
+
+    fn temp_path(&self) -> PathBuf {
+        let n: u64 = rand::random();
+        self.tmp.join(format!("w-{n:016x}"))
+    }
+}
+
+fn meta_of(key: &str, m: &std::fs::Metadata) -> ObjectMeta {
+    ObjectMeta { key: key.to_owned(), size: m.len(), modified: m.modified().unwrap_or(SystemTime::UNIX_EPOCH) }
+}
+
+/// rename `from` -> `to`, creating `to`'s parent and fsyncing it (blocking).
+fn commit_rename(from: &Path, to: &Path) -> std::io::Result<()> {
+    let parent = to.parent().expect("object paths have a parent");
+    std::fs::create_dir_all(parent)?;
+    std::fs::rename(from, to)?;
+    std::fs::File::open(parent)?.sync_all()
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| StoreError::Backend(format!("blocking task failed: {e}")))?
+}
+
+#[async_trait::async_trait]
+impl BlobStore for FsStore {
+    async fn head(&self, key: &str) -> Result<ObjectMeta> {
+        let p = self.path(key)?;
+        let m = tokio::fs::metadata(&p).await.map_err(|e| StoreError::io(key, e))?;
+        if !m.is_file() {
+            return Err(StoreError::NotFound(key.to_owned()));
+        }
+        Ok(meta_of(key, &m))
+    }
+
+    async fn get(&self, key: &str, range: Option<Range<u64>>) -> Result<(ObjectMeta, ByteStream)> {
+        let p = self.path(key)?;
+        let mut f = tokio::fs::File::open(&p).await.map_err(|e| StoreError::io(key, e))?;
+        let m = f.metadata().await.map_err(|e| StoreError::io(key, e))?;
+        if !m.is_file() {
+            return Err(StoreError::NotFound(key.to_owned()));
+        }
+        let meta = meta_of(key, &m);
+        let range = range.unwrap_or(0..meta.size);
+        if range.start > range.end || range.end > meta.size {
+            return Err(StoreError::Precondition { key: key.to_owned(), reason: format!("range {range:?} outside size {}", meta.size) });
+        }
+        f.seek(std::io::SeekFrom::Start(range.start)).await.map_err(|e| StoreError::io(key, e))?;
+        let owned = key.to_owned();
+        let s = tokio_util::io::ReaderStream::with_capacity(f.take(range.end - range.start), READ_BUF)
+            .map(move |r| r.map_err(|e| StoreError::io(owned.clone(), e)));
+        Ok((meta, s.boxed()))
+    }
+
+    async fn put(&self, key: &str, data: Bytes) -> Result<()> {
+        let dst = self.path(key)?;
+        let tmp = self.temp_path();
+        let k = key.to_owned();
+        blocking(move || {
+            let r = (|| {
+                use std::io::Write;
+                let mut f = std::fs::File::create(&tmp)?;
+                f.write_all(&data)?;
+                f.sync_all()?;
+                commit_rename(&tmp, &dst)
+            })();
+            if r.is_err() {
+                let _ = std::fs::remove_file(&tmp);
+            }
+            r.map_err(|e| StoreError::io(k, e))
+        })
+        .await
+    }
+
+    async fn put_file(&self, key: &str, file: &Path) -> Result<()> {
+        let dst = self.path(key)?;
+        let src = file.to_path_buf();
+        if src.parent() != Some(self.tmp.as_path()) {
+            return Err(StoreError::Precondition { key: key.to_owned(), reason: format!("{} is not in the staging dir", src.display()) });
+        }
+        let k = key.to_owned();
+        blocking(move || {
+            let r = (|| {
+                std::fs::OpenOptions::new().write(true).open(&src)?.sync_all()?;
+                commit_rename(&src, &dst)
+            })();
+            r.map_err(|e| StoreError::io(k, e))
+        })
+        .await
+    }
+
+    async fn copy(&self, from: &str, to: &str) -> Result<()> {
+        let src = self.path(from)?;
+        let dst = self.path(to)?;
+        let tmp = self.temp_path();
+        let k = from.to_owned();
+        blocking(move || {
+            let r = (|| {
+                std::fs::copy(&src, &tmp)?;
+                std::fs::OpenOptions::new().write(true).open(&tmp)?.sync_all()?;
+                commit_rename(&tmp, &dst)
+            })();
+            if r.is_err() {
+                let _ = std::fs::remove_file(&tmp);
+            }
+            r.map_err(|e| StoreError::io(k, e))
+        })
+        .await
+    }
+
+    async fn rename(&self, from: &str, to: &str) -> Result<()> {
+        let src = self.path(from)?;
+        let dst = self.path(to)?;
+        let k = from.to_owned();
+        blocking(move || commit_rename(&src, &dst).map_err(|e| StoreError::io(k, e))).await
+    }
+
+    async fn delete(&self, key: &str) -> Result<()> {
+        let p = self.path(key)?;
+        match tokio::fs::remove_file(&p).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(StoreError::io(key, e)),
+        }
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
+        let dir_key = prefix.trim_end_matches('/');
+        let dir = self.path(dir_key)?;
+        let dir_key = dir_key.to_owned();
+        blocking(move || {
+            let mut out = Vec::new();
+            let mut stack = vec![(dir, dir_key)];
+            while let Some((d, k)) = stack.pop() {
+                let rd = match std::fs::read_dir(&d) {
+                    Ok(rd) => rd,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(StoreError::io(k, e)),
+                };
+                for ent in rd {
+                    let ent = ent.map_err(|e| StoreError::io(k.clone(), e))?;
+                    let name = ent.file_name().to_string_lossy().into_owned();
+                    let key = format!("{k}/{name}");
+                    if key == TMP_DIR {
+                        continue;
+                    }
+                    let m = match ent.metadata() {
+                        Ok(m) => m,
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                        Err(e) => return Err(StoreError::io(key, e)),
+                    };
+                    if m.is_dir() {
+                        stack.push((ent.path(), key));
+                    } else if m.is_file() {
+                        out.push(meta_of(&key, &m));
+                    }
+                }
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    fn staging_dir(&self) -> &Path {
+        &self.tmp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn fs_store_conformance() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FsStore::open(dir.path()).unwrap();
+        super::super::conformance::all(&store).await;
+    }
+
+    #[tokio::test]
+    async fn open_clears_stale_temp_files_but_keeps_objects() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FsStore::open(dir.path()).unwrap();
+        store.put("a/b", Bytes::from_static(b"kept")).await.unwrap();
+        std::fs::write(store.staging_dir().join("w-partial"), b"half a blob").unwrap();
+        let store = FsStore::open(dir.path()).unwrap();
+        assert_eq!(std::fs::read_dir(store.staging_dir()).unwrap().count(), 0);
+        assert_eq!(&store.get_bytes("a/b").await.unwrap()[..], b"kept");
+    }
+
+    #[tokio::test]
+    async fn refuses_escaping_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FsStore::open(dir.path()).unwrap();
+        for k in ["../x", "/etc/passwd", "a/../../b", "_tmp/x", "a//b", ""] {
+            assert!(matches!(store.put(k, Bytes::new()).await, Err(StoreError::InvalidKey(_))), "{k:?}");
+        }
+    }
+}

@@ -1,0 +1,360 @@
+//! Upload sessions, persisted in the store so they survive a restart (or land on
+//! another replica) and can be resumed.
+//!
+//! A session is `_uploads/<id>/state.json` plus committed chunks
+//! `_uploads/<id>/parts/<offset>`. Each PATCH streams its body into a staging file
+//! (hashing as it goes, off the reactor), then commits it as one part with an atomic
+//! `put_file`: a crash mid-chunk loses only that chunk, and the session's offset is
+//! always the sum of committed parts. The running SHA-256 state is cached in memory per
+//! session; after a restart (or on another replica) it is recomputed from the parts.
+//! A blob becomes visible (`blobs/...`) only after its digest was checked.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::http::{header, StatusCode};
+use bytes::Bytes;
+use futures::{Stream, StreamExt, TryStreamExt};
+
+use crate::digest::{Algorithm, Digest, Hasher};
+use crate::error::{ApiError, Code};
+use crate::layout;
+use crate::name::RepoName;
+use crate::store::{BlobStore, StoreError};
+
+/// What `state.json` holds.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct UploadState {
+    /// Repository the upload belongs to.
+    pub repo: String,
+    /// Unix seconds when the session started.
+    pub started: u64,
+}
+
+/// The cached hash of a session's first `offset` bytes.
+#[derive(Debug, Clone)]
+struct HashAt {
+    offset: u64,
+    hasher: Hasher,
+}
+
+/// Upload sessions over a store.
+#[derive(Debug)]
+pub struct Uploads {
+    store: Arc<dyn BlobStore>,
+    /// Per-session lock + cached hash state. Entries are dropped when a session ends.
+    sessions: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Option<HashAt>>>>>,
+}
+
+/// Whether `id` looks like one of our session ids (32 lowercase hex).
+pub fn valid_id(id: &str) -> bool {
+    id.len() == 32 && id.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn io_err(e: std::io::Error) -> ApiError {
+    ApiError::internal(format!("staging file: {e}"))
+}
+
+/// Stream `body` into a new file at `dest`, feeding `hasher` (if any) on a blocking
+/// thread. At most `limit` bytes are accepted. Returns bytes written and the hasher.
+/// On error the file is removed.
+pub async fn stream_to_file<S, E>(
+    body: S,
+    dest: &Path,
+    mut hasher: Option<Hasher>,
+    limit: Option<u64>,
+) -> Result<(u64, Option<Hasher>), ApiError>
+where
+    S: Stream<Item = Result<Bytes, E>> + Send,
+    E: std::fmt::Display,
+{
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(8);
+    let path = dest.to_path_buf();
+    let writer = tokio::task::spawn_blocking(move || -> std::io::Result<(u64, Option<Hasher>)> {
+        use std::io::Write;
+        let f = std::fs::File::create(&path)?;
+        let mut w = std::io::BufWriter::with_capacity(1024 * 1024, f);
+        let mut n = 0u64;
+        while let Some(chunk) = rx.blocking_recv() {
+            if let Some(h) = hasher.as_mut() {
+                h.update(&chunk);
+            }
+            w.write_all(&chunk)?;
+            n += chunk.len() as u64;
+        }
+        w.flush()?;
+        Ok((n, hasher))
+    });
+    let mut body = std::pin::pin!(body);
+    let mut seen = 0u64;
+    let mut failure = None;
+    while let Some(chunk) = body.next().await {
+        match chunk {
+            Ok(c) => {
+                seen += c.len() as u64;
+                if limit.is_some_and(|l| seen > l) {
+                    failure = Some(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, Code::SizeInvalid, "body too large"));
+                    break;
+                }
+                if tx.send(c).await.is_err() {
+                    break; // writer failed; its error is reported below
+                }
+            }
+            Err(e) => {
+                failure = Some(ApiError::bad(Code::BlobUploadInvalid, format!("reading request body: {e}")));
+                break;
+            }
+        }
+    }
+    drop(tx);
+    let res = writer.await.map_err(|e| ApiError::internal(format!("writer task: {e}")))?;
+    let res = match (failure, res) {
+        (Some(f), _) => Err(f),
+        (None, Err(e)) => Err(io_err(e)),
+        (None, Ok(v)) => Ok(v),
+    };
+    if res.is_err() {
+        let _ = tokio::fs::remove_file(dest).await;
+    }
+    res
+}
+
+/// A fresh staging path in the store's staging dir.
+pub fn staging_path(store: &dyn BlobStore, what: &str) -> PathBuf {
+    let n: u64 = rand::random();
+    store.staging_dir().join(format!("{what}-{n:016x}"))
+}
+
+impl Uploads {
+    /// Sessions over `store`.
+    pub fn new(store: Arc<dyn BlobStore>) -> Uploads {
+        Uploads { store, sessions: Mutex::new(HashMap::new()) }
+    }
+
+    fn lock_of(&self, id: &str) -> Arc<tokio::sync::Mutex<Option<HashAt>>> {
+        let mut m = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        m.entry(id.to_owned()).or_default().clone()
+    }
+
+    fn forget(&self, id: &str) {
+        self.sessions.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
+    }
+
+    /// Start a session for `repo`; returns its id.
+    pub async fn start(&self, repo: &RepoName) -> Result<String, ApiError> {
+        let id = format!("{:032x}", rand::random::<u128>());
+        let st = UploadState { repo: repo.to_string(), started: unix_now() };
+        let body = serde_json::to_vec(&st).expect("state serializes");
+        self.store.put(&layout::upload_state(&id), body.into()).await?;
+        Ok(id)
+    }
+
+    async fn check(&self, repo: &RepoName, id: &str) -> Result<(), ApiError> {
+        let unknown = || ApiError::not_found(Code::BlobUploadUnknown, format!("upload {id} unknown"));
+        if !valid_id(id) {
+            return Err(unknown());
+        }
+        let raw = match self.store.get_bytes(&layout::upload_state(id)).await {
+            Ok(b) => b,
+            Err(e) if e.is_not_found() => return Err(unknown()),
+            Err(e) => return Err(e.into()),
+        };
+        let st: UploadState =
+            serde_json::from_slice(&raw).map_err(|e| ApiError::internal(format!("upload {id}: bad state: {e}")))?;
+        if st.repo != repo.as_str() {
+            return Err(unknown());
+        }
+        Ok(())
+    }
+
+    /// Committed parts in order as (offset, size, key); stops at the first gap.
+    async fn parts(&self, id: &str) -> Result<Vec<(u64, u64, String)>, ApiError> {
+        let mut v: Vec<(u64, u64, String)> = self
+            .store
+            .list(&layout::upload_parts(id))
+            .await?
+            .into_iter()
+            .filter_map(|m| {
+                let off: u64 = m.key.rsplit('/').next()?.parse().ok()?;
+                Some((off, m.size, m.key))
+            })
+            .collect();
+        v.sort();
+        let mut end = 0;
+        let mut out = Vec::new();
+        for p in v {
+            if p.0 != end {
+                break;
+            }
+            end += p.1;
+            out.push(p);
+        }
+        Ok(out)
+    }
+
+    fn end_of(parts: &[(u64, u64, String)]) -> u64 {
+        parts.last().map(|p| p.0 + p.1).unwrap_or(0)
+    }
+
+    /// Bytes committed so far in session `id` of `repo`.
+    pub async fn status(&self, repo: &RepoName, id: &str) -> Result<u64, ApiError> {
+        self.check(repo, id).await?;
+        Ok(Self::end_of(&self.parts(id).await?))
+    }
+
+    /// Hash of the committed parts, recomputed by reading them back.
+    async fn rehash(&self, parts: &[(u64, u64, String)], alg: Algorithm) -> Result<Hasher, ApiError> {
+        let mut h = alg.hasher();
+        for (_, _, key) in parts {
+            let (_, mut s) = self.store.get(key, None).await?;
+            while let Some(c) = s.try_next().await? {
+                // Chunks are at most a few hundred KiB: hashing them inline is short.
+                h.update(&c);
+            }
+        }
+        Ok(h)
+    }
+
+    /// Append `body` to session `id`. `start` is the first byte's offset from
+    /// `Content-Range`, if the client sent one: it must equal the committed size (else
+    /// 416). Returns the new size.
+    pub async fn append<S, E>(&self, repo: &RepoName, id: &str, start: Option<u64>, body: S) -> Result<u64, ApiError>
+    where
+        S: Stream<Item = Result<Bytes, E>> + Send,
+        E: std::fmt::Display,
+    {
+        self.check(repo, id).await?;
+        let lock = self.lock_of(id);
+        let mut cached = lock.lock().await;
+        let parts = self.parts(id).await?;
+        let offset = Self::end_of(&parts);
+        if let Some(s) = start {
+            if s != offset {
+                return Err(ApiError::new(
+                    StatusCode::RANGE_NOT_SATISFIABLE,
+                    Code::BlobUploadInvalid,
+                    format!("chunk starts at {s}, upload has {offset} bytes"),
+                )
+                .with_header(header::RANGE, range_header(offset))
+                .with_header(header::LOCATION, upload_location(repo, id)));
+            }
+        }
+        let hasher = match cached.take() {
+            Some(h) if h.offset == offset => h.hasher,
+            _ => self.rehash(&parts, Algorithm::Sha256).await?,
+        };
+        let tmp = staging_path(self.store.as_ref(), "part");
+        let res = stream_to_file(body, &tmp, Some(hasher.clone()), None).await;
+        let (n, new_hasher) = match res {
+            Ok(v) => v,
+            Err(e) => {
+                *cached = Some(HashAt { offset, hasher });
+                return Err(e);
+            }
+        };
+        if n == 0 {
+            let _ = tokio::fs::remove_file(&tmp).await;
+            *cached = Some(HashAt { offset, hasher });
+            return Ok(offset);
+        }
+        if let Err(e) = self.store.put_file(&layout::upload_part(id, offset), &tmp).await {
+            let _ = tokio::fs::remove_file(&tmp).await;
+            *cached = Some(HashAt { offset, hasher });
+            return Err(e.into());
+        }
+        *cached = Some(HashAt { offset: offset + n, hasher: new_hasher.expect("hasher returned") });
+        Ok(offset + n)
+    }
+
+    /// Finish session `id`: append `body` (if non-empty), check the whole content against
+    /// `digest`, make the blob visible and link it into `repo`. A wrong digest ends the
+    /// session and is `DIGEST_INVALID`.
+    pub async fn finish<S, E>(&self, repo: &RepoName, id: &str, digest: &Digest, body: S) -> Result<(), ApiError>
+    where
+        S: Stream<Item = Result<Bytes, E>> + Send,
+        E: std::fmt::Display,
+    {
+        self.append(repo, id, None, body).await?;
+        let lock = self.lock_of(id);
+        let mut cached = lock.lock().await;
+        let parts = self.parts(id).await?;
+        let total = Self::end_of(&parts);
+        let hasher = match cached.take() {
+            Some(h) if h.offset == total && h.hasher.algorithm() == digest.algorithm() => h.hasher,
+            _ => self.rehash(&parts, digest.algorithm()).await?,
+        };
+        let got = hasher.finish();
+        if &got != digest {
+            drop(cached);
+            self.cancel_unchecked(id).await?;
+            return Err(ApiError::bad(Code::DigestInvalid, format!("content is {got}, not {digest}")));
+        }
+        let bkey = layout::blob(digest);
+        let exists = match self.store.head(&bkey).await {
+            Ok(_) => true,
+            Err(e) if e.is_not_found() => false,
+            Err(e) => return Err(e.into()),
+        };
+        if !exists {
+            match parts.as_slice() {
+                [] => self.store.put(&bkey, Bytes::new()).await?,
+                [(_, _, key)] => self.store.rename(key, &bkey).await?,
+                many => {
+                    let tmp = staging_path(self.store.as_ref(), "concat");
+                    let stores = self.store.clone();
+                    let keys: Vec<String> = many.iter().map(|p| p.2.clone()).collect();
+                    let s: crate::store::ByteStream = futures::stream::iter(keys)
+                        .then(move |k| {
+                            let st = stores.clone();
+                            async move { st.get(&k, None).await.map(|(_, s)| s) }
+                        })
+                        .try_flatten()
+                        .boxed();
+                    stream_to_file(s, &tmp, None, None).await?;
+                    self.store.put_file(&bkey, &tmp).await?;
+                }
+            }
+        }
+        self.store.put(&layout::layer_link(repo, digest), Bytes::new()).await?;
+        drop(cached);
+        self.cancel_unchecked(id).await?;
+        Ok(())
+    }
+
+    /// Cancel session `id` of `repo`.
+    pub async fn cancel(&self, repo: &RepoName, id: &str) -> Result<(), ApiError> {
+        self.check(repo, id).await?;
+        self.cancel_unchecked(id).await
+    }
+
+    async fn cancel_unchecked(&self, id: &str) -> Result<(), ApiError> {
+        // State first: once it is gone the session is gone, whatever parts remain (gc
+        // removes orphaned parts).
+        self.store.delete(&layout::upload_state(id)).await?;
+        for m in self.store.list(&format!("{}{id}/", layout::UPLOADS)).await? {
+            match self.store.delete(&m.key).await {
+                Ok(()) | Err(StoreError::NotFound(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.forget(id);
+        Ok(())
+    }
+}
+
+/// `Range` header value for `size` committed bytes (`0-<size-1>`; `0-0` when empty, as
+/// docker/distribution does).
+pub fn range_header(size: u64) -> String {
+    format!("0-{}", size.saturating_sub(1))
+}
+
+/// The upload URL of session `id`.
+pub fn upload_location(repo: &RepoName, id: &str) -> String {
+    format!("/v2/{repo}/blobs/uploads/{id}")
+}
