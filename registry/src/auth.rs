@@ -352,6 +352,12 @@ impl Auth {
     }
 }
 
+/// A fresh random token secret (32 bytes). Replicas behind one load balancer need a
+/// shared secret instead (`--token-secret-file`).
+pub fn random_secret() -> Vec<u8> {
+    rand::random::<[u8; 32]>().to_vec()
+}
+
 /// Decode the base64 part of a Basic header into (user, password).
 pub fn basic_credentials(b64: &str) -> Option<(String, String)> {
     let raw = STANDARD.decode(b64.trim()).ok()?;

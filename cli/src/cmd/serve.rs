@@ -1,8 +1,16 @@
 //! `snapctl serve`: run the OCI registry (owned by the registry work; see registry/).
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context as _;
+
 /// Run an OCI Distribution registry that stores snapshots content-addressed.
+///
+/// Storage is a directory (default) or s3://BUCKET/PREFIX (configured from AWS_* env:
+/// AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ALLOW_HTTP).
+/// Logs go to stderr (filter with SNAPCTL_LOG, e.g. `SNAPCTL_LOG=debug`). SIGTERM or
+/// SIGINT stops accepting connections and finishes in-flight requests.
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
     /// Where blobs and manifests live: a directory, or s3://BUCKET/PREFIX.
@@ -11,8 +19,101 @@ pub struct ServeArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:5000")]
     pub listen: String,
+    /// Local directory for staging uploads when storage is remote (default: system temp dir).
+    #[arg(long)]
+    pub staging_dir: Option<PathBuf>,
+    /// htpasswd file with bcrypt hashes (`htpasswd -B`); enables authentication.
+    #[arg(long)]
+    pub htpasswd: Option<PathBuf>,
+    /// ACL file (TOML, see spec/registry.md); without it, every user may pull and push.
+    #[arg(long, requires = "htpasswd")]
+    pub acl: Option<PathBuf>,
+    /// Let anonymous clients pull every repository (with --htpasswd).
+    #[arg(long, requires = "htpasswd")]
+    pub anonymous_read: bool,
+    /// File holding the token signing secret (>= 32 bytes); share it between replicas.
+    /// Default: a random secret per process.
+    #[arg(long, requires = "htpasswd")]
+    pub token_secret_file: Option<PathBuf>,
+    /// Token realm URL for the WWW-Authenticate challenge (default: this server's /token).
+    #[arg(long, requires = "htpasswd")]
+    pub token_realm: Option<String>,
+    /// TLS certificate chain (PEM).
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Largest manifest accepted, in bytes (larger: 413).
+    #[arg(long, default_value_t = registry::server::DEFAULT_MAX_MANIFEST)]
+    pub max_manifest_bytes: usize,
 }
 
-pub fn run(_args: ServeArgs) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("snapctl serve is not built yet")
+pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SNAPCTL_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,registry=info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false).try_init();
+
+    let auth = match &args.htpasswd {
+        None => None,
+        Some(h) => {
+            let users = std::fs::read_to_string(h).with_context(|| format!("reading {}", h.display()))?;
+            let acl = match &args.acl {
+                Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?),
+                None => None,
+            };
+            let secret = match &args.token_secret_file {
+                Some(p) => std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
+                None => registry::auth::random_secret(),
+            };
+            let mut a = registry::auth::Auth::new(&users, acl.as_deref(), args.anonymous_read, secret)
+                .context("loading authentication config")?;
+            a.realm = args.token_realm.clone();
+            Some(a)
+        }
+    };
+    let tls = args.tls_cert.is_some();
+    let cfg = registry::Config { max_manifest_bytes: args.max_manifest_bytes, auth, tls };
+    let store = registry::store::open(&args.storage, args.staging_dir.as_deref())
+        .with_context(|| format!("opening storage {}", args.storage))?;
+
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
+    rt.block_on(async move {
+        let server = registry::Server::new(store, cfg);
+        let listener = std::net::TcpListener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
+        let addr = listener.local_addr()?;
+        eprintln!(
+            "snapctl serve: listening on {}://{addr} (storage: {})",
+            if tls { "https" } else { "http" },
+            args.storage
+        );
+        match (&args.tls_cert, &args.tls_key) {
+            (Some(cert), Some(key)) => server.serve_tls(listener, cert, key, shutdown_signal()).await,
+            _ => {
+                listener.set_nonblocking(true)?;
+                let l = tokio::net::TcpListener::from_std(listener)?;
+                server.serve(l, shutdown_signal()).await
+            }
+        }
+        .context("serving")?;
+        eprintln!("snapctl serve: stopped");
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// Resolves on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+    eprintln!("snapctl serve: shutting down, finishing in-flight requests");
 }
