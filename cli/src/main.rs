@@ -23,13 +23,25 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    Pack(cmd::pack::PackArgs),
+    Unpack(cmd::unpack::UnpackArgs),
+    Verify(cmd::verify::VerifyArgs),
+    Inspect(cmd::inspect::InspectArgs),
+    Diff(cmd::diff::DiffArgs),
     Serve(cmd::serve::ServeArgs),
+    Sample(cmd::sample::SampleArgs),
     Gc(cmd::gc::GcArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Pack(a) => cmd::pack::run(a),
+        Command::Unpack(a) => cmd::unpack::run(a),
+        Command::Verify(a) => cmd::verify::run(a),
+        Command::Inspect(a) => cmd::inspect::run(a),
+        Command::Diff(a) => cmd::diff::run(a),
+        Command::Sample(a) => cmd::sample::run(a),
         Command::Serve(a) => cmd::serve::run(a),
         Command::Gc(a) => cmd::gc::run(a),
     };
@@ -37,7 +49,7 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("snapctl: {e:#}");
-            ExitCode::from(2)
+            ExitCode::from(cmd::common::exit_code_for(&e))
         }
     }
 }

@@ -1,1 +1,15 @@
-//! placeholder
+//! Verification: chunk digests, Merkle roots, verified chunk reads and whole-image audits.
+//!
+//! The rule this crate enforces: no chunk byte leaves it unless it matched its digest.
+//! The only way to get chunk bytes is a [`VerifiedChunk`], and the only way to make one
+//! is to check stored bytes against the digest the (itself verified) index records.
+
+mod audit;
+mod chunk;
+pub mod hash;
+pub mod merkle;
+
+pub use audit::{audit, audit_against, AuditOptions, AuditReport, Failure, FailureKind};
+pub use chunk::{read_chunk, verify_stored, VerifiedChunk, VerifyError};
+pub use hash::{chunk_digest, zero_digest};
+pub use merkle::{file_root, image_root, resolved_root};

@@ -1,0 +1,104 @@
+//! Glue shared by subcommands: opening references, progress bars, exit codes.
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use imgfmt::reference::{Reference, Selector};
+use imgfmt::{BlobSource, FormatError, Image, OciLayout};
+
+/// 0 ok · 1 verification said no · 2 could not answer.
+pub const EXIT_OK: u8 = 0;
+pub const EXIT_FAILED: u8 = 1;
+pub const EXIT_ERROR: u8 = 2;
+
+/// An error whose meaning is "the content failed its check" (exit 1), as opposed to
+/// "could not check" (exit 2).
+#[derive(Debug)]
+pub struct IntegrityError(pub String);
+impl std::fmt::Display for IntegrityError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+impl std::error::Error for IntegrityError {}
+
+/// Whether a format error means the stored image is wrong (rather than unreachable).
+pub fn is_integrity(e: &FormatError) -> bool {
+    !matches!(e, FormatError::Io { .. } | FormatError::TagNotFound { .. } | FormatError::BadReference { .. })
+}
+
+/// Exit code for an error that reached `main`.
+pub fn exit_code_for(e: &anyhow::Error) -> u8 {
+    if e.chain().any(|c| c.downcast_ref::<IntegrityError>().is_some()) {
+        return EXIT_FAILED;
+    }
+    if let Some(v) = e.chain().find_map(|c| c.downcast_ref::<verify::VerifyError>()) {
+        return if v.is_read_error() { EXIT_ERROR } else { EXIT_FAILED };
+    }
+    if let Some(u) = e.chain().find_map(|c| c.downcast_ref::<puller::UnpackError>()) {
+        return if u.is_integrity() { EXIT_FAILED } else { EXIT_ERROR };
+    }
+    EXIT_ERROR
+}
+
+pub fn code(c: u8) -> ExitCode {
+    ExitCode::from(c)
+}
+
+/// A store and the selector within it that a reference names.
+pub struct Opened {
+    pub source: Box<dyn BlobSource>,
+    pub selector: Selector,
+    pub reference: String,
+}
+
+pub fn open_ref(reference: &str) -> anyhow::Result<Opened> {
+    let r: Reference = reference.parse()?;
+    match r {
+        Reference::Layout { path, selector } => {
+            let layout = OciLayout::open(&path).with_context(|| format!("opening {reference}"))?;
+            Ok(Opened { source: Box::new(layout), selector, reference: reference.to_string() })
+        }
+        Reference::Registry { .. } => {
+            bail!("{reference}: registry references are not supported by this command yet; copy the image into a layout first (skopeo copy docker://… oci:DIR:TAG)")
+        }
+    }
+}
+
+/// Resolve the manifest digest (exit 2 on failure: there is nothing to check), then open
+/// the image (failures there are integrity failures: exit 1).
+pub fn open_image(o: &Opened) -> anyhow::Result<Image> {
+    let digest = match &o.selector {
+        Selector::Tag(t) => o.source.resolve_tag(t).with_context(|| format!("resolving {}", o.reference))?,
+        Selector::Digest(d) => d.clone(),
+    };
+    o.source.blob_size(&digest).with_context(|| format!("{}: manifest {digest}", o.reference))?;
+    Image::open(o.source.as_ref(), &digest).map_err(|e| {
+        if is_integrity(&e) {
+            anyhow::Error::new(IntegrityError(format!("{}: {e}", o.reference)))
+        } else {
+            anyhow::Error::new(e).context(format!("opening {}", o.reference))
+        }
+    })
+}
+
+/// A byte progress bar on stderr, only when stderr is a terminal.
+pub fn progress_bar(total: u64, what: &str) -> Option<indicatif::ProgressBar> {
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let pb = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{msg:>8} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    pb.set_message(what.to_string());
+    Some(pb)
+}
+
+/// Parse a size argument (`1MiB`, `4M`, `65536`).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    imgfmt::size::parse_size(s)
+}

@@ -1,0 +1,203 @@
+//! `snapctl inspect`: what an image holds and what it costs.
+
+use std::collections::HashSet;
+use std::process::ExitCode;
+
+use imgfmt::size::human;
+use imgfmt::{media, Image, StoredAt};
+use serde::Serialize;
+
+use super::common::{self, open_image, open_ref};
+
+/// Show an image: kind, files, sizes, chunk counts (zero / stored / referenced /
+/// inherited), compression ratio, roots and the base/parent chain.
+#[derive(Debug, clap::Args)]
+pub struct InspectArgs {
+    /// Image: oci:PATH[:TAG|@DIGEST].
+    pub image: String,
+    /// Print JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Counts {
+    pub chunks: u64,
+    pub zero: u64,
+    /// In this image's own packs.
+    pub stored: u64,
+    /// Recorded by this image but pointing into a base's or ancestor's packs.
+    pub referenced: u64,
+    /// Not recorded by this image: inherited from the parent chain.
+    pub inherited: u64,
+    /// Uncompressed bytes of non-zero chunks.
+    pub data_bytes: u64,
+    /// Stored (possibly compressed) bytes of those chunks, wherever they live.
+    pub stored_bytes: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct FileOut {
+    name: String,
+    role: String,
+    size: u64,
+    mode: String,
+    root: String,
+    #[serde(flatten)]
+    counts: Counts,
+}
+
+#[derive(Debug, Serialize)]
+struct Out {
+    manifest: String,
+    kind: String,
+    created: String,
+    root: String,
+    chunk_size: u64,
+    hash: String,
+    compression: String,
+    size: u64,
+    files: Vec<FileOut>,
+    totals: Counts,
+    compression_ratio: f64,
+    own_pack_bytes: u64,
+    metadata_bytes: u64,
+    packs: usize,
+    chain: Vec<serde_json::Value>,
+    base: Option<serde_json::Value>,
+}
+
+pub fn counts(image: &Image) -> (Vec<Counts>, Counts) {
+    let own: HashSet<&imgfmt::OciDigest> = image
+        .manifest
+        .layers
+        .iter()
+        .filter(|d| d.media_type == media::PACK && d.annotations.get(media::ANN_OWNER).is_some_and(|o| o == "self"))
+        .map(|d| &d.digest)
+        .collect();
+    let mut total = Counts::default();
+    let mut per = Vec::new();
+    for f in &image.files {
+        let mut c = Counts::default();
+        for ch in &f.chunks {
+            c.chunks += 1;
+            match ch.at {
+                StoredAt::Zero if ch.depth == 0 => c.zero += 1,
+                StoredAt::Zero => c.inherited += 1,
+                StoredAt::Pack { pack, stored_len, .. } => {
+                    c.data_bytes += ch.len as u64;
+                    c.stored_bytes += stored_len as u64;
+                    if ch.depth > 0 {
+                        c.inherited += 1;
+                    } else if own.contains(&image.packs[pack as usize].digest) {
+                        c.stored += 1;
+                    } else {
+                        c.referenced += 1;
+                    }
+                }
+            }
+        }
+        total.chunks += c.chunks;
+        total.zero += c.zero;
+        total.stored += c.stored;
+        total.referenced += c.referenced;
+        total.inherited += c.inherited;
+        total.data_bytes += c.data_bytes;
+        total.stored_bytes += c.stored_bytes;
+        per.push(c);
+    }
+    (per, total)
+}
+
+pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
+    let o = open_ref(&a.image)?;
+    let image = open_image(&o)?;
+    let cfg = image.config();
+    let (per, totals) = counts(&image);
+    let own_pack_bytes: u64 = image
+        .manifest
+        .layers
+        .iter()
+        .filter(|d| d.media_type == media::PACK && d.annotations.get(media::ANN_OWNER).is_some_and(|o| o == "self"))
+        .map(|d| d.size)
+        .sum();
+    let metadata_bytes = image.manifest_bytes.len() as u64 + image.manifest.config.size + cfg.index.size;
+    let chain: Vec<serde_json::Value> = image
+        .chain
+        .iter()
+        .skip(1)
+        .zip(image.chain.iter())
+        .map(|(link, child)| {
+            let p = child.config.parent.as_ref().expect("has parent");
+            serde_json::json!({"manifest": p.manifest, "root": p.root, "reference": p.reference, "created": link.config.created})
+        })
+        .collect();
+    let out = Out {
+        manifest: image.manifest_digest.to_string(),
+        kind: cfg.kind.to_string(),
+        created: cfg.created.clone(),
+        root: cfg.root.clone(),
+        chunk_size: cfg.chunk_size,
+        hash: cfg.hash.to_string(),
+        compression: cfg.compression.clone(),
+        size: image.files.iter().map(|f| f.size).sum(),
+        files: image
+            .files
+            .iter()
+            .zip(per)
+            .zip(&cfg.files)
+            .map(|((f, counts), cf)| FileOut {
+                name: f.name.clone(),
+                role: f.role.to_string(),
+                size: f.size,
+                mode: format!("{:04o}", f.mode),
+                root: cf.root.clone(),
+                counts,
+            })
+            .collect(),
+        compression_ratio: if totals.stored_bytes == 0 { 1.0 } else { totals.data_bytes as f64 / totals.stored_bytes as f64 },
+        totals,
+        own_pack_bytes,
+        metadata_bytes,
+        packs: image.packs.len(),
+        chain,
+        base: cfg.base.as_ref().map(|b| serde_json::json!({"manifest": b.manifest, "root": b.root, "reference": b.reference})),
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(common::code(common::EXIT_OK));
+    }
+    println!("image        {}", out.manifest);
+    println!("kind         {}", out.kind);
+    println!("created      {}", out.created);
+    println!("root         {}", out.root);
+    println!("chunks       {} of {}, {}, compression {}", out.totals.chunks, human(out.chunk_size), out.hash, out.compression);
+    println!("size         {} logical, {} non-zero data", human(out.size), human(out.totals.data_bytes));
+    println!(
+        "storage      {} in own packs, {} metadata, {} pack(s) referenced, compression ratio {:.2}",
+        human(out.own_pack_bytes),
+        human(out.metadata_bytes),
+        out.packs,
+        out.compression_ratio
+    );
+    for (i, c) in out.chain.iter().enumerate() {
+        println!("parent[{}]    {} {}", i + 1, c["manifest"].as_str().unwrap_or(""), c["reference"].as_str().unwrap_or(""));
+    }
+    if let Some(b) = &out.base {
+        println!("base         {} {}", b["manifest"].as_str().unwrap_or(""), b["reference"].as_str().unwrap_or(""));
+    }
+    println!();
+    println!("{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}", "FILE", "ROLE", "SIZE", "CHUNKS", "ZERO", "STORED", "REFD", "INHER");
+    for f in &out.files {
+        println!(
+            "{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}",
+            f.name, f.role, human(f.size), f.counts.chunks, f.counts.zero, f.counts.stored, f.counts.referenced, f.counts.inherited
+        );
+    }
+    let t = &out.totals;
+    println!(
+        "{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}",
+        "total", "", human(out.size), t.chunks, t.zero, t.stored, t.referenced, t.inherited
+    );
+    Ok(common::code(common::EXIT_OK))
+}

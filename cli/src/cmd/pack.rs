@@ -1,0 +1,143 @@
+//! `snapctl pack`: a checkpoint directory becomes an image in a local OCI layout.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use imgfmt::reference::{Reference, Selector};
+use imgfmt::{Compression, HashAlgo, Kind, OciLayout};
+use pusher::PackOptions;
+
+use super::common::{self, open_image, open_ref, progress_bar};
+
+/// Pack a checkpoint directory into an image.
+///
+/// Files are cut into fixed chunks; all-zero chunks (and holes of sparse files) are never
+/// stored; identical chunks are stored once; with --base, chunks the base already has are
+/// referenced; with --parent, the image is a layer that records only what changed.
+/// Prints the manifest digest.
+///
+/// Examples:
+///   snapctl pack ./fc-snap oci:./images:vm1
+///   snapctl pack ./fc-snap-2 oci:./images:vm2 --parent oci:./images:vm1
+///   snapctl pack ./fc-diff oci:./images:vm3 --parent oci:./images:vm2 --diff
+#[derive(Debug, clap::Args)]
+#[command(verbatim_doc_comment)]
+pub struct PackArgs {
+    /// Checkpoint directory (Firecracker, gVisor, CRIU, or any directory).
+    pub src: PathBuf,
+    /// Destination: oci:PATH[:TAG] (created if missing; TAG defaults to "latest").
+    pub dest: String,
+    /// Runtime that wrote the checkpoint [default: detected from file names].
+    #[arg(long, value_parser = |s: &str| s.parse::<Kind>())]
+    pub kind: Option<Kind>,
+    /// Chunk size: a power of two from 64KiB to 16MiB (e.g. 1MiB, 262144).
+    #[arg(long, default_value = "1MiB", value_parser = common::parse_size)]
+    pub chunk_size: u64,
+    /// Per-chunk compression: none, zstd[:LEVEL], flate[:LEVEL]. Chunks that do not shrink
+    /// by at least ~6% are stored raw.
+    #[arg(long = "compress", default_value = "none", value_parser = |s: &str| s.parse::<Compression>())]
+    pub compression: Compression,
+    /// Chunk digest: blake3 or sha256.
+    #[arg(long, default_value = "blake3", value_parser = |s: &str| s.parse::<HashAlgo>())]
+    pub hash: HashAlgo,
+    /// Reference chunks that this base image (oci:PATH[:TAG]) already has instead of storing them.
+    #[arg(long, value_name = "REF")]
+    pub base: Option<String>,
+    /// Make an incremental layer over this image: only changed chunks are recorded.
+    #[arg(long, value_name = "REF")]
+    pub parent: Option<String>,
+    /// Memory files are Firecracker diff snapshots (holes = unchanged since --parent).
+    #[arg(long, requires = "parent")]
+    pub diff: bool,
+    /// Largest pack blob.
+    #[arg(long, default_value = "256MiB", value_parser = common::parse_size)]
+    pub pack_size: u64,
+    /// Source annotation recorded in the config (repeatable).
+    #[arg(long = "annotation", value_name = "KEY=VALUE")]
+    pub annotations: Vec<String>,
+    /// Print a JSON report on stdout instead of the digest.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: PackArgs) -> anyhow::Result<ExitCode> {
+    if !a.chunk_size.is_power_of_two() || !(64 << 10..=16 << 20).contains(&a.chunk_size) {
+        bail!("--chunk-size {}: must be a power of two from 64KiB to 16MiB", a.chunk_size);
+    }
+    if !a.src.is_dir() {
+        bail!("{}: not a directory", a.src.display());
+    }
+    let (path, tag) = match a.dest.parse::<Reference>()? {
+        Reference::Layout { path, selector: Selector::Tag(t) } => (path, t),
+        Reference::Layout { selector: Selector::Digest(_), .. } => bail!("{}: pack needs a tag, not a digest", a.dest),
+        Reference::Registry { .. } => bail!("{}: pack writes a local layout (oci:PATH:TAG)", a.dest),
+    };
+    let mut annotations = BTreeMap::new();
+    for kv in &a.annotations {
+        let (k, v) = kv.split_once('=').with_context(|| format!("--annotation {kv:?}: expected KEY=VALUE"))?;
+        annotations.insert(k.to_string(), v.to_string());
+    }
+    let base_src = a.base.as_deref().map(open_ref).transpose()?;
+    let parent_src = a.parent.as_deref().map(open_ref).transpose()?;
+    let base = match &base_src {
+        Some(o) => Some(pusher::Related { source: o.source.as_ref(), image: open_image(o)?, reference: o.reference.clone() }),
+        None => None,
+    };
+    let parent = match &parent_src {
+        Some(o) => Some(pusher::Related { source: o.source.as_ref(), image: open_image(o)?, reference: o.reference.clone() }),
+        None => None,
+    };
+    let layout = OciLayout::open_or_create(&path).with_context(|| format!("opening layout {}", path.display()))?;
+    let total: u64 = pusher::scan::scan_dir(&a.src)
+        .with_context(|| format!("reading {}", a.src.display()))?
+        .files
+        .iter()
+        .map(|f| f.size)
+        .sum();
+    let pb = progress_bar(total, "pack");
+    let tick = |n: u64| {
+        if let Some(pb) = &pb {
+            pb.inc(n)
+        }
+    };
+    let opts = PackOptions {
+        kind: a.kind,
+        chunk_shift: a.chunk_size.trailing_zeros() as u8,
+        compression: a.compression,
+        hash: a.hash,
+        pack_size: a.pack_size,
+        base,
+        parent,
+        diff: a.diff,
+        annotations,
+        progress: Some(&tick),
+        ..Default::default()
+    };
+    let report = pusher::pack(&a.src, &layout, &tag, &opts).with_context(|| format!("packing {}", a.src.display()))?;
+    if let Some(pb) = pb {
+        pb.finish_and_clear();
+    }
+    for s in &report.skipped {
+        eprintln!("warning: skipped {s}: not a regular file");
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!("{}", report.manifest);
+        eprintln!(
+            "packed {} files, {} in {:.2}s: {} chunks ({} zero, {} stored, {} deduplicated, {} inherited), {} in packs",
+            report.files,
+            imgfmt::size::human(report.logical_bytes),
+            report.seconds,
+            report.chunks,
+            report.zero_chunks,
+            report.stored_chunks,
+            report.deduplicated_chunks,
+            report.inherited_chunks,
+            imgfmt::size::human(report.pack_bytes)
+        );
+    }
+    Ok(common::code(common::EXIT_OK))
+}

@@ -1,0 +1,360 @@
+//! An OCI image layout on local disk (`oci-layout`, `index.json`, `blobs/sha256/…`), as
+//! skopeo and the OCI image spec define it.
+//!
+//! Blobs are written to a temporary name, synced and renamed, so a crash never leaves a
+//! partial blob under its digest; `index.json` is rewritten the same way under a lock.
+
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use sha2::Digest as _;
+
+use crate::digest::OciDigest;
+use crate::manifest::{Descriptor, ImageIndex};
+use crate::media::{ANN_REF_NAME, OCI_INDEX};
+use crate::source::BlobSource;
+use crate::FormatError;
+
+const OCI_LAYOUT_CONTENT: &str = "{\"imageLayoutVersion\":\"1.0.0\"}";
+/// `index.json` is at most 64 MiB.
+const MAX_INDEX_JSON: u64 = 64 << 20;
+
+/// A local OCI image layout.
+pub struct OciLayout {
+    root: PathBuf,
+    open_blobs: Mutex<HashMap<OciDigest, Arc<File>>>,
+}
+
+impl std::fmt::Debug for OciLayout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "OciLayout({})", self.root.display())
+    }
+}
+
+fn io_err(ctx: impl Into<String>) -> impl FnOnce(io::Error) -> FormatError {
+    let ctx = ctx.into();
+    move |e| FormatError::io(ctx, e)
+}
+
+/// Sync a directory so a rename inside it is durable.
+pub fn sync_dir(dir: &Path) -> Result<(), FormatError> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(format!("sync {}", dir.display())))
+}
+
+impl OciLayout {
+    /// Open an existing layout.
+    pub fn open(root: impl AsRef<Path>) -> Result<Self, FormatError> {
+        let root = root.as_ref().to_path_buf();
+        let marker = root.join("oci-layout");
+        let text = fs::read_to_string(&marker)
+            .map_err(io_err(format!("{} is not an OCI image layout (reading oci-layout)", root.display())))?;
+        if !text.contains("imageLayoutVersion") {
+            return Err(FormatError::invalid("oci-layout", format!("{}: no imageLayoutVersion", marker.display())));
+        }
+        Ok(OciLayout { root, open_blobs: Mutex::new(HashMap::new()) })
+    }
+
+    /// Open a layout, creating an empty one if the directory does not hold one yet.
+    pub fn open_or_create(root: impl AsRef<Path>) -> Result<Self, FormatError> {
+        let root = root.as_ref();
+        if root.join("oci-layout").exists() {
+            return Self::open(root);
+        }
+        fs::create_dir_all(root.join("blobs").join("sha256")).map_err(io_err(format!("create {}", root.display())))?;
+        write_atomic(&root.join("oci-layout"), OCI_LAYOUT_CONTENT.as_bytes())?;
+        if !root.join("index.json").exists() {
+            let empty = ImageIndex {
+                schema_version: 2,
+                media_type: Some(OCI_INDEX.into()),
+                manifests: vec![],
+                annotations: Default::default(),
+            };
+            write_atomic(&root.join("index.json"), &serde_json::to_vec(&empty).expect("serializes"))?;
+        }
+        Self::open(root)
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Path of a blob (which may not exist).
+    pub fn blob_path(&self, d: &OciDigest) -> PathBuf {
+        self.root.join("blobs").join(d.algorithm()).join(d.hex())
+    }
+
+    pub fn has_blob(&self, d: &OciDigest) -> bool {
+        self.blob_path(d).is_file()
+    }
+
+    /// Store a small blob (manifest, config, index) and return its digest. Idempotent.
+    pub fn put_blob(&self, data: &[u8]) -> Result<OciDigest, FormatError> {
+        let d = OciDigest::of(data);
+        if !self.has_blob(&d) {
+            let mut w = self.blob_writer()?;
+            w.write_all(data).map_err(io_err("write blob"))?;
+            w.finish()?;
+        }
+        Ok(d)
+    }
+
+    /// A streaming writer for a large blob; the digest is computed as bytes go in.
+    pub fn blob_writer(&self) -> Result<BlobWriter, FormatError> {
+        let dir = self.root.join("blobs").join("sha256");
+        fs::create_dir_all(&dir).map_err(io_err(format!("create {}", dir.display())))?;
+        let tmp = tempname(&dir, ".tmp-blob");
+        let file = OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(io_err(format!("create {}", tmp.display())))?;
+        Ok(BlobWriter { file: Some(io::BufWriter::with_capacity(1 << 20, file)), tmp, dir, hasher: sha2::Sha256::new(), len: 0 })
+    }
+
+    fn read_index_json(&self) -> Result<ImageIndex, FormatError> {
+        let p = self.root.join("index.json");
+        let f = File::open(&p).map_err(io_err(format!("open {}", p.display())))?;
+        let mut b = Vec::new();
+        f.take(MAX_INDEX_JSON + 1).read_to_end(&mut b).map_err(io_err(format!("read {}", p.display())))?;
+        if b.len() as u64 > MAX_INDEX_JSON {
+            return Err(FormatError::TooLarge { what: "index.json", got: b.len() as u64, limit: MAX_INDEX_JSON });
+        }
+        serde_json::from_slice(&b).map_err(|source| FormatError::Json { what: "index.json", source })
+    }
+
+    /// The tags (`org.opencontainers.image.ref.name`) and their descriptors.
+    pub fn tags(&self) -> Result<Vec<(String, Descriptor)>, FormatError> {
+        Ok(self
+            .read_index_json()?
+            .manifests
+            .into_iter()
+            .filter_map(|d| d.annotations.get(ANN_REF_NAME).cloned().map(|t| (t, d)))
+            .collect())
+    }
+
+    /// Point `tag` at a manifest (replacing what it pointed at). The manifest blob must
+    /// already be stored.
+    pub fn set_tag(&self, tag: &str, desc: Descriptor) -> Result<(), FormatError> {
+        check_tag(tag)?;
+        let _lock = LayoutLock::acquire(&self.root)?;
+        let mut idx = self.read_index_json()?;
+        idx.manifests.retain(|d| d.annotations.get(ANN_REF_NAME).map(String::as_str) != Some(tag));
+        idx.manifests.push(desc.with_annotation(ANN_REF_NAME, tag));
+        if idx.media_type.is_none() {
+            idx.media_type = Some(OCI_INDEX.into());
+        }
+        write_atomic(&self.root.join("index.json"), &serde_json::to_vec(&idx).expect("serializes"))
+    }
+
+    fn open_blob(&self, d: &OciDigest) -> Result<Arc<File>, FormatError> {
+        let mut map = self.open_blobs.lock().expect("poisoned");
+        if let Some(f) = map.get(d) {
+            return Ok(f.clone());
+        }
+        let p = self.blob_path(d);
+        let f = File::open(&p).map_err(|e| {
+            if e.kind() == io::ErrorKind::NotFound {
+                FormatError::BlobNotFound(d.clone())
+            } else {
+                FormatError::io(format!("open {}", p.display()), e)
+            }
+        })?;
+        let f = Arc::new(f);
+        if map.len() > 256 {
+            map.clear();
+        }
+        map.insert(d.clone(), f.clone());
+        Ok(f)
+    }
+}
+
+/// Tags follow the OCI distribution grammar: `[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}`.
+pub fn check_tag(tag: &str) -> Result<(), FormatError> {
+    let ok = !tag.is_empty()
+        && tag.len() <= 128
+        && tag.bytes().enumerate().all(|(i, b)| b.is_ascii_alphanumeric() || b == b'_' || (i > 0 && (b == b'.' || b == b'-')));
+    if ok {
+        Ok(())
+    } else {
+        Err(FormatError::invalid("tag", format!("{tag:?} is not [a-zA-Z0-9_][a-zA-Z0-9._-]{{0,127}}")))
+    }
+}
+
+impl BlobSource for OciLayout {
+    fn describe(&self) -> String {
+        format!("oci:{}", self.root.display())
+    }
+
+    fn resolve_tag(&self, tag: &str) -> Result<OciDigest, FormatError> {
+        self.tags()?
+            .into_iter()
+            .find(|(t, _)| t == tag)
+            .map(|(_, d)| d.digest)
+            .ok_or_else(|| FormatError::TagNotFound { layout: self.describe(), tag: tag.into() })
+    }
+
+    fn read_blob_unverified(&self, d: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
+        let f = self.open_blob(d)?;
+        let len = f.metadata().map_err(io_err("stat blob"))?.len();
+        if len > limit {
+            return Err(FormatError::TooLarge { what: "blob size", got: len, limit });
+        }
+        let mut b = vec![0u8; len as usize];
+        f.read_exact_at(&mut b, 0).map_err(io_err(format!("read blob {d}")))?;
+        Ok(b)
+    }
+
+    fn blob_size(&self, d: &OciDigest) -> Result<u64, FormatError> {
+        Ok(self.open_blob(d)?.metadata().map_err(io_err("stat blob"))?.len())
+    }
+
+    fn read_at_unverified(&self, d: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+        let f = self.open_blob(d)?;
+        f.read_exact_at(buf, offset).map_err(|e| {
+            if e.kind() == io::ErrorKind::UnexpectedEof {
+                FormatError::Truncated { what: "pack blob (range past its end)", got: offset, expected: offset + buf.len() as u64 }
+            } else {
+                FormatError::io(format!("read blob {d} at {offset}"), e)
+            }
+        })
+    }
+}
+
+/// Streams a blob into the layout. Dropped without [`BlobWriter::finish`], it removes its
+/// temporary file: nothing partial ever appears under a digest.
+pub struct BlobWriter {
+    file: Option<io::BufWriter<File>>,
+    tmp: PathBuf,
+    dir: PathBuf,
+    hasher: sha2::Sha256,
+    len: u64,
+}
+
+impl BlobWriter {
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Sync, rename to `blobs/sha256/<digest>`, sync the directory.
+    pub fn finish(mut self) -> Result<(OciDigest, u64), FormatError> {
+        let w = self.file.take().expect("finish once");
+        let f = w.into_inner().map_err(|e| FormatError::io("flush blob", e.into_error()))?;
+        f.sync_all().map_err(io_err("sync blob"))?;
+        let digest = OciDigest::sha256_from_bytes(std::mem::take(&mut self.hasher).finalize().into());
+        let dest = self.dir.join(digest.hex());
+        fs::rename(&self.tmp, &dest).map_err(io_err(format!("rename to {}", dest.display())))?;
+        sync_dir(&self.dir)?;
+        Ok((digest, self.len))
+    }
+}
+
+impl Write for BlobWriter {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.file.as_mut().expect("not finished").write(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.len += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.file.as_mut().expect("not finished").flush()
+    }
+}
+
+impl Drop for BlobWriter {
+    fn drop(&mut self) {
+        if self.file.is_some() {
+            let _ = fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// A unique temporary name in `dir`.
+pub fn tempname(dir: &Path, prefix: &str) -> PathBuf {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    dir.join(format!("{prefix}-{}-{n}-{nanos}", std::process::id()))
+}
+
+/// Write a whole small file atomically: temp, sync, rename, sync directory.
+pub fn write_atomic(path: &Path, data: &[u8]) -> Result<(), FormatError> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = tempname(dir, ".tmp");
+    let res = (|| {
+        let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        f.write_all(data)?;
+        f.sync_all()?;
+        fs::rename(&tmp, path)
+    })();
+    if let Err(e) = res {
+        let _ = fs::remove_file(&tmp);
+        return Err(FormatError::io(format!("write {}", path.display()), e));
+    }
+    sync_dir(dir)
+}
+
+/// An exclusive `flock` on the layout, held while `index.json` is rewritten so two
+/// concurrent `pack`s into one layout do not lose each other's tags.
+struct LayoutLock(File);
+
+impl LayoutLock {
+    fn acquire(root: &Path) -> Result<Self, FormatError> {
+        let p = root.join(".snapctl.lock");
+        let f = OpenOptions::new().create(true).truncate(false).write(true).open(&p).map_err(io_err(format!("open {}", p.display())))?;
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a valid, owned descriptor; no memory is involved.
+        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
+        if rc != 0 {
+            return Err(FormatError::io(format!("lock {}", p.display()), io::Error::last_os_error()));
+        }
+        Ok(LayoutLock(f))
+    }
+}
+
+impl Drop for LayoutLock {
+    fn drop(&mut self) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: unlocking the descriptor we locked and still own.
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blobs_and_tags() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = OciLayout::open_or_create(dir.path()).unwrap();
+        let d = l.put_blob(b"hello").unwrap();
+        assert_eq!(l.read_blob_unverified(&d, 100).unwrap(), b"hello");
+        assert!(matches!(l.read_blob_unverified(&d, 2), Err(FormatError::TooLarge { .. })));
+        let mut buf = [0u8; 3];
+        l.read_at_unverified(&d, 2, &mut buf).unwrap();
+        assert_eq!(&buf, b"llo");
+        let mut buf = [0u8; 4];
+        assert!(l.read_at_unverified(&d, 2, &mut buf).is_err());
+        l.set_tag("v1", Descriptor::new("x", d.clone(), 5)).unwrap();
+        l.set_tag("v1", Descriptor::new("x", d.clone(), 5)).unwrap();
+        assert_eq!(l.tags().unwrap().len(), 1);
+        assert_eq!(l.resolve_tag("v1").unwrap(), d);
+        assert!(l.resolve_tag("v2").is_err());
+        assert!(l.set_tag("../x", Descriptor::new("x", d, 5)).is_err());
+    }
+
+    #[test]
+    fn dropped_writer_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = OciLayout::open_or_create(dir.path()).unwrap();
+        {
+            let mut w = l.blob_writer().unwrap();
+            w.write_all(b"partial").unwrap();
+        }
+        let n = fs::read_dir(dir.path().join("blobs/sha256")).unwrap().count();
+        assert_eq!(n, 0);
+    }
+}

@@ -1,0 +1,161 @@
+//! Image references: `oci:PATH[:TAG|@DIGEST]` for a local layout, and
+//! `HOST[:PORT]/REPO[:TAG|@DIGEST]` for a registry.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use crate::digest::OciDigest;
+use crate::FormatError;
+
+/// Tag used when a reference names none.
+pub const DEFAULT_TAG: &str = "latest";
+
+/// Which manifest in a store: by tag or by digest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Selector {
+    Tag(String),
+    Digest(OciDigest),
+}
+
+impl fmt::Display for Selector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Selector::Tag(t) => write!(f, ":{t}"),
+            Selector::Digest(d) => write!(f, "@{d}"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reference {
+    /// A local OCI image layout directory.
+    Layout { path: PathBuf, selector: Selector },
+    /// A repository in an OCI registry.
+    Registry { host: String, repository: String, selector: Selector },
+}
+
+impl fmt::Display for Reference {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Reference::Layout { path, selector } => write!(f, "oci:{}{selector}", path.display()),
+            Reference::Registry { host, repository, selector } => write!(f, "{host}/{repository}{selector}"),
+        }
+    }
+}
+
+fn split_selector(s: &str, allow_colon_tag: bool) -> Result<(&str, Selector), String> {
+    if let Some((rest, d)) = s.rsplit_once('@') {
+        let d: OciDigest = d.parse().map_err(|e: FormatError| e.to_string())?;
+        return Ok((rest, Selector::Digest(d)));
+    }
+    if allow_colon_tag {
+        if let Some((rest, t)) = s.rsplit_once(':') {
+            if !t.contains('/') && !rest.is_empty() {
+                crate::layout::check_tag(t).map_err(|e| e.to_string())?;
+                return Ok((rest, Selector::Tag(t.into())));
+            }
+        }
+    }
+    Ok((s, Selector::Tag(DEFAULT_TAG.into())))
+}
+
+/// Repository names per the OCI distribution spec:
+/// `[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*(\/[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*)*`.
+pub fn check_repository(name: &str) -> Result<(), String> {
+    let component_ok = |c: &str| {
+        let b = c.as_bytes();
+        if b.is_empty() || !b[0].is_ascii_alphanumeric() || !b[b.len() - 1].is_ascii_alphanumeric() {
+            return false;
+        }
+        let mut i = 0;
+        while i < b.len() {
+            let ch = b[i];
+            if ch.is_ascii_lowercase() || ch.is_ascii_digit() {
+                i += 1;
+                continue;
+            }
+            // A separator run: ".", "_", "__" or one or more "-".
+            let start = i;
+            match ch {
+                b'.' => i += 1,
+                b'_' => {
+                    i += 1;
+                    if i < b.len() && b[i] == b'_' {
+                        i += 1;
+                    }
+                }
+                b'-' => {
+                    while i < b.len() && b[i] == b'-' {
+                        i += 1;
+                    }
+                }
+                _ => return false,
+            }
+            if i >= b.len() || !(b[i].is_ascii_lowercase() || b[i].is_ascii_digit()) || i == start {
+                return false;
+            }
+        }
+        true
+    };
+    if name.is_empty() || name.len() > 255 || !name.split('/').all(component_ok) {
+        return Err(format!("repository {name:?} does not match the OCI name grammar (lowercase a-z0-9 with . _ __ - separators, '/'-joined)"));
+    }
+    Ok(())
+}
+
+impl FromStr for Reference {
+    type Err = FormatError;
+    fn from_str(s: &str) -> Result<Self, FormatError> {
+        let bad = |reason: String| FormatError::BadReference { reference: s.into(), reason };
+        if let Some(rest) = s.strip_prefix("oci:") {
+            let (path, selector) = split_selector(rest, true).map_err(bad)?;
+            if path.is_empty() {
+                return Err(bad("empty layout path".into()));
+            }
+            return Ok(Reference::Layout { path: PathBuf::from(path), selector });
+        }
+        let (host, rest) = s
+            .split_once('/')
+            .ok_or_else(|| bad("expected oci:PATH[:TAG] or HOST[:PORT]/REPO[:TAG|@DIGEST]".into()))?;
+        if host.is_empty() || !(host.contains('.') || host.contains(':') || host == "localhost") {
+            return Err(bad(format!("{host:?} is not a registry host (use oci:PATH for a local layout)")));
+        }
+        let (repository, selector) = split_selector(rest, true).map_err(bad)?;
+        check_repository(repository).map_err(bad)?;
+        Ok(Reference::Registry { host: host.into(), repository: repository.into(), selector })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts() {
+        let r: Reference = "oci:/tmp/x:v1".parse().unwrap();
+        assert_eq!(r, Reference::Layout { path: "/tmp/x".into(), selector: Selector::Tag("v1".into()) });
+        let r: Reference = "oci:rel/dir".parse().unwrap();
+        assert_eq!(r, Reference::Layout { path: "rel/dir".into(), selector: Selector::Tag("latest".into()) });
+        let d = format!("sha256:{}", "a".repeat(64));
+        let r: Reference = format!("oci:/x@{d}").parse().unwrap();
+        assert!(matches!(r, Reference::Layout { selector: Selector::Digest(_), .. }));
+        assert!("oci:".parse::<Reference>().is_err());
+        assert!("oci:/x:bad/tag".parse::<Reference>().is_ok(), "a colon in a path component is part of the path");
+    }
+
+    #[test]
+    fn registries() {
+        let r: Reference = "127.0.0.1:5000/vm/base:v2".parse().unwrap();
+        assert_eq!(
+            r,
+            Reference::Registry { host: "127.0.0.1:5000".into(), repository: "vm/base".into(), selector: Selector::Tag("v2".into()) }
+        );
+        assert!("localhost/Bad".parse::<Reference>().is_err());
+        assert!("localhost/a/../b".parse::<Reference>().is_err());
+        assert!("noreg".parse::<Reference>().is_err());
+        check_repository("a__b-c.d/e").unwrap();
+        assert!(check_repository("a___b").is_err());
+        assert!(check_repository("-a").is_err());
+    }
+}

@@ -1,0 +1,39 @@
+//! Where blobs come from: a local OCI layout, a registry, a cache. One sync trait so the
+//! format, verification and unpacking code does not care.
+
+use crate::digest::OciDigest;
+use crate::FormatError;
+
+/// A content-addressed blob store to read from.
+///
+/// Methods return bytes as the store holds them: **unverified**. Callers check them
+/// (metadata blobs against their OCI digest in [`crate::Image::open`], chunks against their
+/// chunk digest in the `verify` crate) before using them.
+pub trait BlobSource: Send + Sync {
+    /// Human description for messages (`oci:/path`, `host/repo`).
+    fn describe(&self) -> String;
+    /// Resolve a tag to a manifest digest.
+    fn resolve_tag(&self, tag: &str) -> Result<OciDigest, FormatError>;
+    /// A whole blob, refusing blobs larger than `limit` (checked before reading).
+    fn read_blob_unverified(&self, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError>;
+    /// Size of a blob as stored.
+    fn blob_size(&self, digest: &OciDigest) -> Result<u64, FormatError>;
+    /// Fill `buf` from `offset` of a blob; short blobs are an error.
+    fn read_at_unverified(&self, digest: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), FormatError>;
+}
+
+/// Read a small metadata blob and check its OCI digest: what comes back is verified.
+pub fn read_verified_blob(src: &dyn BlobSource, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
+    let b = src.read_blob_unverified(digest, limit)?;
+    let actual = match digest.algorithm() {
+        "sha256" => OciDigest::of(&b),
+        _ => {
+            use sha2::Digest;
+            format!("sha512:{}", hex::encode(sha2::Sha512::digest(&b))).parse()?
+        }
+    };
+    if &actual != digest {
+        return Err(FormatError::BlobDigestMismatch { digest: digest.clone(), actual });
+    }
+    Ok(b)
+}

@@ -1,0 +1,640 @@
+//! `pack`: a checkpoint directory becomes an image in a local OCI layout.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::Instant;
+
+use imgfmt::compress::Codec;
+use imgfmt::config::{BlobRef, ChainRef, FileEntry, CONFIG_FORMAT};
+use imgfmt::index::{chunk_count, chunk_len, IndexFile};
+use imgfmt::{
+    media, BlobSource, ChunkDigest, ChunkIndex, ChunkRecord, Compression, Descriptor, FormatError, HashAlgo, Image,
+    ImageConfig, Kind, Manifest, OciDigest, OciLayout, PackRef, RecordKind, Role, StoredAt,
+};
+use serde::Serialize;
+use verify::hash::is_zero;
+
+use crate::scan::{self, Coverage, ExtentCursor};
+
+/// Default bound on a pack blob: an image is a few blobs, and a push can still upload
+/// several in parallel.
+pub const DEFAULT_PACK_SIZE: u64 = 256 << 20;
+
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
+#[non_exhaustive]
+pub enum PackError {
+    /// {path}: {source}
+    Io { path: PathBuf, source: std::io::Error },
+    /// {0}
+    Format(#[from] FormatError),
+    /// {0}
+    Verify(#[from] verify::VerifyError),
+    /// {0}
+    Invalid(String),
+}
+
+fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> PackError + '_ {
+    move |source| PackError::Io { path: path.to_path_buf(), source }
+}
+
+/// An image this one builds on, already opened, with the store it lives in.
+pub struct Related<'a> {
+    pub source: &'a dyn BlobSource,
+    pub image: Image,
+    /// How the user named it (recorded in the config).
+    pub reference: String,
+}
+
+pub struct PackOptions<'a> {
+    /// Runtime kind; detected from file names when `None`.
+    pub kind: Option<Kind>,
+    pub chunk_shift: u8,
+    pub compression: Compression,
+    pub hash: HashAlgo,
+    pub pack_size: u64,
+    /// Chunks found anywhere in the base are referenced, not stored.
+    pub base: Option<Related<'a>>,
+    /// Make a layer over this parent: only differing chunks are recorded.
+    pub parent: Option<Related<'a>>,
+    /// Memory files are Firecracker diff snapshots: holes mean "unchanged since parent".
+    pub diff: bool,
+    pub annotations: BTreeMap<String, String>,
+    pub threads: usize,
+    /// Called with the number of source bytes (holes included) as they are processed.
+    pub progress: Option<&'a (dyn Fn(u64) + Sync)>,
+}
+
+impl Default for PackOptions<'_> {
+    fn default() -> Self {
+        PackOptions {
+            kind: None,
+            chunk_shift: imgfmt::DEFAULT_CHUNK_SHIFT,
+            compression: Compression::None,
+            hash: HashAlgo::Blake3,
+            pack_size: DEFAULT_PACK_SIZE,
+            base: None,
+            parent: None,
+            diff: false,
+            annotations: BTreeMap::new(),
+            threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2),
+            progress: None,
+        }
+    }
+}
+
+/// What a pack did, for `--json` and people.
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct PackReport {
+    pub manifest: String,
+    pub root: String,
+    pub kind: String,
+    pub files: usize,
+    pub skipped: Vec<String>,
+    /// Logical bytes of all files (holes included).
+    pub logical_bytes: u64,
+    /// Bytes actually read from the source (holes are not read).
+    pub bytes_read: u64,
+    pub chunks: u64,
+    pub zero_chunks: u64,
+    /// Chunks written to this image's own packs.
+    pub stored_chunks: u64,
+    /// Chunks that matched another chunk of this image, the base or the parent chain.
+    pub deduplicated_chunks: u64,
+    /// Chunks inherited unchanged from the parent (no record at all).
+    pub inherited_chunks: u64,
+    /// Bytes written into new packs.
+    pub pack_bytes: u64,
+    /// Manifest + config + index bytes.
+    pub metadata_bytes: u64,
+    pub packs: usize,
+    pub seconds: f64,
+}
+
+/// Where a chunk's stored bytes are during packing (own packs are not named yet).
+#[derive(Debug, Clone, Copy)]
+struct Loc {
+    /// Index into `pack_slots`.
+    slot: u32,
+    offset: u64,
+    stored_len: u32,
+    codec: Codec,
+}
+
+enum Slot {
+    /// The n-th pack this run writes.
+    Own(usize),
+    Foreign { pack: PackRef, owner: &'static str, from_base: bool },
+}
+
+enum ToWriter {
+    Data(Vec<u8>),
+    Rollover,
+}
+
+struct Job {
+    chunk: u64,
+    len: u32,
+    /// `None`: a hole, zero without reading; `Some(buf)`: the chunk's bytes.
+    data: Option<Vec<u8>>,
+    /// Inherit from the parent without looking at the data (diff-snapshot hole).
+    inherit: bool,
+    digest: ChunkDigest,
+    zero: bool,
+}
+
+/// Pack `src_dir` into `dest` and tag it `tag`.
+pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> Result<PackReport, PackError> {
+    let t0 = Instant::now();
+    imgfmt::layout::check_tag(tag)?;
+    if !(imgfmt::MIN_CHUNK_SHIFT..=imgfmt::MAX_CHUNK_SHIFT).contains(&opts.chunk_shift) {
+        return Err(PackError::Invalid(format!("chunk size 2^{} outside 64KiB..=16MiB", opts.chunk_shift)));
+    }
+    if opts.pack_size < (1u64 << opts.chunk_shift) {
+        return Err(PackError::Invalid("pack size must be at least one chunk".into()));
+    }
+    let shift = opts.chunk_shift;
+    let algo = opts.hash;
+    for (what, rel) in [("base", &opts.base), ("parent", &opts.parent)] {
+        if let Some(r) = rel {
+            let c = r.image.config();
+            if c.hash != algo || c.chunk_shift() != shift {
+                return Err(PackError::Invalid(format!(
+                    "{what} {} uses {} with {} KiB chunks; this pack uses {algo} with {} KiB chunks (pass the same --hash and --chunk-size)",
+                    r.reference,
+                    c.hash,
+                    c.chunk_size >> 10,
+                    (1u64 << shift) >> 10
+                )));
+            }
+        }
+    }
+    if opts.diff && opts.parent.is_none() {
+        return Err(PackError::Invalid("--diff needs --parent: a diff snapshot's holes mean 'as in the parent'".into()));
+    }
+
+    let mut sc = scan::scan_dir(src_dir).map_err(io_at(src_dir))?;
+    if sc.files.len() as u64 > imgfmt::index::MAX_FILES {
+        return Err(PackError::Invalid(format!("{} files, at most {}", sc.files.len(), imgfmt::index::MAX_FILES)));
+    }
+    let kind = opts.kind.unwrap_or_else(|| scan::detect_kind(&sc.files));
+    for f in &mut sc.files {
+        imgfmt::config::check_name(&f.name)?;
+        f.role = scan::role_of(kind, &f.name);
+    }
+
+    // Pack slots: own packs and foreign packs (base, parent chain) this index points into.
+    let mut slots: Vec<Slot> = Vec::new();
+    let mut foreign_slot: HashMap<OciDigest, u32> = HashMap::new();
+    // Digest -> location, for deduplication against base and parent chain.
+    let mut known: HashMap<ChunkDigest, (OciDigest, u64, u32, Codec, &'static str, bool)> = HashMap::new();
+    for (rel, owner, from_base) in [(&opts.base, "base", true), (&opts.parent, "parent", false)] {
+        if let Some(r) = rel {
+            for f in &r.image.files {
+                for c in &f.chunks {
+                    if let StoredAt::Pack { pack, offset, stored_len, codec } = c.at {
+                        known.entry(c.digest).or_insert((r.image.packs[pack as usize].digest.clone(), offset, stored_len, codec, owner, from_base));
+                    }
+                }
+            }
+        }
+    }
+    let parent_files: HashMap<&str, &imgfmt::ResolvedFile> = opts
+        .parent
+        .iter()
+        .flat_map(|r| r.image.files.iter().map(|f| (f.name.as_str(), f)))
+        .collect();
+
+    // The pack writer runs on its own thread: it hashes (sha256) and writes while the
+    // main thread reads and hashes (BLAKE3) the next batch.
+    let (tx, rx) = mpsc::sync_channel::<ToWriter>(16);
+    let writer_layout = dest;
+    let mut report = PackReport { kind: kind.to_string(), files: sc.files.len(), skipped: sc.skipped.clone(), ..Default::default() };
+
+    let result: Result<(Vec<Vec<Option<(ChunkDigest, Option<Loc>)>>>, u64), PackError>;
+    let own_packs: Result<Vec<(OciDigest, u64)>, FormatError>;
+    {
+        let (r, w) = std::thread::scope(|s| {
+            let writer = s.spawn(move || -> Result<Vec<(OciDigest, u64)>, FormatError> {
+                let mut done = Vec::new();
+                let mut cur: Option<imgfmt::layout::BlobWriter> = None;
+                for msg in rx {
+                    match msg {
+                        ToWriter::Data(b) => {
+                            if cur.is_none() {
+                                cur = Some(writer_layout.blob_writer()?);
+                            }
+                            cur.as_mut().expect("open").write_all(&b).map_err(|e| FormatError::Io { context: "write pack".into(), source: e })?;
+                        }
+                        ToWriter::Rollover => {
+                            if let Some(w) = cur.take() {
+                                done.push(w.finish()?);
+                            }
+                        }
+                    }
+                }
+                if let Some(w) = cur.take() {
+                    done.push(w.finish()?);
+                }
+                Ok(done)
+            });
+            let r = chunk_all(&sc.files, opts, &parent_files, &known, &mut slots, &mut foreign_slot, &tx, &mut report);
+            drop(tx);
+            let w = writer.join().expect("pack writer thread panicked");
+            (r, w)
+        });
+        result = r;
+        own_packs = w;
+    }
+    let (per_file, own_bytes) = result?;
+    let own_packs = own_packs?;
+    report.pack_bytes = own_bytes;
+    report.packs = own_packs.len();
+
+    // Pack table: slots in order, own packs now named.
+    let mut pack_table = Vec::with_capacity(slots.len());
+    for s in &slots {
+        pack_table.push(match s {
+            Slot::Own(n) => {
+                let (d, size) = &own_packs[*n];
+                PackRef { digest: d.clone(), size: *size }
+            }
+            Slot::Foreign { pack, .. } => pack.clone(),
+        });
+    }
+
+    // Records, file roots, image root.
+    let layer = opts.parent.is_some();
+    let mut index = ChunkIndex { hash: algo, chunk_shift: shift, layer, files: Vec::new(), packs: pack_table, records: Vec::new() };
+    let mut entries = Vec::new();
+    let mut roots = Vec::new();
+    for (fi, f) in sc.files.iter().enumerate() {
+        let first = index.records.len() as u64;
+        let mut digests = Vec::with_capacity(per_file[fi].len());
+        for (c, slot) in per_file[fi].iter().enumerate() {
+            let (digest, loc) = match slot {
+                Some(x) => *x,
+                None => {
+                    // Inherited from the parent: no record.
+                    let pc = parent_files[f.name.as_str()].chunks[c];
+                    digests.push(pc.digest);
+                    continue;
+                }
+            };
+            digests.push(digest);
+            let kind = match loc {
+                None => RecordKind::Zero,
+                Some(l) => RecordKind::Stored { pack: l.slot, offset: l.offset, stored_len: l.stored_len, codec: l.codec },
+            };
+            index.records.push(ChunkRecord { chunk: c as u64, kind, digest });
+        }
+        index.files.push(IndexFile { size: f.size, first_record: first, record_count: index.records.len() as u64 - first });
+        let root = verify::file_root(algo, &digests);
+        roots.push(root);
+        entries.push(FileEntry {
+            name: f.name.clone(),
+            size: f.size,
+            mode: f.mode,
+            role: f.role,
+            chunks: chunk_count(f.size, shift),
+            root: root.display_with(algo),
+        });
+    }
+    index.validate()?;
+    let image_root = verify::image_root(algo, sc.files.iter().zip(&roots).map(|(f, r)| (f.name.as_str(), f.size, *r)));
+    let index_bytes = index.encode();
+    let index_digest = dest.put_blob(&index_bytes)?;
+
+    let chain_ref = |r: &Related| ChainRef {
+        manifest: r.image.manifest_digest.clone(),
+        config: r.image.chain[0].config_digest.clone(),
+        index: r.image.chain[0].index_digest.clone(),
+        root: r.image.config().root.clone(),
+        reference: Some(r.reference.clone()),
+    };
+    let config = ImageConfig {
+        format: CONFIG_FORMAT.into(),
+        kind,
+        created: created_now(),
+        chunk_size: 1 << shift,
+        hash: algo,
+        compression: opts.compression.to_string(),
+        files: entries,
+        root: image_root.display_with(algo),
+        index: BlobRef { digest: index_digest.clone(), size: index_bytes.len() as u64 },
+        parent: opts.parent.as_ref().map(chain_ref),
+        base: opts.base.as_ref().map(chain_ref),
+        annotations: opts.annotations.clone(),
+    };
+    let config_bytes = config.encode();
+    let config_digest = dest.put_blob(&config_bytes)?;
+
+    // Manifest layers: own index and packs, the parent chain's configs and indexes, and
+    // every foreign pack a chunk of the resolved image points into.
+    let mut layers = vec![Descriptor::new(media::INDEX, index_digest.clone(), index_bytes.len() as u64).with_annotation(media::ANN_OWNER, "self")];
+    for (d, size) in &own_packs {
+        layers.push(Descriptor::new(media::PACK, d.clone(), *size).with_annotation(media::ANN_OWNER, "self"));
+    }
+    if let Some(p) = &opts.parent {
+        for (k, link) in p.image.chain.iter().enumerate() {
+            let owner = vec!["parent"; k + 1].join(".");
+            ensure_blob(dest, p.source, &link.config_digest)?;
+            ensure_blob(dest, p.source, &link.index_digest)?;
+            let cs = p.source.blob_size(&link.config_digest)?;
+            layers.push(Descriptor::new(media::CONFIG, link.config_digest.clone(), cs).with_annotation(media::ANN_OWNER, owner.clone()));
+            layers.push(Descriptor::new(media::INDEX, link.index_digest.clone(), link.config.index.size).with_annotation(media::ANN_OWNER, owner));
+        }
+    }
+    let mut foreign: BTreeMap<OciDigest, (u64, &'static str, bool)> = BTreeMap::new();
+    for s in &slots {
+        if let Slot::Foreign { pack, owner, from_base } = s {
+            foreign.insert(pack.digest.clone(), (pack.size, owner, *from_base));
+        }
+    }
+    if let Some(p) = &opts.parent {
+        for (fi, f) in sc.files.iter().enumerate() {
+            for (c, slot) in per_file[fi].iter().enumerate() {
+                if slot.is_none() {
+                    if let StoredAt::Pack { pack, .. } = parent_files[f.name.as_str()].chunks[c].at {
+                        let pr = &p.image.packs[pack as usize];
+                        foreign.entry(pr.digest.clone()).or_insert((pr.size, "parent", false));
+                    }
+                }
+            }
+        }
+    }
+    for (d, (size, owner, from_base)) in &foreign {
+        let src = if *from_base { opts.base.as_ref() } else { opts.parent.as_ref() }.expect("foreign pack has a source").source;
+        ensure_blob(dest, src, d)?;
+        layers.push(Descriptor::new(media::PACK, d.clone(), *size).with_annotation(media::ANN_OWNER, *owner));
+    }
+    let mut annotations = BTreeMap::new();
+    annotations.insert(media::ANN_ROOT.to_string(), config.root.clone());
+    annotations.insert(media::ANN_KIND.to_string(), kind.to_string());
+    annotations.insert(media::ANN_CREATED.to_string(), config.created.clone());
+    let manifest = Manifest {
+        schema_version: 2,
+        media_type: Some(media::OCI_MANIFEST.into()),
+        artifact_type: Some(media::ARTIFACT_TYPE.into()),
+        config: Descriptor::new(media::CONFIG, config_digest, config_bytes.len() as u64),
+        layers,
+        subject: None,
+        annotations,
+    };
+    let manifest_bytes = manifest.encode();
+    let manifest_digest = dest.put_blob(&manifest_bytes)?;
+    dest.set_tag(tag, Descriptor::new(media::OCI_MANIFEST, manifest_digest.clone(), manifest_bytes.len() as u64).with_annotation(media::ANN_ROOT, config.root.clone()))?;
+
+    report.manifest = manifest_digest.to_string();
+    report.root = config.root;
+    report.metadata_bytes = (manifest_bytes.len() + config_bytes.len() + index_bytes.len()) as u64;
+    report.seconds = t0.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+/// Read, digest and place every chunk. Returns per file, per chunk: `None` = inherited
+/// from the parent, `Some((digest, None))` = zero, `Some((digest, Some(loc)))` = stored.
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+fn chunk_all(
+    files: &[scan::SourceFile],
+    opts: &PackOptions,
+    parent_files: &HashMap<&str, &imgfmt::ResolvedFile>,
+    known: &HashMap<ChunkDigest, (OciDigest, u64, u32, Codec, &'static str, bool)>,
+    slots: &mut Vec<Slot>,
+    foreign_slot: &mut HashMap<OciDigest, u32>,
+    tx: &mpsc::SyncSender<ToWriter>,
+    report: &mut PackReport,
+) -> Result<(Vec<Vec<Option<(ChunkDigest, Option<Loc>)>>>, u64), PackError> {
+    let shift = opts.chunk_shift;
+    let cs = 1u64 << shift;
+    let algo = opts.hash;
+    let batch = ((32u64 << 20) >> shift).max(opts.threads as u64 * 2) as usize;
+    let mut own: HashMap<ChunkDigest, Loc> = HashMap::new();
+    let mut own_count = 0usize;
+    let mut cur_slot: Option<u32> = None;
+    let mut cur_off = 0u64;
+    let mut total = 0u64;
+    let mut out = Vec::with_capacity(files.len());
+    let writer_gone = || PackError::Invalid("pack writer stopped early".into());
+
+    for f in files {
+        let file = File::open(&f.path).map_err(io_at(&f.path))?;
+        // Re-stat through the open handle: the size the scan saw must still hold.
+        let size = file.metadata().map_err(io_at(&f.path))?.len();
+        if size != f.size {
+            return Err(PackError::Invalid(format!("{}: size changed while packing ({} -> {size})", f.name, f.size)));
+        }
+        let extents = if size == 0 { vec![] } else { scan::data_extents(&file, size).map_err(io_at(&f.path))? };
+        let mut cursor = ExtentCursor::new(&extents);
+        let n = chunk_count(size, shift);
+        let parent = parent_files.get(f.name.as_str()).copied();
+        let diff_file = opts.diff && f.role == Role::Memory;
+        if diff_file && parent.is_none_or(|p| p.size != size) {
+            return Err(PackError::Invalid(format!(
+                "--diff: {} has no same-size counterpart in the parent, so its holes cannot mean 'unchanged'",
+                f.name
+            )));
+        }
+        let mut slots_of_file: Vec<Option<(ChunkDigest, Option<Loc>)>> = Vec::with_capacity(n as usize);
+        let mut c = 0u64;
+        while c < n {
+            let end_c = (c + batch as u64).min(n);
+            // Read phase (holes are not read).
+            let mut jobs = Vec::with_capacity((end_c - c) as usize);
+            for ci in c..end_c {
+                let len = chunk_len(size, shift, ci);
+                let start = ci * cs;
+                let cov = cursor.coverage(start, start + len);
+                let mut job = Job { chunk: ci, len: len as u32, data: None, inherit: false, digest: ChunkDigest::default(), zero: false };
+                match (cov, diff_file) {
+                    (Coverage::Hole, true) => job.inherit = true,
+                    (Coverage::Hole, false) => job.zero = true,
+                    (Coverage::Partial, true) => {
+                        // Dirty pages over the parent's chunk: merge here, per chunk,
+                        // without ever materialising the merged file.
+                        let p = opts.parent.as_ref().expect("diff has parent");
+                        let (pfi, _) = p.image.file(&f.name).expect("checked above");
+                        let mut buf = verify::read_chunk(p.source, &p.image, pfi, ci)?.into_vec();
+                        for (s, e) in cursor.pieces(start, start + len) {
+                            file.read_exact_at(&mut buf[(s - start) as usize..(e - start) as usize], s).map_err(io_at(&f.path))?;
+                            report.bytes_read += e - s;
+                        }
+                        job.data = Some(buf);
+                    }
+                    _ => {
+                        let mut buf = vec![0u8; len as usize];
+                        file.read_exact_at(&mut buf, start).map_err(io_at(&f.path))?;
+                        report.bytes_read += len;
+                        job.data = Some(buf);
+                    }
+                }
+                jobs.push(job);
+            }
+            // Digest phase, in parallel.
+            par_each(&mut jobs, opts.threads, |j| {
+                if let Some(d) = &j.data {
+                    if is_zero(d) {
+                        j.zero = true;
+                        j.data = None;
+                    } else {
+                        j.digest = verify::chunk_digest(algo, d);
+                    }
+                }
+                if j.zero {
+                    j.digest = verify::zero_digest(algo, j.len);
+                }
+            });
+            // Decide phase: inherit, zero, dedup or store.
+            let mut to_store: Vec<usize> = Vec::new();
+            let mut decided: Vec<Option<(ChunkDigest, Option<Loc>)>> = Vec::with_capacity(jobs.len());
+            for (k, j) in jobs.iter().enumerate() {
+                report.chunks += 1;
+                let pc = parent.and_then(|p| p.chunks.get(j.chunk as usize)).filter(|pc| pc.len == j.len);
+                if j.inherit || pc.is_some_and(|pc| pc.digest == j.digest) {
+                    if pc.is_none() {
+                        return Err(PackError::Invalid(format!("--diff: {} chunk {} is a hole but the parent has no such chunk", f.name, j.chunk)));
+                    }
+                    report.inherited_chunks += 1;
+                    decided.push(None);
+                    continue;
+                }
+                if j.zero {
+                    report.zero_chunks += 1;
+                    decided.push(Some((j.digest, None)));
+                    continue;
+                }
+                if let Some(l) = own.get(&j.digest) {
+                    report.deduplicated_chunks += 1;
+                    decided.push(Some((j.digest, Some(*l))));
+                    continue;
+                }
+                if let Some((pack, offset, stored_len, codec, owner, from_base)) = known.get(&j.digest) {
+                    let slot = *foreign_slot.entry(pack.clone()).or_insert_with(|| {
+                        let size = if *from_base { &opts.base } else { &opts.parent }
+                            .as_ref()
+                            .and_then(|r| r.image.packs.iter().find(|p| &p.digest == pack))
+                            .map(|p| p.size)
+                            .unwrap_or(0);
+                        slots.push(Slot::Foreign { pack: PackRef { digest: pack.clone(), size }, owner, from_base: *from_base });
+                        (slots.len() - 1) as u32
+                    });
+                    let l = Loc { slot, offset: *offset, stored_len: *stored_len, codec: *codec };
+                    own.insert(j.digest, l);
+                    report.deduplicated_chunks += 1;
+                    decided.push(Some((j.digest, Some(l))));
+                    continue;
+                }
+                // New content: placeholder location, filled after compression. Mark it in
+                // `own` right away so a duplicate later in this batch dedups against it.
+                to_store.push(k);
+                own.insert(j.digest, Loc { slot: u32::MAX, offset: k as u64, stored_len: 0, codec: Codec::Raw });
+                decided.push(Some((j.digest, None)));
+            }
+            // Compress phase, in parallel, for new chunks only.
+            let mut compressed: Vec<(usize, Option<(Codec, Vec<u8>)>)> = to_store.iter().map(|&k| (k, None)).collect();
+            if opts.compression != Compression::None {
+                par_each(&mut compressed, opts.threads, |(k, out)| {
+                    *out = opts.compression.compress(jobs[*k].data.as_deref().expect("stored chunk has data"));
+                });
+            }
+            // Write phase: place each new chunk in the current own pack.
+            for (k, comp) in compressed {
+                let j = &mut jobs[k];
+                let (codec, bytes) = match comp {
+                    Some((codec, b)) => (codec, b),
+                    None => (Codec::Raw, j.data.take().expect("stored chunk has data")),
+                };
+                let stored_len = bytes.len() as u64;
+                if cur_slot.is_none() || (cur_off > 0 && cur_off + stored_len > opts.pack_size) {
+                    if cur_slot.is_some() {
+                        tx.send(ToWriter::Rollover).map_err(|_| writer_gone())?;
+                    }
+                    slots.push(Slot::Own(own_count));
+                    own_count += 1;
+                    cur_slot = Some((slots.len() - 1) as u32);
+                    cur_off = 0;
+                }
+                let l = Loc { slot: cur_slot.expect("set"), offset: cur_off, stored_len: stored_len as u32, codec };
+                cur_off += stored_len;
+                total += stored_len;
+                tx.send(ToWriter::Data(bytes)).map_err(|_| writer_gone())?;
+                own.insert(j.digest, l);
+                decided[k] = Some((j.digest, Some(l)));
+                report.stored_chunks += 1;
+            }
+            // Duplicates within the batch pointed at placeholders: resolve them now.
+            for (digest, l) in decided.iter_mut().flatten().filter_map(|(d, l)| l.as_mut().map(|l| (d, l))) {
+                if l.slot == u32::MAX {
+                    *l = own[digest];
+                }
+            }
+            for j in &jobs {
+                if let Some(p) = opts.progress {
+                    p(j.len as u64);
+                }
+            }
+            report.logical_bytes += jobs.iter().map(|j| j.len as u64).sum::<u64>();
+            slots_of_file.extend(decided);
+            c = end_c;
+        }
+        out.push(slots_of_file);
+    }
+    Ok((out, total))
+}
+
+/// Run `f` on every item using up to `threads` threads.
+fn par_each<T: Send>(items: &mut [T], threads: usize, f: impl Fn(&mut T) + Sync) {
+    let threads = threads.clamp(1, items.len().max(1));
+    if threads == 1 {
+        items.iter_mut().for_each(f);
+        return;
+    }
+    let per = items.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        for part in items.chunks_mut(per) {
+            let f = &f;
+            s.spawn(move || part.iter_mut().for_each(f));
+        }
+    });
+}
+
+/// Make sure `dest` holds blob `d`, copying it from `src` (and checking its digest on
+/// the way) when it is not there yet.
+pub fn ensure_blob(dest: &OciLayout, src: &dyn BlobSource, d: &OciDigest) -> Result<(), PackError> {
+    if dest.has_blob(d) {
+        return Ok(());
+    }
+    let size = src.blob_size(d)?;
+    let mut w = dest.blob_writer()?;
+    let mut buf = vec![0u8; 4 << 20];
+    let mut off = 0;
+    while off < size {
+        let n = (size - off).min(buf.len() as u64) as usize;
+        src.read_at_unverified(d, off, &mut buf[..n])?;
+        w.write_all(&buf[..n]).map_err(|e| FormatError::Io { context: "copy blob".into(), source: e })?;
+        off += n as u64;
+    }
+    let (got, _) = w.finish()?;
+    if &got != d {
+        // The blob landed under its real name, which is harmless; the one we needed is
+        // still missing, which is the error.
+        return Err(FormatError::BlobDigestMismatch { digest: d.clone(), actual: got }.into());
+    }
+    Ok(())
+}
+
+/// RFC 3339 now, or `SOURCE_DATE_EPOCH` for reproducible images.
+fn created_now() -> String {
+    let t = std::env::var("SOURCE_DATE_EPOCH")
+        .ok()
+        .and_then(|s| s.parse::<i64>().ok())
+        .and_then(|s| time::OffsetDateTime::from_unix_timestamp(s).ok())
+        .unwrap_or_else(time::OffsetDateTime::now_utc);
+    t.replace_nanosecond(0)
+        .unwrap_or(t)
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|_| "1970-01-01T00:00:00Z".into())
+}

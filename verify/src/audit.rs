@@ -1,0 +1,437 @@
+//! Whole-image audits: every chunk of every image in the chain checked against its
+//! digest, every Merkle root recomputed, and (`audit_against`) a local directory proven
+//! byte-for-byte equal to the snapshot.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fs::File;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use imgfmt::compress::Codec;
+use imgfmt::{media, resolve_chain, BlobSource, ChunkDigest, FormatError, HashAlgo, Image, OciDigest, StoredAt};
+use serde::Serialize;
+
+use crate::chunk::verify_stored;
+use crate::hash::{chunk_digest, is_zero, zero_digest};
+use crate::merkle::resolved_root;
+
+/// What kind of integrity failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FailureKind {
+    /// A stored chunk's bytes do not hash to its recorded digest.
+    ChunkDigest,
+    /// A stored chunk does not decompress to its size.
+    ChunkCorrupt,
+    /// A zero chunk is recorded with a digest other than that of zeros.
+    ZeroRecord,
+    /// A pack blob is missing, has the wrong size, or could not be read.
+    PackUnreadable,
+    /// A pack blob's sha256 is not its name (`--blob-digests`).
+    PackDigest,
+    /// A file's Merkle root differs from the config's.
+    FileRoot,
+    /// The image root differs from the config's or the manifest annotation's.
+    ImageRoot,
+    /// A parent or base reference names a different root than the referenced image has.
+    ChainRoot,
+    /// A file of the directory differs from the snapshot (`--against`).
+    FileContent,
+    /// A file is missing, or its size or mode differs (`--against`).
+    FileMetadata,
+    /// A file in the directory is not part of the snapshot (`--against`).
+    UnexpectedFile,
+}
+
+/// One integrity failure, naming where it is.
+#[derive(Debug, Clone, Serialize)]
+pub struct Failure {
+    pub kind: FailureKind,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub file: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chunk: Option<u64>,
+    /// Byte offset of the chunk in its file.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offset: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub blob: Option<String>,
+    /// Byte offset in the blob.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub blob_offset: Option<u64>,
+    pub message: String,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(file) = &self.file {
+            write!(f, "{file}")?;
+            if let (Some(c), Some(o)) = (self.chunk, self.offset) {
+                write!(f, ": chunk {c} at offset {o}")?;
+            }
+            write!(f, ": ")?;
+        }
+        write!(f, "{}", self.message)?;
+        if let Some(b) = &self.blob {
+            write!(f, " [blob {b}")?;
+            if let Some(o) = self.blob_offset {
+                write!(f, " at {o}")?;
+            }
+            write!(f, "]")?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct AuditOptions {
+    /// Worker threads for hashing (default: available cores).
+    pub threads: usize,
+    /// Also re-hash every pack blob with sha256 (its OCI name). Chunk digests already
+    /// cover every byte a restore uses; this also catches changes to bytes no chunk uses.
+    pub blob_digests: bool,
+}
+
+impl Default for AuditOptions {
+    fn default() -> Self {
+        AuditOptions { threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2), blob_digests: false }
+    }
+}
+
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct AuditReport {
+    /// Images audited (the image, and its base when the source holds it).
+    pub images: Vec<String>,
+    pub stored_chunks_checked: u64,
+    pub stored_bytes_checked: u64,
+    pub zero_chunks: u64,
+    pub packs: u64,
+    pub failures: Vec<Failure>,
+}
+
+impl AuditReport {
+    pub fn ok(&self) -> bool {
+        self.failures.is_empty()
+    }
+}
+
+fn fail(kind: FailureKind, message: impl Into<String>) -> Failure {
+    Failure { kind, file: None, chunk: None, offset: None, blob: None, blob_offset: None, message: message.into() }
+}
+
+/// One stored range to check, with the first (file, chunk) that uses it, for naming.
+struct Work {
+    pack: u32,
+    at: u64,
+    stored_len: u32,
+    codec: Codec,
+    len: u32,
+    digest: ChunkDigest,
+    file: String,
+    chunk: u64,
+}
+
+/// Audit an opened image (and its base, when `src` has it). Metadata blobs were already
+/// checked by [`Image::open`]; this checks chunks, pack sizes and every root.
+pub fn audit(src: &dyn BlobSource, image: &Image, opts: &AuditOptions) -> Result<AuditReport, FormatError> {
+    let mut report = AuditReport::default();
+    audit_one(src, image, opts, &mut report)?;
+    // The base is a separate image; check it too when it is here, so "verify" covers every
+    // byte a restore could read.
+    let mut next = image.config().base.clone();
+    let mut seen: HashSet<OciDigest> = [image.manifest_digest.clone()].into();
+    while let Some(b) = next.take() {
+        if !seen.insert(b.manifest.clone()) || src.blob_size(&b.manifest).is_err() {
+            break;
+        }
+        let base = Image::open(src, &b.manifest)?;
+        if base.config().root != b.root {
+            report.failures.push(fail(
+                FailureKind::ChainRoot,
+                format!("base {} has root {}, the image names {}", b.manifest, base.config().root, b.root),
+            ));
+        }
+        audit_one(src, &base, opts, &mut report)?;
+        next = base.config().base.clone();
+    }
+    Ok(report)
+}
+
+fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &mut AuditReport) -> Result<(), FormatError> {
+    report.images.push(image.manifest_digest.to_string());
+    let algo = image.config().hash;
+    let shift = image.chunk_shift();
+
+    // Roots of every link of the chain, and the references between links.
+    let ann = image.manifest.annotations.get(media::ANN_ROOT);
+    if ann.is_some_and(|a| a != &image.config().root) {
+        report.failures.push(fail(
+            FailureKind::ImageRoot,
+            format!("manifest annotation {} = {}, config root {}", media::ANN_ROOT, ann.map(String::as_str).unwrap_or(""), image.config().root),
+        ));
+    }
+    let mut work: BTreeMap<(u32, u64, ChunkDigest, u32), Work> = BTreeMap::new();
+    for k in 0..image.chain.len() {
+        let link = &image.chain[k];
+        let (files, packs) = if k == 0 { (image.files.clone(), image.packs.clone()) } else { resolve_chain(&image.chain[k..])? };
+        let (roots, root) = resolved_root(algo, &files);
+        let who = if k == 0 { "image".to_string() } else { format!("ancestor {k} (config {})", link.config_digest) };
+        for ((f, r), cf) in files.iter().zip(&roots).zip(&link.config.files) {
+            let want = r.display_with(algo);
+            if cf.root != want {
+                report.failures.push(Failure {
+                    file: Some(f.name.clone()),
+                    ..fail(FailureKind::FileRoot, format!("{who}: file root is {want}, config says {}", cf.root))
+                });
+            }
+        }
+        let want = root.display_with(algo);
+        if link.config.root != want {
+            report.failures.push(fail(FailureKind::ImageRoot, format!("{who}: content root is {want}, config says {}", link.config.root)));
+        }
+        if k > 0 {
+            let named = &image.chain[k - 1].config.parent.as_ref().expect("link has a parent").root;
+            if named != &link.config.root {
+                report.failures.push(fail(FailureKind::ChainRoot, format!("{who}: root {} but its child names {named}", link.config.root)));
+            }
+        }
+        // Chunks: each distinct stored range once.
+        for f in &files {
+            for (ci, c) in f.chunks.iter().enumerate() {
+                match c.at {
+                    StoredAt::Zero => {
+                        report.zero_chunks += u64::from(k == 0);
+                        if c.digest != zero_digest(algo, c.len) {
+                            report.failures.push(Failure {
+                                file: Some(f.name.clone()),
+                                chunk: Some(ci as u64),
+                                offset: Some((ci as u64) << shift),
+                                ..fail(FailureKind::ZeroRecord, format!("zero chunk recorded with digest {}", c.digest))
+                            });
+                        }
+                    }
+                    StoredAt::Pack { pack, offset, stored_len, codec } => {
+                        let gp = image.pack_index(&packs[pack as usize].digest).unwrap_or(u32::MAX);
+                        if gp == u32::MAX {
+                            // An ancestor's pack that the image no longer uses but whose
+                            // chunks the ancestor's root covers; still audit it when present.
+                            continue;
+                        }
+                        work.entry((gp, offset, c.digest, c.len)).or_insert(Work {
+                            pack: gp,
+                            at: offset,
+                            stored_len,
+                            codec,
+                            len: c.len,
+                            digest: c.digest,
+                            file: f.name.clone(),
+                            chunk: ci as u64,
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    // Packs: present, of the recorded size, and (optionally) of the right sha256.
+    let mut bad_packs = HashSet::new();
+    for (i, p) in image.packs.iter().enumerate() {
+        report.packs += 1;
+        match src.blob_size(&p.digest) {
+            Ok(n) if n == p.size => {}
+            Ok(n) => {
+                bad_packs.insert(i as u32);
+                report.failures.push(Failure {
+                    blob: Some(p.digest.to_string()),
+                    ..fail(FailureKind::PackUnreadable, format!("pack is {n} bytes, index says {}", p.size))
+                });
+            }
+            Err(e) => {
+                bad_packs.insert(i as u32);
+                report.failures.push(Failure { blob: Some(p.digest.to_string()), ..fail(FailureKind::PackUnreadable, e.to_string()) });
+            }
+        }
+    }
+
+    let work: Vec<Work> = work.into_values().filter(|w| !bad_packs.contains(&w.pack)).collect();
+    let next = AtomicUsize::new(0);
+    let bytes = AtomicU64::new(0);
+    let failures = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..opts.threads.max(1) {
+            s.spawn(|| {
+                let mut buf = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(w) = work.get(i) else { break };
+                    let pack = &image.packs[w.pack as usize].digest;
+                    buf.resize(w.stored_len as usize, 0);
+                    let base = Failure {
+                        file: Some(w.file.clone()),
+                        chunk: Some(w.chunk),
+                        offset: Some(w.chunk << shift),
+                        blob: Some(pack.to_string()),
+                        blob_offset: Some(w.at),
+                        ..fail(FailureKind::ChunkDigest, "")
+                    };
+                    if let Err(e) = src.read_at_unverified(pack, w.at, &mut buf) {
+                        failures.lock().expect("poisoned").push(Failure { kind: FailureKind::PackUnreadable, message: e.to_string(), ..base });
+                        continue;
+                    }
+                    bytes.fetch_add(w.stored_len as u64, Ordering::Relaxed);
+                    if let Err((detail, actual)) = verify_stored(algo, w.codec, &buf, w.len, &w.digest) {
+                        let f = match actual {
+                            Some(a) => Failure { message: format!("digest mismatch: expected {}, got {}", w.digest, a), ..base },
+                            None => Failure { kind: FailureKind::ChunkCorrupt, message: detail, ..base },
+                        };
+                        failures.lock().expect("poisoned").push(f);
+                    }
+                }
+            });
+        }
+        if opts.blob_digests {
+            for (i, p) in image.packs.iter().enumerate() {
+                if bad_packs.contains(&(i as u32)) {
+                    continue;
+                }
+                match sha256_of_blob(src, &p.digest, p.size) {
+                    Ok(d) if d == p.digest => {}
+                    Ok(d) => failures.lock().expect("poisoned").push(Failure {
+                        blob: Some(p.digest.to_string()),
+                        ..fail(FailureKind::PackDigest, format!("pack content hashes to {d}"))
+                    }),
+                    Err(e) => failures.lock().expect("poisoned").push(Failure {
+                        blob: Some(p.digest.to_string()),
+                        ..fail(FailureKind::PackUnreadable, e.to_string())
+                    }),
+                }
+            }
+        }
+    });
+    let mut failures = failures.into_inner().expect("poisoned");
+    failures.sort_by(|a, b| (&a.file, a.chunk, &a.blob).cmp(&(&b.file, b.chunk, &b.blob)));
+    report.failures.extend(failures);
+    report.stored_chunks_checked += work.len() as u64;
+    report.stored_bytes_checked += bytes.into_inner();
+    Ok(())
+}
+
+fn sha256_of_blob(src: &dyn BlobSource, d: &OciDigest, size: u64) -> Result<OciDigest, FormatError> {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 4 << 20];
+    let mut off = 0u64;
+    while off < size {
+        let n = (size - off).min(buf.len() as u64) as usize;
+        src.read_at_unverified(d, off, &mut buf[..n])?;
+        h.update(&buf[..n]);
+        off += n as u64;
+    }
+    Ok(OciDigest::sha256_from_bytes(h.finalize().into()))
+}
+
+/// Prove that `dir` holds exactly the snapshot: the same files (no more, no fewer), the
+/// same sizes and modes, and every chunk hashing to the image's digest.
+pub fn audit_against(image: &Image, dir: &Path, opts: &AuditOptions) -> AuditReport {
+    let algo: HashAlgo = image.config().hash;
+    let shift = image.chunk_shift();
+    let mut report = AuditReport { images: vec![image.manifest_digest.to_string()], ..Default::default() };
+    let names: HashSet<&str> = image.files.iter().map(|f| f.name.as_str()).collect();
+    for extra in walk_files(dir) {
+        if !names.contains(extra.as_str()) {
+            report.failures.push(Failure { file: Some(extra), ..fail(FailureKind::UnexpectedFile, "not part of the snapshot") });
+        }
+    }
+    for f in &image.files {
+        let path = dir.join(&f.name);
+        let meta_fail = |m: String| Failure { file: Some(f.name.clone()), ..fail(FailureKind::FileMetadata, m) };
+        let file = match File::open(&path) {
+            Ok(h) => h,
+            Err(e) => {
+                report.failures.push(meta_fail(format!("cannot open: {e}")));
+                continue;
+            }
+        };
+        let md = match file.metadata() {
+            Ok(m) => m,
+            Err(e) => {
+                report.failures.push(meta_fail(format!("cannot stat: {e}")));
+                continue;
+            }
+        };
+        if md.len() != f.size {
+            report.failures.push(meta_fail(format!("size is {}, snapshot has {}", md.len(), f.size)));
+            continue;
+        }
+        if md.mode() & 0o7777 != f.mode {
+            report.failures.push(meta_fail(format!("mode is {:o}, snapshot has {:o}", md.mode() & 0o7777, f.mode)));
+        }
+        let next = AtomicUsize::new(0);
+        let bytes = AtomicU64::new(0);
+        let failures = Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            for _ in 0..opts.threads.max(1) {
+                s.spawn(|| {
+                    let mut buf = Vec::new();
+                    loop {
+                        let ci = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(c) = f.chunks.get(ci) else { break };
+                        let off = (ci as u64) << shift;
+                        buf.resize(c.len as usize, 0);
+                        let res = file.read_exact_at(&mut buf, off);
+                        let fail_here = |m: String| Failure {
+                            file: Some(f.name.clone()),
+                            chunk: Some(ci as u64),
+                            offset: Some(off),
+                            ..fail(FailureKind::FileContent, m)
+                        };
+                        if let Err(e) = res {
+                            failures.lock().expect("poisoned").push(fail_here(format!("read failed: {e}")));
+                            continue;
+                        }
+                        bytes.fetch_add(c.len as u64, Ordering::Relaxed);
+                        let ok = match c.at {
+                            StoredAt::Zero => is_zero(&buf),
+                            StoredAt::Pack { .. } => chunk_digest(algo, &buf) == c.digest,
+                        };
+                        if !ok {
+                            let what = match c.at {
+                                StoredAt::Zero => "expected all zeros".to_string(),
+                                StoredAt::Pack { .. } => format!("digest {} differs from the snapshot's {}", chunk_digest(algo, &buf), c.digest),
+                            };
+                            failures.lock().expect("poisoned").push(fail_here(what));
+                        }
+                    }
+                });
+            }
+        });
+        let mut fs = failures.into_inner().expect("poisoned");
+        fs.sort_by_key(|f| f.chunk);
+        report.failures.extend(fs);
+        report.stored_bytes_checked += bytes.into_inner();
+        report.stored_chunks_checked += f.chunks.len() as u64;
+    }
+    report
+}
+
+/// Regular files under `dir`, as `/`-separated relative names.
+fn walk_files(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![(dir.to_path_buf(), String::new())];
+    while let Some((p, prefix)) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&p) else { continue };
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let rel = if prefix.is_empty() { name } else { format!("{prefix}/{name}") };
+            match e.file_type() {
+                Ok(t) if t.is_dir() => stack.push((e.path(), rel)),
+                Ok(_) => out.push(rel),
+                Err(_) => {}
+            }
+        }
+    }
+    out.sort();
+    out
+}

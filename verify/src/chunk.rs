@@ -1,0 +1,103 @@
+//! Verified chunk reads.
+
+use imgfmt::compress::{decompress, Codec};
+use imgfmt::{BlobSource, ChunkDigest, FormatError, HashAlgo, Image, StoredAt};
+
+use crate::hash::{chunk_digest, zero_digest};
+
+/// A chunk's uncompressed bytes, only constructible by checking them against their digest.
+#[derive(Clone, PartialEq, Eq)]
+pub struct VerifiedChunk(Vec<u8>);
+
+impl std::fmt::Debug for VerifiedChunk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "VerifiedChunk({} bytes)", self.0.len())
+    }
+}
+
+impl VerifiedChunk {
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+    pub fn into_vec(self) -> Vec<u8> {
+        self.0
+    }
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// Why a chunk could not be handed out.
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
+#[non_exhaustive]
+pub enum VerifyError {
+    /// {file}: chunk {chunk} at offset {offset}: digest mismatch: expected {expected}, got {actual}
+    DigestMismatch { file: String, chunk: u64, offset: u64, expected: ChunkDigest, actual: ChunkDigest },
+    /// {file}: chunk {chunk} at offset {offset}: stored bytes do not decode: {detail}
+    Corrupt { file: String, chunk: u64, offset: u64, detail: String },
+    /// {file}: chunk {chunk} at offset {offset}: zero chunk recorded with a non-zero digest {recorded}
+    BadZeroRecord { file: String, chunk: u64, offset: u64, recorded: ChunkDigest },
+    /// {file}: chunk {chunk} at offset {offset}: reading its pack failed: {source}
+    Read { file: String, chunk: u64, offset: u64, source: FormatError },
+}
+
+impl VerifyError {
+    /// Whether this is the storage saying no (I/O, missing blob), rather than content
+    /// that failed its check.
+    pub fn is_read_error(&self) -> bool {
+        matches!(self, VerifyError::Read { .. })
+    }
+}
+
+/// Decompress and check stored bytes. `Err` carries (detail, actual digest if computed).
+pub fn verify_stored(
+    algo: HashAlgo,
+    codec: Codec,
+    stored: &[u8],
+    len: u32,
+    expected: &ChunkDigest,
+) -> Result<VerifiedChunk, (String, Option<ChunkDigest>)> {
+    let raw = match codec {
+        // Raw chunks are checked in place, no copy before the check.
+        Codec::Raw if stored.len() == len as usize => {
+            let d = chunk_digest(algo, stored);
+            return if &d == expected { Ok(VerifiedChunk(stored.to_vec())) } else { Err(("digest mismatch".into(), Some(d))) };
+        }
+        _ => decompress(codec, stored, len as usize).map_err(|e| (e.to_string(), None))?,
+    };
+    let d = chunk_digest(algo, &raw);
+    if &d == expected {
+        Ok(VerifiedChunk(raw))
+    } else {
+        Err(("digest mismatch".into(), Some(d)))
+    }
+}
+
+/// Read chunk `chunk` of file `file` of `image` from `src`, verified. Zero chunks are
+/// produced locally (their recorded digest is checked against the zero digest).
+pub fn read_chunk(src: &dyn BlobSource, image: &Image, file: usize, chunk: u64) -> Result<VerifiedChunk, VerifyError> {
+    let f = &image.files[file];
+    let c = &f.chunks[chunk as usize];
+    let algo = image.config().hash;
+    let offset = chunk << image.chunk_shift();
+    match c.at {
+        StoredAt::Zero => {
+            if c.digest != zero_digest(algo, c.len) {
+                return Err(VerifyError::BadZeroRecord { file: f.name.clone(), chunk, offset, recorded: c.digest });
+            }
+            Ok(VerifiedChunk(vec![0u8; c.len as usize]))
+        }
+        StoredAt::Pack { pack, offset: at, stored_len, codec } => {
+            let mut buf = vec![0u8; stored_len as usize];
+            src.read_at_unverified(&image.packs[pack as usize].digest, at, &mut buf)
+                .map_err(|source| VerifyError::Read { file: f.name.clone(), chunk, offset, source })?;
+            verify_stored(algo, codec, &buf, c.len, &c.digest).map_err(|(detail, actual)| match actual {
+                Some(actual) => VerifyError::DigestMismatch { file: f.name.clone(), chunk, offset, expected: c.digest, actual },
+                None => VerifyError::Corrupt { file: f.name.clone(), chunk, offset, detail },
+            })
+        }
+    }
+}
