@@ -4,6 +4,8 @@
 //! All integration tests live in one test binary (`tests/tests/it/main.rs`) so the
 //! workspace links them once.
 
+pub mod registry_support;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;

@@ -69,6 +69,20 @@ impl ObjectStoreBackend {
         ObjectStoreBackend::new(Arc::new(s3), prefix, staging)
     }
 
+    /// An S3 store configured from `AWS_*` environment variables, then `overrides`
+    /// (`object_store` S3 config keys such as `aws_endpoint`, `aws_access_key_id`,
+    /// `aws_allow_http`): for tests and embedders that must not touch the environment.
+    pub fn s3_with(bucket: &str, prefix: &str, staging: &Path, overrides: &[(&str, &str)]) -> Result<ObjectStoreBackend> {
+        let mut b = object_store::aws::AmazonS3Builder::from_env().with_bucket_name(bucket);
+        for (k, v) in overrides {
+            let key: object_store::aws::AmazonS3ConfigKey =
+                k.parse().map_err(|e| StoreError::Backend(format!("S3 option {k}: {e}")))?;
+            b = b.with_config(key, *v);
+        }
+        let s3 = b.build().map_err(|e| StoreError::Backend(format!("configuring S3 bucket {bucket}: {e}")))?;
+        ObjectStoreBackend::new(Arc::new(s3), prefix, staging)
+    }
+
     fn path(&self, key: &str) -> Result<OsPath> {
         check_key(key)?;
         let full = if self.prefix.is_empty() { key.to_owned() } else { format!("{}/{key}", self.prefix) };
