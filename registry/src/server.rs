@@ -664,7 +664,9 @@ impl Server {
         let refs = manifest_refs(&json)?;
         for (child, is_manifest) in &refs.children {
             let key = if *is_manifest { layout::manifest_link(repo, child) } else { layout::layer_link(repo, child) };
-            if !exists(self.store.as_ref(), &key).await? {
+            // The bytes too, not only the link: gc may have swept an old unreferenced
+            // blob that a client skipped uploading because HEAD said it existed.
+            if !exists(self.store.as_ref(), &key).await? || !exists(self.store.as_ref(), &layout::blob(child)).await? {
                 return Err(ApiError::bad(Code::ManifestBlobUnknown, format!("{child} is not in {repo}")));
             }
         }
