@@ -9,6 +9,7 @@ APT_PKGS=(
   pkg-config libclang-dev clang      # bindgen (userfaultfd-sys)
   b3sum casync                       # format benchmark peers
   skopeo docker-registry             # registry peers
+  openssl bc                         # registry TLS test (self-signed cert), bench arithmetic
   hyperfine curl jq python3-pip
 )
 missing=()
@@ -25,3 +26,8 @@ pkill -f '^/usr/bin/docker-registry serve /etc/docker/registry/config.yml' 2>/de
 PIP_PKGS=(oras "moto[server]")
 python3 -m pip install -q --disable-pip-version-check "${PIP_PKGS[@]}" >/dev/null 2>&1 || \
   python3 -m pip install -q --disable-pip-version-check --break-system-packages "${PIP_PKGS[@]}"
+
+# s3s-fs: a second S3-compatible server (besides moto) for the registry's S3 storage tests.
+if ! command -v s3s-fs >/dev/null 2>&1; then
+  cargo install -q s3s-fs@0.14.1 --locked --features binary
+fi
