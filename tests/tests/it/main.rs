@@ -2,3 +2,5 @@
 
 mod format;
 mod registry;
+mod snapshot_registry;
+mod vectors;
