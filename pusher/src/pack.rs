@@ -130,6 +130,13 @@ enum Slot {
     Foreign { pack: PackRef, owner: &'static str, from_base: bool },
 }
 
+/// Per file, per chunk: `None` = inherited from the parent, `Some((digest, None))` = zero,
+/// `Some((digest, Some(loc)))` = stored.
+type Placed = Vec<Vec<Option<(ChunkDigest, Option<Loc>)>>>;
+
+/// A chunk's compressed form, when compression paid.
+type Compressed = (Codec, Vec<u8>);
+
 enum ToWriter {
     Data(Vec<u8>),
     Rollover,
@@ -214,7 +221,7 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     let writer_layout = dest;
     let mut report = PackReport { kind: kind.to_string(), files: sc.files.len(), skipped: sc.skipped.clone(), ..Default::default() };
 
-    let result: Result<(Vec<Vec<Option<(ChunkDigest, Option<Loc>)>>>, u64), PackError>;
+    let result: Result<(Placed, u64), PackError>;
     let own_packs: Result<Vec<(OciDigest, u64)>, FormatError>;
     {
         let (r, w) = std::thread::scope(|s| {
@@ -395,9 +402,8 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     Ok(report)
 }
 
-/// Read, digest and place every chunk. Returns per file, per chunk: `None` = inherited
-/// from the parent, `Some((digest, None))` = zero, `Some((digest, Some(loc)))` = stored.
-#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+/// Read, digest and place every chunk; returns the placement and the bytes sent to packs.
+#[allow(clippy::too_many_arguments)]
 fn chunk_all(
     files: &[scan::SourceFile],
     opts: &PackOptions,
@@ -407,7 +413,7 @@ fn chunk_all(
     foreign_slot: &mut HashMap<OciDigest, u32>,
     tx: &mpsc::SyncSender<ToWriter>,
     report: &mut PackReport,
-) -> Result<(Vec<Vec<Option<(ChunkDigest, Option<Loc>)>>>, u64), PackError> {
+) -> Result<(Placed, u64), PackError> {
     let shift = opts.chunk_shift;
     let cs = 1u64 << shift;
     let algo = opts.hash;
@@ -534,7 +540,7 @@ fn chunk_all(
                 decided.push(Some((j.digest, None)));
             }
             // Compress phase, in parallel, for new chunks only.
-            let mut compressed: Vec<(usize, Option<(Codec, Vec<u8>)>)> = to_store.iter().map(|&k| (k, None)).collect();
+            let mut compressed: Vec<(usize, Option<Compressed>)> = to_store.iter().map(|&k| (k, None)).collect();
             if opts.compression != Compression::None {
                 par_each(&mut compressed, opts.threads, |(k, out)| {
                     *out = opts.compression.compress(jobs[*k].data.as_deref().expect("stored chunk has data"));
