@@ -97,33 +97,64 @@ impl Serve {
 impl Drop for Serve {
     fn drop(&mut self) {
         self.kill9();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_file(&self.log);
+        } else {
+            eprintln!("snapctl serve log kept at {}", self.log.display());
+        }
     }
 }
 
-/// A moto S3 server on 127.0.0.1; killed on drop. `None` (after a loud skip) when
-/// `moto_server` is not installed.
+/// An S3-compatible server on 127.0.0.1 (moto, or s3s-fs); killed on drop. `None`
+/// (after a loud skip) when neither is installed. `SNAPCTL_S3_SERVER=moto|s3s-fs` picks
+/// one; by default moto if present, else s3s-fs.
 pub struct S3Server {
     child: Child,
     /// http://127.0.0.1:port
     pub endpoint: String,
+    _root: Option<tempfile::TempDir>,
 }
 
 impl S3Server {
-    /// Start moto_server and create `bucket`.
+    /// Start a server and create `bucket`.
     pub fn start(bucket: &str) -> Option<S3Server> {
-        if !crate::have("moto_server") {
+        let want = std::env::var("SNAPCTL_S3_SERVER").unwrap_or_default();
+        let quiet_have = |p: &str| {
+            Command::new("sh").arg("-c").arg(format!("command -v {p} >/dev/null 2>&1")).status().is_ok_and(|s| s.success())
+        };
+        let kind = match want.as_str() {
+            "s3s-fs" => "s3s-fs",
+            "moto" => "moto_server",
+            _ if !quiet_have("moto_server") && quiet_have("s3s-fs") => "s3s-fs",
+            _ => "moto_server",
+        };
+        if !crate::have(kind) {
             return None;
         }
         let port = free_port();
+        let endpoint = format!("http://127.0.0.1:{port}");
+        if kind == "s3s-fs" {
+            let root = tempfile::tempdir().expect("tempdir");
+            // s3s-fs buckets are directories of its root.
+            std::fs::create_dir_all(root.path().join(bucket)).unwrap();
+            let mut child = Command::new("s3s-fs")
+                .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--access-key", "test", "--secret-key", "test"])
+                .arg(root.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("spawn s3s-fs");
+            wait_for_port(port, &mut child, "s3s-fs");
+            return Some(S3Server { child, endpoint, _root: Some(root) });
+        }
         let mut child = Command::new("moto_server")
             .args(["-H", "127.0.0.1", "-p", &port.to_string()])
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+            .stderr(Stdio::null())
             .spawn()
             .expect("spawn moto_server");
         wait_for_port(port, &mut child, "moto_server");
-        let endpoint = format!("http://127.0.0.1:{port}");
-        let s = S3Server { child, endpoint };
+        let s = S3Server { child, endpoint, _root: None };
         // moto accepts unsigned bucket creation.
         let r = reqwest::blocking::Client::new().put(format!("{}/{bucket}", s.endpoint)).send().expect("create bucket");
         assert!(r.status().is_success(), "create bucket: {}", r.status());
