@@ -11,7 +11,8 @@ mod cmd;
 /// Store, move and serve checkpoint images of sandboxes and microVMs.
 ///
 /// Images are OCI artifacts: chunked, hash-verified, content-addressed. References are
-/// `oci:PATH[:TAG]` for a local OCI image layout.
+/// `oci:PATH[:TAG]` for a local OCI image layout, `HOST[:PORT]/REPO[:TAG|@DIGEST]` for a
+/// repository in any OCI registry (read commands).
 ///
 /// Exit codes: 0 ok, 1 verification failed, 2 error.
 #[derive(Debug, Parser)]

@@ -5,6 +5,9 @@
 //! source (layout | registry) -> verified chunk (verify::read_chunk) -> temp file -> fsync -> rename
 //! ```
 
+pub mod remote;
 mod unpack;
+
+pub use remote::{Credentials, RegistrySource};
 
 pub use unpack::{unpack, UnpackError, UnpackOptions, UnpackReport};

@@ -3,7 +3,7 @@
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use imgfmt::reference::{Reference, Selector};
 use imgfmt::{BlobSource, FormatError, Image, OciLayout};
 
@@ -60,8 +60,12 @@ pub fn open_ref(reference: &str) -> anyhow::Result<Opened> {
             let layout = OciLayout::open(&path).with_context(|| format!("opening {reference}"))?;
             Ok(Opened { source: Box::new(layout), selector, reference: reference.to_string() })
         }
-        Reference::Registry { .. } => {
-            bail!("{reference}: registry references are not supported by this command yet; copy the image into a layout first (skopeo copy docker://… oci:DIR:TAG)")
+        Reference::Registry { host, repository, selector } => {
+            let plain = std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || puller::remote::is_loopback(&host);
+            let creds = puller::remote::docker_config_credentials(&host);
+            let src = puller::RegistrySource::new(&host, &repository, plain, creds)
+                .with_context(|| format!("connecting to {host}"))?;
+            Ok(Opened { source: Box::new(src), selector, reference: reference.to_string() })
         }
     }
 }

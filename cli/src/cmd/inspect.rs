@@ -13,7 +13,8 @@ use super::common::{self, open_image, open_ref};
 /// inherited), compression ratio, roots and the base/parent chain.
 #[derive(Debug, clap::Args)]
 pub struct InspectArgs {
-    /// Image: oci:PATH[:TAG|@DIGEST].
+    /// Image: oci:PATH[:TAG|@DIGEST] or HOST[:PORT]/REPO[:TAG|@DIGEST] (plain HTTP for loopback
+    /// hosts or with SNAPCTL_PLAIN_HTTP=1; credentials from ~/.docker/config.json).
     pub image: String,
     /// Print JSON on stdout.
     #[arg(long)]

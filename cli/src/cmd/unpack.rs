@@ -15,7 +15,8 @@ use super::common::{self, open_image, open_ref, progress_bar};
 /// under its final name is always complete. Exit 1 if a chunk fails verification.
 #[derive(Debug, clap::Args)]
 pub struct UnpackArgs {
-    /// Image: oci:PATH[:TAG|@DIGEST].
+    /// Image: oci:PATH[:TAG|@DIGEST] or HOST[:PORT]/REPO[:TAG|@DIGEST] (plain HTTP for loopback
+    /// hosts or with SNAPCTL_PLAIN_HTTP=1; credentials from ~/.docker/config.json).
     pub image: String,
     /// Destination directory (created if missing).
     pub dest: PathBuf,

@@ -17,7 +17,8 @@ use super::common::{self, open_image, open_ref, IntegrityError};
 /// Exit codes: 0 verified, 1 integrity failure, 2 could not check.
 #[derive(Debug, clap::Args)]
 pub struct VerifyArgs {
-    /// Image: oci:PATH[:TAG|@DIGEST].
+    /// Image: oci:PATH[:TAG|@DIGEST] or HOST[:PORT]/REPO[:TAG|@DIGEST] (plain HTTP for loopback
+    /// hosts or with SNAPCTL_PLAIN_HTTP=1; credentials from ~/.docker/config.json).
     pub image: String,
     /// Also prove this directory is exactly the snapshot (files, sizes, modes, bytes).
     #[arg(long, value_name = "DIR")]

@@ -1,7 +1,8 @@
 //! Snapshot images through real OCI registries, carried by skopeo: `snapctl serve` and
 //! Debian's docker-registry (distribution 2.8). An image packed by snapctl, copied in and
 //! back out, must keep its manifest digest, verify, and unpack byte-identical — a layer
-//! included, since its manifest lists every blob it needs.
+//! included, since its manifest lists every blob it needs. snapctl's read commands also
+//! work on the registry reference itself.
 
 use std::fs;
 use std::path::Path;
@@ -101,7 +102,26 @@ fn round_trip_through(registry_addr: &str, work: &Path) {
         }
         let r = run(snapctl().args(["verify", &bref, "--against"]).arg(&out));
         assert_eq!(r.code, 0, "{r:?}");
+
+        // Read commands also work on the registry reference directly (byte ranges of packs).
+        let rref = format!("{registry_addr}/sandboxes/vm:{tag}");
+        let r = run(snapctl().args(["verify", &rref]));
+        assert_eq!(r.code, 0, "verify {rref}: {r:?}");
+        let direct = work.join(format!("direct-{tag}"));
+        let r = run(snapctl().args(["unpack", &rref]).arg(&direct));
+        assert_eq!(r.code, 0, "unpack {rref}: {r:?}");
+        let r = run(snapctl().args(["verify", &rref, "--against"]).arg(&direct));
+        assert_eq!(r.code, 0, "{r:?}");
+        let r = run(snapctl().args(["diff", &bref, &rref]));
+        assert_eq!(r.code, 0, "same image in layout and registry: {r:?}");
+        let r = run(snapctl().args(["inspect", &format!("{registry_addr}/sandboxes/vm@{digest}"), "--json"]));
+        assert_eq!(r.code, 0, "{r:?}");
+        let j: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+        assert_eq!(j["manifest"].as_str().unwrap(), digest.as_str());
     }
+    let r = run(snapctl().args(["verify", &format!("{registry_addr}/sandboxes/vm:missing")]));
+    assert_eq!(r.code, 2, "a missing tag cannot be checked: {r:?}");
+    assert!(r.stderr.contains("missing"), "{}", r.stderr);
 }
 
 #[test]
