@@ -33,7 +33,8 @@ PIP_PKGS=(oras "moto[server]")
 python3 -m pip install -q --disable-pip-version-check "${PIP_PKGS[@]}" >/dev/null 2>&1 || \
   python3 -m pip install -q --disable-pip-version-check --break-system-packages "${PIP_PKGS[@]}"
 
-# s3s-fs: a second S3-compatible server (besides moto) for the registry's S3 storage tests.
-if ! command -v s3s-fs >/dev/null 2>&1; then
+# s3s-fs: the other S3-compatible server the registry's S3 tests can use. Built (minutes of
+# CPU) only when moto_server is unavailable; SNAPCTL_INSTALL_S3S=1 forces it.
+if ! command -v s3s-fs >/dev/null 2>&1 && { ! command -v moto_server >/dev/null 2>&1 || [ "${SNAPCTL_INSTALL_S3S:-0}" = 1 ]; }; then
   cargo install -q s3s-fs@0.14.1 --locked --features binary
 fi
