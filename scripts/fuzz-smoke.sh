@@ -72,13 +72,17 @@ for t in "${targets[@]}"; do echo "fuzz-smoke: $t: $(find "$corpus/$t" -type f |
 
 cd "$root/fuzz"
 echo "fuzz-smoke: building ${#targets[@]} targets (target dir $CARGO_TARGET_DIR)" >&2
-cargo fuzz build -O "${targets[@]:0:1}" >/dev/null 2>&1 || true # warm the dependency build once
+# One build for all targets (ASan + libFuzzer, optimised), then run the binaries directly:
+# one cargo invocation per target would re-check the build each time.
+cargo fuzz build -O
+bin=$CARGO_TARGET_DIR/$(rustc -vV | sed -n 's/^host: //p')/release
 failed=()
 for t in "${targets[@]}"; do
   echo "fuzz-smoke: $t for ${secs}s" >&2
+  mkdir -p "$root/fuzz/artifacts/$t"
   # -rss_limit_mb / -malloc_limit_mb: an allocation over 2 GiB is a finding (a decoder must
   # bound what it allocates by its input and the format's limits).
-  if ! cargo fuzz run -O "$t" "$corpus/$t" -- \
+  if ! "$bin/$t" "$corpus/$t" -artifact_prefix="$root/fuzz/artifacts/$t/" \
       -max_total_time="$secs" -rss_limit_mb=2048 -malloc_limit_mb=2048 -timeout=10 -print_final_stats=1 \
       2>"$corpus/$t.log"; then
     failed+=("$t")
