@@ -205,6 +205,16 @@ pub fn resolve_chain(chain: &[ChainLink]) -> Result<(Vec<ResolvedFile>, Vec<Pack
         for (fi, (cf, xf)) in link.config.files.iter().zip(&ix.files).enumerate() {
             let n = chunk_count(xf.size, shift);
             let recs = ix.file_records(fi);
+            // Every chunk is either recorded here or inherited from the parent's file of
+            // the same name, so a file claiming more chunks than that is a lie; refuse it
+            // before allocating for it.
+            let parent_chunks = parent_by_name.get(cf.name.as_str()).map_or(0, |pf| pf.chunks.len() as u64);
+            if n > recs.len() as u64 + parent_chunks {
+                return Err(FormatError::invalid(
+                    "layer index",
+                    format!("{:?} claims {n} chunks but has {} records and its parent {parent_chunks} chunks", cf.name, recs.len()),
+                ));
+            }
             let mut chunks = Vec::with_capacity(n as usize);
             let mut r = recs.iter().peekable();
             for c in 0..n {
