@@ -108,7 +108,9 @@ impl OciLayout {
         fs::create_dir_all(&dir).map_err(io_err(format!("create {}", dir.display())))?;
         let tmp = tempname(&dir, ".tmp-blob");
         let file = OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(io_err(format!("create {}", tmp.display())))?;
-        Ok(BlobWriter { file: Some(io::BufWriter::with_capacity(1 << 20, file)), tmp, dir, hasher: sha2::Sha256::new(), len: 0 })
+        // Writes of at most 256 KiB reach the kernel: larger page-cache copies were several
+        // times slower on the VMs we measured (BENCHMARKS.md).
+        Ok(BlobWriter { file: Some(io::BufWriter::with_capacity(WRITE_PIECE, file)), tmp, dir, hasher: sha2::Sha256::new(), len: 0 })
     }
 
     fn read_index_json(&self) -> Result<ImageIndex, FormatError> {
@@ -250,8 +252,12 @@ impl BlobWriter {
     }
 }
 
+/// Largest write a [`BlobWriter`] passes to the kernel at once.
+const WRITE_PIECE: usize = 256 << 10;
+
 impl Write for BlobWriter {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let buf = &buf[..buf.len().min(WRITE_PIECE)];
         let n = self.file.as_mut().expect("not finished").write(buf)?;
         self.hasher.update(&buf[..n]);
         self.len += n as u64;

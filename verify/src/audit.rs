@@ -281,12 +281,16 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
                         continue;
                     }
                     bytes.fetch_add(w.stored_len as u64, Ordering::Relaxed);
-                    if let Err((detail, actual)) = verify_stored(algo, w.codec, &buf, w.len, &w.digest) {
-                        let f = match actual {
-                            Some(a) => Failure { message: format!("digest mismatch: expected {}, got {}", w.digest, a), ..base },
-                            None => Failure { kind: FailureKind::ChunkCorrupt, message: detail, ..base },
-                        };
-                        failures.lock().expect("poisoned").push(f);
+                    match verify_stored(algo, w.codec, std::mem::take(&mut buf), w.len, &w.digest) {
+                        // Keep the allocation for the next chunk.
+                        Ok(v) => buf = v.into_vec(),
+                        Err((detail, actual)) => {
+                            let f = match actual {
+                                Some(a) => Failure { message: format!("digest mismatch: expected {}, got {}", w.digest, a), ..base },
+                                None => Failure { kind: FailureKind::ChunkCorrupt, message: detail, ..base },
+                            };
+                            failures.lock().expect("poisoned").push(f);
+                        }
                     }
                 }
             });

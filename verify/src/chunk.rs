@@ -52,21 +52,18 @@ impl VerifyError {
     }
 }
 
-/// Decompress and check stored bytes. `Err` carries (detail, actual digest if computed).
+/// Decompress and check stored bytes (taken by value so a raw chunk is checked and
+/// handed out without a copy). `Err` carries (detail, actual digest if computed).
 pub fn verify_stored(
     algo: HashAlgo,
     codec: Codec,
-    stored: &[u8],
+    stored: Vec<u8>,
     len: u32,
     expected: &ChunkDigest,
 ) -> Result<VerifiedChunk, (String, Option<ChunkDigest>)> {
     let raw = match codec {
-        // Raw chunks are checked in place, no copy before the check.
-        Codec::Raw if stored.len() == len as usize => {
-            let d = chunk_digest(algo, stored);
-            return if &d == expected { Ok(VerifiedChunk(stored.to_vec())) } else { Err(("digest mismatch".into(), Some(d))) };
-        }
-        _ => decompress(codec, stored, len as usize).map_err(|e| (e.to_string(), None))?,
+        Codec::Raw if stored.len() == len as usize => stored,
+        _ => decompress(codec, &stored, len as usize).map_err(|e| (e.to_string(), None))?,
     };
     let d = chunk_digest(algo, &raw);
     if &d == expected {
@@ -74,6 +71,16 @@ pub fn verify_stored(
     } else {
         Err(("digest mismatch".into(), Some(d)))
     }
+}
+
+/// Check that a zero chunk's record carries the digest of zeros (no buffer needed).
+pub fn check_zero_record(image: &Image, file: usize, chunk: u64) -> Result<(), VerifyError> {
+    let f = &image.files[file];
+    let c = &f.chunks[chunk as usize];
+    if c.digest != zero_digest(image.config().hash, c.len) {
+        return Err(VerifyError::BadZeroRecord { file: f.name.clone(), chunk, offset: chunk << image.chunk_shift(), recorded: c.digest });
+    }
+    Ok(())
 }
 
 /// Read chunk `chunk` of file `file` of `image` from `src`, verified. Zero chunks are
@@ -85,16 +92,14 @@ pub fn read_chunk(src: &dyn BlobSource, image: &Image, file: usize, chunk: u64) 
     let offset = chunk << image.chunk_shift();
     match c.at {
         StoredAt::Zero => {
-            if c.digest != zero_digest(algo, c.len) {
-                return Err(VerifyError::BadZeroRecord { file: f.name.clone(), chunk, offset, recorded: c.digest });
-            }
+            check_zero_record(image, file, chunk)?;
             Ok(VerifiedChunk(vec![0u8; c.len as usize]))
         }
         StoredAt::Pack { pack, offset: at, stored_len, codec } => {
             let mut buf = vec![0u8; stored_len as usize];
             src.read_at_unverified(&image.packs[pack as usize].digest, at, &mut buf)
                 .map_err(|source| VerifyError::Read { file: f.name.clone(), chunk, offset, source })?;
-            verify_stored(algo, codec, &buf, c.len, &c.digest).map_err(|(detail, actual)| match actual {
+            verify_stored(algo, codec, buf, c.len, &c.digest).map_err(|(detail, actual)| match actual {
                 Some(actual) => VerifyError::DigestMismatch { file: f.name.clone(), chunk, offset, expected: c.digest, actual },
                 None => VerifyError::Corrupt { file: f.name.clone(), chunk, offset, detail },
             })
