@@ -12,7 +12,7 @@ fi
 
 # Debian packages: build deps and the real peers the tests talk to.
 APT_PKGS=(
-  pkg-config libclang-dev clang      # bindgen (userfaultfd-sys)
+  pkg-config libclang-dev clang g++  # bindgen (userfaultfd-sys); libFuzzer (fuzz smoke)
   b3sum casync                       # format benchmark peers
   skopeo docker-registry             # registry peers
   openssl bc                         # registry TLS test (self-signed cert), bench arithmetic
