@@ -105,7 +105,7 @@ impl Image {
             let index_digest = config.index.digest.clone();
             let index = ChunkIndex::decode(&read_verified_blob(src, &index_digest, MAX_INDEX_BYTES)?)?;
             check_config_matches_index(&config, &index)?;
-            let parent = config.parent.as_ref().map(|p| (p.config.clone(), p.index.clone()));
+            let parent = config.parent.as_ref().map(|p| p.config.clone());
             if index.layer != parent.is_some() {
                 return Err(FormatError::invalid(
                     "index",
@@ -113,13 +113,14 @@ impl Image {
                 ));
             }
             chain.push(ChainLink { config_digest: config_digest.clone(), config, index_digest, index });
+            // The parent's index digest named here is checked against the parent config's
+            // own index once the chain is read (below).
             match parent {
-                Some((c, i)) => {
+                Some(c) => {
                     if chain.iter().any(|l| l.config_digest == c) {
                         return Err(FormatError::invalid("parent chain", format!("cycle at config {c}")));
                     }
                     config_digest = c;
-                    let _ = i; // checked against the parent config's own index below
                 }
                 None => break,
             }

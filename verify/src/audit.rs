@@ -215,8 +215,10 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
                     StoredAt::Pack { pack, offset, stored_len, codec } => {
                         let gp = image.pack_index(&packs[pack as usize].digest).unwrap_or(u32::MAX);
                         if gp == u32::MAX {
-                            // An ancestor's pack that the image no longer uses but whose
-                            // chunks the ancestor's root covers; still audit it when present.
+                            // A chunk an ancestor had but this image replaced: its pack is
+                            // not part of this image (the manifest need not list it), so
+                            // there are no bytes to check; its digest still counted in the
+                            // ancestor's root above.
                             continue;
                         }
                         work.entry((gp, offset, c.digest, c.len)).or_insert(Work {
