@@ -11,7 +11,8 @@ cargo build --release -q -p snapctl
 S="$PWD/target/release/snapctl"
 W="$(mktemp -d "${TMPDIR:-/tmp}/snapctl-demo.XXXXXX")"
 trap 'rm -rf "$W"' EXIT
-step() { printf '\n\033[1m== %s\033[0m\n' "$*" >&2; }
+if [ -t 2 ] && [ -z "${NO_COLOR:-}" ]; then B=$'\033[1m'; N=$'\033[0m'; else B=""; N=""; fi
+step() { printf '\n%s== %s%s\n' "$B" "$*" "$N" >&2; }
 
 step "sample snapshot ($SIZE vm.mem, half holes) in $W/snap"
 "$S" sample "$W/snap" --size "$SIZE"
