@@ -8,7 +8,7 @@ export SNAPCTL_REQUIRE_PEERS="${SNAPCTL_REQUIRE_PEERS:-1}"
 export CARGO_TERM_COLOR=never
 cargo build --workspace --bins
 # The integration tests run this binary; naming it saves each test binary a nested cargo.
-export SNAPCTL_BIN="${SNAPCTL_BIN:-$PWD/target/debug/snapctl}"
+export SNAPCTL_BIN="${SNAPCTL_BIN:-${CARGO_TARGET_DIR:-$PWD/target}/debug/snapctl}"
 cargo test --workspace --no-fail-fast -- --test-threads="${SNAPCTL_TEST_THREADS:-2}"
 if [ -x scripts/fuzz-smoke.sh ] || [ -f scripts/fuzz-smoke.sh ]; then
   bash scripts/fuzz-smoke.sh
