@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian machine and runs every test: unit, integration (with real peers:
 # skopeo, docker-registry, oras, an S3 server), and a short fuzz run of every decoder.
+# Ends with one summary line, "total: N passed, M failed".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -9,7 +10,16 @@ export CARGO_TERM_COLOR=never
 cargo build --workspace --bins
 # The integration tests run this binary; naming it saves each test binary a nested cargo.
 export SNAPCTL_BIN="${SNAPCTL_BIN:-${CARGO_TARGET_DIR:-$PWD/target}/debug/snapctl}"
-cargo test --workspace --no-fail-fast -- --test-threads="${SNAPCTL_TEST_THREADS:-2}"
-if [ -x scripts/fuzz-smoke.sh ] || [ -f scripts/fuzz-smoke.sh ]; then
-  bash scripts/fuzz-smoke.sh
+log="$(mktemp "${TMPDIR:-/tmp}/snapctl-test.XXXXXX")"
+trap 'rm -f "$log"' EXIT
+status=0
+cargo test --workspace --no-fail-fast -- --test-threads="${SNAPCTL_TEST_THREADS:-2}" 2>&1 | tee "$log" || status=$?
+fuzz=0
+if [ -f scripts/fuzz-smoke.sh ]; then
+  bash scripts/fuzz-smoke.sh || { fuzz=1; status=1; }
 fi
+passed=$(sed -n 's/^test result: .* \([0-9][0-9]*\) passed; \([0-9][0-9]*\) failed.*/\1/p' "$log" | awk '{s+=$1} END {print s+0}')
+failed=$(sed -n 's/^test result: .* \([0-9][0-9]*\) passed; \([0-9][0-9]*\) failed.*/\2/p' "$log" | awk '{s+=$1} END {print s+0}')
+[ "$fuzz" = 0 ] || echo "fuzz smoke: a target crashed (see above)"
+echo "total: $passed passed, $((failed + fuzz)) failed"
+exit "$status"
