@@ -258,63 +258,59 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
     }
 
     let work: Vec<Work> = work.into_values().filter(|w| !bad_packs.contains(&w.pack)).collect();
-    let next = AtomicUsize::new(0);
     let bytes = AtomicU64::new(0);
     let failures = Mutex::new(Vec::new());
     std::thread::scope(|s| {
-        for _ in 0..opts.threads.max(1) {
+        if opts.blob_digests {
+            // One thread re-hashes whole packs while the others check chunks.
             s.spawn(|| {
-                let mut buf = Vec::new();
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(w) = work.get(i) else { break };
-                    let pack = &image.packs[w.pack as usize].digest;
-                    buf.resize(w.stored_len as usize, 0);
-                    let base = Failure {
-                        file: Some(w.file.clone()),
-                        chunk: Some(w.chunk),
-                        offset: Some(w.chunk << shift),
-                        blob: Some(pack.to_string()),
-                        blob_offset: Some(w.at),
-                        ..fail(FailureKind::ChunkDigest, "")
-                    };
-                    if let Err(e) = src.read_at_unverified(pack, w.at, &mut buf) {
-                        failures.lock().expect("poisoned").push(Failure { kind: FailureKind::PackUnreadable, message: e.to_string(), ..base });
+                for (i, p) in image.packs.iter().enumerate() {
+                    if bad_packs.contains(&(i as u32)) {
                         continue;
                     }
-                    bytes.fetch_add(w.stored_len as u64, Ordering::Relaxed);
-                    match verify_stored(algo, w.codec, std::mem::take(&mut buf), w.len, &w.digest) {
-                        // Keep the allocation for the next chunk.
-                        Ok(v) => buf = v.into_vec(),
-                        Err((detail, actual)) => {
-                            let f = match actual {
-                                Some(a) => Failure { message: format!("digest mismatch: expected {}, got {}", w.digest, a), ..base },
-                                None => Failure { kind: FailureKind::ChunkCorrupt, message: detail, ..base },
-                            };
-                            failures.lock().expect("poisoned").push(f);
-                        }
+                    match sha256_of_blob(src, &p.digest, p.size) {
+                        Ok(d) if d == p.digest => {}
+                        Ok(d) => failures.lock().expect("poisoned").push(Failure {
+                            blob: Some(p.digest.to_string()),
+                            ..fail(FailureKind::PackDigest, format!("pack content hashes to {d}"))
+                        }),
+                        Err(e) => failures.lock().expect("poisoned").push(Failure {
+                            blob: Some(p.digest.to_string()),
+                            ..fail(FailureKind::PackUnreadable, e.to_string())
+                        }),
                     }
                 }
             });
         }
-        if opts.blob_digests {
-            for (i, p) in image.packs.iter().enumerate() {
-                if bad_packs.contains(&(i as u32)) {
-                    continue;
-                }
-                match sha256_of_blob(src, &p.digest, p.size) {
-                    Ok(d) if d == p.digest => {}
-                    Ok(d) => failures.lock().expect("poisoned").push(Failure {
-                        blob: Some(p.digest.to_string()),
-                        ..fail(FailureKind::PackDigest, format!("pack content hashes to {d}"))
-                    }),
-                    Err(e) => failures.lock().expect("poisoned").push(Failure {
-                        blob: Some(p.digest.to_string()),
-                        ..fail(FailureKind::PackUnreadable, e.to_string())
-                    }),
+        for_each_index(work.len(), opts.threads, |i, buf| {
+            let w = &work[i];
+            let pack = &image.packs[w.pack as usize].digest;
+            buf.resize(w.stored_len as usize, 0);
+            let base = Failure {
+                file: Some(w.file.clone()),
+                chunk: Some(w.chunk),
+                offset: Some(w.chunk << shift),
+                blob: Some(pack.to_string()),
+                blob_offset: Some(w.at),
+                ..fail(FailureKind::ChunkDigest, "")
+            };
+            if let Err(e) = src.read_at_unverified(pack, w.at, buf) {
+                failures.lock().expect("poisoned").push(Failure { kind: FailureKind::PackUnreadable, message: e.to_string(), ..base });
+                return;
+            }
+            bytes.fetch_add(w.stored_len as u64, Ordering::Relaxed);
+            match verify_stored(algo, w.codec, std::mem::take(buf), w.len, &w.digest) {
+                // Keep the allocation for the next chunk.
+                Ok(v) => *buf = v.into_vec(),
+                Err((detail, actual)) => {
+                    let f = match actual {
+                        Some(a) => Failure { message: format!("digest mismatch: expected {}, got {}", w.digest, a), ..base },
+                        None => Failure { kind: FailureKind::ChunkCorrupt, message: detail, ..base },
+                    };
+                    failures.lock().expect("poisoned").push(f);
                 }
             }
-        }
+        });
     });
     let mut failures = failures.into_inner().expect("poisoned");
     failures.sort_by(|a, b| (&a.file, a.chunk, &a.blob).cmp(&(&b.file, b.chunk, &b.blob)));
@@ -322,6 +318,26 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
     report.stored_chunks_checked += work.len() as u64;
     report.stored_bytes_checked += bytes.into_inner();
     Ok(())
+}
+
+/// Run `f(i, scratch)` for every `i < n` on `threads` threads, each thread taking the next
+/// index as it finishes one (chunks differ in cost) and keeping its own scratch buffer.
+fn for_each_index(n: usize, threads: usize, f: impl Fn(usize, &mut Vec<u8>) + Sync) {
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..threads.max(1) {
+            s.spawn(|| {
+                let mut buf = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= n {
+                        break;
+                    }
+                    f(i, &mut buf);
+                }
+            });
+        }
+    });
 }
 
 fn sha256_of_blob(src: &dyn BlobSource, d: &OciDigest, size: u64) -> Result<OciDigest, FormatError> {
@@ -374,43 +390,33 @@ pub fn audit_against(image: &Image, dir: &Path, opts: &AuditOptions) -> AuditRep
         if md.mode() & 0o7777 != f.mode {
             report.failures.push(meta_fail(format!("mode is {:o}, snapshot has {:o}", md.mode() & 0o7777, f.mode)));
         }
-        let next = AtomicUsize::new(0);
         let bytes = AtomicU64::new(0);
         let failures = Mutex::new(Vec::new());
-        std::thread::scope(|s| {
-            for _ in 0..opts.threads.max(1) {
-                s.spawn(|| {
-                    let mut buf = Vec::new();
-                    loop {
-                        let ci = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(c) = f.chunks.get(ci) else { break };
-                        let off = (ci as u64) << shift;
-                        buf.resize(c.len as usize, 0);
-                        let res = file.read_exact_at(&mut buf, off);
-                        let fail_here = |m: String| Failure {
-                            file: Some(f.name.clone()),
-                            chunk: Some(ci as u64),
-                            offset: Some(off),
-                            ..fail(FailureKind::FileContent, m)
-                        };
-                        if let Err(e) = res {
-                            failures.lock().expect("poisoned").push(fail_here(format!("read failed: {e}")));
-                            continue;
-                        }
-                        bytes.fetch_add(c.len as u64, Ordering::Relaxed);
-                        let ok = match c.at {
-                            StoredAt::Zero => is_zero(&buf),
-                            StoredAt::Pack { .. } => chunk_digest(algo, &buf) == c.digest,
-                        };
-                        if !ok {
-                            let what = match c.at {
-                                StoredAt::Zero => "expected all zeros".to_string(),
-                                StoredAt::Pack { .. } => format!("digest {} differs from the snapshot's {}", chunk_digest(algo, &buf), c.digest),
-                            };
-                            failures.lock().expect("poisoned").push(fail_here(what));
-                        }
-                    }
-                });
+        for_each_index(f.chunks.len(), opts.threads, |ci, buf| {
+            let c = &f.chunks[ci];
+            let off = (ci as u64) << shift;
+            buf.resize(c.len as usize, 0);
+            let fail_here = |m: String| Failure {
+                file: Some(f.name.clone()),
+                chunk: Some(ci as u64),
+                offset: Some(off),
+                ..fail(FailureKind::FileContent, m)
+            };
+            if let Err(e) = file.read_exact_at(buf, off) {
+                failures.lock().expect("poisoned").push(fail_here(format!("read failed: {e}")));
+                return;
+            }
+            bytes.fetch_add(c.len as u64, Ordering::Relaxed);
+            let ok = match c.at {
+                StoredAt::Zero => is_zero(buf),
+                StoredAt::Pack { .. } => chunk_digest(algo, buf) == c.digest,
+            };
+            if !ok {
+                let what = match c.at {
+                    StoredAt::Zero => "expected all zeros".to_string(),
+                    StoredAt::Pack { .. } => format!("digest {} differs from the snapshot's {}", chunk_digest(algo, buf), c.digest),
+                };
+                failures.lock().expect("poisoned").push(fail_here(what));
             }
         });
         let mut fs = failures.into_inner().expect("poisoned");
