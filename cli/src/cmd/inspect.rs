@@ -68,14 +68,17 @@ struct Out {
     base: Option<serde_json::Value>,
 }
 
-pub fn counts(image: &Image) -> (Vec<Counts>, Counts) {
-    let own: HashSet<&imgfmt::OciDigest> = image
+/// Pack blobs this image wrote itself (as opposed to ones it inherits or references).
+fn own_packs(image: &Image) -> impl Iterator<Item = &imgfmt::Descriptor> {
+    image
         .manifest
         .layers
         .iter()
         .filter(|d| d.media_type == media::PACK && d.annotations.get(media::ANN_OWNER).is_some_and(|o| o == "self"))
-        .map(|d| &d.digest)
-        .collect();
+}
+
+pub fn counts(image: &Image) -> (Vec<Counts>, Counts) {
+    let own: HashSet<&imgfmt::OciDigest> = own_packs(image).map(|d| &d.digest).collect();
     let mut total = Counts::default();
     let mut per = Vec::new();
     for f in &image.files {
@@ -115,13 +118,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
     let image = open_image(&o)?;
     let cfg = image.config();
     let (per, totals) = counts(&image);
-    let own_pack_bytes: u64 = image
-        .manifest
-        .layers
-        .iter()
-        .filter(|d| d.media_type == media::PACK && d.annotations.get(media::ANN_OWNER).is_some_and(|o| o == "self"))
-        .map(|d| d.size)
-        .sum();
+    let own_pack_bytes: u64 = own_packs(&image).map(|d| d.size).sum();
     let metadata_bytes = image.manifest_bytes.len() as u64 + image.manifest.config.size + cfg.index.size;
     let chain: Vec<serde_json::Value> = image
         .chain
