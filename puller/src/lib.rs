@@ -5,9 +5,8 @@
 //! source (layout | registry) -> verified chunk (verify::read_chunk) -> temp file -> fsync -> rename
 //! ```
 
-pub mod remote;
 mod unpack;
 
-pub use remote::{Credentials, RegistrySource};
+pub use registry::client::{Credentials, RegistrySource};
 
 pub use unpack::{unpack, UnpackError, UnpackOptions, UnpackReport};

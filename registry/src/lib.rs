@@ -1,5 +1,7 @@
-//! An OCI Distribution (v1.1) server that stores blobs content-addressed over a
-//! blob-store trait: local disk by default, object storage for scale-out.
+//! The OCI Distribution (v1.1) protocol, both ends, in one place: a server that stores
+//! blobs content-addressed over a blob-store trait (local disk by default, object storage
+//! for scale-out), and the client that `push`, `pull`, `copy` and the lazy restore server
+//! use to talk to it or to any other OCI registry.
 //!
 //! Layers, bottom up:
 //! ```text
@@ -9,10 +11,12 @@
 //! auth       htpasswd users, ACL, docker token flow (HMAC-signed tokens)
 //! server     axum routes for the /v2/ API, /token, /metrics
 //! gc         mark and sweep of unreachable blobs
+//! client     the other end: a blocking HTTP client (auth, retries, ranges, uploads)
 //! ```
 //! The wire and storage formats are specified in `spec/registry.md`.
 
 pub mod auth;
+pub mod client;
 pub mod digest;
 pub mod error;
 pub mod gc;

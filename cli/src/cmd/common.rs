@@ -61,9 +61,9 @@ pub fn open_ref(reference: &str) -> anyhow::Result<Opened> {
             Ok(Opened { source: Box::new(layout), selector, reference: reference.to_string() })
         }
         Reference::Registry { host, repository, selector } => {
-            let plain = std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || puller::remote::is_loopback(&host);
-            let creds = puller::remote::docker_config_credentials(&host);
-            let src = puller::RegistrySource::new(&host, &repository, plain, creds)
+            let plain = std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || registry::client::is_loopback(&host);
+            let creds = registry::client::docker_config_credentials(&host);
+            let src = registry::client::RegistrySource::new(&host, &repository, plain, creds)
                 .with_context(|| format!("connecting to {host}"))?;
             Ok(Opened { source: Box::new(src), selector, reference: reference.to_string() })
         }
