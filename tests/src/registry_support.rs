@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 use sha2::{Digest as _, Sha256};
 
+use std::fs;
+
 use crate::{free_port, snapctl};
 
 /// Wait until something accepts TCP connections on 127.0.0.1:`port`.
@@ -262,3 +264,44 @@ pub fn htpasswd(path: &Path, users: &[(&str, &str)]) {
         users.iter().map(|(u, p)| format!("{u}:{}\n", bcrypt::hash(p, 4).expect("bcrypt"))).collect();
     std::fs::write(path, text).unwrap();
 }
+
+/// Debian's `docker-registry` (distribution 2.8: no referrers API) on a free loopback port.
+pub struct Distribution {
+    child: Child,
+    /// `127.0.0.1:PORT`.
+    pub addr: String,
+}
+
+impl Distribution {
+    /// Start `docker-registry` with its storage under `dir`.
+    pub fn start(dir: &Path) -> Distribution {
+        let port = free_port();
+        let addr = format!("127.0.0.1:{port}");
+        let cfg = dir.join("config.yml");
+        fs::write(
+            &cfg,
+            format!(
+                "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n",
+                dir.join("data").display()
+            ),
+        )
+        .unwrap();
+        let mut child = Command::new("docker-registry")
+            .arg("serve")
+            .arg(&cfg)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn docker-registry");
+        wait_for_port(port, &mut child, "docker-registry");
+        Distribution { child, addr }
+    }
+}
+
+impl Drop for Distribution {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+

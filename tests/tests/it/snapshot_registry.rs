@@ -6,10 +6,10 @@
 
 use std::fs;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
-use snapctl_tests::registry_support::{wait_for_port, Serve};
-use snapctl_tests::{free_port, have, run, snapctl};
+use snapctl_tests::registry_support::{Distribution, Serve};
+use snapctl_tests::{have, run, snapctl};
 
 fn skopeo(src: &str, dst: &str) -> snapctl_tests::Run {
     run(Command::new("skopeo").args([
@@ -21,44 +21,6 @@ fn skopeo(src: &str, dst: &str) -> snapctl_tests::Run {
         src,
         dst,
     ]))
-}
-
-/// Debian's docker-registry on a free 127.0.0.1 port with its own storage; killed on drop.
-struct Distribution {
-    child: Child,
-    addr: String,
-}
-
-impl Distribution {
-    fn start(dir: &Path) -> Distribution {
-        let port = free_port();
-        let addr = format!("127.0.0.1:{port}");
-        let cfg = dir.join("config.yml");
-        fs::write(
-            &cfg,
-            format!(
-                "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n",
-                dir.join("data").display()
-            ),
-        )
-        .unwrap();
-        let mut child = Command::new("docker-registry")
-            .arg("serve")
-            .arg(&cfg)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn docker-registry");
-        wait_for_port(port, &mut child, "docker-registry");
-        Distribution { child, addr }
-    }
-}
-
-impl Drop for Distribution {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn pack(src: &Path, dest: &str, extra: &[&str]) -> String {
