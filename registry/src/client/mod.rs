@@ -1,15 +1,39 @@
-//! Reading images straight from any OCI registry (distribution API), as a
-//! [`BlobSource`]: manifests by tag or digest, whole blobs, and byte ranges of packs.
+//! The client end of the registry protocol: reading images straight from any OCI
+//! registry (distribution API) as a [`BlobSource`], and writing to it (blob uploads with
+//! resume, cross-repository mounts, manifests, referrers).
 //!
-//! This is the read half of the registry protocol (the push half comes with `snapctl
-//! push`). It speaks plain HTTP to 127.0.0.1/localhost and HTTPS elsewhere, answers
+//! ```text
+//! mod.rs       RegistrySource: HTTP(S), auth challenges, retries; the read half (BlobSource)
+//! upload.rs    write half: HEAD, mount, POST/PATCH/PUT uploads with resume, manifest PUT
+//! referrers.rs referrers API and the OCI 1.1 fallback tag `sha256-<hex>`
+//! state.rs     resume state files of chunked uploads
+//! known.rs     which repositories of a host hold which blobs (for mounts)
+//! config.rs    Docker's config.json (credentials) and snapctl's cache directory
+//! error.rs     ClientError and the registry's OCI error bodies
+//! ```
+//!
+//! It speaks plain HTTP to 127.0.0.1/localhost and HTTPS elsewhere, answers
 //! `WWW-Authenticate` challenges (Basic, and the Bearer token flow) with credentials from
 //! `~/.docker/config.json` or the caller, and retries transient failures (connection
-//! errors, 408, 429, 5xx) with exponential backoff and jitter. Everything it returns is
-//! unverified; callers check digests (see `imgfmt::source`).
+//! errors, 408, 429 honouring `Retry-After`, 5xx) with exponential backoff and jitter.
+//! Everything the read half returns is unverified; callers check digests (see
+//! `imgfmt::source`). The wire behaviour is specified in `spec/transfer.md`.
 
-use std::collections::HashSet;
+mod config;
+mod error;
+mod known;
+mod referrers;
+pub mod state;
+mod upload;
+
+pub use config::{cache_dir, docker_config_credentials, docker_config_path, remove_docker_credentials, store_docker_credentials};
+pub use error::{explain, ClientError};
+pub use known::KnownBlobs;
+pub use upload::{MemSource, PutManifest, UploadOptions, Uploaded, DEFAULT_PIECE, MAX_PIECE};
+
+use std::collections::{BTreeSet, HashSet};
 use std::io::Read;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -28,29 +52,13 @@ impl std::fmt::Debug for Credentials {
     }
 }
 
-/// Look up `host` in `~/.docker/config.json` (`auths.<host>.auth`, base64 `user:pass`).
-pub fn docker_config_credentials(host: &str) -> Option<Credentials> {
-    use base64::Engine;
-    let home = std::env::var_os("DOCKER_CONFIG")
-        .map(std::path::PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".docker")))?;
-    let text = std::fs::read(home.join("config.json")).ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&text).ok()?;
-    let auths = v.get("auths")?.as_object()?;
-    let entry = auths.get(host).or_else(|| auths.get(&format!("https://{host}")))?;
-    let decoded = base64::engine::general_purpose::STANDARD.decode(entry.get("auth")?.as_str()?).ok()?;
-    let s = String::from_utf8(decoded).ok()?;
-    let (u, p) = s.split_once(':')?;
-    Some(Credentials { username: u.into(), password: p.into() })
-}
-
 /// Whether a host is local, where plain HTTP is the default.
 pub fn is_loopback(host: &str) -> bool {
     let h = host.rsplit_once(':').map(|(h, _)| h).unwrap_or(host);
     h == "localhost" || h == "127.0.0.1" || h == "[::1]" || h.starts_with("127.")
 }
 
-/// A repository in a registry, read over HTTP(S).
+/// A repository in a registry, read and written over HTTP(S).
 pub struct RegistrySource {
     client: reqwest::blocking::Client,
     base: String,
@@ -59,13 +67,43 @@ pub struct RegistrySource {
     creds: Option<Credentials>,
     /// `Authorization` header value that worked last (a bearer token or basic).
     auth: Mutex<Option<String>>,
+    /// Token scopes to ask for beyond `repository:<repo>:pull` (push, mount sources).
+    scopes: Mutex<BTreeSet<String>>,
+    /// Set once a write was attempted: tokens must then carry `push`.
+    writing: AtomicBool,
     /// Digests known to name manifests (they are fetched from `/manifests/`).
     manifests: Mutex<HashSet<OciDigest>>,
     retries: u32,
 }
 
+/// Registry client under the name the write half reads best with.
+pub type RegistryClient = RegistrySource;
+
 fn http_err(what: &str, e: impl std::fmt::Display) -> FormatError {
     FormatError::Io { context: what.to_string(), source: std::io::Error::other(e.to_string()) }
+}
+
+/// One try of a request: a response to look at, or a failure worth retrying.
+enum Attempt {
+    Done(reqwest::blocking::Response),
+    Transient { message: String, retry_after: Option<Duration> },
+}
+
+/// Longest `Retry-After` honoured; a registry asking for more is treated as down.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
+
+/// `Retry-After` in seconds (the HTTP-date form is rare from registries and ignored).
+fn retry_after(resp: &reqwest::blocking::Response) -> Option<Duration> {
+    let s: u64 = resp.headers().get(reqwest::header::RETRY_AFTER)?.to_str().ok()?.trim().parse().ok()?;
+    Some(Duration::from_secs(s).min(MAX_RETRY_AFTER))
+}
+
+/// Exponential backoff with jitter: 200 ms, 400 ms, … capped at 5 s, plus up to 50 % more
+/// at random so parallel streams that failed together do not retry together.
+pub(crate) fn backoff(attempt: u32, retry_after: Option<Duration>) -> Duration {
+    let base = Duration::from_millis((100u64 << attempt.clamp(1, 6)).min(5000));
+    let jitter = Duration::from_millis(rand::random::<u64>() % (base.as_millis() as u64 / 2 + 1));
+    retry_after.map_or(base + jitter, |r| r.max(base))
 }
 
 impl RegistrySource {
@@ -84,100 +122,175 @@ impl RegistrySource {
             repository: repository.into(),
             creds,
             auth: Mutex::new(None),
+            scopes: Mutex::new(BTreeSet::new()),
+            writing: AtomicBool::new(false),
             manifests: Mutex::new(HashSet::new()),
             retries: 5,
         })
     }
 
-    /// Send a request (built fresh for each attempt), answering auth challenges and
-    /// retrying transient failures.
-    fn send(
+    /// The registry host (`HOST[:PORT]`).
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    /// The repository this client reads and writes.
+    pub fn repository(&self) -> &str {
+        &self.repository
+    }
+
+    /// How many times a transient failure is retried (default 5).
+    pub fn set_retries(&mut self, n: u32) {
+        self.retries = n;
+    }
+
+    /// One try: send, answer one auth challenge, classify the outcome.
+    fn attempt(
         &self,
         what: &str,
         build: &dyn Fn(&reqwest::blocking::Client) -> reqwest::blocking::RequestBuilder,
-    ) -> Result<reqwest::blocking::Response, FormatError> {
-        let mut attempt = 0u32;
+    ) -> Result<Attempt, ClientError> {
         let mut challenged = false;
         loop {
             let mut req = build(&self.client);
             if let Some(a) = self.auth.lock().expect("poisoned").clone() {
                 req = req.header(reqwest::header::AUTHORIZATION, a);
             }
-            let transient = match req.send() {
+            match req.send() {
                 Ok(resp) => {
                     let st = resp.status();
                     if st == reqwest::StatusCode::UNAUTHORIZED && !challenged {
                         challenged = true;
                         let hdr = resp.headers().get(reqwest::header::WWW_AUTHENTICATE).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
-                        self.authenticate(&hdr)?;
-                        continue;
+                        if !hdr.is_empty() {
+                            self.authenticate(&hdr)?;
+                            continue;
+                        }
                     }
                     let code = st.as_u16();
                     if code == 408 || code == 429 || st.is_server_error() {
-                        format!("{what}: HTTP {st}")
-                    } else {
-                        return Ok(resp);
+                        return Ok(Attempt::Transient { message: format!("HTTP {st}"), retry_after: retry_after(&resp) });
                     }
+                    return Ok(Attempt::Done(resp));
                 }
-                Err(e) if e.is_connect() || e.is_timeout() || e.is_request() => format!("{what}: {e}"),
-                Err(e) => return Err(http_err(what, e)),
-            };
-            attempt += 1;
-            if attempt > self.retries {
-                return Err(http_err(&format!("{transient} (gave up after {} attempts)", attempt), "retries exhausted"));
+                Err(e) if e.is_connect() || e.is_timeout() || e.is_request() || e.is_body() => {
+                    return Ok(Attempt::Transient { message: error_chain(&e), retry_after: None })
+                }
+                Err(e) => return Err(ClientError::Http { what: what.into(), message: error_chain(&e) }),
             }
-            // Exponential backoff with jitter: 100 ms, 200 ms, … capped at 5 s.
-            let base = 100u64 << attempt.min(6);
-            let jitter = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos() as u64 % 100).unwrap_or(0);
-            std::thread::sleep(Duration::from_millis(base.min(5000) + jitter));
         }
     }
 
+    /// Send a request (built fresh for each attempt), answering auth challenges and
+    /// retrying transient failures. Only for requests that are safe to repeat.
+    fn send(
+        &self,
+        what: &str,
+        build: &dyn Fn(&reqwest::blocking::Client) -> reqwest::blocking::RequestBuilder,
+    ) -> Result<reqwest::blocking::Response, ClientError> {
+        let mut attempt = 0u32;
+        loop {
+            match self.attempt(what, build)? {
+                Attempt::Done(r) => return Ok(r),
+                Attempt::Transient { message, retry_after } => {
+                    attempt += 1;
+                    if attempt > self.retries {
+                        return Err(ClientError::RetriesExhausted { what: what.into(), attempts: attempt, last: message });
+                    }
+                    tracing::debug!("{what}: {message}; retrying");
+                    std::thread::sleep(backoff(attempt, retry_after));
+                }
+            }
+        }
+    }
+
+    /// Turn a non-success response into the registry's error (its OCI error message).
+    fn refusal(what: &str, resp: reqwest::blocking::Response) -> ClientError {
+        let status = resp.status().as_u16();
+        let mut body = Vec::new();
+        let _ = resp.take(64 << 10).read_to_end(&mut body);
+        let (code, message) = explain(status, &body);
+        ClientError::Registry { what: what.into(), status, code, message }
+    }
+
     /// Answer a `WWW-Authenticate` challenge: Basic with the credentials, or the Bearer
-    /// token flow (GET realm?service=…&scope=repository:<repo>:pull).
-    fn authenticate(&self, challenge: &str) -> Result<(), FormatError> {
+    /// token flow (GET realm?service=…&scope=…, scopes from the challenge plus
+    /// `repository:<repo>:pull[,push]` and `repository:<mount source>:pull`).
+    fn authenticate(&self, challenge: &str) -> Result<(), ClientError> {
         use base64::Engine;
         let (scheme, params) = challenge.split_once(' ').unwrap_or((challenge, ""));
         let basic = self.creds.as_ref().map(|c| {
             format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(format!("{}:{}", c.username, c.password)))
         });
         if scheme.eq_ignore_ascii_case("basic") {
-            let b = basic.ok_or_else(|| http_err(&format!("{}: registry wants credentials", self.host), "use ~/.docker/config.json"))?;
+            let b = basic.ok_or_else(|| ClientError::NeedsCredentials { host: self.host.clone() })?;
             *self.auth.lock().expect("poisoned") = Some(b);
             return Ok(());
         }
         if !scheme.eq_ignore_ascii_case("bearer") {
-            return Err(http_err(&format!("{}: unsupported auth scheme {scheme:?}", self.host), "unauthorized"));
+            return Err(ClientError::Http { what: self.host.clone(), message: format!("unsupported auth scheme {scheme:?}") });
         }
         let mut realm = None;
         let mut service = None;
+        let mut scopes = BTreeSet::new();
         for part in split_params(params) {
             if let Some((k, v)) = part.split_once('=') {
                 let v = v.trim().trim_matches('"').to_string();
                 match k.trim() {
                     "realm" => realm = Some(v),
                     "service" => service = Some(v),
+                    "scope" => {
+                        scopes.extend(v.split(' ').filter(|s| !s.is_empty()).map(str::to_string));
+                    }
                     _ => {}
                 }
             }
         }
-        let realm = realm.ok_or_else(|| http_err(&format!("{}: bearer challenge without realm", self.host), challenge))?;
-        let scope = format!("repository:{}:pull", self.repository);
-        let mut req = self.client.get(&realm).query(&[("scope", scope.as_str())]);
+        let realm = realm.ok_or_else(|| ClientError::Http { what: self.host.clone(), message: format!("bearer challenge without realm: {challenge}") })?;
+        if !self.repository.is_empty() {
+            let actions = if self.writing.load(Ordering::Relaxed) { "pull,push" } else { "pull" };
+            scopes.insert(format!("repository:{}:{actions}", self.repository));
+        }
+        scopes.extend(self.scopes.lock().expect("poisoned").iter().cloned());
+        let mut req = self.client.get(&realm);
+        for s in &scopes {
+            req = req.query(&[("scope", s.as_str())]);
+        }
         if let Some(s) = &service {
             req = req.query(&[("service", s.as_str())]);
         }
         if let Some(b) = &basic {
             req = req.header(reqwest::header::AUTHORIZATION, b);
         }
-        let resp = req.send().map_err(|e| http_err("token request", e))?;
+        let what = format!("token request to {realm}");
+        let resp = req.send().map_err(|e| ClientError::Http { what: what.clone(), message: error_chain(&e) })?;
         if !resp.status().is_success() {
-            return Err(http_err(&format!("{}: token endpoint said {}", self.host, resp.status()), "unauthorized"));
+            let status = resp.status().as_u16();
+            if (status == 401 || status == 403) && self.creds.is_none() {
+                return Err(ClientError::NeedsCredentials { host: self.host.clone() });
+            }
+            return Err(Self::refusal(&what, resp));
         }
-        let v: serde_json::Value = resp.json().map_err(|e| http_err("token response", e))?;
-        let token = v.get("token").or_else(|| v.get("access_token")).and_then(|t| t.as_str()).ok_or_else(|| http_err("token response", "no token"))?;
+        let v: serde_json::Value = resp.json().map_err(|e| ClientError::Http { what: what.clone(), message: e.to_string() })?;
+        let token = v
+            .get("token")
+            .or_else(|| v.get("access_token"))
+            .and_then(|t| t.as_str())
+            .ok_or_else(|| ClientError::Http { what, message: "no token in the response".into() })?;
         *self.auth.lock().expect("poisoned") = Some(format!("Bearer {token}"));
         Ok(())
+    }
+
+    /// Check that the registry accepts this client's credentials: `GET /v2/` after
+    /// answering its challenge must say 200.
+    pub fn check_login(&self) -> Result<(), ClientError> {
+        let url = format!("{}/v2/", self.base);
+        let what = format!("logging in to {}", self.host);
+        let resp = self.send(&what, &|c| c.get(&url))?;
+        if resp.status().is_success() {
+            return Ok(());
+        }
+        Err(Self::refusal(&what, resp))
     }
 
     fn url(&self, kind: &str, reference: &str) -> String {
@@ -189,13 +302,26 @@ impl RegistrySource {
     }
 
     fn not_found_or(&self, resp: reqwest::blocking::Response, what: &str, d: Option<&OciDigest>) -> FormatError {
-        let st = resp.status();
-        let body = resp.text().unwrap_or_default();
-        match (st.as_u16(), d) {
+        match (resp.status().as_u16(), d) {
             (404, Some(d)) => FormatError::BlobNotFound(d.clone()),
-            _ => http_err(&format!("{what}: HTTP {st}"), body.chars().take(300).collect::<String>()),
+            _ => Self::refusal(what, resp).into(),
         }
     }
+}
+
+/// An error and its causes on one line (reqwest hides the useful part in `source()`).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        cur = c.source();
+    }
+    s
 }
 
 /// Split `a="x,y",b=c` on commas outside quotes.
@@ -224,7 +350,7 @@ impl BlobSource for RegistrySource {
     fn resolve_tag(&self, tag: &str) -> Result<OciDigest, FormatError> {
         let url = self.url("manifests", tag);
         let what = format!("resolving {}:{tag}", self.describe());
-        let resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::ACCEPT, Self::accept()))?;
+        let resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::ACCEPT, Self::accept())).map_err(FormatError::from)?;
         if resp.status().as_u16() == 404 {
             return Err(FormatError::TagNotFound { layout: self.describe(), tag: tag.into() });
         }
@@ -250,7 +376,7 @@ impl BlobSource for RegistrySource {
         for kind in order {
             let url = self.url(kind, d.as_str());
             let what = format!("fetching {d} from {}", self.describe());
-            let resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::ACCEPT, Self::accept()))?;
+            let resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::ACCEPT, Self::accept())).map_err(FormatError::from)?;
             if resp.status().as_u16() == 404 {
                 continue;
             }
@@ -274,7 +400,7 @@ impl BlobSource for RegistrySource {
         for kind in ["blobs", "manifests"] {
             let url = self.url(kind, d.as_str());
             let what = format!("HEAD {d} on {}", self.describe());
-            let resp = self.send(&what, &|c| c.head(&url).header(reqwest::header::ACCEPT, Self::accept()))?;
+            let resp = self.send(&what, &|c| c.head(&url).header(reqwest::header::ACCEPT, Self::accept())).map_err(FormatError::from)?;
             if resp.status().as_u16() == 404 {
                 continue;
             }
@@ -298,7 +424,7 @@ impl BlobSource for RegistrySource {
         let url = self.url("blobs", d.as_str());
         let range = format!("bytes={}-{}", offset, offset + buf.len() as u64 - 1);
         let what = format!("range {range} of {d} from {}", self.describe());
-        let mut resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone()))?;
+        let mut resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone())).map_err(FormatError::from)?;
         match resp.status().as_u16() {
             206 => {}
             // A registry that ignores Range sends the whole blob: usable only from offset 0.

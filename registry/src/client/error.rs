@@ -1,0 +1,118 @@
+//! What can go wrong talking to a registry, and the registry's own words for it (the OCI
+//! error body `{"errors":[{"code":…,"message":…}]}`).
+
+use imgfmt::{FormatError, OciDigest};
+
+/// An error of the registry client. The doc comment of each variant is its message.
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// {what}: registry answered HTTP {status}: {message}
+    Registry { what: String, status: u16, code: Option<String>, message: String },
+    /// {what}: {message}
+    Http { what: String, message: String },
+    /// {what}: gave up after {attempts} attempts: {last}
+    RetriesExhausted { what: String, attempts: u32, last: String },
+    /// {host} wants credentials: run `snapctl login {host}` (or add it to ~/.docker/config.json)
+    NeedsCredentials { host: String },
+    /// reading blob {digest} from the source: {source}
+    Source { digest: OciDigest, source: FormatError },
+    /// blob {digest}: the source's bytes hash to {actual}; nothing was committed
+    DigestMismatch { digest: OciDigest, actual: OciDigest },
+    /// {what}: {limit}-byte limit exceeded
+    TooLarge { what: String, limit: u64 },
+    /// {path}: {source}
+    State { path: std::path::PathBuf, source: std::io::Error },
+}
+
+impl ClientError {
+    /// The HTTP status a registry answered with, when this is a registry's refusal.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            ClientError::Registry { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+impl From<ClientError> for FormatError {
+    fn from(e: ClientError) -> FormatError {
+        match e {
+            ClientError::Source { source, .. } => source,
+            ClientError::DigestMismatch { digest, actual } => FormatError::BlobDigestMismatch { digest, actual },
+            other => FormatError::Io { context: "registry".into(), source: std::io::Error::other(other.to_string()) },
+        }
+    }
+}
+
+/// The registry's explanation from an OCI error body: `CODE: message[; CODE: message…]`,
+/// with the first code on its own. Bodies that are not OCI error JSON are quoted (cut to
+/// 300 characters) so a proxy's HTML error page still says something.
+pub fn explain(status: u16, body: &[u8]) -> (Option<String>, String) {
+    #[derive(serde::Deserialize)]
+    struct Body {
+        #[serde(default)]
+        errors: Vec<Item>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Item {
+        #[serde(default)]
+        code: String,
+        #[serde(default)]
+        message: String,
+    }
+    if let Ok(b) = serde_json::from_slice::<Body>(body) {
+        if !b.errors.is_empty() {
+            let text = b
+                .errors
+                .iter()
+                .map(|e| if e.message.is_empty() { e.code.clone() } else { format!("{}: {}", e.code, e.message) })
+                .collect::<Vec<_>>()
+                .join("; ");
+            let first = Some(b.errors[0].code.clone()).filter(|c| !c.is_empty());
+            return (first, with_hint(status, text));
+        }
+    }
+    let text = String::from_utf8_lossy(body);
+    let text: String = text.trim().chars().take(300).collect();
+    let text = if text.is_empty() { reason(status).to_string() } else { text };
+    (None, with_hint(status, text))
+}
+
+fn with_hint(status: u16, text: String) -> String {
+    match status {
+        401 => format!("{text} (hint: snapctl login HOST)"),
+        403 => format!("{text} (hint: the account lacks access to this repository)"),
+        _ => text,
+    }
+}
+
+fn reason(status: u16) -> &'static str {
+    reqwest::StatusCode::from_u16(status).ok().and_then(|s| s.canonical_reason()).unwrap_or("no explanation")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oci_error_json() {
+        let (code, msg) = explain(400, br#"{"errors":[{"code":"DIGEST_INVALID","message":"content is x, not y","detail":null}]}"#);
+        assert_eq!(code.as_deref(), Some("DIGEST_INVALID"));
+        assert_eq!(msg, "DIGEST_INVALID: content is x, not y");
+        let (_, msg) = explain(413, br#"{"errors":[{"code":"SIZE_INVALID","message":"a"},{"code":"B","message":""}]}"#);
+        assert_eq!(msg, "SIZE_INVALID: a; B");
+    }
+
+    #[test]
+    fn other_bodies() {
+        let (code, msg) = explain(404, b"404 page not found\n");
+        assert_eq!((code, msg.as_str()), (None, "404 page not found"));
+        let (_, msg) = explain(502, b"");
+        assert_eq!(msg, "Bad Gateway");
+        let (_, msg) = explain(401, br#"{"errors":[{"code":"UNAUTHORIZED","message":"authentication required"}]}"#);
+        assert!(msg.contains("snapctl login"), "{msg}");
+        let long = "x".repeat(1000);
+        assert_eq!(explain(500, long.as_bytes()).1.len(), 300);
+    }
+}

@@ -1,0 +1,149 @@
+//! Referrers: artifacts (a prefetch trace, a signature) that point at a snapshot through
+//! their manifest's `subject`. Listed by `GET /v2/<name>/referrers/<digest>` where the
+//! registry has the API (OCI distribution 1.1), else by the spec's fallback tag
+//! `<alg>-<hex>` naming an image index of referrer descriptors, which the pushing client
+//! maintains (read, add, write back) when the registry does not answer `OCI-Subject`.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+
+use imgfmt::manifest::{ImageIndex, MAX_MANIFEST_BYTES};
+use imgfmt::{media, BlobSource, Descriptor, Manifest, OciDigest};
+
+use super::{ClientError, RegistrySource};
+
+/// The OCI "empty" config (`{}`) artifact manifests carry.
+pub const EMPTY_CONFIG_TYPE: &str = "application/vnd.oci.empty.v1+json";
+/// Media type of a referrer's payload layer.
+pub const PAYLOAD_TYPE: &str = "application/octet-stream";
+/// Largest referrer payload read back.
+pub const MAX_PAYLOAD_BYTES: u64 = 256 << 20;
+
+/// The fallback tag for a subject: `sha256-<hex>`.
+pub fn fallback_tag(subject: &OciDigest) -> String {
+    format!("{}-{}", subject.algorithm(), subject.hex())
+}
+
+impl RegistrySource {
+    fn get_index(&self, url: &str, what: &str) -> Result<Option<(ImageIndex, bool)>, ClientError> {
+        let resp = self.send(what, &|c| c.get(url).header(reqwest::header::ACCEPT, media::OCI_INDEX))?;
+        match resp.status().as_u16() {
+            200 => {}
+            404 => return Ok(None),
+            _ => return Err(Self::refusal(what, resp)),
+        }
+        let filtered = resp.headers().get("oci-filters-applied").and_then(|v| v.to_str().ok()).is_some_and(|v| v.contains("artifactType"));
+        let mut b = Vec::new();
+        resp.take(MAX_MANIFEST_BYTES + 1).read_to_end(&mut b).map_err(|e| ClientError::Http { what: what.into(), message: e.to_string() })?;
+        if b.len() as u64 > MAX_MANIFEST_BYTES {
+            return Err(ClientError::TooLarge { what: what.into(), limit: MAX_MANIFEST_BYTES });
+        }
+        let idx: ImageIndex = serde_json::from_slice(&b).map_err(|e| ClientError::Http { what: what.into(), message: format!("not an image index: {e}") })?;
+        Ok(Some((idx, filtered)))
+    }
+
+    /// Referrers of `subject`, optionally only those of `artifact_type`: from the
+    /// referrers API, else from the fallback tag (empty when neither has any).
+    pub fn list_referrers(&self, subject: &OciDigest, artifact_type: Option<&str>) -> Result<Vec<Descriptor>, ClientError> {
+        let what = format!("listing referrers of {subject} in {}", self.describe());
+        let mut url = self.url("referrers", subject.as_str());
+        if let Some(t) = artifact_type {
+            url.push_str(&format!("?artifactType={}", form_urlencoded::byte_serialize(t.as_bytes()).collect::<String>()));
+        }
+        let (idx, filtered) = match self.get_index(&url, &what)? {
+            Some(x) => x,
+            None => match self.get_index(&self.url("manifests", &fallback_tag(subject)), &what)? {
+                Some((idx, _)) => (idx, false),
+                None => return Ok(Vec::new()),
+            },
+        };
+        let mut out = idx.manifests;
+        if let (Some(t), false) = (artifact_type, filtered) {
+            out.retain(|d| d.artifact_type.as_deref() == Some(t));
+        }
+        Ok(out)
+    }
+
+    /// Push an artifact of `artifact_type` holding `payload` that refers to manifest
+    /// `subject` (which must be in this repository), and make it findable: by the
+    /// registry's referrers API when it indexes `subject` itself, else by adding it to the
+    /// fallback tag's index. Returns the artifact manifest's digest.
+    ///
+    /// The fallback index is read, extended and written back; two clients doing this at
+    /// once for one subject can lose an entry (distribution has no conditional PUT).
+    pub fn push_referrer(
+        &self,
+        subject: &OciDigest,
+        artifact_type: &str,
+        payload: &[u8],
+        annotations: BTreeMap<String, String>,
+    ) -> Result<OciDigest, ClientError> {
+        let what = format!("subject {subject} in {}", self.describe());
+        let url = self.url("manifests", subject.as_str());
+        let resp = self.send(&what, &|c| c.head(&url).header(reqwest::header::ACCEPT, Self::accept()))?;
+        if !resp.status().is_success() {
+            return Err(Self::refusal(&what, resp));
+        }
+        let subject_type = resp.headers().get(reqwest::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or(media::OCI_MANIFEST).to_string();
+        let subject_size = resp
+            .headers()
+            .get(reqwest::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| ClientError::Http { what: what.clone(), message: "HEAD without Content-Length".into() })?;
+        let config = self.push_small_blob(b"{}")?;
+        let layer = self.push_small_blob(payload)?;
+        let manifest = Manifest {
+            schema_version: 2,
+            media_type: Some(media::OCI_MANIFEST.into()),
+            artifact_type: Some(artifact_type.into()),
+            config: Descriptor::new(EMPTY_CONFIG_TYPE, config, 2),
+            layers: vec![Descriptor::new(PAYLOAD_TYPE, layer, payload.len() as u64)],
+            subject: Some(Descriptor::new(&subject_type, subject.clone(), subject_size)),
+            annotations: annotations.clone(),
+        };
+        let bytes = manifest.encode();
+        let put = self.put_manifest(&OciDigest::of(&bytes).to_string(), &bytes)?;
+        if !put.subject_indexed {
+            let tag = fallback_tag(subject);
+            let what = format!("referrers fallback tag {}:{tag}", self.describe());
+            let mut idx = match self.get_index(&self.url("manifests", &tag), &what)? {
+                Some((idx, _)) => idx,
+                None => ImageIndex { schema_version: 2, media_type: Some(media::OCI_INDEX.into()), manifests: vec![], annotations: Default::default() },
+            };
+            if !idx.manifests.iter().any(|d| d.digest == put.digest) {
+                let mut desc = Descriptor::new(media::OCI_MANIFEST, put.digest.clone(), bytes.len() as u64);
+                desc.artifact_type = Some(artifact_type.into());
+                desc.annotations = annotations;
+                idx.manifests.push(desc);
+                idx.media_type = Some(media::OCI_INDEX.into());
+                self.put_manifest(&tag, &serde_json::to_vec(&idx).expect("serializes"))?;
+            }
+        }
+        Ok(put.digest)
+    }
+
+    /// The payload of a referrer listed by [`Self::list_referrers`], checked against the
+    /// digests in its (checked) manifest: verified bytes.
+    pub fn read_referrer_payload(&self, referrer: &Descriptor) -> Result<Vec<u8>, ClientError> {
+        use imgfmt::source::read_verified_blob;
+        self.manifests.lock().expect("poisoned").insert(referrer.digest.clone());
+        let m = read_verified_blob(self, &referrer.digest, MAX_MANIFEST_BYTES).map_err(|source| ClientError::Source { digest: referrer.digest.clone(), source })?;
+        let m = Manifest::decode(&m).map_err(|source| ClientError::Source { digest: referrer.digest.clone(), source })?;
+        let layer = m.layers.first().ok_or_else(|| ClientError::Http { what: format!("referrer {}", referrer.digest), message: "has no payload layer".into() })?;
+        read_verified_blob(self, &layer.digest, MAX_PAYLOAD_BYTES).map_err(|source| ClientError::Source { digest: layer.digest.clone(), source })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fallback_tag_is_a_valid_tag() {
+        let d = OciDigest::of(b"x");
+        let t = fallback_tag(&d);
+        assert!(t.starts_with("sha256-") && t.len() == 7 + 64);
+        imgfmt::layout::check_tag(&t).unwrap();
+    }
+}

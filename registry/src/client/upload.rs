@@ -1,0 +1,539 @@
+//! The write half: is a blob there (HEAD), mount it from another repository, upload it
+//! (POST, then PATCH pieces, then PUT with the last piece and the digest), and PUT
+//! manifests. See `spec/transfer.md` for the sequence on the wire.
+//!
+//! Uploads stream from any [`BlobSource`] one piece at a time (never the whole blob in
+//! memory) and hash what they send: the final PUT, which is what commits the blob, is only
+//! sent when the bytes read hash to the digest being pushed. Large uploads save their
+//! session URL after every PATCH (see [`super::state`]) so a killed push resumes.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+
+use bytes::Bytes;
+use imgfmt::{media, BlobSource, FormatError, OciDigest};
+use sha2::Digest as _;
+
+use super::state::{self, UploadState};
+use super::{backoff, Attempt, ClientError, RegistrySource};
+
+/// Default upload piece: blobs up to this size go up in one PUT, larger ones in PATCHes of
+/// this size (raised to the registry's `OCI-Chunk-Min-Length` when it asks for more).
+pub const DEFAULT_PIECE: u64 = 16 << 20;
+/// Largest piece this client holds in memory, whatever a registry asks for.
+pub const MAX_PIECE: u64 = 1 << 30;
+
+/// How to upload.
+#[derive(Debug, Clone)]
+pub struct UploadOptions {
+    /// Bytes per PATCH (and the largest blob sent in a single PUT).
+    pub piece: u64,
+    /// Where resume state goes (`None`: an interrupted upload starts over).
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl Default for UploadOptions {
+    fn default() -> Self {
+        UploadOptions { piece: DEFAULT_PIECE, cache_dir: Some(super::cache_dir()) }
+    }
+}
+
+/// What an upload did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Uploaded {
+    /// Blob bytes sent in request bodies (a retried piece counts twice).
+    pub bytes_sent: u64,
+    /// Bytes the registry already held from an earlier, interrupted run.
+    pub resumed_from: u64,
+}
+
+/// What a manifest PUT learned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PutManifest {
+    pub digest: OciDigest,
+    /// The registry answered `OCI-Subject`: it indexes referrers itself.
+    pub subject_indexed: bool,
+}
+
+/// One in-memory blob as a [`BlobSource`] (for small uploads: referrer payloads, configs).
+pub struct MemSource {
+    pub digest: OciDigest,
+    pub data: Bytes,
+}
+
+impl MemSource {
+    pub fn new(data: impl Into<Bytes>) -> Self {
+        let data = data.into();
+        MemSource { digest: OciDigest::of(&data), data }
+    }
+}
+
+impl BlobSource for MemSource {
+    fn describe(&self) -> String {
+        "memory".into()
+    }
+    fn resolve_tag(&self, tag: &str) -> Result<OciDigest, FormatError> {
+        Err(FormatError::TagNotFound { layout: "memory".into(), tag: tag.into() })
+    }
+    fn read_blob_unverified(&self, d: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
+        if d != &self.digest {
+            return Err(FormatError::BlobNotFound(d.clone()));
+        }
+        if self.data.len() as u64 > limit {
+            return Err(FormatError::TooLarge { what: "blob size", got: self.data.len() as u64, limit });
+        }
+        Ok(self.data.to_vec())
+    }
+    fn blob_size(&self, d: &OciDigest) -> Result<u64, FormatError> {
+        if d != &self.digest {
+            return Err(FormatError::BlobNotFound(d.clone()));
+        }
+        Ok(self.data.len() as u64)
+    }
+    fn read_at_unverified(&self, d: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+        self.blob_size(d)?;
+        let end = offset.checked_add(buf.len() as u64).filter(|&e| e <= self.data.len() as u64);
+        let Some(end) = end else {
+            return Err(FormatError::Truncated { what: "blob", got: self.data.len() as u64, expected: offset.saturating_add(buf.len() as u64) });
+        };
+        buf.copy_from_slice(&self.data[offset as usize..end as usize]);
+        Ok(())
+    }
+}
+
+/// sha256 or sha512, whichever the digest names.
+#[derive(Clone)]
+enum Hasher {
+    S256(sha2::Sha256),
+    S512(sha2::Sha512),
+}
+
+impl Hasher {
+    fn for_digest(d: &OciDigest) -> Self {
+        if d.algorithm() == "sha512" {
+            Hasher::S512(sha2::Sha512::new())
+        } else {
+            Hasher::S256(sha2::Sha256::new())
+        }
+    }
+    fn update(&mut self, b: &[u8]) {
+        match self {
+            Hasher::S256(h) => h.update(b),
+            Hasher::S512(h) => h.update(b),
+        }
+    }
+    fn finish(self) -> OciDigest {
+        match self {
+            Hasher::S256(h) => OciDigest::sha256_from_bytes(h.finalize().into()),
+            Hasher::S512(h) => format!("sha512:{}", hex::encode(h.finalize())).parse().expect("well-formed digest"),
+        }
+    }
+}
+
+/// The digest of a blob's first bytes, kept in step with what the registry holds.
+struct Prefix<'a> {
+    src: &'a dyn BlobSource,
+    digest: &'a OciDigest,
+    hasher: Hasher,
+    upto: u64,
+}
+
+impl Prefix<'_> {
+    /// Hash up to `offset`, re-reading from the source what was not hashed yet (after a
+    /// resume, or when the registry kept less than was sent).
+    fn advance_to(&mut self, offset: u64, buf: &mut Vec<u8>) -> Result<(), ClientError> {
+        if offset < self.upto {
+            self.hasher = Hasher::for_digest(self.digest);
+            self.upto = 0;
+        }
+        while self.upto < offset {
+            let n = (offset - self.upto).min(4 << 20) as usize;
+            buf.resize(n, 0);
+            self.src
+                .read_at_unverified(self.digest, self.upto, &mut buf[..n])
+                .map_err(|source| ClientError::Source { digest: self.digest.clone(), source })?;
+            self.hasher.update(&buf[..n]);
+            self.upto += n as u64;
+        }
+        Ok(())
+    }
+}
+
+/// An upload session: where to send the next bytes, and how many the registry holds.
+struct Session {
+    location: reqwest::Url,
+    offset: u64,
+}
+
+impl RegistrySource {
+    fn mark_writing(&self) {
+        if !self.writing.swap(true, Ordering::Relaxed) {
+            // A token obtained for reading lacks `push`: forget it, the next request's
+            // challenge gets one with both.
+            let mut a = self.auth.lock().expect("poisoned");
+            if a.as_deref().is_some_and(|v| v.starts_with("Bearer ")) {
+                *a = None;
+            }
+        }
+    }
+
+    /// Resolve a `Location` header (absolute, or relative to the registry).
+    fn location(&self, resp: &reqwest::blocking::Response, what: &str) -> Result<reqwest::Url, ClientError> {
+        let loc = resp
+            .headers()
+            .get(reqwest::header::LOCATION)
+            .and_then(|v| v.to_str().ok())
+            .ok_or_else(|| ClientError::Http { what: what.into(), message: format!("HTTP {} without a Location header", resp.status()) })?;
+        let base = reqwest::Url::parse(&self.base).map_err(|e| ClientError::Http { what: what.into(), message: e.to_string() })?;
+        base.join(loc).map_err(|e| ClientError::Http { what: what.into(), message: format!("bad Location {loc:?}: {e}") })
+    }
+
+    /// Whether the repository has blob `d` (HEAD; 404 = no).
+    pub fn blob_exists(&self, d: &OciDigest) -> Result<bool, ClientError> {
+        let url = self.url("blobs", d.as_str());
+        let what = format!("HEAD {d} on {}", self.describe());
+        let resp = self.send(&what, &|c| c.head(&url))?;
+        match resp.status().as_u16() {
+            200..=299 => Ok(true),
+            404 => Ok(false),
+            _ => Err(Self::refusal(&what, resp)),
+        }
+    }
+
+    /// Whether the repository has manifest `d` (HEAD on `/manifests/`).
+    pub fn manifest_exists(&self, d: &OciDigest) -> Result<bool, ClientError> {
+        let url = self.url("manifests", d.as_str());
+        let what = format!("HEAD manifest {d} on {}", self.describe());
+        let resp = self.send(&what, &|c| c.head(&url).header(reqwest::header::ACCEPT, Self::accept()))?;
+        match resp.status().as_u16() {
+            200..=299 => Ok(true),
+            404 => Ok(false),
+            _ => Err(Self::refusal(&what, resp)),
+        }
+    }
+
+    /// Cross-repository mount of `d` from repository `from` of the same registry:
+    /// `Ok(true)` when the registry linked it (201), `Ok(false)` when it declined (202: it
+    /// opened an upload session instead, which is cancelled here; the caller uploads).
+    pub fn mount_blob(&self, d: &OciDigest, from: &str) -> Result<bool, ClientError> {
+        self.mark_writing();
+        self.scopes.lock().expect("poisoned").insert(format!("repository:{from}:pull"));
+        let url = format!("{}/v2/{}/blobs/uploads/", self.base, self.repository);
+        let what = format!("mounting {d} from {from} into {}", self.describe());
+        let resp = self.send(&what, &|c| c.post(&url).query(&[("mount", d.as_str()), ("from", from)]).header(reqwest::header::CONTENT_LENGTH, "0"))?;
+        match resp.status().as_u16() {
+            201 => Ok(true),
+            202 => {
+                if let Ok(loc) = self.location(&resp, &what) {
+                    let _ = self.attempt(&what, &|c| c.delete(loc.clone()));
+                }
+                Ok(false)
+            }
+            _ => Err(Self::refusal(&what, resp)),
+        }
+    }
+
+    /// Start an upload session (POST). Returns it and the registry's minimum PATCH size.
+    fn start_upload(&self, d: &OciDigest) -> Result<(Session, u64), ClientError> {
+        let url = format!("{}/v2/{}/blobs/uploads/", self.base, self.repository);
+        let what = format!("starting upload of {d} to {}", self.describe());
+        let resp = self.send(&what, &|c| c.post(&url).header(reqwest::header::CONTENT_LENGTH, "0"))?;
+        if resp.status().as_u16() != 202 {
+            return Err(Self::refusal(&what, resp));
+        }
+        let min = resp.headers().get("oci-chunk-min-length").and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
+        Ok((Session { location: self.location(&resp, &what)?, offset: 0 }, min))
+    }
+
+    /// Ask the registry how much of a session it holds (GET → 204 + `Range`). `Ok(None)`:
+    /// the session is gone (or the registry no longer accepts this URL for it).
+    fn upload_status(&self, loc: &reqwest::Url) -> Result<Option<Session>, ClientError> {
+        let what = format!("upload status on {}", self.describe());
+        let resp = self.send(&what, &|c| c.get(loc.clone()))?;
+        if !resp.status().is_success() {
+            tracing::debug!("{what}: HTTP {}: session gone", resp.status());
+            return Ok(None);
+        }
+        let offset = resp.headers().get(reqwest::header::RANGE).and_then(|v| v.to_str().ok()).and_then(state::parse_upload_range);
+        let location = self.location(&resp, &what).unwrap_or_else(|_| loc.clone());
+        Ok(Some(Session { location, offset: offset.unwrap_or(0) }))
+    }
+
+    /// Upload blob `d` (`size` bytes) read from `src`. Sends only what the registry does
+    /// not hold from an earlier interrupted run (when `opts.cache_dir` is set), retries
+    /// transient failures from the registry's own offset, and commits (final PUT) only
+    /// bytes that hash to `d`. `progress` is called with bytes as they are accepted.
+    pub fn upload_blob(
+        &self,
+        d: &OciDigest,
+        size: u64,
+        src: &dyn BlobSource,
+        opts: &UploadOptions,
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<Uploaded, ClientError> {
+        self.mark_writing();
+        let mut out = Uploaded::default();
+        let state_file = opts.cache_dir.as_ref().map(|c| state::state_path(c, &self.host, &self.repository, d));
+        let mut piece = opts.piece.clamp(1, MAX_PIECE);
+        let mut buf: Vec<u8> = Vec::new();
+        let mut prefix = Prefix { src, digest: d, hasher: Hasher::for_digest(d), upto: 0 };
+        let mut session: Option<Session> = None;
+        // A session saved by an earlier run: continue it if the registry still has it.
+        if let Some(p) = &state_file {
+            if let Some(saved) = state::load(p, &self.host, &self.repository, d) {
+                match reqwest::Url::parse(&saved.location).ok().map(|u| self.upload_status(&u)).transpose()? {
+                    Some(Some(s)) if s.offset <= size => {
+                        tracing::info!("{d}: resuming upload at {} of {size} bytes", s.offset);
+                        out.resumed_from = s.offset;
+                        progress(s.offset);
+                        session = Some(s);
+                    }
+                    _ => state::remove(p),
+                }
+            }
+        }
+        let save = |s: &Session, piece: u64| {
+            if let (Some(p), true) = (&state_file, size > piece) {
+                let st = UploadState { host: self.host.clone(), repository: self.repository.clone(), digest: d.clone(), location: s.location.to_string(), offset: s.offset };
+                if let Err(e) = state::save(p, &st) {
+                    tracing::warn!("{}: cannot save upload state: {e}", p.display());
+                }
+            }
+        };
+        let what = format!("uploading {d} to {}", self.describe());
+        // Consecutive transient failures (progress resets the count).
+        let failures = std::cell::Cell::new(0u32);
+        // Count a transient failure; give up (keeping the state file) after `retries`.
+        let failed = |message: String, retry_after| -> Result<(), ClientError> {
+            failures.set(failures.get() + 1);
+            if failures.get() > self.retries {
+                return Err(ClientError::RetriesExhausted { what: what.clone(), attempts: failures.get(), last: message });
+            }
+            tracing::debug!("{what}: {message}; retrying");
+            std::thread::sleep(backoff(failures.get(), retry_after));
+            Ok(())
+        };
+        loop {
+            let mut s = match session.take() {
+                Some(s) => s,
+                None => {
+                    let (s, min) = self.start_upload(d)?;
+                    if min > MAX_PIECE {
+                        return Err(ClientError::TooLarge { what: format!("{what}: OCI-Chunk-Min-Length {min}"), limit: MAX_PIECE });
+                    }
+                    piece = piece.max(min);
+                    save(&s, piece);
+                    s
+                }
+            };
+            prefix.advance_to(s.offset, &mut buf)?;
+            // Whole pieces by PATCH; the rest (1..=piece bytes, or 0) goes with the PUT.
+            let mut gone = false;
+            while size - s.offset > piece {
+                let n = piece as usize;
+                let mut chunk = vec![0u8; n];
+                src.read_at_unverified(d, s.offset, &mut chunk).map_err(|source| ClientError::Source { digest: d.clone(), source })?;
+                let chunk = Bytes::from(chunk);
+                let range = format!("{}-{}", s.offset, s.offset + piece - 1);
+                let loc = s.location.clone();
+                let r = self.attempt(&what, &|c| {
+                    c.patch(loc.clone())
+                        .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+                        .header(reqwest::header::CONTENT_RANGE, range.clone())
+                        .header(reqwest::header::CONTENT_LENGTH, n.to_string())
+                        .body(chunk.clone())
+                })?;
+                match r {
+                    Attempt::Done(resp) if resp.status().as_u16() == 202 => {
+                        out.bytes_sent += piece;
+                        let held = resp.headers().get(reqwest::header::RANGE).and_then(|v| v.to_str().ok()).and_then(state::parse_upload_range);
+                        let new_loc = self.location(&resp, &what).unwrap_or(loc);
+                        let expect = s.offset + piece;
+                        if held.is_none_or(|h| h == expect) {
+                            prefix.hasher.update(&chunk);
+                            prefix.upto = expect;
+                            s = Session { location: new_loc, offset: expect };
+                        } else {
+                            // The registry kept a different amount: believe it.
+                            s = Session { location: new_loc, offset: held.expect("checked").min(size) };
+                            prefix.advance_to(s.offset, &mut buf)?;
+                        }
+                        progress(piece);
+                        failures.set(0);
+                        save(&s, piece);
+                    }
+                    Attempt::Done(resp) if resp.status().as_u16() == 416 || resp.status().as_u16() == 404 => {
+                        // Out of step with the registry (416), or the session is gone.
+                        match self.upload_status(&s.location)? {
+                            Some(st) if st.offset <= size => {
+                                s = st;
+                                prefix.advance_to(s.offset, &mut buf)?;
+                                failed(format!("PATCH answered {}", resp.status()), None)?;
+                            }
+                            _ => {
+                                gone = true;
+                                failed("upload session gone".into(), None)?;
+                                break;
+                            }
+                        }
+                    }
+                    Attempt::Done(resp) => {
+                        if let Some(p) = &state_file {
+                            state::remove(p);
+                        }
+                        return Err(Self::refusal(&what, resp));
+                    }
+                    Attempt::Transient { message, retry_after } => {
+                        failed(message, retry_after)?;
+                        match self.upload_status(&s.location)? {
+                            Some(st) if st.offset <= size => {
+                                s = st;
+                                prefix.advance_to(s.offset, &mut buf)?;
+                            }
+                            _ => {
+                                gone = true;
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+            if gone {
+                if let Some(p) = &state_file {
+                    state::remove(p);
+                }
+                prefix.advance_to(0, &mut buf)?;
+                continue;
+            }
+            // The last piece, checked with the whole digest before it is sent: the PUT is
+            // what makes the blob exist, so it never carries bytes that do not match.
+            let n = (size - s.offset) as usize;
+            let mut last = vec![0u8; n];
+            src.read_at_unverified(d, s.offset, &mut last).map_err(|source| ClientError::Source { digest: d.clone(), source })?;
+            let mut whole = prefix.hasher.clone();
+            whole.update(&last);
+            let actual = whole.finish();
+            if &actual != d {
+                let loc = s.location.clone();
+                let _ = self.attempt(&what, &|c| c.delete(loc.clone()));
+                if let Some(p) = &state_file {
+                    state::remove(p);
+                }
+                return Err(ClientError::DigestMismatch { digest: d.clone(), actual });
+            }
+            let last = Bytes::from(last);
+            let mut put_url = s.location.clone();
+            put_url.query_pairs_mut().append_pair("digest", d.as_str());
+            let r = self.attempt(&what, &|c| {
+                c.put(put_url.clone())
+                    .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+                    .header(reqwest::header::CONTENT_LENGTH, n.to_string())
+                    .body(last.clone())
+            })?;
+            match r {
+                Attempt::Done(resp) if resp.status().is_success() => {
+                    out.bytes_sent += n as u64;
+                    progress(n as u64);
+                    if let Some(p) = &state_file {
+                        state::remove(p);
+                    }
+                    return Ok(out);
+                }
+                Attempt::Done(resp) if resp.status().as_u16() == 404 || resp.status().as_u16() == 416 => {
+                    failed(format!("PUT answered {}", resp.status()), None)?;
+                    session = self.upload_status(&s.location)?.filter(|st| st.offset <= size);
+                }
+                Attempt::Done(resp) => {
+                    if let Some(p) = &state_file {
+                        state::remove(p);
+                    }
+                    return Err(Self::refusal(&what, resp));
+                }
+                Attempt::Transient { message, retry_after } => {
+                    failed(message, retry_after)?;
+                    // The PUT may have committed before the connection broke.
+                    if self.blob_exists(d)? {
+                        out.bytes_sent += n as u64;
+                        if let Some(p) = &state_file {
+                            state::remove(p);
+                        }
+                        return Ok(out);
+                    }
+                    session = self.upload_status(&s.location)?.filter(|st| st.offset <= size);
+                }
+            }
+            if session.is_none() {
+                if let Some(p) = &state_file {
+                    state::remove(p);
+                }
+            }
+        }
+    }
+
+    /// PUT a manifest under `reference` (a tag, or its digest). The media type is taken
+    /// from the manifest's own `mediaType` (OCI image manifest when absent).
+    pub fn put_manifest(&self, reference: &str, bytes: &[u8]) -> Result<PutManifest, ClientError> {
+        self.mark_writing();
+        #[derive(serde::Deserialize)]
+        struct Head {
+            #[serde(rename = "mediaType")]
+            media_type: Option<String>,
+        }
+        let mt = serde_json::from_slice::<Head>(bytes).ok().and_then(|h| h.media_type).unwrap_or_else(|| media::OCI_MANIFEST.into());
+        let url = self.url("manifests", reference);
+        let what = format!("putting manifest {}:{reference}", self.describe());
+        let body = Bytes::copy_from_slice(bytes);
+        let resp = self.send(&what, &|c| c.put(&url).header(reqwest::header::CONTENT_TYPE, mt.clone()).body(body.clone()))?;
+        if !resp.status().is_success() {
+            return Err(Self::refusal(&what, resp));
+        }
+        let digest = OciDigest::of(bytes);
+        if let Some(h) = resp.headers().get("docker-content-digest").and_then(|v| v.to_str().ok()).and_then(|s| s.parse::<OciDigest>().ok()) {
+            if h.algorithm() == "sha256" && h != digest {
+                return Err(ClientError::DigestMismatch { digest, actual: h });
+            }
+        }
+        let subject_indexed = resp.headers().contains_key("oci-subject");
+        self.manifests.lock().expect("poisoned").insert(digest.clone());
+        Ok(PutManifest { digest, subject_indexed })
+    }
+
+    /// Push a small in-memory blob unless the repository has it; returns its digest.
+    pub fn push_small_blob(&self, data: &[u8]) -> Result<OciDigest, ClientError> {
+        let m = MemSource::new(Bytes::copy_from_slice(data));
+        if !self.blob_exists(&m.digest)? {
+            let opts = UploadOptions { piece: DEFAULT_PIECE, cache_dir: None };
+            self.upload_blob(&m.digest, data.len() as u64, &m, &opts, &|_| {})?;
+        }
+        Ok(m.digest)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mem_source_reads_and_bounds() {
+        let m = MemSource::new(b"hello world".to_vec());
+        let mut b = [0u8; 5];
+        m.read_at_unverified(&m.digest, 6, &mut b).unwrap();
+        assert_eq!(&b, b"world");
+        assert!(m.read_at_unverified(&m.digest, 7, &mut b).is_err());
+        assert!(m.read_at_unverified(&m.digest, u64::MAX, &mut b).is_err());
+        assert!(m.blob_size(&OciDigest::of(b"other")).is_err());
+    }
+
+    #[test]
+    fn prefix_hash_follows_the_registry_offset() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let m = MemSource::new(data.clone());
+        let mut buf = Vec::new();
+        let mut p = Prefix { src: &m, digest: &m.digest, hasher: Hasher::for_digest(&m.digest), upto: 0 };
+        p.advance_to(7000, &mut buf).unwrap();
+        // The registry says it holds less than we hashed: rehash from the start.
+        p.advance_to(3000, &mut buf).unwrap();
+        p.advance_to(10_000, &mut buf).unwrap();
+        assert_eq!(p.hasher.finish(), OciDigest::of(&data));
+    }
+}
