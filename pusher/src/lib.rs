@@ -1,12 +1,16 @@
 //! Pusher: a checkpoint directory becomes an image ([`pack`]); an image goes to a
-//! registry (push, a later issue).
+//! registry ([`push()`]) or between any two stores ([`copy()`]).
 //!
 //! ```text
 //! scan (kind, roles, sparse extents) -> chunk (read, zero-check, digest, compress)
 //!   -> dedup (own, base, parent) -> pack writer (sha256 as it writes) -> index, config, manifest
 //! ```
 
+pub mod copy;
 mod pack;
+mod push;
 pub mod scan;
 
 pub use pack::{ensure_blob, pack, PackError, PackOptions, PackReport, Related, DEFAULT_PACK_SIZE};
+pub use copy::{copy, CopyError, CopyOptions, PushReport, Target};
+pub use push::push;

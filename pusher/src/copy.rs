@@ -1,0 +1,430 @@
+//! Moving an image between stores, keeping digests: the manifest's bytes are copied
+//! verbatim, every blob it lists is streamed from the source and checked against its OCI
+//! digest before the destination commits it (a registry's final PUT, a layout's rename).
+//!
+//! One engine serves `snapctl copy` (any direction), `snapctl push` (layout → registry,
+//! see [`crate::push()`]) and `snapctl pull REF oci:PATH:TAG` (registry → layout).
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use imgfmt::manifest::MAX_MANIFEST_BYTES;
+use imgfmt::source::read_verified_blob;
+use imgfmt::{media, BlobSource, Descriptor, FormatError, Manifest, OciDigest, OciLayout};
+use registry::client::{ClientError, KnownBlobs, RegistrySource, UploadOptions};
+use serde::Serialize;
+use sha2::Digest as _;
+
+/// Where an image goes.
+pub enum Target<'a> {
+    Registry(&'a RegistrySource),
+    Layout(&'a OciLayout),
+}
+
+impl Target<'_> {
+    fn describe(&self) -> String {
+        match self {
+            Target::Registry(r) => r.describe(),
+            Target::Layout(l) => l.describe(),
+        }
+    }
+}
+
+/// How to move blobs.
+pub struct CopyOptions<'a> {
+    /// Blobs moved at once (each one stream).
+    pub jobs: usize,
+    /// Repositories of the destination registry to try cross-mounting blobs from, before
+    /// the ones the known-blobs record names.
+    pub mount_from: Vec<String>,
+    /// Upload piece size and resume state location (`cache_dir`); the cache directory
+    /// also holds the known-blobs record (which repositories hold which blobs).
+    pub upload: UploadOptions,
+    /// Called with blob bytes as they reach the destination (or are found there).
+    pub progress: Option<&'a (dyn Fn(u64) + Sync)>,
+}
+
+impl Default for CopyOptions<'_> {
+    fn default() -> Self {
+        CopyOptions { jobs: 4, mount_from: Vec::new(), upload: UploadOptions::default(), progress: None }
+    }
+}
+
+/// What a push or copy did (`--json`).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PushReport {
+    /// Manifest digest (the same at source and destination).
+    pub manifest: String,
+    /// Where it went.
+    pub destination: String,
+    /// Bytes read from the source (blobs and manifest).
+    pub bytes_read: u64,
+    /// Blob bytes sent to the destination in request bodies or written to its files.
+    pub bytes_sent: u64,
+    /// Sum of the sizes of all blobs the manifest lists.
+    pub bytes_total: u64,
+    /// Blob bytes an earlier interrupted push had already uploaded (not sent again).
+    pub bytes_resumed: u64,
+    pub blobs_total: usize,
+    /// Blobs the destination already had.
+    pub blobs_skipped: usize,
+    /// Blobs linked from another repository of the same registry.
+    pub blobs_mounted: usize,
+    pub blobs_uploaded: usize,
+    /// Chunks not sent because they are zero or their pack was already there (skipped or
+    /// mounted). Snapshot images only; 0 for other artifacts.
+    pub chunks_deduplicated: u64,
+    pub seconds: f64,
+}
+
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
+#[non_exhaustive]
+pub enum CopyError {
+    /// {0}
+    Client(#[from] ClientError),
+    /// {0}
+    Format(#[from] FormatError),
+    /// {what}: {source}
+    Io { what: String, source: std::io::Error },
+    /// {0}
+    Unsupported(String),
+    /// blob {digest}: the manifest says {manifest} bytes, the source has {actual}
+    SizeMismatch { digest: OciDigest, manifest: u64, actual: u64 },
+}
+
+impl CopyError {
+    /// Whether the source's content failed a digest check (as opposed to "could not").
+    pub fn is_integrity(&self) -> bool {
+        matches!(
+            self,
+            CopyError::Client(ClientError::DigestMismatch { .. })
+                | CopyError::Format(FormatError::BlobDigestMismatch { .. })
+                | CopyError::SizeMismatch { .. }
+        )
+    }
+}
+
+/// Counts what is read from a source.
+struct Counting<'a> {
+    inner: &'a dyn BlobSource,
+    n: AtomicU64,
+}
+
+impl BlobSource for Counting<'_> {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn resolve_tag(&self, tag: &str) -> Result<OciDigest, FormatError> {
+        self.inner.resolve_tag(tag)
+    }
+    fn read_blob_unverified(&self, d: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
+        let b = self.inner.read_blob_unverified(d, limit)?;
+        self.n.fetch_add(b.len() as u64, Relaxed);
+        Ok(b)
+    }
+    fn blob_size(&self, d: &OciDigest) -> Result<u64, FormatError> {
+        self.inner.blob_size(d)
+    }
+    fn read_at_unverified(&self, d: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+        self.inner.read_at_unverified(d, offset, buf)?;
+        self.n.fetch_add(buf.len() as u64, Relaxed);
+        Ok(())
+    }
+}
+
+/// Outcome of one blob.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Moved {
+    Skipped,
+    Mounted,
+    Uploaded { sent: u64, resumed: u64 },
+}
+
+/// The manifest at `digest` in `src` (checked against it) and the blobs it lists.
+pub fn manifest_blobs(src: &dyn BlobSource, digest: &OciDigest) -> Result<(Vec<u8>, Manifest), CopyError> {
+    let bytes = read_verified_blob(src, digest, MAX_MANIFEST_BYTES)?;
+    let probe: serde_json::Value = serde_json::from_slice(&bytes).map_err(|source| FormatError::Json { what: "manifest", source })?;
+    if probe.get("manifests").is_some() || probe.get("mediaType").and_then(|m| m.as_str()) == Some(media::OCI_INDEX) {
+        return Err(CopyError::Unsupported(format!("{digest} is an image index: copy moves single image manifests")));
+    }
+    let m = Manifest::decode(&bytes)?;
+    Ok((bytes, m))
+}
+
+/// Copy the manifest `digest` of `src`, with every blob it lists, to `target`, tagged
+/// `tag` (or stored by digest only when `None`).
+pub fn copy(src: &dyn BlobSource, digest: &OciDigest, target: &Target, tag: Option<&str>, opts: &CopyOptions) -> Result<PushReport, CopyError> {
+    let t0 = Instant::now();
+    let src = Counting { inner: src, n: AtomicU64::new(0) };
+    let (bytes, manifest) = manifest_blobs(&src, digest)?;
+    let mut blobs: Vec<Descriptor> = Vec::new();
+    let mut seen = BTreeSet::new();
+    for d in std::iter::once(&manifest.config).chain(&manifest.layers) {
+        if seen.insert(d.digest.clone()) {
+            blobs.push(d.clone());
+        }
+    }
+    // Largest first: the long uploads start early, small ones fill the gaps.
+    blobs.sort_by(|a, b| b.size.cmp(&a.size));
+    let known = match (target, &opts.upload.cache_dir) {
+        (Target::Registry(r), Some(c)) => Some(KnownBlobs::new(c, r.host())),
+        _ => None,
+    };
+    let known_map = known.as_ref().map(|k| k.load()).unwrap_or_default();
+
+    let next = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
+    let first_err: Mutex<Option<CopyError>> = Mutex::new(None);
+    let results: Mutex<Vec<(OciDigest, Moved)>> = Mutex::new(Vec::new());
+    let jobs = opts.jobs.clamp(1, 64).min(blobs.len().max(1));
+    std::thread::scope(|s| {
+        for _ in 0..jobs {
+            s.spawn(|| loop {
+                if stop.load(Relaxed) {
+                    return;
+                }
+                let i = next.fetch_add(1, Relaxed);
+                let Some(desc) = blobs.get(i) else { return };
+                let r = move_blob(&src, desc, target, opts, &known_map);
+                match r {
+                    Ok(m) => results.lock().expect("poisoned").push((desc.digest.clone(), m)),
+                    Err(e) => {
+                        stop.store(true, Relaxed);
+                        first_err.lock().expect("poisoned").get_or_insert(e);
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    if let Some(e) = first_err.into_inner().expect("poisoned") {
+        return Err(e);
+    }
+    // Blobs first, then the manifest: a registry may refuse a manifest whose blobs it
+    // does not have, and a reader must never find a tag before its content.
+    match target {
+        Target::Registry(r) => {
+            let reference = tag.map(str::to_string).unwrap_or_else(|| digest.to_string());
+            let put = r.put_manifest(&reference, &bytes)?;
+            if &put.digest != digest {
+                return Err(ClientError::DigestMismatch { digest: digest.clone(), actual: put.digest }.into());
+            }
+        }
+        Target::Layout(l) => {
+            l.put_blob(&bytes)?;
+            if let Some(t) = tag {
+                let mt = manifest.media_type.clone().unwrap_or_else(|| media::OCI_MANIFEST.into());
+                let mut desc = Descriptor::new(&mt, digest.clone(), bytes.len() as u64);
+                desc.artifact_type = manifest.artifact_type.clone();
+                l.set_tag(t, desc)?;
+            }
+        }
+    }
+    let results = results.into_inner().expect("poisoned");
+    if let Some(k) = &known {
+        let Target::Registry(r) = target else { unreachable!("known only for registries") };
+        k.record(r.repository(), results.iter().map(|(d, _)| d));
+    }
+    let mut rep = PushReport {
+        manifest: digest.to_string(),
+        destination: target.describe(),
+        bytes_total: blobs.iter().map(|b| b.size).sum(),
+        blobs_total: blobs.len(),
+        ..Default::default()
+    };
+    for (_, m) in &results {
+        match m {
+            Moved::Skipped => rep.blobs_skipped += 1,
+            Moved::Mounted => rep.blobs_mounted += 1,
+            Moved::Uploaded { sent, resumed } => {
+                rep.blobs_uploaded += 1;
+                rep.bytes_sent += sent;
+                rep.bytes_resumed += resumed;
+            }
+        }
+    }
+    rep.chunks_deduplicated = chunks_not_sent(&src, digest, &results);
+    rep.bytes_read = src.n.load(Relaxed);
+    rep.seconds = t0.elapsed().as_secs_f64();
+    Ok(rep)
+}
+
+/// For a snapshot image: chunks that are zero, or whose pack the destination already had.
+fn chunks_not_sent(src: &dyn BlobSource, digest: &OciDigest, results: &[(OciDigest, Moved)]) -> u64 {
+    let Ok(img) = imgfmt::Image::open(src, digest) else { return 0 };
+    let there: BTreeSet<&OciDigest> = results.iter().filter(|(_, m)| !matches!(m, Moved::Uploaded { .. })).map(|(d, _)| d).collect();
+    img.files
+        .iter()
+        .flat_map(|f| &f.chunks)
+        .filter(|c| match c.at {
+            imgfmt::StoredAt::Zero => true,
+            imgfmt::StoredAt::Pack { pack, .. } => img.packs.get(pack as usize).is_some_and(|p| there.contains(&p.digest)),
+        })
+        .count() as u64
+}
+
+fn move_blob(
+    src: &dyn BlobSource,
+    desc: &Descriptor,
+    target: &Target,
+    opts: &CopyOptions,
+    known: &std::collections::HashMap<OciDigest, BTreeSet<String>>,
+) -> Result<Moved, CopyError> {
+    let tick = |n: u64| {
+        if let Some(p) = opts.progress {
+            p(n)
+        }
+    };
+    let d = &desc.digest;
+    match target {
+        Target::Registry(r) => {
+            if r.blob_exists(d)? {
+                tick(desc.size);
+                return Ok(Moved::Skipped);
+            }
+            let mut candidates: Vec<String> = opts.mount_from.iter().filter(|f| f.as_str() != r.repository()).cloned().collect();
+            for k in KnownBlobs::repos_with(known, d, r.repository()) {
+                if !candidates.contains(&k) {
+                    candidates.push(k);
+                }
+            }
+            // A few tries at most: each refused mount is a round trip.
+            for from in candidates.iter().take(4) {
+                match r.mount_blob(d, from) {
+                    Ok(true) => {
+                        tick(desc.size);
+                        return Ok(Moved::Mounted);
+                    }
+                    Ok(false) => {}
+                    // A refused mount (no access to `from`, say) is not a failed push.
+                    Err(e) if e.status().is_some_and(|s| (400..500).contains(&s)) => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            let size = src.blob_size(d)?;
+            if size != desc.size {
+                return Err(CopyError::SizeMismatch { digest: d.clone(), manifest: desc.size, actual: size });
+            }
+            let up = r.upload_blob(d, size, src, &opts.upload, &tick)?;
+            Ok(Moved::Uploaded { sent: up.bytes_sent, resumed: up.resumed_from })
+        }
+        Target::Layout(l) => {
+            if l.has_blob(d) {
+                tick(desc.size);
+                return Ok(Moved::Skipped);
+            }
+            let size = src.blob_size(d)?;
+            if size != desc.size {
+                return Err(CopyError::SizeMismatch { digest: d.clone(), manifest: desc.size, actual: size });
+            }
+            write_blob(src, d, size, l, &tick)?;
+            Ok(Moved::Uploaded { sent: size, resumed: 0 })
+        }
+    }
+}
+
+/// Stream a blob into a layout, checking its digest before it gets its name (a mismatch
+/// leaves nothing behind: the writer's temporary file is removed when dropped).
+fn write_blob(src: &dyn BlobSource, d: &OciDigest, size: u64, l: &OciLayout, tick: &dyn Fn(u64)) -> Result<(), CopyError> {
+    if d.algorithm() != "sha256" {
+        return Err(CopyError::Unsupported(format!("{d}: layouts store sha256 blobs only")));
+    }
+    let mut w = l.blob_writer()?;
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 4 << 20];
+    let mut off = 0u64;
+    while off < size {
+        let n = (size - off).min(buf.len() as u64) as usize;
+        src.read_at_unverified(d, off, &mut buf[..n])?;
+        h.update(&buf[..n]);
+        w.write_all(&buf[..n]).map_err(|source| CopyError::Io { what: format!("writing {d} into {}", l.describe()), source })?;
+        off += n as u64;
+        tick(n as u64);
+    }
+    let actual = OciDigest::sha256_from_bytes(h.finalize().into());
+    if &actual != d {
+        return Err(FormatError::BlobDigestMismatch { digest: d.clone(), actual }.into());
+    }
+    w.finish()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A source whose blob `bad` lies about its content.
+    struct Lying {
+        inner: OciLayout,
+        bad: OciDigest,
+    }
+    impl BlobSource for Lying {
+        fn describe(&self) -> String {
+            "lying".into()
+        }
+        fn resolve_tag(&self, t: &str) -> Result<OciDigest, FormatError> {
+            self.inner.resolve_tag(t)
+        }
+        fn read_blob_unverified(&self, d: &OciDigest, l: u64) -> Result<Vec<u8>, FormatError> {
+            self.inner.read_blob_unverified(d, l)
+        }
+        fn blob_size(&self, d: &OciDigest) -> Result<u64, FormatError> {
+            self.inner.blob_size(d)
+        }
+        fn read_at_unverified(&self, d: &OciDigest, o: u64, b: &mut [u8]) -> Result<(), FormatError> {
+            self.inner.read_at_unverified(d, o, b)?;
+            if d == &self.bad && !b.is_empty() {
+                b[0] ^= 1;
+            }
+            Ok(())
+        }
+    }
+
+    fn layout_with_image(dir: &std::path::Path) -> (OciLayout, OciDigest, OciDigest) {
+        let l = OciLayout::open_or_create(dir).unwrap();
+        let cfg = l.put_blob(b"{\"a\":1}").unwrap();
+        let layer = l.put_blob(&vec![7u8; 100_000]).unwrap();
+        let m = Manifest {
+            schema_version: 2,
+            media_type: Some(media::OCI_MANIFEST.into()),
+            artifact_type: None,
+            config: Descriptor::new("application/json", cfg, 7),
+            layers: vec![Descriptor::new("application/octet-stream", layer.clone(), 100_000)],
+            subject: None,
+            annotations: Default::default(),
+        };
+        let md = l.put_blob(&m.encode()).unwrap();
+        (l, md, layer)
+    }
+
+    #[test]
+    fn layout_to_layout_keeps_digests_and_skips_what_is_there() {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        let (src, md, _) = layout_with_image(a.path());
+        let dst = OciLayout::open_or_create(b.path()).unwrap();
+        let opts = CopyOptions { upload: UploadOptions { cache_dir: None, ..Default::default() }, ..Default::default() };
+        let r = copy(&src, &md, &Target::Layout(&dst), Some("v1"), &opts).unwrap();
+        assert_eq!((r.blobs_total, r.blobs_uploaded, r.bytes_sent), (2, 2, 100_007));
+        assert_eq!(dst.resolve_tag("v1").unwrap(), md);
+        let again = copy(&src, &md, &Target::Layout(&dst), Some("v1"), &opts).unwrap();
+        assert_eq!((again.blobs_skipped, again.bytes_sent), (2, 0));
+    }
+
+    #[test]
+    fn a_lying_source_leaves_nothing_under_the_digest() {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        let (src, md, layer) = layout_with_image(a.path());
+        let lying = Lying { inner: src, bad: layer.clone() };
+        let dst = OciLayout::open_or_create(b.path()).unwrap();
+        let opts = CopyOptions { upload: UploadOptions { cache_dir: None, ..Default::default() }, ..Default::default() };
+        let e = copy(&lying, &md, &Target::Layout(&dst), Some("v1"), &opts).unwrap_err();
+        assert!(e.is_integrity(), "{e}");
+        assert!(!dst.has_blob(&layer));
+        assert!(dst.resolve_tag("v1").is_err(), "no tag without its content");
+    }
+}
