@@ -1,0 +1,505 @@
+//! `fake_vmm`: a test runtime that restores guest memory the way Firecracker does with a
+//! UFFD memory backend, and checks every byte it sees against the original memory file.
+//!
+//! ```text
+//!  guest "physical" memory (anonymous, private), two regions with a PROT_NONE gap:
+//!  [ region 0: file 0 .. a ]  <gap>  [ region 1: file a .. end ]
+//!        |  userfaultfd (MISSING, EVENT_REMOVE) + JSON mappings, one sendmsg
+//!        v
+//!  the page-fault handler on --socket (snapctl lazy, or bench's uffd_ref)
+//! ```
+//!
+//! The handshake is Firecracker's: one `sendmsg` on a Unix stream socket carrying the JSON
+//! array `[{base_host_virt_addr, size, offset, page_size, page_size_kib}]` (page sizes in
+//! bytes, as Firecracker sends them despite the name) and the userfaultfd as SCM_RIGHTS.
+//! The socket stays open while the "VM" runs; the handler sees the VM go away when it closes.
+//!
+//! Pages are read through `process_vm_readv` on our own pid rather than by dereferencing:
+//! the kernel copies from user memory, so a page the handler poisoned (UFFDIO_POISON) comes
+//! back as an error we count as "poisoned" instead of a SIGBUS that would kill the check.
+//!
+//! Exit codes: 0 every checked page matched; 1 a wrong byte was seen (mismatch, or a
+//! removed range not reading back as zeros); 2 error (setup, handshake); 3 no wrong byte,
+//! but pages were poisoned or the handler stalled past --timeout.
+
+use std::fs::File;
+use std::io::{IoSlice, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context};
+use clap::Parser;
+use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+use userfaultfd::{FeatureFlags, UffdBuilder};
+
+/// Guest page size: 4 KiB, as for a Firecracker guest without hugepages.
+const PAGE: u64 = 4096;
+/// Virtual address space left unmapped (PROT_NONE) between regions, like the x86 MMIO gap
+/// below 4 GiB, scaled down. Touching it would fault without the handler ever hearing.
+const GAP: u64 = 256 << 20;
+
+#[derive(Debug, Parser)]
+#[command(about = "A Firecracker-like runtime restoring guest memory through userfaultfd")]
+struct Args {
+    /// The page-fault handler's Unix socket (as Firecracker's mem_backend.backend_path).
+    #[arg(long)]
+    socket: PathBuf,
+    /// The original memory file: the truth each page is compared with.
+    #[arg(long)]
+    mem_file: PathBuf,
+    /// Guest memory regions: a count N (the file split into N page-aligned parts, the
+    /// last taking the rest), or OFF:LEN,OFF:LEN,... file ranges (sizes take K/M/G/KiB/MiB/GiB).
+    #[arg(long, default_value = "2")]
+    regions: String,
+    /// Threads touching pages ("vCPUs").
+    #[arg(long, default_value_t = 4)]
+    threads: usize,
+    /// Which pages to touch: all, PCT% (a random sample), or a list of file page numbers
+    /// and ranges ("0,7,100-131").
+    #[arg(long, default_value = "all")]
+    touch: String,
+    /// Seed of the random touch order and sample (same seed, same order).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// After touching, madvise(MADV_DONTNEED) this file range (OFF:LEN, in one region) and
+    /// check it reads back as zeros: the handler sees UFFD_EVENT_REMOVE.
+    #[arg(long)]
+    dontneed: Option<String>,
+    /// Give up after this many seconds (0 = never): report "stalled" and exit 3.
+    #[arg(long, default_value_t = 0)]
+    timeout: u64,
+    /// Print a JSON summary on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One guest memory region: where it lives in our address space and in the memory file.
+#[derive(Debug, Clone, Copy)]
+struct Region {
+    base: u64,
+    size: u64,
+    offset: u64,
+}
+
+fn parse_size(s: &str) -> anyhow::Result<u64> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().with_context(|| format!("bad size {s:?}"))?;
+    let mul: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" | "kb" => 1 << 10,
+        "m" | "mib" | "mb" => 1 << 20,
+        "g" | "gib" | "gb" => 1 << 30,
+        u => bail!("unknown size unit {u:?} in {s:?}"),
+    };
+    n.checked_mul(mul).with_context(|| format!("size {s:?} overflows"))
+}
+
+fn parse_range(s: &str) -> anyhow::Result<(u64, u64)> {
+    let (off, len) = s.split_once(':').with_context(|| format!("expected OFF:LEN, got {s:?}"))?;
+    Ok((parse_size(off)?, parse_size(len)?))
+}
+
+/// File ranges of the regions, page-aligned, inside the (page-rounded) file.
+fn plan_regions(spec: &str, file_len: u64) -> anyhow::Result<Vec<(u64, u64)>> {
+    let total = file_len.div_ceil(PAGE) * PAGE;
+    ensure!(total > 0, "the memory file is empty");
+    let ranges: Vec<(u64, u64)> = if let Ok(n) = spec.trim().parse::<u64>() {
+        ensure!((1..=16).contains(&n), "--regions count must be 1..=16, got {n}");
+        let pages = total / PAGE;
+        ensure!(pages >= n, "{n} regions need at least {n} pages; the file has {pages}");
+        let per = pages / n;
+        (0..n)
+            .map(|i| {
+                let off = i * per * PAGE;
+                let len = if i + 1 == n { total - off } else { per * PAGE };
+                (off, len)
+            })
+            .collect()
+    } else {
+        spec.split(',').map(parse_range).collect::<anyhow::Result<_>>()?
+    };
+    for &(off, len) in &ranges {
+        ensure!(off % PAGE == 0 && len % PAGE == 0 && len > 0, "region {off}:{len} is not a non-empty run of 4 KiB pages");
+        ensure!(off.checked_add(len).is_some_and(|e| e <= total), "region {off}:{len} goes past the memory file ({file_len} bytes)");
+    }
+    Ok(ranges)
+}
+
+/// Map the regions into one PROT_NONE reservation with a gap after each one, as anonymous
+/// private memory (what Firecracker maps for a UFFD backend). The mapping lives until exit.
+fn map_guest(ranges: &[(u64, u64)]) -> anyhow::Result<Vec<Region>> {
+    const ALIGN: u64 = 2 << 20;
+    let span: u64 = ranges.iter().map(|&(_, len)| len.div_ceil(ALIGN) * ALIGN + GAP).sum::<u64>() + ALIGN;
+    // SAFETY: a fresh anonymous reservation; no existing memory is touched.
+    let res = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            span as usize,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    ensure!(res != libc::MAP_FAILED, "reserve {span} bytes of address space: {}", std::io::Error::last_os_error());
+    let mut at = (res as u64).div_ceil(ALIGN) * ALIGN;
+    let mut regions = Vec::new();
+    for &(offset, size) in ranges {
+        // SAFETY: MAP_FIXED inside our own reservation, which nothing else uses.
+        let p = unsafe {
+            libc::mmap(
+                at as *mut libc::c_void,
+                size as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        ensure!(p != libc::MAP_FAILED, "map region of {size} bytes: {}", std::io::Error::last_os_error());
+        regions.push(Region { base: at, size, offset });
+        at += size.div_ceil(ALIGN) * ALIGN + GAP;
+    }
+    Ok(regions)
+}
+
+/// splitmix64: deterministic from --seed, enough for a touch order.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e3779b97f4a7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
+        z ^ (z >> 31)
+    }
+    fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = (self.next() % (i as u64 + 1)) as usize;
+            v.swap(i, j);
+        }
+    }
+}
+
+/// File page numbers to touch, in touch order.
+fn plan_touches(spec: &str, regions: &[Region], seed: u64) -> anyhow::Result<Vec<u64>> {
+    let mut all: Vec<u64> = regions.iter().flat_map(|r| (r.offset / PAGE)..(r.offset + r.size) / PAGE).collect();
+    let mut rng = Rng(seed);
+    let spec = spec.trim();
+    if spec == "all" {
+        rng.shuffle(&mut all);
+        return Ok(all);
+    }
+    if let Some(pct) = spec.strip_suffix('%') {
+        let pct: f64 = pct.trim().parse().with_context(|| format!("bad percentage {spec:?}"))?;
+        ensure!(pct > 0.0 && pct <= 100.0, "--touch percentage must be in (0, 100], got {pct}");
+        rng.shuffle(&mut all);
+        let n = ((all.len() as f64 * pct / 100.0).ceil() as usize).clamp(1, all.len());
+        all.truncate(n);
+        return Ok(all);
+    }
+    let mapped = |p: u64| regions.iter().any(|r| p * PAGE >= r.offset && p * PAGE < r.offset + r.size);
+    let mut out = Vec::new();
+    for item in spec.split(',') {
+        let (a, b) = match item.split_once('-') {
+            Some((a, b)) => (a.trim().parse::<u64>()?, b.trim().parse::<u64>()?),
+            None => {
+                let a = item.trim().parse::<u64>().with_context(|| format!("bad page number {item:?}"))?;
+                (a, a)
+            }
+        };
+        ensure!(a <= b, "bad page range {item:?}");
+        for p in a..=b {
+            ensure!(mapped(p), "page {p} is in no region");
+            out.push(p);
+        }
+    }
+    Ok(out)
+}
+
+fn guest_addr(regions: &[Region], file_off: u64) -> Option<u64> {
+    regions.iter().find(|r| file_off >= r.offset && file_off < r.offset + r.size).map(|r| r.base + (file_off - r.offset))
+}
+
+/// What reading one guest page gave.
+enum Read {
+    Ok,
+    /// The kernel could not copy it: a poisoned page (or a handler that gave up).
+    Poisoned(i32),
+}
+
+/// Copy a guest page into `buf` through the kernel (process_vm_readv on ourselves), so a
+/// poisoned page is an error return rather than SIGBUS.
+fn read_guest_page(addr: u64, buf: &mut [u8]) -> Read {
+    let local = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: buf.len() };
+    // SAFETY: `local` is our own writable buffer of iov_len bytes; `remote` is read by the
+    // kernel with fault handling (an unreadable page is an error, not a crash).
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    if n == buf.len() as isize {
+        Read::Ok
+    } else if n < 0 {
+        Read::Poisoned(std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
+    } else {
+        // A short copy: the page's tail could not be read.
+        Read::Poisoned(libc::EFAULT)
+    }
+}
+
+/// The original bytes at a file offset (zeros past the end of the file).
+fn original_page(f: &File, file_len: u64, off: u64, buf: &mut [u8]) -> anyhow::Result<()> {
+    buf.fill(0);
+    if off < file_len {
+        let n = ((file_len - off) as usize).min(buf.len());
+        f.read_exact_at(&mut buf[..n], off).with_context(|| format!("read memory file at {off}"))?;
+    }
+    Ok(())
+}
+
+#[derive(Default)]
+struct Counters {
+    checked: AtomicU64,
+    mismatches: AtomicU64,
+    poisoned: AtomicU64,
+    zero: AtomicU64,
+}
+
+fn percentile(sorted_ns: &[u64], p: f64) -> f64 {
+    if sorted_ns.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted_ns.len() as f64 - 1.0) * p).round() as usize;
+    sorted_ns[i] as f64 / 1000.0
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("fake_vmm: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run() -> anyhow::Result<u8> {
+    let a = Args::parse();
+    ensure!(a.threads >= 1 && a.threads <= 256, "--threads must be 1..=256");
+    let mem = File::open(&a.mem_file).with_context(|| format!("open {}", a.mem_file.display()))?;
+    let file_len = mem.metadata()?.len();
+    let regions = map_guest(&plan_regions(&a.regions, file_len)?)?;
+    let touches = plan_touches(&a.touch, &regions, a.seed)?;
+    let dontneed = a.dontneed.as_deref().map(parse_range).transpose()?;
+    if let Some((off, len)) = dontneed {
+        ensure!(off % PAGE == 0 && len % PAGE == 0 && len > 0, "--dontneed must be whole pages");
+        ensure!(
+            regions.iter().any(|r| off >= r.offset && off + len <= r.offset + r.size),
+            "--dontneed {off}:{len} must lie inside one region"
+        );
+    }
+
+    // Non-blocking, with remove events, kernel faults allowed (process_vm_readv faults in
+    // kernel mode): the flags Firecracker uses for its UFFD backend.
+    let uffd = UffdBuilder::new()
+        .close_on_exec(true)
+        .non_blocking(true)
+        .user_mode_only(false)
+        .require_features(FeatureFlags::EVENT_REMOVE)
+        .create()
+        .context("create userfaultfd (needs root or vm.unprivileged_userfaultfd=1)")?;
+    for r in &regions {
+        uffd.register(r.base as *mut libc::c_void, r.size as usize).context("UFFDIO_REGISTER (MISSING)")?;
+    }
+
+    let mappings: Vec<serde_json::Value> = regions
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "base_host_virt_addr": r.base, "size": r.size, "offset": r.offset,
+                "page_size": PAGE, "page_size_kib": PAGE,
+            })
+        })
+        .collect();
+    let body = serde_json::to_vec(&mappings)?;
+    let sock = connect(&a.socket)?;
+    let fds = [uffd.as_raw_fd()];
+    let sent = sendmsg::<()>(sock.as_raw_fd(), &[IoSlice::new(&body)], &[ControlMessage::ScmRights(&fds)], MsgFlags::empty(), None)
+        .context("sendmsg mappings + userfaultfd")?;
+    ensure!(sent == body.len(), "short sendmsg: {sent} of {} bytes", body.len());
+
+    let counters = Arc::new(Counters::default());
+    let start = Instant::now();
+    if a.timeout > 0 {
+        let c = counters.clone();
+        let json = a.json;
+        let limit = Duration::from_secs(a.timeout);
+        std::thread::spawn(move || {
+            std::thread::sleep(limit);
+            // The handler has not served our faults in time; the touching threads are stuck
+            // in the kernel and cannot be joined. Say what we saw and leave.
+            let v = serde_json::json!({
+                "stalled": true,
+                "pages_checked": c.checked.load(Ordering::SeqCst),
+                "mismatches": c.mismatches.load(Ordering::SeqCst),
+                "poisoned": c.poisoned.load(Ordering::SeqCst),
+                "zero_pages_seen": c.zero.load(Ordering::SeqCst),
+                "seconds": limit.as_secs_f64(),
+            });
+            eprintln!("fake_vmm: the handler stalled: not done after {} s", limit.as_secs());
+            if json {
+                println!("{v}");
+            }
+            let _ = std::io::stdout().flush();
+            let code = if c.mismatches.load(Ordering::SeqCst) > 0 { 1 } else { 3 };
+            std::process::exit(code);
+        });
+    }
+
+    let touches = Arc::new(touches);
+    let next = Arc::new(AtomicUsize::new(0));
+    let latencies = Arc::new(Mutex::new(Vec::with_capacity(touches.len())));
+    let regions = Arc::new(regions);
+    let mem = Arc::new(mem);
+    let mut handles = Vec::new();
+    for _ in 0..a.threads {
+        let (touches, next, lat, regions, mem, c) =
+            (touches.clone(), next.clone(), latencies.clone(), regions.clone(), mem.clone(), counters.clone());
+        handles.push(std::thread::spawn(move || -> anyhow::Result<()> {
+            let mut got = vec![0u8; PAGE as usize];
+            let mut want = vec![0u8; PAGE as usize];
+            let mut mine = Vec::new();
+            loop {
+                // Shared cursor: together the threads follow the planned order closely.
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&page) = touches.get(i) else { break };
+                let off = page * PAGE;
+                let addr = guest_addr(&regions, off).expect("planned pages are mapped");
+                let t = Instant::now();
+                let r = read_guest_page(addr, &mut got);
+                mine.push(t.elapsed().as_nanos() as u64);
+                match r {
+                    Read::Poisoned(errno) => {
+                        if c.poisoned.fetch_add(1, Ordering::SeqCst) < 5 {
+                            eprintln!("fake_vmm: page at file offset {off:#x} unreadable (errno {errno}): poisoned");
+                        }
+                    }
+                    Read::Ok => {
+                        original_page(&mem, file_len, off, &mut want)?;
+                        if got != want {
+                            if c.mismatches.fetch_add(1, Ordering::SeqCst) < 5 {
+                                let at = got.iter().zip(&want).position(|(x, y)| x != y).unwrap_or(0);
+                                eprintln!("fake_vmm: MISMATCH at file offset {:#x}", off + at as u64);
+                            }
+                        } else if got.iter().all(|&b| b == 0) {
+                            c.zero.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                c.checked.fetch_add(1, Ordering::SeqCst);
+            }
+            lat.lock().expect("latency lock").extend(mine);
+            Ok(())
+        }));
+    }
+    for h in handles {
+        h.join().map_err(|_| anyhow::anyhow!("a touch thread panicked"))??;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+
+    let mut dontneed_nonzero = 0u64;
+    let mut dontneed_pages = 0u64;
+    if let Some((off, len)) = dontneed {
+        let addr = guest_addr(&regions, off).expect("checked above");
+        // SAFETY: the range lies inside one of our private anonymous regions, and no thread
+        // holds references into it (all reads go through process_vm_readv copies).
+        let rc = unsafe { libc::madvise(addr as *mut libc::c_void, len as usize, libc::MADV_DONTNEED) };
+        ensure!(rc == 0, "madvise(MADV_DONTNEED): {}", std::io::Error::last_os_error());
+        let mut got = vec![0u8; PAGE as usize];
+        for p in 0..len / PAGE {
+            dontneed_pages += 1;
+            match read_guest_page(addr + p * PAGE, &mut got) {
+                Read::Ok if got.iter().all(|&b| b == 0) => {}
+                Read::Ok => {
+                    if dontneed_nonzero < 5 {
+                        eprintln!("fake_vmm: removed page at file offset {:#x} came back non-zero", off + p * PAGE);
+                    }
+                    dontneed_nonzero += 1;
+                }
+                Read::Poisoned(_) => {
+                    counters.poisoned.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }
+        counters.mismatches.fetch_add(dontneed_nonzero, Ordering::SeqCst);
+    }
+
+    let mut lat = std::mem::take(&mut *latencies.lock().expect("latency lock"));
+    lat.sort_unstable();
+    let c = &counters;
+    let (checked, mismatches, poisoned, zero) = (
+        c.checked.load(Ordering::SeqCst),
+        c.mismatches.load(Ordering::SeqCst),
+        c.poisoned.load(Ordering::SeqCst),
+        c.zero.load(Ordering::SeqCst),
+    );
+    let summary = serde_json::json!({
+        "pages_checked": checked,
+        "mismatches": mismatches,
+        "poisoned": poisoned,
+        "zero_pages_seen": zero,
+        "seconds": seconds,
+        "touch_latency_us": {
+            "p50": percentile(&lat, 0.50),
+            "p99": percentile(&lat, 0.99),
+            "max": percentile(&lat, 1.0),
+        },
+        "dontneed_pages": dontneed_pages,
+        "dontneed_nonzero": dontneed_nonzero,
+        "threads": a.threads,
+        "regions": regions.iter().map(|r| serde_json::json!({"base": r.base, "size": r.size, "offset": r.offset})).collect::<Vec<_>>(),
+        "stalled": false,
+    });
+    if a.json {
+        println!("{summary}");
+    }
+    eprintln!(
+        "fake_vmm: {checked} pages checked in {seconds:.3} s: {mismatches} mismatches, {poisoned} poisoned, {zero} zero; first-touch p50 {:.1} us, p99 {:.1} us",
+        percentile(&lat, 0.5),
+        percentile(&lat, 0.99)
+    );
+    // The socket closes on exit: that is how the handler learns this "VM" is gone.
+    drop(sock);
+    Ok(if mismatches > 0 {
+        1
+    } else if poisoned > 0 {
+        3
+    } else {
+        0
+    })
+}
+
+/// Connect to the handler's socket, waiting briefly for it to appear (a handler that is
+/// still starting is normal; one that never listens is an error).
+fn connect(path: &std::path::Path) -> anyhow::Result<UnixStream> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match UnixStream::connect(path) {
+            Ok(s) => return Ok(s),
+            Err(e)
+                if Instant::now() < deadline
+                    && matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) =>
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e).with_context(|| format!("connect to {}", path.display())),
+        }
+    }
+}
