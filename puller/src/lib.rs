@@ -1,12 +1,18 @@
-//! Puller: an image becomes checkpoint files again ([`unpack`]), from a local layout now
-//! and from a registry later (pull, the chunk cache and the lazy UFFD server).
+//! Puller: an image becomes checkpoint files again: [`unpack`] from any source chunk by
+//! chunk, [`pull`] from a registry through the per-host [`ChunkCache`] (fetching only
+//! what the cache lacks, in coalesced parallel range requests), and the lazy UFFD server.
 //!
 //! ```text
-//! source (layout | registry) -> verified chunk (verify::read_chunk) -> temp file -> fsync -> rename
+//! source (layout | registry) -> verified chunk (verify) -> temp file -> fsync -> rename
+//!                      cache <-^ (re-hashed on read, put after verification)
 //! ```
 
+pub mod cache;
+mod pull;
 mod unpack;
 
 pub use registry::client::{Credentials, RegistrySource};
 
+pub use cache::{CacheError, CacheStats, ChunkCache};
+pub use pull::{pull, PullOptions, PullReport, DEFAULT_MAX_RANGE};
 pub use unpack::{unpack, UnpackError, UnpackOptions, UnpackReport};

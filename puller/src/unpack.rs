@@ -13,8 +13,9 @@ use imgfmt::{BlobSource, FormatError, Image, StoredAt};
 use serde::Serialize;
 
 /// Largest single write.
-const WRITE_PIECE: usize = 256 << 10;
+pub(crate) const WRITE_PIECE: usize = 256 << 10;
 
+/// Why an unpack or a pull failed.
 #[derive(Debug, thiserror::Error, displaydoc::Display)]
 #[non_exhaustive]
 pub enum UnpackError {
@@ -26,6 +27,8 @@ pub enum UnpackError {
     Format(#[from] FormatError),
     /// {0} already exists (pass --overwrite to replace it)
     Exists(PathBuf),
+    /// {0}
+    Cache(#[from] crate::cache::CacheError),
 }
 
 impl UnpackError {
@@ -59,7 +62,7 @@ pub struct UnpackReport {
 }
 
 /// Removes the temporary file unless the unpack of that file completed.
-struct TempGuard(Option<PathBuf>);
+pub(crate) struct TempGuard(pub(crate) Option<PathBuf>);
 impl Drop for TempGuard {
     fn drop(&mut self) {
         if let Some(p) = self.0.take() {

@@ -1,0 +1,437 @@
+//! `pull`: materialise an image's files from any [`BlobSource`] (a registry, mostly),
+//! fetching only what the per-host [`ChunkCache`] does not already hold.
+//!
+//! ```text
+//! plan:   every chunk position -> zero (a hole) | a distinct digest
+//!         distinct digest      -> in the cache? read it (re-hashed) : fetch it
+//! fetch:  misses grouped by pack, sorted by offset, neighbours coalesced into
+//!         range requests of <= 8 MiB, `jobs` requests in flight
+//! each:   verify_stored -> write at every position holding that digest -> cache put
+//! files:  temp name, set_len (holes), chunks, fsync, rename, fsync dir
+//! ```
+//!
+//! Identical chunks are fetched once. A layer whose parent was pulled before on this host
+//! fetches only the chunks its parent did not have, and a pull killed half-way and rerun
+//! fetches only what the first run did not get into the cache: both fall out of the
+//! cache, not of any pull-specific state. See `spec/cache.md`.
+
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use imgfmt::compress::Codec;
+use imgfmt::{BlobSource, ChunkDigest, Image, StoredAt};
+use serde::Serialize;
+use verify::{VerifiedChunk, VerifyError};
+
+use crate::cache::{CacheStats, ChunkCache};
+use crate::unpack::{TempGuard, UnpackError, WRITE_PIECE};
+
+/// Largest coalesced range request.
+pub const DEFAULT_MAX_RANGE: u64 = 8 << 20;
+/// Stored bytes of other chunks a range may read through to join two needed neighbours:
+/// one round trip costs more than this many bytes on any link worth pulling over.
+const MAX_GAP: u64 = 256 << 10;
+
+#[derive(Debug, Clone)]
+pub struct PullOptions {
+    /// Range requests in flight (and threads reading the cache).
+    pub jobs: usize,
+    /// Replace files that already exist under the destination.
+    pub overwrite: bool,
+    /// Largest coalesced range request, in stored bytes (a single chunk larger than this
+    /// is still fetched whole).
+    pub max_range: u64,
+    /// Pause before each range request: a throttle for tests and demos of interruption
+    /// (`SNAPCTL_PULL_DELAY_MS` in the CLI). Zero in real use.
+    pub request_delay: Duration,
+}
+
+impl Default for PullOptions {
+    fn default() -> Self {
+        PullOptions { jobs: 8, overwrite: false, max_range: DEFAULT_MAX_RANGE, request_delay: Duration::ZERO }
+    }
+}
+
+/// What a pull did. Serialized as the `--json` summary of `snapctl pull`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PullReport {
+    pub manifest: String,
+    pub files: usize,
+    /// Sum of the files' sizes.
+    pub logical_bytes: u64,
+    /// Bytes received in range requests (stored, possibly compressed, bytes).
+    pub bytes_fetched: u64,
+    pub range_requests: u64,
+    /// Chunk positions in all files.
+    pub chunks_total: u64,
+    /// Positions that are holes (never fetched, never written).
+    pub chunks_zero: u64,
+    /// Distinct chunks read from the cache.
+    pub chunks_from_cache: u64,
+    /// Distinct chunks fetched from the source.
+    pub chunks_fetched: u64,
+    /// Non-zero positions served by a chunk already read or fetched for another position.
+    pub chunks_deduplicated: u64,
+    /// Chunks that failed verification once and were fetched again alone (a corrupted
+    /// transfer); a second failure fails the pull.
+    pub chunks_refetched: u64,
+    /// Cache puts that failed (disk full, ...): the pull goes on, the chunk is not cached.
+    pub cache_put_errors: u64,
+    pub bytes_written: u64,
+    pub seconds: f64,
+    pub cache: Option<CacheStats>,
+}
+
+/// Where a distinct chunk goes and where it can be fetched from.
+struct Distinct {
+    digest: ChunkDigest,
+    len: u32,
+    /// One place it is stored (the first position's).
+    pack: u32,
+    offset: u64,
+    stored_len: u32,
+    codec: Codec,
+    /// (file, chunk) positions holding it; the first names it in errors.
+    positions: Vec<(usize, u64)>,
+}
+
+/// One unit of work for the pool.
+enum Work {
+    /// Distinct chunk the cache has an entry for (checked when read).
+    Cached(usize),
+    /// A range of one pack: stored bytes `[start, end)` covering these distinct chunks.
+    Range { pack: u32, start: u64, end: u64, members: Vec<usize> },
+}
+
+/// Pull `image` (read from `src`) into `dest`, using and filling `cache` if given.
+pub fn pull(
+    src: &dyn BlobSource,
+    image: &Image,
+    dest: &Path,
+    cache: Option<&ChunkCache>,
+    opts: &PullOptions,
+    progress: Option<&(dyn Fn(u64) + Sync)>,
+) -> Result<PullReport, UnpackError> {
+    let t0 = Instant::now();
+    let io = |p: &Path| {
+        let p = p.to_path_buf();
+        move |source| UnpackError::Io { path: p, source }
+    };
+    let algo = image.config().hash;
+    let shift = image.chunk_shift();
+    let mut report = PullReport {
+        manifest: image.manifest_digest.to_string(),
+        files: image.files.len(),
+        logical_bytes: image.files.iter().map(|f| f.size).sum(),
+        ..Default::default()
+    };
+
+    // Plan: distinct non-zero digests and their positions; zero records checked.
+    let mut distinct: Vec<Distinct> = Vec::new();
+    let mut by_digest: HashMap<ChunkDigest, usize> = HashMap::new();
+    let mut zero_bytes = 0u64;
+    for (fi, f) in image.files.iter().enumerate() {
+        for (ci, c) in f.chunks.iter().enumerate() {
+            report.chunks_total += 1;
+            match c.at {
+                StoredAt::Zero => {
+                    verify::check_zero_record(image, fi, ci as u64)?;
+                    report.chunks_zero += 1;
+                    zero_bytes += c.len as u64;
+                }
+                StoredAt::Pack { pack, offset, stored_len, codec } => match by_digest.get(&c.digest) {
+                    Some(&d) if distinct[d].len == c.len => {
+                        distinct[d].positions.push((fi, ci as u64));
+                        report.chunks_deduplicated += 1;
+                    }
+                    _ => {
+                        by_digest.insert(c.digest, distinct.len());
+                        distinct.push(Distinct { digest: c.digest, len: c.len, pack, offset, stored_len, codec, positions: vec![(fi, ci as u64)] });
+                    }
+                },
+            }
+        }
+    }
+    if let Some(p) = progress {
+        p(zero_bytes);
+    }
+
+    // Work list: ranges first (they wait on the network), then cache reads.
+    let mut cached = Vec::new();
+    let mut misses: Vec<usize> = Vec::new();
+    for (i, d) in distinct.iter().enumerate() {
+        match cache {
+            Some(c) if c.contains_unverified(algo, &d.digest) => cached.push(Work::Cached(i)),
+            _ => misses.push(i),
+        }
+    }
+    let mut work = coalesce(&distinct, misses, opts.max_range);
+    work.extend(cached);
+
+    // Destination and temp files (all of them first: a missing directory or an existing
+    // file fails the pull before anything is fetched).
+    fs::create_dir_all(dest).map_err(io(dest))?;
+    if !opts.overwrite {
+        for f in &image.files {
+            let p = dest.join(&f.name);
+            if p.symlink_metadata().is_ok() {
+                return Err(UnpackError::Exists(p));
+            }
+        }
+    }
+    let mut outs: Vec<(File, PathBuf, TempGuard)> = Vec::with_capacity(image.files.len());
+    for f in &image.files {
+        // Names were checked when the config was decoded: relative, no traversal.
+        let final_path = dest.join(&f.name);
+        let dir = final_path.parent().expect("joined path has a parent");
+        fs::create_dir_all(dir).map_err(io(dir))?;
+        let base = final_path.file_name().expect("file name").to_string_lossy().into_owned();
+        let tmp = imgfmt::layout::tempname(dir, &format!(".{base}.snapctl-partial"));
+        let guard = TempGuard(Some(tmp.clone()));
+        let file = OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(io(&tmp))?;
+        // A sparse file of the final size: zero chunks are never written.
+        file.set_len(f.size).map_err(io(&tmp))?;
+        outs.push((file, tmp, guard));
+    }
+
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let first_err: Mutex<Option<UnpackError>> = Mutex::new(None);
+    let c = Counters::default();
+    let ctx = Ctx { src, image, cache, distinct: &distinct, outs: &outs, shift, algo, progress, c: &c };
+    std::thread::scope(|s| {
+        for _ in 0..opts.jobs.max(1) {
+            s.spawn(|| loop {
+                if failed.load(Ordering::Relaxed) {
+                    break;
+                }
+                let Some(w) = work.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
+                let res = match w {
+                    Work::Cached(i) => ctx.from_cache(*i),
+                    Work::Range { pack, start, end, members } => {
+                        if !opts.request_delay.is_zero() {
+                            std::thread::sleep(opts.request_delay);
+                        }
+                        ctx.fetch_range(*pack, *start, *end, members)
+                    }
+                };
+                if let Err(e) = res {
+                    failed.store(true, Ordering::Relaxed);
+                    first_err.lock().expect("poisoned").get_or_insert(e);
+                    break;
+                }
+            });
+        }
+    });
+    if let Some(e) = first_err.into_inner().expect("poisoned") {
+        // The guards remove every temp file: nothing appears under a final name.
+        return Err(e);
+    }
+
+    // Every file is complete: sync and rename each, then sync its directory.
+    for (f, (file, tmp, mut guard)) in image.files.iter().zip(outs) {
+        let final_path = dest.join(&f.name);
+        file.set_permissions(fs::Permissions::from_mode(f.mode)).map_err(io(&tmp))?;
+        file.sync_all().map_err(io(&tmp))?;
+        drop(file);
+        fs::rename(&tmp, &final_path).map_err(io(&final_path))?;
+        // Renamed: nothing left for the guard to remove.
+        let _ = guard.0.take();
+        let dir = final_path.parent().expect("joined path has a parent");
+        File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))?;
+    }
+    report.bytes_fetched = c.bytes_fetched.into_inner();
+    report.range_requests = c.range_requests.into_inner();
+    report.chunks_from_cache = c.from_cache.into_inner();
+    report.chunks_fetched = c.fetched.into_inner();
+    report.chunks_refetched = c.refetched.into_inner();
+    report.cache_put_errors = c.put_errors.into_inner();
+    report.bytes_written = c.written.into_inner();
+    report.cache = cache.map(|c| c.stats());
+    report.seconds = t0.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+/// Group distinct chunks to fetch by pack, in offset order, into ranges of at most
+/// `max_range` stored bytes, joining neighbours separated by at most [`MAX_GAP`].
+fn coalesce(distinct: &[Distinct], mut misses: Vec<usize>, max_range: u64) -> Vec<Work> {
+    misses.sort_by_key(|&i| (distinct[i].pack, distinct[i].offset));
+    let mut out = Vec::new();
+    let mut cur: Option<(u32, u64, u64, Vec<usize>)> = None;
+    for i in misses {
+        let d = &distinct[i];
+        let (s, e) = (d.offset, d.offset + d.stored_len as u64);
+        if let Some((pack, start, end, members)) = &mut cur {
+            // Sorted by offset, so `s >= start`; a range only grows while it stays within
+            // the bound, and only across a gap small enough to be worth reading through.
+            if *pack == d.pack && s <= *end + MAX_GAP && e.max(*end) - *start <= max_range {
+                *end = e.max(*end);
+                members.push(i);
+                continue;
+            }
+            let (pack, start, end, members) = cur.take().expect("some");
+            out.push(Work::Range { pack, start, end, members });
+        }
+        cur = Some((d.pack, s, e, vec![i]));
+    }
+    if let Some((pack, start, end, members)) = cur {
+        out.push(Work::Range { pack, start, end, members });
+    }
+    out
+}
+
+#[derive(Default)]
+struct Counters {
+    bytes_fetched: AtomicU64,
+    range_requests: AtomicU64,
+    from_cache: AtomicU64,
+    fetched: AtomicU64,
+    refetched: AtomicU64,
+    put_errors: AtomicU64,
+    written: AtomicU64,
+}
+
+struct Ctx<'a> {
+    src: &'a dyn BlobSource,
+    image: &'a Image,
+    cache: Option<&'a ChunkCache>,
+    distinct: &'a [Distinct],
+    outs: &'a [(File, PathBuf, TempGuard)],
+    shift: u8,
+    algo: imgfmt::HashAlgo,
+    progress: Option<&'a (dyn Fn(u64) + Sync)>,
+    c: &'a Counters,
+}
+
+impl Ctx<'_> {
+    /// A distinct chunk the cache should have; if its entry turned out damaged or gone
+    /// (evicted by another process since planning), fetch it alone.
+    fn from_cache(&self, i: usize) -> Result<(), UnpackError> {
+        let d = &self.distinct[i];
+        let cache = self.cache.expect("cached work only with a cache");
+        match cache.get(self.algo, &d.digest, d.len)? {
+            Some(chunk) => {
+                self.c.from_cache.fetch_add(1, Ordering::Relaxed);
+                self.place(i, &chunk)
+            }
+            None => self.fetch_range(d.pack, d.offset, d.offset + d.stored_len as u64, &[i]),
+        }
+    }
+
+    /// Fetch stored bytes `[start, end)` of a pack and place every member chunk.
+    fn fetch_range(&self, pack: u32, start: u64, end: u64, members: &[usize]) -> Result<(), UnpackError> {
+        let pack_digest = &self.image.packs[pack as usize].digest;
+        let mut buf = vec![0u8; (end - start) as usize];
+        self.c.range_requests.fetch_add(1, Ordering::Relaxed);
+        self.src.read_at_unverified(pack_digest, start, &mut buf).map_err(|source| {
+            let d = &self.distinct[members[0]];
+            let (file, chunk) = d.positions[0];
+            VerifyError::Read { file: self.image.files[file].name.clone(), chunk, offset: chunk << self.shift, source }
+        })?;
+        self.c.bytes_fetched.fetch_add(buf.len() as u64, Ordering::Relaxed);
+        for &i in members {
+            let d = &self.distinct[i];
+            let s = (d.offset - start) as usize;
+            let stored = buf[s..s + d.stored_len as usize].to_vec();
+            let chunk = match verify::verify_stored(self.algo, d.codec, stored, d.len, &d.digest) {
+                Ok(c) => c,
+                // Bytes damaged in transit look the same as bytes damaged at rest; one
+                // fetch of the chunk alone tells them apart.
+                Err(_) => self.refetch(i)?,
+            };
+            self.c.fetched.fetch_add(1, Ordering::Relaxed);
+            if let Some(cache) = self.cache {
+                if cache.put(self.algo, &d.digest, &chunk).is_err() {
+                    self.c.put_errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            self.place(i, &chunk)?;
+        }
+        Ok(())
+    }
+
+    /// Fetch one chunk alone after its bytes failed verification; a second failure is the
+    /// answer (exit 1 in the CLI), naming the chunk's first file and position.
+    fn refetch(&self, i: usize) -> Result<VerifiedChunk, UnpackError> {
+        self.c.refetched.fetch_add(1, Ordering::Relaxed);
+        let d = &self.distinct[i];
+        let (file, chunk) = d.positions[0];
+        let name = &self.image.files[file].name;
+        let offset = chunk << self.shift;
+        let mut buf = vec![0u8; d.stored_len as usize];
+        self.c.range_requests.fetch_add(1, Ordering::Relaxed);
+        self.src
+            .read_at_unverified(&self.image.packs[d.pack as usize].digest, d.offset, &mut buf)
+            .map_err(|source| VerifyError::Read { file: name.clone(), chunk, offset, source })?;
+        self.c.bytes_fetched.fetch_add(buf.len() as u64, Ordering::Relaxed);
+        verify::verify_stored(self.algo, d.codec, buf, d.len, &d.digest).map_err(|(detail, actual)| {
+            UnpackError::Verify(match actual {
+                Some(actual) => VerifyError::DigestMismatch { file: name.clone(), chunk, offset, expected: d.digest, actual },
+                None => VerifyError::Corrupt { file: name.clone(), chunk, offset, detail },
+            })
+        })
+    }
+
+    /// Write a verified chunk at every position that holds it.
+    fn place(&self, i: usize, chunk: &VerifiedChunk) -> Result<(), UnpackError> {
+        for &(fi, ci) in &self.distinct[i].positions {
+            let (file, tmp, _) = &self.outs[fi];
+            let at = ci << self.shift;
+            // Pieces of at most 256 KiB (see unpack: large page-cache copies were slower).
+            for (k, piece) in chunk.as_bytes().chunks(WRITE_PIECE).enumerate() {
+                file.write_all_at(piece, at + (k * WRITE_PIECE) as u64)
+                    .map_err(|source| UnpackError::Io { path: tmp.clone(), source })?;
+            }
+            self.c.written.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+            if let Some(p) = self.progress {
+                p(chunk.len() as u64);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn d(pack: u32, offset: u64, stored_len: u32) -> Distinct {
+        Distinct { digest: ChunkDigest::default(), len: stored_len, pack, offset, stored_len, codec: Codec::Raw, positions: vec![(0, 0)] }
+    }
+
+    fn ranges(w: &[Work]) -> Vec<(u32, u64, u64, usize)> {
+        w.iter()
+            .map(|w| match w {
+                Work::Range { pack, start, end, members } => (*pack, *start, *end, members.len()),
+                Work::Cached(_) => panic!("no cached work here"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn coalescing_joins_neighbours_within_bounds() {
+        let mb = 1u64 << 20;
+        let ds = vec![
+            d(0, 0, mb as u32),
+            d(0, mb, mb as u32),
+            d(1, 0, 1000),
+            d(0, 3 * mb, mb as u32), // a 1 MiB gap: too far to read through
+            d(0, 4 * mb + 1000, 1000), // a small gap: joined
+        ];
+        let w = coalesce(&ds, vec![4, 2, 0, 3, 1], 8 * mb);
+        assert_eq!(ranges(&w), vec![(0, 0, 2 * mb, 2), (0, 3 * mb, 4 * mb + 2000, 2), (1, 0, 1000, 1)]);
+        // The bound splits a long run.
+        let run: Vec<_> = (0..20).map(|k| d(0, k * mb, mb as u32)).collect();
+        let w = coalesce(&run, (0..20).collect(), 8 * mb);
+        assert_eq!(ranges(&w).iter().map(|r| r.3).collect::<Vec<_>>(), vec![8, 8, 4]);
+        assert!(ranges(&w).iter().all(|r| r.2 - r.1 <= 8 * mb));
+        // A chunk larger than the bound is still fetched, alone.
+        let w = coalesce(&[d(0, 0, (9 * mb) as u32), d(0, 9 * mb, 10)], vec![0, 1], 8 * mb);
+        assert_eq!(ranges(&w), vec![(0, 0, 9 * mb, 1), (0, 9 * mb, 9 * mb + 10, 1)]);
+    }
+}
