@@ -1,0 +1,351 @@
+//! Verified chunks for the fault path: recent memory -> chunk cache -> source, with
+//! single-flight (any number of faults, connections and the prefetcher asking for one
+//! chunk cause one fetch), retries inside a time budget, and a second fetch on a digest
+//! mismatch.
+//!
+//! Nothing here hands out bytes that did not match their digest: the source's bytes go
+//! through `verify::read_chunk`, the cache re-checks on every read.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use imgfmt::{BlobSource, HashAlgo, Image, StoredAt};
+use verify::{VerifiedChunk, VerifyError};
+
+/// Where verified chunks are kept between restores (the per-host chunk cache; the CLI
+/// adapts `puller::ChunkCache` to it). Errors are the store's to log: a store that cannot
+/// answer is a miss, since the source still has the chunk.
+pub trait ChunkStore: Send + Sync {
+    /// The chunk if present and still matching its digest.
+    fn get(&self, algo: HashAlgo, digest: &imgfmt::ChunkDigest, len: u32) -> Option<VerifiedChunk>;
+    fn put(&self, algo: HashAlgo, digest: &imgfmt::ChunkDigest, chunk: &VerifiedChunk);
+}
+
+/// Where a chunk came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// Recent memory, the chunk cache, or a fetch another caller was already making.
+    Cache,
+    /// This call fetched it from the source.
+    Fetched,
+}
+
+/// Why no verified bytes could be had for a chunk.
+#[derive(Debug, Clone, thiserror::Error, displaydoc::Display)]
+pub enum FetchFailure {
+    /// chunk {chunk}: failed verification twice: {detail}
+    Integrity { chunk: u64, detail: String },
+    /// chunk {chunk}: source still failing after {retries} retries over {seconds:.0}s: {detail}
+    Exhausted { chunk: u64, retries: u64, seconds: f64, detail: String },
+}
+
+/// Side effects of one `get` the caller accounts for (only the caller that did the work
+/// reports them, so a shared fetch is counted once).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Work {
+    pub bytes_fetched: u64,
+    pub retries: u64,
+    pub verify_failures: u64,
+}
+
+type Outcome = Result<Arc<VerifiedChunk>, FetchFailure>;
+
+struct Flight {
+    done: Mutex<Option<Outcome>>,
+    cv: Condvar,
+}
+
+/// Recently used chunks in memory, first in first out, bounded in bytes: concurrent
+/// restores and the fault after the prefetcher's install find them without a disk read.
+struct Recent {
+    map: HashMap<u64, Arc<VerifiedChunk>>,
+    order: VecDeque<u64>,
+    bytes: u64,
+    limit: u64,
+}
+
+impl Recent {
+    fn insert(&mut self, chunk: u64, c: Arc<VerifiedChunk>) {
+        if self.limit == 0 || self.map.contains_key(&chunk) {
+            return;
+        }
+        self.bytes += c.len() as u64;
+        self.map.insert(chunk, c);
+        self.order.push_back(chunk);
+        while self.bytes > self.limit {
+            let Some(old) = self.order.pop_front() else { break };
+            if let Some(c) = self.map.remove(&old) {
+                self.bytes -= c.len() as u64;
+            }
+        }
+    }
+}
+
+/// Retry policy for transient source failures.
+#[derive(Debug, Clone, Copy)]
+pub struct RetryPolicy {
+    /// Give up (and poison) once retrying has taken this long.
+    pub budget: Duration,
+    pub first_backoff: Duration,
+    pub max_backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy { budget: Duration::from_secs(120), first_backoff: Duration::from_millis(50), max_backoff: Duration::from_secs(5) }
+    }
+}
+
+/// Chunks of one file of one image.
+pub struct Fetcher {
+    pub image: Arc<Image>,
+    pub file: usize,
+    src: Arc<dyn BlobSource>,
+    store: Option<Arc<dyn ChunkStore>>,
+    policy: RetryPolicy,
+    inflight: Mutex<HashMap<u64, Arc<Flight>>>,
+    recent: Mutex<Recent>,
+}
+
+impl Fetcher {
+    pub fn new(image: Arc<Image>, file: usize, src: Arc<dyn BlobSource>, store: Option<Arc<dyn ChunkStore>>, policy: RetryPolicy, memory_bytes: u64) -> Self {
+        Fetcher {
+            image,
+            file,
+            src,
+            store,
+            policy,
+            inflight: Mutex::new(HashMap::new()),
+            recent: Mutex::new(Recent { map: HashMap::new(), order: VecDeque::new(), bytes: 0, limit: memory_bytes }),
+        }
+    }
+
+    /// Whether chunk `chunk` is all zeros (never fetched: zeros are made locally).
+    /// The record's digest is checked against the digest of zeros first, so a lying
+    /// index cannot make us install zeros where the snapshot has data.
+    pub fn is_zero(&self, chunk: u64) -> Result<bool, FetchFailure> {
+        let c = &self.image.files[self.file].chunks[chunk as usize];
+        match c.at {
+            StoredAt::Zero => verify::check_zero_record(&self.image, self.file, chunk)
+                .map(|_| true)
+                .map_err(|e| FetchFailure::Integrity { chunk, detail: e.to_string() }),
+            StoredAt::Pack { .. } => Ok(false),
+        }
+    }
+
+    /// The verified bytes of a stored chunk.
+    pub fn get(&self, chunk: u64) -> (Outcome, Origin, Work) {
+        if let Some(c) = self.recent.lock().expect("poisoned").map.get(&chunk) {
+            return (Ok(c.clone()), Origin::Cache, Work::default());
+        }
+        let (flight, leader) = {
+            let mut m = self.inflight.lock().expect("poisoned");
+            match m.get(&chunk) {
+                Some(f) => (f.clone(), false),
+                None => {
+                    let f = Arc::new(Flight { done: Mutex::new(None), cv: Condvar::new() });
+                    m.insert(chunk, f.clone());
+                    (f, true)
+                }
+            }
+        };
+        if !leader {
+            let mut g = flight.done.lock().expect("poisoned");
+            while g.is_none() {
+                g = flight.cv.wait(g).expect("poisoned");
+            }
+            return (g.clone().expect("set"), Origin::Cache, Work::default());
+        }
+        let (outcome, origin, work) = self.load(chunk);
+        if let Ok(c) = &outcome {
+            self.recent.lock().expect("poisoned").insert(chunk, c.clone());
+        }
+        *flight.done.lock().expect("poisoned") = Some(outcome.clone());
+        flight.cv.notify_all();
+        self.inflight.lock().expect("poisoned").remove(&chunk);
+        (outcome, origin, work)
+    }
+
+    fn load(&self, chunk: u64) -> (Outcome, Origin, Work) {
+        let c = self.image.files[self.file].chunks[chunk as usize];
+        let algo = self.image.config().hash;
+        let mut work = Work::default();
+        if let Some(store) = &self.store {
+            if let Some(v) = store.get(algo, &c.digest, c.len) {
+                return (Ok(Arc::new(v)), Origin::Cache, work);
+            }
+        }
+        let stored_len = match c.at {
+            StoredAt::Pack { stored_len, .. } => stored_len as u64,
+            StoredAt::Zero => 0,
+        };
+        let t0 = Instant::now();
+        let mut backoff = self.policy.first_backoff;
+        let mut mismatch: Option<String> = None;
+        loop {
+            match verify::read_chunk(self.src.as_ref(), &self.image, self.file, chunk) {
+                Ok(v) => {
+                    work.bytes_fetched += stored_len;
+                    if let Some(store) = &self.store {
+                        store.put(algo, &c.digest, &v);
+                    }
+                    return (Ok(Arc::new(v)), Origin::Fetched, work);
+                }
+                Err(e @ VerifyError::Read { .. }) => {
+                    // Stalling is better than failing here: a faulting vCPU that waits
+                    // recovers when the registry does; one that gets poison does not.
+                    let spent = t0.elapsed();
+                    if spent + backoff > self.policy.budget {
+                        let f = FetchFailure::Exhausted { chunk, retries: work.retries, seconds: spent.as_secs_f64(), detail: e.to_string() };
+                        return (Err(f), Origin::Fetched, work);
+                    }
+                    work.retries += 1;
+                    if work.retries == 1 || work.retries % 10 == 0 {
+                        eprintln!("snapctl lazy: chunk {chunk}: {e}; retrying (attempt {})", work.retries + 1);
+                    }
+                    std::thread::sleep(jitter(backoff));
+                    backoff = (backoff * 2).min(self.policy.max_backoff);
+                }
+                Err(e) => {
+                    work.bytes_fetched += stored_len;
+                    work.verify_failures += 1;
+                    eprintln!("snapctl lazy: VERIFY FAILURE: {e}");
+                    if let Some(first) = mismatch {
+                        let f = FetchFailure::Integrity { chunk, detail: format!("{first}; then {e}") };
+                        return (Err(f), Origin::Fetched, work);
+                    }
+                    // Fetch once more: a corrupted transfer deserves a second chance, a
+                    // corrupted pack does not get a third.
+                    mismatch = Some(e.to_string());
+                }
+            }
+        }
+    }
+}
+
+/// `d` scaled by a random factor in [0.5, 1.5), so many waiting handlers do not retry in step.
+fn jitter(d: Duration) -> Duration {
+    d.mul_f64(0.5 + rand::random::<f64>())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use imgfmt::{FormatError, OciDigest};
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// A source that counts reads, can fail the first `fail` of them, and can corrupt bytes.
+    pub struct Flaky {
+        pub inner: Box<dyn BlobSource>,
+        pub reads: AtomicU64,
+        pub fail: AtomicU64,
+        pub corrupt: std::sync::atomic::AtomicBool,
+        pub delay: Duration,
+    }
+    impl BlobSource for Flaky {
+        fn describe(&self) -> String {
+            "flaky".into()
+        }
+        fn resolve_tag(&self, t: &str) -> Result<OciDigest, FormatError> {
+            self.inner.resolve_tag(t)
+        }
+        fn read_blob_unverified(&self, d: &OciDigest, l: u64) -> Result<Vec<u8>, FormatError> {
+            self.inner.read_blob_unverified(d, l)
+        }
+        fn blob_size(&self, d: &OciDigest) -> Result<u64, FormatError> {
+            self.inner.blob_size(d)
+        }
+        fn read_at_unverified(&self, d: &OciDigest, o: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+            self.reads.fetch_add(1, Ordering::SeqCst);
+            std::thread::sleep(self.delay);
+            if self.fail.load(Ordering::SeqCst) > 0 {
+                self.fail.fetch_sub(1, Ordering::SeqCst);
+                return Err(FormatError::Io { context: "injected".into(), source: std::io::Error::other("connection reset") });
+            }
+            self.inner.read_at_unverified(d, o, buf)?;
+            if self.corrupt.load(Ordering::SeqCst) {
+                buf[0] ^= 1;
+            }
+            Ok(())
+        }
+    }
+
+    /// A small image in a temporary layout: `mem` of `chunks` 64 KiB chunks, every third
+    /// chunk zero.
+    pub fn sample_image(chunks: usize) -> (tempfile::TempDir, Vec<u8>, Arc<Image>, imgfmt::OciLayout) {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        let mut mem = vec![0u8; chunks << 16];
+        for (i, c) in mem.chunks_mut(1 << 16).enumerate() {
+            if i % 3 != 1 {
+                for (j, b) in c.iter_mut().enumerate() {
+                    *b = (j as u8).wrapping_mul(7).wrapping_add(i as u8) | 1;
+                }
+            }
+        }
+        std::fs::write(src.join("vm.mem"), &mem).unwrap();
+        std::fs::write(src.join("vm.state"), b"state").unwrap();
+        let layout = imgfmt::OciLayout::open_or_create(dir.path().join("layout")).unwrap();
+        let opts = pusher::PackOptions { chunk_shift: 16, kind: Some(imgfmt::Kind::Firecracker), ..Default::default() };
+        pusher::pack(&src, &layout, "t", &opts).unwrap();
+        let d = layout.resolve_tag("t").unwrap();
+        let image = Arc::new(Image::open(&layout, &d).unwrap());
+        (dir, mem, image, layout)
+    }
+
+    fn fetcher(flaky: Arc<Flaky>, image: Arc<Image>, budget: Duration) -> Fetcher {
+        let file = image.file("vm.mem").unwrap().0;
+        let policy = RetryPolicy { budget, first_backoff: Duration::from_millis(1), max_backoff: Duration::from_millis(5) };
+        Fetcher::new(image, file, flaky, None, policy, 0)
+    }
+
+    fn flaky(layout: imgfmt::OciLayout, delay: Duration) -> Arc<Flaky> {
+        Arc::new(Flaky { inner: Box::new(layout), reads: 0.into(), fail: 0.into(), corrupt: false.into(), delay })
+    }
+
+    #[test]
+    fn single_flight_across_threads() {
+        let (_d, mem, image, layout) = sample_image(6);
+        let src = flaky(layout, Duration::from_millis(50));
+        let f = Arc::new(fetcher(src.clone(), image, Duration::from_secs(5)));
+        let handles: Vec<_> = (0..4).map(|_| { let f = f.clone(); std::thread::spawn(move || f.get(2)) }).collect();
+        let mut fetched = 0;
+        for h in handles {
+            let (o, origin, _) = h.join().unwrap();
+            assert_eq!(o.unwrap().as_bytes(), &mem[2 << 16..3 << 16]);
+            fetched += (origin == Origin::Fetched) as u32;
+        }
+        assert_eq!(fetched, 1);
+        assert_eq!(src.reads.load(Ordering::SeqCst), 1, "four callers, one read");
+    }
+
+    #[test]
+    fn transient_errors_are_retried_then_give_up() {
+        let (_d, mem, image, layout) = sample_image(3);
+        let src = flaky(layout, Duration::ZERO);
+        src.fail.store(3, Ordering::SeqCst);
+        let f = fetcher(src.clone(), image.clone(), Duration::from_secs(5));
+        let (o, origin, work) = f.get(0);
+        assert_eq!(o.unwrap().as_bytes(), &mem[..1 << 16]);
+        assert_eq!((origin, work.retries), (Origin::Fetched, 3));
+        src.fail.store(u64::MAX / 2, Ordering::SeqCst);
+        let f = fetcher(src, image, Duration::from_millis(100));
+        let (o, _, work) = f.get(2);
+        assert!(matches!(o, Err(FetchFailure::Exhausted { .. })), "{o:?}");
+        assert!(work.retries >= 3);
+    }
+
+    #[test]
+    fn corrupt_bytes_are_fetched_twice_then_refused() {
+        let (_d, _mem, image, layout) = sample_image(3);
+        let src = flaky(layout, Duration::ZERO);
+        src.corrupt.store(true, Ordering::SeqCst);
+        let f = fetcher(src.clone(), image, Duration::from_secs(5));
+        let (o, _, work) = f.get(0);
+        assert!(matches!(o, Err(FetchFailure::Integrity { .. })), "{o:?}");
+        assert_eq!((work.verify_failures, src.reads.load(Ordering::SeqCst)), (2, 2));
+        assert!(f.is_zero(1).unwrap() && !f.is_zero(0).unwrap());
+    }
+}

@@ -1,0 +1,371 @@
+//! `snapctl lazy`: serve a restoring VM's page faults from verified chunks (userfaultfd).
+//!
+//! ```text
+//! VMM --connect--> socket --handshake (regions JSON + uffd)--> connection thread
+//!   fault loop:  uffd event -> region -> file offset -> chunk
+//!                -> zero chunk / removed range: UFFDIO_ZEROPAGE
+//!                -> recent memory -> chunk cache -> source (single-flight, retried,
+//!                   verified) -> UFFDIO_COPY
+//!                -> still no verified bytes: UFFDIO_POISON
+//!   prefetcher:  trace (then all) chunks -> same install path, gaps only
+//! ```
+//!
+//! One daemon serves many connections over one image, one chunk cache and one in-flight
+//! map. The wire contract and the `--json` summary are in `spec/lazy.md`.
+
+mod fetch;
+pub mod handshake;
+pub mod map;
+pub mod prefetch;
+pub mod stats;
+mod uffd;
+
+use std::os::fd::{FromRawFd, IntoRawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use imgfmt::{BlobSource, Image};
+
+pub use fetch::{ChunkStore, FetchFailure, RetryPolicy};
+pub use prefetch::{LayoutTraces, PrefetchMode, Trace, TraceStore, TRACE_MEDIA_TYPE};
+pub use stats::{ConnReport, Counters};
+
+use map::MemoryMap;
+use uffd::Conn;
+
+/// A fault waiting longer than this is logged by the watchdog.
+pub const SLOW_FAULT: Duration = Duration::from_secs(1);
+
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
+#[non_exhaustive]
+pub enum LazyError {
+    /// {context}: {source}
+    Io { context: String, source: std::io::Error },
+    /// {0}
+    Invalid(String),
+}
+
+fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> LazyError {
+    let context = context.into();
+    move |source| LazyError::Io { context, source }
+}
+
+/// How the daemon behaves.
+#[derive(Debug, Clone)]
+pub struct LazyOptions {
+    /// Unix socket to listen on.
+    pub socket: PathBuf,
+    pub prefetch: PrefetchMode,
+    /// Prefetch at most this many bytes per second (0: unbounded).
+    pub prefetch_rate: u64,
+    pub record_trace: bool,
+    pub retry: RetryPolicy,
+    /// Recently used chunks kept in memory, in bytes.
+    pub memory_bytes: u64,
+    /// Exit after the first connection (that completed its handshake) ends.
+    pub once: bool,
+    /// Written (with the socket path) once the socket is bound.
+    pub ready_file: Option<PathBuf>,
+}
+
+impl LazyOptions {
+    pub fn new(socket: PathBuf) -> Self {
+        LazyOptions {
+            socket,
+            prefetch: PrefetchMode::Trace,
+            prefetch_rate: 256 << 20,
+            record_trace: false,
+            retry: RetryPolicy::default(),
+            memory_bytes: 256 << 20,
+            once: false,
+            ready_file: None,
+        }
+    }
+}
+
+/// The daemon: one image file, many connections.
+pub struct Daemon {
+    fetcher: Arc<fetch::Fetcher>,
+    opts: LazyOptions,
+    counters: Arc<Counters>,
+    conns: Mutex<Vec<Weak<Conn>>>,
+    active: AtomicU64,
+    total: AtomicU64,
+    trace: Mutex<Option<Trace>>,
+    traces: Option<Box<dyn TraceStore>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Daemon {
+    /// Serve file `file` of `image` (read from `src`), with an optional chunk cache and an
+    /// optional place to find and keep prefetch traces.
+    pub fn new(
+        image: Arc<Image>,
+        file: usize,
+        src: Arc<dyn BlobSource>,
+        store: Option<Arc<dyn ChunkStore>>,
+        traces: Option<Box<dyn TraceStore>>,
+        opts: LazyOptions,
+    ) -> Result<Arc<Self>, LazyError> {
+        if file >= image.files.len() {
+            return Err(LazyError::Invalid(format!("no file #{file} in the image")));
+        }
+        let trace = match (&traces, opts.prefetch) {
+            (Some(t), PrefetchMode::Trace | PrefetchMode::All) => match t.load(&image, file) {
+                Ok(tr) => tr,
+                Err(e) => {
+                    // A bad trace costs speed, not correctness: go on without it.
+                    eprintln!("snapctl lazy: warning: ignoring the trace in {}: {e}", t.describe());
+                    None
+                }
+            },
+            _ => None,
+        };
+        let fetcher = Arc::new(fetch::Fetcher::new(image, file, src, store, opts.retry, opts.memory_bytes));
+        Ok(Arc::new(Daemon {
+            fetcher,
+            opts,
+            counters: Arc::new(Counters::default()),
+            conns: Mutex::new(Vec::new()),
+            active: AtomicU64::new(0),
+            total: AtomicU64::new(0),
+            trace: Mutex::new(trace),
+            traces,
+            stop: Arc::new(AtomicBool::new(false)),
+        }))
+    }
+
+    pub fn has_trace(&self) -> bool {
+        self.trace.lock().expect("poisoned").is_some()
+    }
+
+    /// Daemon-wide counters as Prometheus text.
+    pub fn metrics_text(&self) -> String {
+        stats::prometheus(&self.counters, self.active.load(Ordering::Relaxed), self.total.load(Ordering::Relaxed))
+    }
+
+    /// Serve `GET /metrics` on `addr` from a background thread; returns the bound address.
+    pub fn serve_metrics(self: &Arc<Self>, addr: &str) -> Result<std::net::SocketAddr, LazyError> {
+        let l = std::net::TcpListener::bind(addr).map_err(io_err(format!("binding metrics address {addr}")))?;
+        let bound = l.local_addr().map_err(io_err("metrics address"))?;
+        let me = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("lazy-metrics".into())
+            .spawn(move || {
+                for s in l.incoming() {
+                    let Some(d) = me.upgrade() else { return };
+                    if let Ok(s) = s {
+                        let _ = answer_metrics(s, &d);
+                    }
+                }
+            })
+            .map_err(io_err("spawning the metrics thread"))?;
+        Ok(bound)
+    }
+
+    /// Ask `run` to return (connections end at their next poll).
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    /// Bind the socket and serve connections until stopped (or, with `once`, until the
+    /// first connection ends). `on_report` gets each finished connection's summary.
+    pub fn run(self: &Arc<Self>, on_report: Arc<dyn Fn(&ConnReport) + Send + Sync>) -> Result<(), LazyError> {
+        let path = &self.opts.socket;
+        // A socket file left by an earlier daemon would make bind fail; anything else
+        // under that name is not ours to delete.
+        if let Ok(m) = std::fs::symlink_metadata(path) {
+            use std::os::unix::fs::FileTypeExt;
+            if m.file_type().is_socket() {
+                if UnixStream::connect(path).is_ok() {
+                    return Err(LazyError::Invalid(format!("{}: another daemon is listening there", path.display())));
+                }
+                std::fs::remove_file(path).map_err(io_err(format!("removing stale socket {}", path.display())))?;
+            }
+        }
+        let listener = UnixListener::bind(path).map_err(io_err(format!("binding {}", path.display())))?;
+        listener.set_nonblocking(true).map_err(io_err("socket"))?;
+        let _cleanup = RemoveOnDrop(path.clone());
+        eprintln!("snapctl lazy: listening on {}", path.display());
+        if let Some(r) = &self.opts.ready_file {
+            imgfmt::layout::write_atomic(r, format!("{}\n", path.display()).as_bytes()).map_err(|e| LazyError::Invalid(e.to_string()))?;
+        }
+        self.spawn_watchdog();
+        let mut workers: Vec<std::thread::JoinHandle<bool>> = Vec::new();
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                break;
+            }
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    let me = self.clone();
+                    let cb = on_report.clone();
+                    let h = std::thread::Builder::new()
+                        .name("lazy-conn".into())
+                        .spawn(move || me.connection(stream, cb.as_ref()))
+                        .map_err(io_err("spawning a connection thread"))?;
+                    workers.push(h);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    // Accept is polled so `stop` and `once` are noticed.
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => eprintln!("snapctl lazy: accept: {e}"),
+            }
+            let (done, running): (Vec<_>, Vec<_>) = workers.into_iter().partition(|h| h.is_finished());
+            workers = running;
+            for h in done {
+                if h.join().unwrap_or(false) && self.opts.once {
+                    self.stop();
+                }
+            }
+        }
+        for h in workers {
+            let _ = h.join();
+        }
+        Ok(())
+    }
+
+    fn spawn_watchdog(self: &Arc<Self>) {
+        let me = Arc::downgrade(self);
+        let _ = std::thread::Builder::new().name("lazy-watchdog".into()).spawn(move || {
+            let mut warned: std::collections::HashMap<(i32, u64), Instant> = Default::default();
+            loop {
+                std::thread::sleep(Duration::from_millis(250));
+                let Some(d) = me.upgrade() else { return };
+                if d.stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                let conns: Vec<Arc<Conn>> = d.conns.lock().expect("poisoned").iter().filter_map(Weak::upgrade).collect();
+                warned.retain(|_, t| t.elapsed() < Duration::from_secs(60));
+                for c in conns {
+                    if let Some((addr, waited)) = c.waiting() {
+                        // Once a second per stuck fault: loud enough to see, not a flood.
+                        let key = (c.pid, addr);
+                        let due = warned.get(&key).is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
+                        if waited >= SLOW_FAULT && due {
+                            eprintln!("snapctl lazy: watchdog: pid {}: fault at {addr:#x} waiting {:.1}s", c.pid, waited.as_secs_f64());
+                            warned.insert(key, Instant::now());
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    /// Handle one connection from handshake to release. Returns whether the handshake
+    /// succeeded (so the connection counts for `once`).
+    fn connection(self: &Arc<Self>, mut stream: UnixStream, on_report: &(dyn Fn(&ConnReport) + Send + Sync)) -> bool {
+        let t0 = Instant::now();
+        let image = self.fetcher.image.clone();
+        let file = &image.files[self.fetcher.file];
+        let hs = match handshake::receive(&mut stream) {
+            Ok(h) => h,
+            Err(e) => {
+                eprintln!("snapctl lazy: connection refused: {e}");
+                return false;
+            }
+        };
+        let regions = match handshake::parse_regions(&hs.json, file.size) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("snapctl lazy: pid {}: {e}; closing the connection", hs.pid);
+                return false;
+            }
+        };
+        // Non-blocking, so reading events never stalls the loop (the VMM does not read
+        // this fd: it only registers memory on it).
+        if let Err(e) = nix::fcntl::fcntl(&hs.uffd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK)) {
+            eprintln!("snapctl lazy: pid {}: userfaultfd: {e}; closing the connection", hs.pid);
+            return false;
+        }
+        // SAFETY: the descriptor was received over SCM_RIGHTS and is owned by nobody else;
+        // `Uffd` takes over closing it.
+        let uffd = unsafe { userfaultfd::Uffd::from_raw_fd(hs.uffd.into_raw_fd()) };
+        let _ = stream.set_nonblocking(true);
+        let total_bytes: u64 = regions.iter().map(|r| r.size).sum();
+        eprintln!("snapctl lazy: pid {}: {} region(s), {} of {}", hs.pid, regions.len(), imgfmt::size::human(total_bytes), file.name);
+        let map = MemoryMap { regions, file_size: file.size, chunk_shift: image.chunk_shift() };
+        let counters = Arc::new(Counters::default());
+        let conn = Arc::new(Conn::new(hs.pid, uffd, map, self.fetcher.clone(), counters.clone(), self.counters.clone(), self.opts.record_trace));
+        {
+            let mut cs = self.conns.lock().expect("poisoned");
+            cs.retain(|w| w.strong_count() > 0);
+            cs.push(Arc::downgrade(&conn));
+        }
+        self.active.fetch_add(1, Ordering::Relaxed);
+        self.total.fetch_add(1, Ordering::Relaxed);
+
+        let order = prefetch::prefetch_order(self.opts.prefetch, self.trace.lock().expect("poisoned").as_ref(), &image, self.fetcher.file);
+        let stop_prefetch = Arc::new(AtomicBool::new(false));
+        let prefetcher = (!order.is_empty()).then(|| {
+            let (c, s, rate) = (conn.clone(), stop_prefetch.clone(), self.opts.prefetch_rate);
+            std::thread::Builder::new().name("lazy-prefetch".into()).spawn(move || prefetch::run(c, order, rate, s))
+        });
+        let ended = conn.run(stream, &self.stop);
+        conn.gone.store(true, Ordering::Relaxed);
+        stop_prefetch.store(true, Ordering::Relaxed);
+        if let Some(Ok(h)) = prefetcher {
+            let _ = h.join();
+        }
+        self.active.fetch_sub(1, Ordering::Relaxed);
+        let mut report = ConnReport::from_counters(hs.pid, &counters, t0.elapsed().as_secs_f64(), ended);
+        if self.opts.record_trace {
+            let chunks = std::mem::take(&mut conn.state.lock().expect("poisoned").trace);
+            let t = Trace::new(&file.name, 1 << image.chunk_shift(), chunks);
+            match &self.traces {
+                Some(store) if !t.chunks.is_empty() => match store.store(&image, &t) {
+                    Ok(at) => {
+                        eprintln!("snapctl lazy: pid {}: trace of {} chunks stored at {at}", hs.pid, t.chunks.len());
+                        report.trace = Some(at);
+                        *self.trace.lock().expect("poisoned") = Some(t);
+                    }
+                    Err(e) => eprintln!("snapctl lazy: pid {}: storing the trace failed: {e}", hs.pid),
+                },
+                Some(_) => eprintln!("snapctl lazy: pid {}: no chunk was fetched: no trace to store", hs.pid),
+                None => eprintln!("snapctl lazy: pid {}: nowhere to store the trace for this source", hs.pid),
+            }
+        }
+        on_report(&report);
+        true
+    }
+}
+
+fn answer_metrics(mut s: std::net::TcpStream, d: &Daemon) -> std::io::Result<()> {
+    use std::io::Write;
+    s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    let mut line = String::new();
+    std::io::BufReader::new(s.try_clone()?).take_line(&mut line)?;
+    let (status, body) = if line.starts_with("GET /metrics ") || line.starts_with("GET /metrics\r") {
+        ("200 OK", d.metrics_text())
+    } else {
+        ("404 Not Found", "not found; try /metrics\n".to_string())
+    };
+    write!(s, "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())?;
+    Ok(())
+}
+
+trait TakeLine {
+    fn take_line(&mut self, out: &mut String) -> std::io::Result<()>;
+}
+impl<R: std::io::BufRead> TakeLine for R {
+    /// One request line, at most 8 KiB.
+    fn take_line(&mut self, out: &mut String) -> std::io::Result<()> {
+        let mut limited = std::io::Read::take(self, 8192);
+        std::io::BufRead::read_line(&mut limited, out).map(|_| ())
+    }
+}
+
+struct RemoveOnDrop(PathBuf);
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests;

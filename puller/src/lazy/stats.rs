@@ -1,0 +1,298 @@
+//! Counters and the fault latency histogram: per connection (the `--json` summary) and for
+//! the whole daemon (Prometheus text on `--metrics`).
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use serde::Serialize;
+
+/// Sub-buckets per power of two: values are kept to within 1/8 (12.5 %).
+const SUB_BITS: u32 = 3;
+const SUB: u64 = 1 << SUB_BITS;
+/// Enough buckets for any u64.
+const BUCKETS: usize = (SUB as usize) * (64 - SUB_BITS as usize + 1);
+
+/// A log-linear histogram of microsecond latencies, lock-free to record.
+pub struct Histogram {
+    buckets: Box<[AtomicU64]>,
+    count: AtomicU64,
+    sum: AtomicU64,
+    max: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            buckets: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(),
+            count: AtomicU64::new(0),
+            sum: AtomicU64::new(0),
+            max: AtomicU64::new(0),
+        }
+    }
+}
+
+fn bucket_of(v: u64) -> usize {
+    if v < SUB {
+        return v as usize;
+    }
+    let e = 63 - v.leading_zeros(); // >= SUB_BITS
+    let sub = (v >> (e - SUB_BITS)) & (SUB - 1);
+    (SUB as usize) + ((e - SUB_BITS) as usize) * (SUB as usize) + sub as usize
+}
+
+/// Largest value that falls in bucket `b`.
+fn bucket_upper(b: usize) -> u64 {
+    if b < SUB as usize {
+        return b as u64;
+    }
+    let e = (b - SUB as usize) / SUB as usize + SUB_BITS as usize;
+    let sub = ((b - SUB as usize) % SUB as usize) as u64;
+    let low = (SUB + sub) << (e - SUB_BITS as usize);
+    low + ((1u64 << (e - SUB_BITS as usize)) - 1)
+}
+
+/// Percentiles of a histogram, in microseconds.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct Latency {
+    pub p50: u64,
+    pub p90: u64,
+    pub p99: u64,
+    pub max: u64,
+}
+
+impl Histogram {
+    pub fn record(&self, us: u64) {
+        self.buckets[bucket_of(us)].fetch_add(1, Relaxed);
+        self.count.fetch_add(1, Relaxed);
+        self.sum.fetch_add(us, Relaxed);
+        self.max.fetch_max(us, Relaxed);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count.load(Relaxed)
+    }
+
+    /// The value at quantile `q` (0..=1): the upper bound of its bucket, never above the
+    /// largest value recorded.
+    pub fn quantile(&self, q: f64) -> u64 {
+        let n = self.count();
+        if n == 0 {
+            return 0;
+        }
+        let rank = ((q * n as f64).ceil() as u64).clamp(1, n);
+        let mut seen = 0;
+        for (b, c) in self.buckets.iter().enumerate() {
+            seen += c.load(Relaxed);
+            if seen >= rank {
+                return bucket_upper(b).min(self.max.load(Relaxed));
+            }
+        }
+        self.max.load(Relaxed)
+    }
+
+    pub fn latency(&self) -> Latency {
+        Latency { p50: self.quantile(0.5), p90: self.quantile(0.9), p99: self.quantile(0.99), max: self.max.load(Relaxed) }
+    }
+
+    /// Prometheus histogram lines (cumulative buckets at powers of two, in seconds).
+    fn prometheus(&self, name: &str, out: &mut String) {
+        let _ = writeln!(out, "# HELP {name} Time from reading a page fault to resolving it.\n# TYPE {name} histogram");
+        let mut cum = 0u64;
+        let mut b = 0usize;
+        for p in 0..=26u32 {
+            // Everything up to 2^p microseconds.
+            let limit = 1u64 << p;
+            while b < BUCKETS && bucket_upper(b) <= limit {
+                cum += self.buckets[b].load(Relaxed);
+                b += 1;
+            }
+            let _ = writeln!(out, "{name}_bucket{{le=\"{}\"}} {cum}", limit as f64 / 1e6);
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count());
+        let _ = writeln!(out, "{name}_sum {}", self.sum.load(Relaxed) as f64 / 1e6);
+        let _ = writeln!(out, "{name}_count {}", self.count());
+    }
+}
+
+/// What a connection (or the daemon) did.
+#[derive(Default)]
+pub struct Counters {
+    /// Faults resolved with zeros: zero chunks and removed ranges.
+    pub zero: AtomicU64,
+    /// Faults whose chunk came from the chunk cache, memory, or another connection's fetch.
+    pub cache_hit: AtomicU64,
+    /// Faults whose chunk was fetched from the source by this fault.
+    pub fetched: AtomicU64,
+    /// Faults on pages already installed by the time they were read (another vCPU's fault
+    /// or the prefetcher got there first): only a wake-up was needed.
+    pub present: AtomicU64,
+    /// Faults served with zeros because the guest had removed the range.
+    pub removed_zero: AtomicU64,
+    pub bytes_fetched: AtomicU64,
+    pub retries: AtomicU64,
+    pub verify_failures: AtomicU64,
+    pub poisoned_pages: AtomicU64,
+    pub removed_ranges: AtomicU64,
+    pub prefetched_chunks: AtomicU64,
+    pub prefetched_bytes: AtomicU64,
+    pub latency: Histogram,
+}
+
+impl Counters {
+    pub fn faults(&self) -> u64 {
+        self.zero.load(Relaxed) + self.cache_hit.load(Relaxed) + self.fetched.load(Relaxed) + self.present.load(Relaxed)
+    }
+}
+
+/// Record into the connection's counters and the daemon's at once.
+#[derive(Clone)]
+pub struct Rec(pub std::sync::Arc<Counters>, pub std::sync::Arc<Counters>);
+
+impl Rec {
+    pub fn add(&self, f: impl Fn(&Counters) -> &AtomicU64, n: u64) {
+        if n > 0 {
+            f(&self.0).fetch_add(n, Relaxed);
+            f(&self.1).fetch_add(n, Relaxed);
+        }
+    }
+    pub fn latency(&self, us: u64) {
+        self.0.latency.record(us);
+        self.1.latency.record(us);
+    }
+}
+
+/// Fault counts by how they were served.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct FaultCounts {
+    pub zero: u64,
+    pub cache_hit: u64,
+    pub fetched: u64,
+    pub present: u64,
+    pub total: u64,
+}
+
+/// The `--json` line printed when a connection ends (see spec/lazy.md).
+#[derive(Debug, Clone, Serialize)]
+pub struct ConnReport {
+    pub pid: i32,
+    pub faults: FaultCounts,
+    pub bytes_fetched: u64,
+    pub retries: u64,
+    pub verify_failures: u64,
+    pub poisoned_pages: u64,
+    pub removed_ranges: u64,
+    /// Faults served as zeros because the guest removed the range (part of `faults.zero`).
+    pub removed_faults: u64,
+    pub prefetched_chunks: u64,
+    pub prefetched_bytes: u64,
+    pub latency_us: Latency,
+    pub seconds: f64,
+    /// Why the connection ended.
+    pub ended: String,
+    /// Where the recorded trace went (with --record-trace).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trace: Option<String>,
+}
+
+impl ConnReport {
+    pub fn from_counters(pid: i32, c: &Counters, seconds: f64, ended: String) -> Self {
+        let l = |a: &AtomicU64| a.load(Relaxed);
+        ConnReport {
+            pid,
+            faults: FaultCounts { zero: l(&c.zero), cache_hit: l(&c.cache_hit), fetched: l(&c.fetched), present: l(&c.present), total: c.faults() },
+            bytes_fetched: l(&c.bytes_fetched),
+            retries: l(&c.retries),
+            verify_failures: l(&c.verify_failures),
+            poisoned_pages: l(&c.poisoned_pages),
+            removed_ranges: l(&c.removed_ranges),
+            removed_faults: l(&c.removed_zero),
+            prefetched_chunks: l(&c.prefetched_chunks),
+            prefetched_bytes: l(&c.prefetched_bytes),
+            latency_us: c.latency.latency(),
+            seconds,
+            ended,
+            trace: None,
+        }
+    }
+
+    /// Whether anything failed verification (the guest saw poison or a stall, never bad bytes).
+    pub fn integrity_failed(&self) -> bool {
+        self.verify_failures > 0 || self.poisoned_pages > 0
+    }
+}
+
+/// The daemon's counters as Prometheus text exposition.
+pub fn prometheus(c: &Counters, connections_active: u64, connections_total: u64) -> String {
+    let mut out = String::new();
+    let l = |a: &AtomicU64| a.load(Relaxed);
+    let _ = writeln!(out, "# HELP snapctl_lazy_faults_total Page faults served, by how.\n# TYPE snapctl_lazy_faults_total counter");
+    for (k, v) in [("zero", &c.zero), ("cache_hit", &c.cache_hit), ("fetched", &c.fetched), ("present", &c.present)] {
+        let _ = writeln!(out, "snapctl_lazy_faults_total{{kind=\"{k}\"}} {}", l(v));
+    }
+    for (name, help, v) in [
+        ("snapctl_lazy_bytes_fetched_total", "Stored bytes read from the image source.", &c.bytes_fetched),
+        ("snapctl_lazy_retries_total", "Transient source failures retried.", &c.retries),
+        ("snapctl_lazy_verify_failures_total", "Chunks whose bytes did not match their digest.", &c.verify_failures),
+        ("snapctl_lazy_poisoned_pages_total", "Pages poisoned because no verified bytes could be had.", &c.poisoned_pages),
+        ("snapctl_lazy_removed_ranges_total", "UFFD_EVENT_REMOVE events applied.", &c.removed_ranges),
+        ("snapctl_lazy_prefetched_chunks_total", "Chunks installed ahead of the guest.", &c.prefetched_chunks),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", l(v));
+    }
+    let _ = writeln!(out, "# HELP snapctl_lazy_connections Connections being served.\n# TYPE snapctl_lazy_connections gauge\nsnapctl_lazy_connections {connections_active}");
+    let _ = writeln!(out, "# HELP snapctl_lazy_connections_total Connections accepted.\n# TYPE snapctl_lazy_connections_total counter\nsnapctl_lazy_connections_total {connections_total}");
+    c.latency.prometheus("snapctl_lazy_fault_latency_seconds", &mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_contiguous_and_tight() {
+        for v in (0..100_000u64).chain([u64::MAX / 3, u64::MAX]) {
+            let b = bucket_of(v);
+            assert!(bucket_upper(b) >= v, "{v}");
+            assert!(b == 0 || bucket_upper(b - 1) < v, "{v}");
+            // Within 12.5 % of the value.
+            assert!(bucket_upper(b) - v <= v / 8 + 1, "{v}: {}", bucket_upper(b));
+        }
+        assert!(bucket_of(u64::MAX) < BUCKETS);
+    }
+
+    #[test]
+    fn percentiles() {
+        let h = Histogram::default();
+        assert_eq!(h.latency(), Latency::default());
+        for v in 1..=1000 {
+            h.record(v);
+        }
+        let l = h.latency();
+        assert!((500..=563).contains(&l.p50), "{l:?}");
+        assert!((900..=1000).contains(&l.p90), "{l:?}");
+        assert!((990..=1000).contains(&l.p99), "{l:?}");
+        assert_eq!(l.max, 1000);
+        // One slow outlier shows in max and p99 of a small sample, not in p50.
+        let h = Histogram::default();
+        for _ in 0..99 {
+            h.record(10);
+        }
+        h.record(2_000_000);
+        let l = h.latency();
+        assert_eq!((l.p50, l.p99, l.max), (10, 10, 2_000_000));
+    }
+
+    #[test]
+    fn prometheus_text() {
+        let c = Counters::default();
+        c.zero.fetch_add(3, Relaxed);
+        c.latency.record(5);
+        c.latency.record(3000);
+        let t = prometheus(&c, 1, 2);
+        assert!(t.contains("snapctl_lazy_faults_total{kind=\"zero\"} 3"), "{t}");
+        assert!(t.contains("snapctl_lazy_fault_latency_seconds_bucket{le=\"0.000008\"} 1"), "{t}");
+        assert!(t.contains("snapctl_lazy_fault_latency_seconds_bucket{le=\"+Inf\"} 2"), "{t}");
+        assert!(t.contains("snapctl_lazy_connections_total 2"));
+    }
+}

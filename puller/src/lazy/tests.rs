@@ -1,0 +1,241 @@
+//! End to end inside one process: a userfaultfd over anonymous memory stands in for the
+//! VMM, the handshake goes over the daemon's real socket, threads touch the pages.
+//! Needs userfaultfd(2) (root here); skips with a note where it is refused.
+
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use userfaultfd::{FeatureFlags, Uffd, UffdBuilder};
+
+use super::fetch::tests::{sample_image, Flaky};
+use super::*;
+
+const K64: usize = 64 << 10;
+
+/// Anonymous memory registered on a userfaultfd, like a VMM's guest RAM.
+struct Guest {
+    uffd: Uffd,
+    regions: Vec<(*mut u8, usize, u64)>, // (address, size, file offset)
+}
+// SAFETY: the raw pointers are only dereferenced inside the mappings, which live as long
+// as the Guest; threads only read them.
+unsafe impl Send for Guest {}
+// SAFETY: as above.
+unsafe impl Sync for Guest {}
+
+impl Guest {
+    fn new(layout: &[(usize, u64)]) -> Option<Guest> {
+        let uffd = match UffdBuilder::new().close_on_exec(true).user_mode_only(false).require_features(FeatureFlags::EVENT_REMOVE).create() {
+            Ok(u) => u,
+            Err(e) => {
+                eprintln!("skipping: userfaultfd(2) unavailable here: {e}");
+                return None;
+            }
+        };
+        let mut regions = Vec::new();
+        for &(size, off) in layout {
+            // SAFETY: a fresh private anonymous mapping; checked for failure below.
+            let p = unsafe { libc::mmap(std::ptr::null_mut(), size, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+            assert_ne!(p, libc::MAP_FAILED);
+            uffd.register(p, size).expect("register MISSING");
+            regions.push((p as *mut u8, size, off));
+        }
+        Some(Guest { uffd, regions })
+    }
+
+    fn json(&self) -> String {
+        let r: Vec<String> = self
+            .regions
+            .iter()
+            .map(|(p, s, o)| format!(r#"{{"base_host_virt_addr":{},"size":{s},"offset":{o},"page_size":4096,"page_size_kib":4096}}"#, *p as u64))
+            .collect();
+        format!("[{}]", r.join(","))
+    }
+
+    fn connect(&self, socket: &std::path::Path) -> UnixStream {
+        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+        let s = UnixStream::connect(socket).expect("connect");
+        let j = self.json();
+        let fds = [self.uffd.as_raw_fd()];
+        sendmsg::<()>(s.as_raw_fd(), &[std::io::IoSlice::new(j.as_bytes())], &[ControlMessage::ScmRights(&fds)], MsgFlags::empty(), None).expect("sendmsg");
+        s
+    }
+
+    fn region(&self, i: usize) -> &[u8] {
+        let (p, s, _) = self.regions[i];
+        // SAFETY: a live mapping of `s` bytes; reading it faults pages in through the daemon.
+        unsafe { std::slice::from_raw_parts(p, s) }
+    }
+}
+
+impl Drop for Guest {
+    fn drop(&mut self) {
+        for &(p, s, _) in &self.regions {
+            // SAFETY: unmapping what `new` mapped.
+            unsafe { libc::munmap(p as *mut libc::c_void, s) };
+        }
+    }
+}
+
+struct Running {
+    daemon: Arc<Daemon>,
+    socket: std::path::PathBuf,
+    reports: mpsc::Receiver<ConnReport>,
+    thread: Option<std::thread::JoinHandle<Result<(), LazyError>>>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.daemon.stop();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn start(dir: &std::path::Path, image: Arc<Image>, src: Arc<Flaky>, opts: impl FnOnce(&mut LazyOptions), traces: Option<Box<dyn TraceStore>>) -> Running {
+    let socket = dir.join(format!("uffd-{}.sock", rand::random::<u32>()));
+    let mut o = LazyOptions::new(socket.clone());
+    o.retry = RetryPolicy { budget: Duration::from_secs(2), first_backoff: Duration::from_millis(1), max_backoff: Duration::from_millis(20) };
+    o.ready_file = Some(dir.join("ready"));
+    let _ = std::fs::remove_file(dir.join("ready"));
+    opts(&mut o);
+    let file = image.file("vm.mem").unwrap().0;
+    let daemon = Daemon::new(image, file, src, None, traces, o).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let tx = Mutex::new(tx);
+    let d = daemon.clone();
+    let thread = std::thread::spawn(move || d.run(Arc::new(move |r: &ConnReport| tx.lock().unwrap().send(r.clone()).unwrap())));
+    let t0 = Instant::now();
+    while !dir.join("ready").exists() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "daemon never became ready");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Running { daemon, socket, reports: rx, thread: Some(thread) }
+}
+
+fn flaky(layout: imgfmt::OciLayout) -> Arc<Flaky> {
+    Arc::new(Flaky { inner: Box::new(layout), reads: 0.into(), fail: 0.into(), corrupt: false.into(), delay: Duration::ZERO })
+}
+
+#[test]
+fn restore_touch_every_page_remove_and_trace() {
+    // 48 chunks of 64 KiB (3 MiB); region 1 starts mid-chunk (chunk 16), after a gap.
+    let (dir, mem, image, layout) = sample_image(48);
+    let split = 16 * K64 + 32 * 1024;
+    let Some(guest) = Guest::new(&[(split, 0), (mem.len() - split, split as u64)]) else { return };
+    let src = flaky(layout);
+    let traces = LayoutTraces(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap());
+    let run = start(dir.path(), image.clone(), src.clone(), |o| {
+        o.record_trace = true;
+        o.prefetch = PrefetchMode::None;
+    }, Some(Box::new(traces)));
+    let sock = guest.connect(&run.socket);
+    let guest = Arc::new(guest);
+
+    // Four threads touch every page, in different orders, and check each byte.
+    let hs: Vec<_> = (0..4)
+        .map(|t| {
+            let (g, mem) = (guest.clone(), mem.clone());
+            std::thread::spawn(move || {
+                for (ri, &(_, size, off)) in g.regions.iter().enumerate() {
+                    let r = g.region(ri);
+                    let pages = size / 4096;
+                    for k in 0..pages {
+                        let p = if t % 2 == 0 { k } else { pages - 1 - k };
+                        let at = p * 4096;
+                        assert!(r[at..at + 4096] == mem[off as usize + at..off as usize + at + 4096], "region {ri} page {p}");
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap();
+    }
+    let nonzero = (0..48).filter(|c| c % 3 != 1).count() as u64;
+    assert_eq!(src.reads.load(Ordering::SeqCst), nonzero, "each non-zero chunk read once; zero chunks never");
+
+    // The guest gives back 3 pages of chunk 2 (balloon): they read as zeros afterwards.
+    let (p0, _, _) = guest.regions[0];
+    // SAFETY: inside region 0, page-aligned.
+    let rc = unsafe { libc::madvise(p0.add(2 * K64 + 8192) as *mut libc::c_void, 3 * 4096, libc::MADV_DONTNEED) };
+    assert_eq!(rc, 0);
+    let r0 = guest.region(0);
+    assert!(r0[2 * K64 + 8192..2 * K64 + 8192 + 3 * 4096].iter().all(|&b| b == 0), "removed pages read as zeros");
+    assert_eq!(r0[2 * K64..2 * K64 + 8192], mem[2 * K64..2 * K64 + 8192], "pages beside them keep their data");
+
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).expect("a report when the peer goes");
+    assert_eq!(rep.pid, std::process::id() as i32);
+    assert_eq!(rep.faults.fetched, nonzero);
+    assert!(rep.faults.zero >= 16, "{rep:?}");
+    assert_eq!(rep.removed_ranges, 1);
+    assert!(rep.removed_faults >= 1, "{rep:?}");
+    assert_eq!((rep.verify_failures, rep.poisoned_pages), (0, 0));
+    assert_eq!(rep.bytes_fetched, nonzero * K64 as u64);
+    assert!(rep.latency_us.max >= rep.latency_us.p50);
+    let at = rep.trace.clone().expect("trace stored");
+    assert!(at.contains("sha256-"), "{at}");
+    let stored = LayoutTraces(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap()).load(&image, image.file("vm.mem").unwrap().0).unwrap().unwrap();
+    assert_eq!(stored.chunks.len() as u64, nonzero);
+    assert!(run.daemon.metrics_text().contains(&format!("snapctl_lazy_faults_total{{kind=\"fetched\"}} {nonzero}")));
+}
+
+#[test]
+fn tampered_pack_poisons_never_serves_wrong_bytes() {
+    let (dir, mem, image, layout) = sample_image(6);
+    let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
+    let src = flaky(layout);
+    src.corrupt.store(true, Ordering::SeqCst);
+    let run = start(dir.path(), image, src.clone(), |o| o.prefetch = PrefetchMode::None, None);
+    let sock = guest.connect(&run.socket);
+    // Read through process_vm_readv: a poisoned page is EFAULT there, not a SIGBUS.
+    let (p, _, _) = guest.regions[0];
+    let mut buf = vec![0u8; 4096];
+    let local = libc::iovec { iov_base: buf.as_mut_ptr() as *mut libc::c_void, iov_len: 4096 };
+    let remote = libc::iovec { iov_base: p as *mut libc::c_void, iov_len: 4096 };
+    // SAFETY: both iovecs describe live memory of this process.
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    assert_eq!(n, -1, "a chunk that fails verification must not be readable");
+    assert!(buf.iter().all(|&b| b == 0));
+    // Zero chunks need no source and still work.
+    assert!(guest.region(0)[K64..2 * K64].iter().all(|&b| b == 0));
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(rep.verify_failures, 2, "{rep:?}");
+    assert_eq!(rep.poisoned_pages, (K64 / 4096) as u64);
+    assert!(rep.integrity_failed());
+}
+
+#[test]
+fn transient_failures_are_retried_and_bad_handshakes_do_not_kill_the_daemon() {
+    let (dir, mem, image, layout) = sample_image(6);
+    let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
+    let src = flaky(layout);
+    src.fail.store(3, Ordering::SeqCst);
+    let run = start(dir.path(), image, src.clone(), |o| o.prefetch = PrefetchMode::All, None);
+    // Bad JSON, then a region that does not fit the file: each closes its connection only.
+    {
+        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+        for j in ["nonsense", r#"[{"base_host_virt_addr":4096,"size":1073741824,"offset":0,"page_size":4096}]"#] {
+            let s = UnixStream::connect(&run.socket).unwrap();
+            let fds = [guest.uffd.as_raw_fd()];
+            sendmsg::<()>(s.as_raw_fd(), &[std::io::IoSlice::new(j.as_bytes())], &[ControlMessage::ScmRights(&fds)], MsgFlags::empty(), None).unwrap();
+            let mut b = [0u8; 1];
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            assert_eq!(std::io::Read::read(&mut &s, &mut b).unwrap(), 0, "the daemon closes a bad connection");
+        }
+    }
+    let sock = guest.connect(&run.socket);
+    assert!(guest.region(0) == &mem[..], "every byte right despite 3 injected failures");
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(rep.retries, 3, "{rep:?}");
+    assert_eq!((rep.verify_failures, rep.poisoned_pages), (0, 0));
+    // With --prefetch all, the prefetcher and the faults together fetched each chunk once.
+    assert_eq!(src.reads.load(Ordering::SeqCst), 4 + 3);
+}

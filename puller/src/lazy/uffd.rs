@@ -1,0 +1,590 @@
+//! One connection: the fault loop on the VMM's userfaultfd, and installing verified bytes.
+//!
+//! ```text
+//! poll(uffd, socket) -> read events -> REMOVE/UNMAP: remember the range (zeros from now on)
+//!                                   -> PAGEFAULT: span -> zero?  UFFDIO_ZEROPAGE
+//!                                                        data?  fetch (verified) -> UFFDIO_COPY
+//!                                                        none?  UFFDIO_POISON (never wrong bytes)
+//! ```
+//!
+//! The fault thread does the work of a fault itself, so a fault never waits behind the
+//! prefetcher; the prefetcher installs through the same lock and only fills gaps.
+
+use std::collections::{HashSet, VecDeque};
+use std::io::Read;
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use userfaultfd::{Event, EventBuffer, Uffd};
+use verify::VerifiedChunk;
+
+use super::fetch::{FetchFailure, Fetcher, Origin, Work};
+use super::map::{MemoryMap, RemovedRanges, Span};
+use super::stats::{Counters, Rec};
+
+// The three filling ioctls, called directly: the `userfaultfd` crate folds the byte
+// count of a partial operation into its error for ZEROPAGE and reads a negative count as
+// a huge one for COPY, and it has no POISON (Linux 6.6). Layouts from
+// include/uapi/linux/userfaultfd.h.
+#[repr(C)]
+struct UffdioRange {
+    start: u64,
+    len: u64,
+}
+#[repr(C)]
+struct UffdioCopy {
+    dst: u64,
+    src: u64,
+    len: u64,
+    mode: u64,
+    copy: i64,
+}
+#[repr(C)]
+struct UffdioZeropage {
+    range: UffdioRange,
+    mode: u64,
+    zeropage: i64,
+}
+#[repr(C)]
+struct UffdioPoison {
+    range: UffdioRange,
+    mode: u64,
+    updated: i64,
+}
+const UFFDIO: u8 = 0xAA;
+nix::ioctl_readwrite!(ioctl_copy, UFFDIO, 0x03, UffdioCopy);
+nix::ioctl_readwrite!(ioctl_zeropage, UFFDIO, 0x04, UffdioZeropage);
+nix::ioctl_readwrite!(ioctl_poison, UFFDIO, 0x08, UffdioPoison);
+
+/// How filling a range went wrong.
+#[derive(Debug)]
+enum Fill {
+    /// The guest's address space is changing (a remove event is pending): read events,
+    /// then retry.
+    Again,
+    /// The VMM's memory is gone (it exited).
+    Gone,
+    /// The range is no longer registered (unmapped); nothing to fill.
+    Unmapped,
+    /// Anything else: a bug or an unsupported operation.
+    Failed(Errno),
+}
+
+#[derive(Clone, Copy)]
+enum Op<'a> {
+    Copy(&'a [u8]),
+    Zero,
+    Poison,
+}
+
+/// The bytes a span needs, all verified.
+enum SpanData {
+    Zero,
+    Chunk(Arc<VerifiedChunk>, usize),
+    Owned(Vec<u8>),
+}
+
+impl SpanData {
+    fn bytes(&self, len: usize) -> Option<&[u8]> {
+        match self {
+            SpanData::Zero => None,
+            SpanData::Chunk(c, off) => Some(&c.as_bytes()[*off..*off + len]),
+            SpanData::Owned(v) => Some(&v[..len]),
+        }
+    }
+}
+
+/// Mutable per-connection state, behind one lock shared by the fault thread and the
+/// prefetcher (held across an install so a remove cannot slip in between deciding what to
+/// fill and filling it).
+#[derive(Default)]
+pub(crate) struct ConnState {
+    pub removed: RemovedRanges,
+    /// (region, unit) installed whole since the last remove touching it.
+    pub installed: HashSet<(usize, u64)>,
+    pub poisoned: HashSet<(usize, u64)>,
+    /// File chunks in the order first faulted (with --record-trace).
+    pub trace: Vec<u64>,
+    traced: HashSet<u64>,
+}
+
+/// One VMM connection.
+pub(crate) struct Conn {
+    pub pid: i32,
+    pub uffd: Uffd,
+    pub map: MemoryMap,
+    pub fetcher: Arc<Fetcher>,
+    pub rec: Rec,
+    pub state: Mutex<ConnState>,
+    pub record_trace: bool,
+    pub started: Instant,
+    /// Microseconds since `started` (+1) at which the fault being served was read; 0 idle.
+    pub busy_since: AtomicU64,
+    pub busy_addr: AtomicU64,
+    pub gone: AtomicBool,
+    sys_page: u64,
+}
+
+struct Fault {
+    addr: u64,
+    read_at: Instant,
+}
+
+fn fill_ioctl(fd: i32, op: Op, dst: u64, len: u64) -> (Result<(), Errno>, i64) {
+    // SAFETY: each struct is the kernel's layout for its ioctl number and lives across the
+    // call; `src` of a copy points at `len` readable bytes of a live slice (checked by the
+    // caller), and the destination is in the *VMM's* address space, which the kernel checks
+    // against the registered ranges.
+    unsafe {
+        match op {
+            Op::Copy(b) => {
+                let mut a = UffdioCopy { dst, src: b.as_ptr() as u64, len, mode: 0, copy: 0 };
+                let r = ioctl_copy(fd, &mut a).map(|_| ());
+                (r, a.copy)
+            }
+            Op::Zero => {
+                let mut a = UffdioZeropage { range: UffdioRange { start: dst, len }, mode: 0, zeropage: 0 };
+                let r = ioctl_zeropage(fd, &mut a).map(|_| ());
+                (r, a.zeropage)
+            }
+            Op::Poison => {
+                let mut a = UffdioPoison { range: UffdioRange { start: dst, len }, mode: 0, updated: 0 };
+                let r = ioctl_poison(fd, &mut a).map(|_| ());
+                (r, a.updated)
+            }
+        }
+    }
+}
+
+impl Conn {
+    pub fn new(pid: i32, uffd: Uffd, map: MemoryMap, fetcher: Arc<Fetcher>, conn: Arc<Counters>, daemon: Arc<Counters>, record_trace: bool) -> Self {
+        // SAFETY: sysconf has no preconditions.
+        let sys_page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
+        Conn {
+            pid,
+            uffd,
+            map,
+            fetcher,
+            rec: Rec(conn, daemon),
+            state: Mutex::new(ConnState::default()),
+            record_trace,
+            started: Instant::now(),
+            busy_since: AtomicU64::new(0),
+            busy_addr: AtomicU64::new(0),
+            gone: AtomicBool::new(false),
+            sys_page,
+        }
+    }
+
+    /// Fill `[dst, dst + len)` page by page where needed: pages already present (EEXIST)
+    /// are skipped, partial progress is kept.
+    fn fill(&self, op: Op, dst: u64, len: u64, page: u64) -> Result<(), Fill> {
+        let fd = self.uffd.as_raw_fd();
+        let mut off = 0u64;
+        while off < len {
+            let op_here = match op {
+                Op::Copy(b) => Op::Copy(&b[off as usize..len as usize]),
+                o => o,
+            };
+            let (r, count) = fill_ioctl(fd, op_here, dst + off, len - off);
+            match r {
+                Ok(()) => off = len,
+                Err(Errno::EAGAIN) if count > 0 && (count as u64) <= len - off => off += count as u64,
+                Err(Errno::EAGAIN) => return Err(Fill::Again),
+                Err(Errno::EEXIST) => off += page,
+                Err(Errno::ESRCH) => return Err(Fill::Gone),
+                Err(Errno::ENOENT) => return Err(Fill::Unmapped),
+                Err(e) => return Err(Fill::Failed(e)),
+            }
+        }
+        Ok(())
+    }
+
+    fn zero_op(&self, page: u64) -> Op<'static> {
+        // UFFDIO_ZEROPAGE maps the shared zero page; it does not exist for huge pages.
+        if page <= self.sys_page {
+            Op::Zero
+        } else {
+            Op::Copy(zeros(page))
+        }
+    }
+
+    /// Fill a span with `data` where the guest has not removed memory and with zeros where
+    /// it has, under the state lock. On `Again` the caller reads events and calls again.
+    fn install(&self, st: &mut ConnState, span: &Span, data: &SpanData) -> Result<(), Fill> {
+        let page = self.map.regions[span.region].page_size;
+        for (removed, a, b) in st.removed.split(span.host, span.host + span.len) {
+            let bytes = data.bytes(span.len as usize).map(|d| &d[(a - span.host) as usize..(b - span.host) as usize]);
+            match (removed, bytes) {
+                (false, Some(d)) => self.fill(Op::Copy(d), a, b - a, page)?,
+                _ => match self.zero_op(page) {
+                    Op::Copy(z) => {
+                        for p in (a..b).step_by(page as usize) {
+                            self.fill(Op::Copy(z), p, page, page)?;
+                        }
+                    }
+                    op => self.fill(op, a, b - a, page)?,
+                },
+            }
+        }
+        st.installed.insert((span.region, span.unit));
+        Ok(())
+    }
+
+    /// The verified bytes of a span (assembled from several chunks for huge pages).
+    fn span_data(&self, span: &Span, work: &mut Work) -> Result<(SpanData, Option<Origin>), FetchFailure> {
+        let shift = self.map.chunk_shift;
+        let chunks = span.chunks(shift);
+        let mut origin = None;
+        let mut got = Vec::new();
+        for c in chunks.clone() {
+            if self.fetcher.is_zero(c)? {
+                got.push((c, None));
+                continue;
+            }
+            let (o, from, w) = self.fetcher.get(c);
+            work.bytes_fetched += w.bytes_fetched;
+            work.retries += w.retries;
+            work.verify_failures += w.verify_failures;
+            origin = Some(if from == Origin::Fetched || origin == Some(Origin::Fetched) { Origin::Fetched } else { Origin::Cache });
+            got.push((c, Some(o?)));
+        }
+        if got.iter().all(|(_, d)| d.is_none()) {
+            return Ok((SpanData::Zero, None));
+        }
+        if got.len() == 1 {
+            let (c, d) = got.pop().expect("one");
+            return Ok((SpanData::Chunk(d.expect("not zero"), (span.file_offset - (c << shift)) as usize), origin));
+        }
+        let mut buf = vec![0u8; span.len as usize];
+        for (c, d) in got {
+            if let Some(d) = d {
+                let (c0, c1) = (c << shift, (c << shift) + d.len() as u64);
+                let (a, b) = (c0.max(span.file_offset), c1.min(span.file_offset + span.len));
+                buf[(a - span.file_offset) as usize..(b - span.file_offset) as usize].copy_from_slice(&d.as_bytes()[(a - c0) as usize..(b - c0) as usize]);
+            }
+        }
+        Ok((SpanData::Owned(buf), origin))
+    }
+
+    fn account(&self, w: &Work) {
+        self.rec.add(|c| &c.bytes_fetched, w.bytes_fetched);
+        self.rec.add(|c| &c.retries, w.retries);
+        self.rec.add(|c| &c.verify_failures, w.verify_failures);
+    }
+
+    /// Apply a remove (or unmap) event: the range reads as zeros from now on.
+    fn removed(&self, start: u64, end: u64) {
+        let mut st = self.state.lock().expect("poisoned");
+        st.removed.insert(start, end);
+        for u in self.map.units_touching(start, end) {
+            st.installed.remove(&u);
+        }
+        self.rec.add(|c| &c.removed_ranges, 1);
+    }
+
+    /// Read every pending event without blocking: faults are queued, removes applied.
+    fn drain_events(&self, pending: &mut VecDeque<Fault>) -> Result<(), String> {
+        let mut buf = EventBuffer::new(64);
+        loop {
+            let events: Vec<_> = match self.uffd.read_events(&mut buf) {
+                Ok(it) => it.collect(),
+                Err(userfaultfd::Error::ReadEof) => return Err("userfaultfd closed".into()),
+                Err(e) => return Err(format!("reading the userfaultfd: {e}")),
+            };
+            if events.is_empty() {
+                return Ok(());
+            }
+            let now = Instant::now();
+            for e in events {
+                match e {
+                    Ok(Event::Pagefault { addr, .. }) => pending.push_back(Fault { addr: addr as u64, read_at: now }),
+                    Ok(Event::Remove { start, end }) | Ok(Event::Unmap { start, end }) => self.removed(start as u64, end as u64),
+                    Ok(Event::Remap { from, to, len }) => {
+                        eprintln!("snapctl lazy: pid {}: guest memory remapped {from:?} -> {to:?} ({len} bytes): not followed", self.pid)
+                    }
+                    Ok(Event::Fork { uffd }) => {
+                        eprintln!("snapctl lazy: pid {}: fork event ignored", self.pid);
+                        drop(uffd);
+                    }
+                    Err(e) => eprintln!("snapctl lazy: pid {}: bad userfaultfd event: {e}", self.pid),
+                }
+            }
+        }
+    }
+
+    /// Serve one fault. `Err` ends the connection.
+    fn serve(&self, f: &Fault, pending: &mut VecDeque<Fault>) -> Result<(), String> {
+        let Some(span) = self.map.span_at(f.addr) else {
+            // Registered memory the VMM did not describe: there is no right content for
+            // it, so the vCPU gets a memory error rather than a hang or made-up bytes.
+            eprintln!("snapctl lazy: pid {}: fault at {:#x} outside every region; poisoning the page", self.pid, f.addr);
+            let p = f.addr & !(self.sys_page - 1);
+            let _ = self.fill(Op::Poison, p, self.sys_page, self.sys_page);
+            return Ok(());
+        };
+        let page = self.map.regions[span.region].page_size;
+        let fault_page = f.addr & !(page - 1);
+        let mut work = Work::default();
+        let result = loop {
+            {
+                let mut st = self.state.lock().expect("poisoned");
+                if st.removed.contains(fault_page) {
+                    match self.install(&mut st, &span, &SpanData::Zero) {
+                        Ok(()) => break Ok(Kind::Removed),
+                        Err(Fill::Again) => {}
+                        Err(e) => break Err(e),
+                    }
+                    drop(st);
+                    self.drain_events(pending)?;
+                    continue;
+                }
+                if st.poisoned.contains(&(span.region, span.unit)) {
+                    break Ok(Kind::Poisoned);
+                }
+            }
+            let data = match self.span_data(&span, &mut work) {
+                Ok(d) => d,
+                Err(failure) => {
+                    self.account(&work);
+                    return self.poison(&span, &failure, pending);
+                }
+            };
+            let mut st = self.state.lock().expect("poisoned");
+            let known = st.installed.contains(&(span.region, span.unit));
+            if known {
+                // Another vCPU's fault or the prefetcher filled this span: the page is
+                // most likely present, and trying it alone costs one ioctl.
+                let one = match data.0.bytes(span.len as usize) {
+                    Some(b) => {
+                        let o = (fault_page - span.host) as usize;
+                        Op::Copy(&b[o..o + page as usize])
+                    }
+                    None => self.zero_op(page),
+                };
+                match fill_ioctl(self.uffd.as_raw_fd(), one, fault_page, page).0 {
+                    Err(Errno::EEXIST) => break Ok(Kind::Present),
+                    Err(Errno::EAGAIN) => {
+                        drop(st);
+                        self.drain_events(pending)?;
+                        continue;
+                    }
+                    _ => {}
+                }
+            }
+            if self.record_trace && data.0.bytes(0).is_some() {
+                for c in span.chunks(self.map.chunk_shift) {
+                    if st.traced.insert(c) {
+                        st.trace.push(c);
+                    }
+                }
+            }
+            match self.install(&mut st, &span, &data.0) {
+                Ok(()) => {
+                    break Ok(match data.1 {
+                        None => Kind::Zero,
+                        Some(Origin::Cache) => Kind::CacheHit,
+                        Some(Origin::Fetched) => Kind::Fetched,
+                    })
+                }
+                Err(Fill::Again) => {
+                    drop(st);
+                    self.drain_events(pending)?;
+                }
+                Err(e) => break Err(e),
+            }
+        };
+        self.account(&work);
+        // Pages filled by someone else were not woken by our ioctls.
+        let _ = self.uffd.wake(fault_page as *mut libc::c_void, page as usize);
+        match result {
+            Ok(kind) => {
+                match kind {
+                    Kind::Zero => self.rec.add(|c| &c.zero, 1),
+                    Kind::Removed => {
+                        self.rec.add(|c| &c.zero, 1);
+                        self.rec.add(|c| &c.removed_zero, 1);
+                    }
+                    Kind::CacheHit => self.rec.add(|c| &c.cache_hit, 1),
+                    Kind::Fetched => self.rec.add(|c| &c.fetched, 1),
+                    Kind::Present | Kind::Poisoned => self.rec.add(|c| &c.present, 1),
+                }
+                self.rec.latency(f.read_at.elapsed().as_micros() as u64);
+                Ok(())
+            }
+            Err(Fill::Gone) => Err("the VMM's memory is gone".into()),
+            Err(Fill::Unmapped) => Ok(()),
+            Err(Fill::Again) => unreachable!("retried above"),
+            Err(Fill::Failed(e)) => {
+                eprintln!("snapctl lazy: pid {}: installing {:#x}+{:#x} failed: {e}; the fault stays unresolved", self.pid, span.host, span.len);
+                Ok(())
+            }
+        }
+    }
+
+    /// No verified bytes for this span: poison it so the guest gets a memory error, never
+    /// wrong data. Removed parts of the span still get zeros (they need no snapshot data).
+    fn poison(&self, span: &Span, failure: &FetchFailure, pending: &mut VecDeque<Fault>) -> Result<(), String> {
+        eprintln!(
+            "snapctl lazy: ERROR: pid {}: {failure}: POISONING guest memory {:#x}+{:#x} (file offset {:#x})",
+            self.pid, span.host, span.len, span.file_offset
+        );
+        let page = self.map.regions[span.region].page_size;
+        loop {
+            let mut st = self.state.lock().expect("poisoned");
+            let mut poisoned = 0;
+            let mut res = Ok(());
+            for (removed, a, b) in st.removed.split(span.host, span.host + span.len) {
+                let op = if removed { self.zero_op(page) } else { Op::Poison };
+                res = match op {
+                    Op::Copy(z) => (a..b).step_by(page as usize).try_for_each(|p| self.fill(Op::Copy(z), p, page, page)),
+                    op => self.fill(op, a, b - a, page),
+                };
+                if res.is_err() {
+                    break;
+                }
+                if !removed {
+                    poisoned += (b - a) / page;
+                }
+            }
+            match res {
+                Ok(()) => {
+                    st.poisoned.insert((span.region, span.unit));
+                    self.rec.add(|c| &c.poisoned_pages, poisoned);
+                    return Ok(());
+                }
+                Err(Fill::Again) => {
+                    drop(st);
+                    self.drain_events(pending)?;
+                }
+                Err(Fill::Gone) => return Err("the VMM's memory is gone".into()),
+                Err(e) => {
+                    // No poison on this kernel: leaving the fault unresolved stalls the
+                    // vCPU, which is still better than handing it bytes we could not verify.
+                    eprintln!("snapctl lazy: ERROR: pid {}: UFFDIO_POISON failed ({e:?}); the faulting vCPU stays stalled", self.pid);
+                    st.poisoned.insert((span.region, span.unit));
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// The fault loop: until the peer goes away. Returns why the connection ended.
+    pub fn run(&self, mut sock: UnixStream, stop: &AtomicBool) -> String {
+        let mut pending: VecDeque<Fault> = VecDeque::new();
+        loop {
+            if stop.load(Ordering::Relaxed) {
+                return "daemon stopping".into();
+            }
+            if pending.is_empty() {
+                let mut fds = [PollFd::new(self.uffd.as_fd(), PollFlags::POLLIN), PollFd::new(sock.as_fd(), PollFlags::POLLIN)];
+                match poll(&mut fds, PollTimeout::from(200u16)) {
+                    Ok(_) | Err(Errno::EINTR) => {}
+                    Err(e) => return format!("poll failed: {e}"),
+                }
+                let (u, s) = (fds[0].revents().unwrap_or(PollFlags::empty()), fds[1].revents().unwrap_or(PollFlags::empty()));
+                if u.intersects(PollFlags::POLLERR | PollFlags::POLLHUP | PollFlags::POLLNVAL) {
+                    return "userfaultfd closed".into();
+                }
+                if s.intersects(PollFlags::POLLHUP | PollFlags::POLLERR) {
+                    return "peer closed the socket".into();
+                }
+                if s.contains(PollFlags::POLLIN) {
+                    // Nothing more is expected after the handshake: drain and ignore, EOF ends.
+                    let mut b = [0u8; 512];
+                    match sock.read(&mut b) {
+                        Ok(0) => return "peer closed the socket".into(),
+                        Ok(_) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(e) => return format!("socket: {e}"),
+                    }
+                }
+            }
+            if let Err(e) = self.drain_events(&mut pending) {
+                return e;
+            }
+            if let Some(f) = pending.pop_front() {
+                self.busy_addr.store(f.addr, Ordering::Relaxed);
+                self.busy_since.store(f.read_at.duration_since(self.started).as_micros() as u64 + 1, Ordering::Relaxed);
+                let r = self.serve(&f, &mut pending);
+                self.busy_since.store(0, Ordering::Relaxed);
+                if let Err(e) = r {
+                    return e;
+                }
+            }
+        }
+    }
+
+    /// How long the fault being served has waited, if one is.
+    pub fn waiting(&self) -> Option<(u64, Duration)> {
+        let since = self.busy_since.load(Ordering::Relaxed);
+        (since != 0).then(|| {
+            let at = Duration::from_micros(since - 1);
+            (self.busy_addr.load(Ordering::Relaxed), self.started.elapsed().saturating_sub(at))
+        })
+    }
+
+    /// Install one span ahead of the guest (prefetch). Returns the bytes installed; skips
+    /// spans already installed, poisoned, or being changed (the fault path serves those).
+    pub fn prefetch_span(&self, span: &Span) -> u64 {
+        {
+            let st = self.state.lock().expect("poisoned");
+            if st.installed.contains(&(span.region, span.unit)) || st.poisoned.contains(&(span.region, span.unit)) {
+                return 0;
+            }
+        }
+        let mut work = Work::default();
+        let data = self.span_data(span, &mut work);
+        self.account(&work);
+        let Ok((data, _)) = data else { return 0 };
+        if data.bytes(0).is_none() {
+            return 0;
+        }
+        let mut st = self.state.lock().expect("poisoned");
+        if st.installed.contains(&(span.region, span.unit)) {
+            return 0;
+        }
+        let page = self.map.regions[span.region].page_size;
+        let mut done = 0;
+        for (removed, a, b) in st.removed.split(span.host, span.host + span.len) {
+            if removed {
+                continue;
+            }
+            let d = &data.bytes(span.len as usize).expect("data")[(a - span.host) as usize..(b - span.host) as usize];
+            match self.fill(Op::Copy(d), a, b - a, page) {
+                Ok(()) => done += b - a,
+                Err(Fill::Gone) => {
+                    self.gone.store(true, Ordering::Relaxed);
+                    return done;
+                }
+                Err(_) => return done,
+            }
+        }
+        st.installed.insert((span.region, span.unit));
+        self.rec.add(|c| &c.prefetched_chunks, 1);
+        self.rec.add(|c| &c.prefetched_bytes, done);
+        done
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Zero,
+    Removed,
+    CacheHit,
+    Fetched,
+    Present,
+    Poisoned,
+}
+
+/// A page of zeros at least `len` long (huge pages have no UFFDIO_ZEROPAGE).
+fn zeros(len: u64) -> &'static [u8] {
+    static Z: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    let z = Z.get_or_init(|| vec![0u8; super::handshake::MAX_PAGE_SIZE as usize]);
+    &z[..len as usize]
+}
