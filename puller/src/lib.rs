@@ -8,6 +8,7 @@
 //! ```
 
 pub mod cache;
+pub mod lazy;
 mod pull;
 mod unpack;
 
