@@ -32,6 +32,10 @@ enum Command {
     Serve(cmd::serve::ServeArgs),
     Sample(cmd::sample::SampleArgs),
     Gc(cmd::gc::GcArgs),
+    Push(cmd::push::PushArgs),
+    Copy(cmd::copy::CopyArgs),
+    Login(cmd::login::LoginArgs),
+    Logout(cmd::login::LogoutArgs),
 }
 
 fn main() -> ExitCode {
@@ -45,6 +49,10 @@ fn main() -> ExitCode {
         Command::Sample(a) => cmd::sample::run(a),
         Command::Serve(a) => cmd::serve::run(a),
         Command::Gc(a) => cmd::gc::run(a),
+        Command::Push(a) => cmd::push::run(a),
+        Command::Copy(a) => cmd::copy::run(a),
+        Command::Login(a) => cmd::login::run_login(a),
+        Command::Logout(a) => cmd::login::run_logout(a),
     };
     match result {
         Ok(code) => code,

@@ -47,11 +47,14 @@ pub struct Config {
     pub auth: Option<Auth>,
     /// Whether the server is reached over TLS (for the token realm URL).
     pub tls: bool,
+    /// `OCI-Chunk-Min-Length` announced when an upload starts; PATCHes with a smaller
+    /// `Content-Length` are refused (the last piece goes with the closing PUT). 0 = none.
+    pub chunk_min_length: u64,
 }
 
 impl Default for Config {
     fn default() -> Config {
-        Config { max_manifest_bytes: DEFAULT_MAX_MANIFEST, auth: None, tls: false }
+        Config { max_manifest_bytes: DEFAULT_MAX_MANIFEST, auth: None, tls: false, chunk_min_length: 0 }
     }
 }
 
@@ -390,6 +393,13 @@ impl Server {
             }
             (R::Upload(repo, uid), Method::PATCH) => {
                 let cr = parse_content_range(headers.get(header::CONTENT_RANGE))?;
+                let min = self.cfg.chunk_min_length;
+                if let Some(cl) = content_length(&headers).filter(|&cl| min > 0 && cl < min) {
+                    return Err(ApiError::bad(
+                        Code::BlobUploadInvalid,
+                        format!("PATCH of {cl} bytes is below OCI-Chunk-Min-Length {min} (only the last piece, sent with the PUT, may be shorter)"),
+                    ));
+                }
                 if let (Some((_, len)), Some(cl)) = (cr, content_length(&headers)) {
                     if len != cl {
                         return Err(ApiError::bad(Code::BlobUploadInvalid, "Content-Range and Content-Length disagree"));
@@ -503,7 +513,7 @@ impl Server {
         self.metrics.uploads_started.fetch_add(1, Relaxed);
         self.metrics.uploads_in_progress.fetch_add(1, Relaxed);
         let mut hs = upload_headers(repo, &uid, 0);
-        hs.push((HeaderName::from_static("oci-chunk-min-length"), "0".into()));
+        hs.push((HeaderName::from_static("oci-chunk-min-length"), self.cfg.chunk_min_length.to_string()));
         Ok(empty(StatusCode::ACCEPTED, &hs))
     }
 

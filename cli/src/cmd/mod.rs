@@ -1,10 +1,13 @@
 //! One module per subcommand.
 
 pub mod common;
+pub mod copy;
 pub mod diff;
 pub mod gc;
 pub mod inspect;
+pub mod login;
 pub mod pack;
+pub mod push;
 pub mod sample;
 pub mod serve;
 pub mod unpack;

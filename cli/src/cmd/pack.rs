@@ -1,7 +1,7 @@
 //! `snapctl pack`: a checkpoint directory becomes an image in a local OCI layout.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
@@ -29,6 +29,16 @@ pub struct PackArgs {
     pub src: PathBuf,
     /// Destination: oci:PATH[:TAG] (created if missing; TAG defaults to "latest").
     pub dest: String,
+    #[command(flatten)]
+    pub flags: PackFlags,
+    /// Print a JSON report on stdout instead of the digest.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// How a directory is packed: shared by `pack` and `push DIR` (which packs on the fly).
+#[derive(Debug, Clone, clap::Args)]
+pub struct PackFlags {
     /// Runtime that wrote the checkpoint [default: detected from file names].
     #[arg(long, value_parser = |s: &str| s.parse::<Kind>())]
     pub kind: Option<Kind>,
@@ -57,68 +67,17 @@ pub struct PackArgs {
     /// Source annotation recorded in the config (repeatable).
     #[arg(long = "annotation", value_name = "KEY=VALUE")]
     pub annotations: Vec<String>,
-    /// Print a JSON report on stdout instead of the digest.
-    #[arg(long)]
-    pub json: bool,
 }
 
 pub fn run(a: PackArgs) -> anyhow::Result<ExitCode> {
-    if !a.chunk_size.is_power_of_two() || !(64 << 10..=16 << 20).contains(&a.chunk_size) {
-        bail!("--chunk-size {}: must be a power of two from 64KiB to 16MiB", a.chunk_size);
-    }
-    if !a.src.is_dir() {
-        bail!("{}: not a directory", a.src.display());
-    }
+    validate(&a.src, &a.flags)?;
     let (path, tag) = match a.dest.parse::<Reference>()? {
         Reference::Layout { path, selector: Selector::Tag(t) } => (path, t),
         Reference::Layout { selector: Selector::Digest(_), .. } => bail!("{}: pack needs a tag, not a digest", a.dest),
-        Reference::Registry { .. } => bail!("{}: pack writes a local layout (oci:PATH:TAG)", a.dest),
-    };
-    let mut annotations = BTreeMap::new();
-    for kv in &a.annotations {
-        let (k, v) = kv.split_once('=').with_context(|| format!("--annotation {kv:?}: expected KEY=VALUE"))?;
-        annotations.insert(k.to_string(), v.to_string());
-    }
-    let base_src = a.base.as_deref().map(open_ref).transpose()?;
-    let parent_src = a.parent.as_deref().map(open_ref).transpose()?;
-    let base = match &base_src {
-        Some(o) => Some(pusher::Related { source: o.source.as_ref(), image: open_image(o)?, reference: o.reference.clone() }),
-        None => None,
-    };
-    let parent = match &parent_src {
-        Some(o) => Some(pusher::Related { source: o.source.as_ref(), image: open_image(o)?, reference: o.reference.clone() }),
-        None => None,
+        Reference::Registry { .. } => bail!("{}: pack writes a local layout (oci:PATH:TAG); to send it to a registry use `snapctl push`", a.dest),
     };
     let layout = OciLayout::open_or_create(&path).with_context(|| format!("opening layout {}", path.display()))?;
-    let total: u64 = pusher::scan::scan_dir(&a.src)
-        .with_context(|| format!("reading {}", a.src.display()))?
-        .files
-        .iter()
-        .map(|f| f.size)
-        .sum();
-    let pb = progress_bar(total, "pack");
-    let tick = |n: u64| {
-        if let Some(pb) = &pb {
-            pb.inc(n)
-        }
-    };
-    let opts = PackOptions {
-        kind: a.kind,
-        chunk_shift: a.chunk_size.trailing_zeros() as u8,
-        compression: a.compression,
-        hash: a.hash,
-        pack_size: a.pack_size,
-        base,
-        parent,
-        diff: a.diff,
-        annotations,
-        progress: Some(&tick),
-        ..Default::default()
-    };
-    let report = pusher::pack(&a.src, &layout, &tag, &opts).with_context(|| format!("packing {}", a.src.display()))?;
-    if let Some(pb) = pb {
-        pb.finish_and_clear();
-    }
+    let report = pack_into(&a.src, &layout, &tag, &a.flags)?;
     for s in &report.skipped {
         eprintln!("warning: skipped {s}: not a regular file");
     }
@@ -140,4 +99,66 @@ pub fn run(a: PackArgs) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(common::code(common::EXIT_OK))
+}
+
+/// Check the flags and the source before anything is created.
+pub fn validate(src: &Path, f: &PackFlags) -> anyhow::Result<()> {
+    if !f.chunk_size.is_power_of_two() || !(64 << 10..=16 << 20).contains(&f.chunk_size) {
+        bail!("--chunk-size {}: must be a power of two from 64KiB to 16MiB", f.chunk_size);
+    }
+    if !src.is_dir() {
+        bail!("{}: not a directory", src.display());
+    }
+    Ok(())
+}
+
+/// Pack directory `src` into `layout` as `tag` with the given flags (progress bar on a
+/// terminal).
+pub fn pack_into(src: &Path, layout: &OciLayout, tag: &str, f: &PackFlags) -> anyhow::Result<pusher::PackReport> {
+    validate(src, f)?;
+    let mut annotations = BTreeMap::new();
+    for kv in &f.annotations {
+        let (k, v) = kv.split_once('=').with_context(|| format!("--annotation {kv:?}: expected KEY=VALUE"))?;
+        annotations.insert(k.to_string(), v.to_string());
+    }
+    let base_src = f.base.as_deref().map(open_ref).transpose()?;
+    let parent_src = f.parent.as_deref().map(open_ref).transpose()?;
+    let base = match &base_src {
+        Some(o) => Some(pusher::Related { source: o.source.as_ref(), image: open_image(o)?, reference: o.reference.clone() }),
+        None => None,
+    };
+    let parent = match &parent_src {
+        Some(o) => Some(pusher::Related { source: o.source.as_ref(), image: open_image(o)?, reference: o.reference.clone() }),
+        None => None,
+    };
+    let total: u64 = pusher::scan::scan_dir(src)
+        .with_context(|| format!("reading {}", src.display()))?
+        .files
+        .iter()
+        .map(|f| f.size)
+        .sum();
+    let pb = progress_bar(total, "pack");
+    let tick = |n: u64| {
+        if let Some(pb) = &pb {
+            pb.inc(n)
+        }
+    };
+    let opts = PackOptions {
+        kind: f.kind,
+        chunk_shift: f.chunk_size.trailing_zeros() as u8,
+        compression: f.compression,
+        hash: f.hash,
+        pack_size: f.pack_size,
+        base,
+        parent,
+        diff: f.diff,
+        annotations,
+        progress: Some(&tick),
+        ..Default::default()
+    };
+    let report = pusher::pack(src, layout, tag, &opts).with_context(|| format!("packing {}", src.display()))?;
+    if let Some(pb) = pb {
+        pb.finish_and_clear();
+    }
+    Ok(report)
 }

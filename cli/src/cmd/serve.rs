@@ -47,6 +47,10 @@ pub struct ServeArgs {
     /// Largest manifest accepted, in bytes (larger: 413).
     #[arg(long, default_value_t = registry::server::DEFAULT_MAX_MANIFEST)]
     pub max_manifest_bytes: usize,
+    /// Smallest PATCH accepted during chunked uploads, announced as OCI-Chunk-Min-Length
+    /// when an upload starts (0: no minimum).
+    #[arg(long, default_value = "0", value_parser = super::common::parse_size)]
+    pub chunk_min_length: u64,
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
@@ -73,7 +77,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         }
     };
     let tls = args.tls_cert.is_some();
-    let cfg = registry::Config { max_manifest_bytes: args.max_manifest_bytes, auth, tls };
+    let cfg = registry::Config { max_manifest_bytes: args.max_manifest_bytes, auth, tls, chunk_min_length: args.chunk_min_length };
     let store = registry::store::open(&args.storage, args.staging_dir.as_deref())
         .with_context(|| format!("opening storage {}", args.storage))?;
 

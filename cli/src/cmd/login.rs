@@ -1,0 +1,112 @@
+//! `snapctl login` / `snapctl logout`: credentials for a registry in Docker's config.json.
+
+use std::io::{BufRead, IsTerminal};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use registry::client::{docker_config_path, Credentials, RegistrySource};
+
+use super::common;
+
+/// Log in to a registry: check the credentials, then store them.
+///
+/// The credentials are checked against the registry (GET /v2/, answering its Basic or
+/// token challenge) before anything is written. They are stored in Docker's config
+/// ($DOCKER_CONFIG/config.json, else ~/.docker/config.json; shared with docker, skopeo,
+/// oras), replaced atomically with mode 0600, keeping every other entry.
+///
+/// Examples:
+///   echo "$TOKEN" | snapctl login registry.example.com -u ci --password-stdin
+///   snapctl login 127.0.0.1:5000 -u alice --password-stdin < ./password
+#[derive(Debug, clap::Args)]
+#[command(verbatim_doc_comment)]
+pub struct LoginArgs {
+    /// Registry: HOST[:PORT].
+    pub host: String,
+    /// User name.
+    #[arg(short, long)]
+    pub username: String,
+    /// Read the password from stdin (its first line).
+    #[arg(long)]
+    pub password_stdin: bool,
+    /// The password on the command line (visible to other users in `ps`: prefer
+    /// --password-stdin).
+    #[arg(short, long, conflicts_with = "password_stdin")]
+    pub password: Option<String>,
+    /// Speak plain HTTP (default for 127.0.0.1 and localhost).
+    #[arg(long)]
+    pub plain_http: bool,
+}
+
+/// Log out of a registry: remove its credentials from Docker's config.
+///
+/// Example:
+///   snapctl logout registry.example.com
+#[derive(Debug, clap::Args)]
+#[command(verbatim_doc_comment)]
+pub struct LogoutArgs {
+    /// Registry: HOST[:PORT].
+    pub host: String,
+}
+
+fn check_host(host: &str) -> anyhow::Result<()> {
+    if host.is_empty() || host.contains('/') || host.contains(char::is_whitespace) || host.contains("://") {
+        bail!("{host:?}: expected a registry host, HOST[:PORT] (no scheme, no path)");
+    }
+    Ok(())
+}
+
+pub fn run_login(a: LoginArgs) -> anyhow::Result<ExitCode> {
+    check_host(&a.host)?;
+    let password = match (&a.password, a.password_stdin) {
+        (Some(p), _) => {
+            eprintln!("warning: a password on the command line is visible to other users; use --password-stdin");
+            p.clone()
+        }
+        (None, true) => {
+            let mut line = String::new();
+            std::io::stdin().lock().take_line(&mut line).context("reading the password from stdin")?;
+            line.trim_end_matches(['\r', '\n']).to_string()
+        }
+        (None, false) => {
+            if std::io::stdin().is_terminal() {
+                bail!("give the password on stdin: snapctl login {} -u {} --password-stdin", a.host, a.username);
+            }
+            bail!("no password: use --password-stdin");
+        }
+    };
+    if password.is_empty() {
+        bail!("empty password");
+    }
+    let creds = Credentials { username: a.username.clone(), password };
+    let plain = a.plain_http || std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || registry::client::is_loopback(&a.host);
+    let client = RegistrySource::new(&a.host, "", plain, Some(creds.clone())).with_context(|| format!("connecting to {}", a.host))?;
+    client.check_login().with_context(|| format!("login to {} as {} failed", a.host, a.username))?;
+    let path = docker_config_path().context("no home directory: set DOCKER_CONFIG")?;
+    registry::client::store_docker_credentials(&path, &a.host, &creds).with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("logged in to {} as {} (credentials in {})", a.host, a.username, path.display());
+    Ok(common::code(common::EXIT_OK))
+}
+
+pub fn run_logout(a: LogoutArgs) -> anyhow::Result<ExitCode> {
+    check_host(&a.host)?;
+    let path = docker_config_path().context("no home directory: set DOCKER_CONFIG")?;
+    if registry::client::remove_docker_credentials(&path, &a.host).with_context(|| format!("updating {}", path.display()))? {
+        eprintln!("removed credentials for {} from {}", a.host, path.display());
+    } else {
+        eprintln!("not logged in to {}", a.host);
+    }
+    Ok(common::code(common::EXIT_OK))
+}
+
+/// One line, bounded: a password is not megabytes long.
+trait TakeLine {
+    fn take_line(&mut self, out: &mut String) -> std::io::Result<usize>;
+}
+
+impl<R: BufRead> TakeLine for R {
+    fn take_line(&mut self, out: &mut String) -> std::io::Result<usize> {
+        use std::io::Read;
+        self.take(64 << 10).read_line(out)
+    }
+}
