@@ -36,6 +36,7 @@ enum Command {
     Copy(cmd::copy::CopyArgs),
     Login(cmd::login::LoginArgs),
     Logout(cmd::login::LogoutArgs),
+    Lazy(cmd::lazy::LazyArgs),
 }
 
 fn main() -> ExitCode {
@@ -53,6 +54,7 @@ fn main() -> ExitCode {
         Command::Copy(a) => cmd::copy::run(a),
         Command::Login(a) => cmd::login::run_login(a),
         Command::Logout(a) => cmd::login::run_logout(a),
+        Command::Lazy(a) => cmd::lazy::run(a),
     };
     match result {
         Ok(code) => code,

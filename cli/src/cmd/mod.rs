@@ -5,6 +5,7 @@ pub mod copy;
 pub mod diff;
 pub mod gc;
 pub mod inspect;
+pub mod lazy;
 pub mod login;
 pub mod pack;
 pub mod push;

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use imgfmt::{BlobSource, Image};
 
 pub use fetch::{ChunkStore, FetchFailure, RetryPolicy};
-pub use prefetch::{LayoutTraces, PrefetchMode, Trace, TraceStore, TRACE_MEDIA_TYPE};
+pub use prefetch::{LayoutTraces, PrefetchMode, RegistryTraces, Trace, TraceStore, TRACE_MEDIA_TYPE};
 pub use stats::{ConnReport, Counters};
 
 use map::MemoryMap;

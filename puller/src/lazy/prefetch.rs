@@ -150,9 +150,7 @@ impl TraceStore for LayoutTraces {
         if m.artifact_type.as_deref() != Some(TRACE_MEDIA_TYPE) || m.subject.as_ref().map(|s| &s.digest) != Some(&image.manifest_digest) {
             return Err(invalid("trace manifest", format!("tag {tag} is not a trace of {}", image.manifest_digest)));
         }
-        let layer = m.layers.iter().find(|l| l.media_type == TRACE_MEDIA_TYPE).ok_or_else(|| invalid("trace manifest", "no trace layer"))?;
-        let b = imgfmt::source::read_verified_blob(&self.0, &layer.digest, MAX_TRACE_BYTES)?;
-        Trace::decode(&b, image, file).map(Some)
+        read_trace_layer(&self.0, &m, image, file).map(Some)
     }
 
     fn store(&self, image: &Image, trace: &Trace) -> Result<String, FormatError> {
@@ -166,6 +164,41 @@ impl TraceStore for LayoutTraces {
         let tag = fallback_tag(image);
         self.0.set_tag(&tag, desc)?;
         Ok(format!("{}:{tag} ({d})", self.describe()))
+    }
+}
+
+/// The trace payload of a trace manifest (its one layer), verified and checked.
+fn read_trace_layer(src: &dyn imgfmt::BlobSource, m: &Manifest, image: &Image, file: usize) -> Result<Trace, FormatError> {
+    let layer = m.layers.first().ok_or_else(|| invalid("trace manifest", "no layer"))?;
+    let b = imgfmt::source::read_verified_blob(src, &layer.digest, MAX_TRACE_BYTES)?;
+    Trace::decode(&b, image, file)
+}
+
+/// Traces in a registry: pushed as referrers of the image (the registry's referrers API,
+/// or the fallback tag the client maintains).
+pub struct RegistryTraces(pub Arc<registry::client::RegistrySource>);
+
+impl TraceStore for RegistryTraces {
+    fn describe(&self) -> String {
+        imgfmt::BlobSource::describe(self.0.as_ref())
+    }
+
+    fn load(&self, image: &Image, file: usize) -> Result<Option<Trace>, FormatError> {
+        let refs = self.0.list_referrers(&image.manifest_digest, Some(TRACE_MEDIA_TYPE)).map_err(|e| invalid("trace referrers", e.to_string()))?;
+        // The newest trace wins (RFC 3339 timestamps sort as strings).
+        let Some(d) = refs.iter().max_by_key(|d| d.annotations.get(media::ANN_CREATED).cloned().unwrap_or_default()) else { return Ok(None) };
+        let m = Manifest::decode(&imgfmt::source::read_verified_blob(self.0.as_ref(), &d.digest, imgfmt::manifest::MAX_MANIFEST_BYTES)?)?;
+        if m.subject.as_ref().map(|s| &s.digest) != Some(&image.manifest_digest) {
+            return Err(invalid("trace manifest", format!("{} does not refer to {}", d.digest, image.manifest_digest)));
+        }
+        read_trace_layer(self.0.as_ref(), &m, image, file).map(Some)
+    }
+
+    fn store(&self, image: &Image, trace: &Trace) -> Result<String, FormatError> {
+        let blob = serde_json::to_vec(trace).expect("trace serializes");
+        let ann = [(media::ANN_CREATED.to_string(), now_rfc3339())].into_iter().collect();
+        let d = self.0.push_referrer(&image.manifest_digest, TRACE_MEDIA_TYPE, &blob, ann).map_err(|e| invalid("trace push", e.to_string()))?;
+        Ok(format!("{} referrer {d}", self.describe()))
     }
 }
 

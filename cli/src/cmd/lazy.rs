@@ -1,0 +1,246 @@
+//! `snapctl lazy`: the userfaultfd page-fault server for restoring VMs (spec/lazy.md).
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use imgfmt::reference::Reference;
+use imgfmt::{OciLayout, Role};
+use puller::lazy::{ConnReport, Daemon, LayoutTraces, LazyOptions, PrefetchMode, RegistryTraces, RetryPolicy, TraceStore};
+
+use super::common::{self, open_image};
+
+/// Serve a restoring VM's memory page faults from the image's verified chunks.
+///
+/// Listens on a Unix socket for Firecracker's UFFD handshake: one message carrying a JSON
+/// array of {base_host_virt_addr, size, offset, page_size, page_size_kib} and the VMM's
+/// userfaultfd (SCM_RIGHTS). Each fault is served from the memory file: zero chunks with
+/// UFFDIO_ZEROPAGE, others from the chunk cache or fetched, verified, and installed with
+/// UFFDIO_COPY. Bytes that fail verification twice are never installed: the range is
+/// poisoned instead. Serves many VMs at once; runs until killed (or see --once).
+///
+/// Exit codes (with --once): 0 served, 1 a chunk failed verification (poisoned), 2 error.
+#[derive(Debug, clap::Args)]
+pub struct LazyArgs {
+    /// Image: oci:PATH[:TAG|@DIGEST] or HOST[:PORT]/REPO[:TAG|@DIGEST].
+    pub image: String,
+    /// Unix socket to listen on (a stale socket file there is replaced).
+    #[arg(long, value_name = "PATH")]
+    pub socket: PathBuf,
+    /// The memory file to serve (default: the image's file with role "memory").
+    #[arg(long, value_name = "NAME")]
+    pub file: Option<String>,
+    /// Chunk cache directory (default: $SNAPCTL_CACHE, $XDG_CACHE_HOME/snapctl, ~/.cache/snapctl).
+    #[arg(long, value_name = "DIR")]
+    pub cache: Option<PathBuf>,
+    /// Bound on the chunk cache's size (e.g. 10GiB).
+    #[arg(long, value_name = "SIZE", value_parser = common::parse_size)]
+    pub cache_size: Option<u64>,
+    /// Do not use the chunk cache (every chunk comes from the image source).
+    #[arg(long, conflicts_with = "cache")]
+    pub no_cache: bool,
+    /// Install chunks ahead of the guest: `trace` replays the image's recorded trace if it
+    /// has one, `all` then every other non-zero chunk, `none` only serves faults.
+    #[arg(long, default_value = "trace", value_parser = parse_prefetch)]
+    pub prefetch: PrefetchMode,
+    /// Prefetch at most this many bytes per second (0: no bound).
+    #[arg(long, default_value = "256MiB", value_name = "SIZE", value_parser = common::parse_size)]
+    pub prefetch_rate: u64,
+    /// Record the order chunks are first faulted and store it with the image (an artifact
+    /// whose subject is the image) when the connection ends.
+    #[arg(long)]
+    pub record_trace: bool,
+    /// Serve Prometheus metrics on http://ADDR/metrics (e.g. 127.0.0.1:9464).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<String>,
+    /// How long to keep retrying a failing source for one chunk before poisoning it
+    /// (e.g. 120s, 500ms, 2m).
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    pub retry_budget: Duration,
+    /// Recently used chunks kept in memory (shared by all connections).
+    #[arg(long, default_value = "256MiB", value_name = "SIZE", value_parser = common::parse_size)]
+    pub memory: u64,
+    /// Exit after the first connection (with a valid handshake) ends.
+    #[arg(long)]
+    pub once: bool,
+    /// Write the socket path to this file once the socket is listening.
+    #[arg(long, value_name = "PATH")]
+    pub ready_file: Option<PathBuf>,
+    /// Print one JSON summary per finished connection on stdout (one line each).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A shared registry client as a boxed blob source.
+struct ArcSource(Arc<registry::client::RegistrySource>);
+
+impl imgfmt::BlobSource for ArcSource {
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+    fn resolve_tag(&self, tag: &str) -> Result<imgfmt::OciDigest, imgfmt::FormatError> {
+        self.0.resolve_tag(tag)
+    }
+    fn read_blob_unverified(&self, d: &imgfmt::OciDigest, limit: u64) -> Result<Vec<u8>, imgfmt::FormatError> {
+        self.0.read_blob_unverified(d, limit)
+    }
+    fn blob_size(&self, d: &imgfmt::OciDigest) -> Result<u64, imgfmt::FormatError> {
+        self.0.blob_size(d)
+    }
+    fn read_at_unverified(&self, d: &imgfmt::OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), imgfmt::FormatError> {
+        self.0.read_at_unverified(d, offset, buf)
+    }
+}
+
+/// The per-host chunk cache as the lazy server's chunk store.
+struct CacheStore(puller::ChunkCache);
+
+impl puller::lazy::ChunkStore for CacheStore {
+    fn get(&self, algo: imgfmt::HashAlgo, digest: &imgfmt::ChunkDigest, len: u32) -> Option<verify::VerifiedChunk> {
+        self.0.get(algo, digest, len).unwrap_or_else(|e| {
+            // A cache that cannot be read is a miss: the source still has the chunk.
+            eprintln!("snapctl lazy: warning: {e}");
+            None
+        })
+    }
+    fn put(&self, algo: imgfmt::HashAlgo, digest: &imgfmt::ChunkDigest, chunk: &verify::VerifiedChunk) {
+        if let Err(e) = self.0.put(algo, digest, chunk) {
+            eprintln!("snapctl lazy: warning: chunk not cached: {e}");
+        }
+    }
+}
+
+fn parse_prefetch(s: &str) -> Result<PrefetchMode, String> {
+    s.parse()
+}
+
+/// `120s`, `500ms`, `2m`, or plain seconds.
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, mult_ms) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 1.0)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1000.0)
+    } else if let Some(n) = s.strip_suffix('m') {
+        (n, 60_000.0)
+    } else {
+        (s, 1000.0)
+    };
+    let v: f64 = num.trim().parse().map_err(|_| format!("bad duration {s:?} (e.g. 120s, 500ms, 2m)"))?;
+    if !(0.0..=86_400_000.0).contains(&(v * mult_ms)) {
+        return Err(format!("duration {s:?} out of range"));
+    }
+    Ok(Duration::from_secs_f64(v * mult_ms / 1000.0))
+}
+
+pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
+    // Registry references get a client of their own so traces can be pushed as referrers
+    // through it; layouts keep traces under the fallback tag.
+    let (o, traces): (common::Opened, Option<Box<dyn TraceStore>>) = match a.image.parse::<Reference>()? {
+        Reference::Layout { path, selector } => {
+            let o = common::Opened {
+                source: Box::new(OciLayout::open(&path).with_context(|| format!("opening {}", a.image))?),
+                selector,
+                reference: a.image.clone(),
+            };
+            (o, Some(Box::new(LayoutTraces(OciLayout::open(&path).with_context(|| format!("opening {}", path.display()))?))))
+        }
+        Reference::Registry { host, repository, selector } => {
+            let plain = std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || registry::client::is_loopback(&host);
+            let creds = registry::client::docker_config_credentials(&host);
+            let src = Arc::new(registry::client::RegistrySource::new(&host, &repository, plain, creds).with_context(|| format!("connecting to {host}"))?);
+            let o = common::Opened { source: Box::new(ArcSource(src.clone())), selector, reference: a.image.clone() };
+            (o, Some(Box::new(RegistryTraces(src))))
+        }
+    };
+    let image = Arc::new(open_image(&o)?);
+    let file = match &a.file {
+        Some(name) => image.file(name).with_context(|| format!("{}: no file named {name:?}", a.image))?.0,
+        None => {
+            let mem: Vec<usize> = image.files.iter().enumerate().filter(|(_, f)| f.role == Role::Memory).map(|(i, _)| i).collect();
+            match mem.as_slice() {
+                [i] => *i,
+                [] => bail!("{}: no file has role memory; name one with --file", a.image),
+                _ => bail!("{}: several memory files; name one with --file", a.image),
+            }
+        }
+    };
+    let store: Option<Arc<dyn puller::lazy::ChunkStore>> = if a.no_cache {
+        None
+    } else {
+        let dir = a.cache.clone().unwrap_or_else(puller::ChunkCache::default_dir);
+        let limit = a.cache_size.unwrap_or(puller::cache::DEFAULT_LIMIT);
+        Some(Arc::new(CacheStore(puller::ChunkCache::open(&dir, limit).with_context(|| format!("opening the chunk cache {}", dir.display()))?)))
+    };
+    let mut opts = LazyOptions::new(a.socket.clone());
+    opts.prefetch = a.prefetch;
+    opts.prefetch_rate = a.prefetch_rate;
+    opts.record_trace = a.record_trace;
+    opts.retry = RetryPolicy { budget: a.retry_budget, ..RetryPolicy::default() };
+    opts.memory_bytes = a.memory;
+    opts.once = a.once;
+    opts.ready_file = a.ready_file.clone();
+    let src: Arc<dyn imgfmt::BlobSource> = Arc::from(o.source);
+    let daemon = Daemon::new(image.clone(), file, src, store, traces, opts)?;
+    eprintln!(
+        "snapctl lazy: serving {} of {} ({}){}",
+        image.files[file].name,
+        a.image,
+        imgfmt::size::human(image.files[file].size),
+        if daemon.has_trace() && a.prefetch != PrefetchMode::None { ", with a recorded prefetch trace" } else { "" }
+    );
+    if let Some(addr) = &a.metrics {
+        let bound = daemon.serve_metrics(addr)?;
+        eprintln!("snapctl lazy: metrics on http://{bound}/metrics");
+    }
+    let failed = Arc::new(AtomicBool::new(false));
+    let (json, f2) = (a.json, failed.clone());
+    daemon.run(Arc::new(move |r: &ConnReport| {
+        if r.integrity_failed() {
+            f2.store(true, Ordering::Relaxed);
+        }
+        eprintln!(
+            "snapctl lazy: pid {} done ({}): {} faults ({} zero, {} cache, {} fetched, {} present), {} fetched, latency p50 {}us p99 {}us max {}us, {} retries, {} verify failures, {} pages poisoned, {:.2}s",
+            r.pid,
+            r.ended,
+            r.faults.total,
+            r.faults.zero,
+            r.faults.cache_hit,
+            r.faults.fetched,
+            r.faults.present,
+            imgfmt::size::human(r.bytes_fetched),
+            r.latency_us.p50,
+            r.latency_us.p99,
+            r.latency_us.max,
+            r.retries,
+            r.verify_failures,
+            r.poisoned_pages,
+            r.seconds
+        );
+        if json {
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "{}", serde_json::to_string(r).expect("report serializes"));
+            let _ = out.flush();
+        }
+    }))?;
+    Ok(common::code(if failed.load(Ordering::Relaxed) { common::EXIT_FAILED } else { common::EXIT_OK }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("120s").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("3").unwrap(), Duration::from_secs(3));
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("-1s").is_err());
+    }
+}
