@@ -1,11 +1,7 @@
 //! All of snapctl's cross-crate integration tests, in one binary.
 
-mod fault_proxy;
 mod format;
-mod pull;
-mod push;
 mod lazy;
 mod registry;
-mod runsc;
 mod snapshot_registry;
 mod vectors;
