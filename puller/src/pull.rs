@@ -33,6 +33,8 @@ use crate::unpack::{TempGuard, UnpackError, WRITE_PIECE};
 
 /// Largest coalesced range request.
 pub const DEFAULT_MAX_RANGE: u64 = 8 << 20;
+/// Upper bound on `max_range` (a pack's largest size).
+const MAX_RANGE_LIMIT: u64 = 256 << 20;
 /// Stored bytes of other chunks a range may read through to join two needed neighbours:
 /// one round trip costs more than this many bytes on any link worth pulling over.
 const MAX_GAP: u64 = 256 << 10;
@@ -170,7 +172,8 @@ pub fn pull(
             _ => misses.push(i),
         }
     }
-    let mut work = coalesce(&distinct, misses, opts.max_range);
+    // Bounded whatever the caller asks: each request in flight holds its range in memory.
+    let mut work = coalesce(&distinct, misses, opts.max_range.min(MAX_RANGE_LIMIT));
     work.extend(cached);
 
     // Destination and temp files (all of them first: a missing directory or an existing

@@ -8,6 +8,7 @@ pub mod inspect;
 pub mod lazy;
 pub mod login;
 pub mod pack;
+pub mod pull;
 pub mod push;
 pub mod sample;
 pub mod serve;

@@ -2,6 +2,7 @@
 
 mod format;
 mod lazy;
+mod pull;
 mod registry;
 mod snapshot_registry;
 mod vectors;
