@@ -1,0 +1,836 @@
+//! A fault-injecting TCP proxy for HTTP/1.1, in front of a registry, for tests.
+//!
+//! `FaultProxy::start(upstream)` listens on 127.0.0.1:free-port and relays each client
+//! connection to its own upstream connection, one thread per connection. It understands
+//! HTTP/1.1 framing (request and response heads, `Content-Length` and `chunked` bodies,
+//! bodies that end at close, `HEAD`/204/304 without bodies, interim 1xx), so keep-alive
+//! connections work and a fault can hit exactly one response on a reused connection.
+//!
+//! Faults come from a [`Plan`] of [`Rule`]s shared behind `Arc<Mutex<_>>`: a test can
+//! change it at any time (e.g. mid-transfer), and the next response consults it.
+//!
+//! | fault | what the client sees |
+//! |---|---|
+//! | [`Fault::Reset`] | the response starts, then after N bytes (head included) a TCP RST |
+//! | [`Fault::Status`] | an injected status (503 by default) with a small JSON body; the request never reaches upstream |
+//! | [`Fault::Truncate`] | the full head (with the original `Content-Length`), N body bytes, then FIN |
+//! | [`Fault::FlipByte`] | the full, well-framed response with one body byte XOR 0xFF |
+//!
+//! The proxy is for tests only: it trusts its upstream, and it keeps no limits beyond a
+//! bound on head sizes and chunk-size lines so a broken peer fails a test instead of
+//! eating memory.
+
+use std::collections::HashMap;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// Longest request or response head the proxy accepts (bytes).
+const MAX_HEAD: usize = 64 * 1024;
+/// Relay buffer size.
+const BUF: usize = 64 * 1024;
+/// Idle timeout on both sides of a relayed connection, so a stuck peer ends its thread.
+const IDLE: Duration = Duration::from_secs(60);
+
+/// What to do to one response.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Forward the response, but after `after` bytes of it (head included) reset the
+    /// client connection (SO_LINGER 0, so the client sees ECONNRESET, not a clean EOF).
+    Reset {
+        /// Response bytes delivered before the reset.
+        after: u64,
+    },
+    /// Do not forward the request; answer `status` with a small JSON error body and keep
+    /// the connection alive (the request body is read and dropped).
+    Status {
+        /// Status code to answer (503 for "bursts of unavailability", 429, 500, ...).
+        code: u16,
+    },
+    /// Forward the head unchanged (so `Content-Length` promises the whole body), then
+    /// only `after` bytes of the body, then close the connection (FIN).
+    Truncate {
+        /// Body bytes delivered before the close.
+        after: u64,
+    },
+    /// Forward the whole response, with the body byte at offset `at` (of the decoded
+    /// body; the last byte if the body is shorter) XORed with 0xFF. Bodies of length 0
+    /// are left alone and do not use up the rule.
+    FlipByte {
+        /// Offset in the body.
+        at: u64,
+    },
+}
+
+/// Which requests a rule applies to.
+#[derive(Clone, Debug, Default)]
+pub struct Match {
+    /// HTTP method, e.g. `GET` (any when `None`).
+    pub method: Option<String>,
+    /// Substring of the request target, e.g. `/blobs/` (any when `None`).
+    pub path_contains: Option<String>,
+}
+
+impl Match {
+    /// Every request.
+    pub fn any() -> Match {
+        Match::default()
+    }
+
+    /// `GET`s of blobs: `/v2/<name>/blobs/<digest>` (uploads live under `/blobs/uploads/`
+    /// and are excluded).
+    pub fn blob_gets() -> Match {
+        Match { method: Some("GET".into()), path_contains: Some("/blobs/sha256:".into()) }
+    }
+
+    /// Requests with this method whose target contains `path`.
+    pub fn new(method: &str, path: &str) -> Match {
+        Match { method: Some(method.to_string()), path_contains: Some(path.to_string()) }
+    }
+
+    fn matches(&self, method: &str, target: &str) -> bool {
+        self.method.as_deref().is_none_or(|m| m.eq_ignore_ascii_case(method))
+            && self.path_contains.as_deref().is_none_or(|p| target.contains(p))
+    }
+}
+
+/// One entry of a [`Plan`]: on matching requests, after letting `skip` through, apply
+/// `fault` to the next `times` of them, each with probability `probability`.
+#[derive(Clone, Debug)]
+pub struct Rule {
+    /// The fault.
+    pub fault: Fault,
+    /// Which requests.
+    pub on: Match,
+    /// Matching requests to let through untouched first (so `skip: n - 1` hits the n-th).
+    pub skip: u64,
+    /// How many faults to inject before the rule is spent (`u64::MAX`: forever).
+    pub times: u64,
+    /// Chance that an eligible request is hit (1.0: always). Deterministic: the plan's
+    /// random generator is seeded (see [`Plan::seed`]).
+    pub probability: f64,
+}
+
+impl Rule {
+    /// `fault` on the next matching request of any kind, once.
+    pub fn new(fault: Fault) -> Rule {
+        Rule { fault, on: Match::any(), skip: 0, times: 1, probability: 1.0 }
+    }
+    /// Restrict to requests matching `m`.
+    pub fn on(mut self, m: Match) -> Rule {
+        self.on = m;
+        self
+    }
+    /// Hit the `n`-th matching request (1-based) and, with `times`, the ones after it.
+    pub fn nth(mut self, n: u64) -> Rule {
+        self.skip = n.saturating_sub(1);
+        self
+    }
+    /// Hit `k` requests in a row (a burst), or forever with `u64::MAX`.
+    pub fn times(mut self, k: u64) -> Rule {
+        self.times = k;
+        self
+    }
+    /// Hit each eligible request with probability `p`.
+    pub fn probability(mut self, p: f64) -> Rule {
+        self.probability = p;
+        self
+    }
+}
+
+/// The faults to inject, consulted once per request. Rules are tried in order; the
+/// first eligible one that fires wins.
+#[derive(Debug)]
+pub struct Plan {
+    rules: Vec<Rule>,
+    rng: u64,
+}
+
+impl Default for Plan {
+    fn default() -> Plan {
+        Plan { rules: Vec::new(), rng: 0x5eed_f00d_cafe_d00d }
+    }
+}
+
+impl Plan {
+    /// Add a rule.
+    pub fn push(&mut self, r: Rule) {
+        self.rules.push(r);
+    }
+    /// Remove every rule: pass everything through.
+    pub fn clear(&mut self) {
+        self.rules.clear();
+    }
+    /// Re-seed the generator behind [`Rule::probability`].
+    pub fn seed(&mut self, seed: u64) {
+        self.rng = seed | 1;
+    }
+    /// Rules still able to fire.
+    pub fn pending(&self) -> usize {
+        self.rules.iter().filter(|r| r.times > 0).count()
+    }
+
+    fn next_f64(&mut self) -> f64 {
+        // xorshift64*: deterministic, good enough to spread faults in tests.
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        (self.rng.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Decide the fault for a request, using up the rule that fires. `FlipByte` on an
+    /// empty body is decided later (see [`Plan::refund`]).
+    fn decide(&mut self, method: &str, target: &str) -> Option<Fault> {
+        for i in 0..self.rules.len() {
+            let r = &self.rules[i];
+            if r.times == 0 || !r.on.matches(method, target) {
+                continue;
+            }
+            if r.skip > 0 {
+                self.rules[i].skip -= 1;
+                continue;
+            }
+            let p = r.probability;
+            if p < 1.0 && self.next_f64() >= p {
+                continue;
+            }
+            let r = &mut self.rules[i];
+            r.times = r.times.saturating_sub(if r.times == u64::MAX { 0 } else { 1 });
+            return Some(r.fault.clone());
+        }
+        None
+    }
+
+    /// Give back a fault that could not be applied (a flip on an empty body).
+    fn refund(&mut self, f: &Fault) {
+        if let Some(r) = self.rules.iter_mut().find(|r| &r.fault == f && r.times != u64::MAX) {
+            r.times += 1;
+        }
+    }
+}
+
+/// Pass-through counters, readable while the proxy runs.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Client connections accepted.
+    pub connections: AtomicU64,
+    /// Requests seen (including those answered by an injected status).
+    pub requests: AtomicU64,
+    /// Bytes from clients to upstream (heads and bodies, as relayed).
+    pub bytes_up: AtomicU64,
+    /// Bytes from upstream (or the proxy) to clients.
+    pub bytes_down: AtomicU64,
+    /// Faults injected.
+    pub faults: AtomicU64,
+}
+
+/// One request as the proxy saw it.
+#[derive(Clone, Debug)]
+pub struct Seen {
+    /// Method.
+    pub method: String,
+    /// Request target (path and query).
+    pub target: String,
+    /// Status sent to the client (0 if none got out).
+    pub status: u16,
+    /// The fault injected into its response, if any.
+    pub fault: Option<Fault>,
+}
+
+struct Shared {
+    upstream: SocketAddr,
+    plan: Arc<Mutex<Plan>>,
+    counters: Counters,
+    log: Mutex<Vec<Seen>>,
+    stop: AtomicBool,
+    // Client sockets of live connections, shut down on drop so their threads end.
+    live: Mutex<HashMap<u64, TcpStream>>,
+    next_id: AtomicU64,
+}
+
+/// A running proxy; stopped (listener closed, live connections shut down, threads
+/// joined) on drop.
+pub struct FaultProxy {
+    /// `127.0.0.1:PORT` the proxy listens on.
+    pub addr: String,
+    shared: Arc<Shared>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl FaultProxy {
+    /// Start a proxy on 127.0.0.1:free-port in front of `upstream` (e.g. `127.0.0.1:5000`).
+    pub fn start(upstream: impl ToSocketAddrs) -> io::Result<FaultProxy> {
+        let upstream = upstream
+            .to_socket_addrs()?
+            .next()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "upstream resolves to nothing"))?;
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?.to_string();
+        let shared = Arc::new(Shared {
+            upstream,
+            plan: Arc::new(Mutex::new(Plan::default())),
+            counters: Counters::default(),
+            log: Mutex::new(Vec::new()),
+            stop: AtomicBool::new(false),
+            live: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(0),
+        });
+        let sh = shared.clone();
+        let accept = std::thread::Builder::new().name("fault-proxy-accept".into()).spawn(move || {
+            let mut workers: Vec<JoinHandle<()>> = Vec::new();
+            for conn in listener.incoming() {
+                if sh.stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(client) = conn else { continue };
+                sh.counters.connections.fetch_add(1, Ordering::Relaxed);
+                let id = sh.next_id.fetch_add(1, Ordering::Relaxed);
+                if let Ok(c) = client.try_clone() {
+                    sh.live.lock().unwrap().insert(id, c);
+                }
+                let sh2 = sh.clone();
+                workers.retain(|w| !w.is_finished());
+                workers.push(std::thread::spawn(move || {
+                    let _ = relay(&sh2, client);
+                    sh2.live.lock().unwrap().remove(&id);
+                }));
+            }
+            for w in workers {
+                let _ = w.join();
+            }
+        })?;
+        Ok(FaultProxy { addr, shared, accept: Some(accept) })
+    }
+
+    /// `http://127.0.0.1:PORT` + path.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    /// The plan, to change at any time.
+    pub fn plan(&self) -> Arc<Mutex<Plan>> {
+        self.shared.plan.clone()
+    }
+
+    /// Add a rule to the plan.
+    pub fn add(&self, r: Rule) {
+        self.shared.plan.lock().unwrap().push(r);
+    }
+
+    /// Drop every rule.
+    pub fn clear(&self) {
+        self.shared.plan.lock().unwrap().clear();
+    }
+
+    /// The counters.
+    pub fn counters(&self) -> &Counters {
+        &self.shared.counters
+    }
+
+    /// Requests seen so far.
+    pub fn requests(&self) -> u64 {
+        self.shared.counters.requests.load(Ordering::Relaxed)
+    }
+
+    /// Faults injected so far.
+    pub fn faults(&self) -> u64 {
+        self.shared.counters.faults.load(Ordering::Relaxed)
+    }
+
+    /// Bytes relayed towards clients so far.
+    pub fn bytes_down(&self) -> u64 {
+        self.shared.counters.bytes_down.load(Ordering::Relaxed)
+    }
+
+    /// Bytes relayed towards upstream so far.
+    pub fn bytes_up(&self) -> u64 {
+        self.shared.counters.bytes_up.load(Ordering::Relaxed)
+    }
+
+    /// Every request seen, in the order their responses started.
+    pub fn log(&self) -> Vec<Seen> {
+        self.shared.log.lock().unwrap().clone()
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        // Wake the blocking accept() with a throwaway connection.
+        let _ = TcpStream::connect(&self.addr);
+        for (_, s) in self.shared.live.lock().unwrap().drain() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        if let Some(h) = self.accept.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// A parsed message head: the raw bytes to forward plus what framing needs.
+struct Head {
+    raw: Vec<u8>,
+    /// Request: method; response: empty.
+    method: String,
+    /// Request: target; response: status code as text.
+    target: String,
+    status: u16,
+    content_length: Option<u64>,
+    chunked: bool,
+    close: bool,
+    expect_continue: bool,
+}
+
+/// Read one head (up to and including the blank line). `Ok(None)` on a clean EOF
+/// before any byte.
+fn read_head(r: &mut impl BufRead, request: bool) -> io::Result<Option<Head>> {
+    let mut raw = Vec::new();
+    loop {
+        let n = r.take((MAX_HEAD - raw.len()) as u64 + 1).read_until(b'\n', &mut raw)?;
+        if n == 0 {
+            if raw.is_empty() {
+                return Ok(None);
+            }
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "EOF inside a message head"));
+        }
+        if raw.len() > MAX_HEAD {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "message head too large"));
+        }
+        // Tolerate stray blank lines between keep-alive messages (RFC 9112 2.2).
+        if raw == b"\r\n" || raw == b"\n" {
+            raw.clear();
+            continue;
+        }
+        if raw.ends_with(b"\r\n\r\n") || raw.ends_with(b"\n\n") {
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let mut lines = text.lines();
+    let first = lines.next().unwrap_or_default();
+    let mut parts = first.split_whitespace();
+    let (a, b) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
+    let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, format!("bad {what}: {first:?}"));
+    let (method, target, status) = if request {
+        if b.is_empty() {
+            return Err(bad("request line"));
+        }
+        (a.to_string(), b.to_string(), 0)
+    } else {
+        let code: u16 = b.parse().map_err(|_| bad("status line"))?;
+        (String::new(), b.to_string(), code)
+    };
+    let http10 = first.contains("HTTP/1.0");
+    let mut h = Head {
+        raw,
+        method,
+        target,
+        status,
+        content_length: None,
+        chunked: false,
+        close: http10,
+        expect_continue: false,
+    };
+    for line in lines {
+        let Some((k, v)) = line.split_once(':') else { continue };
+        let (k, v) = (k.trim().to_ascii_lowercase(), v.trim().to_ascii_lowercase());
+        match k.as_str() {
+            "content-length" => h.content_length = Some(v.parse().map_err(|_| bad("content-length"))?),
+            "transfer-encoding" => h.chunked = v.split(',').any(|t| t.trim() == "chunked"),
+            "connection" if v.split(',').any(|t| t.trim() == "close") => h.close = true,
+            "connection" if v.split(',').any(|t| t.trim() == "keep-alive") => h.close = false,
+            "expect" => h.expect_continue = v == "100-continue",
+            _ => {}
+        }
+    }
+    Ok(Some(h))
+}
+
+/// The head without its `Expect: 100-continue` line (the proxy answers that itself).
+fn strip_expect(raw: &[u8]) -> Vec<u8> {
+    let text = String::from_utf8_lossy(raw);
+    text.split_inclusive('\n')
+        .filter(|l| !l.to_ascii_lowercase().starts_with("expect:"))
+        .collect::<String>()
+        .into_bytes()
+}
+
+/// Where relayed body bytes go: a writer that may flip, cut or reset.
+struct Sink<'a> {
+    out: &'a mut TcpStream,
+    counters: &'a Counters,
+    /// Response bytes written so far (head included) — for `Reset`.
+    written: u64,
+    /// Decoded body bytes passed so far — for `Truncate` and `FlipByte`.
+    body_pos: u64,
+    fault: Option<Fault>,
+    /// For `FlipByte`: the body length when known up front (to place "the last byte").
+    body_len: Option<u64>,
+    flipped: bool,
+    counting: bool,
+}
+
+/// Why a relay stopped early on purpose.
+#[derive(Debug)]
+enum Cut {
+    /// Reset the client.
+    Reset,
+    /// Close the client (FIN).
+    Close,
+}
+
+impl Sink<'_> {
+    /// Write bytes of the message that are not body payload (head, chunk framing).
+    fn frame(&mut self, data: &[u8]) -> Result<(), Result<Cut, io::Error>> {
+        self.emit(data)
+    }
+
+    /// Write body payload bytes.
+    fn body(&mut self, data: &[u8]) -> Result<(), Result<Cut, io::Error>> {
+        match self.fault {
+            Some(Fault::Truncate { after }) => {
+                let room = after.saturating_sub(self.body_pos);
+                if room < data.len() as u64 {
+                    self.emit(&data[..room as usize])?;
+                    self.body_pos += room;
+                    return Err(Ok(Cut::Close));
+                }
+            }
+            Some(Fault::FlipByte { at }) if !self.flipped => {
+                let at = match self.body_len {
+                    Some(len) if len > 0 => at.min(len - 1),
+                    _ => at,
+                };
+                if at >= self.body_pos && at < self.body_pos + data.len() as u64 {
+                    let mut copy = data.to_vec();
+                    copy[(at - self.body_pos) as usize] ^= 0xFF;
+                    self.flipped = true;
+                    self.body_pos += data.len() as u64;
+                    return self.emit(&copy);
+                }
+            }
+            _ => {}
+        }
+        self.body_pos += data.len() as u64;
+        self.emit(data)
+    }
+
+    fn emit(&mut self, data: &[u8]) -> Result<(), Result<Cut, io::Error>> {
+        let mut data = data;
+        let mut cut = None;
+        if let Some(Fault::Reset { after }) = self.fault {
+            let room = after.saturating_sub(self.written);
+            if room < data.len() as u64 {
+                data = &data[..room as usize];
+                cut = Some(Cut::Reset);
+            }
+        }
+        self.out.write_all(data).map_err(Err)?;
+        self.written += data.len() as u64;
+        if self.counting {
+            self.counters.bytes_down.fetch_add(data.len() as u64, Ordering::Relaxed);
+        }
+        match cut {
+            Some(c) => Err(Ok(c)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Copy exactly `n` bytes from `r` to `f`.
+fn copy_n(r: &mut impl Read, n: u64, mut f: impl FnMut(&[u8]) -> Result<(), Result<Cut, io::Error>>) -> Result<(), Result<Cut, io::Error>> {
+    let mut left = n;
+    let mut buf = vec![0u8; BUF];
+    while left > 0 {
+        let want = left.min(BUF as u64) as usize;
+        let got = r.read(&mut buf[..want]).map_err(Err)?;
+        if got == 0 {
+            return Err(Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed inside a body")));
+        }
+        f(&buf[..got])?;
+        left -= got as u64;
+    }
+    Ok(())
+}
+
+/// Read one line (chunk size line or trailer line), bounded.
+fn read_line(r: &mut impl BufRead) -> io::Result<Vec<u8>> {
+    let mut line = Vec::new();
+    r.take(4096).read_until(b'\n', &mut line)?;
+    if !line.ends_with(b"\n") {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "bad chunk framing"));
+    }
+    Ok(line)
+}
+
+/// Relay a chunked body: framing through `frame`, payload through `body`.
+fn relay_chunked(
+    r: &mut impl BufRead,
+    frame: &mut dyn FnMut(&[u8], bool) -> Result<(), Result<Cut, io::Error>>,
+) -> Result<(), Result<Cut, io::Error>> {
+    loop {
+        let line = read_line(r).map_err(Err)?;
+        let text = String::from_utf8_lossy(&line);
+        let size_hex = text.trim().split(';').next().unwrap_or_default().trim();
+        let size = u64::from_str_radix(size_hex, 16)
+            .map_err(|_| Err(io::Error::new(io::ErrorKind::InvalidData, "bad chunk size")))?;
+        frame(&line, false)?;
+        if size == 0 {
+            // Trailers, then the final blank line.
+            loop {
+                let t = read_line(r).map_err(Err)?;
+                frame(&t, false)?;
+                if t == b"\r\n" || t == b"\n" {
+                    return Ok(());
+                }
+            }
+        }
+        copy_n(r, size, |d| frame(d, true))?;
+        let crlf = read_line(r).map_err(Err)?;
+        frame(&crlf, false)?;
+    }
+}
+
+/// Set SO_LINGER {on, 0} so closing sends RST instead of FIN.
+fn linger_zero(s: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let l = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: setsockopt on a socket we own, with a pointer to a live, correctly sized
+    // `linger` value; the kernel copies it before returning.
+    unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            &l as *const libc::linger as *const libc::c_void,
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
+    }
+}
+
+/// Serve one client connection until either side closes or a fault ends it.
+fn relay(sh: &Shared, client: TcpStream) -> io::Result<()> {
+    client.set_read_timeout(Some(IDLE))?;
+    let _ = client.set_nodelay(true);
+    let mut client_w = client.try_clone()?;
+    let mut client_r = BufReader::with_capacity(BUF, client.try_clone()?);
+    let mut upstream: Option<(TcpStream, BufReader<TcpStream>)> = None;
+
+    loop {
+        let Some(req) = read_head(&mut client_r, true)? else { return Ok(()) };
+        if sh.stop.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        sh.counters.requests.fetch_add(1, Ordering::Relaxed);
+        let fault = sh.plan.lock().unwrap().decide(&req.method, &req.target);
+        if req.expect_continue {
+            client_w.write_all(b"HTTP/1.1 100 Continue\r\n\r\n")?;
+        }
+
+        if let Some(Fault::Status { code }) = fault {
+            // Drain the request body, answer ourselves, keep the connection.
+            drain_request_body(&mut client_r, &req)?;
+            sh.counters.faults.fetch_add(1, Ordering::Relaxed);
+            let body = format!(
+                "{{\"errors\":[{{\"code\":\"UNAVAILABLE\",\"message\":\"fault proxy: injected {code}\"}}]}}"
+            );
+            let resp = format!(
+                "HTTP/1.1 {code} Injected\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{}\r\n{body}",
+                body.len(),
+                if req.close { "Connection: close\r\n" } else { "" }
+            );
+            client_w.write_all(resp.as_bytes())?;
+            sh.counters.bytes_down.fetch_add(resp.len() as u64, Ordering::Relaxed);
+            sh.log.lock().unwrap().push(Seen { method: req.method, target: req.target, status: code, fault });
+            if req.close {
+                return Ok(());
+            }
+            continue;
+        }
+
+        // Forward the request.
+        if upstream.is_none() {
+            let u = TcpStream::connect(sh.upstream)?;
+            u.set_read_timeout(Some(IDLE))?;
+            let _ = u.set_nodelay(true);
+            let r = BufReader::with_capacity(BUF, u.try_clone()?);
+            upstream = Some((u, r));
+        }
+        let (up_w, up_r) = upstream.as_mut().expect("connected above");
+        let head = if req.expect_continue { strip_expect(&req.raw) } else { req.raw.clone() };
+        up_w.write_all(&head)?;
+        sh.counters.bytes_up.fetch_add(head.len() as u64, Ordering::Relaxed);
+        forward_request_body(&mut client_r, up_w, &req, &sh.counters)?;
+
+        // Read the response head, passing interim 1xx responses through.
+        let resp = loop {
+            let Some(h) = read_head(up_r, false)? else {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "upstream closed before responding"));
+            };
+            if (100..200).contains(&h.status) && h.status != 101 {
+                client_w.write_all(&h.raw)?;
+                continue;
+            }
+            break h;
+        };
+        let no_body = req.method.eq_ignore_ascii_case("HEAD") || resp.status == 204 || resp.status == 304;
+        let until_close = !no_body && !resp.chunked && resp.content_length.is_none();
+
+        let mut fault = fault;
+        if let (Some(f @ Fault::FlipByte { .. }), true) = (&fault, no_body || resp.content_length == Some(0)) {
+            // Nothing to flip: give the fault back for the next response.
+            sh.plan.lock().unwrap().refund(f);
+            fault = None;
+        }
+        if fault.is_some() {
+            sh.counters.faults.fetch_add(1, Ordering::Relaxed);
+        }
+        sh.log.lock().unwrap().push(Seen {
+            method: req.method.clone(),
+            target: req.target.clone(),
+            status: resp.status,
+            fault: fault.clone(),
+        });
+
+        let mut sink = Sink {
+            out: &mut client_w,
+            counters: &sh.counters,
+            written: 0,
+            body_pos: 0,
+            fault,
+            body_len: resp.content_length,
+            flipped: false,
+            counting: true,
+        };
+        let result = (|| {
+            sink.frame(&resp.raw)?;
+            if no_body {
+                return Ok(());
+            }
+            if resp.chunked {
+                relay_chunked(up_r, &mut |d, payload| if payload { sink.body(d) } else { sink.frame(d) })
+            } else if let Some(n) = resp.content_length {
+                copy_n(up_r, n, |d| sink.body(d))
+            } else {
+                // Body ends when upstream closes.
+                let mut buf = vec![0u8; BUF];
+                loop {
+                    let n = up_r.read(&mut buf).map_err(Err)?;
+                    if n == 0 {
+                        return Ok(());
+                    }
+                    sink.body(&buf[..n])?;
+                }
+            }
+        })();
+        match result {
+            Ok(()) => {}
+            Err(Ok(Cut::Reset)) => {
+                linger_zero(&client_w);
+                return Ok(());
+            }
+            Err(Ok(Cut::Close)) => {
+                let _ = client_w.flush();
+                let _ = client_w.shutdown(Shutdown::Both);
+                return Ok(());
+            }
+            Err(Err(e)) => return Err(e),
+        }
+        if req.close || resp.close || until_close {
+            let _ = client_w.shutdown(Shutdown::Write);
+            return Ok(());
+        }
+    }
+}
+
+/// Request bodies are never cut on purpose; a `Cut` there would be a bug in this file.
+fn cut_to_io(e: Result<Cut, io::Error>) -> io::Error {
+    match e {
+        Ok(cut) => io::Error::other(format!("unexpected {cut:?} in a request body")),
+        Err(e) => e,
+    }
+}
+
+fn forward_request_body(r: &mut BufReader<TcpStream>, up: &mut TcpStream, req: &Head, c: &Counters) -> io::Result<()> {
+    let mut emit = |d: &[u8]| -> Result<(), Result<Cut, io::Error>> {
+        up.write_all(d).map_err(Err)?;
+        c.bytes_up.fetch_add(d.len() as u64, Ordering::Relaxed);
+        Ok(())
+    };
+    let res = if req.chunked {
+        relay_chunked(r, &mut |d, _| emit(d))
+    } else if let Some(n) = req.content_length {
+        copy_n(r, n, emit)
+    } else {
+        Ok(())
+    };
+    res.map_err(cut_to_io)
+}
+
+fn drain_request_body(r: &mut BufReader<TcpStream>, req: &Head) -> io::Result<()> {
+    let res = if req.chunked {
+        relay_chunked(r, &mut |_, _| Ok(()))
+    } else if let Some(n) = req.content_length {
+        copy_n(r, n, |_| Ok(()))
+    } else {
+        Ok(())
+    };
+    res.map_err(cut_to_io)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nth_rule_skips_then_fires_once() {
+        let mut p = Plan::default();
+        p.push(Rule::new(Fault::Status { code: 503 }).on(Match::blob_gets()).nth(2));
+        assert_eq!(p.decide("GET", "/v2/a/blobs/sha256:00"), None);
+        assert_eq!(p.decide("GET", "/v2/a/manifests/x"), None);
+        assert_eq!(p.decide("GET", "/v2/a/blobs/sha256:00"), Some(Fault::Status { code: 503 }));
+        assert_eq!(p.decide("GET", "/v2/a/blobs/sha256:00"), None);
+        assert_eq!(p.pending(), 0);
+    }
+
+    #[test]
+    fn burst_and_forever() {
+        let mut p = Plan::default();
+        p.push(Rule::new(Fault::Status { code: 503 }).times(3));
+        let hits = (0..5).filter(|_| p.decide("HEAD", "/v2/").is_some()).count();
+        assert_eq!(hits, 3);
+        p.clear();
+        p.push(Rule::new(Fault::Truncate { after: 1 }).times(u64::MAX));
+        assert!((0..100).all(|_| p.decide("GET", "/").is_some()));
+    }
+
+    #[test]
+    fn probability_is_roughly_respected_and_deterministic() {
+        let run = || {
+            let mut p = Plan::default();
+            p.push(Rule::new(Fault::FlipByte { at: 0 }).times(u64::MAX).probability(0.25));
+            (0..4000).map(|_| p.decide("GET", "/").is_some()).collect::<Vec<_>>()
+        };
+        let a = run();
+        assert_eq!(a, run());
+        let hits = a.iter().filter(|h| **h).count();
+        assert!((800..1200).contains(&hits), "{hits} hits of 4000 at p=0.25");
+    }
+
+    #[test]
+    fn head_parsing_finds_framing() {
+        let raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: Close\r\n\r\n";
+        let h = read_head(&mut &raw[..], false).unwrap().unwrap();
+        assert!(h.chunked && h.close);
+        assert_eq!(h.status, 200);
+        let raw = b"PUT /v2/x HTTP/1.1\r\nContent-Length: 12\r\nExpect: 100-continue\r\n\r\n";
+        let h = read_head(&mut &raw[..], true).unwrap().unwrap();
+        assert_eq!((h.method.as_str(), h.content_length, h.expect_continue), ("PUT", Some(12), true));
+        assert!(read_head(&mut &b"GET / HTTP/1.1\r\nHost: x\r\n"[..], true).is_err());
+        let huge = vec![b'a'; MAX_HEAD + 10];
+        assert!(read_head(&mut &huge[..], true).is_err());
+    }
+}
