@@ -194,7 +194,9 @@ pub fn pull(
         let dir = final_path.parent().expect("joined path has a parent");
         fs::create_dir_all(dir).map_err(io(dir))?;
         let base = final_path.file_name().expect("file name").to_string_lossy().into_owned();
-        let tmp = imgfmt::layout::tempname(dir, &format!(".{base}.snapctl-partial"));
+        let prefix = format!(".{base}.snapctl-partial");
+        remove_dead_partials(dir, &prefix);
+        let tmp = imgfmt::layout::tempname(dir, &prefix);
         let guard = TempGuard(Some(tmp.clone()));
         let file = OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(io(&tmp))?;
         // A sparse file of the final size: zero chunks are never written.
@@ -258,6 +260,21 @@ pub fn pull(
     report.cache = cache.map(|c| c.stats());
     report.seconds = t0.elapsed().as_secs_f64();
     Ok(report)
+}
+
+/// Remove `<prefix>-<pid>-...` temp files of pulls (or unpacks) that were killed: their
+/// pid no longer runs. A live writer's temp file (another pull into the same directory)
+/// is left alone.
+fn remove_dead_partials(dir: &Path, prefix: &str) {
+    let Ok(rd) = fs::read_dir(dir) else { return };
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)).and_then(|r| r.strip_prefix('-')) else { continue };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = fs::remove_file(e.path());
+        }
+    }
 }
 
 /// Group distinct chunks to fetch by pack, in offset order, into ranges of at most
@@ -414,6 +431,21 @@ mod tests {
                 Work::Cached(_) => panic!("no cached work here"),
             })
             .collect()
+    }
+
+    #[test]
+    fn dead_partials_are_removed_live_ones_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let dead = dir.path().join(".vm.mem.snapctl-partial-4000000-0-1");
+        let live = dir.path().join(format!(".vm.mem.snapctl-partial-{}-0-1", std::process::id()));
+        let other = dir.path().join(".vm.state.snapctl-partial-4000000-0-1");
+        let keep = dir.path().join("vm.mem");
+        for p in [&dead, &live, &other, &keep] {
+            fs::write(p, b"x").unwrap();
+        }
+        remove_dead_partials(dir.path(), ".vm.mem.snapctl-partial");
+        assert!(!dead.exists());
+        assert!(live.exists() && other.exists() && keep.exists());
     }
 
     #[test]

@@ -31,14 +31,16 @@ use super::common::{self, open_image, open_ref, parse_size, progress_bar, Opened
 ///   snapctl pull registry.example.com/vm/web@sha256:... /srv/vm --jobs 16 --json
 ///
 ///   snapctl pull localhost:5000/vm/web ./r --cache /var/cache/snapctl --cache-size 50GiB
+///
+///   snapctl pull localhost:5000/vm/web:v3 oci:./images:web-v3
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct PullArgs {
     /// Image: HOST[:PORT]/REPO[:TAG|@DIGEST] (or oci:PATH[:TAG|@DIGEST]). Credentials from
     /// ~/.docker/config.json.
     pub image: String,
-    /// Destination directory (created if missing). `oci:PATH:TAG` copies the image into a
-    /// layout instead (see `snapctl copy`).
+    /// Destination directory (created if missing), or `oci:PATH[:TAG]` to copy the image
+    /// into a local layout, digests kept (as `snapctl copy` does; cache options do not apply).
     pub dest: String,
     /// Chunk cache directory [default: $SNAPCTL_CACHE, else $XDG_CACHE_HOME/snapctl, else
     /// ~/.cache/snapctl].
@@ -70,12 +72,17 @@ pub struct PullArgs {
 
 pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
     if a.dest.starts_with("oci:") {
-        anyhow::bail!(
-            "pull into a layout ({}) is not supported here yet\nhint: `snapctl copy {} {}` copies an image between registries and layouts, keeping digests",
-            a.dest,
-            a.image,
-            a.dest
-        );
+        // Into a layout the image is copied blob for blob, digests kept: that is `copy`.
+        let flags = super::push::TransferFlags {
+            jobs: a.jobs.min(64),
+            mount_from: Vec::new(),
+            upload_piece: 16 << 20,
+            plain_http: a.plain_http,
+            cache: None,
+            json: a.json,
+        };
+        super::copy::copy_refs(&a.image, &a.dest, &flags)?;
+        return Ok(common::code(common::EXIT_OK));
     }
     let dest = PathBuf::from(&a.dest);
     let o = open_source(&a.image, a.plain_http)?;

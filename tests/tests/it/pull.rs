@@ -181,6 +181,17 @@ fn pull_suite(registry_addr: &str) {
     ok(&r);
     assert_eq!(j["manifest"].as_str().unwrap(), digest);
     assert_same_files(&fx.snap2, &fx.path("out-digest"));
+
+    // Into a layout: the image is copied, digest kept, and verifies there.
+    let lay = format!("oci:{}:v2", fx.path("copied").display());
+    let r = run(snapctl().args(["pull", &v2, &lay]));
+    ok(&r);
+    let r = run(snapctl().args(["verify", &lay]));
+    ok(&r);
+    let r = run(snapctl().args(["inspect", &lay, "--json"]));
+    ok(&r);
+    let j: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!(j["manifest"].as_str().unwrap(), digest);
 }
 
 #[test]
@@ -247,6 +258,7 @@ fn pull_killed_then_resumed_fetches_only_the_rest() {
     let (r, j) = pull(&v1, &dest, Some(&cache), &[]);
     ok(&r);
     assert_same_files(&fx.snap1, &dest);
+    assert_eq!(fs::read_dir(&dest).unwrap().count(), 2, "the killed pull's temp files are cleaned up");
     assert!(n(&j, "chunks_from_cache") >= cached_before, "{j}");
     let (r, full) = pull(&v1, &fx.path("full"), None, &[]);
     ok(&r);
