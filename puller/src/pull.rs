@@ -38,6 +38,8 @@ const MAX_RANGE_LIMIT: u64 = 256 << 20;
 /// Stored bytes of other chunks a range may read through to join two needed neighbours:
 /// one round trip costs more than this many bytes on any link worth pulling over.
 const MAX_GAP: u64 = 256 << 10;
+/// Times a range request is repeated after an I/O failure before the pull gives up.
+const RANGE_RETRIES: u32 = 4;
 
 #[derive(Debug, Clone)]
 pub struct PullOptions {
@@ -82,6 +84,9 @@ pub struct PullReport {
     /// Chunks that failed verification once and were fetched again alone (a corrupted
     /// transfer); a second failure fails the pull.
     pub chunks_refetched: u64,
+    /// Range requests repeated after an I/O failure mid-transfer (counted in
+    /// `range_requests` too).
+    pub range_retries: u64,
     /// Cache puts that failed (disk full, ...): the pull goes on, the chunk is not cached.
     pub cache_put_errors: u64,
     pub bytes_written: u64,
@@ -255,6 +260,7 @@ pub fn pull(
     report.chunks_from_cache = c.from_cache.into_inner();
     report.chunks_fetched = c.fetched.into_inner();
     report.chunks_refetched = c.refetched.into_inner();
+    report.range_retries = c.range_retries.into_inner();
     report.cache_put_errors = c.put_errors.into_inner();
     report.bytes_written = c.written.into_inner();
     report.cache = cache.map(|c| c.stats());
@@ -312,6 +318,7 @@ struct Counters {
     from_cache: AtomicU64,
     fetched: AtomicU64,
     refetched: AtomicU64,
+    range_retries: AtomicU64,
     put_errors: AtomicU64,
     written: AtomicU64,
 }
@@ -347,8 +354,7 @@ impl Ctx<'_> {
     fn fetch_range(&self, pack: u32, start: u64, end: u64, members: &[usize]) -> Result<(), UnpackError> {
         let pack_digest = &self.image.packs[pack as usize].digest;
         let mut buf = vec![0u8; (end - start) as usize];
-        self.c.range_requests.fetch_add(1, Ordering::Relaxed);
-        self.src.read_at_unverified(pack_digest, start, &mut buf).map_err(|source| {
+        self.read_range(pack_digest, start, &mut buf).map_err(|source| {
             let d = &self.distinct[members[0]];
             let (file, chunk) = d.positions[0];
             VerifyError::Read { file: self.image.files[file].name.clone(), chunk, offset: chunk << self.shift, source }
@@ -375,6 +381,29 @@ impl Ctx<'_> {
         Ok(())
     }
 
+    /// One range request, tried again on an I/O failure (a connection reset or a body cut
+    /// short mid-transfer, which the HTTP client's own retries do not cover because the
+    /// status line had already arrived). Other errors (a missing blob, a range past the
+    /// end) are answers and are not retried.
+    fn read_range(&self, pack: &imgfmt::OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), imgfmt::FormatError> {
+        let mut attempt = 0u32;
+        loop {
+            self.c.range_requests.fetch_add(1, Ordering::Relaxed);
+            match self.src.read_at_unverified(pack, offset, buf) {
+                Err(imgfmt::FormatError::Io { .. }) if attempt < RANGE_RETRIES => {
+                    attempt += 1;
+                    self.c.range_retries.fetch_add(1, Ordering::Relaxed);
+                    // Exponential backoff with jitter, so parallel requests that failed
+                    // together do not retry together.
+                    let base = 100u64 << attempt.min(6);
+                    let jitter = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos() as u64) % base;
+                    std::thread::sleep(Duration::from_millis(base + jitter));
+                }
+                other => return other,
+            }
+        }
+    }
+
     /// Fetch one chunk alone after its bytes failed verification; a second failure is the
     /// answer (exit 1 in the CLI), naming the chunk's first file and position.
     fn refetch(&self, i: usize) -> Result<VerifiedChunk, UnpackError> {
@@ -384,9 +413,7 @@ impl Ctx<'_> {
         let name = &self.image.files[file].name;
         let offset = chunk << self.shift;
         let mut buf = vec![0u8; d.stored_len as usize];
-        self.c.range_requests.fetch_add(1, Ordering::Relaxed);
-        self.src
-            .read_at_unverified(&self.image.packs[d.pack as usize].digest, d.offset, &mut buf)
+        self.read_range(&self.image.packs[d.pack as usize].digest, d.offset, &mut buf)
             .map_err(|source| VerifyError::Read { file: name.clone(), chunk, offset, source })?;
         self.c.bytes_fetched.fetch_add(buf.len() as u64, Ordering::Relaxed);
         verify::verify_stored(self.algo, d.codec, buf, d.len, &d.digest).map_err(|(detail, actual)| {

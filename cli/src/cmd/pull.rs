@@ -123,6 +123,9 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
         report.chunks_deduplicated,
         report.chunks_zero,
     );
+    if report.range_retries > 0 {
+        eprintln!("note: {} range requests failed mid-transfer and were repeated", report.range_retries);
+    }
     if report.chunks_refetched > 0 {
         eprintln!("note: {} chunks failed verification in transit and were fetched again", report.chunks_refetched);
     }
