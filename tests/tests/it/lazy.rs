@@ -403,9 +403,10 @@ fn lazy_restore_through_faulty_registry_completes() {
     ]));
     assert_eq!(r.code, 0, "push: {r:?}");
     let proxy = FaultProxy::start(serve.addr.as_str()).unwrap();
-    // Let the manifest, config and index through; then a burst of 503s and resets on the
-    // pack reads, with more scattered in.
-    proxy.add(Rule::new(Fault::Status { code: 503 }).on(Match::blob_gets()).nth(4).times(3));
+    // Let the config, index and a first pack read through; then a burst of 503s longer
+    // than the registry client's own retries (5), so the daemon's retry budget is what
+    // carries the restore; then resets mid-body, and more 503s scattered in.
+    proxy.add(Rule::new(Fault::Status { code: 503 }).on(Match::blob_gets()).nth(4).times(8));
     proxy.add(Rule::new(Fault::Reset { after: 3000 }).on(Match::blob_gets()).times(2));
     proxy.add(Rule::new(Fault::Status { code: 503 }).on(Match::blob_gets()).probability(0.2).times(5));
     let sock = dir.path().join("lazy.sock");
