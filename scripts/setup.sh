@@ -17,6 +17,7 @@ APT_PKGS=(
   skopeo docker-registry             # registry peers
   openssl bc                         # registry TLS test (self-signed cert), bench arithmetic
   hyperfine curl jq python3-pip
+  runsc gcc libc6-dev                # gVisor round trip (tests/tests/it/runsc.rs), static counter
 )
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

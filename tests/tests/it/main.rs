@@ -1,8 +1,10 @@
 //! All of snapctl's cross-crate integration tests, in one binary.
 
+mod fault_proxy;
 mod format;
 mod lazy;
 mod pull;
 mod registry;
+mod runsc;
 mod snapshot_registry;
 mod vectors;

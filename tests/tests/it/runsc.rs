@@ -1,0 +1,201 @@
+//! gVisor round trip (issue 4, "Real runtimes"): a stateful program under Debian's
+//! `runsc --platform=ptrace --network=none`, `runsc checkpoint`, `snapctl push` to a
+//! `snapctl serve`, container deleted, `snapctl pull` on a second "host" (its own cache,
+//! bundle, state root and output directory), `runsc restore`, and the program goes on:
+//! its counter continues past the checkpoint and its heap checksum still matches.
+//!
+//! The program is `tests/runtimes/counter.c`, built static with gcc at test time. Skips
+//! (loudly) without runsc, gcc, root or a working ptrace platform; with
+//! `SNAPCTL_REQUIRE_PEERS=1` those are failures.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use snapctl_tests::registry_support::Serve;
+use snapctl_tests::{have, run, snapctl, workspace_root};
+
+fn require_peers() -> bool {
+    std::env::var_os("SNAPCTL_REQUIRE_PEERS").is_some_and(|v| v == "1")
+}
+
+/// Skip with a note, or fail when peers are required.
+fn skip(why: &str) {
+    assert!(!require_peers(), "runsc round trip cannot run (SNAPCTL_REQUIRE_PEERS=1): {why}");
+    eprintln!("SKIP: runsc round trip: {why}");
+}
+
+/// One `runsc` state root ("a host"); kills and deletes its containers on drop.
+struct Runsc {
+    root: PathBuf,
+    ids: Vec<String>,
+}
+
+impl Runsc {
+    fn cmd(&self) -> Command {
+        let mut c = Command::new("runsc");
+        c.args(["--platform=ptrace", "--network=none", "--root"]).arg(&self.root);
+        c.stdin(Stdio::null());
+        c
+    }
+
+    /// Run `args` (a detached `run` or `restore` of container `id`), recording `id` for
+    /// cleanup. Output goes to a file, not a pipe: the detached sandbox inherits it and
+    /// keeps it open, so reading a pipe to EOF would wait for the container to die.
+    fn start(&mut self, id: &str, args: &[&str]) -> snapctl_tests::Run {
+        self.ids.push(id.to_string());
+        std::fs::create_dir_all(&self.root).unwrap();
+        let log = self.root.join(format!("{id}.log"));
+        let f = std::fs::File::create(&log).unwrap();
+        let status = self.cmd().args(args).stdout(f.try_clone().unwrap()).stderr(f).status().expect("spawn runsc");
+        snapctl_tests::Run {
+            code: status.code().unwrap_or(-1),
+            stdout: String::new(),
+            stderr: std::fs::read_to_string(&log).unwrap_or_default(),
+        }
+    }
+}
+
+impl Drop for Runsc {
+    fn drop(&mut self) {
+        for id in &self.ids {
+            let _ = self.cmd().args(["kill", id, "KILL"]).stdout(Stdio::null()).stderr(Stdio::null()).status();
+            let _ = self.cmd().args(["delete", "-force", id]).stdout(Stdio::null()).stderr(Stdio::null()).status();
+        }
+    }
+}
+
+/// A line of the counter's progress file.
+#[derive(Debug, Clone, PartialEq)]
+struct Tick {
+    count: u64,
+    sum0: String,
+    sum: String,
+}
+
+fn ticks(progress: &Path) -> Vec<Tick> {
+    let text = std::fs::read_to_string(progress).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace().map(|kv| kv.split_once('=').map(|(_, v)| v.to_string()));
+            let count = f.next()??.parse().ok()?;
+            Some(Tick { count, sum0: f.next()??, sum: f.next()?? })
+        })
+        .collect()
+}
+
+/// Wait until the progress file shows a tick with `count >= want`.
+fn wait_for_count(progress: &Path, want: u64, what: &str) -> Tick {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(t) = ticks(progress).into_iter().rev().find(|t| t.count >= want) {
+            return t;
+        }
+        assert!(Instant::now() < deadline, "{what}: no count >= {want} within 30 s; ticks: {:?}", ticks(progress));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// An OCI bundle at `dir` running `/counter /out/progress`, with `out` bind-mounted at /out.
+fn bundle(dir: &Path, counter: &Path, out: &Path) {
+    let rootfs = dir.join("rootfs");
+    std::fs::create_dir_all(&rootfs).unwrap();
+    std::fs::create_dir_all(out).unwrap();
+    std::fs::copy(counter, rootfs.join("counter")).unwrap();
+    let r = run(Command::new("runsc").current_dir(dir).args(["spec", "--", "/counter", "/out/progress"]));
+    assert_eq!(r.code, 0, "runsc spec: {}", r.stderr);
+    let path = dir.join("config.json");
+    let mut c: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    c["process"]["terminal"] = false.into();
+    c["root"]["readonly"] = true.into();
+    c["mounts"].as_array_mut().unwrap().push(serde_json::json!({
+        "destination": "/out", "type": "bind", "source": out, "options": ["rbind", "rw"]
+    }));
+    std::fs::write(&path, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
+}
+
+fn sha256_file(p: &Path) -> String {
+    use sha2::Digest as _;
+    let mut h = sha2::Sha256::new();
+    std::io::copy(&mut std::fs::File::open(p).unwrap(), &mut h).unwrap();
+    hex::encode(h.finalize())
+}
+
+#[test]
+fn runsc_checkpoint_push_pull_restore_continues_the_counter() {
+    // `have` fails the test itself when peers are required.
+    if !have("runsc") || !have("gcc") {
+        return;
+    }
+    // SAFETY: geteuid has no preconditions and touches no memory.
+    if unsafe { libc::geteuid() } != 0 {
+        return skip("runsc needs root here (no rootless setup)");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let counter = t.join("counter");
+    let r = run(Command::new("gcc")
+        .args(["-O2", "-static", "-o"])
+        .arg(&counter)
+        .arg(workspace_root().join("tests/runtimes/counter.c")));
+    if r.code != 0 {
+        return skip(&format!("gcc -static failed (libc6-dev missing?): {}", r.stderr));
+    }
+
+    // Host A: run, let it count, checkpoint (which stops the container).
+    let (bundle_a, out_a) = (t.join("a/bundle"), t.join("a/out"));
+    bundle(&bundle_a, &counter, &out_a);
+    let mut host_a = Runsc { root: t.join("a/runsc"), ids: vec![] };
+    let id_a = format!("snapctl-counter-a-{}", std::process::id());
+    let r = host_a.start(&id_a, &["run", "-detach", "--bundle", bundle_a.to_str().unwrap(), &id_a]);
+    if r.code != 0 {
+        return skip(&format!("runsc run failed (ptrace platform unavailable?): {}", r.stderr.trim()));
+    }
+    let progress_a = out_a.join("progress");
+    let early = wait_for_count(&progress_a, 5, "host A before checkpoint");
+    assert_eq!(early.sum, early.sum0, "the counter's heap changed under it before any checkpoint");
+    let ckpt = t.join("a/ckpt");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    let r = run(host_a.cmd().args(["checkpoint", "--image-path"]).arg(&ckpt).arg(&id_a));
+    assert_eq!(r.code, 0, "runsc checkpoint: {}", r.stderr);
+    assert!(ckpt.join("checkpoint.img").is_file(), "runsc wrote no checkpoint.img");
+    let at_checkpoint = ticks(&progress_a).last().cloned().expect("ticks before checkpoint");
+    let img_digest = sha256_file(&ckpt.join("checkpoint.img"));
+
+    // Push to a registry, then the container goes away for good.
+    let s = Serve::start(t.join("store").to_str().unwrap(), &[], &[]);
+    let reference = format!("{}/sandboxes/counter:v1", s.addr);
+    let r = run(snapctl().arg("push").arg(&ckpt).arg(&reference).arg("--cache").arg(t.join("a/cache")));
+    assert_eq!(r.code, 0, "snapctl push: {}{}", r.stdout, r.stderr);
+    assert!(r.stdout.trim().starts_with("sha256:"), "push prints the manifest digest: {}", r.stdout);
+    let r = run(host_a.cmd().args(["delete", "-force", &id_a]));
+    assert_eq!(r.code, 0, "runsc delete: {}", r.stderr);
+
+    // Host B: its own cache, directories and runsc root; pull, restore.
+    let restored = t.join("b/ckpt");
+    let r = run(snapctl().arg("pull").arg(&reference).arg(&restored).arg("--cache").arg(t.join("b/cache")));
+    assert_eq!(r.code, 0, "snapctl pull: {}{}", r.stdout, r.stderr);
+    assert_eq!(sha256_file(&restored.join("checkpoint.img")), img_digest, "pulled checkpoint.img differs");
+    let (bundle_b, out_b) = (t.join("b/bundle"), t.join("b/out"));
+    bundle(&bundle_b, &counter, &out_b);
+    let mut host_b = Runsc { root: t.join("b/runsc"), ids: vec![] };
+    let id_b = format!("snapctl-counter-b-{}", std::process::id());
+    let r = host_b.start(
+        &id_b,
+        &["restore", "-detach", "--image-path", restored.to_str().unwrap(), "--bundle", bundle_b.to_str().unwrap(), &id_b],
+    );
+    assert_eq!(r.code, 0, "runsc restore: {}", r.stderr);
+
+    // The restored program writes into host B's output directory, continuing the count.
+    let progress_b = out_b.join("progress");
+    let after = wait_for_count(&progress_b, at_checkpoint.count + 3, "host B after restore");
+    let first_b = ticks(&progress_b).first().cloned().expect("a tick on host B");
+    assert!(
+        first_b.count > at_checkpoint.count,
+        "restored counter started at {} (checkpoint was at {}): it began again instead of continuing",
+        first_b.count,
+        at_checkpoint.count
+    );
+    assert_eq!(after.sum0, at_checkpoint.sum0, "a different program instance: heap seed changed");
+    assert_eq!(after.sum, after.sum0, "heap checksum after restore no longer matches");
+}
