@@ -173,6 +173,8 @@ struct Conn<'a> {
     /// Guest address ranges removed by the guest, [start, end): served as zeros from now on.
     removed: Vec<(u64, u64)>,
     pending: VecDeque<u64>,
+    /// The peer's address space is gone (ESRCH): stop serving.
+    gone: bool,
     faults: u64,
     bytes_copied: u64,
 }
@@ -231,7 +233,11 @@ impl Conn<'_> {
                     Ok(_) => done += PAGE,
                     Err(UffdError::ZeropageFailed(e)) if e as i32 == libc::EEXIST => done += PAGE,
                     Err(UffdError::ZeropageFailed(e)) if e as i32 == libc::EAGAIN => self.drain()?,
-                    Err(e) => return Err(e).context("UFFDIO_ZEROPAGE"),
+                    Err(UffdError::ZeropageFailed(e)) if e as i32 == libc::ESRCH => {
+                        self.gone = true;
+                        return Ok(());
+                    }
+                    Err(e) => bail!("UFFDIO_ZEROPAGE at {d:#x}: {e:?}"),
                 }
                 continue;
             }
@@ -253,7 +259,13 @@ impl Conn<'_> {
                 Err(UffdError::PartiallyCopied(_)) => self.drain()?,
                 Err(UffdError::CopyFailed(e)) if e as i32 == libc::EAGAIN => self.drain()?,
                 Err(UffdError::CopyFailed(e)) if e as i32 == libc::EEXIST => done += PAGE,
-                Err(e) => return Err(e).context("UFFDIO_COPY"),
+                // The VM exited with faults still queued (two threads faulting on one page
+                // leave a duplicate event): nothing left to serve.
+                Err(UffdError::CopyFailed(e)) if e as i32 == libc::ESRCH => {
+                    self.gone = true;
+                    return Ok(());
+                }
+                Err(e) => bail!("UFFDIO_COPY at {d:#x} ({n} bytes): {e:?}"),
             }
             // A remove may have landed mid-range: the remaining pages are re-checked above.
             if self.is_removed(dst + done, len - done) {
@@ -271,7 +283,7 @@ fn serve(mut conn: UnixStream, src: &Source, granularity: u64, json: bool) -> an
     let t0 = Instant::now();
     let pid = getsockopt(&conn, PeerCredentials).map(|c| c.pid()).unwrap_or(0);
     let (regions, uffd) = handshake(&conn)?;
-    let mut c = Conn { uffd, regions, src, granularity, removed: Vec::new(), pending: VecDeque::new(), faults: 0, bytes_copied: 0 };
+    let mut c = Conn { uffd, regions, src, granularity, removed: Vec::new(), pending: VecDeque::new(), gone: false, faults: 0, bytes_copied: 0 };
     loop {
         let mut fds = [
             libc::pollfd { fd: c.uffd.as_raw_fd(), events: libc::POLLIN, revents: 0 },
@@ -290,7 +302,13 @@ fn serve(mut conn: UnixStream, src: &Source, granularity: u64, json: bool) -> an
             c.drain()?;
             while let Some(addr) = c.pending.pop_front() {
                 c.serve_fault(addr)?;
+                if c.gone {
+                    break;
+                }
             }
+        }
+        if c.gone {
+            break;
         }
         if fds[1].revents != 0 {
             // The VM sends nothing after the handshake: readable means it went away.
