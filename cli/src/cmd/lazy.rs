@@ -140,6 +140,7 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     // Registry references get a client of their own so traces can be pushed as referrers
     // through it; layouts keep traces under the fallback tag.
+    let mut fault_source: Option<Arc<dyn imgfmt::BlobSource>> = None;
     let (o, traces): (common::Opened, Option<Box<dyn TraceStore>>) = match a.image.parse::<Reference>()? {
         Reference::Layout { path, selector } => {
             let o = common::Opened {
@@ -152,7 +153,12 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
         Reference::Registry { host, repository, selector } => {
             let plain = std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || registry::client::is_loopback(&host);
             let creds = registry::client::docker_config_credentials(&host);
-            let src = Arc::new(registry::client::RegistrySource::new(&host, &repository, plain, creds).with_context(|| format!("connecting to {host}"))?);
+            let src = Arc::new(registry::client::RegistrySource::new(&host, &repository, plain, creds.clone()).with_context(|| format!("connecting to {host}"))?);
+            // Chunk reads get a client that does not retry on its own: the daemon retries
+            // them with backoff inside --retry-budget and counts every retry.
+            let mut faults = registry::client::RegistrySource::new(&host, &repository, plain, creds).with_context(|| format!("connecting to {host}"))?;
+            faults.set_retries(0);
+            fault_source = Some(Arc::new(faults) as Arc<dyn imgfmt::BlobSource>);
             let o = common::Opened { source: Box::new(ArcSource(src.clone())), selector, reference: a.image.clone() };
             (o, Some(Box::new(RegistryTraces(src))))
         }
@@ -184,7 +190,10 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     opts.memory_bytes = a.memory;
     opts.once = a.once;
     opts.ready_file = a.ready_file.clone();
-    let src: Arc<dyn imgfmt::BlobSource> = Arc::from(o.source);
+    let src: Arc<dyn imgfmt::BlobSource> = match fault_source {
+        Some(s) => s,
+        None => Arc::from(o.source),
+    };
     let daemon = Daemon::new(image.clone(), file, src, store, traces, opts)?;
     eprintln!(
         "snapctl lazy: serving {} of {} ({}){}",
