@@ -191,7 +191,11 @@ impl Daemon {
         let _cleanup = RemoveOnDrop(path.clone());
         eprintln!("snapctl lazy: listening on {}", path.display());
         if let Some(r) = &self.opts.ready_file {
-            imgfmt::layout::write_atomic(r, format!("{}\n", path.display()).as_bytes()).map_err(|e| LazyError::Invalid(e.to_string()))?;
+            // Written aside and renamed, so a watcher never reads it half-written.
+            let mut tmp = r.clone().into_os_string();
+            tmp.push(format!(".{}.tmp", std::process::id()));
+            std::fs::write(&tmp, format!("{}\n", path.display())).map_err(io_err(format!("writing {}", r.display())))?;
+            std::fs::rename(&tmp, r).map_err(io_err(format!("writing {}", r.display())))?;
         }
         self.spawn_watchdog();
         let mut workers: Vec<std::thread::JoinHandle<bool>> = Vec::new();
