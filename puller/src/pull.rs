@@ -222,7 +222,7 @@ pub fn pull(
                 }
                 let Some(w) = work.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
                 let res = match w {
-                    Work::Cached(i) => ctx.from_cache(*i),
+                    Work::Cached(i) => ctx.read_cached(*i),
                     Work::Range { pack, start, end, members } => {
                         if !opts.request_delay.is_zero() {
                             std::thread::sleep(opts.request_delay);
@@ -338,7 +338,7 @@ struct Ctx<'a> {
 impl Ctx<'_> {
     /// A distinct chunk the cache should have; if its entry turned out damaged or gone
     /// (evicted by another process since planning), fetch it alone.
-    fn from_cache(&self, i: usize) -> Result<(), UnpackError> {
+    fn read_cached(&self, i: usize) -> Result<(), UnpackError> {
         let d = &self.distinct[i];
         let cache = self.cache.expect("cached work only with a cache");
         match cache.get(self.algo, &d.digest, d.len)? {

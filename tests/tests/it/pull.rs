@@ -445,3 +445,49 @@ fn pull_through_faults_completes_or_fails_verified() {
     assert_eq!(fs::read_dir(&dest).map(|d| d.count()).unwrap_or(0), 0, "nothing left in {}", dest.display());
     assert!(cache_entries(&cache).0.is_empty(), "no damaged chunk was cached");
 }
+
+/// Two pulls at once sharing one cache (and a third from a local layout, which `pull`
+/// takes too): all complete byte-identical, and the cache holds each chunk once, intact.
+#[test]
+fn concurrent_pulls_share_one_cache() {
+    if !have("skopeo") {
+        return;
+    }
+    let storage = tempfile::tempdir().unwrap();
+    let serve = Serve::start(storage.path().to_str().unwrap(), &[], &[]);
+    let fx = Fixture::new(&serve.addr, "32MiB");
+    let cache = fx.path("cache");
+    let spawn = |image: String, dest: PathBuf| {
+        snapctl()
+            .args(["pull", &image])
+            .arg(dest)
+            .arg("--cache")
+            .arg(&cache)
+            .args(["--max-range", "2MiB", "--jobs", "3"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let layout = format!("oci:{}:v2", fx.path("layout").display());
+    let kids = [
+        (spawn(format!("{}:v2", fx.repo), fx.path("a")), fx.path("a")),
+        (spawn(format!("{}:v2", fx.repo), fx.path("b")), fx.path("b")),
+        (spawn(layout, fx.path("c")), fx.path("c")),
+    ];
+    for (kid, dest) in kids {
+        let out = kid.wait_with_output().unwrap();
+        assert!(out.status.success(), "{}: {}", dest.display(), String::from_utf8_lossy(&out.stderr));
+        assert_same_files(&fx.snap2, &dest);
+    }
+    let (entries, _) = cache_entries(&cache);
+    for e in &entries {
+        let data = fs::read(e).unwrap();
+        assert_eq!(verify::chunk_digest(imgfmt::HashAlgo::Blake3, &data).to_hex(), e.file_name().unwrap().to_str().unwrap());
+    }
+    assert_eq!(fs::read_dir(cache.join("chunks/v1/tmp")).unwrap().count(), 0, "no temp file left in the cache");
+    // Everything is there now.
+    let (r, j) = pull(&format!("{}:v2", fx.repo), &fx.path("d"), Some(&cache), &[]);
+    ok(&r);
+    assert_eq!(n(&j, "bytes_fetched"), 0, "{j}");
+}
