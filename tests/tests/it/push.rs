@@ -1,0 +1,418 @@
+//! `snapctl push`, `copy`, `login` and the registry client's write half (issue 4, push
+//! side), against `snapctl serve` and Debian's docker-registry (distribution 2.8: no
+//! referrers API, so referrers go through the fallback tag).
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use imgfmt::{BlobSource, OciDigest};
+use registry::client::RegistrySource;
+use snapctl_tests::registry_support::{htpasswd, Distribution, Serve};
+use snapctl_tests::{have, run, snapctl, Run};
+
+const MIB: u64 = 1 << 20;
+
+/// A scratch area with its own snapctl cache and Docker config, so tests do not share
+/// resume state, known-blob records or credentials.
+struct Work {
+    dir: tempfile::TempDir,
+}
+
+impl Work {
+    fn new() -> Work {
+        Work { dir: tempfile::tempdir().unwrap() }
+    }
+    fn path(&self, p: &str) -> PathBuf {
+        self.dir.path().join(p)
+    }
+    /// `snapctl` with this work area's cache and Docker config.
+    fn cmd(&self) -> std::process::Command {
+        let mut c = snapctl();
+        c.env("SNAPCTL_CACHE", self.path("cache")).env("DOCKER_CONFIG", self.path("docker"));
+        c
+    }
+    fn ok(&self, args: &[&str]) -> Run {
+        let r = run(self.cmd().args(args));
+        assert_eq!(r.code, 0, "snapctl {args:?}: {r:?}");
+        r
+    }
+    /// `snapctl sample` of `size` into a new directory.
+    fn sample(&self, name: &str, size: &str) -> PathBuf {
+        let p = self.path(name);
+        self.ok(&["sample", p.to_str().unwrap(), "--size", size]);
+        p
+    }
+    /// A copy of snapshot `from` with `k` blocks rewritten (`sample --mutate` works in place).
+    fn mutated(&self, from: &Path, name: &str, size: &str, k: u32) -> PathBuf {
+        let p = self.path(name);
+        let r = run(std::process::Command::new("cp").args(["-a", "--sparse=always"]).arg(from).arg(&p));
+        assert_eq!(r.code, 0, "{r:?}");
+        self.ok(&["sample", p.to_str().unwrap(), "--size", size, "--mutate", &k.to_string()]);
+        p
+    }
+    /// Push with `--json`; the report.
+    fn push(&self, src: &str, dest: &str, extra: &[&str]) -> serde_json::Value {
+        let mut args = vec!["push", src, dest, "--json"];
+        args.extend_from_slice(extra);
+        let r = self.ok(&args);
+        serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("push --json printed no JSON ({e}): {r:?}"))
+    }
+}
+
+fn n(v: &serde_json::Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or_else(|| panic!("{k} missing in {v}"))
+}
+
+fn same_files(a: &Path, b: &Path) {
+    for name in ["vm.mem", "vm.state"] {
+        let (x, y) = (fs::read(a.join(name)).unwrap(), fs::read(b.join(name)).unwrap());
+        assert!(x == y, "{name} differs between {} and {}", a.display(), b.display());
+    }
+}
+
+/// The whole push story through one registry: push, copy back (same digest), unpack the
+/// registry reference (byte-identical), re-push (nothing sent), a layer with k changed
+/// chunks (about k chunks sent, parent's packs mounted from the base repository).
+fn push_story(addr: &str) {
+    let w = Work::new();
+    let snap = w.sample("snap", "32MiB");
+    let lay = w.path("layout");
+    let v1 = w.ok(&["pack", snap.to_str().unwrap(), &format!("oci:{}:v1", lay.display())]).stdout.trim().to_string();
+
+    let base = format!("{addr}/vm/base:v1");
+    let rep = w.push(&format!("oci:{}:v1", lay.display()), &base, &[]);
+    assert_eq!(rep["manifest"], v1.as_str());
+    assert!(n(&rep, "blobs_uploaded") >= 3, "{rep}");
+    assert_eq!(n(&rep, "bytes_sent"), n(&rep, "bytes_total"), "first push sends every blob: {rep}");
+    assert!(n(&rep, "chunks_deduplicated") >= 8, "zero chunks are never sent: {rep}");
+
+    // Copy back into a fresh layout: same manifest digest, verifies.
+    let back = w.path("back");
+    let r = w.ok(&["copy", &base, &format!("oci:{}:v1", back.display())]);
+    assert_eq!(r.stdout.trim(), v1);
+    w.ok(&["verify", &format!("oci:{}:v1", back.display())]);
+    // Unpack straight from the registry: byte-identical to the snapshot.
+    let out = w.path("out");
+    w.ok(&["unpack", &base, out.to_str().unwrap()]);
+    same_files(&snap, &out);
+
+    // Unchanged: only HEADs.
+    let again = w.push(&format!("oci:{}:v1", lay.display()), &base, &[]);
+    assert_eq!((n(&again, "bytes_sent"), n(&again, "blobs_uploaded")), (0, 0), "{again}");
+    assert_eq!(n(&again, "blobs_skipped"), n(&again, "blobs_total"));
+
+    // A layer with 3 changed 1 MiB chunks, pushed to another repository: the parent's
+    // packs are mounted from vm/base (known from the first push), 3 chunks go up.
+    let snap2 = w.mutated(&snap, "snap2", "32MiB", 3);
+    w.ok(&["pack", snap2.to_str().unwrap(), &format!("oci:{}:v2", lay.display()), "--parent", &format!("oci:{}:v1", lay.display())]);
+    let next = format!("{addr}/vm/next:v2");
+    let rep2 = w.push(&format!("oci:{}:v2", lay.display()), &next, &[]);
+    assert!(n(&rep2, "blobs_mounted") >= 1, "parent's pack mounted: {rep2}");
+    let sent = n(&rep2, "bytes_sent");
+    assert!((3 * MIB..4 * MIB).contains(&sent), "3 changed chunks, plus metadata, sent: {sent} bytes: {rep2}");
+    let out2 = w.path("out2");
+    w.ok(&["unpack", &next, out2.to_str().unwrap()]);
+    same_files(&snap2, &out2);
+}
+
+#[test]
+fn push_story_snapctl_serve() {
+    let store = tempfile::tempdir().unwrap();
+    let s = Serve::start(store.path().to_str().unwrap(), &[], &[]);
+    push_story(&s.addr);
+}
+
+#[test]
+fn push_story_docker_registry() {
+    if !have("docker-registry") {
+        return;
+    }
+    let store = tempfile::tempdir().unwrap();
+    let d = Distribution::start(store.path());
+    push_story(&d.addr);
+}
+
+/// `push DIR`: packed on the fly; the second push of the unchanged directory sends no
+/// blob bytes (the earlier manifest is reused, though packing again would stamp a new
+/// creation time). Also `--mount-from` naming the repository explicitly.
+#[test]
+fn push_directory_twice_sends_nothing_the_second_time() {
+    let store = tempfile::tempdir().unwrap();
+    let s = Serve::start(store.path().to_str().unwrap(), &[], &[]);
+    let w = Work::new();
+    let snap = w.sample("snap", "16MiB");
+    let dest = format!("{}/vm/dir:v1", s.addr);
+    let first = w.push(snap.to_str().unwrap(), &dest, &[]);
+    assert!(n(&first, "bytes_sent") > 4 * MIB, "{first}");
+    let second = w.push(snap.to_str().unwrap(), &dest, &[]);
+    assert_eq!(second["manifest"], first["manifest"]);
+    assert_eq!(n(&second, "bytes_sent"), 0, "{second}");
+    // Another repository, told where to mount from, with a fresh cache (no record).
+    let w2 = Work::new();
+    let lay = w2.path("l");
+    w2.ok(&["pack", snap.to_str().unwrap(), &format!("oci:{}:x", lay.display())]);
+    let rep = w2.push(&format!("oci:{}:x", lay.display()), &format!("{}/vm/other:x", s.addr), &["--mount-from", "vm/dir"]);
+    assert!(n(&rep, "blobs_mounted") >= 1, "{rep}");
+    assert!(n(&rep, "bytes_sent") < MIB, "only the new config and index: {rep}");
+}
+
+/// A registry announcing `OCI-Chunk-Min-Length` 4 MiB: a push asked for 1 MiB pieces
+/// sends 4 MiB PATCHes (the server refuses smaller ones, shown first) and succeeds.
+#[test]
+fn chunked_upload_honours_min_length() {
+    let store = tempfile::tempdir().unwrap();
+    let s = Serve::start(store.path().to_str().unwrap(), &["--chunk-min-length", "4MiB"], &[]);
+    // The server does refuse a short PATCH: the test below could fail.
+    let c = reqwest::blocking::Client::new();
+    let r = c.post(s.url("/v2/probe/blobs/uploads/")).send().unwrap();
+    assert_eq!(r.headers()["oci-chunk-min-length"], "4194304");
+    let loc = r.headers()["location"].to_str().unwrap().to_string();
+    let r = c.patch(s.url(&loc)).header("content-range", "0-1048575").body(vec![1u8; MIB as usize]).send().unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+
+    let w = Work::new();
+    let snap = w.sample("snap", "32MiB");
+    let lay = w.path("l");
+    w.ok(&["pack", snap.to_str().unwrap(), &format!("oci:{}:v1", lay.display())]);
+    let dest = format!("{}/vm/chunked:v1", s.addr);
+    let rep = w.push(&format!("oci:{}:v1", lay.display()), &dest, &["--upload-piece", "1MiB"]);
+    assert!(n(&rep, "bytes_total") > 8 * MIB, "a pack bigger than two pieces: {rep}");
+    let out = w.path("out");
+    w.ok(&["unpack", &dest, out.to_str().unwrap()]);
+    same_files(&snap, &out);
+}
+
+/// A TCP proxy on 127.0.0.1 that forwards to `upstream`, limiting client → server bytes
+/// to `rate` per second (0: unlimited) and counting them. Stopped on drop.
+struct Throttle {
+    addr: String,
+    rate: Arc<AtomicU64>,
+    forwarded: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Throttle {
+    fn start(upstream: &str, rate: u64) -> Throttle {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let t = Throttle {
+            addr,
+            rate: Arc::new(AtomicU64::new(rate)),
+            forwarded: Arc::new(AtomicU64::new(0)),
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        let (up, rate, fwd, stop) = (upstream.to_string(), t.rate.clone(), t.forwarded.clone(), t.stop.clone());
+        std::thread::spawn(move || {
+            for conn in l.incoming() {
+                if stop.load(Relaxed) {
+                    return;
+                }
+                let Ok(client) = conn else { continue };
+                let Ok(server) = TcpStream::connect(&up) else { continue };
+                let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                let (rate, fwd, stop2) = (rate.clone(), fwd.clone(), stop.clone());
+                std::thread::spawn(move || pipe(client, server, Some((rate, fwd)), stop2));
+                let stop3 = stop.clone();
+                std::thread::spawn(move || pipe(s2, c2, None, stop3));
+            }
+        });
+        t
+    }
+}
+
+fn pipe(mut from: TcpStream, mut to: TcpStream, limit: Option<(Arc<AtomicU64>, Arc<AtomicU64>)>, stop: Arc<AtomicBool>) {
+    let mut buf = vec![0u8; 16 << 10];
+    let t0 = Instant::now();
+    let mut sent = 0u64;
+    loop {
+        if stop.load(Relaxed) {
+            break;
+        }
+        let k = match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(k) => k,
+        };
+        if let Some((rate, fwd)) = &limit {
+            sent += k as u64;
+            let r = rate.load(Relaxed);
+            if r > 0 {
+                // Pace to `r` bytes/s since this connection opened.
+                let due = Duration::from_secs_f64(sent as f64 / r as f64);
+                if let Some(wait) = due.checked_sub(t0.elapsed()) {
+                    std::thread::sleep(wait);
+                }
+            }
+            fwd.fetch_add(k as u64, Relaxed);
+        }
+        if to.write_all(&buf[..k]).is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown(Shutdown::Write);
+}
+
+impl Drop for Throttle {
+    fn drop(&mut self) {
+        self.stop.store(true, Relaxed);
+        let _ = TcpStream::connect(&self.addr);
+    }
+}
+
+/// Issue 4: a push killed with -9 in the middle of a pack upload, rerun, continues from
+/// the registry's offset (kept in the cache's resume state) instead of starting over.
+#[test]
+fn regression_issue_4_kill9_push_resumes() {
+    let store = tempfile::tempdir().unwrap();
+    let s = Serve::start(store.path().to_str().unwrap(), &[], &[]);
+    let w = Work::new();
+    let snap = w.sample("snap", "32MiB");
+    let lay = w.path("l");
+    w.ok(&["pack", snap.to_str().unwrap(), &format!("oci:{}:v1", lay.display())]);
+    let proxy = Throttle::start(&s.addr, 4 * MIB);
+    let dest = format!("{}/vm/resume:v1", proxy.addr);
+    let src = format!("oci:{}:v1", lay.display());
+    let mut child = w
+        .cmd()
+        .args(["push", &src, &dest, "--upload-piece", "1MiB", "--jobs", "1"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while proxy.forwarded.load(Relaxed) < 6 * MIB {
+        assert!(Instant::now() < deadline, "the push did not get going");
+        assert!(child.try_wait().unwrap().is_none(), "the push finished before it could be killed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    proxy.rate.store(0, Relaxed);
+    let rep = w.push(&src, &dest, &["--upload-piece", "1MiB"]);
+    let (sent, resumed, total) = (n(&rep, "bytes_sent"), n(&rep, "bytes_resumed"), n(&rep, "bytes_total"));
+    assert!(resumed >= 4 * MIB, "the rerun continued the killed upload: {rep}");
+    assert!(sent + resumed <= total + MIB, "resumed bytes were not sent again: {rep}");
+    assert!(sent < total, "{rep}");
+    let out = w.path("out");
+    w.ok(&["unpack", &format!("{}/vm/resume:v1", s.addr), out.to_str().unwrap()]);
+    same_files(&snap, &out);
+}
+
+/// A registry's 4xx ends the push at once with the registry's own message, exit 2.
+#[test]
+fn registry_refusal_shows_its_message_and_exits_2() {
+    let store = tempfile::tempdir().unwrap();
+    let s = Serve::start(store.path().to_str().unwrap(), &["--max-manifest-bytes", "200"], &[]);
+    let w = Work::new();
+    let snap = w.sample("snap", "8MiB");
+    let lay = w.path("l");
+    w.ok(&["pack", snap.to_str().unwrap(), &format!("oci:{}:v1", lay.display())]);
+    let t0 = Instant::now();
+    let r = run(w.cmd().args(["push", &format!("oci:{}:v1", lay.display()), &format!("{}/vm/small:v1", s.addr)]));
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("SIZE_INVALID") && r.stderr.contains("413"), "{}", r.stderr);
+    assert!(t0.elapsed() < Duration::from_secs(5), "a 4xx is not retried");
+}
+
+fn client(addr: &str, repo: &str) -> RegistrySource {
+    RegistrySource::new(addr, repo, true, None).unwrap()
+}
+
+/// Push an image, hang a trace off it with push_referrer, find it with list_referrers.
+fn referrers_round_trip(addr: &str, expect_api: bool) {
+    let w = Work::new();
+    let snap = w.sample("snap", "8MiB");
+    let lay = w.path("l");
+    w.ok(&["pack", snap.to_str().unwrap(), &format!("oci:{}:v1", lay.display())]);
+    let rep = w.push(&format!("oci:{}:v1", lay.display()), &format!("{addr}/vm/ref:v1"), &[]);
+    let subject: OciDigest = rep["manifest"].as_str().unwrap().parse().unwrap();
+    let c = client(addr, "vm/ref");
+    assert!(c.list_referrers(&subject, None).unwrap().is_empty());
+    let ann = BTreeMap::from([("dev.snapctl.trace.pages".to_string(), "3".to_string())]);
+    let t1 = c.push_referrer(&subject, "application/vnd.snapctl.trace.v1", b"pages 1 2 3", ann).unwrap();
+    let t2 = c.push_referrer(&subject, "application/vnd.example.sig", b"sig", BTreeMap::new()).unwrap();
+    let all = c.list_referrers(&subject, None).unwrap();
+    assert_eq!(all.len(), 2, "{all:?}");
+    let traces = c.list_referrers(&subject, Some("application/vnd.snapctl.trace.v1")).unwrap();
+    assert_eq!(traces.len(), 1);
+    assert_eq!(traces[0].digest, t1);
+    assert_eq!(traces[0].annotations["dev.snapctl.trace.pages"], "3");
+    assert_eq!(c.read_referrer_payload(&traces[0]).unwrap(), b"pages 1 2 3");
+    assert_ne!(t1, t2);
+    // Where the fallback tag lives says which path was taken.
+    let tag = format!("sha256-{}", subject.hex());
+    let fallback = c.resolve_tag(&tag).is_ok();
+    assert_eq!(fallback, !expect_api, "fallback tag present: {fallback}");
+}
+
+#[test]
+fn referrers_snapctl_serve_api() {
+    let store = tempfile::tempdir().unwrap();
+    let s = Serve::start(store.path().to_str().unwrap(), &[], &[]);
+    referrers_round_trip(&s.addr, true);
+}
+
+#[test]
+fn referrers_docker_registry_fallback_tag() {
+    if !have("docker-registry") {
+        return;
+    }
+    let store = tempfile::tempdir().unwrap();
+    let d = Distribution::start(store.path());
+    referrers_round_trip(&d.addr, false);
+}
+
+/// `snapctl login` against `snapctl serve --htpasswd`: without it a push fails clearly;
+/// a wrong password is refused and writes nothing; the right one is stored 0600 beside
+/// other entries, and then the push works. `logout` removes it again.
+#[test]
+fn login_then_push() {
+    let store = tempfile::tempdir().unwrap();
+    let pw = tempfile::tempdir().unwrap();
+    htpasswd(&pw.path().join("htpasswd"), &[("alice", "s3cret")]);
+    let s = Serve::start(store.path().to_str().unwrap(), &["--htpasswd", pw.path().join("htpasswd").to_str().unwrap()], &[]);
+    let w = Work::new();
+    let snap = w.sample("snap", "8MiB");
+    let lay = w.path("l");
+    w.ok(&["pack", snap.to_str().unwrap(), &format!("oci:{}:v1", lay.display())]);
+    let src = format!("oci:{}:v1", lay.display());
+    let dest = format!("{}/vm/auth:v1", s.addr);
+
+    let r = run(w.cmd().args(["push", &src, &dest]));
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("snapctl login"), "says how to fix it: {}", r.stderr);
+
+    fs::create_dir_all(w.path("docker")).unwrap();
+    fs::write(w.path("docker/config.json"), r#"{"auths":{"other.example":{"auth":"eDp5"}},"credsStore":""}"#).unwrap();
+    let login = |pass: &str| {
+        let mut c = w.cmd();
+        c.args(["login", &s.addr, "-u", "alice", "--password-stdin"]).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        let mut child = c.spawn().unwrap();
+        child.stdin.take().unwrap().write_all(format!("{pass}\n").as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, err) = login("wrong");
+    assert_eq!(code, 2, "{err}");
+    assert!(!fs::read_to_string(w.path("docker/config.json")).unwrap().contains(&s.addr), "nothing stored for a refused login");
+    let (code, err) = login("s3cret");
+    assert_eq!(code, 0, "{err}");
+    let cfg = w.path("docker/config.json");
+    assert_eq!(fs::metadata(&cfg).unwrap().permissions().mode() & 0o777, 0o600);
+    let v: serde_json::Value = serde_json::from_slice(&fs::read(&cfg).unwrap()).unwrap();
+    assert_eq!(v["auths"]["other.example"]["auth"], "eDp5", "other entries kept");
+    assert!(v["auths"][&s.addr]["auth"].is_string());
+
+    let r = run(w.cmd().args(["push", &src, &dest]));
+    assert_eq!(r.code, 0, "{r:?}");
+    w.ok(&["logout", &s.addr]);
+    let v: serde_json::Value = serde_json::from_slice(&fs::read(&cfg).unwrap()).unwrap();
+    assert!(v["auths"].get(&s.addr).is_none());
+}
