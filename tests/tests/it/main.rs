@@ -2,6 +2,7 @@
 
 mod fault_proxy;
 mod format;
+mod push;
 mod lazy;
 mod pull;
 mod registry;
