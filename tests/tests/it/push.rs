@@ -416,3 +416,32 @@ fn login_then_push() {
     let v: serde_json::Value = serde_json::from_slice(&fs::read(&cfg).unwrap()).unwrap();
     assert!(v["auths"].get(&s.addr).is_none());
 }
+
+/// Issue 4: retryable failures during a push — 429s on HEAD, a burst of 503s on PATCH, a
+/// PATCH whose response is reset after the registry took it, a final PUT reset after it
+/// committed — and the push still completes, continuing from the registry's offset
+/// (asked with GET on the session) rather than starting blobs over.
+#[test]
+fn regression_issue_4_push_survives_transient_failures() {
+    use snapctl_tests::fault_proxy::{Fault, FaultProxy, Match, Rule};
+    let store = tempfile::tempdir().unwrap();
+    let s = Serve::start(store.path().to_str().unwrap(), &[], &[]);
+    let proxy = FaultProxy::start(s.addr.as_str()).unwrap();
+    proxy.add(Rule::new(Fault::Status { code: 429 }).on(Match::new("HEAD", "/blobs/")).times(2));
+    proxy.add(Rule::new(Fault::Status { code: 503 }).on(Match::new("PATCH", "/blobs/uploads/")).nth(2).times(3));
+    proxy.add(Rule::new(Fault::Reset { after: 0 }).on(Match::new("PATCH", "/blobs/uploads/")).nth(6));
+    proxy.add(Rule::new(Fault::Reset { after: 0 }).on(Match::new("PUT", "/blobs/uploads/")));
+    let w = Work::new();
+    let snap = w.sample("snap", "32MiB");
+    let lay = w.path("l");
+    w.ok(&["pack", snap.to_str().unwrap(), &format!("oci:{}:v1", lay.display())]);
+    let rep = w.push(&format!("oci:{}:v1", lay.display()), &format!("{}/vm/flaky:v1", proxy.addr), &["--upload-piece", "1MiB", "--jobs", "2"]);
+    assert!(proxy.faults() >= 7, "all planned faults fired: {}", proxy.faults());
+    let (sent, total) = (n(&rep, "bytes_sent"), n(&rep, "bytes_total"));
+    // The 503s were never forwarded; the reset PATCH had been taken: nothing is resent
+    // beyond the pieces the faults hit.
+    assert!(sent <= total + 4 * MIB, "continued from the registry's offset: {rep}");
+    let out = w.path("out");
+    w.ok(&["unpack", &format!("{}/vm/flaky:v1", s.addr), out.to_str().unwrap()]);
+    same_files(&snap, &out);
+}
