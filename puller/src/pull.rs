@@ -363,7 +363,12 @@ impl Ctx<'_> {
         for &i in members {
             let d = &self.distinct[i];
             let s = (d.offset - start) as usize;
-            let stored = buf[s..s + d.stored_len as usize].to_vec();
+            let stored = if members.len() == 1 && s == 0 && d.stored_len as usize == buf.len() {
+                // The common single-chunk range: hand the buffer over, no copy.
+                std::mem::take(&mut buf)
+            } else {
+                buf[s..s + d.stored_len as usize].to_vec()
+            };
             let chunk = match verify::verify_stored(self.algo, d.codec, stored, d.len, &d.digest) {
                 Ok(c) => c,
                 // Bytes damaged in transit look the same as bytes damaged at rest; one
