@@ -82,6 +82,9 @@ impl Recent {
     }
 }
 
+/// Least memory kept for recent chunks.
+pub const MIN_RECENT: u64 = 16 << 20;
+
 /// Retry policy for transient source failures.
 #[derive(Debug, Clone, Copy)]
 pub struct RetryPolicy {
@@ -117,7 +120,9 @@ impl Fetcher {
             store,
             policy,
             inflight: Mutex::new(HashMap::new()),
-            recent: Mutex::new(Recent { map: HashMap::new(), order: VecDeque::new(), bytes: 0, limit: memory_bytes }),
+            // At least 16 MiB: a chunk fetched for a parked fault must still be here when
+            // the fault is served.
+            recent: Mutex::new(Recent { map: HashMap::new(), order: VecDeque::new(), bytes: 0, limit: memory_bytes.max(MIN_RECENT) }),
         }
     }
 
@@ -132,6 +137,11 @@ impl Fetcher {
                 .map_err(|e| FetchFailure::Integrity { chunk, detail: e.to_string() }),
             StoredAt::Pack { .. } => Ok(false),
         }
+    }
+
+    /// Whether a chunk is in recent memory (a `get` would not wait).
+    pub fn has_recent(&self, chunk: u64) -> bool {
+        self.recent.lock().expect("poisoned").map.contains_key(&chunk)
     }
 
     /// The verified bytes of a stored chunk.

@@ -10,12 +10,12 @@
 //! The fault thread does the work of a fault itself, so a fault never waits behind the
 //! prefetcher; the prefetcher installs through the same lock and only fills gaps.
 
-use std::collections::{HashSet, VecDeque};
-use std::io::Read;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
@@ -135,6 +135,16 @@ struct Fault {
     read_at: Instant,
 }
 
+/// Fetches the pool finished for parked faults, consumed when those faults are served.
+#[derive(Default)]
+struct Arrivals {
+    origin: HashMap<u64, Origin>,
+    failed: HashMap<u64, FetchFailure>,
+}
+
+/// Fetch threads per connection.
+const FETCHERS: usize = 4;
+
 fn fill_ioctl(fd: i32, op: Op, dst: u64, len: u64) -> (Result<(), Errno>, i64) {
     // SAFETY: each struct is the kernel's layout for its ioctl number and lives across the
     // call; `src` of a copy points at `len` readable bytes of a live slice (checked by the
@@ -237,7 +247,7 @@ impl Conn {
     }
 
     /// The verified bytes of a span (assembled from several chunks for huge pages).
-    fn span_data(&self, span: &Span, work: &mut Work) -> Result<(SpanData, Option<Origin>), FetchFailure> {
+    fn span_data(&self, span: &Span, work: &mut Work, arrived: &mut Arrivals) -> Result<(SpanData, Option<Origin>), FetchFailure> {
         let shift = self.map.chunk_shift;
         let chunks = span.chunks(shift);
         let mut origin = None;
@@ -247,7 +257,14 @@ impl Conn {
                 got.push((c, None));
                 continue;
             }
-            let (o, from, w) = self.fetcher.get(c);
+            if let Some(f) = arrived.failed.remove(&c) {
+                return Err(f);
+            }
+            let (o, mut from, w) = self.fetcher.get(c);
+            if let Some(o) = arrived.origin.remove(&c) {
+                // Fetched by the pool for this fault: it counts as this fault's fetch.
+                from = o;
+            }
             work.bytes_fetched += w.bytes_fetched;
             work.retries += w.retries;
             work.verify_failures += w.verify_failures;
@@ -319,7 +336,7 @@ impl Conn {
     }
 
     /// Serve one fault. `Err` ends the connection.
-    fn serve(&self, f: &Fault, pending: &mut VecDeque<Fault>) -> Result<(), String> {
+    fn serve(&self, f: &Fault, pending: &mut VecDeque<Fault>, arrived: &mut Arrivals) -> Result<(), String> {
         let Some(span) = self.map.span_at(f.addr) else {
             // Registered memory the VMM did not describe: there is no right content for
             // it, so the vCPU gets a memory error rather than a hang or made-up bytes.
@@ -348,7 +365,7 @@ impl Conn {
                     break Ok(Kind::Poisoned);
                 }
             }
-            let data = match self.span_data(&span, &mut work) {
+            let data = match self.span_data(&span, &mut work, arrived) {
                 Ok(d) => d,
                 Err(failure) => {
                     self.account(&work);
@@ -474,15 +491,83 @@ impl Conn {
         }
     }
 
+    /// The chunks a fault at `addr` needs from the cache or the source that are not in
+    /// memory yet (empty: it can be served right away).
+    fn to_fetch(&self, addr: u64, parked: &HashMap<u64, Vec<Fault>>) -> Vec<u64> {
+        let Some(span) = self.map.span_at(addr) else { return Vec::new() };
+        let page = self.map.regions[span.region].page_size;
+        {
+            let st = self.state.lock().expect("poisoned");
+            if st.removed.contains(addr & !(page - 1)) || st.poisoned.contains(&(span.region, span.unit)) {
+                return Vec::new();
+            }
+        }
+        // A chunk the pool is fetching for a parked fault may already be in memory: this
+        // fault still waits behind that one, so the fetch is counted once, for the first.
+        span.chunks(self.map.chunk_shift)
+            .filter(|&c| !matches!(self.fetcher.is_zero(c), Ok(true)) && (!self.fetcher.has_recent(c) || parked.contains_key(&c)))
+            .collect()
+    }
+
     /// The fault loop: until the peer goes away. Returns why the connection ended.
+    ///
+    /// Faults whose chunks must be fetched are parked while a small pool fetches them, so
+    /// one slow chunk does not hold up faults on other chunks; every install still happens
+    /// on this thread, which alone reads the uffd's events.
     pub fn run(&self, mut sock: UnixStream, stop: &AtomicBool) -> String {
         let mut pending: VecDeque<Fault> = VecDeque::new();
+        let mut parked: HashMap<u64, Vec<Fault>> = HashMap::new();
+        let mut arrived = Arrivals::default();
+        let (wake_tx, wake_rx) = match UnixStream::pair() {
+            Ok(p) => p,
+            Err(e) => return format!("creating the wake-up socket: {e}"),
+        };
+        let _ = wake_rx.set_nonblocking(true);
+        let _ = wake_tx.set_nonblocking(true);
+        let (job_tx, job_rx) = mpsc::channel::<u64>();
+        let (done_tx, done_rx) = mpsc::channel::<(u64, Result<(), FetchFailure>, Origin, Work)>();
+        let job_rx = Arc::new(Mutex::new(job_rx));
+        std::thread::scope(|scope| {
+            for _ in 0..FETCHERS {
+                let (job_rx, done_tx, wake_tx) = (job_rx.clone(), done_tx.clone(), &wake_tx);
+                scope.spawn(move || loop {
+                    let Ok(c) = job_rx.lock().expect("poisoned").recv() else { return };
+                    let (o, origin, work) = self.fetcher.get(c);
+                    if done_tx.send((c, o.map(|_| ()), origin, work)).is_err() {
+                        return;
+                    }
+                    let _ = (&*wake_tx).write(&[1]);
+                });
+            }
+            drop(done_tx);
+            let ended = self.fault_loop(&mut sock, stop, &mut pending, &mut parked, &mut arrived, &job_tx, &done_rx, &wake_rx);
+            drop(job_tx);
+            ended
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn fault_loop(
+        &self,
+        sock: &mut UnixStream,
+        stop: &AtomicBool,
+        pending: &mut VecDeque<Fault>,
+        parked: &mut HashMap<u64, Vec<Fault>>,
+        arrived: &mut Arrivals,
+        job_tx: &mpsc::Sender<u64>,
+        done_rx: &mpsc::Receiver<(u64, Result<(), FetchFailure>, Origin, Work)>,
+        wake_rx: &UnixStream,
+    ) -> String {
         loop {
             if stop.load(Ordering::Relaxed) {
                 return "daemon stopping".into();
             }
             if pending.is_empty() {
-                let mut fds = [PollFd::new(self.uffd.as_fd(), PollFlags::POLLIN), PollFd::new(sock.as_fd(), PollFlags::POLLIN)];
+                let mut fds = [
+                    PollFd::new(self.uffd.as_fd(), PollFlags::POLLIN),
+                    PollFd::new(sock.as_fd(), PollFlags::POLLIN),
+                    PollFd::new(wake_rx.as_fd(), PollFlags::POLLIN),
+                ];
                 match poll(&mut fds, PollTimeout::from(200u16)) {
                     Ok(_) | Err(Errno::EINTR) => {}
                     Err(e) => return format!("poll failed: {e}"),
@@ -504,16 +589,46 @@ impl Conn {
                         Err(e) => return format!("socket: {e}"),
                     }
                 }
+                let mut b = [0u8; 64];
+                while matches!((&*wake_rx).read(&mut b), Ok(n) if n > 0) {}
             }
-            if let Err(e) = self.drain_events(&mut pending) {
+            if let Err(e) = self.drain_events(pending) {
                 return e;
             }
+            // Fetches that finished: their faults go first.
+            while let Ok((c, res, origin, work)) = done_rx.try_recv() {
+                self.account(&work);
+                match res {
+                    Ok(()) => {
+                        arrived.origin.insert(c, origin);
+                    }
+                    Err(f) => {
+                        arrived.failed.insert(c, f);
+                    }
+                }
+                for f in parked.remove(&c).unwrap_or_default().into_iter().rev() {
+                    pending.push_front(f);
+                }
+            }
+            let oldest = parked.values().flatten().chain(pending.iter()).min_by_key(|f| f.read_at).map(|f| (f.addr, f.read_at));
+            match oldest {
+                Some((addr, at)) => {
+                    self.busy_addr.store(addr, Ordering::Relaxed);
+                    self.busy_since.store(at.duration_since(self.started).as_micros() as u64 + 1, Ordering::Relaxed);
+                }
+                None => self.busy_since.store(0, Ordering::Relaxed),
+            }
             if let Some(f) = pending.pop_front() {
-                self.busy_addr.store(f.addr, Ordering::Relaxed);
-                self.busy_since.store(f.read_at.duration_since(self.started).as_micros() as u64 + 1, Ordering::Relaxed);
-                let r = self.serve(&f, &mut pending);
-                self.busy_since.store(0, Ordering::Relaxed);
-                if let Err(e) = r {
+                let need = self.to_fetch(f.addr, parked);
+                if let Some(&c) = need.iter().find(|c| !arrived.origin.contains_key(c) && !arrived.failed.contains_key(c)) {
+                    let first = !parked.contains_key(&c);
+                    parked.entry(c).or_default().push(f);
+                    if first && job_tx.send(c).is_err() {
+                        return "fetch pool gone".into();
+                    }
+                    continue;
+                }
+                if let Err(e) = self.serve(&f, pending, arrived) {
                     return e;
                 }
             }
@@ -539,7 +654,7 @@ impl Conn {
             }
         }
         let mut work = Work::default();
-        let data = self.span_data(span, &mut work);
+        let data = self.span_data(span, &mut work, &mut Arrivals::default());
         self.account(&work);
         let Ok((data, _)) = data else { return 0 };
         if data.bytes(0).is_none() {
