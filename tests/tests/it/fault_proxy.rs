@@ -232,3 +232,49 @@ fn chunked_responses_keep_their_framing_and_faults_count_decoded_bytes() {
     server.join().unwrap();
     assert_eq!(p.counters().connections.load(std::sync::atomic::Ordering::Relaxed), 1);
 }
+
+/// Files under `dir` with their contents, for comparing a pulled directory with its source.
+fn dir_contents(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().is_file())
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap()))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn snapctl_push_through_503_bursts_and_a_reset_upload_response_completes() {
+    // The registry client's retries meet the proxy's faults: a burst of 503s on the first
+    // requests, a burst on upload starts, and a PUT whose response never arrives (the
+    // registry did commit the blob; the client must notice on retry, not fail or upload a
+    // corrupt blob). The pushed image then pulls back byte-identical, without the proxy.
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let r = snapctl_tests::run(snapctl_tests::snapctl().arg("sample").arg(t.join("snap")).args(["--size", "16MiB"]));
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let s = Serve::start(t.join("store").to_str().unwrap(), &[], &[]);
+    let p = FaultProxy::start(s.addr.as_str()).unwrap();
+    p.add(Rule::new(Fault::Status { code: 503 }).times(2));
+    p.add(Rule::new(Fault::Status { code: 503 }).on(Match::new("POST", "/blobs/uploads/")).times(2));
+    p.add(Rule::new(Fault::Reset { after: 0 }).on(Match::new("PUT", "/blobs/uploads/")));
+    let reference = format!("{}/fp/vm:v1", p.addr);
+    let r = snapctl_tests::run(
+        snapctl_tests::snapctl().arg("push").arg(t.join("snap")).arg(&reference).arg("--cache").arg(t.join("pcache")),
+    );
+    assert_eq!(r.code, 0, "push through faults: {}{}", r.stdout, r.stderr);
+    assert_eq!(p.plan().lock().unwrap().pending(), 0, "every fault was hit: {:?}", p.log());
+    assert_eq!(p.faults(), 5);
+    let r = snapctl_tests::run(
+        snapctl_tests::snapctl()
+            .arg("pull")
+            .arg(format!("{}/fp/vm:v1", s.addr))
+            .arg(t.join("pulled"))
+            .arg("--cache")
+            .arg(t.join("ccache")),
+    );
+    assert_eq!(r.code, 0, "pull: {}{}", r.stdout, r.stderr);
+    assert!(dir_contents(&t.join("snap")) == dir_contents(&t.join("pulled")), "pulled files differ from the pushed ones");
+}
