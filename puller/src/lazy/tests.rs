@@ -239,3 +239,56 @@ fn transient_failures_are_retried_and_bad_handshakes_do_not_kill_the_daemon() {
     // With --prefetch all, the prefetcher and the faults together fetched each chunk once.
     assert_eq!(src.reads.load(Ordering::SeqCst), 4 + 3);
 }
+
+#[test]
+fn recorded_trace_is_replayed_by_the_next_restore_and_metrics_are_served() {
+    let (dir, mem, image, layout) = sample_image(24);
+    let traces = || -> Option<Box<dyn TraceStore>> { Some(Box::new(LayoutTraces(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap()))) };
+    // First restore: touch a few chunks, in an order, and record it.
+    let order = [8usize, 2, 20, 9]; // (chunks c % 3 == 1 are zero: never traced)
+    {
+        let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
+        let run = start(dir.path(), image.clone(), flaky(layout), |o| {
+            o.record_trace = true;
+            o.prefetch = PrefetchMode::None;
+        }, traces());
+        let sock = guest.connect(&run.socket);
+        for &c in &order {
+            assert_eq!(guest.region(0)[c * K64 + 100], mem[c * K64 + 100]);
+        }
+        drop(sock);
+        let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert!(rep.trace.is_some(), "{rep:?}");
+    }
+    let file = image.file("vm.mem").unwrap().0;
+    let t = traces().unwrap().load(&image, file).unwrap().expect("a trace");
+    assert_eq!(t.chunks, order.iter().map(|&c| c as u64).collect::<Vec<_>>());
+
+    // Second restore: the daemon installs the traced chunks before the guest asks.
+    let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
+    let src = flaky(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap());
+    let run = start(dir.path(), image.clone(), src.clone(), |o| o.prefetch = PrefetchMode::Trace, traces());
+    assert!(run.daemon.has_trace());
+    let addr = run.daemon.serve_metrics("127.0.0.1:0").unwrap();
+    let sock = guest.connect(&run.socket);
+    let t0 = Instant::now();
+    while !run.daemon.metrics_text().contains(&format!("snapctl_lazy_prefetched_chunks_total {}", order.len())) {
+        assert!(t0.elapsed() < Duration::from_secs(10), "prefetch never ran");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(guest.region(0) == &mem[..]);
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(rep.prefetched_chunks, order.len() as u64, "{rep:?}");
+    let nonzero = (0..24).filter(|c| c % 3 != 1).count() as u64;
+    assert_eq!(src.reads.load(Ordering::SeqCst), nonzero, "prefetched chunks are not fetched again");
+
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(text.contains(&format!("snapctl_lazy_prefetched_chunks_total {}", order.len())), "{text}");
+    assert!(text.contains("snapctl_lazy_connections_total 1"), "{text}");
+}
