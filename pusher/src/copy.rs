@@ -168,7 +168,7 @@ pub fn copy(src: &dyn BlobSource, digest: &OciDigest, target: &Target, tag: Opti
         }
     }
     // Largest first: the long uploads start early, small ones fill the gaps.
-    blobs.sort_by(|a, b| b.size.cmp(&a.size));
+    blobs.sort_by_key(|b| std::cmp::Reverse(b.size));
     let known = match (target, &opts.upload.cache_dir) {
         (Target::Registry(r), Some(c)) => Some(KnownBlobs::new(c, r.host())),
         _ => None,
