@@ -67,6 +67,10 @@ struct Args {
     /// Seed of the random touch order and sample (same seed, same order).
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// With PCT%: pick the sample as runs of this many contiguous pages (a guest's working
+    /// set is clustered: kernel text, hot page cache, heap), not as scattered single pages.
+    #[arg(long, default_value_t = 1)]
+    run_pages: u64,
     /// After touching, madvise(MADV_DONTNEED) this file range (OFF:LEN, in one region) and
     /// check it reads back as zeros: the handler sees UFFD_EVENT_REMOVE.
     #[arg(long)]
@@ -190,7 +194,7 @@ impl Rng {
 }
 
 /// File page numbers to touch, in touch order.
-fn plan_touches(spec: &str, regions: &[Region], seed: u64) -> anyhow::Result<Vec<u64>> {
+fn plan_touches(spec: &str, regions: &[Region], seed: u64, run_pages: u64) -> anyhow::Result<Vec<u64>> {
     let mut all: Vec<u64> = regions.iter().flat_map(|r| (r.offset / PAGE)..(r.offset + r.size) / PAGE).collect();
     let mut rng = Rng(seed);
     let spec = spec.trim();
@@ -201,10 +205,28 @@ fn plan_touches(spec: &str, regions: &[Region], seed: u64) -> anyhow::Result<Vec
     if let Some(pct) = spec.strip_suffix('%') {
         let pct: f64 = pct.trim().parse().with_context(|| format!("bad percentage {spec:?}"))?;
         ensure!(pct > 0.0 && pct <= 100.0, "--touch percentage must be in (0, 100], got {pct}");
-        rng.shuffle(&mut all);
         let n = ((all.len() as f64 * pct / 100.0).ceil() as usize).clamp(1, all.len());
-        all.truncate(n);
-        return Ok(all);
+        if run_pages <= 1 {
+            rng.shuffle(&mut all);
+            all.truncate(n);
+            return Ok(all);
+        }
+        // Runs of contiguous pages (in file order) at random starts until n pages are picked.
+        let run = run_pages.min(all.len() as u64) as usize;
+        let mut picked = vec![false; all.len()];
+        let mut count = 0;
+        while count < n {
+            let start = (rng.next() % (all.len() - run + 1) as u64) as usize;
+            for p in &mut picked[start..start + run] {
+                if !*p && count < n {
+                    *p = true;
+                    count += 1;
+                }
+            }
+        }
+        let mut sample: Vec<u64> = all.iter().zip(&picked).filter(|(_, &p)| p).map(|(&pg, _)| pg).collect();
+        rng.shuffle(&mut sample);
+        return Ok(sample);
     }
     let mapped = |p: u64| regions.iter().any(|r| p * PAGE >= r.offset && p * PAGE < r.offset + r.size);
     let mut out = Vec::new();
@@ -296,7 +318,7 @@ fn run() -> anyhow::Result<u8> {
     let mem = File::open(&a.mem_file).with_context(|| format!("open {}", a.mem_file.display()))?;
     let file_len = mem.metadata()?.len();
     let regions = map_guest(&plan_regions(&a.regions, file_len)?)?;
-    let touches = plan_touches(&a.touch, &regions, a.seed)?;
+    let touches = plan_touches(&a.touch, &regions, a.seed, a.run_pages)?;
     let dontneed = a.dontneed.as_deref().map(parse_range).transpose()?;
     if let Some((off, len)) = dontneed {
         ensure!(off % PAGE == 0 && len % PAGE == 0 && len > 0, "--dontneed must be whole pages");
@@ -501,5 +523,51 @@ fn connect(path: &std::path::Path) -> anyhow::Result<UnixStream> {
             }
             Err(e) => return Err(e).with_context(|| format!("connect to {}", path.display())),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn regions(ranges: &[(u64, u64)]) -> Vec<Region> {
+        ranges.iter().map(|&(offset, size)| Region { base: 0x1000_0000 + offset * 2, size, offset }).collect()
+    }
+
+    #[test]
+    fn regions_split_the_file_and_reject_bad_specs() {
+        assert_eq!(plan_regions("2", 16 << 20).unwrap(), vec![(0, 8 << 20), (8 << 20, 8 << 20)]);
+        // An odd page count: the last region takes the rest; a partial last page is rounded up.
+        assert_eq!(plan_regions("2", 3 * PAGE + 10).unwrap(), vec![(0, 2 * PAGE), (2 * PAGE, 2 * PAGE)]);
+        assert_eq!(plan_regions("0:1MiB,2MiB:1MiB", 4 << 20).unwrap(), vec![(0, 1 << 20), (2 << 20, 1 << 20)]);
+        assert!(plan_regions("0:1MiB,3MiB:2MiB", 4 << 20).is_err(), "past the end");
+        assert!(plan_regions("0:100", 4 << 20).is_err(), "not whole pages");
+        assert!(plan_regions("0", 4 << 20).is_err());
+        assert!(plan_regions("2", 0).is_err());
+    }
+
+    #[test]
+    fn touch_plans_cover_what_they_say() {
+        let r = regions(&[(0, 64 * PAGE), (64 * PAGE, 64 * PAGE)]);
+        let mut all = plan_touches("all", &r, 1, 1).unwrap();
+        assert_ne!(all, (0..128).collect::<Vec<_>>(), "random order");
+        all.sort_unstable();
+        assert_eq!(all, (0..128).collect::<Vec<_>>());
+        assert_eq!(plan_touches("all", &r, 5, 1).unwrap(), plan_touches("all", &r, 5, 1).unwrap(), "same seed, same order");
+
+        let scattered = plan_touches("25%", &r, 2, 1).unwrap();
+        assert_eq!(scattered.len(), 32);
+        let mut runs = plan_touches("25%", &r, 2, 8).unwrap();
+        assert_eq!(runs.len(), 32);
+        runs.sort_unstable();
+        runs.dedup();
+        assert_eq!(runs.len(), 32, "no page twice");
+        // Runs of 8: far fewer separate extents than 32 scattered pages would give.
+        let extents = runs.windows(2).filter(|w| w[1] != w[0] + 1).count() + 1;
+        assert!(extents <= 8, "{extents} extents: {runs:?}");
+
+        assert_eq!(plan_touches("3,5-7", &r, 1, 1).unwrap(), vec![3, 5, 6, 7]);
+        assert!(plan_touches("200", &r, 1, 1).is_err(), "page outside every region");
+        assert!(plan_touches("0%", &r, 1, 1).is_err());
     }
 }
