@@ -61,8 +61,8 @@ fi
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/snapctl-lazy-bench.XXXXXX")
 PIDS=()
 cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  # Only our servers: a bare `wait` would also wait for the tee below, which waits for us.
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
   if [ "$KEEP" = 1 ]; then echo "kept $WORK" >&2; else rm -rf "$WORK"; fi
 }
 trap cleanup EXIT
