@@ -292,3 +292,25 @@ fn recorded_trace_is_replayed_by_the_next_restore_and_metrics_are_served() {
     assert!(text.contains(&format!("snapctl_lazy_prefetched_chunks_total {}", order.len())), "{text}");
     assert!(text.contains("snapctl_lazy_connections_total 1"), "{text}");
 }
+
+#[test]
+fn regression_remove_before_first_touch_keeps_the_rest_of_the_chunk() {
+    // The guest gives back pages of a chunk that was never faulted, then touches them: they
+    // read as zeros, and the chunk's other pages must still read as the snapshot (a fault
+    // in removed memory once zero-filled the whole chunk).
+    let (dir, mem, image, layout) = sample_image(6);
+    let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
+    let run = start(dir.path(), image, flaky(layout), |o| o.prefetch = PrefetchMode::None, None);
+    let sock = guest.connect(&run.socket);
+    let (p0, _, _) = guest.regions[0];
+    let (at, len) = (2 * K64 + 8192, 2 * 4096);
+    // SAFETY: inside the region, page-aligned.
+    assert_eq!(unsafe { libc::madvise(p0.add(at) as *mut libc::c_void, len, libc::MADV_DONTNEED) }, 0);
+    let r = guest.region(0);
+    assert!(r[at..at + len].iter().all(|&b| b == 0), "removed pages read as zeros");
+    assert_eq!(r[2 * K64..at], mem[2 * K64..at], "pages before them are the snapshot's");
+    assert_eq!(r[at + len..3 * K64], mem[at + len..3 * K64], "pages after them are the snapshot's");
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!((rep.removed_ranges, rep.faults.fetched), (1, 1), "{rep:?}");
+}

@@ -246,6 +246,27 @@ impl Conn {
         Ok(())
     }
 
+    /// Fill only the removed parts of a span with zeros (a fault in memory the guest gave
+    /// back). The rest of the span still holds snapshot data the guest may read later, so it
+    /// is left for a fault or the prefetcher to fill with that data, never with zeros.
+    fn install_removed(&self, st: &ConnState, span: &Span) -> Result<(), Fill> {
+        let page = self.map.regions[span.region].page_size;
+        for (removed, a, b) in st.removed.split(span.host, span.host + span.len) {
+            if !removed {
+                continue;
+            }
+            match self.zero_op(page) {
+                Op::Copy(z) => {
+                    for p in (a..b).step_by(page as usize) {
+                        self.fill(Op::Copy(z), p, page, page)?;
+                    }
+                }
+                op => self.fill(op, a, b - a, page)?,
+            }
+        }
+        Ok(())
+    }
+
     /// The verified bytes of a span (assembled from several chunks for huge pages).
     fn span_data(&self, span: &Span, work: &mut Work, arrived: &mut Arrivals) -> Result<(SpanData, Option<Origin>), FetchFailure> {
         let shift = self.map.chunk_shift;
@@ -352,7 +373,7 @@ impl Conn {
             {
                 let mut st = self.state.lock().expect("poisoned");
                 if st.removed.contains(fault_page) {
-                    match self.install(&mut st, &span, &SpanData::Zero) {
+                    match self.install_removed(&st, &span) {
                         Ok(()) => break Ok(Kind::Removed),
                         Err(Fill::Again) => {}
                         Err(e) => break Err(e),
