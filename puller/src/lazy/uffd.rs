@@ -371,7 +371,7 @@ impl Conn {
         let mut work = Work::default();
         let result = loop {
             {
-                let mut st = self.state.lock().expect("poisoned");
+                let st = self.state.lock().expect("poisoned");
                 if st.removed.contains(fault_page) {
                     match self.install_removed(&st, &span) {
                         Ok(()) => break Ok(Kind::Removed),
