@@ -445,3 +445,44 @@ fn regression_issue_4_push_survives_transient_failures() {
     w.ok(&["unpack", &format!("{}/vm/flaky:v1", s.addr), out.to_str().unwrap()]);
     same_files(&snap, &out);
 }
+
+/// `copy` registry → registry (snapctl serve → docker-registry) and back out to a layout
+/// keeps the manifest digest; a source registry that flips a byte of every blob it serves
+/// makes the copy exit 1 with nothing committed at the destination.
+#[test]
+fn copy_between_registries_keeps_digests_and_refuses_a_lying_source() {
+    use snapctl_tests::fault_proxy::{Fault, FaultProxy, Match, Rule};
+    if !have("docker-registry") {
+        return;
+    }
+    let store = tempfile::tempdir().unwrap();
+    let s = Serve::start(store.path().to_str().unwrap(), &[], &[]);
+    let dstore = tempfile::tempdir().unwrap();
+    let d = Distribution::start(dstore.path());
+    let w = Work::new();
+    let snap = w.sample("snap", "8MiB");
+    let lay = w.path("l");
+    let v1 = w.ok(&["pack", snap.to_str().unwrap(), &format!("oci:{}:v1", lay.display())]).stdout.trim().to_string();
+    w.push(&format!("oci:{}:v1", lay.display()), &format!("{}/vm/src:v1", s.addr), &[]);
+    let r = w.ok(&["copy", &format!("{}/vm/src:v1", s.addr), &format!("{}/mirror/vm:v1", d.addr)]);
+    assert_eq!(r.stdout.trim(), v1);
+    let back = w.path("back");
+    let r = w.ok(&["copy", &format!("{}/mirror/vm:v1", d.addr), &format!("oci:{}:v1", back.display())]);
+    assert_eq!(r.stdout.trim(), v1);
+    w.ok(&["verify", &format!("oci:{}:v1", back.display())]);
+
+    let proxy = FaultProxy::start(s.addr.as_str()).unwrap();
+    proxy.add(Rule::new(Fault::FlipByte { at: 100 }).on(Match::blob_gets()).times(u64::MAX));
+    // A fresh cache: with the old one the blobs would (rightly) be mounted from
+    // mirror/vm, and nothing read from the liar.
+    let w2 = Work::new();
+    let r = run(w2.cmd().args(["copy", &format!("{}/vm/src:v1", proxy.addr), &format!("{}/mirror/lied:v1", d.addr)]));
+    assert_eq!(r.code, 1, "a digest mismatch is a verification failure: {r:?}");
+    assert!(r.stderr.contains("hash to"), "{}", r.stderr);
+    let c = client(&d.addr, "mirror/lied");
+    assert!(c.resolve_tag("v1").is_err(), "no tag at the destination");
+    let m: imgfmt::Manifest = imgfmt::Manifest::decode(&fs::read(lay.join("blobs/sha256").join(v1.trim_start_matches("sha256:"))).unwrap()).unwrap();
+    for l in &m.layers {
+        assert!(!c.blob_exists(&l.digest).unwrap(), "{} was not committed", l.digest);
+    }
+}
