@@ -239,6 +239,11 @@ pub(crate) fn run(conn: Arc<Conn>, order: Vec<u64>, rate: u64, stop: Arc<AtomicB
             if stop.load(Ordering::Relaxed) || conn.gone.load(Ordering::Relaxed) {
                 return;
             }
+            // Faults waiting for fetches come first: the prefetcher's own fetch would
+            // compete with theirs for the link and the CPU.
+            while conn.parked_faults.load(Ordering::Relaxed) > 0 && !stop.load(Ordering::Relaxed) && !conn.gone.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
             bytes += conn.prefetch_span(&span);
             if rate > 0 {
                 // Stay under the rate: a prefetcher that saturates the link would slow the

@@ -127,6 +127,8 @@ pub(crate) struct Conn {
     pub busy_since: AtomicU64,
     pub busy_addr: AtomicU64,
     pub gone: AtomicBool,
+    /// Faults waiting for the fetch pool: the prefetcher yields to them.
+    pub parked_faults: AtomicU64,
     sys_page: u64,
 }
 
@@ -187,6 +189,7 @@ impl Conn {
             busy_since: AtomicU64::new(0),
             busy_addr: AtomicU64::new(0),
             gone: AtomicBool::new(false),
+            parked_faults: AtomicU64::new(0),
             sys_page,
         }
     }
@@ -631,6 +634,7 @@ impl Conn {
                     pending.push_front(f);
                 }
             }
+            self.parked_faults.store(parked.values().map(|v| v.len() as u64).sum(), Ordering::Relaxed);
             let oldest = parked.values().flatten().chain(pending.iter()).min_by_key(|f| f.read_at).map(|f| (f.addr, f.read_at));
             match oldest {
                 Some((addr, at)) => {
