@@ -156,6 +156,7 @@ if "$SNAPCTL" push --help >/dev/null 2>&1; then
 else
   skopeo copy --quiet --preserve-digests --dest-tls-verify=false "oci:$WORK/biglayout:v1" "docker://$REF"
 fi
+rm -rf "$WORK/biglayout" "$WORK/cache-warm"  # disk: only the registry's copy is needed now
 BIGMEM=$WORK/big/vm.mem
 # Two touch patterns over PCT% of the pages: runs of 512 contiguous pages (2 MiB extents at
 # random, unaligned offsets: a working set is clustered) and single pages scattered
@@ -173,6 +174,7 @@ for i in $(seq "$RUNS"); do
     restore "$SNAPCTL" lazy "$REF" --once --json --prefetch none --cache "$WORK/cache-cold"
     log "  $(jq -c '{faults, bytes_fetched}' "$WORK/handler.json") wall $WALL s"
     if [ $pat = cluster ]; then C_T+=("$WALL"); C_CH+=("$(jq .faults.fetched "$WORK/handler.json")"); else S_T+=("$WALL"); S_CH+=("$(jq .faults.fetched "$WORK/handler.json")"); fi
+    rm -rf "$WORK/cache-cold"
   done
   if [ "$HAVE_PULL" = 1 ]; then
     sync
@@ -189,6 +191,7 @@ for i in $(seq "$RUNS"); do
     VMM_ARGS=(--mem-file "$WORK/pulled/vm.mem" "${SCATTER[@]}")
     restore "$UFFD_REF" --mem-file "$WORK/pulled/vm.mem" --once --json
     US_T+=("$(python3 -c "print($PULL + $WALL)")")
+    rm -rf "$WORK/cache-pull" "$WORK/pulled"
   fi
 done
 CHUNKS=$(python3 -c "import os; print(-(-os.path.getsize('$BIGMEM') // (1<<20)))")
@@ -216,6 +219,7 @@ if "$SNAPCTL" lazy --help 2>/dev/null | grep -q -- --record-trace; then
   rm -rf "$WORK/cache-rec"
   VMM_ARGS=(--mem-file "$BIGMEM" "${CLUSTER[@]}")
   restore "$SNAPCTL" lazy "$REF" --once --json --prefetch none --record-trace --cache "$WORK/cache-rec"
+  rm -rf "$WORK/cache-rec"
   T_T=() N_T=()
   for i in $(seq "$RUNS"); do
     for mode in trace none; do
@@ -225,6 +229,7 @@ if "$SNAPCTL" lazy --help 2>/dev/null | grep -q -- --record-trace; then
       restore "$SNAPCTL" lazy "$REF" --once --json --prefetch "$mode" --cache "$WORK/cache-t"
       log "  $(jq -c '{faults, bytes_fetched}' "$WORK/handler.json") vmm $(jq .seconds "$WORK/vmm.json") s"
       if [ "$mode" = trace ]; then T_T+=("$(jq .seconds "$WORK/vmm.json")"); else N_T+=("$(jq .seconds "$WORK/vmm.json")"); fi
+      rm -rf "$WORK/cache-t"
     done
   done
   echo "#### Recorded trace: the clustered cold $PCT% restore again (same pages), empty cache"
