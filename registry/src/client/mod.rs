@@ -452,6 +452,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn backoff_grows_caps_and_honours_retry_after() {
+        for attempt in 1..20 {
+            let b = backoff(attempt, None);
+            let base = Duration::from_millis((100u64 << attempt.clamp(1, 6)).min(5000));
+            assert!(b >= base && b <= base + base / 2, "attempt {attempt}: {b:?}");
+        }
+        assert_eq!(backoff(1, Some(Duration::from_secs(3))), Duration::from_secs(3));
+        // A Retry-After shorter than the backoff does not make retries faster.
+        assert!(backoff(6, Some(Duration::from_millis(1))) >= Duration::from_secs(5));
+    }
+
+    #[test]
     fn params_and_hosts() {
         assert_eq!(split_params(r#"realm="http://a/token",service="x,y",scope="s""#).len(), 3);
         assert!(is_loopback("127.0.0.1:5000"));
