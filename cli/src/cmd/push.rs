@@ -157,6 +157,8 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
             Selector::Digest(d) => d,
         };
         (layout, d)
+    } else if !Path::new(&a.src).exists() && matches!(a.src.parse::<Reference>(), Ok(Reference::Registry { .. })) {
+        bail!("{}: push sends a local image or directory; to move an image from one registry to another use `snapctl copy {} {}`", a.src, a.src, a.dest);
     } else {
         pack_directory(Path::new(&a.src), &a.pack, &a.transfer.cache_dir())?
     };
