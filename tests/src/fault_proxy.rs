@@ -473,6 +473,10 @@ struct Sink<'a> {
     counting: bool,
 }
 
+/// One relay step: `Ok` goes on; `Err(Ok(cut))` ends the message on purpose (a fault);
+/// `Err(Err(e))` is a real I/O failure.
+type Step = Result<(), Result<Cut, io::Error>>;
+
 /// Why a relay stopped early on purpose.
 #[derive(Debug)]
 enum Cut {
@@ -484,12 +488,12 @@ enum Cut {
 
 impl Sink<'_> {
     /// Write bytes of the message that are not body payload (head, chunk framing).
-    fn frame(&mut self, data: &[u8]) -> Result<(), Result<Cut, io::Error>> {
+    fn frame(&mut self, data: &[u8]) -> Step {
         self.emit(data)
     }
 
     /// Write body payload bytes.
-    fn body(&mut self, data: &[u8]) -> Result<(), Result<Cut, io::Error>> {
+    fn body(&mut self, data: &[u8]) -> Step {
         match self.fault {
             Some(Fault::Truncate { after }) => {
                 let room = after.saturating_sub(self.body_pos);
@@ -518,7 +522,7 @@ impl Sink<'_> {
         self.emit(data)
     }
 
-    fn emit(&mut self, data: &[u8]) -> Result<(), Result<Cut, io::Error>> {
+    fn emit(&mut self, data: &[u8]) -> Step {
         let mut data = data;
         let mut cut = None;
         if let Some(Fault::Reset { after }) = self.fault {
@@ -541,7 +545,7 @@ impl Sink<'_> {
 }
 
 /// Copy exactly `n` bytes from `r` to `f`.
-fn copy_n(r: &mut impl Read, n: u64, mut f: impl FnMut(&[u8]) -> Result<(), Result<Cut, io::Error>>) -> Result<(), Result<Cut, io::Error>> {
+fn copy_n(r: &mut impl Read, n: u64, mut f: impl FnMut(&[u8]) -> Step) -> Step {
     let mut left = n;
     let mut buf = vec![0u8; BUF];
     while left > 0 {
@@ -566,11 +570,12 @@ fn read_line(r: &mut impl BufRead) -> io::Result<Vec<u8>> {
     Ok(line)
 }
 
-/// Relay a chunked body: framing through `frame`, payload through `body`.
+/// Relay a chunked body through `frame(bytes, is_payload)`: chunk-size lines, CRLFs and
+/// trailers with `false`, chunk data with `true`.
 fn relay_chunked(
     r: &mut impl BufRead,
-    frame: &mut dyn FnMut(&[u8], bool) -> Result<(), Result<Cut, io::Error>>,
-) -> Result<(), Result<Cut, io::Error>> {
+    frame: &mut dyn FnMut(&[u8], bool) -> Step,
+) -> Step {
     loop {
         let line = read_line(r).map_err(Err)?;
         let text = String::from_utf8_lossy(&line);
@@ -755,7 +760,7 @@ fn cut_to_io(e: Result<Cut, io::Error>) -> io::Error {
 }
 
 fn forward_request_body(r: &mut BufReader<TcpStream>, up: &mut TcpStream, req: &Head, c: &Counters) -> io::Result<()> {
-    let mut emit = |d: &[u8]| -> Result<(), Result<Cut, io::Error>> {
+    let mut emit = |d: &[u8]| -> Step {
         up.write_all(d).map_err(Err)?;
         c.bytes_up.fetch_add(d.len() as u64, Ordering::Relaxed);
         Ok(())
