@@ -2,9 +2,9 @@
 
 mod fault_proxy;
 mod format;
-mod push;
 mod lazy;
 mod pull;
+mod push;
 mod registry;
 mod runsc;
 mod snapshot_registry;
