@@ -78,6 +78,20 @@ pub struct PushReport {
     /// mounted). Snapshot images only; 0 for other artifacts.
     pub chunks_deduplicated: u64,
     pub seconds: f64,
+    /// `push DIR` only: how the directory became an image (absent for images that were
+    /// already packed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pack: Option<PackStep>,
+}
+
+/// The packing step of `push DIR` (spec/transfer.md §2).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PackStep {
+    /// The directory's stamp matched the one recorded when it was last packed with the same
+    /// options, so the earlier manifest was pushed without reading the files.
+    pub skipped: bool,
+    /// Seconds spent stamping (and, unless skipped, packing) the directory.
+    pub seconds: f64,
 }
 
 #[derive(Debug, thiserror::Error, displaydoc::Display)]

@@ -3,10 +3,12 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Instant;
 
 use anyhow::{bail, Context};
 use imgfmt::reference::{Reference, Selector};
 use imgfmt::{BlobSource, OciDigest, OciLayout};
+use pusher::copy::PackStep;
 use pusher::{CopyOptions, PushReport};
 use registry::client::{RegistrySource, UploadOptions};
 
@@ -93,6 +95,19 @@ pub fn transfer(
     flags: &TransferFlags,
     verb: &str,
 ) -> anyhow::Result<PushReport> {
+    transfer_with_pack(src, digest, target, tag, flags, verb, None)
+}
+
+/// [`transfer`], with the report also saying how a directory source was packed.
+fn transfer_with_pack(
+    src: &dyn BlobSource,
+    digest: &OciDigest,
+    target: &pusher::Target,
+    tag: Option<&str>,
+    flags: &TransferFlags,
+    verb: &str,
+    pack: Option<PackStep>,
+) -> anyhow::Result<PushReport> {
     let (_, manifest) = pusher::copy::manifest_blobs(src, digest).map_err(|e| wrap(e, verb))?;
     let total: u64 = std::iter::once(&manifest.config).chain(&manifest.layers).map(|d| d.size).sum();
     let pb = progress_bar(total, verb);
@@ -110,7 +125,8 @@ pub fn transfer(
         upload: UploadOptions { piece: flags.upload_piece.min(registry::client::MAX_PIECE), cache_dir: Some(flags.cache_dir()) },
         progress: Some(&tick),
     };
-    let report = pusher::copy(src, digest, target, tag, &opts).map_err(|e| wrap(e, verb))?;
+    let mut report = pusher::copy(src, digest, target, tag, &opts).map_err(|e| wrap(e, verb))?;
+    report.pack = pack;
     if let Some(pb) = pb {
         pb.finish_and_clear();
     }
@@ -149,6 +165,7 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
         Reference::Layout { .. } => bail!("{}: push sends to a registry (HOST[:PORT]/REPO[:TAG]); for a local layout use `snapctl copy`", a.dest),
     };
     let dest = registry_client(&host, &repository, a.transfer.plain_http)?;
+    let mut pack = None;
     let (layout, digest) = if a.src.starts_with("oci:") {
         let Reference::Layout { path, selector } = a.src.parse::<Reference>()? else { unreachable!("oci: prefix") };
         let layout = OciLayout::open(&path).with_context(|| format!("opening {}", a.src))?;
@@ -160,38 +177,182 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
     } else if !Path::new(&a.src).exists() && matches!(a.src.parse::<Reference>(), Ok(Reference::Registry { .. })) {
         bail!("{}: push sends a local image or directory; to move an image from one registry to another use `snapctl copy {} {}`", a.src, a.src, a.dest);
     } else {
-        pack_directory(Path::new(&a.src), &a.pack, &a.transfer.cache_dir())?
+        let started = Instant::now();
+        let (layout, digest, skipped) = pack_directory(Path::new(&a.src), &a.pack, &a.transfer.cache_dir())?;
+        pack = Some(PackStep { skipped, seconds: started.elapsed().as_secs_f64() });
+        (layout, digest)
     };
-    transfer(&layout, &digest, &pusher::Target::Registry(&dest), Some(&tag), &a.transfer, "push")?;
+    transfer_with_pack(&layout, &digest, &pusher::Target::Registry(&dest), Some(&tag), &a.transfer, "push", pack)?;
     Ok(common::code(common::EXIT_OK))
 }
 
 /// Pack a directory into a layout of its own under the cache directory (one per source
-/// path). When the content is unchanged since the last push (same index and packs: only
-/// the creation time would differ), the earlier manifest is used again, so the registry
-/// is only asked what it has and nothing is sent.
-fn pack_directory(dir: &Path, flags: &PackFlags, cache: &Path) -> anyhow::Result<(OciLayout, OciDigest)> {
+/// path); also whether packing was skipped. When the directory's stamp (every entry's
+/// name, size, times and inode, see [`Stamp`]) equals the one recorded when it was last
+/// packed with the same options, the recorded manifest is used without reading the
+/// files. When the content is unchanged though the stamp is not (same index and packs:
+/// only the creation time would differ), the earlier manifest is used again. Either way
+/// the registry is only asked what it has and nothing is sent.
+fn pack_directory(dir: &Path, flags: &PackFlags, cache: &Path) -> anyhow::Result<(OciLayout, OciDigest, bool)> {
     super::pack::validate(dir, flags)?;
     let canon = dir.canonicalize().with_context(|| format!("resolving {}", dir.display()))?;
     let key = OciDigest::of(canon.as_os_str().as_encoded_bytes());
     let root = cache.join("push-layouts").join(&key.hex()[..32]);
     let layout = OciLayout::open_or_create(&root).with_context(|| format!("opening {}", root.display()))?;
+    let stamp_path = cache.join("push-layouts").join(format!("{}.stamp.json", &key.hex()[..32]));
+    // A base or parent is named by a reference whose content can change under the same
+    // name, so the stamp of this directory alone does not say the image would be the same.
+    let options = (flags.base.is_none() && flags.parent.is_none()).then(|| format!("snapctl {} {:?}", env!("CARGO_PKG_VERSION"), flags));
+    let before = match &options {
+        Some(o) => Some(Stamp::take(&canon, o).with_context(|| format!("reading {}", dir.display()))?),
+        None => None,
+    };
+    if let Some(stamp) = &before {
+        if let Some(digest) = Stamp::recorded(&stamp_path, stamp).filter(|d| layout_has_image(&layout, d)) {
+            eprintln!("{}: unchanged since it was last packed (same stamp): not packing again", dir.display());
+            return Ok((layout, digest, true));
+        }
+    }
+    let report = pack_and_reuse(dir, &layout, flags)?;
+    if let (Some(before), Some(options)) = (before, &options) {
+        // Recorded only when nothing changed while packing and no file was written so
+        // recently that a later write could leave its times as they are (see Stamp::racy).
+        let after = Stamp::take(&canon, options).with_context(|| format!("reading {}", dir.display()))?;
+        if after.entries == before.entries && !before.racy() {
+            Stamp { manifest: report.to_string(), ..before }.save(&stamp_path).with_context(|| format!("writing {}", stamp_path.display()))?;
+        } else {
+            let _ = std::fs::remove_file(&stamp_path);
+        }
+    }
+    Ok((layout, report, false))
+}
+
+/// Whether `layout` holds manifest `digest` (checked) and every blob it lists, at their
+/// sizes: a stamp is only trusted while the image it points to is still in the cache.
+fn layout_has_image(layout: &OciLayout, digest: &OciDigest) -> bool {
+    let Ok(bytes) = imgfmt::source::read_verified_blob(layout, digest, imgfmt::manifest::MAX_MANIFEST_BYTES) else { return false };
+    let Ok(m) = imgfmt::Manifest::decode(&bytes) else { return false };
+    std::iter::once(&m.config).chain(&m.layers).all(|d| layout.blob_size(&d.digest).is_ok_and(|n| n == d.size))
+}
+
+/// Pack `dir` into `layout`; when only the creation time differs from the image pushed
+/// last from this directory, that image's manifest.
+fn pack_and_reuse(dir: &Path, layout: &OciLayout, flags: &PackFlags) -> anyhow::Result<OciDigest> {
     let previous = layout.resolve_tag("previous").ok();
-    let report = super::pack::pack_into(dir, &layout, "latest", flags)?;
+    let report = super::pack::pack_into(dir, layout, "latest", flags)?;
     for s in &report.skipped {
         eprintln!("warning: skipped {s}: not a regular file");
     }
     let new: OciDigest = report.manifest.parse()?;
     if let Some(old) = previous.filter(|o| o != &new) {
-        let same = |d: &OciDigest| imgfmt::source::read_verified_blob(&layout, d, imgfmt::manifest::MAX_MANIFEST_BYTES).ok().and_then(|b| imgfmt::Manifest::decode(&b).ok());
+        let same = |d: &OciDigest| imgfmt::source::read_verified_blob(layout, d, imgfmt::manifest::MAX_MANIFEST_BYTES).ok().and_then(|b| imgfmt::Manifest::decode(&b).ok());
         if let (Some(a), Some(b)) = (same(&old), same(&new)) {
             if a.layers == b.layers && a.config.media_type == b.config.media_type {
                 eprintln!("{}: unchanged since the last push", dir.display());
-                return Ok((layout, old));
+                return Ok(old);
             }
         }
     }
     let desc = imgfmt::Descriptor::new(imgfmt::media::OCI_MANIFEST, new.clone(), layout.blob_size(&new)?);
     layout.set_tag("previous", desc)?;
-    Ok((layout, new))
+    Ok(new)
+}
+
+/// What a directory looked like when it was packed: every entry (recursively, the
+/// directory itself included) with the metadata any change moves. A write to a file
+/// always sets its ctime (which no user call can set back), a replaced file has another
+/// inode, a renamed or removed one changes the names, so an equal stamp means the files
+/// hold what was packed (spec/transfer.md §2).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Stamp {
+    /// snapctl version and pack options: another version or option packs differently.
+    options: String,
+    entries: Vec<StampEntry>,
+    /// When the stamp was taken (ns since the epoch).
+    taken_ns: i64,
+    /// Manifest the directory was packed to (empty until packed).
+    manifest: String,
+}
+
+#[derive(Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct StampEntry {
+    /// Relative path, `/`-separated ("" for the directory itself).
+    name: String,
+    /// st_mode: file type and permissions.
+    mode: u32,
+    size: u64,
+    mtime_ns: i64,
+    ctime_ns: i64,
+    inode: u64,
+    dev: u64,
+}
+
+/// A stamp file larger than this is not ours (a directory of a million entries is ~150 MB
+/// of JSON; checkpoint directories hold a handful).
+const MAX_STAMP_BYTES: u64 = 64 << 20;
+
+impl Stamp {
+    fn take(dir: &Path, options: &str) -> std::io::Result<Stamp> {
+        use std::os::unix::fs::MetadataExt;
+        let taken_ns = ns_since_epoch(std::time::SystemTime::now());
+        let entry = |name: String, md: &std::fs::Metadata| StampEntry {
+            name,
+            mode: md.mode(),
+            size: md.size(),
+            mtime_ns: md.mtime().saturating_mul(1_000_000_000).saturating_add(md.mtime_nsec()),
+            ctime_ns: md.ctime().saturating_mul(1_000_000_000).saturating_add(md.ctime_nsec()),
+            inode: md.ino(),
+            dev: md.dev(),
+        };
+        let mut entries = vec![entry(String::new(), &std::fs::symlink_metadata(dir)?)];
+        let mut stack = vec![(dir.to_path_buf(), String::new())];
+        while let Some((p, prefix)) = stack.pop() {
+            for e in std::fs::read_dir(&p)? {
+                let e = e?;
+                let name = e.file_name().to_string_lossy().into_owned();
+                let rel = if prefix.is_empty() { name } else { format!("{prefix}/{name}") };
+                // Not followed: a symlink is recorded as itself (pack skips it).
+                let md = std::fs::symlink_metadata(e.path())?;
+                if md.is_dir() {
+                    stack.push((e.path(), rel.clone()));
+                }
+                entries.push(entry(rel, &md));
+            }
+        }
+        entries.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(Stamp { options: options.to_string(), entries, taken_ns, manifest: String::new() })
+    }
+
+    /// A file changed within a clock tick of the stamp: a second write in that same tick
+    /// would leave mtime and ctime (and maybe size) as they are, so such a stamp is not
+    /// recorded. The kernel stamps files from a coarse clock (ticks of up to 10 ms); on a
+    /// file system with whole-second times (every nanosecond field 0) the margin is 2 s.
+    fn racy(&self) -> bool {
+        let whole_seconds = self.entries.iter().all(|e| e.ctime_ns % 1_000_000_000 == 0 && e.mtime_ns % 1_000_000_000 == 0);
+        let margin: i64 = if whole_seconds { 2_000_000_000 } else { 20_000_000 };
+        self.entries.iter().any(|e| e.ctime_ns.max(e.mtime_ns) >= self.taken_ns.saturating_sub(margin))
+    }
+
+    /// The manifest recorded at `path` when its stamp's options and entries equal `now`'s.
+    /// Any problem reading it means "not recorded": the directory is packed again.
+    fn recorded(path: &Path, now: &Stamp) -> Option<OciDigest> {
+        use std::io::Read;
+        let mut bytes = Vec::new();
+        std::fs::File::open(path).ok()?.take(MAX_STAMP_BYTES).read_to_end(&mut bytes).ok()?;
+        let old: Stamp = serde_json::from_slice(&bytes).ok()?;
+        (old.options == now.options && old.entries == now.entries).then(|| old.manifest.parse().ok()).flatten()
+    }
+
+    /// Written to a temporary name and renamed, so a reader sees a whole stamp or none.
+    fn save(&self, path: &Path) -> std::io::Result<()> {
+        let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+        std::fs::write(&tmp, serde_json::to_vec(self)?)?;
+        std::fs::rename(&tmp, path).inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })
+    }
+}
+
+fn ns_since_epoch(t: std::time::SystemTime) -> i64 {
+    t.duration_since(std::time::UNIX_EPOCH).map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)).unwrap_or(0)
 }

@@ -164,6 +164,44 @@ fn push_directory_twice_sends_nothing_the_second_time() {
     assert!(n(&rep, "bytes_sent") < MIB, "only the new config and index: {rep}");
 }
 
+/// Issue 4: re-pushing an unchanged directory re-packed all of it before finding nothing to
+/// send. Now its stamp (names, sizes, times, inodes) is recorded with the manifest, a match
+/// skips packing, and a write (which moves ctime) packs again and sends the change.
+#[test]
+fn regression_issue_4_repush_unchanged_directory_skips_packing() {
+    let w = Work::new();
+    let snap = w.sample("snap", "16MiB");
+    // Started after the sample is written, so the first push's stamp is not "racy" (files
+    // written within a clock tick of it are not trusted) and gets recorded.
+    let store = tempfile::tempdir().unwrap();
+    let s = Serve::start(store.path().to_str().unwrap(), &[], &[]);
+    let dest = format!("{}/vm/stamp:v1", s.addr);
+    let first = w.push(snap.to_str().unwrap(), &dest, &[]);
+    assert_eq!(first["pack"]["skipped"], false, "{first}");
+    assert!(n(&first, "bytes_sent") > 4 * MIB, "{first}");
+
+    let again = w.push(snap.to_str().unwrap(), &dest, &[]);
+    assert_eq!(again["pack"]["skipped"], true, "unchanged directory: not packed again: {again}");
+    assert_eq!(again["manifest"], first["manifest"]);
+    assert_eq!((n(&again, "bytes_sent"), n(&again, "blobs_uploaded")), (0, 0), "{again}");
+
+    // Rewrite 2 blocks in place (same names, same sizes, same inodes): packed again, sent.
+    w.ok(&["sample", snap.to_str().unwrap(), "--size", "16MiB", "--mutate", "2"]);
+    let changed = w.push(snap.to_str().unwrap(), &dest, &[]);
+    assert_eq!(changed["pack"]["skipped"], false, "a written file is packed again: {changed}");
+    assert_ne!(changed["manifest"], first["manifest"], "{changed}");
+    assert!(n(&changed, "bytes_sent") > 0, "{changed}");
+    let out = w.path("out");
+    w.ok(&["unpack", &dest, out.to_str().unwrap()]);
+    same_files(&snap, &out);
+
+    // An image already packed (oci:) has no pack step in the report.
+    let lay = w.path("layout");
+    w.ok(&["pack", snap.to_str().unwrap(), &format!("oci:{}:v1", lay.display())]);
+    let from_layout = w.push(&format!("oci:{}:v1", lay.display()), &format!("{}/vm/lay:v1", s.addr), &[]);
+    assert!(from_layout.get("pack").is_none(), "{from_layout}");
+}
+
 /// A registry announcing `OCI-Chunk-Min-Length` 4 MiB: a push asked for 1 MiB pieces
 /// sends 4 MiB PATCHes (the server refuses smaller ones, shown first) and succeeds.
 #[test]
