@@ -356,3 +356,63 @@ impl Stamp {
 fn ns_since_epoch(t: std::time::SystemTime) -> i64 {
     t.duration_since(std::time::UNIX_EPOCH).map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)).unwrap_or(0)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A scratch directory removed on drop (the CLI crate has no tempfile dependency).
+    struct Scratch(PathBuf);
+    impl Scratch {
+        fn new(name: &str) -> Scratch {
+            let p = std::env::temp_dir().join(format!("snapctl-stamp-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&p);
+            std::fs::create_dir_all(p.join("sub")).unwrap();
+            std::fs::write(p.join("vm.mem"), vec![1u8; 8192]).unwrap();
+            std::fs::write(p.join("sub/vm.state"), b"state").unwrap();
+            Scratch(p)
+        }
+    }
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn stamp_lists_every_entry_and_sees_renames_removals_and_options() {
+        let d = Scratch::new("entries");
+        let s = Stamp::take(&d.0, "o").unwrap();
+        let names: Vec<&str> = s.entries.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(names, ["", "sub", "sub/vm.state", "vm.mem"]);
+        assert_eq!(s.entries[3].size, 8192);
+        assert_eq!(Stamp::take(&d.0, "o").unwrap().entries, s.entries, "nothing changed");
+
+        // Saved and read back: the manifest for the same stamp, nothing for other options
+        // or another directory state.
+        let file = d.0.with_extension("stamp.json");
+        let digest = OciDigest::of(b"manifest");
+        Stamp { manifest: digest.to_string(), ..Stamp::take(&d.0, "o").unwrap() }.save(&file).unwrap();
+        assert_eq!(Stamp::recorded(&file, &Stamp::take(&d.0, "o").unwrap()), Some(digest));
+        assert_eq!(Stamp::recorded(&file, &Stamp::take(&d.0, "other options").unwrap()), None);
+        std::fs::rename(d.0.join("sub/vm.state"), d.0.join("sub/vm.state2")).unwrap();
+        assert_eq!(Stamp::recorded(&file, &Stamp::take(&d.0, "o").unwrap()), None, "renamed");
+        std::fs::remove_file(d.0.join("sub/vm.state2")).unwrap();
+        assert_ne!(Stamp::take(&d.0, "o").unwrap().entries, s.entries, "removed");
+        // A damaged stamp file is "not recorded", not an error.
+        std::fs::write(&file, b"{not json").unwrap();
+        assert_eq!(Stamp::recorded(&file, &s), None);
+        std::fs::remove_file(&file).unwrap();
+    }
+
+    /// Files written just now could be written again within the same clock tick without
+    /// their times moving: such a stamp must not be recorded.
+    #[test]
+    fn a_stamp_of_files_written_just_now_is_racy() {
+        let d = Scratch::new("racy");
+        assert!(Stamp::take(&d.0, "o").unwrap().racy());
+        let mut old = Stamp::take(&d.0, "o").unwrap();
+        old.taken_ns += 60_000_000_000;
+        assert!(!old.racy(), "a minute later the same times are safe");
+    }
+}
