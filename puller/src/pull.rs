@@ -6,7 +6,9 @@
 //!         distinct digest      -> in the cache? read it (re-hashed) : fetch it
 //! fetch:  misses grouped by pack, sorted by offset, neighbours coalesced into
 //!         range requests of <= 8 MiB, `jobs` requests in flight
-//! each:   verify_stored -> write at every position holding that digest -> cache put
+//! each:   verify_stored -> write at every position holding that digest -> cache queue
+//! cache:  `CACHE_WRITERS` threads drain a bounded queue, putting chunks in batches
+//!         (one round of syncs per batch, not per chunk); drained before pull returns
 //! files:  temp name, set_len (holes), chunks, fsync, rename, fsync dir
 //! ```
 //!
@@ -20,6 +22,7 @@ use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -40,6 +43,14 @@ const MAX_RANGE_LIMIT: u64 = 256 << 20;
 const MAX_GAP: u64 = 256 << 10;
 /// Times a range request is repeated after an I/O failure before the pull gives up.
 const RANGE_RETRIES: u32 = 4;
+/// Threads putting fetched chunks in the cache: two, so one gathers the next batch while
+/// the other waits on the disk.
+const CACHE_WRITERS: usize = 2;
+/// Chunk bytes waiting in the cache queue, and the most one batch holds: enough to keep
+/// the disk busy, bounded so a slow disk slows the fetch instead of growing memory.
+const CACHE_QUEUE_BYTES: u64 = 32 << 20;
+/// Most chunks in one batch put, whatever their size.
+const CACHE_BATCH_MAX: usize = 64;
 
 #[derive(Debug, Clone)]
 pub struct PullOptions {
@@ -213,31 +224,31 @@ pub fn pull(
     let failed = AtomicBool::new(false);
     let first_err: Mutex<Option<UnpackError>> = Mutex::new(None);
     let c = Counters::default();
-    let ctx = Ctx { src, image, cache, distinct: &distinct, outs: &outs, shift, algo, progress, c: &c };
-    std::thread::scope(|s| {
-        for _ in 0..opts.jobs.max(1) {
-            s.spawn(|| loop {
-                if failed.load(Ordering::Relaxed) {
-                    break;
-                }
-                let Some(w) = work.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
-                let res = match w {
-                    Work::Cached(i) => ctx.read_cached(*i),
-                    Work::Range { pack, start, end, members } => {
-                        if !opts.request_delay.is_zero() {
-                            std::thread::sleep(opts.request_delay);
-                        }
-                        ctx.fetch_range(*pack, *start, *end, members)
-                    }
-                };
-                if let Err(e) = res {
-                    failed.store(true, Ordering::Relaxed);
-                    first_err.lock().expect("poisoned").get_or_insert(e);
-                    break;
-                }
-            });
+    // The cache queue: fetch workers hand verified chunks over and go on writing the
+    // destination; the writers make them durable in the cache behind them.
+    let per_chunk = 1u64 << shift;
+    let queue_len = (CACHE_QUEUE_BYTES / per_chunk).clamp(2, CACHE_BATCH_MAX as u64) as usize;
+    let (to_cache, from_fetch) = std::sync::mpsc::sync_channel::<(ChunkDigest, VerifiedChunk)>(queue_len);
+    let from_fetch = Mutex::new(from_fetch);
+    std::thread::scope(|outer| {
+        if let Some(cache) = cache {
+            for _ in 0..CACHE_WRITERS {
+                outer.spawn(|| cache_writer(cache, algo, &from_fetch, queue_len, &c));
+            }
         }
+        let ctx = Ctx { src, image, cache, to_cache: cache.map(|_| to_cache), distinct: &distinct, outs: &outs, shift, algo, progress, c: &c };
+        run_workers(&ctx, &work, opts, &next, &failed, &first_err);
+        // Dropping the last sender ends the writers once the queue is drained; the outer
+        // scope waits for them, so every queued chunk is put before pull returns.
+        drop(ctx);
     });
+    if let Some(cache) = cache {
+        // The writers' passes may have overlapped; one more check, with nothing in flight,
+        // leaves the cache within its limit and the report's size exact if it was over.
+        if cache.maintain(false).is_err() {
+            c.put_errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
     if let Some(e) = first_err.into_inner().expect("poisoned") {
         // The guards remove every temp file: nothing appears under a final name.
         return Err(e);
@@ -266,6 +277,64 @@ pub fn pull(
     report.cache = cache.map(|c| c.stats());
     report.seconds = t0.elapsed().as_secs_f64();
     Ok(report)
+}
+
+/// Put chunks from the queue in the cache until every sender is gone: block for one,
+/// then take whatever else is already waiting (up to `batch_max`) into the same batch, so
+/// batches grow only when the disk is the bottleneck and a slow trickle is put promptly.
+fn cache_writer(cache: &ChunkCache, algo: imgfmt::HashAlgo, rx: &Mutex<Receiver<(ChunkDigest, VerifiedChunk)>>, batch_max: usize, c: &Counters) {
+    loop {
+        let batch: Vec<(ChunkDigest, VerifiedChunk)> = {
+            let rx = rx.lock().expect("poisoned");
+            let Ok(first) = rx.recv() else { return };
+            let mut batch = vec![first];
+            while batch.len() < batch_max {
+                match rx.try_recv() {
+                    Ok(item) => batch.push(item),
+                    Err(_) => break,
+                }
+            }
+            batch
+        };
+        let items: Vec<(ChunkDigest, &VerifiedChunk)> = batch.iter().map(|(d, ch)| (*d, ch)).collect();
+        let failed = cache.put_batch(algo, &items).iter().filter(|r| r.is_err()).count();
+        c.put_errors.fetch_add(failed as u64, Ordering::Relaxed);
+    }
+}
+
+/// The fetch pool: `jobs` threads taking work items in order until done or one fails.
+fn run_workers(
+    ctx: &Ctx<'_>,
+    work: &[Work],
+    opts: &PullOptions,
+    next: &AtomicUsize,
+    failed: &AtomicBool,
+    first_err: &Mutex<Option<UnpackError>>,
+) {
+    std::thread::scope(|s| {
+        for _ in 0..opts.jobs.max(1) {
+            s.spawn(|| loop {
+                if failed.load(Ordering::Relaxed) {
+                    break;
+                }
+                let Some(w) = work.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
+                let res = match w {
+                    Work::Cached(i) => ctx.read_cached(*i),
+                    Work::Range { pack, start, end, members } => {
+                        if !opts.request_delay.is_zero() {
+                            std::thread::sleep(opts.request_delay);
+                        }
+                        ctx.fetch_range(*pack, *start, *end, members)
+                    }
+                };
+                if let Err(e) = res {
+                    failed.store(true, Ordering::Relaxed);
+                    first_err.lock().expect("poisoned").get_or_insert(e);
+                    break;
+                }
+            });
+        }
+    });
 }
 
 /// Remove `<prefix>-<pid>-...` temp files of pulls (or unpacks) that were killed: their
@@ -327,6 +396,8 @@ struct Ctx<'a> {
     src: &'a dyn BlobSource,
     image: &'a Image,
     cache: Option<&'a ChunkCache>,
+    /// The cache queue (with a cache only).
+    to_cache: Option<SyncSender<(ChunkDigest, VerifiedChunk)>>,
     distinct: &'a [Distinct],
     outs: &'a [(File, PathBuf, TempGuard)],
     shift: u8,
@@ -376,12 +447,14 @@ impl Ctx<'_> {
                 Err(_) => self.refetch(i)?,
             };
             self.c.fetched.fetch_add(1, Ordering::Relaxed);
-            if let Some(cache) = self.cache {
-                if cache.put(self.algo, &d.digest, &chunk).is_err() {
+            self.place(i, &chunk)?;
+            if let Some(q) = &self.to_cache {
+                // Blocks only while the queue is full. The writers outlive every sender,
+                // so a send fails only if they are gone, which leaves the chunk uncached.
+                if q.send((d.digest, chunk)).is_err() {
                     self.c.put_errors.fetch_add(1, Ordering::Relaxed);
                 }
             }
-            self.place(i, &chunk)?;
         }
         Ok(())
     }

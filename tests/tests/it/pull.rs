@@ -136,6 +136,11 @@ fn pull_suite(registry_addr: &str) {
     // Neighbours coalesced: far fewer requests than chunks.
     assert!(n(&j, "range_requests") < n(&j, "chunks_fetched"), "{j}");
     assert!(r.stderr.contains("pulled 2 files"), "{}", r.stderr);
+    // Issue 4: cache puts run behind the fetch, in batches; the pull still returns only
+    // once every fetched chunk is in the cache.
+    assert_eq!(j["cache"]["puts"].as_u64(), Some(n(&j, "chunks_fetched")), "{j}");
+    assert_eq!(n(&j, "cache_put_errors"), 0, "{j}");
+    assert_eq!(cache_entries(&cache).0.len() as u64, n(&j, "chunks_fetched"), "{j}");
     let full_fetch = n(&j, "bytes_fetched");
 
     // Same image again, same cache: nothing crosses the network.
