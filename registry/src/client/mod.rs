@@ -418,22 +418,50 @@ impl BlobSource for RegistrySource {
     }
 
     fn read_at_unverified(&self, d: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
-        if buf.is_empty() {
-            return Ok(());
-        }
         let url = self.url("blobs", d.as_str());
-        let range = format!("bytes={}-{}", offset, offset + buf.len() as u64 - 1);
-        let what = format!("range {range} of {d} from {}", self.describe());
-        let mut resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone())).map_err(FormatError::from)?;
-        match resp.status().as_u16() {
-            206 => {}
-            // A registry that ignores Range sends the whole blob: usable only from offset 0.
-            200 if offset == 0 => {}
-            200 => return Err(http_err(&what, "registry ignored the Range header")),
-            416 => return Err(FormatError::Truncated { what: "pack blob (range past its end)", got: offset, expected: offset + buf.len() as u64 }),
-            _ => return Err(self.not_found_or(resp, &what, Some(d))),
+        // A connection reset or a body cut short after the status line is as transient as a
+        // 503: ask again for the bytes still missing, within the same retry budget
+        // (`send` retries what happens before the status line).
+        let mut got = 0usize;
+        let mut body_failures = 0u32;
+        while got < buf.len() {
+            let at = offset + got as u64;
+            let range = format!("bytes={}-{}", at, offset + buf.len() as u64 - 1);
+            let what = format!("range {range} of {d} from {}", self.describe());
+            let mut resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone())).map_err(FormatError::from)?;
+            match resp.status().as_u16() {
+                206 => {}
+                // A registry that ignores Range sends the whole blob: usable only from offset 0.
+                200 if at == 0 => {}
+                200 => return Err(http_err(&what, "registry ignored the Range header")),
+                416 => return Err(FormatError::Truncated { what: "pack blob (range past its end)", got: at, expected: offset + buf.len() as u64 }),
+                _ => return Err(self.not_found_or(resp, &what, Some(d))),
+            }
+            let before = got;
+            let err = loop {
+                match resp.read(&mut buf[got..]) {
+                    Ok(0) => break std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "body ended early"),
+                    Ok(n) => {
+                        got += n;
+                        if got == buf.len() {
+                            return Ok(());
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => break e,
+                }
+            };
+            // Progress made on this attempt earns a fresh budget only for the rest: a server
+            // that keeps cutting without progress still runs out.
+            if got == before {
+                body_failures += 1;
+            }
+            if body_failures > self.retries {
+                return Err(http_err(&what, format!("{err} (gave up after {body_failures} attempts)")));
+            }
+            tracing::debug!("{what}: {err}; asking again for the rest");
+            std::thread::sleep(backoff(body_failures.max(1), None));
         }
-        resp.read_exact(buf).map_err(|e| http_err(&what, e))?;
         Ok(())
     }
 }
