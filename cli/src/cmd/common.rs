@@ -54,6 +54,19 @@ pub struct Opened {
 }
 
 pub fn open_ref(reference: &str) -> anyhow::Result<Opened> {
+    open_ref_plain(reference, false)
+}
+
+/// A client for one repository of a registry: plain HTTP when asked (`--plain-http`,
+/// `SNAPCTL_PLAIN_HTTP=1`) or for a loopback host; credentials from the docker config.
+pub fn registry_client(host: &str, repository: &str, plain_http: bool) -> anyhow::Result<registry::client::RegistrySource> {
+    let plain = plain_http || std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || registry::client::is_loopback(host);
+    let creds = registry::client::docker_config_credentials(host);
+    registry::client::RegistrySource::new(host, repository, plain, creds).with_context(|| format!("connecting to {host}"))
+}
+
+/// [`open_ref`], with `--plain-http` for registry references.
+pub fn open_ref_plain(reference: &str, plain_http: bool) -> anyhow::Result<Opened> {
     let r: Reference = reference.parse()?;
     match r {
         Reference::Layout { path, selector } => {
@@ -61,10 +74,7 @@ pub fn open_ref(reference: &str) -> anyhow::Result<Opened> {
             Ok(Opened { source: Box::new(layout), selector, reference: reference.to_string() })
         }
         Reference::Registry { host, repository, selector } => {
-            let plain = std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || registry::client::is_loopback(&host);
-            let creds = registry::client::docker_config_credentials(&host);
-            let src = registry::client::RegistrySource::new(&host, &repository, plain, creds)
-                .with_context(|| format!("connecting to {host}"))?;
+            let src = registry_client(&host, &repository, plain_http)?;
             Ok(Opened { source: Box::new(src), selector, reference: reference.to_string() })
         }
     }

@@ -7,8 +7,8 @@ use anyhow::{bail, Context};
 use imgfmt::reference::{Reference, Selector};
 use imgfmt::OciLayout;
 
-use super::common::{self, open_ref};
-use super::push::{registry_client, transfer, TransferFlags};
+use super::common::{self, open_ref_plain, registry_client};
+use super::push::{transfer, TransferFlags};
 
 /// Copy an image between registries and local layouts, keeping its digest.
 ///
@@ -42,7 +42,7 @@ pub fn run(a: CopyArgs) -> anyhow::Result<ExitCode> {
 /// Copy the image `src` names to `dest` (both references as the CLI takes them). Also
 /// what `snapctl pull REF oci:PATH:TAG` does.
 pub fn copy_refs(src: &str, dest: &str, flags: &TransferFlags) -> anyhow::Result<pusher::PushReport> {
-    let opened = open_ref(src)?;
+    let opened = open_ref_plain(src, flags.plain_http)?;
     let digest = match &opened.selector {
         Selector::Tag(t) => opened.source.resolve_tag(t).with_context(|| format!("resolving {src}"))?,
         Selector::Digest(d) => d.clone(),

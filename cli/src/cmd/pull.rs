@@ -6,10 +6,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use imgfmt::reference::Reference;
 use puller::{ChunkCache, PullOptions};
 
-use super::common::{self, open_image, open_ref, parse_size, progress_bar, Opened};
+use super::common::{self, open_image, parse_size, progress_bar};
 
 /// Pull an image from a registry into a directory (the wake path of a sandbox).
 ///
@@ -85,7 +84,7 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
         return Ok(common::code(common::EXIT_OK));
     }
     let dest = PathBuf::from(&a.dest);
-    let o = open_source(&a.image, a.plain_http)?;
+    let o = common::open_ref_plain(&a.image, a.plain_http)?;
     let image = open_image(&o)?;
     let cache = if a.no_cache {
         None
@@ -133,17 +132,4 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
         eprintln!("warning: {} chunks could not be added to the cache", report.cache_put_errors);
     }
     Ok(common::code(common::EXIT_OK))
-}
-
-/// Open a reference, honouring `--plain-http` for registry references.
-fn open_source(reference: &str, plain_http: bool) -> anyhow::Result<Opened> {
-    if plain_http {
-        if let Ok(Reference::Registry { host, repository, selector }) = reference.parse::<Reference>() {
-            let creds = registry::client::docker_config_credentials(&host);
-            let src = registry::client::RegistrySource::new(&host, &repository, true, creds)
-                .with_context(|| format!("connecting to {host}"))?;
-            return Ok(Opened { source: Box::new(src), selector, reference: reference.to_string() });
-        }
-    }
-    open_ref(reference)
 }

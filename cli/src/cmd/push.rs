@@ -10,7 +10,7 @@ use imgfmt::reference::{Reference, Selector};
 use imgfmt::{BlobSource, OciDigest, OciLayout};
 use pusher::copy::PackStep;
 use pusher::{CopyOptions, PushReport};
-use registry::client::{RegistrySource, UploadOptions};
+use registry::client::UploadOptions;
 
 use super::common::{self, progress_bar, IntegrityError};
 use super::pack::PackFlags;
@@ -75,14 +75,6 @@ impl TransferFlags {
     pub fn cache_dir(&self) -> PathBuf {
         self.cache.clone().unwrap_or_else(registry::client::cache_dir)
     }
-}
-
-/// A client for `host`/`repository`: plain HTTP when asked or local, credentials from
-/// Docker's config.
-pub fn registry_client(host: &str, repository: &str, plain_http: bool) -> anyhow::Result<RegistrySource> {
-    let plain = plain_http || std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || registry::client::is_loopback(host);
-    let creds = registry::client::docker_config_credentials(host);
-    RegistrySource::new(host, repository, plain, creds).with_context(|| format!("connecting to {host}"))
 }
 
 /// Move `digest` from `src` to `target` with a progress bar on a terminal, then print the
@@ -164,7 +156,7 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
         Reference::Registry { .. } => bail!("{}: push needs a tag (HOST/REPO:TAG), not a digest", a.dest),
         Reference::Layout { .. } => bail!("{}: push sends to a registry (HOST[:PORT]/REPO[:TAG]); for a local layout use `snapctl copy`", a.dest),
     };
-    let dest = registry_client(&host, &repository, a.transfer.plain_http)?;
+    let dest = common::registry_client(&host, &repository, a.transfer.plain_http)?;
     let mut pack = None;
     let (layout, digest) = if a.src.starts_with("oci:") {
         let Reference::Layout { path, selector } = a.src.parse::<Reference>()? else { unreachable!("oci: prefix") };
