@@ -151,12 +151,10 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
             (o, Some(Box::new(LayoutTraces(OciLayout::open(&path).with_context(|| format!("opening {}", path.display()))?))))
         }
         Reference::Registry { host, repository, selector } => {
-            let plain = std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || registry::client::is_loopback(&host);
-            let creds = registry::client::docker_config_credentials(&host);
-            let src = Arc::new(registry::client::RegistrySource::new(&host, &repository, plain, creds.clone()).with_context(|| format!("connecting to {host}"))?);
+            let src = Arc::new(common::registry_client(&host, &repository, false)?);
             // Chunk reads get a client that does not retry on its own: the daemon retries
             // them with backoff inside --retry-budget and counts every retry.
-            let mut faults = registry::client::RegistrySource::new(&host, &repository, plain, creds).with_context(|| format!("connecting to {host}"))?;
+            let mut faults = common::registry_client(&host, &repository, false)?;
             faults.set_retries(0);
             fault_source = Some(Arc::new(faults) as Arc<dyn imgfmt::BlobSource>);
             let o = common::Opened { source: Box::new(ArcSource(src.clone())), selector, reference: a.image.clone() };
