@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use imgfmt::{BlobSource, Image, OciLayout, StoredAt};
 use serde_json::Value;
 use snapctl_tests::fault_proxy::{Fault, FaultProxy, Match, Rule};
-use snapctl_tests::registry_support::Serve;
+use snapctl_tests::registry_support::{Distribution, Serve};
 use snapctl_tests::{have, run, snapctl, snapctl_bin};
 
 const MIB: u64 = 1 << 20;
@@ -499,4 +499,59 @@ fn lazy_restore_every_page_of_256mib() {
     let r = fake_vmm(&sock, &mem, &["--threads", "4"]);
     assert_clean(&r, 256 * MIB / 4096);
     assert_eq!(h.wait_exit(Duration::from_secs(60)), 0, "{}", h.log_text());
+}
+
+/// Issue 5: `--record-trace` stores the fault order with the image in a registry (the
+/// referrers API on `snapctl serve`, the `sha256-<hex>` fallback tag on Debian's
+/// docker-registry, which has no referrers API), and the next restore from that registry
+/// finds it and prefetches from it.
+#[test]
+fn lazy_trace_round_trips_through_both_registries() {
+    if !uffd_usable() || !lazy_available() || !have("docker-registry") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (snap, layout_ref) = packed_sample(dir.path(), "16MiB", "21");
+    let mem = snap.join("vm.mem");
+    let serve = Serve::start(dir.path().join("storage").to_str().unwrap(), &[], &[]);
+    let dist_dir = dir.path().join("dist");
+    fs::create_dir_all(&dist_dir).unwrap();
+    let dist = Distribution::start(&dist_dir);
+    for (name, addr) in [("snapctl serve", serve.addr.as_str()), ("docker-registry", dist.addr.as_str())] {
+        let image = format!("{addr}/sandboxes/traced:v1");
+        let r = run(snapctl().args(["push", &layout_ref, &image]));
+        assert_eq!(r.code, 0, "{name}: push: {r:?}");
+        let digest = r.stdout.trim().to_string();
+        // A clustered working set, so the trace is a strict subset of the chunks.
+        let touch = ["--threads", "2", "--touch", "10%", "--run-pages", "64", "--seed", "3"];
+        let sock = dir.path().join(format!("rec-{}.sock", name.len()));
+        let mut h = Handler::lazy(&image, &sock, &["--once", "--record-trace", "--prefetch", "none", "--no-cache"]);
+        let r = fake_vmm(&sock, &mem, &touch);
+        assert_eq!(r.code, 0, "{name}: {r:?}");
+        assert_eq!(h.wait_exit(Duration::from_secs(30)), 0, "{name}: {}", h.log_text());
+        let rec = &h.reports(1, Duration::from_secs(1))[0];
+        assert!(h.log_text().contains("trace of"), "{name}: the trace was stored: {}", h.log_text());
+        let fetched_first = n(rec, &["faults", "fetched"]);
+        assert!(fetched_first > 0, "{name}: {rec}");
+
+        // Where it went: a referrer of the image, listed by the API or the fallback tag.
+        let hex = digest.strip_prefix("sha256:").expect("sha256 manifest digest");
+        let tags = reqwest::blocking::get(format!("http://{addr}/v2/sandboxes/traced/tags/list")).unwrap().text().unwrap();
+        if name == "docker-registry" {
+            assert!(tags.contains(&format!("sha256-{hex}")), "{name}: fallback tag in {tags}");
+        } else {
+            let refs = reqwest::blocking::get(format!("http://{addr}/v2/sandboxes/traced/referrers/{digest}")).unwrap().text().unwrap();
+            assert!(refs.contains("application/vnd.snapctl.trace.v1+json"), "{name}: referrers: {refs}");
+        }
+
+        // The next restore replays it: chunks arrive ahead of the guest.
+        let sock = dir.path().join(format!("replay-{}.sock", name.len()));
+        let mut h = Handler::lazy(&image, &sock, &["--once", "--prefetch", "trace", "--no-cache"]);
+        let r = fake_vmm(&sock, &mem, &touch);
+        assert_eq!(r.code, 0, "{name}: {r:?}");
+        assert_eq!(h.wait_exit(Duration::from_secs(30)), 0, "{name}: {}", h.log_text());
+        let rep = &h.reports(1, Duration::from_secs(1))[0];
+        assert!(n(rep, &["prefetched_chunks"]) > 0, "{name}: the trace was replayed: {rep}\n{}", h.log_text());
+        assert_eq!(n(rep, &["verify_failures"]), 0, "{name}: {rep}");
+    }
 }
