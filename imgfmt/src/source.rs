@@ -22,6 +22,25 @@ pub trait BlobSource: Send + Sync {
     fn read_at_unverified(&self, digest: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), FormatError>;
 }
 
+/// Stream blob `digest` (`size` bytes as stored) to `f` in pieces of at most 4 MiB, in
+/// order. The pieces are **unverified**: the caller hashes what it sees and decides.
+pub fn stream_blob_unverified<E: From<FormatError>>(
+    src: &dyn BlobSource,
+    digest: &OciDigest,
+    size: u64,
+    mut f: impl FnMut(&[u8]) -> Result<(), E>,
+) -> Result<(), E> {
+    let mut buf = vec![0u8; (4usize << 20).min(size as usize)];
+    let mut off = 0u64;
+    while off < size {
+        let n = (size - off).min(buf.len() as u64) as usize;
+        src.read_at_unverified(digest, off, &mut buf[..n])?;
+        f(&buf[..n])?;
+        off += n as u64;
+    }
+    Ok(())
+}
+
 /// Read a small metadata blob and check its OCI digest: what comes back is verified.
 pub fn read_verified_blob(src: &dyn BlobSource, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
     let b = src.read_blob_unverified(digest, limit)?;

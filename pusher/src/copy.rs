@@ -348,16 +348,12 @@ fn write_blob(src: &dyn BlobSource, d: &OciDigest, size: u64, l: &OciLayout, tic
     }
     let mut w = l.blob_writer()?;
     let mut h = sha2::Sha256::new();
-    let mut buf = vec![0u8; 4 << 20];
-    let mut off = 0u64;
-    while off < size {
-        let n = (size - off).min(buf.len() as u64) as usize;
-        src.read_at_unverified(d, off, &mut buf[..n])?;
-        h.update(&buf[..n]);
-        w.write_all(&buf[..n]).map_err(|source| CopyError::Io { what: format!("writing {d} into {}", l.describe()), source })?;
-        off += n as u64;
-        tick(n as u64);
-    }
+    imgfmt::source::stream_blob_unverified(src, d, size, |piece| {
+        h.update(piece);
+        w.write_all(piece).map_err(|source| CopyError::Io { what: format!("writing {d} into {}", l.describe()), source })?;
+        tick(piece.len() as u64);
+        Ok::<(), CopyError>(())
+    })?;
     let actual = OciDigest::sha256_from_bytes(h.finalize().into());
     if &actual != d {
         return Err(FormatError::BlobDigestMismatch { digest: d.clone(), actual }.into());

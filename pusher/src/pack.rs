@@ -615,14 +615,9 @@ pub fn ensure_blob(dest: &OciLayout, src: &dyn BlobSource, d: &OciDigest) -> Res
     }
     let size = src.blob_size(d)?;
     let mut w = dest.blob_writer()?;
-    let mut buf = vec![0u8; 4 << 20];
-    let mut off = 0;
-    while off < size {
-        let n = (size - off).min(buf.len() as u64) as usize;
-        src.read_at_unverified(d, off, &mut buf[..n])?;
-        w.write_all(&buf[..n]).map_err(|e| FormatError::Io { context: "copy blob".into(), source: e })?;
-        off += n as u64;
-    }
+    imgfmt::source::stream_blob_unverified::<FormatError>(src, d, size, |piece| {
+        w.write_all(piece).map_err(|e| FormatError::Io { context: "copy blob".into(), source: e })
+    })?;
     let (got, _) = w.finish()?;
     if &got != d {
         // The blob landed under its real name, which is harmless; the one we needed is

@@ -343,14 +343,10 @@ fn for_each_index(n: usize, threads: usize, f: impl Fn(usize, &mut Vec<u8>) + Sy
 fn sha256_of_blob(src: &dyn BlobSource, d: &OciDigest, size: u64) -> Result<OciDigest, FormatError> {
     use sha2::Digest;
     let mut h = sha2::Sha256::new();
-    let mut buf = vec![0u8; 4 << 20];
-    let mut off = 0u64;
-    while off < size {
-        let n = (size - off).min(buf.len() as u64) as usize;
-        src.read_at_unverified(d, off, &mut buf[..n])?;
-        h.update(&buf[..n]);
-        off += n as u64;
-    }
+    imgfmt::source::stream_blob_unverified::<FormatError>(src, d, size, |piece| {
+        h.update(piece);
+        Ok(())
+    })?;
     Ok(OciDigest::sha256_from_bytes(h.finalize().into()))
 }
 
