@@ -395,6 +395,9 @@ impl Server {
                 let cr = parse_content_range(headers.get(header::CONTENT_RANGE))?;
                 let min = self.cfg.chunk_min_length;
                 if let Some(cl) = content_length(&headers).filter(|&cl| min > 0 && cl < min) {
+                    // Read the (short: under `min`) body before refusing: answering while the
+                    // client is still sending makes it see a reset instead of the 400.
+                    futures::StreamExt::for_each(counted, |_| async {}).await;
                     return Err(ApiError::bad(
                         Code::BlobUploadInvalid,
                         format!("PATCH of {cl} bytes is below OCI-Chunk-Min-Length {min} (only the last piece, sent with the PUT, may be shorter)"),
