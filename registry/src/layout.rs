@@ -8,6 +8,10 @@
 //! repositories/<name>/_referrers/<alg>/<subject-hex>/<alg>-<hex>   descriptor JSON of a referrer
 //! _uploads/<id>/state.json                               upload session: {repo, started}
 //! _uploads/<id>/parts/<offset, 20 digits>                committed chunk starting at offset
+//!                                                         (object stores)
+//! _uploads/<id>/data                                      the bytes so far (local fs store;
+//!                                                         may run past the committed size)
+//! _uploads/<id>/committed                                 committed size, decimal (local fs)
 //! ```
 //! Names and tags are validated ([`crate::name`]) and cannot start with `_`, so a
 //! repository component can never collide with `_layers`, `_tags`, ... .
@@ -80,6 +84,16 @@ pub fn upload_state(id: &str) -> String {
 /// Directory of an upload session's committed chunks.
 pub fn upload_parts(id: &str) -> String {
     format!("_uploads/{id}/parts/")
+}
+
+/// The bytes of upload `id` on a local store, appended in place.
+pub fn upload_data(id: &str) -> String {
+    format!("_uploads/{id}/data")
+}
+
+/// How many bytes of [`upload_data`] are committed (decimal text).
+pub fn upload_committed(id: &str) -> String {
+    format!("_uploads/{id}/committed")
 }
 
 /// The chunk of upload `id` starting at `offset`.

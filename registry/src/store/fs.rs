@@ -216,6 +216,10 @@ impl BlobStore for FsStore {
     fn staging_dir(&self) -> &Path {
         &self.tmp
     }
+
+    fn local_file(&self, key: &str) -> Option<PathBuf> {
+        self.path(key).ok()
+    }
 }
 
 #[cfg(test)]

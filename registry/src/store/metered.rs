@@ -65,4 +65,7 @@ impl BlobStore for MeteredStore {
     fn staging_dir(&self) -> &Path {
         self.inner.staging_dir()
     }
+    fn local_file(&self, key: &str) -> Option<std::path::PathBuf> {
+        self.inner.local_file(key)
+    }
 }

@@ -134,6 +134,15 @@ pub trait BlobStore: Send + Sync + std::fmt::Debug + 'static {
 
     /// A local directory for staging files that [`BlobStore::put_file`] will accept.
     fn staging_dir(&self) -> &Path;
+
+    /// The local file that holds `key`, when this store keeps objects as plain files on
+    /// a local file system (the fs store). Upload sessions then append PATCH bodies to
+    /// one file in place, so a blob uploaded in many pieces is written to disk once,
+    /// rather than once as parts and again when the parts are joined. `None` (the
+    /// default, object stores): parts are objects of their own.
+    fn local_file(&self, _key: &str) -> Option<std::path::PathBuf> {
+        None
+    }
 }
 
 /// Check a storage key: relative, `/`-separated, no empty, `.` or `..` components, no
