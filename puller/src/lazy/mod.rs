@@ -16,6 +16,7 @@
 mod fetch;
 pub mod handshake;
 pub mod map;
+pub mod pagemap;
 pub mod prefetch;
 pub mod stats;
 mod uffd;
