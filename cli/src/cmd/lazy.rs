@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::{bail, Context as _};
 use imgfmt::reference::Reference;
 use imgfmt::{OciLayout, Role};
+use puller::lazy::criu::{CriuDaemon, CriuReport};
 use puller::lazy::{ConnReport, Daemon, LayoutTraces, LazyOptions, PrefetchMode, RegistryTraces, RetryPolicy, TraceStore};
 
 use super::common::{self, open_image};
@@ -23,16 +24,28 @@ use super::common::{self, open_image};
 /// UFFDIO_COPY. Bytes that fail verification twice are never installed: the range is
 /// poisoned instead. Serves many VMs at once; runs until killed (or see --once).
 ///
-/// Exit codes (with --once): 0 served, 1 a chunk failed verification (poisoned), 2 error.
+/// With --criu-workdir DIR it takes the role of `criu lazy-pages` instead: it listens on
+/// DIR/lazy-pages.socket, where `criu restore --lazy-pages` sends each restored task's pid
+/// and userfaultfd, serves faults from the image's pagemap-<pid>.img and pages-<id>.img,
+/// pushes the remaining pages once the restore has finished, and exits when every task is
+/// done.
+///
+/// Exit codes (with --once or --criu-workdir): 0 served, 1 a chunk failed verification
+/// (poisoned), 2 error (with --criu-workdir: also a task that could not be fully served).
 #[derive(Debug, clap::Args)]
 pub struct LazyArgs {
     /// Image: oci:PATH[:TAG|@DIGEST] or HOST[:PORT]/REPO[:TAG|@DIGEST].
     pub image: String,
-    /// Unix socket to listen on (a stale socket file there is replaced).
-    #[arg(long, value_name = "PATH")]
-    pub socket: PathBuf,
+    /// Unix socket to listen on for Firecracker's handshake (a stale socket file there is
+    /// replaced).
+    #[arg(long, value_name = "PATH", required_unless_present = "criu_workdir", conflicts_with = "criu_workdir")]
+    pub socket: Option<PathBuf>,
+    /// Serve `criu restore --lazy-pages` run in work directory DIR (listens on
+    /// DIR/lazy-pages.socket; serves one restore, then exits).
+    #[arg(long, value_name = "DIR")]
+    pub criu_workdir: Option<PathBuf>,
     /// The memory file to serve (default: the image's file with role "memory").
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", conflicts_with = "criu_workdir")]
     pub file: Option<String>,
     /// Chunk cache directory (default: $SNAPCTL_CACHE, $XDG_CACHE_HOME/snapctl, ~/.cache/snapctl).
     #[arg(long, value_name = "DIR")]
@@ -52,7 +65,7 @@ pub struct LazyArgs {
     pub prefetch_rate: u64,
     /// Record the order chunks are first faulted and store it with the image (an artifact
     /// whose subject is the image) when the connection ends.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "criu_workdir")]
     pub record_trace: bool,
     /// Serve Prometheus metrics on http://ADDR/metrics (e.g. 127.0.0.1:9464).
     #[arg(long, value_name = "ADDR")]
@@ -162,17 +175,6 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
         }
     };
     let image = Arc::new(open_image(&o)?);
-    let file = match &a.file {
-        Some(name) => image.file(name).with_context(|| format!("{}: no file named {name:?}", a.image))?.0,
-        None => {
-            let mem: Vec<usize> = image.files.iter().enumerate().filter(|(_, f)| f.role == Role::Memory).map(|(i, _)| i).collect();
-            match mem.as_slice() {
-                [i] => *i,
-                [] => bail!("{}: no file has role memory; name one with --file", a.image),
-                _ => bail!("{}: several memory files; name one with --file", a.image),
-            }
-        }
-    };
     let store: Option<Arc<dyn puller::lazy::ChunkStore>> = if a.no_cache {
         None
     } else {
@@ -180,7 +182,7 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
         let limit = a.cache_size.unwrap_or(puller::cache::DEFAULT_LIMIT);
         Some(Arc::new(CacheStore(puller::ChunkCache::open(&dir, limit).with_context(|| format!("opening the chunk cache {}", dir.display()))?)))
     };
-    let mut opts = LazyOptions::new(a.socket.clone());
+    let mut opts = LazyOptions::new(a.socket.clone().unwrap_or_default());
     opts.prefetch = a.prefetch;
     opts.prefetch_rate = a.prefetch_rate;
     opts.record_trace = a.record_trace;
@@ -191,6 +193,20 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     let src: Arc<dyn imgfmt::BlobSource> = match fault_source {
         Some(s) => s,
         None => Arc::from(o.source),
+    };
+    if let Some(workdir) = &a.criu_workdir {
+        return run_criu(&a, image, src, store, workdir.clone(), opts);
+    }
+    let file = match &a.file {
+        Some(name) => image.file(name).with_context(|| format!("{}: no file named {name:?}", a.image))?.0,
+        None => {
+            let mem: Vec<usize> = image.files.iter().enumerate().filter(|(_, f)| f.role == Role::Memory).map(|(i, _)| i).collect();
+            match mem.as_slice() {
+                [i] => *i,
+                [] => bail!("{}: no file has role memory; name one with --file", a.image),
+                _ => bail!("{}: several memory files; name one with --file", a.image),
+            }
+        }
     };
     let daemon = Daemon::new(image.clone(), file, src, store, traces, opts)?;
     eprintln!(
@@ -235,6 +251,65 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
         }
     }))?;
     Ok(common::code(if failed.load(Ordering::Relaxed) { common::EXIT_FAILED } else { common::EXIT_OK }))
+}
+
+/// `--criu-workdir`: one `criu restore --lazy-pages`, every task it restores.
+fn run_criu(
+    a: &LazyArgs,
+    image: Arc<imgfmt::Image>,
+    src: Arc<dyn imgfmt::BlobSource>,
+    store: Option<Arc<dyn puller::lazy::ChunkStore>>,
+    workdir: PathBuf,
+    opts: LazyOptions,
+) -> anyhow::Result<ExitCode> {
+    if image.config().kind != imgfmt::Kind::Criu {
+        eprintln!("snapctl lazy: warning: {} is a {} image, not criu", a.image, image.config().kind);
+    }
+    let daemon = CriuDaemon::new(image, src, store, workdir, opts);
+    if let Some(addr) = &a.metrics {
+        let bound = daemon.serve_metrics(addr)?;
+        eprintln!("snapctl lazy: metrics on http://{bound}/metrics");
+    }
+    let (failed, errored) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let (json, f2, e2) = (a.json, failed.clone(), errored.clone());
+    daemon.run(Arc::new(move |r: &CriuReport| {
+        let c = &r.conn;
+        if c.integrity_failed() {
+            f2.store(true, Ordering::Relaxed);
+        }
+        if r.error.is_some() {
+            e2.store(true, Ordering::Relaxed);
+        }
+        eprintln!(
+            "snapctl lazy: criu: pid {} done ({}): {} faults ({} zero, {} cache, {} fetched, {} present), {} fetched, {} pushed, latency p50 {}us p99 {}us, {} verify failures, {} pages poisoned{}",
+            c.pid,
+            c.ended,
+            c.faults.total,
+            c.faults.zero,
+            c.faults.cache_hit,
+            c.faults.fetched,
+            c.faults.present,
+            imgfmt::size::human(c.bytes_fetched),
+            imgfmt::size::human(c.prefetched_bytes),
+            c.latency_us.p50,
+            c.latency_us.p99,
+            c.verify_failures,
+            c.poisoned_pages,
+            r.error.as_deref().map(|e| format!("; ERROR: {e}")).unwrap_or_default()
+        );
+        if json {
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "{}", serde_json::to_string(r).expect("report serializes"));
+            let _ = out.flush();
+        }
+    }))?;
+    Ok(common::code(if errored.load(Ordering::Relaxed) {
+        common::EXIT_ERROR
+    } else if failed.load(Ordering::Relaxed) {
+        common::EXIT_FAILED
+    } else {
+        common::EXIT_OK
+    }))
 }
 
 #[cfg(test)]

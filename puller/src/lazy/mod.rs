@@ -13,6 +13,7 @@
 //! One daemon serves many connections over one image, one chunk cache and one in-flight
 //! map. The wire contract and the `--json` summary are in `spec/lazy.md`.
 
+pub mod criu;
 mod fetch;
 pub mod handshake;
 pub mod map;
@@ -340,13 +341,18 @@ impl Daemon {
     }
 }
 
-fn answer_metrics(mut s: std::net::TcpStream, d: &Daemon) -> std::io::Result<()> {
+fn answer_metrics(s: std::net::TcpStream, d: &Daemon) -> std::io::Result<()> {
+    answer_metrics_text(s, &d.metrics_text())
+}
+
+/// Answer one HTTP request: `text` for `GET /metrics`, 404 otherwise.
+fn answer_metrics_text(mut s: std::net::TcpStream, text: &str) -> std::io::Result<()> {
     use std::io::Write;
     s.set_read_timeout(Some(Duration::from_secs(2)))?;
     let mut line = String::new();
     std::io::BufReader::new(s.try_clone()?).take_line(&mut line)?;
     let (status, body) = if line.starts_with("GET /metrics ") || line.starts_with("GET /metrics\r") {
-        ("200 OK", d.metrics_text())
+        ("200 OK", text.to_string())
     } else {
         ("404 Not Found", "not found; try /metrics\n".to_string())
     };

@@ -113,6 +113,40 @@ pub(crate) struct ConnState {
     traced: HashSet<u64>,
 }
 
+/// What a fault outside every region gets.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Outside {
+    /// Zeros (CRIU: registered memory no pagemap entry holds is zero-filled, as
+    /// `criu lazy-pages` does with UFFDIO_ZEROPAGE). Otherwise poison (Firecracker: memory
+    /// the VMM did not describe has no right content).
+    pub zero: bool,
+    /// Sorted `[start, end)` ranges that are poisoned even with `zero` (CRIU pages in a
+    /// parent dump, which this server cannot read).
+    pub poison: Vec<(u64, u64)>,
+    /// Count pages poisoned here in `poisoned_pages` (CRIU; the Firecracker path only logs).
+    pub count: bool,
+}
+
+impl Outside {
+    fn poisons(&self, addr: u64) -> bool {
+        let i = self.poison.partition_point(|r| r.0 <= addr);
+        !self.zero || (i > 0 && addr < self.poison[i - 1].1)
+    }
+}
+
+/// How pushing one span ahead of the process went (CRIU: after the restore finished).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pushed {
+    /// Installed, poisoned, zero or no longer mapped: nothing left to do for it.
+    Done,
+    /// The address space is changing: try again later.
+    Again,
+    /// The process's memory is gone.
+    Gone,
+    /// An ioctl failed in a way that leaves the span unresolved (logged).
+    Stuck,
+}
+
 /// One VMM connection.
 pub(crate) struct Conn {
     pub pid: i32,
@@ -129,6 +163,8 @@ pub(crate) struct Conn {
     pub gone: AtomicBool,
     /// Faults waiting for the fetch pool: the prefetcher yields to them.
     pub parked_faults: AtomicU64,
+    /// Faults outside every region: poison (the default) or zeros.
+    pub outside: Outside,
     sys_page: u64,
 }
 
@@ -190,6 +226,7 @@ impl Conn {
             busy_addr: AtomicU64::new(0),
             gone: AtomicBool::new(false),
             parked_faults: AtomicU64::new(0),
+            outside: Outside::default(),
             sys_page,
         }
     }
@@ -211,11 +248,36 @@ impl Conn {
                 Err(Errno::EAGAIN) => return Err(Fill::Again),
                 Err(Errno::EEXIST) => off += page,
                 Err(Errno::ESRCH) => return Err(Fill::Gone),
+                // One ioctl must stay inside one VMA: a range over a VMA boundary (a CRIU
+                // pagemap entry may cover adjacent VMAs) fails as a whole, so retry it page
+                // by page and skip only the pages that really are unmapped.
+                Err(Errno::ENOENT) if len - off > page => return self.fill_pages(op, dst + off, len - off, page, off),
                 Err(Errno::ENOENT) => return Err(Fill::Unmapped),
                 Err(e) => return Err(Fill::Failed(e)),
             }
         }
         Ok(())
+    }
+
+    /// `fill` one page at a time (`skip`: bytes of `op`'s data before `dst`).
+    fn fill_pages(&self, op: Op, dst: u64, len: u64, page: u64, skip: u64) -> Result<(), Fill> {
+        let mut mapped = false;
+        for p in (0..len).step_by(page as usize) {
+            let op_here = match op {
+                Op::Copy(b) => Op::Copy(&b[(skip + p) as usize..(skip + p + page) as usize]),
+                o => o,
+            };
+            match self.fill(op_here, dst + p, page, page) {
+                Ok(()) => mapped = true,
+                Err(Fill::Unmapped) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if mapped {
+            Ok(())
+        } else {
+            Err(Fill::Unmapped)
+        }
     }
 
     fn zero_op(&self, page: u64) -> Op<'static> {
@@ -362,11 +424,16 @@ impl Conn {
     /// Serve one fault. `Err` ends the connection.
     fn serve(&self, f: &Fault, pending: &mut VecDeque<Fault>, arrived: &mut Arrivals) -> Result<(), String> {
         let Some(span) = self.map.span_at(f.addr) else {
+            if !self.outside.poisons(f.addr) {
+                return self.serve_outside_zero(f, pending);
+            }
             // Registered memory the VMM did not describe: there is no right content for
             // it, so the vCPU gets a memory error rather than a hang or made-up bytes.
             eprintln!("snapctl lazy: pid {}: fault at {:#x} outside every region; poisoning the page", self.pid, f.addr);
             let p = f.addr & !(self.sys_page - 1);
-            let _ = self.fill(Op::Poison, p, self.sys_page, self.sys_page);
+            if self.fill(Op::Poison, p, self.sys_page, self.sys_page).is_ok() && self.outside.count {
+                self.rec.add(|c| &c.poisoned_pages, 1);
+            }
             return Ok(());
         };
         let page = self.map.regions[span.region].page_size;
@@ -658,6 +725,129 @@ impl Conn {
                 }
             }
         }
+    }
+
+    /// A fault outside every region where the policy is zeros (CRIU: memory no pagemap
+    /// entry holds, or an entry that is not present, is zero-filled).
+    fn serve_outside_zero(&self, f: &Fault, pending: &mut VecDeque<Fault>) -> Result<(), String> {
+        let p = f.addr & !(self.sys_page - 1);
+        loop {
+            match self.fill(Op::Zero, p, self.sys_page, self.sys_page) {
+                Ok(()) => {
+                    self.rec.add(|c| &c.zero, 1);
+                    self.rec.latency(f.read_at.elapsed().as_micros() as u64);
+                    break;
+                }
+                Err(Fill::Again) => self.drain_events(pending)?,
+                Err(Fill::Gone) => return Err("the process's memory is gone".into()),
+                Err(Fill::Unmapped) => break,
+                Err(Fill::Failed(e)) => {
+                    eprintln!("snapctl lazy: pid {}: zero-filling {p:#x} failed: {e}; the fault stays unresolved", self.pid);
+                    break;
+                }
+            }
+        }
+        let _ = self.uffd.wake(p as *mut libc::c_void, self.sys_page as usize);
+        Ok(())
+    }
+
+    /// Install one span ahead of the process, or poison it when no verified bytes can be
+    /// had, so that nothing of it is left for the kernel to zero-fill once the userfaultfd
+    /// is closed. Zero chunks are left alone: a zero-fill is their right content. Never
+    /// reads events (the fault thread does): `Again` means retry later.
+    pub fn push_span(&self, span: &Span) -> Pushed {
+        {
+            let st = self.state.lock().expect("poisoned");
+            if st.installed.contains(&(span.region, span.unit)) || st.poisoned.contains(&(span.region, span.unit)) {
+                return Pushed::Done;
+            }
+        }
+        let mut work = Work::default();
+        let data = self.span_data(span, &mut work, &mut Arrivals::default());
+        self.account(&work);
+        let page = self.map.regions[span.region].page_size;
+        let data = match data {
+            Ok((d, _)) => d,
+            Err(failure) => {
+                let mut st = self.state.lock().expect("poisoned");
+                if st.poisoned.contains(&(span.region, span.unit)) {
+                    return Pushed::Done;
+                }
+                eprintln!(
+                    "snapctl lazy: ERROR: pid {}: {failure}: POISONING memory {:#x}+{:#x} (file offset {:#x})",
+                    self.pid, span.host, span.len, span.file_offset
+                );
+                let mut poisoned = 0;
+                for (removed, a, b) in st.removed.split(span.host, span.host + span.len) {
+                    if removed {
+                        continue;
+                    }
+                    match self.fill(Op::Poison, a, b - a, page) {
+                        Ok(()) => poisoned += (b - a) / page,
+                        Err(Fill::Unmapped) => {}
+                        Err(Fill::Again) => return Pushed::Again,
+                        Err(Fill::Gone) => return Pushed::Gone,
+                        Err(Fill::Failed(e)) => {
+                            eprintln!("snapctl lazy: ERROR: pid {}: UFFDIO_POISON failed ({e}); {:#x}+{:#x} stays unresolved", self.pid, a, b - a);
+                            return Pushed::Stuck;
+                        }
+                    }
+                }
+                st.poisoned.insert((span.region, span.unit));
+                self.rec.add(|c| &c.poisoned_pages, poisoned);
+                return Pushed::Done;
+            }
+        };
+        let Some(bytes) = data.bytes(span.len as usize) else { return Pushed::Done };
+        let mut st = self.state.lock().expect("poisoned");
+        if st.installed.contains(&(span.region, span.unit)) {
+            return Pushed::Done;
+        }
+        let mut done = 0;
+        for (removed, a, b) in st.removed.split(span.host, span.host + span.len) {
+            if removed {
+                continue;
+            }
+            match self.fill(Op::Copy(&bytes[(a - span.host) as usize..(b - span.host) as usize]), a, b - a, page) {
+                Ok(()) => done += b - a,
+                Err(Fill::Unmapped) => {}
+                Err(Fill::Again) => return Pushed::Again,
+                Err(Fill::Gone) => return Pushed::Gone,
+                Err(Fill::Failed(e)) => {
+                    eprintln!("snapctl lazy: ERROR: pid {}: installing {a:#x}+{:#x} failed: {e}; it stays unresolved", self.pid, b - a);
+                    return Pushed::Stuck;
+                }
+            }
+        }
+        st.installed.insert((span.region, span.unit));
+        self.rec.add(|c| &c.prefetched_chunks, 1);
+        self.rec.add(|c| &c.prefetched_bytes, done);
+        Pushed::Done
+    }
+
+    /// Poison `[start, end)` outside the parts the process removed (CRIU pages in a parent
+    /// dump: no verified bytes exist for them here). Never reads events.
+    pub fn poison_range(&self, start: u64, end: u64) -> Pushed {
+        let st = self.state.lock().expect("poisoned");
+        let page = self.sys_page;
+        let mut poisoned = 0;
+        for (removed, a, b) in st.removed.split(start, end) {
+            if removed {
+                continue;
+            }
+            match self.fill(Op::Poison, a, b - a, page) {
+                Ok(()) => poisoned += (b - a) / page,
+                Err(Fill::Unmapped) => {}
+                Err(Fill::Again) => return Pushed::Again,
+                Err(Fill::Gone) => return Pushed::Gone,
+                Err(Fill::Failed(e)) => {
+                    eprintln!("snapctl lazy: ERROR: pid {}: UFFDIO_POISON failed ({e}); {a:#x}+{:#x} stays unresolved", self.pid, b - a);
+                    return Pushed::Stuck;
+                }
+            }
+        }
+        self.rec.add(|c| &c.poisoned_pages, poisoned);
+        Pushed::Done
     }
 
     /// How long the fault being served has waited, if one is.

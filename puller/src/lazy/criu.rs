@@ -1,0 +1,678 @@
+//! `snapctl lazy --criu-workdir DIR`: the role of `criu lazy-pages` for
+//! `criu restore --lazy-pages`, serving faults from the image's verified CRIU files.
+//!
+//! ```text
+//! criu restore --connect--> DIR/lazy-pages.socket   (one connection per restore)
+//!   per restored task:  int pid (4 bytes)  then  1 dummy byte + SCM_RIGHTS [uffd]
+//!   per zombie:         int -pid           (no fd)
+//!   restore done:       u32 0x52535446 "RSTF" (LAZY_PAGES_RESTORE_FINISHED)
+//! per task: pagemap-<pid>.img (verified) -> regions of pages-<id>.img -> Conn fault loop
+//!   fault in a present entry  -> chunk of pages-<id>.img -> verified -> UFFDIO_COPY
+//!   fault anywhere else       -> UFFDIO_ZEROPAGE      (PE_PARENT ranges: UFFDIO_POISON)
+//! after RSTF: push every remaining page (or poison it), then close that task's uffd;
+//! the daemon exits when every task is done.
+//! ```
+//!
+//! Protocol as read in CRIU's criu/uffd.c (see spec/lazy.md for the function names).
+
+use std::collections::HashMap;
+use std::io::IoSliceMut;
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use imgfmt::{BlobSource, Image};
+use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+use serde::Serialize;
+
+use super::fetch::{ChunkStore, Fetcher};
+use super::handshake::Region;
+use super::map::MemoryMap;
+use super::pagemap::{self, Pagemap, PAGE_SIZE};
+use super::stats::{ConnReport, Counters};
+use super::uffd::{Conn, Outside, Pushed};
+use super::{io_err, LazyError, LazyOptions, RemoveOnDrop};
+
+/// The socket's name in the work directory (criu/uffd.c `LAZY_PAGES_SOCK_NAME`).
+pub const LAZY_PAGES_SOCK_NAME: &str = "lazy-pages.socket";
+/// Sent once every task is restored (criu/uffd.c `LAZY_PAGES_RESTORE_FINISHED`, "RSTF").
+/// No pid can collide with it: pids are below 2^22 (`PID_MAX_LIMIT`).
+pub const LAZY_PAGES_RESTORE_FINISHED: u32 = 0x5253_5446;
+
+/// One message of `criu restore` on the lazy-pages socket.
+#[derive(Debug)]
+pub enum Message {
+    /// A restored task and its userfaultfd.
+    Task { pid: i32, uffd: OwnedFd },
+    /// A zombie (CRIU sends `-pid` and no fd: it has no memory to serve).
+    Zombie(i32),
+    /// Every task is restored: push the rest, then exit.
+    Finished,
+}
+
+/// Why the lazy-pages conversation failed.
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
+#[non_exhaustive]
+pub enum CriuProtoError {
+    /// criu lazy-pages socket: {0}
+    Io(std::io::Error),
+    /// criu lazy-pages socket: closed after {0} of 4 bytes of a pid
+    ShortPid(usize),
+    /// criu lazy-pages socket: pid {0} was not followed by a userfaultfd (SCM_RIGHTS)
+    NoFd(i32),
+    /// criu lazy-pages socket: the daemon is stopping
+    Stopped,
+}
+
+/// Reads messages off the restore's connection. Descriptors that arrive early (with the
+/// pid's bytes) are kept for the next task.
+pub struct Reader<'a> {
+    stream: &'a UnixStream,
+    fds: Vec<OwnedFd>,
+    stop: &'a AtomicBool,
+}
+
+impl<'a> Reader<'a> {
+    /// `stream` should have a short read timeout so `stop` is noticed.
+    pub fn new(stream: &'a UnixStream, stop: &'a AtomicBool) -> Self {
+        Reader { stream, fds: Vec::new(), stop }
+    }
+
+    /// Exactly `buf.len()` bytes (`Ok(n < len)` only at end of stream), collecting any
+    /// descriptors that ride along.
+    fn read_exact(&mut self, buf: &mut [u8]) -> Result<usize, CriuProtoError> {
+        let mut got = 0;
+        while got < buf.len() {
+            if self.stop.load(Ordering::Relaxed) {
+                return Err(CriuProtoError::Stopped);
+            }
+            let mut iov = [IoSliceMut::new(&mut buf[got..])];
+            let mut space = nix::cmsg_space!([RawFd; 8]);
+            let r = recvmsg::<()>(self.stream.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC);
+            let msg = match r {
+                Ok(m) => m,
+                Err(nix::errno::Errno::EAGAIN) | Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => return Err(CriuProtoError::Io(e.into())),
+            };
+            let n = msg.bytes;
+            for c in msg.cmsgs().map_err(|e| CriuProtoError::Io(e.into()))? {
+                if let ControlMessageOwned::ScmRights(received) = c {
+                    // SAFETY: the kernel just installed these descriptors for us; each is
+                    // wrapped exactly once (and closed on drop).
+                    self.fds.extend(received.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+                }
+            }
+            if n == 0 {
+                return Ok(got);
+            }
+            got += n;
+        }
+        Ok(got)
+    }
+
+    /// The next message, or `None` at end of stream.
+    pub fn next(&mut self) -> Result<Option<Message>, CriuProtoError> {
+        let mut w = [0u8; 4];
+        match self.read_exact(&mut w)? {
+            0 => return Ok(None),
+            4 => {}
+            n => return Err(CriuProtoError::ShortPid(n)),
+        }
+        let v = i32::from_ne_bytes(w);
+        if v as u32 == LAZY_PAGES_RESTORE_FINISHED {
+            return Ok(Some(Message::Finished));
+        }
+        if v < 0 {
+            return Ok(Some(Message::Zombie(v.checked_neg().unwrap_or(i32::MAX))));
+        }
+        // criu's send_fd: one dummy byte carrying SCM_RIGHTS.
+        if self.fds.is_empty() {
+            let mut b = [0u8; 1];
+            if self.read_exact(&mut b)? == 0 {
+                return Err(CriuProtoError::NoFd(v));
+            }
+        }
+        if self.fds.is_empty() {
+            return Err(CriuProtoError::NoFd(v));
+        }
+        Ok(Some(Message::Task { pid: v, uffd: self.fds.remove(0) }))
+    }
+}
+
+/// What the daemon knows of one task's memory, from its pagemap.
+#[derive(Debug, Clone)]
+pub struct TaskLayout {
+    pub pagemap_file: usize,
+    pub pages_file: usize,
+    pub regions: Vec<Region>,
+    pub parent: Vec<(u64, u64)>,
+    pub present_pages: u64,
+    pub lazy_pages: u64,
+    pub parent_pages: u64,
+    pub zero_pages: u64,
+}
+
+/// The `--json` line for one task: the connection summary plus what the pagemap said.
+#[derive(Debug, Clone, Serialize)]
+pub struct CriuReport {
+    #[serde(flatten)]
+    pub conn: ConnReport,
+    /// `pagemap-<pid>.img`.
+    pub pagemap: String,
+    /// `pages-<id>.img`, when the pagemap could be read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pages_file: Option<String>,
+    pub present_pages: u64,
+    pub lazy_pages: u64,
+    pub parent_pages: u64,
+    pub zero_pages: u64,
+    /// Why this task could not be (fully) served; its faults there got poison, never
+    /// made-up bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// The CRIU lazy-pages server: one image, one restore.
+pub struct CriuDaemon {
+    image: Arc<Image>,
+    src: Arc<dyn BlobSource>,
+    store: Option<Arc<dyn ChunkStore>>,
+    opts: LazyOptions,
+    workdir: PathBuf,
+    fetchers: Mutex<HashMap<usize, Arc<Fetcher>>>,
+    counters: Arc<Counters>,
+    active: AtomicU64,
+    total: AtomicU64,
+    stop: Arc<AtomicBool>,
+}
+
+/// A file of the image by name: exact, or the one file with that base name (an image
+/// packed from a parent directory keeps the dump under a subdirectory).
+fn find_file(image: &Image, name: &str) -> Option<usize> {
+    if let Some((i, _)) = image.file(name) {
+        return Some(i);
+    }
+    let hits: Vec<usize> = image.files.iter().enumerate().filter(|(_, f)| f.name.rsplit('/').next() == Some(name)).map(|(i, _)| i).collect();
+    match hits.as_slice() {
+        [i] => Some(*i),
+        _ => None,
+    }
+}
+
+struct Task {
+    pid: i32,
+    conn: Arc<Conn>,
+    layout: Option<TaskLayout>,
+    error: Option<String>,
+    /// Our end of the pair the fault loop watches: dropping it ends the loop.
+    end: Mutex<Option<UnixStream>>,
+    counters: Arc<Counters>,
+    t0: Instant,
+    /// Why the task ended, when the pusher decided it.
+    ended: Mutex<Option<String>>,
+}
+
+impl CriuDaemon {
+    /// `opts.socket` is ignored: the socket is `workdir/lazy-pages.socket`.
+    pub fn new(image: Arc<Image>, src: Arc<dyn BlobSource>, store: Option<Arc<dyn ChunkStore>>, workdir: PathBuf, mut opts: LazyOptions) -> Arc<Self> {
+        opts.socket = workdir.join(LAZY_PAGES_SOCK_NAME);
+        Arc::new(CriuDaemon {
+            image,
+            src,
+            store,
+            opts,
+            workdir,
+            fetchers: Mutex::new(HashMap::new()),
+            counters: Arc::new(Counters::default()),
+            active: AtomicU64::new(0),
+            total: AtomicU64::new(0),
+            stop: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    pub fn socket_path(&self) -> PathBuf {
+        self.opts.socket.clone()
+    }
+
+    /// Ask `run` to return (tasks' fault loops end at their next poll).
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    /// Daemon-wide counters as Prometheus text.
+    pub fn metrics_text(&self) -> String {
+        super::stats::prometheus(&self.counters, self.active.load(Ordering::Relaxed), self.total.load(Ordering::Relaxed))
+    }
+
+    /// Serve `GET /metrics` on `addr` from a background thread; returns the bound address.
+    pub fn serve_metrics(self: &Arc<Self>, addr: &str) -> Result<std::net::SocketAddr, LazyError> {
+        let l = std::net::TcpListener::bind(addr).map_err(io_err(format!("binding metrics address {addr}")))?;
+        let bound = l.local_addr().map_err(io_err("metrics address"))?;
+        let me = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("lazy-metrics".into())
+            .spawn(move || {
+                for s in l.incoming() {
+                    let Some(d) = me.upgrade() else { return };
+                    if let Ok(s) = s {
+                        let _ = super::answer_metrics_text(s, &d.metrics_text());
+                    }
+                }
+            })
+            .map_err(io_err("spawning the metrics thread"))?;
+        Ok(bound)
+    }
+
+    /// One fetcher per file of the image, made on first use (each task's pages file).
+    fn fetcher(&self, file: usize) -> Arc<Fetcher> {
+        self.fetchers
+            .lock()
+            .expect("poisoned")
+            .entry(file)
+            .or_insert_with(|| Arc::new(Fetcher::new(self.image.clone(), file, self.src.clone(), self.store.clone(), self.opts.retry, self.opts.memory_bytes)))
+            .clone()
+    }
+
+    /// The verified bytes of a whole (small) file of the image.
+    fn read_file(&self, file: usize, limit: usize) -> Result<Vec<u8>, String> {
+        let f = &self.image.files[file];
+        if f.size > limit as u64 {
+            return Err(format!("{} is {} bytes (at most {limit})", f.name, f.size));
+        }
+        let fetcher = self.fetcher(file);
+        let mut out = Vec::with_capacity(f.size as usize);
+        for (c, ch) in f.chunks.iter().enumerate() {
+            if fetcher.is_zero(c as u64).map_err(|e| e.to_string())? {
+                out.resize(out.len() + ch.len as usize, 0);
+            } else {
+                let (v, _, _) = fetcher.get(c as u64);
+                out.extend_from_slice(v.map_err(|e| e.to_string())?.as_bytes());
+            }
+        }
+        if out.len() as u64 != f.size {
+            return Err(format!("{}: chunks hold {} bytes, the file {}", f.name, out.len(), f.size));
+        }
+        Ok(out)
+    }
+
+    /// Read and check the task's pagemap and find its pages file.
+    pub fn layout(&self, pid: i32) -> Result<TaskLayout, String> {
+        let name = format!("pagemap-{pid}.img");
+        let pagemap_file = find_file(&self.image, &name).ok_or_else(|| format!("the image has no {name}"))?;
+        let bytes = self.read_file(pagemap_file, pagemap::MAX_PAGEMAP_BYTES)?;
+        let pm: Pagemap = pagemap::decode_pagemap(&bytes).map_err(|e| format!("{name}: {e}"))?;
+        let pages_name = format!("pages-{}.img", pm.pages_id);
+        let need = pm.pages_bytes();
+        let pages_file = match find_file(&self.image, &pages_name) {
+            Some(i) => i,
+            // A pagemap with no present pages needs no pages file.
+            None if need == 0 => pagemap_file,
+            None => return Err(format!("{name} names {pages_name}, which the image does not have")),
+        };
+        let size = self.image.files[pages_file].size;
+        if need > 0 && size < need {
+            return Err(format!("{name} needs {need} bytes of {pages_name}, which has {size}"));
+        }
+        let regions: Vec<Region> = pm.runs().iter().map(|r| Region { base: r.vaddr, size: r.len, offset: r.offset, page_size: PAGE_SIZE }).collect();
+        let pages = |f: fn(&pagemap::PagemapEntry) -> bool| pm.entries.iter().filter(|e| f(e)).map(|e| e.nr_pages as u64).sum::<u64>();
+        Ok(TaskLayout {
+            pagemap_file,
+            pages_file,
+            regions,
+            parent: pm.parent_ranges(),
+            present_pages: pages(|e| e.present()),
+            lazy_pages: pages(|e| e.present() && e.lazy()),
+            parent_pages: pages(|e| e.in_parent()),
+            zero_pages: pages(|e| !e.present() && !e.in_parent()),
+        })
+    }
+
+    /// Bind `DIR/lazy-pages.socket`, serve one restore (every task it sends) and return
+    /// once every task is done, or when stopped. `on_report` gets each task's summary.
+    pub fn run(self: &Arc<Self>, on_report: Arc<dyn Fn(&CriuReport) + Send + Sync>) -> Result<(), LazyError> {
+        let path = self.opts.socket.clone();
+        if !self.workdir.is_dir() {
+            return Err(LazyError::Invalid(format!("--criu-workdir {}: not a directory", self.workdir.display())));
+        }
+        if let Ok(m) = std::fs::symlink_metadata(&path) {
+            use std::os::unix::fs::FileTypeExt;
+            if m.file_type().is_socket() {
+                if UnixStream::connect(&path).is_ok() {
+                    return Err(LazyError::Invalid(format!("{}: another lazy-pages server is listening there", path.display())));
+                }
+                std::fs::remove_file(&path).map_err(io_err(format!("removing stale socket {}", path.display())))?;
+            }
+        }
+        let listener = UnixListener::bind(&path).map_err(io_err(format!("binding {}", path.display())))?;
+        listener.set_nonblocking(true).map_err(io_err("socket"))?;
+        let cleanup = RemoveOnDrop(path.clone());
+        eprintln!("snapctl lazy: criu lazy-pages: listening on {}", path.display());
+        if let Some(r) = &self.opts.ready_file {
+            let mut tmp = r.clone().into_os_string();
+            tmp.push(format!(".{}.tmp", std::process::id()));
+            std::fs::write(&tmp, format!("{}\n", path.display())).map_err(io_err(format!("writing {}", r.display())))?;
+            std::fs::rename(&tmp, r).map_err(io_err(format!("writing {}", r.display())))?;
+        }
+        // Like criu lazy-pages: one restore connects; the socket goes when it has.
+        let stream = loop {
+            if self.stop.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            match listener.accept() {
+                Ok((s, _)) => break s,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::Interrupted => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => return Err(LazyError::Io { context: "accepting the restore's connection".into(), source: e }),
+            }
+        };
+        drop(listener);
+        drop(cleanup);
+        self.session(stream, on_report.as_ref());
+        Ok(())
+    }
+
+    fn session(self: &Arc<Self>, stream: UnixStream, on_report: &(dyn Fn(&CriuReport) + Send + Sync)) {
+        let _ = stream.set_nonblocking(false);
+        let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+        let mut tasks: Vec<Arc<Task>> = Vec::new();
+        let mut loops: Vec<std::thread::JoinHandle<String>> = Vec::new();
+        let mut reader = Reader::new(&stream, &self.stop);
+        let finished = loop {
+            match reader.next() {
+                Ok(Some(Message::Task { pid, uffd })) => {
+                    let (task, h) = self.start_task(pid, uffd);
+                    tasks.push(task);
+                    loops.push(h);
+                }
+                Ok(Some(Message::Zombie(pid))) => eprintln!("snapctl lazy: criu: pid {pid} is a zombie: no memory to serve"),
+                Ok(Some(Message::Finished)) => break true,
+                Ok(None) => {
+                    eprintln!("snapctl lazy: criu: ERROR: the restore closed the connection before it finished; releasing its tasks");
+                    break false;
+                }
+                Err(CriuProtoError::Stopped) => break false,
+                Err(e) => {
+                    eprintln!("snapctl lazy: criu: ERROR: {e}; releasing the restore's tasks");
+                    break false;
+                }
+            }
+        };
+        drop(reader);
+        let mut pushers = Vec::new();
+        for t in &tasks {
+            if !finished {
+                *t.ended.lock().expect("poisoned") = Some("the restore failed or was stopped".into());
+                t.end.lock().expect("poisoned").take();
+                continue;
+            }
+            let (t, me) = (t.clone(), self.clone());
+            pushers.push(std::thread::Builder::new().name("lazy-criu-push".into()).spawn(move || me.push(&t)));
+        }
+        if finished {
+            eprintln!("snapctl lazy: criu: restore finished ({} task(s)); pushing the remaining pages", tasks.len());
+        }
+        for (t, h) in tasks.iter().zip(loops) {
+            let ended = h.join().unwrap_or_else(|_| "fault loop panicked".into());
+            t.conn.gone.store(true, Ordering::Relaxed);
+            self.active.fetch_sub(1, Ordering::Relaxed);
+            let ended = t.ended.lock().expect("poisoned").take().unwrap_or(ended);
+            let conn = ConnReport::from_counters(t.pid, &t.counters, t.t0.elapsed().as_secs_f64(), ended);
+            let l = t.layout.as_ref();
+            let report = CriuReport {
+                conn,
+                pagemap: l.map(|l| self.image.files[l.pagemap_file].name.clone()).unwrap_or_else(|| format!("pagemap-{}.img", t.pid)),
+                pages_file: l.filter(|l| !l.regions.is_empty()).map(|l| self.image.files[l.pages_file].name.clone()),
+                present_pages: l.map_or(0, |l| l.present_pages),
+                lazy_pages: l.map_or(0, |l| l.lazy_pages),
+                parent_pages: l.map_or(0, |l| l.parent_pages),
+                zero_pages: l.map_or(0, |l| l.zero_pages),
+                error: t.error.clone(),
+            };
+            on_report(&report);
+        }
+        for p in pushers.into_iter().flatten() {
+            let _ = p.join();
+        }
+        drop(stream);
+    }
+
+    /// Set up a task's fault loop. A task whose pagemap cannot be used still gets one, that
+    /// poisons every fault: closing its userfaultfd would let the kernel zero-fill memory
+    /// that has content.
+    fn start_task(self: &Arc<Self>, pid: i32, uffd: OwnedFd) -> (Arc<Task>, std::thread::JoinHandle<String>) {
+        let t0 = Instant::now();
+        let (layout, mut error) = match self.layout(pid) {
+            Ok(l) => (Some(l), None),
+            Err(e) => {
+                eprintln!("snapctl lazy: criu: ERROR: pid {pid}: {e}; every fault of this task gets poison (SIGBUS)");
+                (None, Some(e))
+            }
+        };
+        if let Some(l) = &layout {
+            eprintln!(
+                "snapctl lazy: criu: pid {pid}: {} present pages ({} lazy) in {} run(s) of {}, {} zero, {} in a parent dump",
+                l.present_pages,
+                l.lazy_pages,
+                l.regions.len(),
+                self.image.files[l.pages_file].name,
+                l.zero_pages,
+                l.parent_pages
+            );
+            if l.parent_pages > 0 {
+                let e = format!(
+                    "{} pages are in a parent dump (PE_PARENT, --prev-images-dir), which snapctl lazy does not read: they are poisoned",
+                    l.parent_pages
+                );
+                eprintln!("snapctl lazy: criu: ERROR: pid {pid}: {e}");
+                error = Some(e);
+            }
+        }
+        // The fault loop reads without blocking; CRIU opens the uffd O_NONBLOCK already.
+        if let Err(e) = nix::fcntl::fcntl(&uffd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK)) {
+            eprintln!("snapctl lazy: criu: pid {pid}: userfaultfd: {e}");
+        }
+        // SAFETY: received over SCM_RIGHTS and owned by nobody else; `Uffd` closes it.
+        let uffd = unsafe { userfaultfd::Uffd::from_raw_fd(uffd.into_raw_fd()) };
+        let (file, regions, outside) = match &layout {
+            Some(l) => (l.pages_file, l.regions.clone(), Outside { zero: true, poison: l.parent.clone(), count: true }),
+            None => (0, Vec::new(), Outside { zero: false, poison: Vec::new(), count: true }),
+        };
+        let fetcher = self.fetcher(file);
+        let map = MemoryMap { regions, file_size: self.image.files[file].size, chunk_shift: self.image.chunk_shift() };
+        let counters = Arc::new(Counters::default());
+        let mut conn = Conn::new(pid, uffd, map, fetcher, counters.clone(), self.counters.clone(), false);
+        conn.outside = outside;
+        let conn = Arc::new(conn);
+        let (ours, theirs) = match UnixStream::pair() {
+            Ok(p) => (Some(p.0), Some(p.1)),
+            Err(e) => {
+                eprintln!("snapctl lazy: criu: pid {pid}: socketpair: {e}");
+                (None, None)
+            }
+        };
+        let task = Arc::new(Task { pid, conn: conn.clone(), layout, error, end: Mutex::new(ours), counters, t0, ended: Mutex::new(None) });
+        self.active.fetch_add(1, Ordering::Relaxed);
+        self.total.fetch_add(1, Ordering::Relaxed);
+        let stop = self.stop.clone();
+        let h = std::thread::Builder::new().name("lazy-criu-task".into()).spawn(move || match theirs {
+            Some(s) => conn.run(s, &stop),
+            None => "no socketpair".into(),
+        });
+        let h = h.unwrap_or_else(|e| std::thread::spawn(move || format!("spawning the fault loop: {e}")));
+        (task, h)
+    }
+
+    /// After the restore finished: install every page the task has not faulted yet (or
+    /// poison it), then end its fault loop, which closes the userfaultfd. Only then is it
+    /// safe to close: from there on the kernel zero-fills missing pages.
+    fn push(&self, t: &Task) {
+        let Some(layout) = &t.layout else {
+            // Nothing known about this task's memory: keep poisoning its faults until the
+            // daemon is stopped.
+            return;
+        };
+        let conn = &t.conn;
+        let rate = self.opts.prefetch_rate;
+        let t0 = Instant::now();
+        let mut bytes = 0u64;
+        let mut outcome = "all pages installed".to_string();
+        let settle = |f: &dyn Fn() -> Pushed| -> Pushed {
+            loop {
+                if self.stop.load(Ordering::Relaxed) {
+                    return Pushed::Gone;
+                }
+                match f() {
+                    // The fault thread applies the pending remove; try again shortly.
+                    Pushed::Again => std::thread::sleep(Duration::from_millis(1)),
+                    p => return p,
+                }
+            }
+        };
+        let mut stuck = false;
+        'push: for (i, r) in conn.map.regions.iter().enumerate() {
+            let us = conn.map.unit_size(i);
+            for unit in r.offset / us..=(r.offset + r.size - 1) / us {
+                let Some(span) = conn.map.span(i, unit) else { continue };
+                // Faults waiting for fetches come first.
+                while conn.parked_faults.load(Ordering::Relaxed) > 0 && !self.stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                match settle(&|| conn.push_span(&span)) {
+                    Pushed::Done => {}
+                    Pushed::Gone => {
+                        outcome = "the task's memory is gone".into();
+                        break 'push;
+                    }
+                    Pushed::Stuck => stuck = true,
+                    Pushed::Again => unreachable!("settled"),
+                }
+                bytes += span.len;
+                if rate > 0 {
+                    let due = Duration::from_secs_f64(bytes as f64 / rate as f64);
+                    if let Some(wait) = due.checked_sub(t0.elapsed()) {
+                        std::thread::sleep(wait.min(Duration::from_millis(500)));
+                    }
+                }
+            }
+        }
+        for &(a, b) in &layout.parent {
+            match settle(&|| conn.poison_range(a, b)) {
+                Pushed::Stuck => stuck = true,
+                Pushed::Gone => break,
+                _ => {}
+            }
+        }
+        if stuck && !self.stop.load(Ordering::Relaxed) {
+            // Closing now would let the kernel zero-fill what we could neither install nor
+            // poison: keep serving faults until the daemon is stopped.
+            eprintln!("snapctl lazy: criu: ERROR: pid {}: some pages could be neither installed nor poisoned; serving faults until stopped", t.pid);
+            return;
+        }
+        eprintln!("snapctl lazy: criu: pid {}: {outcome}; releasing its userfaultfd", t.pid);
+        *t.ended.lock().expect("poisoned") = Some(outcome);
+        t.end.lock().expect("poisoned").take();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nix::sys::socket::{sendmsg, ControlMessage};
+    use std::io::{IoSlice, Write};
+
+    fn send_task(s: &UnixStream, pid: i32, fd: RawFd) {
+        (&*s).write_all(&pid.to_ne_bytes()).unwrap();
+        let fds = [fd];
+        sendmsg::<()>(s.as_raw_fd(), &[IoSlice::new(&[0])], &[ControlMessage::ScmRights(&fds)], MsgFlags::empty(), None).unwrap();
+    }
+
+    #[test]
+    fn reads_tasks_zombies_and_finish_as_criu_sends_them() {
+        let (a, b) = UnixStream::pair().unwrap();
+        a.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let f1 = tempfile::tempfile().unwrap();
+        let f2 = tempfile::tempfile().unwrap();
+        send_task(&b, 41, f1.as_raw_fd());
+        (&b).write_all(&(-42i32).to_ne_bytes()).unwrap();
+        send_task(&b, 43, f2.as_raw_fd());
+        (&b).write_all(&LAZY_PAGES_RESTORE_FINISHED.to_ne_bytes()).unwrap();
+        drop(b);
+        let stop = AtomicBool::new(false);
+        let mut r = Reader::new(&a, &stop);
+        assert!(matches!(r.next().unwrap(), Some(Message::Task { pid: 41, .. })));
+        assert!(matches!(r.next().unwrap(), Some(Message::Zombie(42))));
+        assert!(matches!(r.next().unwrap(), Some(Message::Task { pid: 43, .. })));
+        assert!(matches!(r.next().unwrap(), Some(Message::Finished)));
+        assert!(r.next().unwrap().is_none());
+    }
+
+    #[test]
+    fn a_pid_without_fd_or_a_short_pid_is_an_error() {
+        let (a, b) = UnixStream::pair().unwrap();
+        a.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        (&b).write_all(&7i32.to_ne_bytes()).unwrap();
+        (&b).write_all(&[0]).unwrap();
+        drop(b);
+        let stop = AtomicBool::new(false);
+        assert!(matches!(Reader::new(&a, &stop).next(), Err(CriuProtoError::NoFd(7))));
+        let (a, b) = UnixStream::pair().unwrap();
+        (&b).write_all(&[1, 2]).unwrap();
+        drop(b);
+        assert!(matches!(Reader::new(&a, &stop).next(), Err(CriuProtoError::ShortPid(2))));
+        // A stop request ends a wait for the next message.
+        let (a, _b) = UnixStream::pair().unwrap();
+        a.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
+        stop.store(true, Ordering::Relaxed);
+        assert!(matches!(Reader::new(&a, &stop).next(), Err(CriuProtoError::Stopped)));
+    }
+
+    /// A CRIU dump packed into an image: the layout of a task comes out of its verified
+    /// pagemap; a missing pagemap or pages file is a clear error.
+    #[test]
+    fn task_layout_from_a_packed_dump() {
+        use pagemap::{encode_pagemap, PagemapEntry, PE_LAZY, PE_PARENT, PE_PRESENT};
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("dump");
+        std::fs::create_dir_all(&src).unwrap();
+        let pm = Pagemap {
+            pages_id: 2,
+            entries: vec![
+                PagemapEntry { vaddr: 0x7e00_0000_0000, nr_pages: 16, flags: PE_PRESENT | PE_LAZY },
+                PagemapEntry { vaddr: 0x7e00_0001_0000, nr_pages: 4, flags: 0 },
+                PagemapEntry { vaddr: 0x7e00_0010_0000, nr_pages: 8, flags: PE_PRESENT },
+                PagemapEntry { vaddr: 0x7e00_0020_0000, nr_pages: 2, flags: PE_PARENT },
+            ],
+        };
+        std::fs::write(src.join("pagemap-5.img"), encode_pagemap(&pm)).unwrap();
+        std::fs::write(src.join("pages-2.img"), vec![7u8; 24 * 4096]).unwrap();
+        let mut short = pm.clone();
+        short.pages_id = 3;
+        std::fs::write(src.join("pagemap-6.img"), encode_pagemap(&short)).unwrap();
+        std::fs::write(src.join("pages-3.img"), vec![7u8; 4096]).unwrap();
+        std::fs::write(src.join("pagemap-8.img"), b"not a pagemap").unwrap();
+        let layout = imgfmt::OciLayout::open_or_create(dir.path().join("layout")).unwrap();
+        let opts = pusher::PackOptions { chunk_shift: 16, ..Default::default() };
+        pusher::pack(&src, &layout, "t", &opts).unwrap();
+        let image = Arc::new(Image::open(&layout, &layout.resolve_tag("t").unwrap()).unwrap());
+        assert_eq!(image.config().kind, imgfmt::Kind::Criu);
+        let d = CriuDaemon::new(image.clone(), Arc::new(layout), None, dir.path().to_path_buf(), LazyOptions::new(PathBuf::new()));
+        let l = d.layout(5).unwrap();
+        assert_eq!(image.files[l.pages_file].name, "pages-2.img");
+        assert_eq!(
+            l.regions,
+            vec![
+                Region { base: 0x7e00_0000_0000, size: 16 * 4096, offset: 0, page_size: 4096 },
+                Region { base: 0x7e00_0010_0000, size: 8 * 4096, offset: 16 * 4096, page_size: 4096 },
+            ]
+        );
+        assert_eq!((l.present_pages, l.lazy_pages, l.zero_pages, l.parent_pages), (24, 16, 4, 2));
+        assert_eq!(l.parent, vec![(0x7e00_0020_0000, 0x7e00_0020_2000)]);
+        assert!(d.layout(6).unwrap_err().contains("needs 98304 bytes of pages-3.img, which has 4096"));
+        assert!(d.layout(7).unwrap_err().contains("no pagemap-7.img"));
+        assert!(d.layout(8).unwrap_err().contains("magic"));
+    }
+}
