@@ -66,6 +66,8 @@ pub struct CacheStats {
     pub evictions: u64,
     /// Entries whose bytes no longer matched their digest: deleted, reported as misses.
     pub damaged: u64,
+    /// References whose file was gone or no longer held the chunk: deleted, misses.
+    pub stale_refs: u64,
     /// Stray temp files of crashed writers removed.
     pub stray_temps_removed: u64,
     pub bytes_allocated: u64,
@@ -84,6 +86,7 @@ pub struct ChunkCache {
     puts: AtomicU64,
     evictions: AtomicU64,
     damaged: AtomicU64,
+    stale_refs: AtomicU64,
     strays: AtomicU64,
     /// Allocated bytes: measured by the last scan plus what this handle put since.
     allocated: AtomicU64,
@@ -93,6 +96,45 @@ pub struct ChunkCache {
     seq: AtomicU64,
     /// One eviction pass at a time within the process (the flock covers other processes).
     evicting: Mutex<()>,
+}
+
+/// Suffix of a reference entry's name (`<hex>.ref`).
+const REF_SUFFIX: &str = ".ref";
+/// Largest reference entry read: a header and a path.
+const MAX_REF: u64 = 8192;
+
+/// A reference entry: "these bytes are at `offset` of `file`", for chunks a pull wrote
+/// into a file that stays on the host. Encoded as `snapctl-chunk-ref v1 <len> <offset>\n`
+/// followed by the file's absolute path (raw bytes, to the end).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ChunkRef {
+    len: u32,
+    offset: u64,
+    file: PathBuf,
+}
+
+impl ChunkRef {
+    const MAGIC: &'static str = "snapctl-chunk-ref v1";
+
+    fn encode(&self) -> Vec<u8> {
+        use std::os::unix::ffi::OsStrExt;
+        let mut v = format!("{} {} {}\n", Self::MAGIC, self.len, self.offset).into_bytes();
+        v.extend_from_slice(self.file.as_os_str().as_bytes());
+        v
+    }
+
+    fn decode(raw: &[u8]) -> Option<ChunkRef> {
+        use std::os::unix::ffi::OsStrExt;
+        let nl = raw.iter().position(|&b| b == b'\n')?;
+        let head = std::str::from_utf8(&raw[..nl]).ok()?;
+        let rest = head.strip_prefix(Self::MAGIC)?.strip_prefix(' ')?;
+        let (len, offset) = rest.split_once(' ')?;
+        let file = PathBuf::from(std::ffi::OsStr::from_bytes(&raw[nl + 1..]));
+        if !file.is_absolute() {
+            return None;
+        }
+        Some(ChunkRef { len: len.parse().ok()?, offset: offset.parse().ok()?, file })
+    }
 }
 
 /// One cache entry seen by a scan.
@@ -119,6 +161,7 @@ impl ChunkCache {
             puts: AtomicU64::new(0),
             evictions: AtomicU64::new(0),
             damaged: AtomicU64::new(0),
+            stale_refs: AtomicU64::new(0),
             strays: AtomicU64::new(0),
             allocated: AtomicU64::new(0),
             since_scan: AtomicU64::new(0),
@@ -163,10 +206,7 @@ impl ChunkCache {
         let path = self.entry_path(algo, digest);
         let mut f = match File::open(&path) {
             Ok(f) => f,
-            Err(e) if e.kind() == ErrorKind::NotFound => {
-                self.misses.fetch_add(1, Ordering::Relaxed);
-                return Ok(None);
-            }
+            Err(e) if e.kind() == ErrorKind::NotFound => return self.get_by_ref(algo, digest, len),
             Err(e) => return Err(io(&path)(e)),
         };
         let md = f.metadata().map_err(io(&path))?;
@@ -201,6 +241,120 @@ impl ChunkCache {
         }
     }
 
+    /// Where the reference entry for `digest` lives (beside where its copy would be).
+    pub fn ref_path(&self, algo: HashAlgo, digest: &ChunkDigest) -> PathBuf {
+        let mut p = self.entry_path(algo, digest).into_os_string();
+        p.push(REF_SUFFIX);
+        PathBuf::from(p)
+    }
+
+    /// The chunk through its reference entry, if there is one and the file it names still
+    /// holds those bytes (re-hashed, like a copy). A reference whose file is gone, shorter,
+    /// or changed is stale: deleted, a miss.
+    fn get_by_ref(&self, algo: HashAlgo, digest: &ChunkDigest, len: u32) -> Result<Option<VerifiedChunk>, CacheError> {
+        let rpath = self.ref_path(algo, digest);
+        let raw = match File::open(&rpath) {
+            // A reference is a few hundred bytes; more is not one of ours.
+            Ok(f) => {
+                let mut raw = Vec::new();
+                f.take(MAX_REF + 1).read_to_end(&mut raw).map_err(io(&rpath))?;
+                raw
+            }
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                self.misses.fetch_add(1, Ordering::Relaxed);
+                return Ok(None);
+            }
+            Err(e) => return Err(io(&rpath)(e)),
+        };
+        let Some(r) = ChunkRef::decode(&raw).filter(|r| r.len == len && raw.len() as u64 <= MAX_REF) else {
+            self.drop_stale(&rpath);
+            return Ok(None);
+        };
+        let mut buf = vec![0u8; len as usize];
+        let read = File::open(&r.file).and_then(|f| {
+            use std::os::unix::fs::FileExt;
+            f.read_exact_at(&mut buf, r.offset)
+        });
+        if read.is_err() {
+            // Gone, unreadable or shorter now: the reference is what is wrong, not the disk.
+            self.drop_stale(&rpath);
+            return Ok(None);
+        }
+        match verify::verify_stored(algo, Codec::Raw, buf, len, digest) {
+            Ok(chunk) => {
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                self.touch(&rpath);
+                Ok(Some(chunk))
+            }
+            Err(_) => {
+                // The file was changed after it was pulled (or damaged): never served.
+                self.drop_stale(&rpath);
+                Ok(None)
+            }
+        }
+    }
+
+    /// Refresh an entry's recency (its mtime), at most once per [`TOUCH_EVERY`].
+    fn touch(&self, path: &Path) {
+        if fs::metadata(path).and_then(|m| m.modified()).map_or(true, |m| m.elapsed().unwrap_or_default() > TOUCH_EVERY) {
+            let _ = OpenOptions::new().write(true).open(path).and_then(|w| w.set_modified(SystemTime::now()));
+        }
+    }
+
+    fn drop_stale(&self, path: &Path) {
+        self.stale_refs.fetch_add(1, Ordering::Relaxed);
+        self.misses.fetch_add(1, Ordering::Relaxed);
+        let _ = fs::remove_file(path);
+    }
+
+    /// Record that the chunks `items` (digest, length, offset) are held by the complete,
+    /// durable file `file` (an absolute path), instead of storing copies: the pull that
+    /// wrote `file` calls this after its fsync and rename. Reads re-hash the bytes, so a
+    /// reference can go stale (the file deleted or changed) but never serve wrong bytes;
+    /// that is also why the references themselves are not fsynced (a crash can only lose
+    /// or tear one, and a torn one fails to decode: a miss). Zero chunks and digests that
+    /// already have a copy are skipped. Returns how many references were written.
+    pub fn put_refs(&self, algo: HashAlgo, file: &Path, items: &[(ChunkDigest, u32, u64)]) -> Result<u64, CacheError> {
+        if !file.is_absolute() {
+            return Err(CacheError::Io { path: file.to_path_buf(), source: std::io::Error::new(ErrorKind::InvalidInput, "a chunk reference needs an absolute path") });
+        }
+        let mut written = 0u64;
+        let mut added = 0u64;
+        for (digest, len, offset) in items {
+            if self.entry_path(algo, digest).is_file() {
+                continue;
+            }
+            let rpath = self.ref_path(algo, digest);
+            let dir = rpath.parent().expect("entry has a parent");
+            if !dir.is_dir() {
+                fs::create_dir_all(dir).map_err(io(dir))?;
+            }
+            let body = ChunkRef { len: *len, offset: *offset, file: file.to_path_buf() }.encode();
+            let tmp = self.temp_name();
+            let res = fs::write(&tmp, &body).and_then(|()| fs::rename(&tmp, &rpath));
+            if let Err(e) = res {
+                let _ = fs::remove_file(&tmp);
+                return Err(io(&rpath)(e));
+            }
+            written += 1;
+            added += 4096;
+        }
+        self.puts.fetch_add(written, Ordering::Relaxed);
+        if added > 0 {
+            let total = self.allocated.fetch_add(added, Ordering::Relaxed) + added;
+            let since = self.since_scan.fetch_add(added, Ordering::Relaxed) + added;
+            if total > self.limit || since > self.limit / 10 {
+                self.maintain(false)?;
+            }
+        }
+        Ok(written)
+    }
+
+    fn temp_name(&self) -> PathBuf {
+        let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_nanos();
+        self.tmp.join(format!("{}.{}.{nanos}.tmp", std::process::id(), self.seq.fetch_add(1, Ordering::Relaxed)))
+    }
+
     fn drop_damaged(&self, path: &Path) {
         self.damaged.fetch_add(1, Ordering::Relaxed);
         self.misses.fetch_add(1, Ordering::Relaxed);
@@ -212,7 +366,7 @@ impl ChunkCache {
     /// Whether an entry for `digest` exists (not verified: a hint for planning, e.g. to
     /// skip fetching; the bytes are checked when read with [`ChunkCache::get`]).
     pub fn contains_unverified(&self, algo: HashAlgo, digest: &ChunkDigest) -> bool {
-        self.entry_path(algo, digest).is_file()
+        self.entry_path(algo, digest).is_file() || self.ref_path(algo, digest).is_file()
     }
 
     /// Store a verified chunk durably: temp file, fdatasync, atomic rename (a crash can
@@ -339,8 +493,7 @@ impl ChunkCache {
             fs::create_dir_all(dir).map_err(io(dir))?;
             new_dir_parents.push(dir.parent().expect("algo dir").to_path_buf());
         }
-        let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_nanos();
-        let tmp = self.tmp.join(format!("{}.{}.{nanos}.tmp", std::process::id(), self.seq.fetch_add(1, Ordering::Relaxed)));
+        let tmp = self.temp_name();
         let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(io(&tmp))?;
         if let Err(e) = f.write_all(bytes) {
             drop(f);
@@ -357,6 +510,7 @@ impl ChunkCache {
             puts: self.puts.load(Ordering::Relaxed),
             evictions: self.evictions.load(Ordering::Relaxed),
             damaged: self.damaged.load(Ordering::Relaxed),
+            stale_refs: self.stale_refs.load(Ordering::Relaxed),
             stray_temps_removed: self.strays.load(Ordering::Relaxed),
             bytes_allocated: self.allocated.load(Ordering::Relaxed),
             limit_bytes: self.limit,
@@ -498,6 +652,59 @@ mod tests {
         let c2 = ChunkCache::open(dir.path(), DEFAULT_LIMIT).unwrap();
         assert!(c2.get(HashAlgo::Blake3, &d, 4096).unwrap().is_some());
         assert!(c2.stats().bytes_allocated >= 4096);
+    }
+
+    /// References: a hit while the file holds the bytes; once the file changes or goes,
+    /// a miss that deletes the reference (never the changed bytes).
+    #[test]
+    fn references_serve_verified_bytes_and_go_stale_safely() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let c = ChunkCache::open(&dir.path().join("cache"), DEFAULT_LIMIT).unwrap();
+        let (d1, ch1) = chunk(1, 8192);
+        let (d2, ch2) = chunk(2, 4096);
+        let file = dir.path().join("vm.mem");
+        let mut data = vec![0u8; 65536];
+        data[8192..16384].copy_from_slice(ch1.as_bytes());
+        data[32768..36864].copy_from_slice(ch2.as_bytes());
+        fs::write(&file, &data).unwrap();
+        assert!(c.put_refs(HashAlgo::Blake3, Path::new("vm.mem"), &[(d1, 8192, 8192)]).is_err(), "relative paths are refused");
+        assert_eq!(c.put_refs(HashAlgo::Blake3, &file, &[(d1, 8192, 8192), (d2, 4096, 32768)]).unwrap(), 2);
+        assert!(c.contains_unverified(HashAlgo::Blake3, &d1));
+        assert_eq!(c.get(HashAlgo::Blake3, &d1, 8192).unwrap().expect("hit").as_bytes(), ch1.as_bytes());
+        assert_eq!(c.get(HashAlgo::Blake3, &d2, 4096).unwrap().expect("hit").as_bytes(), ch2.as_bytes());
+        // Asked for another length: not this entry.
+        assert!(c.get(HashAlgo::Blake3, &d2, 8192).unwrap().is_none());
+        assert_eq!(c.put_refs(HashAlgo::Blake3, &file, &[(d2, 4096, 32768)]).unwrap(), 1);
+
+        // The file changes under the reference: a miss, and the reference is gone.
+        fs::OpenOptions::new().write(true).open(&file).unwrap().write_all_at(&[0xee], 9000).unwrap();
+        assert!(c.get(HashAlgo::Blake3, &d1, 8192).unwrap().is_none());
+        assert!(!c.ref_path(HashAlgo::Blake3, &d1).exists());
+        // The file is deleted: a miss too.
+        fs::remove_file(&file).unwrap();
+        assert!(c.get(HashAlgo::Blake3, &d2, 4096).unwrap().is_none());
+        assert!(!c.contains_unverified(HashAlgo::Blake3, &d2));
+        assert_eq!(c.stats().stale_refs, 3);
+
+        // A garbled reference (a torn write after a crash) is a miss, not an error.
+        fs::write(&file, &data).unwrap();
+        c.put_refs(HashAlgo::Blake3, &file, &[(d1, 8192, 8192)]).unwrap();
+        fs::write(c.ref_path(HashAlgo::Blake3, &d1), b"snapctl-chunk-ref v1 81").unwrap();
+        assert!(c.get(HashAlgo::Blake3, &d1, 8192).unwrap().is_none());
+        // A copy wins over (and is not replaced by) a reference.
+        c.put(HashAlgo::Blake3, &d1, &ch1).unwrap();
+        assert_eq!(c.put_refs(HashAlgo::Blake3, &file, &[(d1, 8192, 8192)]).unwrap(), 0);
+        assert!(c.get(HashAlgo::Blake3, &d1, 8192).unwrap().is_some());
+    }
+
+    #[test]
+    fn chunk_ref_round_trips_and_rejects_garbage() {
+        let r = ChunkRef { len: 1 << 20, offset: 7 << 20, file: PathBuf::from("/srv/vm 1/vm.mem") };
+        assert_eq!(ChunkRef::decode(&r.encode()), Some(r));
+        for bad in [&b""[..], b"snapctl-chunk-ref v1 1 2", b"snapctl-chunk-ref v2 1 2\n/x", b"snapctl-chunk-ref v1 1 2\nrelative", b"snapctl-chunk-ref v1 -1 2\n/x", b"snapctl-chunk-ref v1 99999999999 2\n/x"] {
+            assert_eq!(ChunkRef::decode(bad), None, "{:?}", String::from_utf8_lossy(bad));
+        }
     }
 
     #[test]

@@ -190,7 +190,7 @@ where
 
 /// Start write-back of a staged file every this many bytes, so that the fsync before
 /// commit finds little left to write and dirty pages do not pile up for a 2 GiB blob.
-const WRITEBACK_EVERY: u64 = 32 * 1024 * 1024;
+const WRITEBACK_EVERY: u64 = 4 * 1024 * 1024;
 
 /// Ask the kernel to start writing `len` bytes at `off` of `f` to disk, without waiting.
 /// Advisory: errors are ignored (the fsync at commit is what guarantees durability).

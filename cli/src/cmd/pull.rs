@@ -15,10 +15,13 @@ use super::common::{self, open_image, parse_size, progress_bar};
 /// Fetches manifest, config and index and checks them against the digest given or the tag
 /// resolved; then fetches only the chunks the per-host chunk cache lacks, by byte-range
 /// reads of the packs (neighbours coalesced, several requests in parallel), verifies every
-/// chunk before it is written or cached, and leaves zero chunks as holes. Each file
-/// appears under its name only when complete and synced. A pull whose parent image was
-/// pulled before on this host fetches only the delta; a pull interrupted and rerun fetches
-/// only what it did not get the first time.
+/// chunk before it is written, and leaves zero chunks as holes. Each file appears under
+/// its name only when complete and synced. The cache then records where each fetched
+/// chunk is in the pulled files (re-hashed whenever read), so a later pull of a layer over
+/// this image fetches only the delta while these files exist; --cache-copy keeps copies
+/// instead (they survive deleting the files; every byte is written twice). A pull killed
+/// or cut off by the network and rerun into the same directory takes over what it wrote
+/// and fetches only the rest.
 ///
 /// Exit 0 ok, 1 a chunk or metadata blob failed verification (no file of it is left under
 /// its final name), 2 error.
@@ -48,6 +51,11 @@ pub struct PullArgs {
     /// Pull without the chunk cache (nothing read from it or added to it).
     #[arg(long, conflicts_with_all = ["cache", "cache_size"])]
     pub no_cache: bool,
+    /// Keep a copy of every fetched chunk in the cache, rather than a reference into the
+    /// pulled files: slower (every byte written twice), but the cache then serves later
+    /// pulls and lazy restores even after these files are deleted or changed.
+    #[arg(long, conflicts_with = "no_cache")]
+    pub cache_copy: bool,
     /// Bound on the cache's allocated size; least recently used chunks are evicted.
     #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "10GiB")]
     pub cache_size: u64,
@@ -101,7 +109,7 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
     };
     // A throttle for tests and demos that interrupt a pull; unset in real use.
     let delay = std::env::var("SNAPCTL_PULL_DELAY_MS").ok().and_then(|v| v.parse().ok()).map(Duration::from_millis).unwrap_or_default();
-    let opts = PullOptions { jobs: a.jobs as usize, overwrite: a.overwrite, max_range: a.max_range, request_delay: delay };
+    let opts = PullOptions { jobs: a.jobs as usize, overwrite: a.overwrite, max_range: a.max_range, request_delay: delay, cache_copies: a.cache_copy };
     let report = puller::pull(o.source.as_ref(), &image, &dest, cache.as_ref(), &opts, Some(&tick))
         .with_context(|| format!("pulling {} into {}", a.image, dest.display()))?;
     if let Some(pb) = pb {
@@ -111,7 +119,7 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     }
     eprintln!(
-        "pulled {} files, {} in {:.2}s: fetched {} in {} requests ({} chunks), {} chunks from cache, {} deduplicated, {} zero",
+        "pulled {} files, {} in {:.2}s: fetched {} in {} requests ({} chunks), {} chunks from cache, {} resumed, {} deduplicated, {} zero",
         report.files,
         imgfmt::size::human(report.logical_bytes),
         report.seconds,
@@ -119,6 +127,7 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
         report.range_requests,
         report.chunks_fetched,
         report.chunks_from_cache,
+        report.chunks_resumed,
         report.chunks_deduplicated,
         report.chunks_zero,
     );
