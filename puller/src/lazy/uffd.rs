@@ -108,6 +108,9 @@ pub(crate) struct ConnState {
     /// (region, unit) installed whole since the last remove touching it.
     pub installed: HashSet<(usize, u64)>,
     pub poisoned: HashSet<(usize, u64)>,
+    /// Pages outside every region poisoned by a fault (counted once, not again by
+    /// `poison_range`).
+    pub outside_poisoned: HashSet<u64>,
     /// File chunks in the order first faulted (with --record-trace).
     pub trace: Vec<u64>,
     traced: HashSet<u64>,
@@ -431,7 +434,8 @@ impl Conn {
             // it, so the vCPU gets a memory error rather than a hang or made-up bytes.
             eprintln!("snapctl lazy: pid {}: fault at {:#x} outside every region; poisoning the page", self.pid, f.addr);
             let p = f.addr & !(self.sys_page - 1);
-            if self.fill(Op::Poison, p, self.sys_page, self.sys_page).is_ok() && self.outside.count {
+            let mut st = self.state.lock().expect("poisoned");
+            if self.fill(Op::Poison, p, self.sys_page, self.sys_page).is_ok() && self.outside.count && st.outside_poisoned.insert(p) {
                 self.rec.add(|c| &c.poisoned_pages, 1);
             }
             return Ok(());
@@ -836,7 +840,8 @@ impl Conn {
                 continue;
             }
             match self.fill(Op::Poison, a, b - a, page) {
-                Ok(()) => poisoned += (b - a) / page,
+                // Pages a fault already poisoned were counted then.
+                Ok(()) => poisoned += (b - a) / page - st.outside_poisoned.iter().filter(|&&p| p >= a && p < b).count() as u64,
                 Err(Fill::Unmapped) => {}
                 Err(Fill::Again) => return Pushed::Again,
                 Err(Fill::Gone) => return Pushed::Gone,

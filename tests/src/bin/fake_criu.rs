@@ -134,9 +134,10 @@ impl Rng {
     }
 }
 
-/// Where a pid's dump lives in the address space: 64 GiB apart per pid, high up.
+/// Where a pid's dump lives in the address space: 16 GiB apart per pid, high up but below
+/// the libraries and stack (0x7fxx_...) of a 47-bit address space.
 fn base_of(pid: i32) -> u64 {
-    0x7e00_0000_0000 + (pid.unsigned_abs() as u64 % 64) * (64 << 30)
+    0x7e00_0000_0000 + (pid.unsigned_abs() as u64 % 64) * (16 << 30)
 }
 
 /// The dump's VMAs and pagemap entries (deterministic in size, seed, pid).

@@ -3,6 +3,7 @@
 mod fault_proxy;
 mod format;
 mod lazy;
+mod lazy_criu;
 mod pull;
 mod push;
 mod registry;
