@@ -114,7 +114,7 @@ impl<'a> Reader<'a> {
     }
 
     /// The next message, or `None` at end of stream.
-    pub fn next(&mut self) -> Result<Option<Message>, CriuProtoError> {
+    pub fn next_message(&mut self) -> Result<Option<Message>, CriuProtoError> {
         let mut w = [0u8; 4];
         match self.read_exact(&mut w)? {
             0 => return Ok(None),
@@ -382,7 +382,7 @@ impl CriuDaemon {
         let mut loops: Vec<std::thread::JoinHandle<String>> = Vec::new();
         let mut reader = Reader::new(&stream, &self.stop);
         let finished = loop {
-            match reader.next() {
+            match reader.next_message() {
                 Ok(Some(Message::Task { pid, uffd })) => {
                     let (task, h) = self.start_task(pid, uffd);
                     tasks.push(task);
@@ -603,11 +603,11 @@ mod tests {
         drop(b);
         let stop = AtomicBool::new(false);
         let mut r = Reader::new(&a, &stop);
-        assert!(matches!(r.next().unwrap(), Some(Message::Task { pid: 41, .. })));
-        assert!(matches!(r.next().unwrap(), Some(Message::Zombie(42))));
-        assert!(matches!(r.next().unwrap(), Some(Message::Task { pid: 43, .. })));
-        assert!(matches!(r.next().unwrap(), Some(Message::Finished)));
-        assert!(r.next().unwrap().is_none());
+        assert!(matches!(r.next_message().unwrap(), Some(Message::Task { pid: 41, .. })));
+        assert!(matches!(r.next_message().unwrap(), Some(Message::Zombie(42))));
+        assert!(matches!(r.next_message().unwrap(), Some(Message::Task { pid: 43, .. })));
+        assert!(matches!(r.next_message().unwrap(), Some(Message::Finished)));
+        assert!(r.next_message().unwrap().is_none());
     }
 
     #[test]
@@ -618,16 +618,16 @@ mod tests {
         (&b).write_all(&[0]).unwrap();
         drop(b);
         let stop = AtomicBool::new(false);
-        assert!(matches!(Reader::new(&a, &stop).next(), Err(CriuProtoError::NoFd(7))));
+        assert!(matches!(Reader::new(&a, &stop).next_message(), Err(CriuProtoError::NoFd(7))));
         let (a, b) = UnixStream::pair().unwrap();
         (&b).write_all(&[1, 2]).unwrap();
         drop(b);
-        assert!(matches!(Reader::new(&a, &stop).next(), Err(CriuProtoError::ShortPid(2))));
+        assert!(matches!(Reader::new(&a, &stop).next_message(), Err(CriuProtoError::ShortPid(2))));
         // A stop request ends a wait for the next message.
         let (a, _b) = UnixStream::pair().unwrap();
         a.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
         stop.store(true, Ordering::Relaxed);
-        assert!(matches!(Reader::new(&a, &stop).next(), Err(CriuProtoError::Stopped)));
+        assert!(matches!(Reader::new(&a, &stop).next_message(), Err(CriuProtoError::Stopped)));
     }
 
     /// A CRIU dump packed into an image: the layout of a task comes out of its verified

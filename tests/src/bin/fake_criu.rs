@@ -439,8 +439,7 @@ fn restore(workdir: &Path, images: &Path, pids: &[i32], zombies: &[i32], threads
             let (tasks, all, next, c) = (tasks.clone(), all.clone(), next.clone(), counters.clone());
             std::thread::spawn(move || {
                 let mut got = vec![0u8; PAGE as usize];
-                loop {
-                    let Some(&(ti, addr)) = all.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
+                while let Some(&(ti, addr)) = all.get(next.fetch_add(1, Ordering::Relaxed)) {
                     let t = &tasks[ti];
                     let r = read_page(addr, &mut got);
                     c.checked.fetch_add(1, Ordering::SeqCst);
