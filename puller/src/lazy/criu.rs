@@ -371,11 +371,15 @@ impl CriuDaemon {
         };
         drop(listener);
         drop(cleanup);
-        self.session(stream, on_report.as_ref());
-        Ok(())
+        if self.session(stream, on_report.as_ref()) || self.stop.load(Ordering::Relaxed) {
+            Ok(())
+        } else {
+            Err(LazyError::Invalid("criu restore closed the lazy-pages connection (or broke the protocol) before it finished".into()))
+        }
     }
 
-    fn session(self: &Arc<Self>, stream: UnixStream, on_report: &(dyn Fn(&CriuReport) + Send + Sync)) {
+    /// Serve one restore; whether it got to the finish word.
+    fn session(self: &Arc<Self>, stream: UnixStream, on_report: &(dyn Fn(&CriuReport) + Send + Sync)) -> bool {
         let _ = stream.set_nonblocking(false);
         let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
         let mut tasks: Vec<Arc<Task>> = Vec::new();
@@ -438,6 +442,7 @@ impl CriuDaemon {
             let _ = p.join();
         }
         drop(stream);
+        finished
     }
 
     /// Set up a task's fault loop. A task whose pagemap cannot be used still gets one, that

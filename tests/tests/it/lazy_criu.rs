@@ -173,6 +173,12 @@ fn stored_bytes(layout: &Path, name: &str) -> u64 {
     }).sum()
 }
 
+/// A task ended well: every page pushed, or the task exited (its memory went) first.
+fn assert_served(rep: &Value) {
+    let ended = rep["ended"].as_str().unwrap_or_default();
+    assert!(ended == "all pages installed" || ended == "the task's memory is gone", "{rep}");
+}
+
 /// Two tasks (and a zombie) on one connection, as criu restore sends them: every page of
 /// every VMA right (data from pages-<id>.img, zeros for holes and non-present entries,
 /// also across two adjacent VMAs one entry covers), every zero page served as a zero fault
@@ -203,8 +209,7 @@ fn criu_lazy_restore_two_tasks_every_page_right() {
     for (pid, sum) in [(11, &sums[0]), (12, &sums[1])] {
         let rep = report_of(&reps, pid);
         // The push is slow: the task usually exits (its memory goes) before it is done.
-        let ended = rep["ended"].as_str().unwrap_or_default();
-        assert!(ended == "all pages installed" || ended == "the task's memory is gone", "{rep}");
+        assert_served(rep);
         assert_eq!(n(rep, &["present_pages"]), n(sum, &["present_pages"]), "{rep}");
         assert_eq!(n(rep, &["lazy_pages"]), n(sum, &["lazy_pages"]), "{rep}");
         assert_eq!((n(rep, &["verify_failures"]), n(rep, &["poisoned_pages"])), (0, 0), "{rep}");
@@ -237,7 +242,7 @@ fn criu_lazy_restore_through_snapctl_serve() {
     let (code, reps) = d.finish(Duration::from_secs(60));
     assert_eq!(code, 0, "{}", d.log_text());
     let rep = report_of(&reps, 21);
-    assert_eq!(rep["ended"], "all pages installed", "{rep}");
+    assert_served(rep);
     assert!(n(rep, &["bytes_fetched"]) > 0, "{rep}");
     assert_eq!(n(rep, &["verify_failures"]), 0, "{rep}");
 }
@@ -331,4 +336,30 @@ fn fake_criu_sees_wrong_bytes() {
     assert_eq!(code, 1, "a wrong byte means exit 1: {j}\n{err}");
     assert_eq!(n(&j, &["mismatches"]), 1, "{j}");
     assert_eq!(d.finish(Duration::from_secs(60)).0, 0, "{}", d.log_text());
+}
+
+/// A restore that breaks off before RESTORE_FINISHED (criu restore failed): the daemon
+/// releases the task and exits 2, saying why.
+#[test]
+fn criu_restore_that_breaks_off_is_an_error() {
+    if !uffd_usable() || !criu_lazy_available() {
+        return;
+    }
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    use std::io::{IoSlice, Write};
+    use std::os::fd::AsRawFd;
+    let dir = tempfile::tempdir().unwrap();
+    let (_dump, image, _) = packed_dump(dir.path(), &[(61, "1MiB", &[])]);
+    let work = dir.path().join("work");
+    let mut d = Daemon::start(&image, &work, &["--no-cache"]);
+    let s = std::os::unix::net::UnixStream::connect(work.join("lazy-pages.socket")).unwrap();
+    // A real userfaultfd with nothing registered: the task's memory is never touched.
+    let uffd = userfaultfd::UffdBuilder::new().close_on_exec(true).non_blocking(true).user_mode_only(false).create().unwrap();
+    (&s).write_all(&61i32.to_ne_bytes()).unwrap();
+    sendmsg::<()>(s.as_raw_fd(), &[IoSlice::new(&[0])], &[ControlMessage::ScmRights(&[uffd.as_raw_fd()])], MsgFlags::empty(), None).unwrap();
+    drop(s);
+    let (code, reps) = d.finish(Duration::from_secs(30));
+    assert_eq!(code, 2, "{}", d.log_text());
+    assert_eq!(report_of(&reps, 61)["ended"], "the restore failed or was stopped", "{reps:?}");
+    assert!(d.log_text().contains("before it finished"), "{}", d.log_text());
 }
