@@ -100,24 +100,63 @@ impl Default for RetryPolicy {
     }
 }
 
+/// Chunks waiting to be put in the store, at most: a slow disk then costs cache entries
+/// (the chunk is fetched again by a later restore), never fault latency.
+const PUT_QUEUE: usize = 64;
+
+type PutItem = (HashAlgo, imgfmt::ChunkDigest, Arc<VerifiedChunk>);
+
 /// Chunks of one file of one image.
 pub struct Fetcher {
     pub image: Arc<Image>,
     pub file: usize,
     src: Arc<dyn BlobSource>,
     store: Option<Arc<dyn ChunkStore>>,
+    /// Fetched chunks on their way into `store`, put by a background thread: a put is
+    /// durable (fdatasync) and must not sit between a fault and its install.
+    puts: Mutex<Option<std::sync::mpsc::SyncSender<PutItem>>>,
+    putter: Mutex<Option<std::thread::JoinHandle<()>>>,
     policy: RetryPolicy,
     inflight: Mutex<HashMap<u64, Arc<Flight>>>,
     recent: Mutex<Recent>,
 }
 
+impl Drop for Fetcher {
+    /// Let the queued puts finish: a daemon that exits (`--once`) keeps what it fetched.
+    fn drop(&mut self) {
+        drop(self.puts.lock().unwrap_or_else(|p| p.into_inner()).take());
+        if let Some(h) = self.putter.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = h.join();
+        }
+    }
+}
+
 impl Fetcher {
     pub fn new(image: Arc<Image>, file: usize, src: Arc<dyn BlobSource>, store: Option<Arc<dyn ChunkStore>>, policy: RetryPolicy, memory_bytes: u64) -> Self {
+        let (puts, putter) = match &store {
+            Some(st) => {
+                let (tx, rx) = std::sync::mpsc::sync_channel::<PutItem>(PUT_QUEUE);
+                let st = st.clone();
+                let h = std::thread::Builder::new()
+                    .name("lazy-cache-put".into())
+                    .spawn(move || {
+                        for (algo, digest, chunk) in rx {
+                            st.put(algo, &digest, &chunk);
+                        }
+                    })
+                    .ok();
+                // Without the thread, no puts: the cache is an optimisation.
+                (h.is_some().then_some(tx), h)
+            }
+            None => (None, None),
+        };
         Fetcher {
             image,
             file,
             src,
             store,
+            puts: Mutex::new(puts),
+            putter: Mutex::new(putter),
             policy,
             inflight: Mutex::new(HashMap::new()),
             // At least 16 MiB: a chunk fetched for a parked fault must still be here when
@@ -197,10 +236,12 @@ impl Fetcher {
             match verify::read_chunk(self.src.as_ref(), &self.image, self.file, chunk) {
                 Ok(v) => {
                     work.bytes_fetched += stored_len;
-                    if let Some(store) = &self.store {
-                        store.put(algo, &c.digest, &v);
+                    let v = Arc::new(v);
+                    if let Some(q) = self.puts.lock().expect("poisoned").as_ref() {
+                        // Never waits: a full queue (the disk behind) skips the put.
+                        let _ = q.try_send((algo, c.digest, v.clone()));
                     }
-                    return (Ok(Arc::new(v)), Origin::Fetched, work);
+                    return (Ok(v), Origin::Fetched, work);
                 }
                 Err(e @ VerifyError::Read { .. }) => {
                     // Stalling is better than failing here: a faulting vCPU that waits
