@@ -264,10 +264,12 @@ impl Uploads {
     async fn parts(&self, id: &str) -> Result<Vec<(u64, u64, String)>, ApiError> {
         if self.local_data(id).is_some() {
             let committed = match self.store.get_bytes(&layout::upload_committed(id)).await {
-                Ok(b) => std::str::from_utf8(&b)
-                    .ok()
-                    .and_then(|t| t.trim().parse::<u64>().ok())
-                    .ok_or_else(|| ApiError::internal(format!("upload {id}: bad committed size")))?,
+                // Empty or torn after a crash (it is not fsynced, see `append`): start over
+                // from 0, which is always safe.
+                Ok(b) => std::str::from_utf8(&b).ok().and_then(|t| t.trim().parse::<u64>().ok()).unwrap_or_else(|| {
+                    tracing::warn!(%id, "upload's committed size unreadable: restarting it from 0");
+                    0
+                }),
                 Err(e) if e.is_not_found() => 0,
                 Err(e) => return Err(e.into()),
             };
@@ -357,11 +359,24 @@ impl Uploads {
                 }
             };
             if n > 0 {
-                // The commit record is what makes these bytes part of the upload.
+                // The commit record is what makes these bytes part of the upload. It is
+                // replaced atomically but not fsynced: the bytes it counts are already
+                // durable, so a crash can only lose the record (back to an earlier size,
+                // or unreadable: 0), never make it claim bytes that are not there. That
+                // saves two fsyncs per PATCH.
                 let end = offset + n;
-                if let Err(e) = self.store.put(&layout::upload_committed(id), end.to_string().into()).await {
+                let record = self.store.local_file(&layout::upload_committed(id)).expect("local store");
+                let written = tokio::task::spawn_blocking(move || {
+                    let mut tmp = record.clone().into_os_string();
+                    tmp.push(".tmp");
+                    std::fs::write(&tmp, end.to_string()).and_then(|()| std::fs::rename(&tmp, &record))
+                })
+                .await
+                .map_err(|e| ApiError::internal(format!("writer task: {e}")))
+                .and_then(|r| r.map_err(io_err));
+                if let Err(e) = written {
                     *cached = Some(HashAt { offset, hasher });
-                    return Err(e.into());
+                    return Err(e);
                 }
                 *cached = Some(HashAt { offset: end, hasher: new_hasher.expect("hasher returned") });
             } else {
