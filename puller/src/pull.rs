@@ -60,6 +60,8 @@ const CACHE_WRITERS: usize = 2;
 const CACHE_QUEUE_BYTES: u64 = 32 << 20;
 /// Most chunks in one batch put, whatever their size.
 const CACHE_BATCH_MAX: usize = 64;
+/// Threads recording cache references after a pull.
+const REF_WRITERS: usize = 4;
 
 #[derive(Debug, Clone)]
 pub struct PullOptions {
@@ -335,11 +337,23 @@ pub fn pull(
             if items.is_empty() {
                 continue;
             }
-            let put = fs::canonicalize(dest.join(&f.name)).is_ok_and(|p| cache.put_refs(algo, &p, &items).is_ok());
-            if !put {
-                // The pull is complete; only the cache missed out.
+            let Ok(path) = fs::canonicalize(dest.join(&f.name)) else {
                 c.put_errors.fetch_add(items.len() as u64, Ordering::Relaxed);
-            }
+                continue;
+            };
+            // Creating ~1000 small files is ~0.4 s on one thread here: spread it.
+            let threads = opts.jobs.clamp(1, REF_WRITERS);
+            std::thread::scope(|s| {
+                for part in items.chunks(items.len().div_ceil(threads)) {
+                    let (path, c) = (&path, &c);
+                    s.spawn(move || {
+                        if cache.put_refs(algo, path, part).is_err() {
+                            // The pull is complete; only the cache missed out.
+                            c.put_errors.fetch_add(part.len() as u64, Ordering::Relaxed);
+                        }
+                    });
+                }
+            });
         }
     }
     report.bytes_fetched = c.bytes_fetched.into_inner();
