@@ -87,6 +87,8 @@ fn nonzero_bytes(path: &str) -> anyhow::Result<u64> {
 ///
 /// This isolates the kernel's buffered-write cost from hashing and reading. On the
 /// benchmark VM, 1 MiB writes were several times slower than 256 KiB ones.
+// `is_multiple_of` is newer (1.87) than the workspace's rust-version (1.85).
+#[allow(clippy::manual_is_multiple_of)]
 fn pwrite(path: &str, chunk: usize, piece: usize, threads: usize) -> anyhow::Result<f64> {
     use std::os::unix::fs::FileExt;
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -139,10 +141,13 @@ struct Row {
     samples: Vec<Sample>,
 }
 
+/// A summary table's key: (table, cache state).
+type TableKey = (String, String);
+
 fn summary(path: &str) -> anyhow::Result<()> {
     let f = File::open(path).with_context(|| format!("opening {path}"))?;
     // (table, cache) in first-seen order, then rows in first-seen order.
-    let mut tables: Vec<((String, String), Vec<(String, Row)>)> = Vec::new();
+    let mut tables: Vec<(TableKey, Vec<(String, Row)>)> = Vec::new();
     for (no, line) in BufReader::new(f).lines().enumerate() {
         let line = line?;
         if line.trim().is_empty() {
