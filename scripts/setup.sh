@@ -5,7 +5,7 @@ set -euo pipefail
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 
 if ! command -v cargo >/dev/null 2>&1; then
-  echo "setup: cargo not found. snapctl needs Rust >= 1.85 (rustup's stable toolchain);" >&2
+  echo "setup: cargo not found. snapctl needs Rust >= 1.89 (rustup's stable toolchain);" >&2
   echo "setup: Debian's packaged cargo is too old for its dependencies." >&2
   exit 2
 fi
