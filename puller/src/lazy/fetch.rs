@@ -193,6 +193,12 @@ impl Fetcher {
             match m.get(&chunk) {
                 Some(f) => (f.clone(), false),
                 None => {
+                    // A flight that ended since our look at `recent` put its chunk there
+                    // before leaving `inflight`: look again, or we would fetch it twice
+                    // (the cache's copy may still be queued: puts are asynchronous).
+                    if let Some(c) = self.recent.lock().expect("poisoned").map.get(&chunk) {
+                        return (Ok(c.clone()), Origin::Cache, Work::default());
+                    }
                     let f = Arc::new(Flight { done: Mutex::new(None), cv: Condvar::new() });
                     m.insert(chunk, f.clone());
                     (f, true)
