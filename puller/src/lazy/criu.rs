@@ -18,7 +18,7 @@
 use std::collections::HashMap;
 use std::io::IoSliceMut;
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -34,7 +34,7 @@ use super::map::MemoryMap;
 use super::pagemap::{self, Pagemap, PAGE_SIZE};
 use super::stats::{ConnReport, Counters};
 use super::uffd::{Conn, Outside, Pushed};
-use super::{io_err, LazyError, LazyOptions, RemoveOnDrop};
+use super::{LazyError, LazyOptions};
 
 /// The socket's name in the work directory (criu/uffd.c `LAZY_PAGES_SOCK_NAME`).
 pub const LAZY_PAGES_SOCK_NAME: &str = "lazy-pages.socket";
@@ -249,21 +249,7 @@ impl CriuDaemon {
 
     /// Serve `GET /metrics` on `addr` from a background thread; returns the bound address.
     pub fn serve_metrics(self: &Arc<Self>, addr: &str) -> Result<std::net::SocketAddr, LazyError> {
-        let l = std::net::TcpListener::bind(addr).map_err(io_err(format!("binding metrics address {addr}")))?;
-        let bound = l.local_addr().map_err(io_err("metrics address"))?;
-        let me = Arc::downgrade(self);
-        std::thread::Builder::new()
-            .name("lazy-metrics".into())
-            .spawn(move || {
-                for s in l.incoming() {
-                    let Some(d) = me.upgrade() else { return };
-                    if let Ok(s) = s {
-                        let _ = super::answer_metrics_text(s, &d.metrics_text());
-                    }
-                }
-            })
-            .map_err(io_err("spawning the metrics thread"))?;
-        Ok(bound)
+        super::serve_metrics(self, addr, Self::metrics_text)
     }
 
     /// One fetcher per file of the image, made on first use (each task's pages file).
@@ -337,25 +323,7 @@ impl CriuDaemon {
         if !self.workdir.is_dir() {
             return Err(LazyError::Invalid(format!("--criu-workdir {}: not a directory", self.workdir.display())));
         }
-        if let Ok(m) = std::fs::symlink_metadata(&path) {
-            use std::os::unix::fs::FileTypeExt;
-            if m.file_type().is_socket() {
-                if UnixStream::connect(&path).is_ok() {
-                    return Err(LazyError::Invalid(format!("{}: another lazy-pages server is listening there", path.display())));
-                }
-                std::fs::remove_file(&path).map_err(io_err(format!("removing stale socket {}", path.display())))?;
-            }
-        }
-        let listener = UnixListener::bind(&path).map_err(io_err(format!("binding {}", path.display())))?;
-        listener.set_nonblocking(true).map_err(io_err("socket"))?;
-        let cleanup = RemoveOnDrop(path.clone());
-        eprintln!("snapctl lazy: criu lazy-pages: listening on {}", path.display());
-        if let Some(r) = &self.opts.ready_file {
-            let mut tmp = r.clone().into_os_string();
-            tmp.push(format!(".{}.tmp", std::process::id()));
-            std::fs::write(&tmp, format!("{}\n", path.display())).map_err(io_err(format!("writing {}", r.display())))?;
-            std::fs::rename(&tmp, r).map_err(io_err(format!("writing {}", r.display())))?;
-        }
+        let (listener, cleanup) = super::listen(&path, self.opts.ready_file.as_deref(), "lazy-pages server", "criu lazy-pages: ")?;
         // Like criu lazy-pages: one restore connects; the socket goes when it has.
         let stream = loop {
             if self.stop.load(Ordering::Relaxed) {

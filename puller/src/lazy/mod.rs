@@ -151,21 +151,7 @@ impl Daemon {
 
     /// Serve `GET /metrics` on `addr` from a background thread; returns the bound address.
     pub fn serve_metrics(self: &Arc<Self>, addr: &str) -> Result<std::net::SocketAddr, LazyError> {
-        let l = std::net::TcpListener::bind(addr).map_err(io_err(format!("binding metrics address {addr}")))?;
-        let bound = l.local_addr().map_err(io_err("metrics address"))?;
-        let me = Arc::downgrade(self);
-        std::thread::Builder::new()
-            .name("lazy-metrics".into())
-            .spawn(move || {
-                for s in l.incoming() {
-                    let Some(d) = me.upgrade() else { return };
-                    if let Ok(s) = s {
-                        let _ = answer_metrics(s, &d);
-                    }
-                }
-            })
-            .map_err(io_err("spawning the metrics thread"))?;
-        Ok(bound)
+        serve_metrics(self, addr, Daemon::metrics_text)
     }
 
     /// Ask `run` to return (connections end at their next poll).
@@ -179,26 +165,7 @@ impl Daemon {
         let path = &self.opts.socket;
         // A socket file left by an earlier daemon would make bind fail; anything else
         // under that name is not ours to delete.
-        if let Ok(m) = std::fs::symlink_metadata(path) {
-            use std::os::unix::fs::FileTypeExt;
-            if m.file_type().is_socket() {
-                if UnixStream::connect(path).is_ok() {
-                    return Err(LazyError::Invalid(format!("{}: another daemon is listening there", path.display())));
-                }
-                std::fs::remove_file(path).map_err(io_err(format!("removing stale socket {}", path.display())))?;
-            }
-        }
-        let listener = UnixListener::bind(path).map_err(io_err(format!("binding {}", path.display())))?;
-        listener.set_nonblocking(true).map_err(io_err("socket"))?;
-        let _cleanup = RemoveOnDrop(path.clone());
-        eprintln!("snapctl lazy: listening on {}", path.display());
-        if let Some(r) = &self.opts.ready_file {
-            // Written aside and renamed, so a watcher never reads it half-written.
-            let mut tmp = r.clone().into_os_string();
-            tmp.push(format!(".{}.tmp", std::process::id()));
-            std::fs::write(&tmp, format!("{}\n", path.display())).map_err(io_err(format!("writing {}", r.display())))?;
-            std::fs::rename(&tmp, r).map_err(io_err(format!("writing {}", r.display())))?;
-        }
+        let (listener, _cleanup) = listen(path, self.opts.ready_file.as_deref(), "daemon", "")?;
         self.spawn_watchdog();
         let mut workers: Vec<std::thread::JoinHandle<bool>> = Vec::new();
         loop {
@@ -341,8 +308,52 @@ impl Daemon {
     }
 }
 
-fn answer_metrics(s: std::net::TcpStream, d: &Daemon) -> std::io::Result<()> {
-    answer_metrics_text(s, &d.metrics_text())
+/// Bind the Unix socket `path` (non-blocking; replacing a stale socket file, refusing when
+/// another `who` answers there), say so on stderr (`snapctl lazy: {tag}listening on PATH`:
+/// tests and bench/lazy.sh wait for that line) and write `ready` (aside, then renamed, so
+/// a watcher never reads it half-written). The guard removes the socket file.
+fn listen(path: &std::path::Path, ready: Option<&std::path::Path>, who: &str, tag: &str) -> Result<(UnixListener, RemoveOnDrop), LazyError> {
+    if let Ok(m) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        if m.file_type().is_socket() {
+            if UnixStream::connect(path).is_ok() {
+                return Err(LazyError::Invalid(format!("{}: another {who} is listening there", path.display())));
+            }
+            std::fs::remove_file(path).map_err(io_err(format!("removing stale socket {}", path.display())))?;
+        }
+    }
+    let listener = UnixListener::bind(path).map_err(io_err(format!("binding {}", path.display())))?;
+    listener.set_nonblocking(true).map_err(io_err("socket"))?;
+    let cleanup = RemoveOnDrop(path.to_path_buf());
+    eprintln!("snapctl lazy: {tag}listening on {}", path.display());
+    if let Some(r) = ready {
+        let mut tmp = r.to_path_buf().into_os_string();
+        tmp.push(format!(".{}.tmp", std::process::id()));
+        std::fs::write(&tmp, format!("{}\n", path.display())).map_err(io_err(format!("writing {}", r.display())))?;
+        std::fs::rename(&tmp, r).map_err(io_err(format!("writing {}", r.display())))?;
+    }
+    Ok((listener, cleanup))
+}
+
+/// Serve `GET /metrics` on `addr` from a background thread, answering with `text(owner)`
+/// while `owner` lives (the Firecracker and the CRIU daemons both); returns the bound
+/// address.
+fn serve_metrics<T: Send + Sync + 'static>(owner: &Arc<T>, addr: &str, text: fn(&T) -> String) -> Result<std::net::SocketAddr, LazyError> {
+    let l = std::net::TcpListener::bind(addr).map_err(io_err(format!("binding metrics address {addr}")))?;
+    let bound = l.local_addr().map_err(io_err("metrics address"))?;
+    let me = Arc::downgrade(owner);
+    std::thread::Builder::new()
+        .name("lazy-metrics".into())
+        .spawn(move || {
+            for s in l.incoming() {
+                let Some(d) = me.upgrade() else { return };
+                if let Ok(s) = s {
+                    let _ = answer_metrics_text(s, &text(&d));
+                }
+            }
+        })
+        .map_err(io_err("spawning the metrics thread"))?;
+    Ok(bound)
 }
 
 /// Answer one HTTP request: `text` for `GET /metrics`, 404 otherwise.
