@@ -72,11 +72,83 @@ pub fn run(cmd: &mut Command) -> Run {
     }
 }
 
+/// splitmix64: a tiny deterministic generator for the test runtimes' data and touch
+/// orders (same seed, same sequence; not for anything that needs real randomness).
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e3779b97f4a7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
+        z ^ (z >> 31)
+    }
+
+    /// Fisher–Yates.
+    pub fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = (self.next_u64() % (i as u64 + 1)) as usize;
+            v.swap(i, j);
+        }
+    }
+}
+
+/// Flip one bit (0x40) of the first stored chunk of `file` where its pack holds it, 100
+/// bytes into the chunk's stored bytes, in the OCI layout at `layout_dir` (image `tag`):
+/// a tampered pack for the verification tests. Returns that chunk's index in the file.
+pub fn tamper_first_stored_chunk(layout_dir: &Path, tag: &str, file: &str) -> u64 {
+    use imgfmt::BlobSource;
+    use std::os::unix::fs::FileExt;
+    let layout = imgfmt::OciLayout::open(layout_dir).expect("layout");
+    let image = imgfmt::Image::open(&layout, &layout.resolve_tag(tag).expect("tag")).expect("image");
+    let entry = image.file(file).unwrap_or_else(|| panic!("{file} in the image")).1;
+    let (chunk, pack, offset) = entry
+        .chunks
+        .iter()
+        .enumerate()
+        .find_map(|(i, c)| match c.at {
+            imgfmt::StoredAt::Pack { pack, offset, .. } => Some((i as u64, pack, offset)),
+            imgfmt::StoredAt::Zero => None,
+        })
+        .expect("a stored chunk");
+    let digest = image.packs[pack as usize].digest.to_string();
+    let blob = layout_dir.join("blobs/sha256").join(digest.trim_start_matches("sha256:"));
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&blob).expect("pack blob");
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, offset + 100).expect("read pack");
+    f.write_all_at(&[b[0] ^ 0x40], offset + 100).expect("write pack");
+    chunk
+}
+
 /// A free TCP port on 127.0.0.1 (bound then released; good enough for tests that
 /// start a server right away).
 pub fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
     l.local_addr().expect("local_addr").port()
+}
+
+/// Whether `SNAPCTL_REQUIRE_PEERS=1` (CI sets it): a test that would skip for want of a
+/// peer or a kernel feature fails instead.
+pub fn require_peers() -> bool {
+    std::env::var_os("SNAPCTL_REQUIRE_PEERS").is_some_and(|v| v == "1")
+}
+
+/// Whether this process may create a userfaultfd that also handles kernel-mode faults (the
+/// fake runtimes read their memory with process_vm_readv). Skips loudly, or fails under
+/// [`require_peers`].
+pub fn uffd_usable() -> bool {
+    // SAFETY: the userfaultfd syscall with flags only; the fd is closed right away.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
+    if fd >= 0 {
+        // SAFETY: closing the fd we just created.
+        unsafe { libc::close(fd as i32) };
+        return true;
+    }
+    let e = std::io::Error::last_os_error();
+    assert!(!require_peers(), "userfaultfd is required (SNAPCTL_REQUIRE_PEERS=1) but unavailable: {e}");
+    eprintln!("SKIP: userfaultfd unavailable here ({e}); lazy-restore tests need root");
+    false
 }
 
 /// Whether an external program is on PATH (tests that need a real peer skip loudly
@@ -88,7 +160,7 @@ pub fn have(program: &str) -> bool {
         .status()
         .map(|s| s.success())
         .unwrap_or(false);
-    if !found && std::env::var_os("SNAPCTL_REQUIRE_PEERS").is_some_and(|v| v == "1") {
+    if !found && require_peers() {
         panic!("{program} is required (SNAPCTL_REQUIRE_PEERS=1) but not on PATH; run scripts/setup.sh");
     }
     if !found {

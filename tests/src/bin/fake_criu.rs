@@ -42,6 +42,7 @@ use clap::{Parser, Subcommand};
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 use puller::lazy::pagemap::{decode_pagemap, encode_pagemap, Pagemap, PagemapEntry, PE_LAZY, PE_PARENT, PE_PRESENT};
 use serde::{Deserialize, Serialize};
+use snapctl_tests::SplitMix64;
 use userfaultfd::{FeatureFlags, Uffd, UffdBuilder};
 
 const PAGE: u64 = 4096;
@@ -61,7 +62,7 @@ enum Cmd {
     Dump {
         dir: PathBuf,
         /// Bytes of address space the task's VMAs cover (pages: about 70% of it present).
-        #[arg(long, default_value = "4MiB", value_parser = parse_size)]
+        #[arg(long, default_value = "4MiB", value_parser = imgfmt::size::parse_size)]
         size: u64,
         #[arg(long, default_value_t = 1)]
         seed: u64,
@@ -99,39 +100,12 @@ enum Cmd {
     },
 }
 
-fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("bad size {s:?}"))?;
-    let mul: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" => 1 << 10,
-        "m" | "mib" => 1 << 20,
-        "g" | "gib" => 1 << 30,
-        u => return Err(format!("unknown size unit {u:?}")),
-    };
-    n.checked_mul(mul).ok_or_else(|| format!("size {s:?} overflows"))
-}
-
 /// One VMA of the fake task (CRIU keeps these in mm-<pid>.img).
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 struct Vma {
     start: u64,
     end: u64,
     writable: bool,
-}
-
-/// splitmix64.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e3779b97f4a7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
-        z ^ (z >> 31)
-    }
 }
 
 /// Where a pid's dump lives in the address space: 16 GiB apart per pid, high up but below
@@ -154,14 +128,14 @@ fn plan(size: u64, seed: u64, pid: i32, parent_pages: u32) -> (Vec<Vma>, Vec<Pag
         vmas.push(Vma { start: at, end: at + len, writable: i != 3 });
         at += len + if i < 2 { gap } else { 0 };
     }
-    let mut rng = Rng(seed ^ (pid as u64).wrapping_mul(0x51));
+    let mut rng = SplitMix64(seed ^ (pid as u64).wrapping_mul(0x51));
     let mut entries: Vec<PagemapEntry> = Vec::new();
     for v in &vmas {
         let mut a = v.start;
         while a < v.end {
             let left = (v.end - a) / PAGE;
-            let n = (1 + rng.next() % 48).min(left);
-            let kind = rng.next() % 10;
+            let n = (1 + rng.next_u64() % 48).min(left);
+            let kind = rng.next_u64() % 10;
             let flags = match kind {
                 0..=5 => Some(PE_PRESENT | PE_LAZY),
                 6 => Some(PE_PRESENT),
@@ -193,9 +167,9 @@ fn plan(size: u64, seed: u64, pid: i32, parent_pages: u32) -> (Vec<Vma>, Vec<Pag
 /// A present page's content: non-zero everywhere (so no pages-file chunk is a zero chunk
 /// and every zero the task reads comes from a zero page, not from data).
 fn fill_page(seed: u64, vaddr: u64, buf: &mut [u8]) {
-    let mut r = Rng(seed ^ vaddr);
+    let mut r = SplitMix64(seed ^ vaddr);
     for c in buf.chunks_mut(8) {
-        let v = r.next() | 1;
+        let v = r.next_u64() | 1;
         c.copy_from_slice(&v.to_le_bytes()[..c.len()]);
     }
 }
@@ -426,11 +400,7 @@ fn restore(workdir: &Path, images: &Path, pids: &[i32], zombies: &[i32], threads
             all.extend((v.start..v.end).step_by(PAGE as usize).map(|a| (i, a)));
         }
     }
-    let mut rng = Rng(0x5eed);
-    for i in (1..all.len()).rev() {
-        let j = (rng.next() % (i as u64 + 1)) as usize;
-        all.swap(i, j);
-    }
+    SplitMix64(0x5eed).shuffle(&mut all);
     let tasks = Arc::new(tasks);
     let all = Arc::new(all);
     let next = Arc::new(AtomicUsize::new(0));

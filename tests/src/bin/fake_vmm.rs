@@ -33,9 +33,10 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context};
+use anyhow::{ensure, Context};
 use clap::Parser;
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+use snapctl_tests::SplitMix64;
 use userfaultfd::{FeatureFlags, UffdBuilder};
 
 /// Guest page size: 4 KiB, as for a Firecracker guest without hugepages.
@@ -91,24 +92,11 @@ struct Region {
     offset: u64,
 }
 
-fn parse_size(s: &str) -> anyhow::Result<u64> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().with_context(|| format!("bad size {s:?}"))?;
-    let mul: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" | "kb" => 1 << 10,
-        "m" | "mib" | "mb" => 1 << 20,
-        "g" | "gib" | "gb" => 1 << 30,
-        u => bail!("unknown size unit {u:?} in {s:?}"),
-    };
-    n.checked_mul(mul).with_context(|| format!("size {s:?} overflows"))
-}
-
 fn parse_range(s: &str) -> anyhow::Result<(u64, u64)> {
     let (off, len) = s.split_once(':').with_context(|| format!("expected OFF:LEN, got {s:?}"))?;
-    Ok((parse_size(off)?, parse_size(len)?))
+    // snapctl's own size syntax (`9MiB`, `32KiB`, bytes).
+    let size = |t: &str| imgfmt::size::parse_size(t).map_err(anyhow::Error::msg);
+    Ok((size(off)?, size(len)?))
 }
 
 /// File ranges of the regions, page-aligned, inside the (page-rounded) file.
@@ -175,28 +163,10 @@ fn map_guest(ranges: &[(u64, u64)]) -> anyhow::Result<Vec<Region>> {
     Ok(regions)
 }
 
-/// splitmix64: deterministic from --seed, enough for a touch order.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e3779b97f4a7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
-        z ^ (z >> 31)
-    }
-    fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            let j = (self.next() % (i as u64 + 1)) as usize;
-            v.swap(i, j);
-        }
-    }
-}
-
 /// File page numbers to touch, in touch order.
 fn plan_touches(spec: &str, regions: &[Region], seed: u64, run_pages: u64) -> anyhow::Result<Vec<u64>> {
     let mut all: Vec<u64> = regions.iter().flat_map(|r| (r.offset / PAGE)..(r.offset + r.size) / PAGE).collect();
-    let mut rng = Rng(seed);
+    let mut rng = SplitMix64(seed);
     let spec = spec.trim();
     if spec == "all" {
         rng.shuffle(&mut all);
@@ -216,7 +186,7 @@ fn plan_touches(spec: &str, regions: &[Region], seed: u64, run_pages: u64) -> an
         let mut picked = vec![false; all.len()];
         let mut count = 0;
         while count < n {
-            let start = (rng.next() % (all.len() - run + 1) as u64) as usize;
+            let start = (rng.next_u64() % (all.len() - run + 1) as u64) as usize;
             for p in &mut picked[start..start + run] {
                 if !*p && count < n {
                     *p = true;

@@ -15,33 +15,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use imgfmt::{BlobSource, Image, OciLayout, StoredAt};
 use serde_json::Value;
 use snapctl_tests::fault_proxy::{Fault, FaultProxy, Match, Rule};
 use snapctl_tests::registry_support::{Distribution, Serve};
-use snapctl_tests::{have, run, snapctl, snapctl_bin};
+use snapctl_tests::{have, require_peers, run, snapctl, snapctl_bin, uffd_usable};
 
 const MIB: u64 = 1 << 20;
-
-fn require_peers() -> bool {
-    std::env::var_os("SNAPCTL_REQUIRE_PEERS").is_some_and(|v| v == "1")
-}
-
-/// Whether this process may create a userfaultfd that also handles kernel-mode faults
-/// (fake_vmm reads guest memory with process_vm_readv).
-fn uffd_usable() -> bool {
-    // SAFETY: the userfaultfd syscall with flags only; the fd is closed right away.
-    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
-    if fd >= 0 {
-        // SAFETY: closing the fd we just created.
-        unsafe { libc::close(fd as i32) };
-        return true;
-    }
-    let e = std::io::Error::last_os_error();
-    assert!(!require_peers(), "userfaultfd is required (SNAPCTL_REQUIRE_PEERS=1) but unavailable: {e}");
-    eprintln!("SKIP: userfaultfd unavailable here ({e}); lazy-restore tests need root");
-    false
-}
 
 /// Whether the `snapctl` under test has the `lazy` subcommand.
 fn lazy_available() -> bool {
@@ -432,26 +411,7 @@ fn lazy_restore_of_tampered_pack_never_shows_wrong_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let (snap, image_ref) = packed_sample(dir.path(), "16MiB", "17");
     let mem = snap.join("vm.mem");
-    let layout_dir = dir.path().join("layout");
-    let layout = OciLayout::open(&layout_dir).unwrap();
-    let image = Image::open(&layout, &layout.resolve_tag("v1").unwrap()).unwrap();
-    let file = image.files.iter().find(|f| f.name == "vm.mem").expect("vm.mem in the image");
-    let (chunk, pack, offset) = file
-        .chunks
-        .iter()
-        .enumerate()
-        .find_map(|(i, c)| match c.at {
-            StoredAt::Pack { pack, offset, .. } => Some((i as u64, pack, offset)),
-            StoredAt::Zero => None,
-        })
-        .expect("a stored chunk");
-    let digest = image.packs[pack as usize].digest.to_string();
-    let blob = layout_dir.join("blobs/sha256").join(digest.trim_start_matches("sha256:"));
-    let f = fs::OpenOptions::new().read(true).write(true).open(&blob).unwrap();
-    let mut b = [0u8; 1];
-    f.read_exact_at(&mut b, offset + 100).unwrap();
-    f.write_all_at(&[b[0] ^ 0x40], offset + 100).unwrap();
-    drop(f);
+    let chunk = snapctl_tests::tamper_first_stored_chunk(&dir.path().join("layout"), "v1", "vm.mem");
 
     let sock = dir.path().join("lazy.sock");
     let cache = dir.path().join("cache");

@@ -19,25 +19,7 @@ use std::time::{Duration, Instant};
 use imgfmt::{BlobSource, Image, OciLayout, StoredAt};
 use serde_json::Value;
 use snapctl_tests::registry_support::Serve;
-use snapctl_tests::{run, snapctl};
-
-fn require_peers() -> bool {
-    std::env::var_os("SNAPCTL_REQUIRE_PEERS").is_some_and(|v| v == "1")
-}
-
-fn uffd_usable() -> bool {
-    // SAFETY: the userfaultfd syscall with flags only; the fd is closed right away.
-    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
-    if fd >= 0 {
-        // SAFETY: closing the fd we just created.
-        unsafe { libc::close(fd as i32) };
-        return true;
-    }
-    let e = std::io::Error::last_os_error();
-    assert!(!require_peers(), "userfaultfd is required (SNAPCTL_REQUIRE_PEERS=1) but unavailable: {e}");
-    eprintln!("SKIP: userfaultfd unavailable here ({e}); CRIU lazy-restore tests need root");
-    false
-}
+use snapctl_tests::{require_peers, run, snapctl, uffd_usable};
 
 /// Whether the `snapctl` under test has `lazy --criu-workdir`.
 fn criu_lazy_available() -> bool {
@@ -256,25 +238,7 @@ fn criu_lazy_restore_of_tampered_pages_chunk_never_shows_wrong_bytes() {
     }
     let dir = tempfile::tempdir().unwrap();
     let (dump, image_ref, _) = packed_dump(dir.path(), &[(31, "4MiB", &[])]);
-    let layout_dir = dir.path().join("layout");
-    let layout = OciLayout::open(&layout_dir).unwrap();
-    let image = Image::open(&layout, &layout.resolve_tag("v1").unwrap()).unwrap();
-    let file = image.file("pages-31.img").expect("pages file").1;
-    let (pack, offset) = file
-        .chunks
-        .iter()
-        .find_map(|c| match c.at {
-            StoredAt::Pack { pack, offset, .. } => Some((pack, offset)),
-            StoredAt::Zero => None,
-        })
-        .expect("a stored chunk");
-    let digest = image.packs[pack as usize].digest.to_string();
-    let blob = layout_dir.join("blobs/sha256").join(digest.trim_start_matches("sha256:"));
-    let f = fs::OpenOptions::new().read(true).write(true).open(&blob).unwrap();
-    let mut b = [0u8; 1];
-    f.read_exact_at(&mut b, offset + 100).unwrap();
-    f.write_all_at(&[b[0] ^ 0x40], offset + 100).unwrap();
-    drop(f);
+    snapctl_tests::tamper_first_stored_chunk(&dir.path().join("layout"), "v1", "pages-31.img");
 
     let work = dir.path().join("work");
     let mut d = Daemon::start(&image_ref, &work, &["--no-cache"]);

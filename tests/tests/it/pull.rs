@@ -57,6 +57,15 @@ impl Fixture {
         Fixture { work, repo, snap1, snap2 }
     }
 
+    /// A fixture in a fresh `snapctl serve`: its storage directory and the server (kept
+    /// alive by the caller), then the fixture.
+    fn served(size: &str) -> (tempfile::TempDir, Serve, Fixture) {
+        let storage = tempfile::tempdir().unwrap();
+        let serve = Serve::start(storage.path().to_str().unwrap(), &[], &[]);
+        let fx = Fixture::new(&serve.addr, size);
+        (storage, serve, fx)
+    }
+
     fn path(&self, p: &str) -> PathBuf {
         self.work.path().join(p)
     }
@@ -227,9 +236,7 @@ fn pull_killed_then_resumed_fetches_only_the_rest() {
     if !have("skopeo") {
         return;
     }
-    let storage = tempfile::tempdir().unwrap();
-    let serve = Serve::start(storage.path().to_str().unwrap(), &[], &[]);
-    let fx = Fixture::new(&serve.addr, "32MiB");
+    let (_storage, _serve, fx) = Fixture::served("32MiB");
     let v1 = format!("{}:v1", fx.repo);
     let cache = fx.path("cache");
     let dest = fx.path("out");
@@ -292,9 +299,7 @@ fn regression_issue_4_resume_over_another_images_partial_is_exact() {
     if !have("skopeo") {
         return;
     }
-    let storage = tempfile::tempdir().unwrap();
-    let serve = Serve::start(storage.path().to_str().unwrap(), &[], &[]);
-    let fx = Fixture::new(&serve.addr, "16MiB");
+    let (_storage, _serve, fx) = Fixture::served("16MiB");
     let dest = fx.path("out");
     // A "killed pull" of v1: v1's files under temp names of a pid that is not running.
     fs::create_dir_all(&dest).unwrap();
@@ -325,9 +330,7 @@ fn damaged_cache_entry_is_refetched_never_written() {
     if !have("skopeo") {
         return;
     }
-    let storage = tempfile::tempdir().unwrap();
-    let serve = Serve::start(storage.path().to_str().unwrap(), &[], &[]);
-    let fx = Fixture::new(&serve.addr, "16MiB");
+    let (_storage, _serve, fx) = Fixture::served("16MiB");
     let v1 = format!("{}:v1", fx.repo);
     let cache = fx.path("cache");
     ok(&pull(&v1, &fx.path("a"), Some(&cache), &["--cache-copy"]).0);
@@ -358,9 +361,7 @@ fn regression_issue_4_cache_references_go_stale_safely() {
     if !have("skopeo") {
         return;
     }
-    let storage = tempfile::tempdir().unwrap();
-    let serve = Serve::start(storage.path().to_str().unwrap(), &[], &[]);
-    let fx = Fixture::new(&serve.addr, "16MiB");
+    let (_storage, _serve, fx) = Fixture::served("16MiB");
     let v1 = format!("{}:v1", fx.repo);
     let cache = fx.path("cache");
     let (r, j) = pull(&v1, &fx.path("a"), Some(&cache), &[]);
@@ -397,9 +398,7 @@ fn tampered_pack_on_the_registry_fails_with_exit_1() {
     if !have("skopeo") {
         return;
     }
-    let storage = tempfile::tempdir().unwrap();
-    let serve = Serve::start(storage.path().to_str().unwrap(), &[], &[]);
-    let fx = Fixture::new(&serve.addr, "16MiB");
+    let (storage, _serve, fx) = Fixture::served("16MiB");
     // The v1 pack is the largest blob the registry holds.
     let mut blobs = Vec::new();
     let mut stack = vec![storage.path().to_path_buf()];
@@ -441,9 +440,7 @@ fn cache_size_limit_is_honoured() {
     if !have("skopeo") {
         return;
     }
-    let storage = tempfile::tempdir().unwrap();
-    let serve = Serve::start(storage.path().to_str().unwrap(), &[], &[]);
-    let fx = Fixture::new(&serve.addr, "32MiB");
+    let (_storage, _serve, fx) = Fixture::served("32MiB");
     let cache = fx.path("cache");
     let (r, j) = pull(&format!("{}:v1", fx.repo), &fx.path("a"), Some(&cache), &["--cache-size", "4MiB", "--cache-copy"]);
     ok(&r);
@@ -485,9 +482,7 @@ fn pull_through_faults_completes_or_fails_verified() {
     if !have("skopeo") {
         return;
     }
-    let storage = tempfile::tempdir().unwrap();
-    let serve = Serve::start(storage.path().to_str().unwrap(), &[], &[]);
-    let fx = Fixture::new(&serve.addr, "32MiB");
+    let (_storage, serve, fx) = Fixture::served("32MiB");
     let proxy = FaultProxy::start(serve.addr.as_str()).unwrap();
     let image = format!("{}/sandboxes/vm:v1", proxy.addr);
     // One chunk per range request: many requests for the faults to land on.
@@ -546,9 +541,7 @@ fn concurrent_pulls_share_one_cache() {
     if !have("skopeo") {
         return;
     }
-    let storage = tempfile::tempdir().unwrap();
-    let serve = Serve::start(storage.path().to_str().unwrap(), &[], &[]);
-    let fx = Fixture::new(&serve.addr, "32MiB");
+    let (_storage, _serve, fx) = Fixture::served("32MiB");
     let cache = fx.path("cache");
     let spawn = |image: String, dest: PathBuf| {
         snapctl()

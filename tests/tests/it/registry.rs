@@ -174,7 +174,7 @@ fn oras_push_and_pull_a_file_artifact() {
     }
     let has_oras = Command::new("python3").args(["-c", "import oras.client"]).status().is_ok_and(|s| s.success());
     if !has_oras {
-        assert!(std::env::var_os("SNAPCTL_REQUIRE_PEERS").is_none_or(|v| v != "1"), "oras (PyPI) is required");
+        assert!(!snapctl_tests::require_peers(), "oras (PyPI) is required");
         eprintln!("SKIP: python module oras not installed");
         return;
     }

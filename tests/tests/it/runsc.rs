@@ -13,11 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use snapctl_tests::registry_support::Serve;
-use snapctl_tests::{have, run, snapctl, workspace_root};
-
-fn require_peers() -> bool {
-    std::env::var_os("SNAPCTL_REQUIRE_PEERS").is_some_and(|v| v == "1")
-}
+use snapctl_tests::{have, require_peers, run, snapctl, workspace_root};
 
 /// Skip with a note, or fail when peers are required.
 fn skip(why: &str) {
