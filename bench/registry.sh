@@ -69,8 +69,6 @@ cleanup() {
 trap cleanup EXIT
 log() { echo "[registry.sh] $*" >&2; }
 now() { date +%s.%N; }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() { for _ in $(seq 300); do curl -s -o /dev/null "http://127.0.0.1:$1/v2/" && return 0; sleep 0.05; done; echo "server on :$1 did not start" >&2; return 1; }
 
 # --- inputs -------------------------------------------------------------------
 log "generating inputs in $WORK (layer $LAYER_SIZE, blob $BLOB_SIZE)"
@@ -102,33 +100,9 @@ print(md)
 EOF
 
 # --- servers ------------------------------------------------------------------
-SERVER_PID="" PORT=""
-start_server() { # kind storage-dir
-  local kind=$1 dir=$2
-  PORT=$(free_port)
-  mkdir -p "$dir"
-  if [ "$kind" = snapctl ]; then
-    SNAPCTL_LOG=warn "$SNAPCTL" serve --storage "$dir" --listen "127.0.0.1:$PORT" >>"$WORK/snapctl.log" 2>&1 &
-  else
-    cat > "$WORK/distribution.yml" <<EOF
-version: 0.1
-log:
-  level: error
-storage:
-  filesystem:
-    rootdirectory: $dir
-  delete:
-    enabled: true
-http:
-  addr: 127.0.0.1:$PORT
-EOF
-    docker-registry serve "$WORK/distribution.yml" >>"$WORK/distribution.log" 2>&1 &
-  fi
-  SERVER_PID=$!
-  PIDS+=("$SERVER_PID")
-  wait_port "$PORT"
-}
-stop_server() { kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true; }
+SERVER_LOGS=$WORK WAIT_PORT_TRIES=300
+# shellcheck source=bench/lib/servers.sh
+source "$ROOT/bench/lib/servers.sh"
 rss_kib() { awk '/VmHWM/ {print $2}' "/proc/$SERVER_PID/status"; }
 
 upload_url() { # repo digest -> absolute URL of a session with ?digest= appended

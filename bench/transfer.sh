@@ -74,8 +74,6 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 log() { echo "[$(date -u +%H:%M:%S) transfer.sh] $*" >&2; }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() { for _ in $(seq 600); do curl -s -o /dev/null "http://127.0.0.1:$1/v2/" && return 0; sleep 0.05; done; echo "server on :$1 did not start" >&2; return 1; }
 mkdir -p "$ROOT/bench/results"
 TSV=$ROOT/bench/results/transfer-$(date -u +%F).tsv
 [ "$QUICK" = 1 ] && TSV=$W/timings.tsv  # a smoke test is not a result
@@ -97,33 +95,9 @@ time_it() {
   log "$size run $run: $name ${T}s $extra"
 }
 
-SERVER_PID="" PORT=""
-start_server() { # kind storage-dir
-  local kind=$1 dir=$2
-  PORT=$(free_port)
-  mkdir -p "$dir"
-  if [ "$kind" = snapctl ]; then
-    SNAPCTL_LOG=warn "$SNAPCTL" serve --storage "$dir" --listen "127.0.0.1:$PORT" >>"$W/snapctl.log" 2>&1 &
-  else
-    cat > "$W/distribution.yml" <<EOF
-version: 0.1
-log:
-  level: error
-storage:
-  filesystem:
-    rootdirectory: $dir
-  delete:
-    enabled: true
-http:
-  addr: 127.0.0.1:$PORT
-EOF
-    docker-registry serve "$W/distribution.yml" >>"$W/distribution.log" 2>&1 &
-  fi
-  SERVER_PID=$!
-  PIDS+=("$SERVER_PID")
-  wait_port "$PORT"
-}
-stop_server() { kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true; }
+SERVER_LOGS=$W
+# shellcheck source=bench/lib/servers.sh
+source "$ROOT/bench/lib/servers.sh"
 
 # An OCI layout at $2 whose one layer is an uncompressed tar of directory $1.
 tar_layout() {
