@@ -230,11 +230,7 @@ impl ChunkCache {
         match verify::verify_stored(algo, Codec::Raw, buf, len, digest) {
             Ok(chunk) => {
                 self.hits.fetch_add(1, Ordering::Relaxed);
-                // Recency for LRU eviction. atime is unreliable (noatime, relatime), so the
-                // cache keeps its own in mtime; failing to touch only makes eviction less fair.
-                if md.modified().map_or(true, |m| m.elapsed().unwrap_or_default() > TOUCH_EVERY) {
-                    let _ = OpenOptions::new().write(true).open(&path).and_then(|w| w.set_modified(SystemTime::now()));
-                }
+                touch(&path, md.modified().ok());
                 Ok(Some(chunk))
             }
             Err(_) => {
@@ -256,12 +252,13 @@ impl ChunkCache {
     /// or changed is stale: deleted, a miss.
     fn get_by_ref(&self, algo: HashAlgo, digest: &ChunkDigest, len: u32) -> Result<Option<VerifiedChunk>, CacheError> {
         let rpath = self.ref_path(algo, digest);
-        let raw = match File::open(&rpath) {
+        let (raw, modified) = match File::open(&rpath) {
             // A reference is a few hundred bytes; more is not one of ours.
             Ok(f) => {
+                let modified = f.metadata().and_then(|m| m.modified()).ok();
                 let mut raw = Vec::new();
                 f.take(MAX_REF + 1).read_to_end(&mut raw).map_err(io(&rpath))?;
-                raw
+                (raw, modified)
             }
             Err(e) if e.kind() == ErrorKind::NotFound => {
                 self.misses.fetch_add(1, Ordering::Relaxed);
@@ -286,7 +283,7 @@ impl ChunkCache {
         match verify::verify_stored(algo, Codec::Raw, buf, len, digest) {
             Ok(chunk) => {
                 self.hits.fetch_add(1, Ordering::Relaxed);
-                self.touch(&rpath);
+                touch(&rpath, modified);
                 Ok(Some(chunk))
             }
             Err(_) => {
@@ -294,13 +291,6 @@ impl ChunkCache {
                 self.drop_stale(&rpath);
                 Ok(None)
             }
-        }
-    }
-
-    /// Refresh an entry's recency (its mtime), at most once per [`TOUCH_EVERY`].
-    fn touch(&self, path: &Path) {
-        if fs::metadata(path).and_then(|m| m.modified()).map_or(true, |m| m.elapsed().unwrap_or_default() > TOUCH_EVERY) {
-            let _ = OpenOptions::new().write(true).open(path).and_then(|w| w.set_modified(SystemTime::now()));
         }
     }
 
@@ -619,6 +609,16 @@ impl ChunkCache {
             }
         }
         Ok(())
+    }
+}
+
+/// Refresh an entry's recency for LRU eviction, at most once per [`TOUCH_EVERY`] (so hot
+/// entries do not cost a metadata write per read). atime is unreliable (noatime,
+/// relatime), so the cache keeps its own in mtime; failing to touch only makes eviction
+/// less fair. `modified`: the entry's mtime as just read (unknown: touch).
+fn touch(path: &Path, modified: Option<SystemTime>) {
+    if modified.is_none_or(|m| m.elapsed().unwrap_or_default() > TOUCH_EVERY) {
+        let _ = OpenOptions::new().write(true).open(path).and_then(|w| w.set_modified(SystemTime::now()));
     }
 }
 
