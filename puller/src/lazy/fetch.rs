@@ -114,8 +114,8 @@ pub struct Fetcher {
     store: Option<Arc<dyn ChunkStore>>,
     /// Fetched chunks on their way into `store`, put by a background thread: a put is
     /// durable (fdatasync) and must not sit between a fault and its install.
-    puts: Mutex<Option<std::sync::mpsc::SyncSender<PutItem>>>,
-    putter: Mutex<Option<std::thread::JoinHandle<()>>>,
+    puts: Option<std::sync::mpsc::SyncSender<PutItem>>,
+    putter: Option<std::thread::JoinHandle<()>>,
     policy: RetryPolicy,
     inflight: Mutex<HashMap<u64, Arc<Flight>>>,
     recent: Mutex<Recent>,
@@ -124,8 +124,8 @@ pub struct Fetcher {
 impl Drop for Fetcher {
     /// Let the queued puts finish: a daemon that exits (`--once`) keeps what it fetched.
     fn drop(&mut self) {
-        drop(self.puts.lock().unwrap_or_else(|p| p.into_inner()).take());
-        if let Some(h) = self.putter.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        drop(self.puts.take());
+        if let Some(h) = self.putter.take() {
             let _ = h.join();
         }
     }
@@ -155,8 +155,8 @@ impl Fetcher {
             file,
             src,
             store,
-            puts: Mutex::new(puts),
-            putter: Mutex::new(putter),
+            puts,
+            putter,
             policy,
             inflight: Mutex::new(HashMap::new()),
             // At least 16 MiB: a chunk fetched for a parked fault must still be here when
@@ -243,7 +243,7 @@ impl Fetcher {
                 Ok(v) => {
                     work.bytes_fetched += stored_len;
                     let v = Arc::new(v);
-                    if let Some(q) = self.puts.lock().expect("poisoned").as_ref() {
+                    if let Some(q) = &self.puts {
                         // Never waits: a full queue (the disk behind) skips the put.
                         let _ = q.try_send((algo, c.digest, v.clone()));
                     }
