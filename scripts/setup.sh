@@ -29,6 +29,10 @@ fi
 if command -v systemctl >/dev/null 2>&1; then $SUDO systemctl disable --now docker-registry >/dev/null 2>&1 || true; fi
 pkill -f '^/usr/bin/docker-registry serve /etc/docker/registry/config.yml' 2>/dev/null || true
 
+# CRIU 4.x from Debian trixie in a private prefix (/opt/snapctl-criu): bookworm's 3.17
+# cannot dump on this kernel. For tests/tests/it/criu.rs.
+$SUDO bash "$(dirname "$0")/install-criu.sh"
+
 # PyPI packages: oras (OCI artifact client) and moto (S3 server).
 PIP_PKGS=(oras "moto[server]")
 python3 -m pip install -q --disable-pip-version-check "${PIP_PKGS[@]}" >/dev/null 2>&1 || \

@@ -4,6 +4,7 @@
 //! All integration tests live in one test binary (`tests/tests/it/main.rs`) so the
 //! workspace links them once.
 
+pub mod counter;
 pub mod fault_proxy;
 pub mod registry_support;
 

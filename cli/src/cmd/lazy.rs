@@ -44,6 +44,14 @@ pub struct LazyArgs {
     /// DIR/lazy-pages.socket; serves one restore, then exits).
     #[arg(long, value_name = "DIR")]
     pub criu_workdir: Option<PathBuf>,
+    /// With --criu-workdir: first write the dump into DIR (created if missing) for `criu
+    /// restore --lazy-pages`, without the lazy pages: those stay holes in pages-<id>.img and
+    /// come from this server when touched, so only the dump's metadata and non-lazy pages
+    /// are fetched before the restore starts. The files are removed when the daemon exits:
+    /// without the server they are not the dump (a plain `criu restore` of them would read
+    /// zeros). Without this flag DIR must already hold the dump (e.g. `snapctl pull`).
+    #[arg(long, requires = "criu_workdir")]
+    pub criu_prepare: bool,
     /// The memory file to serve (default: the image's file with role "memory").
     #[arg(long, value_name = "NAME", conflicts_with = "criu_workdir")]
     pub file: Option<String>,
@@ -265,11 +273,36 @@ fn run_criu(
     if image.config().kind != imgfmt::Kind::Criu {
         eprintln!("snapctl lazy: warning: {} is a {} image, not criu", a.image, image.config().kind);
     }
-    let daemon = CriuDaemon::new(image, src, store, workdir, opts);
+    let daemon = CriuDaemon::new(image, src, store, workdir.clone(), opts);
     if let Some(addr) = &a.metrics {
         let bound = daemon.serve_metrics(addr)?;
         eprintln!("snapctl lazy: metrics on http://{bound}/metrics");
     }
+    let prepared = if a.criu_prepare {
+        let t0 = std::time::Instant::now();
+        std::fs::create_dir_all(&workdir).with_context(|| format!("creating {}", workdir.display()))?;
+        let p = daemon.prepare_workdir().with_context(|| format!("preparing {} for criu restore --lazy-pages", workdir.display()))?;
+        eprintln!(
+            "snapctl lazy: criu: wrote {} files ({}) into {} in {:.2}s; {} of lazy pages left to serve",
+            p.paths.len(),
+            imgfmt::size::human(p.bytes_written),
+            workdir.display(),
+            t0.elapsed().as_secs_f64(),
+            imgfmt::size::human(p.lazy_bytes_left)
+        );
+        Some(p)
+    } else {
+        None
+    };
+    let result = serve_criu(a, &daemon);
+    if let Some(p) = &prepared {
+        daemon.remove_prepared(p);
+    }
+    result
+}
+
+/// Serve the restore; the exit code from the tasks' reports.
+fn serve_criu(a: &LazyArgs, daemon: &Arc<CriuDaemon>) -> anyhow::Result<ExitCode> {
     let (failed, errored) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
     let (json, f2, e2) = (a.json, failed.clone(), errored.clone());
     daemon.run(Arc::new(move |r: &CriuReport| {

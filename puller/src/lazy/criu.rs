@@ -175,6 +175,17 @@ pub struct CriuReport {
     pub error: Option<String>,
 }
 
+/// What [`CriuDaemon::prepare_workdir`] wrote.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// Every file written, to remove when the restore is over.
+    pub paths: Vec<PathBuf>,
+    /// Bytes written (verified chunk data; holes not counted).
+    pub bytes_written: u64,
+    /// Bytes of lazy pages left as holes for this server to serve.
+    pub lazy_bytes_left: u64,
+}
+
 /// The CRIU lazy-pages server: one image, one restore.
 pub struct CriuDaemon {
     image: Arc<Image>,
@@ -314,6 +325,126 @@ impl CriuDaemon {
             parent_pages: pages(|e| e.in_parent()),
             zero_pages: pages(|e| !e.present() && !e.in_parent()),
         })
+    }
+
+    /// Write the image's files into the work directory for `criu restore --lazy-pages`,
+    /// leaving out exactly what this server will serve: in each `pages-<id>.img` the
+    /// ranges of lazy pages (PE_LAZY in any pagemap naming that pages file) stay holes,
+    /// every other byte is written from verified chunks. criu restore reads only the
+    /// non-lazy pages itself, so the restore starts without the bulk of the memory ever
+    /// being on this host. Each file is written under a temporary name and renamed when
+    /// complete. Returns the paths written, for [`CriuDaemon::remove_prepared`]: the
+    /// pages files are NOT the dump (their lazy pages read as zeros) and must not outlive
+    /// the restore they were made for.
+    pub fn prepare_workdir(&self) -> Result<Prepared, LazyError> {
+        let mut lazy_runs: HashMap<String, Vec<(u64, u64)>> = HashMap::new();
+        for (i, f) in self.image.files.iter().enumerate() {
+            let base = f.name.rsplit('/').next().unwrap_or(&f.name);
+            if !(base.starts_with("pagemap-") && base.ends_with(".img")) {
+                continue;
+            }
+            let bytes = self.read_file(i, pagemap::MAX_PAGEMAP_BYTES).map_err(LazyError::Invalid)?;
+            let pm = pagemap::decode_pagemap(&bytes).map_err(|e| LazyError::Invalid(format!("{}: {e}", f.name)))?;
+            let runs = lazy_runs.entry(format!("pages-{}.img", pm.pages_id)).or_default();
+            runs.extend(pm.runs().iter().filter(|r| r.lazy).map(|r| (r.offset, r.offset + r.len)));
+        }
+        // Every destination is checked before anything is written: the daemon never
+        // overwrites a dump, and a refusal leaves the directory as it was.
+        let mut plan = Vec::with_capacity(self.image.files.len());
+        for f in &self.image.files {
+            let rel = std::path::Path::new(&f.name);
+            if rel.is_absolute() || rel.components().any(|c| !matches!(c, std::path::Component::Normal(_))) {
+                return Err(LazyError::Invalid(format!("the image's file name {:?} is not a plain relative path", f.name)));
+            }
+            let dest = self.workdir.join(rel);
+            if dest.exists() {
+                return Err(LazyError::Invalid(format!("{} already exists: --criu-prepare writes into a directory without the dump", dest.display())));
+            }
+            let base = f.name.rsplit('/').next().unwrap_or(&f.name);
+            let mut skip = lazy_runs.remove(base).unwrap_or_default();
+            skip.sort_unstable();
+            plan.push((dest, skip));
+        }
+        let mut out = Prepared { paths: Vec::new(), bytes_written: 0, lazy_bytes_left: 0 };
+        for (i, (dest, skip)) in plan.into_iter().enumerate() {
+            match self.write_prepared(i, &dest, &skip) {
+                Ok(n) => out.bytes_written += n,
+                Err(e) => {
+                    self.remove_prepared(&out);
+                    return Err(e);
+                }
+            }
+            out.lazy_bytes_left += skip.iter().map(|(a, b)| b - a).sum::<u64>();
+            out.paths.push(dest);
+        }
+        Ok(out)
+    }
+
+    /// Write file `file` of the image to `dest` (via a temporary name), leaving the sorted,
+    /// non-overlapping byte ranges `skip` as holes; the bytes written.
+    fn write_prepared(&self, file: usize, dest: &std::path::Path, skip: &[(u64, u64)]) -> Result<u64, LazyError> {
+        use std::os::unix::fs::FileExt as _;
+        let f = &self.image.files[file];
+        if let Some(dir) = dest.parent() {
+            std::fs::create_dir_all(dir).map_err(super::io_err(format!("creating {}", dir.display())))?;
+        }
+        let name = dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let tmp = dest.with_file_name(format!(".{name}.snapctl-prepare-{}", std::process::id()));
+        let out = std::fs::File::create(&tmp).map_err(super::io_err(format!("creating {}", tmp.display())))?;
+        let result = (|| {
+            out.set_len(f.size).map_err(super::io_err(format!("sizing {}", tmp.display())))?;
+            let fetcher = self.fetcher(file);
+            let shift = self.image.chunk_shift();
+            let mut written = 0u64;
+            for (c, ch) in f.chunks.iter().enumerate() {
+                let start = (c as u64) << shift;
+                let end = start + ch.len as u64;
+                // The parts of [start, end) not inside a skipped range.
+                let mut keep = Vec::new();
+                let mut at = start;
+                for &(a, b) in skip.iter().filter(|(a, b)| *b > start && *a < end) {
+                    if a > at {
+                        keep.push((at, a.min(end)));
+                    }
+                    at = at.max(b);
+                }
+                if at < end {
+                    keep.push((at, end));
+                }
+                if keep.is_empty() || fetcher.is_zero(c as u64).map_err(|e| LazyError::Invalid(format!("{}: {e}", f.name)))? {
+                    continue;
+                }
+                let (v, _, _) = fetcher.get(c as u64);
+                let chunk = v.map_err(|e| LazyError::Invalid(format!("{} chunk {c}: {e}", f.name)))?;
+                let bytes = chunk.as_bytes();
+                for (a, b) in keep {
+                    out.write_all_at(&bytes[(a - start) as usize..(b - start) as usize], a).map_err(super::io_err(format!("writing {}", tmp.display())))?;
+                    written += b - a;
+                }
+            }
+            Ok(written)
+        })();
+        match result {
+            Ok(n) => {
+                std::fs::rename(&tmp, dest).map_err(super::io_err(format!("renaming {} to {}", tmp.display(), dest.display())))?;
+                Ok(n)
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                Err(e)
+            }
+        }
+    }
+
+    /// Remove what [`CriuDaemon::prepare_workdir`] wrote (the socket is removed by `run`).
+    pub fn remove_prepared(&self, prepared: &Prepared) {
+        for p in &prepared.paths {
+            if let Err(e) = std::fs::remove_file(p) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    eprintln!("snapctl lazy: criu: could not remove {}: {e}", p.display());
+                }
+            }
+        }
     }
 
     /// Bind `DIR/lazy-pages.socket`, serve one restore (every task it sends) and return
@@ -647,5 +778,61 @@ mod tests {
         assert!(d.layout(6).unwrap_err().contains("needs 98304 bytes of pages-3.img, which has 4096"));
         assert!(d.layout(7).unwrap_err().contains("no pagemap-7.img"));
         assert!(d.layout(8).unwrap_err().contains("magic"));
+    }
+
+    /// `--criu-prepare`: every file of the image is written, except that the pages file has
+    /// its lazy pages as holes (zeros) and its non-lazy pages from the image; nothing is
+    /// overwritten, a refusal writes nothing, and `remove_prepared` takes it all away.
+    #[test]
+    fn prepare_workdir_leaves_exactly_the_lazy_pages_out() {
+        use pagemap::{encode_pagemap, PagemapEntry, PE_LAZY, PE_PRESENT};
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("dump");
+        std::fs::create_dir_all(&src).unwrap();
+        let pm = Pagemap {
+            pages_id: 2,
+            entries: vec![
+                PagemapEntry { vaddr: 0x7e00_0000_0000, nr_pages: 3, flags: PE_PRESENT },
+                PagemapEntry { vaddr: 0x7e00_0000_3000, nr_pages: 16, flags: PE_PRESENT | PE_LAZY },
+                PagemapEntry { vaddr: 0x7e00_0010_0000, nr_pages: 8, flags: PE_PRESENT },
+            ],
+        };
+        std::fs::write(src.join("pagemap-5.img"), encode_pagemap(&pm)).unwrap();
+        let pages: Vec<u8> = (0..27 * 4096u32).map(|i| (i / 4096 + 1) as u8 ^ (i as u8)).collect();
+        std::fs::write(src.join("pages-2.img"), &pages).unwrap();
+        std::fs::write(src.join("core-5.img"), b"core of task 5").unwrap();
+        let layout = imgfmt::OciLayout::open_or_create(dir.path().join("layout")).unwrap();
+        let opts = pusher::PackOptions { chunk_shift: 16, ..Default::default() };
+        pusher::pack(&src, &layout, "t", &opts).unwrap();
+        let image = Arc::new(Image::open(&layout, &layout.resolve_tag("t").unwrap()).unwrap());
+        let layout = Arc::new(layout);
+
+        let work = dir.path().join("work");
+        std::fs::create_dir_all(&work).unwrap();
+        let d = CriuDaemon::new(image.clone(), layout.clone(), None, work.clone(), LazyOptions::new(PathBuf::new()));
+        let p = d.prepare_workdir().unwrap();
+        assert_eq!(p.paths.len(), 3);
+        assert_eq!(p.lazy_bytes_left, 16 * 4096);
+        assert_eq!(p.bytes_written, (3 + 8) * 4096 + 14 + std::fs::metadata(src.join("pagemap-5.img")).unwrap().len());
+        assert_eq!(std::fs::read(work.join("core-5.img")).unwrap(), b"core of task 5");
+        assert_eq!(std::fs::read(work.join("pagemap-5.img")).unwrap(), std::fs::read(src.join("pagemap-5.img")).unwrap());
+        let got = std::fs::read(work.join("pages-2.img")).unwrap();
+        assert_eq!(got.len(), pages.len());
+        assert_eq!(got[..3 * 4096], pages[..3 * 4096], "non-lazy pages before the lazy run");
+        assert!(got[3 * 4096..19 * 4096].iter().all(|&b| b == 0), "lazy pages must be holes");
+        assert_eq!(got[19 * 4096..], pages[19 * 4096..], "non-lazy pages after the lazy run");
+        let names: Vec<String> = std::fs::read_dir(&work).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        assert!(names.iter().all(|n| !n.starts_with('.')), "temporary files left: {names:?}");
+
+        // A second prepare into the same directory refuses, and writes nothing.
+        assert!(d.prepare_workdir().unwrap_err().to_string().contains("already exists"));
+        d.remove_prepared(&p);
+        assert_eq!(std::fs::read_dir(&work).unwrap().count(), 0);
+
+        // A directory holding one of the dump's files: refused before anything is written.
+        std::fs::write(work.join("pages-2.img"), b"keep me").unwrap();
+        assert!(d.prepare_workdir().is_err());
+        assert_eq!(std::fs::read(work.join("pages-2.img")).unwrap(), b"keep me");
+        assert_eq!(std::fs::read_dir(&work).unwrap().count(), 1);
     }
 }

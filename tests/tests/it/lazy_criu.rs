@@ -4,8 +4,8 @@
 //!
 //! Needs root (or vm.unprivileged_userfaultfd=1) for userfaultfd with kernel faults;
 //! without it the tests print a skip note, and with SNAPCTL_REQUIRE_PEERS=1 fail. Dumps are
-//! 2-4 MiB per task so each test takes a few seconds. A real `criu` is not used: Debian
-//! bookworm's 3.17 cannot dump on this kernel (spec/lazy.md, limits).
+//! 2-4 MiB per task so each test takes a few seconds. The same daemon against a real
+//! `criu restore --lazy-pages` is in `criu.rs`.
 
 use std::fs;
 use std::io::{BufRead, BufReader};
@@ -22,7 +22,7 @@ use snapctl_tests::registry_support::Serve;
 use snapctl_tests::{require_peers, run, snapctl, uffd_usable};
 
 /// Whether the `snapctl` under test has `lazy --criu-workdir`.
-fn criu_lazy_available() -> bool {
+pub(crate) fn criu_lazy_available() -> bool {
     let out = snapctl().args(["lazy", "--help"]).output();
     let ok = out.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("--criu-workdir"));
     assert!(ok || !require_peers(), "`snapctl lazy --criu-workdir` is required (SNAPCTL_REQUIRE_PEERS=1)");
@@ -53,7 +53,7 @@ fn packed_dump(dir: &Path, tasks: &[(i32, &str, &[&str])]) -> (PathBuf, String, 
 }
 
 /// `snapctl lazy REF --criu-workdir W --json ...`: stdout lines collected; killed on drop.
-struct Daemon {
+pub(crate) struct Daemon {
     child: Child,
     lines: Arc<Mutex<Vec<String>>>,
     reader: Option<JoinHandle<()>>,
@@ -61,7 +61,7 @@ struct Daemon {
 }
 
 impl Daemon {
-    fn start(image: &str, workdir: &Path, extra: &[&str]) -> Daemon {
+    pub(crate) fn start(image: &str, workdir: &Path, extra: &[&str]) -> Daemon {
         fs::create_dir_all(workdir).unwrap();
         let log = workdir.join("lazy.log");
         let mut child = snapctl()
@@ -89,13 +89,13 @@ impl Daemon {
         d
     }
 
-    fn log_text(&self) -> String {
+    pub(crate) fn log_text(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// Wait for the daemon to exit (it does once every task is done): exit code and the
     /// per-task reports.
-    fn finish(&mut self, within: Duration) -> (i32, Vec<Value>) {
+    pub(crate) fn finish(&mut self, within: Duration) -> (i32, Vec<Value>) {
         let deadline = Instant::now() + within;
         loop {
             if let Some(st) = self.child.try_wait().unwrap() {

@@ -4,16 +4,16 @@
 //! bundle, state root and output directory), `runsc restore`, and the program goes on:
 //! its counter continues past the checkpoint and its heap checksum still matches.
 //!
-//! The program is `tests/runtimes/counter.c`, built static with gcc at test time. Skips
-//! (loudly) without runsc, gcc, root or a working ptrace platform; with
-//! `SNAPCTL_REQUIRE_PEERS=1` those are failures.
+//! The program is `tests/runtimes/counter.c` (`snapctl_tests::counter`), built static with
+//! gcc at test time. Skips (loudly) without runsc, gcc, root or a working ptrace platform;
+//! with `SNAPCTL_REQUIRE_PEERS=1` those are failures.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use snapctl_tests::registry_support::Serve;
-use snapctl_tests::{have, require_peers, run, snapctl, workspace_root};
+use snapctl_tests::counter::{self, sha256_file, ticks, wait_for_count};
+use snapctl_tests::{have, require_peers, run, snapctl};
 
 /// Skip with a note, or fail when peers are required.
 fn skip(why: &str) {
@@ -61,37 +61,6 @@ impl Drop for Runsc {
     }
 }
 
-/// A line of the counter's progress file.
-#[derive(Debug, Clone, PartialEq)]
-struct Tick {
-    count: u64,
-    sum0: String,
-    sum: String,
-}
-
-fn ticks(progress: &Path) -> Vec<Tick> {
-    let text = std::fs::read_to_string(progress).unwrap_or_default();
-    text.lines()
-        .filter_map(|l| {
-            let mut f = l.split_whitespace().map(|kv| kv.split_once('=').map(|(_, v)| v.to_string()));
-            let count = f.next()??.parse().ok()?;
-            Some(Tick { count, sum0: f.next()??, sum: f.next()?? })
-        })
-        .collect()
-}
-
-/// Wait until the progress file shows a tick with `count >= want`.
-fn wait_for_count(progress: &Path, want: u64, what: &str) -> Tick {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(t) = ticks(progress).into_iter().rev().find(|t| t.count >= want) {
-            return t;
-        }
-        assert!(Instant::now() < deadline, "{what}: no count >= {want} within 30 s; ticks: {:?}", ticks(progress));
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// An OCI bundle at `dir` running `/counter /out/progress`, with `out` bind-mounted at /out.
 fn bundle(dir: &Path, counter: &Path, out: &Path) {
     let rootfs = dir.join("rootfs");
@@ -110,13 +79,6 @@ fn bundle(dir: &Path, counter: &Path, out: &Path) {
     std::fs::write(&path, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
 }
 
-fn sha256_file(p: &Path) -> String {
-    use sha2::Digest as _;
-    let mut h = sha2::Sha256::new();
-    std::io::copy(&mut std::fs::File::open(p).unwrap(), &mut h).unwrap();
-    hex::encode(h.finalize())
-}
-
 #[test]
 fn runsc_checkpoint_push_pull_restore_continues_the_counter() {
     // `have` fails the test itself when peers are required.
@@ -129,14 +91,10 @@ fn runsc_checkpoint_push_pull_restore_continues_the_counter() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
-    let counter = t.join("counter");
-    let r = run(Command::new("gcc")
-        .args(["-O2", "-static", "-o"])
-        .arg(&counter)
-        .arg(workspace_root().join("tests/runtimes/counter.c")));
-    if r.code != 0 {
-        return skip(&format!("gcc -static failed (libc6-dev missing?): {}", r.stderr));
-    }
+    let counter = match counter::build(t) {
+        Ok(c) => c,
+        Err(e) => return skip(&e),
+    };
 
     // Host A: run, let it count, checkpoint (which stops the container).
     let (bundle_a, out_a) = (t.join("a/bundle"), t.join("a/out"));
@@ -184,14 +142,5 @@ fn runsc_checkpoint_push_pull_restore_continues_the_counter() {
 
     // The restored program writes into host B's output directory, continuing the count.
     let progress_b = out_b.join("progress");
-    let after = wait_for_count(&progress_b, at_checkpoint.count + 3, "host B after restore");
-    let first_b = ticks(&progress_b).first().cloned().expect("a tick on host B");
-    assert!(
-        first_b.count > at_checkpoint.count,
-        "restored counter started at {} (checkpoint was at {}): it began again instead of continuing",
-        first_b.count,
-        at_checkpoint.count
-    );
-    assert_eq!(after.sum0, at_checkpoint.sum0, "a different program instance: heap seed changed");
-    assert_eq!(after.sum, after.sum0, "heap checksum after restore no longer matches");
+    counter::assert_continued(&progress_b, 0, &at_checkpoint, "host B after restore");
 }

@@ -1,0 +1,390 @@
+//! Real CRIU round trips: issue 4's "Real runtimes" (`criu dump`, `snapctl push`, `snapctl
+//! pull` on a second "host", `criu restore`) and issue 5's "second handshake" (`criu restore
+//! --lazy-pages` with `snapctl lazy --criu-workdir` serving the memory).
+//!
+//! The criu is 4.x from Debian trixie, unpacked with its own glibc by
+//! `scripts/install-criu.sh` (Debian bookworm's criu 3.17 cannot dump on this kernel);
+//! tests find it as `$SNAPCTL_CRIU`, else `/opt/snapctl-criu/criu`. The program is
+//! `tests/runtimes/counter.c`, run as its own session with no terminal (what `criu dump`
+//! takes without `--shell-job`). Skips loudly without criu, gcc, root or userfaultfd; with
+//! `SNAPCTL_REQUIRE_PEERS=1` those are failures.
+
+use std::fs;
+use std::os::unix::fs::FileExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use puller::lazy::pagemap::decode_pagemap;
+use snapctl_tests::counter::{self, sha256_file, ticks, Tick};
+use snapctl_tests::registry_support::Serve;
+use snapctl_tests::{require_peers, run, snapctl, uffd_usable};
+
+use crate::lazy_criu::{criu_lazy_available, Daemon};
+
+fn skip(why: &str) {
+    assert!(
+        !require_peers(),
+        "the CRIU round trip cannot run (SNAPCTL_REQUIRE_PEERS=1): {why}"
+    );
+    eprintln!("SKIP: CRIU round trip: {why}");
+}
+
+/// A criu that works here, or why not.
+fn find_criu() -> Result<PathBuf, String> {
+    // SAFETY: geteuid has no preconditions and touches no memory.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err("criu needs root".into());
+    }
+    let bin = std::env::var_os("SNAPCTL_CRIU")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "/opt/snapctl-criu/criu".into());
+    if !bin.exists() {
+        return Err(format!(
+            "no criu at {} (run scripts/install-criu.sh, or set SNAPCTL_CRIU)",
+            bin.display()
+        ));
+    }
+    let r = run(Command::new(&bin).arg("check"));
+    if r.code != 0 {
+        return Err(format!(
+            "`{} check` failed: {}{}",
+            bin.display(),
+            r.stdout,
+            r.stderr
+        ));
+    }
+    Ok(bin)
+}
+
+/// The counter, started as a session leader with stdio on /dev/null. Killed on drop, and
+/// so is whatever criu restored under its pid (criu restores a task with its old pid, as
+/// a child of criu that is reparented when `criu restore -d` exits).
+struct Counter {
+    child: Option<Child>,
+    pid: i32,
+    exe: PathBuf,
+}
+
+impl Counter {
+    fn start(exe: &Path, progress: &Path) -> Counter {
+        let mut cmd = Command::new(exe);
+        cmd.arg(progress).current_dir(exe.parent().unwrap());
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        // SAFETY: setsid is async-signal-safe and the closure touches nothing else.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().expect("start the counter");
+        Counter {
+            pid: child.id() as i32,
+            child: Some(child),
+            exe: exe.to_path_buf(),
+        }
+    }
+
+    /// `criu dump` the counter into `dir` (which kills it; it is reaped here so criu can
+    /// restore its pid). The last tick written before the dump, and how many lines that was.
+    fn dump(&mut self, criu: &Path, dir: &Path, log: &Path, progress: &Path) -> (Tick, usize) {
+        fs::create_dir_all(dir).unwrap();
+        let r = run(Command::new(criu)
+            .args(["dump", "-t", &self.pid.to_string(), "-D"])
+            .arg(dir)
+            .arg("-o")
+            .arg(log));
+        assert_eq!(
+            r.code,
+            0,
+            "criu dump: {}\n{}",
+            r.stderr,
+            fs::read_to_string(log).unwrap_or_default()
+        );
+        let st = self.child.take().unwrap().wait().unwrap();
+        assert!(
+            !st.success(),
+            "the counter should have been killed by the dump, not exit: {st}"
+        );
+        let earlier = ticks(progress);
+        (
+            earlier.last().cloned().expect("ticks before the dump"),
+            earlier.len(),
+        )
+    }
+
+    /// `criu restore -d` from `dir` (with `extra` flags).
+    fn restore(&self, criu: &Path, dir: &Path, log: &Path, extra: &[&str]) {
+        let r = run(Command::new(criu)
+            .args(["restore", "-d", "-D"])
+            .arg(dir)
+            .arg("-o")
+            .arg(log)
+            .args(extra));
+        assert_eq!(
+            r.code,
+            0,
+            "criu restore: {}\n{}",
+            r.stderr,
+            fs::read_to_string(log).unwrap_or_default()
+        );
+    }
+}
+
+impl Drop for Counter {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+            return;
+        }
+        // Only kill the pid if it is still (a restored copy of) our counter.
+        let cmdline = fs::read(format!("/proc/{}/cmdline", self.pid)).unwrap_or_default();
+        if cmdline.starts_with(self.exe.as_os_str().as_encoded_bytes()) {
+            // SAFETY: kill with a pid and a signal number touches no memory.
+            unsafe { libc::kill(self.pid, libc::SIGKILL) };
+        }
+    }
+}
+
+/// Counter started, counted to 5, dumped into `a/dump`, pushed to a `snapctl serve`: the
+/// counter (to kill the restored copy on drop), the tick at the dump, the progress lines
+/// before it, the server, the image reference.
+fn dumped_and_pushed(
+    criu: &Path,
+    t: &Path,
+) -> Option<(Counter, PathBuf, Tick, usize, Serve, String)> {
+    let exe = match counter::build(t) {
+        Ok(c) => c,
+        Err(e) => {
+            skip(&e);
+            return None;
+        }
+    };
+    let progress = t.join("progress");
+    let mut c = Counter::start(&exe, &progress);
+    counter::wait_for_count(&progress, 5, "the counter before its dump");
+    let (at, earlier) = c.dump(criu, &t.join("a/dump"), &t.join("a/dump.log"), &progress);
+    let s = Serve::start(t.join("store").to_str().unwrap(), &[], &[]);
+    let reference = format!("{}/sandboxes/criu-counter:v1", s.addr);
+    let r = run(snapctl()
+        .arg("push")
+        .arg(t.join("a/dump"))
+        .arg(&reference)
+        .arg("--cache")
+        .arg(t.join("a/cache")));
+    assert_eq!(r.code, 0, "snapctl push: {}{}", r.stdout, r.stderr);
+    Some((c, progress, at, earlier, s, reference))
+}
+
+/// Issue 4, "Real runtimes", CRIU: dump a running program, push it, pull it on a second
+/// "host" (its own cache and directory), restore it there, and it goes on counting with
+/// its heap intact.
+#[test]
+fn criu_dump_push_pull_restore_continues_the_counter() {
+    let criu = match find_criu() {
+        Ok(c) => c,
+        Err(e) => return skip(&e),
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let Some((c, progress, at, earlier, _serve, reference)) = dumped_and_pushed(&criu, t) else {
+        return;
+    };
+
+    let pulled = t.join("b/dump");
+    let r = run(snapctl()
+        .arg("pull")
+        .arg(&reference)
+        .arg(&pulled)
+        .arg("--cache")
+        .arg(t.join("b/cache")));
+    assert_eq!(r.code, 0, "snapctl pull: {}{}", r.stdout, r.stderr);
+    let mut names: Vec<_> = fs::read_dir(t.join("a/dump"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    names.sort();
+    assert!(
+        names
+            .iter()
+            .any(|n| n.to_string_lossy().starts_with("pages-")),
+        "criu wrote no pages image: {names:?}"
+    );
+    for n in &names {
+        assert_eq!(
+            sha256_file(&pulled.join(n)),
+            sha256_file(&t.join("a/dump").join(n)),
+            "{n:?} differs after pull"
+        );
+    }
+
+    c.restore(&criu, &pulled, &t.join("b/restore.log"), &[]);
+    counter::assert_continued(
+        &progress,
+        earlier,
+        &at,
+        "counter restored by criu from the pulled dump",
+    );
+}
+
+/// Issue 5, "A second handshake", with a real criu: `criu restore --lazy-pages` hands the
+/// counter's userfaultfd to `snapctl lazy --criu-workdir`, which serves its memory from
+/// the registry. To show the lazy pages really come from snapctl, the local
+/// `pages-<id>.img` that criu restores from has every lazy page overwritten with garbage
+/// first (criu itself reads only the non-lazy ones): the counter's heap checksum still
+/// matches after restore. The same pull left cache references to that file, which are now
+/// stale: they must miss, not serve the garbage.
+#[test]
+fn criu_lazy_pages_restore_served_by_snapctl_lazy() {
+    let criu = match find_criu() {
+        Ok(c) => c,
+        Err(e) => return skip(&e),
+    };
+    if !uffd_usable() || !criu_lazy_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let Some((c, progress, at, earlier, _serve, reference)) = dumped_and_pushed(&criu, t) else {
+        return;
+    };
+
+    let work = t.join("b/dump");
+    let cache = t.join("b/cache");
+    let r = run(snapctl()
+        .arg("pull")
+        .arg(&reference)
+        .arg(&work)
+        .arg("--cache")
+        .arg(&cache));
+    assert_eq!(r.code, 0, "snapctl pull: {}{}", r.stdout, r.stderr);
+    let pagemap_name = format!("pagemap-{}.img", c.pid);
+    let pm = decode_pagemap(&fs::read(work.join(&pagemap_name)).unwrap())
+        .expect("criu's pagemap decodes");
+    let pages = fs::OpenOptions::new()
+        .write(true)
+        .open(work.join(format!("pages-{}.img", pm.pages_id)))
+        .unwrap();
+    let mut spoiled = 0u64;
+    for run in pm.runs().iter().filter(|r| r.lazy) {
+        pages
+            .write_all_at(&vec![0xa5; run.len as usize], run.offset)
+            .unwrap();
+        spoiled += run.len / 4096;
+    }
+    drop(pages);
+    assert!(
+        spoiled >= 2048,
+        "the 8 MiB heap should be lazy pages; only {spoiled} spoiled"
+    );
+
+    let mut d = Daemon::start(&reference, &work, &["--cache", cache.to_str().unwrap()]);
+    c.restore(&criu, &work, &t.join("b/restore.log"), &["--lazy-pages"]);
+    counter::assert_continued(
+        &progress,
+        earlier,
+        &at,
+        "counter restored lazily by criu + snapctl lazy",
+    );
+    let (code, reps) = d.finish(Duration::from_secs(60));
+    assert_eq!(code, 0, "snapctl lazy exit: {reps:?}\n{}", d.log_text());
+    let rep = reps
+        .iter()
+        .find(|r| r["pid"].as_i64() == Some(c.pid as i64))
+        .unwrap_or_else(|| panic!("no report: {reps:?}"));
+    assert_eq!(rep["ended"], "all pages installed", "{rep}");
+    assert_eq!(rep["pagemap"], pagemap_name.as_str(), "{rep}");
+    assert_eq!(rep["lazy_pages"].as_u64(), Some(spoiled), "{rep}");
+    assert_eq!(rep["verify_failures"].as_u64(), Some(0), "{rep}");
+    assert_eq!(rep["poisoned_pages"].as_u64(), Some(0), "{rep}");
+    assert!(
+        rep["faults"]["total"].as_u64().unwrap() > 0,
+        "criu's task faulted nothing through snapctl: {rep}"
+    );
+}
+
+/// The lazy workflow without a pull: `snapctl lazy --criu-prepare` writes the dump into an
+/// empty work directory with every lazy page left a hole, criu restores from it with
+/// `--lazy-pages`, and the counter's heap (all lazy pages) comes from the server. When the
+/// daemon exits the prepared files are gone: they are not the dump on their own.
+#[test]
+fn criu_lazy_pages_restore_into_a_prepared_workdir() {
+    let criu = match find_criu() {
+        Ok(c) => c,
+        Err(e) => return skip(&e),
+    };
+    if !uffd_usable() || !criu_lazy_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let Some((c, progress, at, earlier, _serve, reference)) = dumped_and_pushed(&criu, t) else {
+        return;
+    };
+
+    let work = t.join("b/work");
+    let mut d = Daemon::start(
+        &reference,
+        &work,
+        &[
+            "--criu-prepare",
+            "--cache",
+            t.join("b/cache").to_str().unwrap(),
+        ],
+    );
+    let log = d.log_text();
+    assert!(log.contains("of lazy pages left to serve"), "{log}");
+    let pages = fs::read_dir(&work)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("pages-")
+        });
+    let pages = pages.unwrap_or_else(|| panic!("no pages file prepared: {log}"));
+    let (len, allocated) = {
+        use std::os::unix::fs::MetadataExt as _;
+        let m = fs::metadata(&pages).unwrap();
+        (m.len(), m.blocks() * 512)
+    };
+    assert!(
+        allocated * 4 < len,
+        "the prepared {} should be mostly holes: {allocated} of {len} bytes allocated",
+        pages.display()
+    );
+
+    c.restore(&criu, &work, &t.join("b/restore.log"), &["--lazy-pages"]);
+    counter::assert_continued(
+        &progress,
+        earlier,
+        &at,
+        "counter restored lazily from a prepared work dir",
+    );
+    let (code, reps) = d.finish(Duration::from_secs(60));
+    assert_eq!(code, 0, "snapctl lazy exit: {reps:?}\n{}", d.log_text());
+    let rep = reps
+        .iter()
+        .find(|r| r["pid"].as_i64() == Some(c.pid as i64))
+        .unwrap_or_else(|| panic!("no report: {reps:?}"));
+    assert_eq!(rep["ended"], "all pages installed", "{rep}");
+    assert!(rep["lazy_pages"].as_u64().unwrap() >= 2048, "{rep}");
+    assert_eq!(rep["verify_failures"].as_u64(), Some(0), "{rep}");
+    let left: Vec<_> = fs::read_dir(&work)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".img"))
+        .collect();
+    assert!(
+        left.is_empty(),
+        "prepared files left after the daemon exited: {left:?}"
+    );
+}
