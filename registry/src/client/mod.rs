@@ -150,17 +150,24 @@ impl RegistrySource {
         what: &str,
         build: &dyn Fn(&reqwest::blocking::Client) -> reqwest::blocking::RequestBuilder,
     ) -> Result<Attempt, ClientError> {
-        let mut challenged = false;
+        // Each request answers one challenge, and one more when it went out with no
+        // credentials, or with other ones than the client now holds: other threads share
+        // `auth`, and a push that starts writing drops a read-only token
+        // (`mark_writing`), so a request may leave just before or after a renewal. The
+        // bound keeps a registry that refuses every token from looping.
+        let mut challenges = 0;
         loop {
             let mut req = build(&self.client);
-            if let Some(a) = self.auth.lock().expect("poisoned").clone() {
+            let sent = self.auth.lock().expect("poisoned").clone();
+            if let Some(a) = &sent {
                 req = req.header(reqwest::header::AUTHORIZATION, a);
             }
             match req.send() {
                 Ok(resp) => {
                     let st = resp.status();
-                    if st == reqwest::StatusCode::UNAUTHORIZED && !challenged {
-                        challenged = true;
+                    let stale = sent.is_none() || *self.auth.lock().expect("poisoned") != sent;
+                    if st == reqwest::StatusCode::UNAUTHORIZED && (challenges == 0 || (stale && challenges < 3)) {
+                        challenges += 1;
                         let hdr = resp.headers().get(reqwest::header::WWW_AUTHENTICATE).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
                         if !hdr.is_empty() {
                             self.authenticate(&hdr)?;

@@ -536,4 +536,46 @@ mod tests {
         p.advance_to(10_000, &mut buf).unwrap();
         assert_eq!(p.hasher.finish(), OciDigest::of(&data));
     }
+
+    /// Issue 4 (a CI failure of `login_then_push`): parallel HEADs answer the registry's
+    /// challenge while the push starts writing and drops the read-only token. A request
+    /// that had already answered its one challenge then went out with no credentials and
+    /// failed with 401. Each round starts unauthenticated, four HEADs race, and the token
+    /// is dropped at a random moment; every HEAD must still get its answer.
+    #[test]
+    fn regression_issue_4_requests_in_flight_survive_a_dropped_read_token() {
+        use std::sync::Arc;
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let h = bcrypt::hash("pw", 4).unwrap();
+        let auth = crate::auth::Auth::new(&format!("alice:{h}\n"), None, false, vec![7; 32]).unwrap();
+        let store = Arc::new(crate::store::FsStore::open(dir.path()).unwrap());
+        let server = crate::server::Server::new(store, crate::server::Config { auth: Some(auth), ..Default::default() });
+        let l = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let host = l.local_addr().unwrap().to_string();
+        rt.spawn(async move {
+            let _ = server.serve(l, std::future::pending::<()>()).await;
+        });
+        let creds = super::super::Credentials { username: "alice".into(), password: "pw".into() };
+        let c = Arc::new(RegistrySource::new(&host, "vm/auth", true, Some(creds)).unwrap());
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        for round in 0..150 {
+            *c.auth.lock().unwrap() = None;
+            c.writing.store(false, Ordering::Relaxed);
+            let heads: Vec<_> = (0..4u8)
+                .map(|i| {
+                    let c = c.clone();
+                    std::thread::spawn(move || c.blob_exists(&OciDigest::of(&[round as u8, i])))
+                })
+                .collect();
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            std::thread::sleep(std::time::Duration::from_micros(rng % 1500));
+            c.mark_writing();
+            for h in heads {
+                assert!(!h.join().unwrap().unwrap_or_else(|e| panic!("round {round}: {e}")), "round {round}: no such blob");
+            }
+        }
+    }
 }
