@@ -7,7 +7,7 @@
 #                                     push/pull of a 4 GiB image, 3 runs
 #   bash bench/transfer.sh --quick    256 MiB / 512 MiB, 1 run: a smoke test, not a result
 #
-# Options: --runs N  --size SIZE  --big-size SIZE  --no-big  --keep
+# Options: --runs N  --size SIZE  --big-size SIZE  --no-big  --keep  --warm BYTES|auto
 #
 # Measures (seconds of wall time; medians of --runs runs; within a run the commands
 # alternate, so load from other processes hits both sides alike):
@@ -29,7 +29,11 @@
 #                     on this VM first pulls were often slower than second ones, for
 #                     reasons not found (BENCHMARKS.md), so both are reported
 #   cp                `cp vm.mem DST` and `cp vm.mem DST && sync DST` of the raw file
-# Before each timed command: `sync`, so write-back of the last one is not billed to it.
+# Before each timed command: `sync`, so write-back of the last one is not billed to it,
+# and WARM bytes of memory touched and freed (bench/lib/memory.sh: on this VM, memory
+# idle for a few seconds goes back to the host and costs ~2-3 s/GiB to touch again; the
+# command should not pay that). WARM defaults to the image's logical size (--warm BYTES;
+# --warm 0 turns it off).
 #
 # Output: markdown on stdout, progress on stderr; every timed run is also appended to
 # bench/results/transfer-<date>.tsv (not with --quick). Needs skopeo, docker-registry, curl, jq, python3,
@@ -39,7 +43,7 @@ set -euo pipefail
 trap 'echo "transfer.sh: line $LINENO failed: $BASH_COMMAND" >&2' ERR
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-RUNS=3 SIZE=2GiB BIG_SIZE=4GiB BIG=1 KEEP=0 QUICK=0
+RUNS=3 SIZE=2GiB BIG_SIZE=4GiB BIG=1 KEEP=0 QUICK=0 WARM=auto
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1; RUNS=1; SIZE=256MiB; BIG_SIZE=512MiB ;;
@@ -48,6 +52,7 @@ while [ $# -gt 0 ]; do
     --big-size) BIG_SIZE=$2; shift ;;
     --no-big) BIG=0 ;;
     --keep) KEEP=1 ;;
+    --warm) WARM=$2; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "transfer.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -82,9 +87,12 @@ TSV=$ROOT/bench/results/transfer-$(date -u +%F).tsv
 # time_it NAME SIZE RUN -- command...: sync, run (stdout to $W/out), record the wall
 # seconds in $T and in the TSV, with the command's --json report if it printed one.
 T=0
+# shellcheck source=bench/lib/memory.sh
+source "$ROOT/bench/lib/memory.sh"
 time_it() {
   local name=$1 size=$2 run=$3; shift 4
   sync
+  if [ "$WARM" = auto ]; then warm_memory "$(to_bytes "$size")"; elif [ "$WARM" != 0 ]; then warm_memory "$WARM"; fi
   local t0 t1 extra
   t0=$(date +%s%N)
   "$@" > "$W/out"
