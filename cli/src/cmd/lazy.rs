@@ -133,6 +133,11 @@ impl puller::lazy::ChunkStore for CacheStore {
             eprintln!("snapctl lazy: warning: chunk not cached: {e}");
         }
     }
+    fn put_many(&self, algo: imgfmt::HashAlgo, items: &[(imgfmt::ChunkDigest, &verify::VerifiedChunk)]) {
+        for e in self.0.put_batch(algo, items).into_iter().filter_map(Result::err) {
+            eprintln!("snapctl lazy: warning: chunk not cached: {e}");
+        }
+    }
 }
 
 fn parse_prefetch(s: &str) -> Result<PrefetchMode, String> {

@@ -20,6 +20,13 @@ pub trait ChunkStore: Send + Sync {
     /// The chunk if present and still matching its digest.
     fn get(&self, algo: HashAlgo, digest: &imgfmt::ChunkDigest, len: u32) -> Option<VerifiedChunk>;
     fn put(&self, algo: HashAlgo, digest: &imgfmt::ChunkDigest, chunk: &VerifiedChunk);
+    /// Several chunks at once (what the background writer has queued): a store that can
+    /// pay its durability cost once per batch (the chunk cache's `put_batch`) should.
+    fn put_many(&self, algo: HashAlgo, items: &[(imgfmt::ChunkDigest, &VerifiedChunk)]) {
+        for (d, c) in items {
+            self.put(algo, d, c);
+        }
+    }
 }
 
 /// Where a chunk came from.
@@ -105,6 +112,8 @@ impl Default for RetryPolicy {
 const PUT_QUEUE: usize = 64;
 
 type PutItem = (HashAlgo, imgfmt::ChunkDigest, Arc<VerifiedChunk>);
+/// Queued chunks written to the store in one batch, at most.
+const PUT_BATCH: usize = 32;
 
 /// Chunks of one file of one image.
 pub struct Fetcher {
@@ -140,8 +149,24 @@ impl Fetcher {
                 let h = std::thread::Builder::new()
                     .name("lazy-cache-put".into())
                     .spawn(move || {
-                        for (algo, digest, chunk) in rx {
-                            st.put(algo, &digest, &chunk);
+                        // Whatever has queued up while the last batch was written goes
+                        // down as one batch: on a busy fetch path the disk's flush is then
+                        // paid once per batch, not once per chunk.
+                        while let Ok(first) = rx.recv() {
+                            let mut batch = vec![first];
+                            while batch.len() < PUT_BATCH {
+                                match rx.try_recv() {
+                                    Ok(x) => batch.push(x),
+                                    Err(_) => break,
+                                }
+                            }
+                            let mut rest = &batch[..];
+                            while let Some((algo, _, _)) = rest.first() {
+                                let n = rest.iter().take_while(|(a, _, _)| a == algo).count();
+                                let items: Vec<_> = rest[..n].iter().map(|(_, d, c)| (*d, c.as_ref())).collect();
+                                st.put_many(*algo, &items);
+                                rest = &rest[n..];
+                            }
                         }
                     })
                     .ok();
@@ -394,22 +419,28 @@ pub(crate) mod tests {
         assert!(work.retries >= 3);
     }
 
-    /// A store whose puts block until released, and which counts them.
+    /// A store whose puts block until released, and which counts them and the batches
+    /// they came in.
     struct StuckStore {
         released: Mutex<bool>,
         cv: Condvar,
         puts: AtomicU64,
+        batches: Mutex<Vec<usize>>,
     }
     impl ChunkStore for StuckStore {
         fn get(&self, _: HashAlgo, _: &imgfmt::ChunkDigest, _: u32) -> Option<VerifiedChunk> {
             None
         }
-        fn put(&self, _: HashAlgo, _: &imgfmt::ChunkDigest, _: &VerifiedChunk) {
+        fn put(&self, algo: HashAlgo, d: &imgfmt::ChunkDigest, c: &VerifiedChunk) {
+            self.put_many(algo, &[(*d, c)]);
+        }
+        fn put_many(&self, _: HashAlgo, items: &[(imgfmt::ChunkDigest, &VerifiedChunk)]) {
             let mut r = self.released.lock().unwrap();
             while !*r {
                 r = self.cv.wait(r).unwrap();
             }
-            self.puts.fetch_add(1, Ordering::SeqCst);
+            self.puts.fetch_add(items.len() as u64, Ordering::SeqCst);
+            self.batches.lock().unwrap().push(items.len());
         }
     }
 
@@ -422,7 +453,7 @@ pub(crate) mod tests {
         let n = PUT_QUEUE + 24;
         // Every third chunk of the sample is zero: make enough data chunks.
         let (_d, mem, image, layout) = sample_image(n * 3 / 2 + 3);
-        let store = Arc::new(StuckStore { released: Mutex::new(false), cv: Condvar::new(), puts: AtomicU64::new(0) });
+        let store = Arc::new(StuckStore { released: Mutex::new(false), cv: Condvar::new(), puts: AtomicU64::new(0), batches: Mutex::new(Vec::new()) });
         let file = image.file("vm.mem").unwrap().0;
         let f = Fetcher::new(image, file, flaky(layout, Duration::ZERO), Some(store.clone()), RetryPolicy::default(), 0);
         let data: Vec<u64> = (0..(n * 3 / 2 + 3) as u64).filter(|&c| !f.is_zero(c).unwrap()).take(n).collect();
@@ -446,6 +477,10 @@ pub(crate) mod tests {
         drop(f); // drains the queue
         let puts = store.puts.load(Ordering::SeqCst);
         assert!((1..=PUT_QUEUE as u64 + 1).contains(&puts), "{puts} puts");
+        // What queued up behind the stuck put went down in full batches.
+        let batches = store.batches.lock().unwrap().clone();
+        assert_eq!(batches.iter().sum::<usize>() as u64, puts);
+        assert_eq!(batches.iter().max(), Some(&PUT_BATCH), "{batches:?}");
     }
 
     #[test]
