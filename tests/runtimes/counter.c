@@ -8,6 +8,11 @@
  * find sum == sum0: its heap came back intact. A fresh start would begin at count=1
  * with a different sum0.
  *
+ * With a second argument "fork", each tick also forks a child that checksums the heap
+ * itself and exits 0 if it matches, 1 if not; the line then ends in " child=ok" or
+ * " child=bad". A lazily restored parent's child sees the heap through the lazy-pages
+ * server too (the pages neither process had touched yet are missing in both).
+ *
  * Build: gcc -O2 -static -o counter counter.c
  */
 #include <fcntl.h>
@@ -16,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define HEAP_BYTES (8u << 20)
@@ -31,6 +37,7 @@ static uint64_t fnv1a(const unsigned char *p, size_t n) {
 
 int main(int argc, char **argv) {
     const char *out = argc > 1 ? argv[1] : "/out/progress";
+    int forking = argc > 2 && strcmp(argv[2], "fork") == 0;
     struct timespec now;
     clock_gettime(CLOCK_REALTIME, &now);
     uint64_t x = (uint64_t)now.tv_nsec ^ ((uint64_t)now.tv_sec << 20) ^ ((uint64_t)getpid() << 40);
@@ -44,11 +51,21 @@ int main(int argc, char **argv) {
     }
     uint64_t sum0 = fnv1a(heap, HEAP_BYTES);
     for (uint64_t count = 1;; count++) {
+        /* The child is forked before the parent reads the heap this tick: after a lazy
+         * restore, the child's first look at pages neither process has touched yet. */
+        const char *child = "";
+        if (forking) {
+            pid_t c = fork();
+            if (c == 0) _exit(fnv1a(heap, HEAP_BYTES) == sum0 ? 0 : 1);
+            int st = 0;
+            child = c < 0 ? " child=nofork" : waitpid(c, &st, 0) != c ? " child=lost"
+                  : WIFEXITED(st) && WEXITSTATUS(st) == 0 ? " child=ok" : " child=bad";
+        }
         uint64_t sum = fnv1a(heap, HEAP_BYTES);
-        char line[160];
-        int n = snprintf(line, sizeof line, "count=%llu sum0=%016llx sum=%016llx pid=%d\n",
+        char line[200];
+        int n = snprintf(line, sizeof line, "count=%llu sum0=%016llx sum=%016llx pid=%d%s\n",
                          (unsigned long long)count, (unsigned long long)sum0,
-                         (unsigned long long)sum, (int)getpid());
+                         (unsigned long long)sum, (int)getpid(), child);
         int fd = open(out, O_WRONLY | O_APPEND | O_CREAT, 0644);
         if (fd >= 0) {
             if (write(fd, line, (size_t)n) != n) { /* best effort: the next tick tries again */ }

@@ -33,7 +33,7 @@ use super::handshake::Region;
 use super::map::MemoryMap;
 use super::pagemap::{self, Pagemap, PAGE_SIZE};
 use super::stats::{ConnReport, Counters};
-use super::uffd::{Conn, Outside, Pushed};
+use super::uffd::{Conn, ForkHook, Outside, Pushed};
 use super::{LazyError, LazyOptions};
 
 /// The socket's name in the work directory (criu/uffd.c `LAZY_PAGES_SOCK_NAME`).
@@ -173,6 +173,10 @@ pub struct CriuReport {
     /// made-up bytes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Set on the report of a child a restored task forked: that task's pid (`pid` is then
+    /// the same, the child's own pid being unknown here).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forked_from: Option<i32>,
 }
 
 /// What [`CriuDaemon::prepare_workdir`] wrote.
@@ -194,6 +198,7 @@ pub struct CriuDaemon {
     opts: LazyOptions,
     workdir: PathBuf,
     fetchers: Mutex<HashMap<usize, Arc<Fetcher>>>,
+    forks: Mutex<Forks>,
     counters: Arc<Counters>,
     active: AtomicU64,
     total: AtomicU64,
@@ -224,6 +229,20 @@ struct Task {
     t0: Instant,
     /// Why the task ended, when the pusher decided it.
     ended: Mutex<Option<String>>,
+    /// The pid of the restored task this one is a forked child of (a child's own pid is
+    /// not in the fork event).
+    forked_from: Option<i32>,
+}
+
+/// Children the restored tasks forked (UFFD_EVENT_FORK), followed like tasks: each gets a
+/// fault loop, and a push once the restore has finished.
+#[derive(Default)]
+struct Forks {
+    /// The restore sent its finish word: a child forked from now on is pushed at once.
+    finished: bool,
+    tasks: Vec<Arc<Task>>,
+    loops: Vec<std::thread::JoinHandle<String>>,
+    pushers: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl CriuDaemon {
@@ -237,6 +256,7 @@ impl CriuDaemon {
             opts,
             workdir,
             fetchers: Mutex::new(HashMap::new()),
+            forks: Mutex::new(Forks::default()),
             counters: Arc::new(Counters::default()),
             active: AtomicU64::new(0),
             total: AtomicU64::new(0),
@@ -505,8 +525,15 @@ impl CriuDaemon {
             }
         };
         drop(reader);
+        // Children forked before the finish word are pushed with the tasks; later ones by
+        // the fork hook itself.
+        let early_children: Vec<Arc<Task>> = {
+            let mut f = self.forks.lock().expect("poisoned");
+            f.finished = finished;
+            f.tasks.clone()
+        };
         let mut pushers = Vec::new();
-        for t in &tasks {
+        for t in tasks.iter().chain(early_children.iter()) {
             if !finished {
                 *t.ended.lock().expect("poisoned") = Some("the restore failed or was stopped".into());
                 t.end.lock().expect("poisoned").take();
@@ -520,28 +547,113 @@ impl CriuDaemon {
         }
         for (t, h) in tasks.iter().zip(loops) {
             let ended = h.join().unwrap_or_else(|_| "fault loop panicked".into());
-            t.conn.gone.store(true, Ordering::Relaxed);
-            self.active.fetch_sub(1, Ordering::Relaxed);
-            let ended = t.ended.lock().expect("poisoned").take().unwrap_or(ended);
-            let conn = ConnReport::from_counters(t.pid, &t.counters, t.t0.elapsed().as_secs_f64(), ended);
-            let l = t.layout.as_ref();
-            let report = CriuReport {
-                conn,
-                pagemap: l.map(|l| self.image.files[l.pagemap_file].name.clone()).unwrap_or_else(|| format!("pagemap-{}.img", t.pid)),
-                pages_file: l.filter(|l| !l.regions.is_empty()).map(|l| self.image.files[l.pages_file].name.clone()),
-                present_pages: l.map_or(0, |l| l.present_pages),
-                lazy_pages: l.map_or(0, |l| l.lazy_pages),
-                parent_pages: l.map_or(0, |l| l.parent_pages),
-                zero_pages: l.map_or(0, |l| l.zero_pages),
-                error: t.error.clone(),
-            };
-            on_report(&report);
+            self.report(t, ended, on_report);
         }
         for p in pushers.into_iter().flatten() {
             let _ = p.join();
         }
+        // Then every forked child (and its children, as they appear) until none is left.
+        let mut reported = 0;
+        loop {
+            let (children, loops, pushers) = {
+                let mut f = self.forks.lock().expect("poisoned");
+                (f.tasks[reported..].to_vec(), std::mem::take(&mut f.loops), std::mem::take(&mut f.pushers))
+            };
+            if children.is_empty() && loops.is_empty() && pushers.is_empty() {
+                break;
+            }
+            if !finished {
+                for t in &children {
+                    *t.ended.lock().expect("poisoned") = Some("the restore failed or was stopped".into());
+                    t.end.lock().expect("poisoned").take();
+                }
+            }
+            for p in pushers {
+                let _ = p.join();
+            }
+            for (t, h) in children.iter().zip(loops) {
+                let ended = h.join().unwrap_or_else(|_| "fault loop panicked".into());
+                self.report(t, ended, on_report);
+            }
+            reported += children.len();
+        }
         drop(stream);
         finished
+    }
+
+    /// The `--json` report of a task whose fault loop ended.
+    fn report(&self, t: &Task, ended: String, on_report: &(dyn Fn(&CriuReport) + Send + Sync)) {
+        t.conn.gone.store(true, Ordering::Relaxed);
+        self.active.fetch_sub(1, Ordering::Relaxed);
+        let ended = t.ended.lock().expect("poisoned").take().unwrap_or(ended);
+        let conn = ConnReport::from_counters(t.pid, &t.counters, t.t0.elapsed().as_secs_f64(), ended);
+        let l = t.layout.as_ref();
+        let report = CriuReport {
+            conn,
+            pagemap: l.map(|l| self.image.files[l.pagemap_file].name.clone()).unwrap_or_else(|| format!("pagemap-{}.img", t.pid)),
+            pages_file: l.filter(|l| !l.regions.is_empty()).map(|l| self.image.files[l.pages_file].name.clone()),
+            present_pages: l.map_or(0, |l| l.present_pages),
+            lazy_pages: l.map_or(0, |l| l.lazy_pages),
+            parent_pages: l.map_or(0, |l| l.parent_pages),
+            zero_pages: l.map_or(0, |l| l.zero_pages),
+            error: t.error.clone(),
+            forked_from: t.forked_from,
+        };
+        on_report(&report);
+    }
+
+    /// The hook that follows a fork of a task with this layout.
+    fn fork_hook(self: &Arc<Self>, layout: Option<TaskLayout>) -> ForkHook {
+        let me = Arc::downgrade(self);
+        Box::new(move |parent: &Conn, uffd: userfaultfd::Uffd| match me.upgrade() {
+            Some(d) => d.start_child(parent, uffd, layout.clone()),
+            None => drop(uffd),
+        })
+    }
+
+    /// Follow a child `parent`'s process forked: its own fault loop on the child's
+    /// userfaultfd, serving the same pages; pushed like a task once the restore finished.
+    fn start_child(self: &Arc<Self>, parent: &Conn, uffd: userfaultfd::Uffd, layout: Option<TaskLayout>) {
+        let counters = Arc::new(Counters::default());
+        let mut conn = parent.child(uffd, counters.clone());
+        conn.on_fork = Some(self.fork_hook(layout.clone()));
+        let conn = Arc::new(conn);
+        let (ours, theirs) = match UnixStream::pair() {
+            Ok(p) => (Some(p.0), Some(p.1)),
+            Err(e) => {
+                eprintln!("snapctl lazy: criu: pid {}: socketpair for a forked child: {e}", parent.pid);
+                (None, None)
+            }
+        };
+        let task = Arc::new(Task {
+            pid: parent.pid,
+            conn: conn.clone(),
+            layout,
+            error: None,
+            end: Mutex::new(ours),
+            counters,
+            t0: Instant::now(),
+            ended: Mutex::new(None),
+            forked_from: Some(parent.pid),
+        });
+        self.active.fetch_add(1, Ordering::Relaxed);
+        self.total.fetch_add(1, Ordering::Relaxed);
+        eprintln!("snapctl lazy: criu: pid {} forked a child: serving its memory too", parent.pid);
+        let stop = self.stop.clone();
+        let h = std::thread::Builder::new().name("lazy-criu-child".into()).spawn(move || match theirs {
+            Some(s) => conn.run(s, &stop),
+            None => "no socketpair".into(),
+        });
+        let h = h.unwrap_or_else(|e| std::thread::spawn(move || format!("spawning the fault loop: {e}")));
+        let mut f = self.forks.lock().expect("poisoned");
+        if f.finished {
+            let (t, me) = (task.clone(), self.clone());
+            if let Ok(p) = std::thread::Builder::new().name("lazy-criu-push".into()).spawn(move || me.push(&t)) {
+                f.pushers.push(p);
+            }
+        }
+        f.tasks.push(task);
+        f.loops.push(h);
     }
 
     /// Set up a task's fault loop. A task whose pagemap cannot be used still gets one, that
@@ -590,6 +702,7 @@ impl CriuDaemon {
         let counters = Arc::new(Counters::default());
         let mut conn = Conn::new(pid, uffd, map, fetcher, counters.clone(), self.counters.clone(), false);
         conn.outside = outside;
+        conn.on_fork = Some(self.fork_hook(layout.clone()));
         let conn = Arc::new(conn);
         let (ours, theirs) = match UnixStream::pair() {
             Ok(p) => (Some(p.0), Some(p.1)),
@@ -598,7 +711,7 @@ impl CriuDaemon {
                 (None, None)
             }
         };
-        let task = Arc::new(Task { pid, conn: conn.clone(), layout, error, end: Mutex::new(ours), counters, t0, ended: Mutex::new(None) });
+        let task = Arc::new(Task { pid, conn: conn.clone(), layout, error, end: Mutex::new(ours), counters, t0, ended: Mutex::new(None), forked_from: None });
         self.active.fetch_add(1, Ordering::Relaxed);
         self.total.fetch_add(1, Ordering::Relaxed);
         let stop = self.stop.clone();

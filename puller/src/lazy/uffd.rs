@@ -168,8 +168,15 @@ pub(crate) struct Conn {
     pub parked_faults: AtomicU64,
     /// Faults outside every region: poison (the default) or zeros.
     pub outside: Outside,
+    /// Who takes the userfaultfd of a child the process forked (UFFD_EVENT_FORK). Without
+    /// one the child's uffd is closed, and the kernel then zero-fills whatever the child
+    /// touches that was not yet installed: only for runtimes that do not fork.
+    pub on_fork: Option<ForkHook>,
     sys_page: u64,
 }
+
+/// Called from the fault thread with the parent's connection and the child's userfaultfd.
+pub(crate) type ForkHook = Box<dyn Fn(&Conn, Uffd) + Send + Sync>;
 
 struct Fault {
     addr: u64,
@@ -230,8 +237,21 @@ impl Conn {
             gone: AtomicBool::new(false),
             parked_faults: AtomicU64::new(0),
             outside: Outside::default(),
+            on_fork: None,
             sys_page,
         }
+    }
+
+    /// A connection for a child this one's process forked: the same memory layout and
+    /// chunks, the same policy outside the regions, and the parent's removed ranges (they
+    /// are missing in the child too and must stay zeros). Nothing is installed in the child
+    /// as far as it knows: pages the parent had are present in the child, and installing
+    /// them again gets EEXIST, which is skipped.
+    pub fn child(&self, uffd: Uffd, conn: Arc<Counters>) -> Conn {
+        let mut c = Conn::new(self.pid, uffd, self.map.clone(), self.fetcher.clone(), conn, self.rec.1.clone(), false);
+        c.outside = self.outside.clone();
+        c.state.lock().expect("poisoned").removed = self.state.lock().expect("poisoned").removed.clone();
+        c
     }
 
     /// Fill `[dst, dst + len)` page by page where needed: pages already present (EEXIST)
@@ -414,10 +434,13 @@ impl Conn {
                     Ok(Event::Remap { from, to, len }) => {
                         eprintln!("snapctl lazy: pid {}: guest memory remapped {from:?} -> {to:?} ({len} bytes): not followed", self.pid)
                     }
-                    Ok(Event::Fork { uffd }) => {
-                        eprintln!("snapctl lazy: pid {}: fork event ignored", self.pid);
-                        drop(uffd);
-                    }
+                    Ok(Event::Fork { uffd }) => match &self.on_fork {
+                        Some(hook) => hook(self, uffd),
+                        None => {
+                            eprintln!("snapctl lazy: pid {}: fork event not followed: the child's untouched memory will read as zeros", self.pid);
+                            drop(uffd);
+                        }
+                    },
                     Err(e) => eprintln!("snapctl lazy: pid {}: bad userfaultfd event: {e}", self.pid),
                 }
             }

@@ -68,9 +68,9 @@ struct Counter {
 }
 
 impl Counter {
-    fn start(exe: &Path, progress: &Path) -> Counter {
+    fn start(exe: &Path, progress: &Path, args: &[&str]) -> Counter {
         let mut cmd = Command::new(exe);
-        cmd.arg(progress).current_dir(exe.parent().unwrap());
+        cmd.arg(progress).args(args).current_dir(exe.parent().unwrap());
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
@@ -159,6 +159,7 @@ impl Drop for Counter {
 fn dumped_and_pushed(
     criu: &Path,
     t: &Path,
+    args: &[&str],
 ) -> Option<(Counter, PathBuf, Tick, usize, Serve, String)> {
     let exe = match counter::build(t) {
         Ok(c) => c,
@@ -168,7 +169,7 @@ fn dumped_and_pushed(
         }
     };
     let progress = t.join("progress");
-    let mut c = Counter::start(&exe, &progress);
+    let mut c = Counter::start(&exe, &progress, args);
     counter::wait_for_count(&progress, 5, "the counter before its dump");
     let (at, earlier) = c.dump(criu, &t.join("a/dump"), &t.join("a/dump.log"), &progress);
     let s = Serve::start(t.join("store").to_str().unwrap(), &[], &[]);
@@ -194,7 +195,7 @@ fn criu_dump_push_pull_restore_continues_the_counter() {
     };
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
-    let Some((c, progress, at, earlier, _serve, reference)) = dumped_and_pushed(&criu, t) else {
+    let Some((c, progress, at, earlier, _serve, reference)) = dumped_and_pushed(&criu, t, &[]) else {
         return;
     };
 
@@ -252,7 +253,7 @@ fn criu_lazy_pages_restore_served_by_snapctl_lazy() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
-    let Some((c, progress, at, earlier, _serve, reference)) = dumped_and_pushed(&criu, t) else {
+    let Some((c, progress, at, earlier, _serve, reference)) = dumped_and_pushed(&criu, t, &[]) else {
         return;
     };
 
@@ -325,7 +326,7 @@ fn criu_lazy_pages_restore_into_a_prepared_workdir() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
-    let Some((c, progress, at, earlier, _serve, reference)) = dumped_and_pushed(&criu, t) else {
+    let Some((c, progress, at, earlier, _serve, reference)) = dumped_and_pushed(&criu, t, &[]) else {
         return;
     };
 
@@ -387,4 +388,36 @@ fn criu_lazy_pages_restore_into_a_prepared_workdir() {
         left.is_empty(),
         "prepared files left after the daemon exited: {left:?}"
     );
+}
+
+/// A restored task that forks before its pages have all been pushed: the child's
+/// userfaultfd comes in a fork event, and the child's faults must be served too (closing
+/// its uffd would let the kernel zero-fill the child's view of the heap). The counter,
+/// run with "fork", forks a child every tick that checksums the heap and says whether it
+/// matched; the push is slowed to 2 MiB/s so the first children after the restore find
+/// most of the heap still missing.
+#[test]
+fn criu_lazy_restore_follows_forked_children() {
+    let criu = match find_criu() {
+        Ok(c) => c,
+        Err(e) => return skip(&e),
+    };
+    if !uffd_usable() || !criu_lazy_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let Some((c, progress, at, earlier, _serve, reference)) = dumped_and_pushed(&criu, t, &["fork"]) else { return };
+    let work = t.join("b/work");
+    let mut d = Daemon::start(&reference, &work, &["--criu-prepare", "--prefetch-rate", "2MiB", "--cache", t.join("b/cache").to_str().unwrap()]);
+    c.restore(&criu, &work, &t.join("b/restore.log"), &["--lazy-pages"]);
+    counter::assert_continued(&progress, earlier, &at, "forking counter restored lazily");
+    let (code, reps) = d.finish(Duration::from_secs(60));
+    assert_eq!(code, 0, "snapctl lazy exit: {reps:?}\n{}", d.log_text());
+    let lines: Vec<String> = fs::read_to_string(&progress).unwrap().lines().skip(earlier).map(str::to_string).collect();
+    assert!(lines.iter().all(|l| l.ends_with(" child=ok")), "a forked child saw a wrong heap: {lines:#?}");
+    let children = reps.iter().filter(|r| r["forked_from"].as_i64() == Some(c.pid as i64)).count();
+    assert!(children >= 1, "no forked child was followed: {reps:?}\n{}", d.log_text());
+    let faulted: u64 = reps.iter().filter(|r| r["forked_from"].is_i64()).map(|r| r["faults"]["total"].as_u64().unwrap()).sum();
+    assert!(faulted > 0, "the children faulted nothing through snapctl (was the push too fast?): {reps:?}");
 }
