@@ -30,6 +30,10 @@ use super::common::{self, open_image};
 /// pushes the remaining pages once the restore has finished, and exits when every task is
 /// done.
 ///
+/// SIGTERM or SIGINT stops taking new connections (or, with --criu-workdir, stops waiting
+/// for a restore) and exits once those being served have ended: a guest whose page server
+/// goes away reads its untouched memory as zeros. A second signal exits at once (status 2).
+///
 /// Exit codes (with --once or --criu-workdir): 0 served, 1 a chunk failed verification
 /// (poisoned), 2 error (with --criu-workdir: also a task that could not be fully served).
 #[derive(Debug, clap::Args)]
@@ -233,6 +237,14 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
         let bound = daemon.serve_metrics(addr)?;
         eprintln!("snapctl lazy: metrics on http://{bound}/metrics");
     }
+    let d2 = daemon.clone();
+    on_terminate(move || {
+        eprintln!(
+            "snapctl lazy: stopping: no new connections; waiting for the {} being served to end (a guest whose handler goes away reads untouched memory as zeros); signal again to exit now",
+            d2.active()
+        );
+        d2.drain();
+    })?;
     let failed = Arc::new(AtomicBool::new(false));
     let (json, f2) = (a.json, failed.clone());
     daemon.run(Arc::new(move |r: &ConnReport| {
@@ -299,11 +311,39 @@ fn run_criu(
     } else {
         None
     };
+    let d2 = daemon.clone();
+    on_terminate(move || {
+        eprintln!("snapctl lazy: criu: stopping once the restore being served (if any) is done; signal again to exit now (its tasks would then read untouched memory as zeros)");
+        d2.drain();
+    })?;
     let result = serve_criu(a, &daemon);
     if let Some(p) = &prepared {
         daemon.remove_prepared(p);
     }
     result
+}
+
+/// On the first SIGTERM or SIGINT, `drain` (from a thread of its own); on a second, exit at
+/// once with status 2. Stopping a page server while a guest still faults would let the
+/// kernel zero-fill that guest's untouched memory, so the first signal only stops taking
+/// new work.
+fn on_terminate(drain: impl Fn() + Send + 'static) -> anyhow::Result<()> {
+    let hit = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        // Registered first, so it sees the flag as it was before this signal set it.
+        signal_hook::flag::register_conditional_shutdown(sig, common::EXIT_ERROR as i32, hit.clone()).context("installing a signal handler")?;
+        signal_hook::flag::register(sig, hit.clone()).context("installing a signal handler")?;
+    }
+    std::thread::Builder::new()
+        .name("lazy-signals".into())
+        .spawn(move || {
+            while !hit.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            drain();
+        })
+        .context("spawning the signal thread")?;
+    Ok(())
 }
 
 /// Serve the restore; the exit code from the tasks' reports.

@@ -203,6 +203,8 @@ pub struct CriuDaemon {
     active: AtomicU64,
     total: AtomicU64,
     stop: Arc<AtomicBool>,
+    /// Stop waiting for a restore to connect (one that has connected is served to its end).
+    draining: AtomicBool,
 }
 
 /// A file of the image by name: exact, or the one file with that base name (an image
@@ -261,6 +263,7 @@ impl CriuDaemon {
             active: AtomicU64::new(0),
             total: AtomicU64::new(0),
             stop: Arc::new(AtomicBool::new(false)),
+            draining: AtomicBool::new(false),
         })
     }
 
@@ -268,9 +271,16 @@ impl CriuDaemon {
         self.opts.socket.clone()
     }
 
-    /// Ask `run` to return (tasks' fault loops end at their next poll).
+    /// Ask `run` to return (tasks' fault loops end at their next poll; the tasks then read
+    /// pages not yet installed as zeros: see [`CriuDaemon::drain`]).
     pub fn stop(&self) {
         self.stop.store(true, Ordering::Relaxed);
+    }
+
+    /// What SIGTERM does: if no restore has connected yet, stop waiting for one; a restore
+    /// being served is served to its end.
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
     }
 
     /// Daemon-wide counters as Prometheus text.
@@ -477,7 +487,7 @@ impl CriuDaemon {
         let (listener, cleanup) = super::listen(&path, self.opts.ready_file.as_deref(), "lazy-pages server", "criu lazy-pages: ")?;
         // Like criu lazy-pages: one restore connects; the socket goes when it has.
         let stream = loop {
-            if self.stop.load(Ordering::Relaxed) {
+            if self.stop.load(Ordering::Relaxed) || self.draining.load(Ordering::Relaxed) {
                 return Ok(());
             }
             match listener.accept() {

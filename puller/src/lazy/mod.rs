@@ -99,6 +99,8 @@ pub struct Daemon {
     trace: Mutex<Option<Trace>>,
     traces: Option<Box<dyn TraceStore>>,
     stop: Arc<AtomicBool>,
+    /// Accept no more connections; return once those being served have ended.
+    draining: AtomicBool,
 }
 
 impl Daemon {
@@ -137,6 +139,7 @@ impl Daemon {
             trace: Mutex::new(trace),
             traces,
             stop: Arc::new(AtomicBool::new(false)),
+            draining: AtomicBool::new(false),
         }))
     }
 
@@ -154,9 +157,21 @@ impl Daemon {
         serve_metrics(self, addr, Daemon::metrics_text)
     }
 
-    /// Ask `run` to return (connections end at their next poll).
+    /// Ask `run` to return (connections end at their next poll). A guest still being
+    /// served then reads every page not yet installed as zeros: see [`Daemon::drain`].
     pub fn stop(&self) {
         self.stop.store(true, Ordering::Relaxed);
+    }
+
+    /// Ask `run` to stop accepting connections (the socket is removed) and to return once
+    /// every connection being served has ended: what SIGTERM does.
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Connections being served.
+    pub fn active(&self) -> u64 {
+        self.active.load(Ordering::Relaxed)
     }
 
     /// Bind the socket and serve connections until stopped (or, with `once`, until the
@@ -165,11 +180,11 @@ impl Daemon {
         let path = &self.opts.socket;
         // A socket file left by an earlier daemon would make bind fail; anything else
         // under that name is not ours to delete.
-        let (listener, _cleanup) = listen(path, self.opts.ready_file.as_deref(), "daemon", "")?;
+        let (listener, cleanup) = listen(path, self.opts.ready_file.as_deref(), "daemon", "")?;
         self.spawn_watchdog();
         let mut workers: Vec<std::thread::JoinHandle<bool>> = Vec::new();
         loop {
-            if self.stop.load(Ordering::Relaxed) {
+            if self.stop.load(Ordering::Relaxed) || self.draining.load(Ordering::Relaxed) {
                 break;
             }
             match listener.accept() {
@@ -197,6 +212,9 @@ impl Daemon {
                 }
             }
         }
+        // No new connections from here on; those being served run to their end.
+        drop(listener);
+        drop(cleanup);
         for h in workers {
             let _ = h.join();
         }

@@ -82,6 +82,10 @@ struct Args {
     /// Print a JSON summary on stdout.
     #[arg(long)]
     json: bool,
+    /// Wait this many milliseconds between the handshake and the first touch (a guest
+    /// that is slow to start: tests stop the handler in between).
+    #[arg(long, default_value_t = 0)]
+    pause_ms: u64,
 }
 
 /// One guest memory region: where it lives in our address space and in the memory file.
@@ -326,6 +330,7 @@ fn run() -> anyhow::Result<u8> {
     let sent = sendmsg::<()>(sock.as_raw_fd(), &[IoSlice::new(&body)], &[ControlMessage::ScmRights(&fds)], MsgFlags::empty(), None)
         .context("sendmsg mappings + userfaultfd")?;
     ensure!(sent == body.len(), "short sendmsg: {sent} of {} bytes", body.len());
+    std::thread::sleep(Duration::from_millis(a.pause_ms));
 
     let counters = Arc::new(Counters::default());
     let start = Instant::now();

@@ -517,3 +517,47 @@ fn lazy_trace_round_trips_through_both_registries() {
         assert_eq!(n(rep, &["verify_failures"]), 0, "{name}: {rep}");
     }
 }
+
+/// SIGTERM to a daemon serving a guest: it stops taking connections (the socket goes), but
+/// serves the guest to its end, since a handler that goes away leaves the guest's untouched
+/// memory to be zero-filled by the kernel; then it exits 0. The guest here connects, is
+/// signalled about, and only then starts touching. An idle daemon exits at once.
+#[test]
+fn sigterm_drains_the_guests_being_served() {
+    if !lazy_available() || !uffd_usable() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (snap, image) = packed_sample(dir.path(), "16MiB", "5");
+    let socket = dir.path().join("lazy.sock");
+    let mut h = Handler::lazy(&image, &socket, &["--no-cache", "--prefetch", "none"]);
+    let vmm = {
+        let (socket, mem) = (socket.clone(), snap.join("vm.mem"));
+        std::thread::spawn(move || fake_vmm(&socket, &mem, &["--pause-ms", "1500"]))
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !h.log_text().contains("region(s)") {
+        assert!(Instant::now() < deadline, "no connection: {}", h.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: kill with a pid and a signal number touches no memory.
+    assert_eq!(unsafe { libc::kill(h.child.id() as i32, libc::SIGTERM) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while socket.exists() {
+        assert!(Instant::now() < deadline, "socket still there after SIGTERM: {}", h.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(h.child.try_wait().unwrap().is_none(), "the daemon left while a guest was being served: {}", h.log_text());
+    let r = vmm.join().unwrap();
+    assert_eq!(r.code, 0, "{r:?}");
+    assert_clean(&r, 16 << 8);
+    assert_eq!(h.wait_exit(Duration::from_secs(30)), 0, "{}", h.log_text());
+    assert!(h.log_text().contains("stopping: no new connections"), "{}", h.log_text());
+
+    let idle = dir.path().join("idle.sock");
+    let mut h = Handler::lazy(&image, &idle, &["--no-cache"]);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(h.child.id() as i32, libc::SIGTERM) }, 0);
+    assert_eq!(h.wait_exit(Duration::from_secs(10)), 0, "{}", h.log_text());
+    assert!(!idle.exists());
+}

@@ -327,3 +327,24 @@ fn criu_restore_that_breaks_off_is_an_error() {
     assert_eq!(report_of(&reps, 61)["ended"], "the restore failed or was stopped", "{reps:?}");
     assert!(d.log_text().contains("before it finished"), "{}", d.log_text());
 }
+
+/// `--criu-prepare` then SIGTERM before any restore connected: the daemon stops waiting,
+/// exits 0, and removes the files it prepared (their lazy pages are holes: left behind, a
+/// plain `criu restore` of them would read zeros).
+#[test]
+fn sigterm_before_the_restore_removes_the_prepared_dump() {
+    if !criu_lazy_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (_dump, reference, _) = packed_dump(dir.path(), &[(4242, "2MiB", &[])]);
+    let work = dir.path().join("work");
+    let mut d = Daemon::start(&reference, &work, &["--criu-prepare", "--no-cache"]);
+    assert!(work.join("pagemap-4242.img").is_file(), "{}", d.log_text());
+    // SAFETY: kill with a pid and a signal number touches no memory.
+    assert_eq!(unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) }, 0);
+    let (code, reps) = d.finish(Duration::from_secs(10));
+    assert_eq!(code, 0, "{reps:?} {}", d.log_text());
+    let left: Vec<_> = fs::read_dir(&work).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.ends_with(".img") || n.ends_with(".socket")).collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
