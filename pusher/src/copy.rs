@@ -150,9 +150,12 @@ impl BlobSource for Counting<'_> {
 }
 
 /// Outcome of one blob.
+/// What happened to one blob.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Moved {
+pub enum Moved {
+    /// The destination had it.
     Skipped,
+    /// Linked from another repository of the same registry.
     Mounted,
     Uploaded { sent: u64, resumed: u64 },
 }
@@ -171,6 +174,25 @@ pub fn manifest_blobs(src: &dyn BlobSource, digest: &OciDigest) -> Result<(Vec<u
 /// Copy the manifest `digest` of `src`, with every blob it lists, to `target`, tagged
 /// `tag` (or stored by digest only when `None`).
 pub fn copy(src: &dyn BlobSource, digest: &OciDigest, target: &Target, tag: Option<&str>, opts: &CopyOptions) -> Result<PushReport, CopyError> {
+    copy_after(src, digest, target, tag, opts, &[])
+}
+
+/// Send one blob to `target` now (HEAD, mount, or upload), ahead of the [`copy_after`] of
+/// the image that lists it: `push DIR` sends each pack as soon as it is sealed.
+pub fn send_blob(src: &dyn BlobSource, desc: &Descriptor, target: &Target, opts: &CopyOptions) -> Result<Moved, CopyError> {
+    move_blob(src, desc, target, opts, &Default::default())
+}
+
+/// [`copy`], when some blobs were already sent with [`send_blob`]: `ahead` says how, and
+/// the report counts those (the copy itself then finds them at the destination).
+pub fn copy_after(
+    src: &dyn BlobSource,
+    digest: &OciDigest,
+    target: &Target,
+    tag: Option<&str>,
+    opts: &CopyOptions,
+    ahead: &[(OciDigest, Moved)],
+) -> Result<PushReport, CopyError> {
     let t0 = Instant::now();
     let src = Counting { inner: src, n: AtomicU64::new(0) };
     let (bytes, manifest) = manifest_blobs(&src, digest)?;
@@ -237,7 +259,14 @@ pub fn copy(src: &dyn BlobSource, digest: &OciDigest, target: &Target, tag: Opti
             }
         }
     }
-    let results = results.into_inner().expect("poisoned");
+    let mut results = results.into_inner().expect("poisoned");
+    for (d, m) in results.iter_mut() {
+        if *m == Moved::Skipped {
+            if let Some((_, before)) = ahead.iter().find(|(a, _)| a == d) {
+                *m = *before;
+            }
+        }
+    }
     if let Some(k) = &known {
         let Target::Registry(r) = target else { unreachable!("known only for registries") };
         k.record(r.repository(), results.iter().map(|(d, _)| d));

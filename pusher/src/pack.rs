@@ -49,6 +49,9 @@ pub struct Related<'a> {
     pub reference: String,
 }
 
+/// Told each pack's digest and size as soon as the pack is complete in the layout.
+pub type OnPack<'a> = &'a (dyn Fn(&OciDigest, u64) + Sync);
+
 pub struct PackOptions<'a> {
     /// Runtime kind; detected from file names when `None`.
     pub kind: Option<Kind>,
@@ -66,6 +69,10 @@ pub struct PackOptions<'a> {
     pub threads: usize,
     /// Called with the number of source bytes (holes included) as they are processed.
     pub progress: Option<&'a (dyn Fn(u64) + Sync)>,
+    /// Called from the pack writer with each pack's digest and size as soon as the pack
+    /// is complete in the layout, while later packs are still being made (`push DIR`
+    /// starts uploading it then).
+    pub on_pack: Option<OnPack<'a>>,
 }
 
 impl Default for PackOptions<'_> {
@@ -82,6 +89,7 @@ impl Default for PackOptions<'_> {
             annotations: BTreeMap::new(),
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2),
             progress: None,
+            on_pack: None,
         }
     }
 }
@@ -219,6 +227,7 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     // main thread reads and hashes (BLAKE3) the next batch.
     let (tx, rx) = mpsc::sync_channel::<ToWriter>(16);
     let writer_layout = dest;
+    let on_pack = opts.on_pack;
     let mut report = PackReport { kind: kind.to_string(), files: sc.files.len(), skipped: sc.skipped.clone(), ..Default::default() };
 
     let result: Result<(Placed, u64), PackError>;
@@ -238,13 +247,21 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
                         }
                         ToWriter::Rollover => {
                             if let Some(w) = cur.take() {
-                                done.push(w.finish()?);
+                                let (d, size) = w.finish()?;
+                                if let Some(f) = on_pack {
+                                    f(&d, size);
+                                }
+                                done.push((d, size));
                             }
                         }
                     }
                 }
                 if let Some(w) = cur.take() {
-                    done.push(w.finish()?);
+                    let (d, size) = w.finish()?;
+                    if let Some(f) = on_pack {
+                        f(&d, size);
+                    }
+                    done.push((d, size));
                 }
                 Ok(done)
             });

@@ -115,6 +115,17 @@ pub fn validate(src: &Path, f: &PackFlags) -> anyhow::Result<()> {
 /// Pack directory `src` into `layout` as `tag` with the given flags (progress bar on a
 /// terminal).
 pub fn pack_into(src: &Path, layout: &OciLayout, tag: &str, f: &PackFlags) -> anyhow::Result<pusher::PackReport> {
+    pack_into_with(src, layout, tag, f, None)
+}
+
+/// [`pack_into`], calling `on_pack` with each pack as soon as it is complete.
+pub fn pack_into_with(
+    src: &Path,
+    layout: &OciLayout,
+    tag: &str,
+    f: &PackFlags,
+    on_pack: Option<pusher::OnPack<'_>>,
+) -> anyhow::Result<pusher::PackReport> {
     validate(src, f)?;
     let mut annotations = BTreeMap::new();
     for kv in &f.annotations {
@@ -154,6 +165,7 @@ pub fn pack_into(src: &Path, layout: &OciLayout, tag: &str, f: &PackFlags) -> an
         diff: f.diff,
         annotations,
         progress: Some(&tick),
+        on_pack,
         ..Default::default()
     };
     let report = pusher::pack(src, layout, tag, &opts).with_context(|| format!("packing {}", src.display()))?;

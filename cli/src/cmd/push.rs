@@ -3,12 +3,13 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Mutex;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
 use imgfmt::reference::{Reference, Selector};
 use imgfmt::{BlobSource, OciDigest, OciLayout};
-use pusher::copy::PackStep;
+use pusher::copy::{Moved, PackStep};
 use pusher::{CopyOptions, PushReport};
 use registry::client::UploadOptions;
 
@@ -90,7 +91,8 @@ pub fn transfer(
     transfer_with_pack(src, digest, target, tag, flags, verb, None)
 }
 
-/// [`transfer`], with the report also saying how a directory source was packed.
+/// [`transfer`], with the report also saying how a directory source was packed, and which
+/// of its packs were sent while packing.
 fn transfer_with_pack(
     src: &dyn BlobSource,
     digest: &OciDigest,
@@ -98,7 +100,7 @@ fn transfer_with_pack(
     tag: Option<&str>,
     flags: &TransferFlags,
     verb: &str,
-    pack: Option<PackStep>,
+    packed: Option<(PackStep, &[(OciDigest, Moved)])>,
 ) -> anyhow::Result<PushReport> {
     let (_, manifest) = pusher::copy::manifest_blobs(src, digest).map_err(|e| wrap(e, verb))?;
     let total: u64 = std::iter::once(&manifest.config).chain(&manifest.layers).map(|d| d.size).sum();
@@ -111,14 +113,11 @@ fn transfer_with_pack(
     if flags.upload_piece == 0 {
         bail!("--upload-piece must be at least 1 byte");
     }
-    let opts = CopyOptions {
-        jobs: flags.jobs as usize,
-        mount_from: flags.mount_from.clone(),
-        upload: UploadOptions { piece: flags.upload_piece.min(registry::client::MAX_PIECE), cache_dir: Some(flags.cache_dir()) },
-        progress: Some(&tick),
-    };
-    let mut report = pusher::copy(src, digest, target, tag, &opts).map_err(|e| wrap(e, verb))?;
-    report.pack = pack;
+    let mut opts = copy_options(flags);
+    opts.progress = Some(&tick);
+    let ahead = packed.as_ref().map_or(&[][..], |p| p.1);
+    let mut report = pusher::copy::copy_after(src, digest, target, tag, &opts, ahead).map_err(|e| wrap(e, verb))?;
+    report.pack = packed.map(|p| p.0);
     if let Some(pb) = pb {
         pb.finish_and_clear();
     }
@@ -142,6 +141,15 @@ fn transfer_with_pack(
     Ok(report)
 }
 
+fn copy_options(flags: &TransferFlags) -> CopyOptions<'static> {
+    CopyOptions {
+        jobs: flags.jobs as usize,
+        mount_from: flags.mount_from.clone(),
+        upload: UploadOptions { piece: flags.upload_piece.min(registry::client::MAX_PIECE), cache_dir: Some(flags.cache_dir()) },
+        progress: None,
+    }
+}
+
 fn wrap(e: pusher::CopyError, verb: &str) -> anyhow::Error {
     if e.is_integrity() {
         anyhow::Error::new(IntegrityError(format!("{verb}: {e}")))
@@ -158,6 +166,7 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
     };
     let dest = common::registry_client(&host, &repository, a.transfer.plain_http)?;
     let mut pack = None;
+    let mut ahead = Vec::new();
     let (layout, digest) = if a.src.starts_with("oci:") {
         let Reference::Layout { path, selector } = a.src.parse::<Reference>()? else { unreachable!("oci: prefix") };
         let layout = OciLayout::open(&path).with_context(|| format!("opening {}", a.src))?;
@@ -170,12 +179,63 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
         bail!("{}: push sends a local image or directory; to move an image from one registry to another use `snapctl copy {} {}`", a.src, a.src, a.dest);
     } else {
         let started = Instant::now();
-        let (layout, digest, skipped) = pack_directory(Path::new(&a.src), &a.pack, &a.transfer.cache_dir())?;
+        let (layout, digest, skipped, sent) = pack_sending_ahead(Path::new(&a.src), &a, &dest)?;
         pack = Some(PackStep { skipped, seconds: started.elapsed().as_secs_f64() });
+        ahead = sent;
         (layout, digest)
     };
-    transfer_with_pack(&layout, &digest, &pusher::Target::Registry(&dest), Some(&tag), &a.transfer, "push", pack)?;
+    transfer_with_pack(&layout, &digest, &pusher::Target::Registry(&dest), Some(&tag), &a.transfer, "push", pack.map(|p| (p, &ahead[..])))?;
     Ok(common::code(common::EXIT_OK))
+}
+
+/// Pack a directory (as [`pack_directory`]) while each pack is sent to `dest` as soon as it
+/// is sealed, on up to 4 threads: the upload of one pack overlaps the packing of the next
+/// instead of starting when packing is over. Returns how each pack sent ahead went; one
+/// that failed is left to the push proper, which sends it again (resuming) and reports.
+fn pack_sending_ahead(
+    dir: &Path,
+    a: &PushArgs,
+    dest: &registry::client::RegistrySource,
+) -> anyhow::Result<(OciLayout, OciDigest, bool, SentAhead)> {
+    let cache = a.transfer.cache_dir();
+    let root = layout_root(dir, &cache)?;
+    let packs = OciLayout::open_or_create(&root).with_context(|| format!("opening {}", root.display()))?;
+    let opts = copy_options(&a.transfer);
+    let target = pusher::Target::Registry(dest);
+    let ahead = Mutex::new(Vec::new());
+    let (tx, rx) = std::sync::mpsc::channel::<(OciDigest, u64)>();
+    let rx = Mutex::new(rx);
+    let packed = std::thread::scope(|s| {
+        for _ in 0..(a.transfer.jobs as usize).clamp(1, 4) {
+            s.spawn(|| loop {
+                let next = rx.lock().expect("poisoned").recv();
+                let Ok((d, size)) = next else { return };
+                let desc = imgfmt::Descriptor::new(imgfmt::media::PACK, d.clone(), size);
+                match pusher::copy::send_blob(&packs, &desc, &target, &opts) {
+                    Ok(m) => ahead.lock().expect("poisoned").push((d, m)),
+                    Err(e) => tracing::debug!("sending pack {d} ahead: {e}"),
+                }
+            });
+        }
+        let tx = tx;
+        let send = |d: &OciDigest, size: u64| {
+            let _ = tx.send((d.clone(), size));
+        };
+        pack_directory(dir, &a.pack, &cache, Some(&send))
+        // `tx` goes here: the senders finish what is queued, then stop.
+    });
+    let (layout, digest, skipped) = packed?;
+    Ok((layout, digest, skipped, ahead.into_inner().expect("poisoned")))
+}
+
+/// Packs sent while packing, and how each went.
+type SentAhead = Vec<(OciDigest, Moved)>;
+
+/// The layout under the cache directory that `push DIR` packs `dir` into.
+fn layout_root(dir: &Path, cache: &Path) -> anyhow::Result<PathBuf> {
+    let canon = dir.canonicalize().with_context(|| format!("resolving {}", dir.display()))?;
+    let key = OciDigest::of(canon.as_os_str().as_encoded_bytes());
+    Ok(cache.join("push-layouts").join(&key.hex()[..32]))
 }
 
 /// Pack a directory into a layout of its own under the cache directory (one per source
@@ -185,11 +245,16 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
 /// files. When the content is unchanged though the stamp is not (same index and packs:
 /// only the creation time would differ), the earlier manifest is used again. Either way
 /// the registry is only asked what it has and nothing is sent.
-fn pack_directory(dir: &Path, flags: &PackFlags, cache: &Path) -> anyhow::Result<(OciLayout, OciDigest, bool)> {
+fn pack_directory(
+    dir: &Path,
+    flags: &PackFlags,
+    cache: &Path,
+    on_pack: Option<pusher::OnPack<'_>>,
+) -> anyhow::Result<(OciLayout, OciDigest, bool)> {
     super::pack::validate(dir, flags)?;
     let canon = dir.canonicalize().with_context(|| format!("resolving {}", dir.display()))?;
     let key = OciDigest::of(canon.as_os_str().as_encoded_bytes());
-    let root = cache.join("push-layouts").join(&key.hex()[..32]);
+    let root = layout_root(dir, cache)?;
     let layout = OciLayout::open_or_create(&root).with_context(|| format!("opening {}", root.display()))?;
     let stamp_path = cache.join("push-layouts").join(format!("{}.stamp.json", &key.hex()[..32]));
     // A base or parent is named by a reference whose content can change under the same
@@ -205,7 +270,7 @@ fn pack_directory(dir: &Path, flags: &PackFlags, cache: &Path) -> anyhow::Result
             return Ok((layout, digest, true));
         }
     }
-    let report = pack_and_reuse(dir, &layout, flags)?;
+    let report = pack_and_reuse(dir, &layout, flags, on_pack)?;
     if let (Some(before), Some(options)) = (before, &options) {
         // Recorded only when nothing changed while packing and no file was written so
         // recently that a later write could leave its times as they are (see Stamp::racy).
@@ -229,9 +294,9 @@ fn layout_has_image(layout: &OciLayout, digest: &OciDigest) -> bool {
 
 /// Pack `dir` into `layout`; when only the creation time differs from the image pushed
 /// last from this directory, that image's manifest.
-fn pack_and_reuse(dir: &Path, layout: &OciLayout, flags: &PackFlags) -> anyhow::Result<OciDigest> {
+fn pack_and_reuse(dir: &Path, layout: &OciLayout, flags: &PackFlags, on_pack: Option<pusher::OnPack<'_>>) -> anyhow::Result<OciDigest> {
     let previous = layout.resolve_tag("previous").ok();
-    let report = super::pack::pack_into(dir, layout, "latest", flags)?;
+    let report = super::pack::pack_into_with(dir, layout, "latest", flags, on_pack)?;
     for s in &report.skipped {
         eprintln!("warning: skipped {s}: not a regular file");
     }

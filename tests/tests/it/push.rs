@@ -140,6 +140,27 @@ fn push_story_docker_registry() {
     push_story(&d.addr);
 }
 
+/// `push DIR` sends each pack as soon as it is sealed, while the next is packed: with
+/// several packs the report still counts every blob as uploaded by this push (none was
+/// "already there" for the copy that follows), the registry has the whole image, and it
+/// pulls back byte-identical.
+#[test]
+fn push_directory_sends_packs_while_packing() {
+    let store = tempfile::tempdir().unwrap();
+    let s = Serve::start(store.path().to_str().unwrap(), &[], &[]);
+    let w = Work::new();
+    let snap = w.sample("snap", "24MiB");
+    let dest = format!("{}/vm/ahead:v1", s.addr);
+    let rep = w.push(snap.to_str().unwrap(), &dest, &["--pack-size", "2MiB"]);
+    assert!(n(&rep, "blobs_total") >= 6, "several packs: {rep}");
+    assert_eq!(n(&rep, "blobs_uploaded"), n(&rep, "blobs_total"), "{rep}");
+    assert_eq!(n(&rep, "blobs_skipped"), 0, "{rep}");
+    assert_eq!(n(&rep, "bytes_sent"), n(&rep, "bytes_total"), "{rep}");
+    let out = w.path("pulled");
+    w.ok(&["pull", &dest, out.to_str().unwrap()]);
+    same_files(&snap, &out);
+}
+
 /// `push DIR`: packed on the fly; the second push of the unchanged directory sends no
 /// blob bytes (the earlier manifest is reused, though packing again would stamp a new
 /// creation time). Also `--mount-from` naming the repository explicitly.
