@@ -450,7 +450,7 @@ pub(crate) mod tests {
     /// faults). Before, each put (an fdatasync) ran between the fetch and the install.
     #[test]
     fn regression_issue_5_faults_do_not_wait_for_cache_puts() {
-        let n = PUT_QUEUE + 24;
+        let n = PUT_QUEUE + PUT_BATCH + 24;
         // Every third chunk of the sample is zero: make enough data chunks.
         let (_d, mem, image, layout) = sample_image(n * 3 / 2 + 3);
         let store = Arc::new(StuckStore { released: Mutex::new(false), cv: Condvar::new(), puts: AtomicU64::new(0), batches: Mutex::new(Vec::new()) });
@@ -475,8 +475,10 @@ pub(crate) mod tests {
         let f = worker.join().unwrap();
         assert!(served.is_ok(), "faults waited for the stuck cache");
         drop(f); // drains the queue
+        // At most what the queue holds plus the batch the writer had taken when it got
+        // stuck: the rest were skipped, not waited for.
         let puts = store.puts.load(Ordering::SeqCst);
-        assert!((1..=PUT_QUEUE as u64 + 1).contains(&puts), "{puts} puts");
+        assert!((1..=(PUT_QUEUE + PUT_BATCH) as u64).contains(&puts), "{puts} puts");
         // What queued up behind the stuck put went down in full batches.
         let batches = store.batches.lock().unwrap().clone();
         assert_eq!(batches.iter().sum::<usize>() as u64, puts);
