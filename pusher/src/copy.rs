@@ -77,6 +77,7 @@ pub struct PushReport {
     /// Chunks not sent because they are zero or their pack was already there (skipped or
     /// mounted). Snapshot images only; 0 for other artifacts.
     pub chunks_deduplicated: u64,
+    /// Wall time of the whole command (for `push DIR`: packing included).
     pub seconds: f64,
     /// `push DIR` only: how the directory became an image (absent for images that were
     /// already packed).
@@ -90,7 +91,8 @@ pub struct PackStep {
     /// The directory's stamp matched the one recorded when it was last packed with the same
     /// options, so the earlier manifest was pushed without reading the files.
     pub skipped: bool,
-    /// Seconds spent stamping (and, unless skipped, packing) the directory.
+    /// Seconds spent stamping (and, unless skipped, packing) the directory; packs are sent
+    /// to the registry during this time too, as soon as each is sealed.
     pub seconds: f64,
 }
 
@@ -290,7 +292,9 @@ pub fn copy_after(
         }
     }
     rep.chunks_deduplicated = chunks_not_sent(&src, digest, &results);
-    rep.bytes_read = src.n.load(Relaxed);
+    // Blobs sent ahead were read from the source then, not through `src` here.
+    let read_ahead: u64 = ahead.iter().map(|(_, m)| if let Moved::Uploaded { sent, .. } = m { *sent } else { 0 }).sum();
+    rep.bytes_read = src.n.load(Relaxed) + read_ahead;
     rep.seconds = t0.elapsed().as_secs_f64();
     Ok(rep)
 }

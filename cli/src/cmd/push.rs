@@ -118,6 +118,10 @@ fn transfer_with_pack(
     let ahead = packed.as_ref().map_or(&[][..], |p| p.1);
     let mut report = pusher::copy::copy_after(src, digest, target, tag, &opts, ahead).map_err(|e| wrap(e, verb))?;
     report.pack = packed.map(|p| p.0);
+    // For `push DIR` the packs were being sent while packing: the push took both.
+    if let Some(p) = &report.pack {
+        report.seconds += p.seconds;
+    }
     if let Some(pb) = pb {
         pb.finish_and_clear();
     }

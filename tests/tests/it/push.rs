@@ -156,6 +156,9 @@ fn push_directory_sends_packs_while_packing() {
     assert_eq!(n(&rep, "blobs_uploaded"), n(&rep, "blobs_total"), "{rep}");
     assert_eq!(n(&rep, "blobs_skipped"), 0, "{rep}");
     assert_eq!(n(&rep, "bytes_sent"), n(&rep, "bytes_total"), "{rep}");
+    assert!(n(&rep, "bytes_read") >= n(&rep, "bytes_sent"), "packs sent ahead count as read: {rep}");
+    let (total, pack) = (rep["seconds"].as_f64().unwrap(), rep["pack"]["seconds"].as_f64().unwrap());
+    assert!(total >= pack, "the push's seconds include packing (and the sends during it): {rep}");
     let out = w.path("pulled");
     w.ok(&["pull", &dest, out.to_str().unwrap()]);
     same_files(&snap, &out);
