@@ -22,7 +22,7 @@ use super::common::{self, open_image};
 /// userfaultfd (SCM_RIGHTS). Each fault is served from the memory file: zero chunks with
 /// UFFDIO_ZEROPAGE, others from the chunk cache or fetched, verified, and installed with
 /// UFFDIO_COPY. Bytes that fail verification twice are never installed: the range is
-/// poisoned instead. Serves many VMs at once; runs until killed (or see --once).
+/// poisoned instead. Serves many VMs at once; runs until signalled (or see --once).
 ///
 /// With --criu-workdir DIR it takes the role of `criu lazy-pages` instead: it listens on
 /// DIR/lazy-pages.socket, where `criu restore --lazy-pages` sends each restored task's pid
