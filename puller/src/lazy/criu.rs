@@ -236,6 +236,15 @@ struct Task {
     forked_from: Option<i32>,
 }
 
+impl Task {
+    /// Record why the task ended and drop our end of its pair, which ends its fault loop
+    /// (and so closes its userfaultfd).
+    fn release(&self, why: String) {
+        *self.ended.lock().expect("poisoned") = Some(why);
+        self.end.lock().expect("poisoned").take();
+    }
+}
+
 /// Children the restored tasks forked (UFFD_EVENT_FORK), followed like tasks: each gets a
 /// fault loop, and a push once the restore has finished.
 #[derive(Default)]
@@ -545,12 +554,10 @@ impl CriuDaemon {
         let mut pushers = Vec::new();
         for t in tasks.iter().chain(early_children.iter()) {
             if !finished {
-                *t.ended.lock().expect("poisoned") = Some("the restore failed or was stopped".into());
-                t.end.lock().expect("poisoned").take();
+                t.release("the restore failed or was stopped".into());
                 continue;
             }
-            let (t, me) = (t.clone(), self.clone());
-            pushers.push(std::thread::Builder::new().name("lazy-criu-push".into()).spawn(move || me.push(&t)));
+            pushers.push(self.spawn_push(t));
         }
         if finished {
             eprintln!("snapctl lazy: criu: restore finished ({} task(s)); pushing the remaining pages", tasks.len());
@@ -574,8 +581,7 @@ impl CriuDaemon {
             }
             if !finished {
                 for t in &children {
-                    *t.ended.lock().expect("poisoned") = Some("the restore failed or was stopped".into());
-                    t.end.lock().expect("poisoned").take();
+                    t.release("the restore failed or was stopped".into());
                 }
             }
             for p in pushers {
@@ -625,45 +631,57 @@ impl CriuDaemon {
     /// userfaultfd, serving the same pages; pushed like a task once the restore finished.
     fn start_child(self: &Arc<Self>, parent: &Conn, uffd: userfaultfd::Uffd, layout: Option<TaskLayout>) {
         let counters = Arc::new(Counters::default());
-        let mut conn = parent.child(uffd, counters.clone());
-        conn.on_fork = Some(self.fork_hook(layout.clone()));
-        let conn = Arc::new(conn);
-        let (ours, theirs) = match UnixStream::pair() {
-            Ok(p) => (Some(p.0), Some(p.1)),
-            Err(e) => {
-                eprintln!("snapctl lazy: criu: pid {}: socketpair for a forked child: {e}", parent.pid);
-                (None, None)
-            }
-        };
-        let task = Arc::new(Task {
-            pid: parent.pid,
-            conn: conn.clone(),
-            layout,
-            error: None,
-            end: Mutex::new(ours),
-            counters,
-            t0: Instant::now(),
-            ended: Mutex::new(None),
-            forked_from: Some(parent.pid),
-        });
-        self.active.fetch_add(1, Ordering::Relaxed);
-        self.total.fetch_add(1, Ordering::Relaxed);
+        let conn = parent.child(uffd, counters.clone());
         eprintln!("snapctl lazy: criu: pid {} forked a child: serving its memory too", parent.pid);
-        let stop = self.stop.clone();
-        let h = std::thread::Builder::new().name("lazy-criu-child".into()).spawn(move || match theirs {
-            Some(s) => conn.run(s, &stop),
-            None => "no socketpair".into(),
-        });
-        let h = h.unwrap_or_else(|e| std::thread::spawn(move || format!("spawning the fault loop: {e}")));
+        let (task, h) = self.launch(conn, counters, layout, None, Instant::now(), Some(parent.pid));
         let mut f = self.forks.lock().expect("poisoned");
         if f.finished {
-            let (t, me) = (task.clone(), self.clone());
-            if let Ok(p) = std::thread::Builder::new().name("lazy-criu-push".into()).spawn(move || me.push(&t)) {
+            if let Ok(p) = self.spawn_push(&task) {
                 f.pushers.push(p);
             }
         }
         f.tasks.push(task);
         f.loops.push(h);
+    }
+
+    /// Give `conn` the fork hook and its own fault loop thread: the task, and that loop's
+    /// handle (its result is why the loop ended).
+    fn launch(
+        self: &Arc<Self>,
+        mut conn: Conn,
+        counters: Arc<Counters>,
+        layout: Option<TaskLayout>,
+        error: Option<String>,
+        t0: Instant,
+        forked_from: Option<i32>,
+    ) -> (Arc<Task>, std::thread::JoinHandle<String>) {
+        let pid = conn.pid;
+        conn.on_fork = Some(self.fork_hook(layout.clone()));
+        let conn = Arc::new(conn);
+        let (ours, theirs) = match UnixStream::pair() {
+            Ok(p) => (Some(p.0), Some(p.1)),
+            Err(e) => {
+                eprintln!("snapctl lazy: criu: pid {pid}: socketpair: {e}");
+                (None, None)
+            }
+        };
+        let task = Arc::new(Task { pid, conn: conn.clone(), layout, error, end: Mutex::new(ours), counters, t0, ended: Mutex::new(None), forked_from });
+        self.active.fetch_add(1, Ordering::Relaxed);
+        self.total.fetch_add(1, Ordering::Relaxed);
+        let stop = self.stop.clone();
+        let name = if forked_from.is_some() { "lazy-criu-child" } else { "lazy-criu-task" };
+        let h = std::thread::Builder::new().name(name.into()).spawn(move || match theirs {
+            Some(s) => conn.run(s, &stop),
+            None => "no socketpair".into(),
+        });
+        let h = h.unwrap_or_else(|e| std::thread::spawn(move || format!("spawning the fault loop: {e}")));
+        (task, h)
+    }
+
+    /// Push the rest of `t`'s pages from a thread of its own.
+    fn spawn_push(self: &Arc<Self>, t: &Arc<Task>) -> std::io::Result<std::thread::JoinHandle<()>> {
+        let (t, me) = (t.clone(), self.clone());
+        std::thread::Builder::new().name("lazy-criu-push".into()).spawn(move || me.push(&t))
     }
 
     /// Set up a task's fault loop. A task whose pagemap cannot be used still gets one, that
@@ -712,25 +730,7 @@ impl CriuDaemon {
         let counters = Arc::new(Counters::default());
         let mut conn = Conn::new(pid, uffd, map, fetcher, counters.clone(), self.counters.clone(), false);
         conn.outside = outside;
-        conn.on_fork = Some(self.fork_hook(layout.clone()));
-        let conn = Arc::new(conn);
-        let (ours, theirs) = match UnixStream::pair() {
-            Ok(p) => (Some(p.0), Some(p.1)),
-            Err(e) => {
-                eprintln!("snapctl lazy: criu: pid {pid}: socketpair: {e}");
-                (None, None)
-            }
-        };
-        let task = Arc::new(Task { pid, conn: conn.clone(), layout, error, end: Mutex::new(ours), counters, t0, ended: Mutex::new(None), forked_from: None });
-        self.active.fetch_add(1, Ordering::Relaxed);
-        self.total.fetch_add(1, Ordering::Relaxed);
-        let stop = self.stop.clone();
-        let h = std::thread::Builder::new().name("lazy-criu-task".into()).spawn(move || match theirs {
-            Some(s) => conn.run(s, &stop),
-            None => "no socketpair".into(),
-        });
-        let h = h.unwrap_or_else(|e| std::thread::spawn(move || format!("spawning the fault loop: {e}")));
-        (task, h)
+        self.launch(conn, counters, layout, error, t0, None)
     }
 
     /// After the restore finished: install every page the task has not faulted yet (or
@@ -800,8 +800,7 @@ impl CriuDaemon {
             return;
         }
         eprintln!("snapctl lazy: criu: pid {}: {outcome}; releasing its userfaultfd", t.pid);
-        *t.ended.lock().expect("poisoned") = Some(outcome);
-        t.end.lock().expect("poisoned").take();
+        t.release(outcome);
     }
 }
 
@@ -857,14 +856,27 @@ mod tests {
         assert!(matches!(Reader::new(&a, &stop).next_message(), Err(CriuProtoError::Stopped)));
     }
 
+    /// `files` written into `dir/dump` and packed (64 KiB chunks) into `dir/layout`: the
+    /// image and the layout.
+    fn packed_dump(dir: &std::path::Path, files: &[(&str, &[u8])]) -> (Arc<Image>, Arc<imgfmt::OciLayout>) {
+        let src = dir.join("dump");
+        std::fs::create_dir_all(&src).unwrap();
+        for (name, bytes) in files {
+            std::fs::write(src.join(name), bytes).unwrap();
+        }
+        let layout = imgfmt::OciLayout::open_or_create(dir.join("layout")).unwrap();
+        let opts = pusher::PackOptions { chunk_shift: 16, ..Default::default() };
+        pusher::pack(&src, &layout, "t", &opts).unwrap();
+        let image = Arc::new(Image::open(&layout, &layout.resolve_tag("t").unwrap()).unwrap());
+        (image, Arc::new(layout))
+    }
+
     /// A CRIU dump packed into an image: the layout of a task comes out of its verified
     /// pagemap; a missing pagemap or pages file is a clear error.
     #[test]
     fn task_layout_from_a_packed_dump() {
         use pagemap::{encode_pagemap, PagemapEntry, PE_LAZY, PE_PARENT, PE_PRESENT};
         let dir = tempfile::tempdir().unwrap();
-        let src = dir.path().join("dump");
-        std::fs::create_dir_all(&src).unwrap();
         let pm = Pagemap {
             pages_id: 2,
             entries: vec![
@@ -874,19 +886,20 @@ mod tests {
                 PagemapEntry { vaddr: 0x7e00_0020_0000, nr_pages: 2, flags: PE_PARENT },
             ],
         };
-        std::fs::write(src.join("pagemap-5.img"), encode_pagemap(&pm)).unwrap();
-        std::fs::write(src.join("pages-2.img"), vec![7u8; 24 * 4096]).unwrap();
         let mut short = pm.clone();
         short.pages_id = 3;
-        std::fs::write(src.join("pagemap-6.img"), encode_pagemap(&short)).unwrap();
-        std::fs::write(src.join("pages-3.img"), vec![7u8; 4096]).unwrap();
-        std::fs::write(src.join("pagemap-8.img"), b"not a pagemap").unwrap();
-        let layout = imgfmt::OciLayout::open_or_create(dir.path().join("layout")).unwrap();
-        let opts = pusher::PackOptions { chunk_shift: 16, ..Default::default() };
-        pusher::pack(&src, &layout, "t", &opts).unwrap();
-        let image = Arc::new(Image::open(&layout, &layout.resolve_tag("t").unwrap()).unwrap());
+        let (image, layout) = packed_dump(
+            dir.path(),
+            &[
+                ("pagemap-5.img", &encode_pagemap(&pm)),
+                ("pages-2.img", &[7u8; 24 * 4096]),
+                ("pagemap-6.img", &encode_pagemap(&short)),
+                ("pages-3.img", &[7u8; 4096]),
+                ("pagemap-8.img", b"not a pagemap"),
+            ],
+        );
         assert_eq!(image.config().kind, imgfmt::Kind::Criu);
-        let d = CriuDaemon::new(image.clone(), Arc::new(layout), None, dir.path().to_path_buf(), LazyOptions::new(PathBuf::new()));
+        let d = CriuDaemon::new(image.clone(), layout, None, dir.path().to_path_buf(), LazyOptions::new(PathBuf::new()));
         let l = d.layout(5).unwrap();
         assert_eq!(image.files[l.pages_file].name, "pages-2.img");
         assert_eq!(
@@ -910,8 +923,6 @@ mod tests {
     fn prepare_workdir_leaves_exactly_the_lazy_pages_out() {
         use pagemap::{encode_pagemap, PagemapEntry, PE_LAZY, PE_PRESENT};
         let dir = tempfile::tempdir().unwrap();
-        let src = dir.path().join("dump");
-        std::fs::create_dir_all(&src).unwrap();
         let pm = Pagemap {
             pages_id: 2,
             entries: vec![
@@ -920,15 +931,12 @@ mod tests {
                 PagemapEntry { vaddr: 0x7e00_0010_0000, nr_pages: 8, flags: PE_PRESENT },
             ],
         };
-        std::fs::write(src.join("pagemap-5.img"), encode_pagemap(&pm)).unwrap();
         let pages: Vec<u8> = (0..27 * 4096u32).map(|i| (i / 4096 + 1) as u8 ^ (i as u8)).collect();
-        std::fs::write(src.join("pages-2.img"), &pages).unwrap();
-        std::fs::write(src.join("core-5.img"), b"core of task 5").unwrap();
-        let layout = imgfmt::OciLayout::open_or_create(dir.path().join("layout")).unwrap();
-        let opts = pusher::PackOptions { chunk_shift: 16, ..Default::default() };
-        pusher::pack(&src, &layout, "t", &opts).unwrap();
-        let image = Arc::new(Image::open(&layout, &layout.resolve_tag("t").unwrap()).unwrap());
-        let layout = Arc::new(layout);
+        let pagemap_bytes = encode_pagemap(&pm);
+        let (image, layout) = packed_dump(
+            dir.path(),
+            &[("pagemap-5.img", &pagemap_bytes), ("pages-2.img", &pages), ("core-5.img", b"core of task 5")],
+        );
 
         let work = dir.path().join("work");
         std::fs::create_dir_all(&work).unwrap();
@@ -936,9 +944,9 @@ mod tests {
         let p = d.prepare_workdir().unwrap();
         assert_eq!(p.paths.len(), 3);
         assert_eq!(p.lazy_bytes_left, 16 * 4096);
-        assert_eq!(p.bytes_written, (3 + 8) * 4096 + 14 + std::fs::metadata(src.join("pagemap-5.img")).unwrap().len());
+        assert_eq!(p.bytes_written, (3 + 8) * 4096 + 14 + pagemap_bytes.len() as u64);
         assert_eq!(std::fs::read(work.join("core-5.img")).unwrap(), b"core of task 5");
-        assert_eq!(std::fs::read(work.join("pagemap-5.img")).unwrap(), std::fs::read(src.join("pagemap-5.img")).unwrap());
+        assert_eq!(std::fs::read(work.join("pagemap-5.img")).unwrap(), pagemap_bytes);
         let got = std::fs::read(work.join("pages-2.img")).unwrap();
         assert_eq!(got.len(), pages.len());
         assert_eq!(got[..3 * 4096], pages[..3 * 4096], "non-lazy pages before the lazy run");
