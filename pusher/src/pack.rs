@@ -237,6 +237,15 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
             let writer = s.spawn(move || -> Result<Vec<(OciDigest, u64)>, FormatError> {
                 let mut done = Vec::new();
                 let mut cur: Option<imgfmt::layout::BlobWriter> = None;
+                // A finished pack gets its name in the layout, then is announced.
+                let mut seal = |w: imgfmt::layout::BlobWriter| -> Result<(), FormatError> {
+                    let (d, size) = w.finish()?;
+                    if let Some(f) = on_pack {
+                        f(&d, size);
+                    }
+                    done.push((d, size));
+                    Ok(())
+                };
                 for msg in rx {
                     match msg {
                         ToWriter::Data(b) => {
@@ -247,21 +256,13 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
                         }
                         ToWriter::Rollover => {
                             if let Some(w) = cur.take() {
-                                let (d, size) = w.finish()?;
-                                if let Some(f) = on_pack {
-                                    f(&d, size);
-                                }
-                                done.push((d, size));
+                                seal(w)?;
                             }
                         }
                     }
                 }
                 if let Some(w) = cur.take() {
-                    let (d, size) = w.finish()?;
-                    if let Some(f) = on_pack {
-                        f(&d, size);
-                    }
-                    done.push((d, size));
+                    seal(w)?;
                 }
                 Ok(done)
             });
