@@ -20,14 +20,13 @@ use puller::lazy::pagemap::decode_pagemap;
 use snapctl_tests::counter::{self, sha256_file, ticks, Tick};
 use snapctl_tests::registry_support::Serve;
 use snapctl_tests::{require_peers, run, snapctl, uffd_usable};
+use tempfile::TempDir;
 
-use crate::lazy_criu::{criu_lazy_available, Daemon};
+use crate::lazy::Handler;
+use crate::lazy_criu::{criu_lazy_available, report_of};
 
 fn skip(why: &str) {
-    assert!(
-        !require_peers(),
-        "the CRIU round trip cannot run (SNAPCTL_REQUIRE_PEERS=1): {why}"
-    );
+    assert!(!require_peers(), "the CRIU round trip cannot run (SNAPCTL_REQUIRE_PEERS=1): {why}");
     eprintln!("SKIP: CRIU round trip: {why}");
 }
 
@@ -37,23 +36,13 @@ fn find_criu() -> Result<PathBuf, String> {
     if unsafe { libc::geteuid() } != 0 {
         return Err("criu needs root".into());
     }
-    let bin = std::env::var_os("SNAPCTL_CRIU")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| "/opt/snapctl-criu/criu".into());
+    let bin = std::env::var_os("SNAPCTL_CRIU").map(PathBuf::from).unwrap_or_else(|| "/opt/snapctl-criu/criu".into());
     if !bin.exists() {
-        return Err(format!(
-            "no criu at {} (run scripts/install-criu.sh, or set SNAPCTL_CRIU)",
-            bin.display()
-        ));
+        return Err(format!("no criu at {} (run scripts/install-criu.sh, or set SNAPCTL_CRIU)", bin.display()));
     }
     let r = run(Command::new(&bin).arg("check"));
     if r.code != 0 {
-        return Err(format!(
-            "`{} check` failed: {}{}",
-            bin.display(),
-            r.stdout,
-            r.stderr
-        ));
+        return Err(format!("`{} check` failed: {}{}", bin.display(), r.stdout, r.stderr));
     }
     Ok(bin)
 }
@@ -71,9 +60,7 @@ impl Counter {
     fn start(exe: &Path, progress: &Path, args: &[&str]) -> Counter {
         let mut cmd = Command::new(exe);
         cmd.arg(progress).args(args).current_dir(exe.parent().unwrap());
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
         // SAFETY: setsid is async-signal-safe and the closure touches nothing else.
         unsafe {
             cmd.pre_exec(|| {
@@ -84,56 +71,19 @@ impl Counter {
             });
         }
         let child = cmd.spawn().expect("start the counter");
-        Counter {
-            pid: child.id() as i32,
-            child: Some(child),
-            exe: exe.to_path_buf(),
-        }
+        Counter { pid: child.id() as i32, child: Some(child), exe: exe.to_path_buf() }
     }
 
     /// `criu dump` the counter into `dir` (which kills it; it is reaped here so criu can
     /// restore its pid). The last tick written before the dump, and how many lines that was.
     fn dump(&mut self, criu: &Path, dir: &Path, log: &Path, progress: &Path) -> (Tick, usize) {
         fs::create_dir_all(dir).unwrap();
-        let r = run(Command::new(criu)
-            .args(["dump", "-t", &self.pid.to_string(), "-D"])
-            .arg(dir)
-            .arg("-o")
-            .arg(log));
-        assert_eq!(
-            r.code,
-            0,
-            "criu dump: {}\n{}",
-            r.stderr,
-            fs::read_to_string(log).unwrap_or_default()
-        );
+        let r = run(Command::new(criu).args(["dump", "-t", &self.pid.to_string(), "-D"]).arg(dir).arg("-o").arg(log));
+        assert_eq!(r.code, 0, "criu dump: {}\n{}", r.stderr, fs::read_to_string(log).unwrap_or_default());
         let st = self.child.take().unwrap().wait().unwrap();
-        assert!(
-            !st.success(),
-            "the counter should have been killed by the dump, not exit: {st}"
-        );
+        assert!(!st.success(), "the counter should have been killed by the dump, not exit: {st}");
         let earlier = ticks(progress);
-        (
-            earlier.last().cloned().expect("ticks before the dump"),
-            earlier.len(),
-        )
-    }
-
-    /// `criu restore -d` from `dir` (with `extra` flags).
-    fn restore(&self, criu: &Path, dir: &Path, log: &Path, extra: &[&str]) {
-        let r = run(Command::new(criu)
-            .args(["restore", "-d", "-D"])
-            .arg(dir)
-            .arg("-o")
-            .arg(log)
-            .args(extra));
-        assert_eq!(
-            r.code,
-            0,
-            "criu restore: {}\n{}",
-            r.stderr,
-            fs::read_to_string(log).unwrap_or_default()
-        );
+        (earlier.last().cloned().expect("ticks before the dump"), earlier.len())
     }
 }
 
@@ -153,35 +103,64 @@ impl Drop for Counter {
     }
 }
 
-/// Counter started, counted to 5, dumped into `a/dump`, pushed to a `snapctl serve`: the
-/// counter (to kill the restored copy on drop), the tick at the dump, the progress lines
-/// before it, the server, the image reference.
-fn dumped_and_pushed(
-    criu: &Path,
-    t: &Path,
-    args: &[&str],
-) -> Option<(Counter, PathBuf, Tick, usize, Serve, String)> {
-    let exe = match counter::build(t) {
-        Ok(c) => c,
-        Err(e) => {
-            skip(&e);
+/// Host A's side of every test: the counter (run with `args`) counted to 5, dumped into
+/// `a/dump` and pushed to a `snapctl serve`. Host B's work goes under `b/`.
+struct Dumped {
+    criu: PathBuf,
+    /// Kills the restored copy on drop.
+    counter: Counter,
+    progress: PathBuf,
+    /// The last tick before the dump, and how many lines the progress file had then.
+    at: Tick,
+    earlier: usize,
+    reference: String,
+    _serve: Serve,
+    tmp: TempDir,
+}
+
+impl Dumped {
+    /// `None` (after a loud skip, or a failure with SNAPCTL_REQUIRE_PEERS=1) when criu,
+    /// gcc, or (for `lazy`) userfaultfd or `lazy --criu-workdir` is missing.
+    fn new(args: &[&str], lazy: bool) -> Option<Dumped> {
+        let criu = find_criu().map_err(|e| skip(&e)).ok()?;
+        if lazy && (!uffd_usable() || !criu_lazy_available()) {
             return None;
         }
-    };
-    let progress = t.join("progress");
-    let mut c = Counter::start(&exe, &progress, args);
-    counter::wait_for_count(&progress, 5, "the counter before its dump");
-    let (at, earlier) = c.dump(criu, &t.join("a/dump"), &t.join("a/dump.log"), &progress);
-    let s = Serve::start(t.join("store").to_str().unwrap(), &[], &[]);
-    let reference = format!("{}/sandboxes/criu-counter:v1", s.addr);
-    let r = run(snapctl()
-        .arg("push")
-        .arg(t.join("a/dump"))
-        .arg(&reference)
-        .arg("--cache")
-        .arg(t.join("a/cache")));
-    assert_eq!(r.code, 0, "snapctl push: {}{}", r.stdout, r.stderr);
-    Some((c, progress, at, earlier, s, reference))
+        let tmp = tempfile::tempdir().unwrap();
+        let t = tmp.path();
+        let exe = counter::build(t).map_err(|e| skip(&e)).ok()?;
+        let progress = t.join("progress");
+        let mut counter = Counter::start(&exe, &progress, args);
+        counter::wait_for_count(&progress, 5, "the counter before its dump");
+        let (at, earlier) = counter.dump(&criu, &t.join("a/dump"), &t.join("a/dump.log"), &progress);
+        let serve = Serve::start(t.join("store").to_str().unwrap(), &[], &[]);
+        let reference = format!("{}/sandboxes/criu-counter:v1", serve.addr);
+        let r = run(snapctl().arg("push").arg(t.join("a/dump")).arg(&reference).arg("--cache").arg(t.join("a/cache")));
+        assert_eq!(r.code, 0, "snapctl push: {}{}", r.stdout, r.stderr);
+        Some(Dumped { criu, counter, progress, at, earlier, reference, _serve: serve, tmp })
+    }
+
+    fn path(&self, rel: &str) -> PathBuf {
+        self.tmp.path().join(rel)
+    }
+
+    /// `snapctl pull` of the image into `dest` with host B's cache.
+    fn pull(&self, dest: &Path) {
+        let r = run(snapctl().arg("pull").arg(&self.reference).arg(dest).arg("--cache").arg(self.path("b/cache")));
+        assert_eq!(r.code, 0, "snapctl pull: {}{}", r.stdout, r.stderr);
+    }
+
+    /// `criu restore -d` from `dir` (with `extra` flags).
+    fn restore(&self, dir: &Path, extra: &[&str]) {
+        let log = self.path("b/restore.log");
+        let r = run(Command::new(&self.criu).args(["restore", "-d", "-D"]).arg(dir).arg("-o").arg(&log).args(extra));
+        assert_eq!(r.code, 0, "criu restore: {}\n{}", r.stderr, fs::read_to_string(&log).unwrap_or_default());
+    }
+
+    /// The restored counter goes on from the dump with its heap intact.
+    fn assert_continued(&self, what: &str) {
+        counter::assert_continued(&self.progress, self.earlier, &self.at, what);
+    }
 }
 
 /// Issue 4, "Real runtimes", CRIU: dump a running program, push it, pull it on a second
@@ -189,50 +168,17 @@ fn dumped_and_pushed(
 /// its heap intact.
 #[test]
 fn criu_dump_push_pull_restore_continues_the_counter() {
-    let criu = match find_criu() {
-        Ok(c) => c,
-        Err(e) => return skip(&e),
-    };
-    let tmp = tempfile::tempdir().unwrap();
-    let t = tmp.path();
-    let Some((c, progress, at, earlier, _serve, reference)) = dumped_and_pushed(&criu, t, &[]) else {
-        return;
-    };
-
-    let pulled = t.join("b/dump");
-    let r = run(snapctl()
-        .arg("pull")
-        .arg(&reference)
-        .arg(&pulled)
-        .arg("--cache")
-        .arg(t.join("b/cache")));
-    assert_eq!(r.code, 0, "snapctl pull: {}{}", r.stdout, r.stderr);
-    let mut names: Vec<_> = fs::read_dir(t.join("a/dump"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
+    let Some(d) = Dumped::new(&[], false) else { return };
+    let pulled = d.path("b/dump");
+    d.pull(&pulled);
+    let mut names: Vec<_> = fs::read_dir(d.path("a/dump")).unwrap().map(|e| e.unwrap().file_name()).collect();
     names.sort();
-    assert!(
-        names
-            .iter()
-            .any(|n| n.to_string_lossy().starts_with("pages-")),
-        "criu wrote no pages image: {names:?}"
-    );
+    assert!(names.iter().any(|n| n.to_string_lossy().starts_with("pages-")), "criu wrote no pages image: {names:?}");
     for n in &names {
-        assert_eq!(
-            sha256_file(&pulled.join(n)),
-            sha256_file(&t.join("a/dump").join(n)),
-            "{n:?} differs after pull"
-        );
+        assert_eq!(sha256_file(&pulled.join(n)), sha256_file(&d.path("a/dump").join(n)), "{n:?} differs after pull");
     }
-
-    c.restore(&criu, &pulled, &t.join("b/restore.log"), &[]);
-    counter::assert_continued(
-        &progress,
-        earlier,
-        &at,
-        "counter restored by criu from the pulled dump",
-    );
+    d.restore(&pulled, &[]);
+    d.assert_continued("counter restored by criu from the pulled dump");
 }
 
 /// Issue 5, "A second handshake", with a real criu: `criu restore --lazy-pages` hands the
@@ -244,71 +190,32 @@ fn criu_dump_push_pull_restore_continues_the_counter() {
 /// stale: they must miss, not serve the garbage.
 #[test]
 fn criu_lazy_pages_restore_served_by_snapctl_lazy() {
-    let criu = match find_criu() {
-        Ok(c) => c,
-        Err(e) => return skip(&e),
-    };
-    if !uffd_usable() || !criu_lazy_available() {
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let t = tmp.path();
-    let Some((c, progress, at, earlier, _serve, reference)) = dumped_and_pushed(&criu, t, &[]) else {
-        return;
-    };
-
-    let work = t.join("b/dump");
-    let cache = t.join("b/cache");
-    let r = run(snapctl()
-        .arg("pull")
-        .arg(&reference)
-        .arg(&work)
-        .arg("--cache")
-        .arg(&cache));
-    assert_eq!(r.code, 0, "snapctl pull: {}{}", r.stdout, r.stderr);
-    let pagemap_name = format!("pagemap-{}.img", c.pid);
-    let pm = decode_pagemap(&fs::read(work.join(&pagemap_name)).unwrap())
-        .expect("criu's pagemap decodes");
-    let pages = fs::OpenOptions::new()
-        .write(true)
-        .open(work.join(format!("pages-{}.img", pm.pages_id)))
-        .unwrap();
+    let Some(d) = Dumped::new(&[], true) else { return };
+    let work = d.path("b/dump");
+    d.pull(&work);
+    let pagemap_name = format!("pagemap-{}.img", d.counter.pid);
+    let pm = decode_pagemap(&fs::read(work.join(&pagemap_name)).unwrap()).expect("criu's pagemap decodes");
+    let pages = fs::OpenOptions::new().write(true).open(work.join(format!("pages-{}.img", pm.pages_id))).unwrap();
     let mut spoiled = 0u64;
     for run in pm.runs().iter().filter(|r| r.lazy) {
-        pages
-            .write_all_at(&vec![0xa5; run.len as usize], run.offset)
-            .unwrap();
+        pages.write_all_at(&vec![0xa5; run.len as usize], run.offset).unwrap();
         spoiled += run.len / 4096;
     }
     drop(pages);
-    assert!(
-        spoiled >= 2048,
-        "the 8 MiB heap should be lazy pages; only {spoiled} spoiled"
-    );
+    assert!(spoiled >= 2048, "the 8 MiB heap should be lazy pages; only {spoiled} spoiled");
 
-    let mut d = Daemon::start(&reference, &work, &["--cache", cache.to_str().unwrap()]);
-    c.restore(&criu, &work, &t.join("b/restore.log"), &["--lazy-pages"]);
-    counter::assert_continued(
-        &progress,
-        earlier,
-        &at,
-        "counter restored lazily by criu + snapctl lazy",
-    );
-    let (code, reps) = d.finish(Duration::from_secs(60));
-    assert_eq!(code, 0, "snapctl lazy exit: {reps:?}\n{}", d.log_text());
-    let rep = reps
-        .iter()
-        .find(|r| r["pid"].as_i64() == Some(c.pid as i64))
-        .unwrap_or_else(|| panic!("no report: {reps:?}"));
+    let mut daemon = Handler::criu(&d.reference, &work, &["--cache", d.path("b/cache").to_str().unwrap()]);
+    d.restore(&work, &["--lazy-pages"]);
+    d.assert_continued("counter restored lazily by criu + snapctl lazy");
+    let (code, reps) = daemon.finish(Duration::from_secs(60));
+    assert_eq!(code, 0, "snapctl lazy exit: {reps:?}\n{}", daemon.log_text());
+    let rep = report_of(&reps, d.counter.pid);
     assert_eq!(rep["ended"], "all pages installed", "{rep}");
     assert_eq!(rep["pagemap"], pagemap_name.as_str(), "{rep}");
     assert_eq!(rep["lazy_pages"].as_u64(), Some(spoiled), "{rep}");
     assert_eq!(rep["verify_failures"].as_u64(), Some(0), "{rep}");
     assert_eq!(rep["poisoned_pages"].as_u64(), Some(0), "{rep}");
-    assert!(
-        rep["faults"]["total"].as_u64().unwrap() > 0,
-        "criu's task faulted nothing through snapctl: {rep}"
-    );
+    assert!(rep["faults"]["total"].as_u64().unwrap() > 0, "criu's task faulted nothing through snapctl: {rep}");
 }
 
 /// The lazy workflow without a pull: `snapctl lazy --criu-prepare` writes the dump into an
@@ -317,77 +224,31 @@ fn criu_lazy_pages_restore_served_by_snapctl_lazy() {
 /// daemon exits the prepared files are gone: they are not the dump on their own.
 #[test]
 fn criu_lazy_pages_restore_into_a_prepared_workdir() {
-    let criu = match find_criu() {
-        Ok(c) => c,
-        Err(e) => return skip(&e),
-    };
-    if !uffd_usable() || !criu_lazy_available() {
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let t = tmp.path();
-    let Some((c, progress, at, earlier, _serve, reference)) = dumped_and_pushed(&criu, t, &[]) else {
-        return;
-    };
-
-    let work = t.join("b/work");
-    let mut d = Daemon::start(
-        &reference,
-        &work,
-        &[
-            "--criu-prepare",
-            "--cache",
-            t.join("b/cache").to_str().unwrap(),
-        ],
-    );
-    let log = d.log_text();
+    let Some(d) = Dumped::new(&[], true) else { return };
+    let work = d.path("b/work");
+    let mut daemon = Handler::criu(&d.reference, &work, &["--criu-prepare", "--cache", d.path("b/cache").to_str().unwrap()]);
+    let log = daemon.log_text();
     assert!(log.contains("of lazy pages left to serve"), "{log}");
-    let pages = fs::read_dir(&work)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with("pages-")
-        });
+    let pages = fs::read_dir(&work).unwrap().map(|e| e.unwrap().path()).find(|p| p.file_name().unwrap().to_string_lossy().starts_with("pages-"));
     let pages = pages.unwrap_or_else(|| panic!("no pages file prepared: {log}"));
     let (len, allocated) = {
         use std::os::unix::fs::MetadataExt as _;
         let m = fs::metadata(&pages).unwrap();
         (m.len(), m.blocks() * 512)
     };
-    assert!(
-        allocated * 4 < len,
-        "the prepared {} should be mostly holes: {allocated} of {len} bytes allocated",
-        pages.display()
-    );
+    assert!(allocated * 4 < len, "the prepared {} should be mostly holes: {allocated} of {len} bytes allocated", pages.display());
 
-    c.restore(&criu, &work, &t.join("b/restore.log"), &["--lazy-pages"]);
-    counter::assert_continued(
-        &progress,
-        earlier,
-        &at,
-        "counter restored lazily from a prepared work dir",
-    );
-    let (code, reps) = d.finish(Duration::from_secs(60));
-    assert_eq!(code, 0, "snapctl lazy exit: {reps:?}\n{}", d.log_text());
-    let rep = reps
-        .iter()
-        .find(|r| r["pid"].as_i64() == Some(c.pid as i64))
-        .unwrap_or_else(|| panic!("no report: {reps:?}"));
+    d.restore(&work, &["--lazy-pages"]);
+    d.assert_continued("counter restored lazily from a prepared work dir");
+    let (code, reps) = daemon.finish(Duration::from_secs(60));
+    assert_eq!(code, 0, "snapctl lazy exit: {reps:?}\n{}", daemon.log_text());
+    let rep = report_of(&reps, d.counter.pid);
     assert_eq!(rep["ended"], "all pages installed", "{rep}");
     assert!(rep["lazy_pages"].as_u64().unwrap() >= 2048, "{rep}");
     assert_eq!(rep["verify_failures"].as_u64(), Some(0), "{rep}");
-    let left: Vec<_> = fs::read_dir(&work)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".img"))
-        .collect();
-    assert!(
-        left.is_empty(),
-        "prepared files left after the daemon exited: {left:?}"
-    );
+    let left: Vec<_> =
+        fs::read_dir(&work).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.ends_with(".img")).collect();
+    assert!(left.is_empty(), "prepared files left after the daemon exited: {left:?}");
 }
 
 /// A restored task that forks before its pages have all been pushed: the child's
@@ -398,26 +259,18 @@ fn criu_lazy_pages_restore_into_a_prepared_workdir() {
 /// most of the heap still missing.
 #[test]
 fn criu_lazy_restore_follows_forked_children() {
-    let criu = match find_criu() {
-        Ok(c) => c,
-        Err(e) => return skip(&e),
-    };
-    if !uffd_usable() || !criu_lazy_available() {
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let t = tmp.path();
-    let Some((c, progress, at, earlier, _serve, reference)) = dumped_and_pushed(&criu, t, &["fork"]) else { return };
-    let work = t.join("b/work");
-    let mut d = Daemon::start(&reference, &work, &["--criu-prepare", "--prefetch-rate", "2MiB", "--cache", t.join("b/cache").to_str().unwrap()]);
-    c.restore(&criu, &work, &t.join("b/restore.log"), &["--lazy-pages"]);
-    counter::assert_continued(&progress, earlier, &at, "forking counter restored lazily");
-    let (code, reps) = d.finish(Duration::from_secs(60));
-    assert_eq!(code, 0, "snapctl lazy exit: {reps:?}\n{}", d.log_text());
-    let lines: Vec<String> = fs::read_to_string(&progress).unwrap().lines().skip(earlier).map(str::to_string).collect();
+    let Some(d) = Dumped::new(&["fork"], true) else { return };
+    let work = d.path("b/work");
+    let mut daemon = Handler::criu(&d.reference, &work, &["--criu-prepare", "--prefetch-rate", "2MiB", "--cache", d.path("b/cache").to_str().unwrap()]);
+    d.restore(&work, &["--lazy-pages"]);
+    d.assert_continued("forking counter restored lazily");
+    let (code, reps) = daemon.finish(Duration::from_secs(60));
+    assert_eq!(code, 0, "snapctl lazy exit: {reps:?}\n{}", daemon.log_text());
+    let lines: Vec<String> = fs::read_to_string(&d.progress).unwrap().lines().skip(d.earlier).map(str::to_string).collect();
     assert!(lines.iter().all(|l| l.ends_with(" child=ok")), "a forked child saw a wrong heap: {lines:#?}");
-    let children = reps.iter().filter(|r| r["forked_from"].as_i64() == Some(c.pid as i64)).count();
-    assert!(children >= 1, "no forked child was followed: {reps:?}\n{}", d.log_text());
+    let pid = d.counter.pid as i64;
+    let children = reps.iter().filter(|r| r["forked_from"].as_i64() == Some(pid)).count();
+    assert!(children >= 1, "no forked child was followed: {reps:?}\n{}", daemon.log_text());
     let faulted: u64 = reps.iter().filter(|r| r["forked_from"].is_i64()).map(|r| r["faults"]["total"].as_u64().unwrap()).sum();
     assert!(faulted > 0, "the children faulted nothing through snapctl (was the push too fast?): {reps:?}");
 }

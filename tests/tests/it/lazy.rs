@@ -57,10 +57,10 @@ fn uffd_ref_bin() -> PathBuf {
     .clone()
 }
 
-/// A page-fault handler process (snapctl lazy or uffd_ref): its stdout JSON lines are
-/// collected as they come; killed on drop.
-struct Handler {
-    child: Child,
+/// A page-fault handler process (snapctl lazy, for Firecracker's handshake or CRIU's, or
+/// uffd_ref): its stdout JSON lines are collected as they come; killed on drop.
+pub(crate) struct Handler {
+    pub(crate) child: Child,
     lines: Arc<Mutex<Vec<String>>>,
     reader: Option<JoinHandle<()>>,
     log: PathBuf,
@@ -72,6 +72,15 @@ impl Handler {
         let mut cmd = snapctl();
         cmd.args(["lazy", image, "--json", "--socket"]).arg(socket).args(extra);
         Handler::spawn(cmd, socket)
+    }
+
+    /// `snapctl lazy IMAGE --json --criu-workdir WORKDIR EXTRA...` (the directory is
+    /// created), listening on WORKDIR/lazy-pages.socket.
+    pub(crate) fn criu(image: &str, workdir: &Path, extra: &[&str]) -> Handler {
+        fs::create_dir_all(workdir).unwrap();
+        let mut cmd = snapctl();
+        cmd.args(["lazy", image, "--json", "--criu-workdir"]).arg(workdir).args(extra);
+        Handler::spawn(cmd, &workdir.join("lazy-pages.socket"))
     }
 
     fn reference(mem: &Path, socket: &Path, extra: &[&str]) -> Handler {
@@ -115,7 +124,7 @@ impl Handler {
         panic!("handler did not listen within 30 s: {}", self.log_text());
     }
 
-    fn log_text(&self) -> String {
+    pub(crate) fn log_text(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
 
@@ -136,6 +145,14 @@ impl Handler {
             assert!(Instant::now() < deadline, "{} of {n} connection reports after {within:?}; log: {}", got.len(), self.log_text());
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// Wait for the handler to exit (`--once`, or `--criu-workdir` once every task is
+    /// done): its exit code and every JSON report it printed.
+    pub(crate) fn finish(&mut self, within: Duration) -> (i32, Vec<Value>) {
+        let code = self.wait_exit(within);
+        let reps = self.lines.lock().unwrap().iter().filter_map(|l| serde_json::from_str(l).ok()).collect();
+        (code, reps)
     }
 
     /// Wait for a `--once` handler to exit; its exit code.

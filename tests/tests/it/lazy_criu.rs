@@ -8,18 +8,17 @@
 //! `criu restore --lazy-pages` is in `criu.rs`.
 
 use std::fs;
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use imgfmt::{BlobSource, Image, OciLayout, StoredAt};
 use serde_json::Value;
 use snapctl_tests::registry_support::Serve;
 use snapctl_tests::{require_peers, run, snapctl, uffd_usable};
+
+use crate::lazy::Handler;
 
 /// Whether the `snapctl` under test has `lazy --criu-workdir`.
 pub(crate) fn criu_lazy_available() -> bool {
@@ -52,75 +51,6 @@ fn packed_dump(dir: &Path, tasks: &[(i32, &str, &[&str])]) -> (PathBuf, String, 
     (dump, reference, sums)
 }
 
-/// `snapctl lazy REF --criu-workdir W --json ...`: stdout lines collected; killed on drop.
-pub(crate) struct Daemon {
-    child: Child,
-    lines: Arc<Mutex<Vec<String>>>,
-    reader: Option<JoinHandle<()>>,
-    log: PathBuf,
-}
-
-impl Daemon {
-    pub(crate) fn start(image: &str, workdir: &Path, extra: &[&str]) -> Daemon {
-        fs::create_dir_all(workdir).unwrap();
-        let log = workdir.join("lazy.log");
-        let mut child = snapctl()
-            .args(["lazy", image, "--json", "--criu-workdir"])
-            .arg(workdir)
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("spawn snapctl lazy");
-        let out = child.stdout.take().unwrap();
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let l2 = lines.clone();
-        let reader = std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                l2.lock().unwrap().push(line);
-            }
-        });
-        let d = Daemon { child, lines, reader: Some(reader), log };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !(d.log_text().contains("listening on") && workdir.join("lazy-pages.socket").exists()) {
-            assert!(Instant::now() < deadline, "snapctl lazy did not listen: {}", d.log_text());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        d
-    }
-
-    pub(crate) fn log_text(&self) -> String {
-        fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Wait for the daemon to exit (it does once every task is done): exit code and the
-    /// per-task reports.
-    pub(crate) fn finish(&mut self, within: Duration) -> (i32, Vec<Value>) {
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                if let Some(r) = self.reader.take() {
-                    let _ = r.join();
-                }
-                let reps = self.lines.lock().unwrap().iter().filter_map(|l| serde_json::from_str(l).ok()).collect();
-                return (st.code().unwrap_or(-1), reps);
-            }
-            assert!(Instant::now() < deadline, "snapctl lazy still running after {within:?}: {}", self.log_text());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("snapctl lazy log:\n{}", self.log_text());
-        }
-    }
-}
-
 /// `fake_criu restore`: exit code and JSON summary.
 fn restore(workdir: &Path, dump: &Path, pids: &[i32], extra: &[&str]) -> (i32, Value, String) {
     let mut cmd = fake_criu();
@@ -140,7 +70,7 @@ fn n(v: &Value, path: &[&str]) -> u64 {
     x.as_u64().unwrap_or_else(|| panic!("{path:?} is not a number in {v}"))
 }
 
-fn report_of(reps: &[Value], pid: i32) -> &Value {
+pub(crate) fn report_of(reps: &[Value], pid: i32) -> &Value {
     reps.iter().find(|r| r["pid"].as_i64() == Some(pid as i64)).unwrap_or_else(|| panic!("no report for pid {pid}: {reps:?}"))
 }
 
@@ -175,7 +105,7 @@ fn criu_lazy_restore_two_tasks_every_page_right() {
     let (dump, image, sums) = packed_dump(dir.path(), &[(11, "4MiB", &[]), (12, "2MiB", &[])]);
     let work = dir.path().join("work");
     // A slow push so the tasks' touches are served by faults, not by the push.
-    let mut d = Daemon::start(&image, &work, &["--no-cache", "--prefetch-rate", "1MiB"]);
+    let mut d = Handler::criu(&image, &work, &["--no-cache", "--prefetch-rate", "1MiB"]);
     let (code, j, err) = restore(&work, &dump, &[11, 12], &["--zombie", "99", "--threads", "4"]);
     assert_eq!(code, 0, "fake_criu: {j}\n{err}");
     let vma_pages: u64 = sums.iter().map(|s| n(s, &["vma_pages"])).sum();
@@ -218,7 +148,7 @@ fn criu_lazy_restore_through_snapctl_serve() {
     let r = run(snapctl().args(["push", &layout_ref, &image]));
     assert_eq!(r.code, 0, "push: {r:?}");
     let work = dir.path().join("work");
-    let mut d = Daemon::start(&image, &work, &["--no-cache"]);
+    let mut d = Handler::criu(&image, &work, &["--no-cache"]);
     let (code, j, err) = restore(&work, &dump, &[21], &[]);
     assert_eq!(code, 0, "fake_criu: {j}\n{err}");
     let (code, reps) = d.finish(Duration::from_secs(60));
@@ -241,7 +171,7 @@ fn criu_lazy_restore_of_tampered_pages_chunk_never_shows_wrong_bytes() {
     snapctl_tests::tamper_first_stored_chunk(&dir.path().join("layout"), "v1", "pages-31.img");
 
     let work = dir.path().join("work");
-    let mut d = Daemon::start(&image_ref, &work, &["--no-cache"]);
+    let mut d = Handler::criu(&image_ref, &work, &["--no-cache"]);
     let (code, j, err) = restore(&work, &dump, &[31], &[]);
     assert_eq!(n(&j, &["mismatches"]), 0, "no wrong byte ever reaches the task: {j}\n{err}");
     assert!(n(&j, &["poisoned"]) > 0, "the bad chunk's pages are poisoned: {j}");
@@ -266,7 +196,7 @@ fn criu_lazy_restore_poisons_parent_pages() {
     let parent = n(&sums[0], &["parent_pages"]);
     assert!(parent > 0, "{:?}", sums);
     let work = dir.path().join("work");
-    let mut d = Daemon::start(&image, &work, &["--no-cache"]);
+    let mut d = Handler::criu(&image, &work, &["--no-cache"]);
     let (code, j, err) = restore(&work, &dump, &[41], &[]);
     assert_eq!(code, 0, "fake_criu: {j}\n{err}");
     assert_eq!(n(&j, &["parent_poisoned"]), parent, "{j}");
@@ -295,7 +225,7 @@ fn fake_criu_sees_wrong_bytes() {
     f.write_all_at(&[b[0] ^ 1], 5000).unwrap();
     drop(f);
     let work = dir.path().join("work");
-    let mut d = Daemon::start(&image, &work, &["--no-cache"]);
+    let mut d = Handler::criu(&image, &work, &["--no-cache"]);
     let (code, j, err) = restore(&work, &dump, &[51], &[]);
     assert_eq!(code, 1, "a wrong byte means exit 1: {j}\n{err}");
     assert_eq!(n(&j, &["mismatches"]), 1, "{j}");
@@ -315,7 +245,7 @@ fn criu_restore_that_breaks_off_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
     let (_dump, image, _) = packed_dump(dir.path(), &[(61, "1MiB", &[])]);
     let work = dir.path().join("work");
-    let mut d = Daemon::start(&image, &work, &["--no-cache"]);
+    let mut d = Handler::criu(&image, &work, &["--no-cache"]);
     let s = std::os::unix::net::UnixStream::connect(work.join("lazy-pages.socket")).unwrap();
     // A real userfaultfd with nothing registered: the task's memory is never touched.
     let uffd = userfaultfd::UffdBuilder::new().close_on_exec(true).non_blocking(true).user_mode_only(false).create().unwrap();
@@ -339,7 +269,7 @@ fn sigterm_before_the_restore_removes_the_prepared_dump() {
     let dir = tempfile::tempdir().unwrap();
     let (_dump, reference, _) = packed_dump(dir.path(), &[(4242, "2MiB", &[])]);
     let work = dir.path().join("work");
-    let mut d = Daemon::start(&reference, &work, &["--criu-prepare", "--no-cache"]);
+    let mut d = Handler::criu(&reference, &work, &["--criu-prepare", "--no-cache"]);
     assert!(work.join("pagemap-4242.img").is_file(), "{}", d.log_text());
     // SAFETY: kill with a pid and a signal number touches no memory.
     assert_eq!(unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) }, 0);
