@@ -20,6 +20,16 @@ pub trait BlobSource: Send + Sync {
     fn blob_size(&self, digest: &OciDigest) -> Result<u64, FormatError>;
     /// Fill `buf` from `offset` of a blob; short blobs are an error.
     fn read_at_unverified(&self, digest: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), FormatError>;
+    /// `len` bytes from `offset` of a blob, in a buffer the caller may slice and keep
+    /// without copying (a pull hands each chunk of a range on as a slice of it). The
+    /// default fills a fresh buffer with [`BlobSource::read_at_unverified`]; a source that
+    /// receives the bytes in buffers of its own (an HTTP body) returns those instead of
+    /// zeroing one and copying into it.
+    fn read_range_unverified(&self, digest: &OciDigest, offset: u64, len: usize) -> Result<bytes::Bytes, FormatError> {
+        let mut buf = vec![0u8; len];
+        self.read_at_unverified(digest, offset, &mut buf)?;
+        Ok(buf.into())
+    }
 }
 
 /// Stream blob `digest` (`size` bytes as stored) to `f` in pieces of at most 4 MiB, in

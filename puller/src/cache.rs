@@ -74,6 +74,60 @@ pub struct CacheStats {
     pub limit_bytes: u64,
 }
 
+/// References written under temporary names by [`ChunkCache::prepare_refs`], not yet
+/// visible. Dropped without [`PreparedRefs::commit`], the temporaries are removed.
+#[must_use = "nothing is in the cache until commit"]
+pub struct PreparedRefs<'a> {
+    cache: &'a ChunkCache,
+    /// (temporary name, entry name, digest)
+    pending: Vec<(PathBuf, PathBuf, ChunkDigest)>,
+}
+
+impl PreparedRefs<'_> {
+    /// Move the references whose digest `keep` accepts into place (the others are
+    /// removed); returns how many became visible, or the first failure (the rest are
+    /// still tried: a failed rename only loses that one reference).
+    pub fn commit(mut self, keep: impl Fn(&ChunkDigest) -> bool) -> Result<u64, CacheError> {
+        let mut written = 0u64;
+        let mut first_err = None;
+        for (tmp, rpath, digest) in std::mem::take(&mut self.pending) {
+            if !keep(&digest) {
+                let _ = fs::remove_file(&tmp);
+                continue;
+            }
+            match fs::rename(&tmp, &rpath) {
+                Ok(()) => written += 1,
+                Err(e) => {
+                    let _ = fs::remove_file(&tmp);
+                    first_err.get_or_insert_with(|| io(&rpath)(e));
+                }
+            }
+        }
+        let c = self.cache;
+        c.puts.fetch_add(written, Ordering::Relaxed);
+        let added = written * 4096;
+        if added > 0 {
+            let total = c.allocated.fetch_add(added, Ordering::Relaxed) + added;
+            let since = c.since_scan.fetch_add(added, Ordering::Relaxed) + added;
+            if total > c.limit || since > c.limit / 10 {
+                c.maintain(false)?;
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(written),
+        }
+    }
+}
+
+impl Drop for PreparedRefs<'_> {
+    fn drop(&mut self) {
+        for (tmp, _, _) in &self.pending {
+            let _ = fs::remove_file(tmp);
+        }
+    }
+}
+
 /// A per-host, content-addressed chunk cache. `Send + Sync`: share one with an `Arc` or
 /// by reference across threads; several processes may open the same directory.
 #[derive(Debug)]
@@ -308,11 +362,19 @@ impl ChunkCache {
     /// or tear one, and a torn one fails to decode: a miss). Zero chunks and digests that
     /// already have a copy are skipped. Returns how many references were written.
     pub fn put_refs(&self, algo: HashAlgo, file: &Path, items: &[(ChunkDigest, u32, u64)]) -> Result<u64, CacheError> {
+        self.prepare_refs(algo, file, items)?.commit(|_| true)
+    }
+
+    /// The slow half of [`ChunkCache::put_refs`], for a pull to do while it is still
+    /// fetching: write each reference under a hidden temporary name (creating ~1000 small
+    /// files took 0.25 s of a 1.5 s pull here when it came after the fetch). Nothing is
+    /// visible until [`PreparedRefs::commit`] renames them into place, which the pull does
+    /// once `file` is durable under its name; dropped uncommitted, the temporaries go.
+    pub fn prepare_refs(&self, algo: HashAlgo, file: &Path, items: &[(ChunkDigest, u32, u64)]) -> Result<PreparedRefs<'_>, CacheError> {
         if !file.is_absolute() {
             return Err(CacheError::Io { path: file.to_path_buf(), source: std::io::Error::new(ErrorKind::InvalidInput, "a chunk reference needs an absolute path") });
         }
-        let mut written = 0u64;
-        let mut added = 0u64;
+        let mut prepared = PreparedRefs { cache: self, pending: Vec::with_capacity(items.len()) };
         for (digest, len, offset) in items {
             if self.entry_path(algo, digest).is_file() {
                 continue;
@@ -327,23 +389,13 @@ impl ChunkCache {
             // the cost of a pull's references (~0.3 ms each here), and spread over the 256
             // prefix directories, threads doing it at once do not queue on one directory.
             let tmp = dir.join(format!("{REF_TEMP_PREFIX}{}.{}", std::process::id(), self.seq.fetch_add(1, Ordering::Relaxed)));
-            let res = fs::write(&tmp, &body).and_then(|()| fs::rename(&tmp, &rpath));
-            if let Err(e) = res {
+            if let Err(e) = fs::write(&tmp, &body) {
                 let _ = fs::remove_file(&tmp);
-                return Err(io(&rpath)(e));
+                return Err(io(&tmp)(e));
             }
-            written += 1;
-            added += 4096;
+            prepared.pending.push((tmp, rpath, *digest));
         }
-        self.puts.fetch_add(written, Ordering::Relaxed);
-        if added > 0 {
-            let total = self.allocated.fetch_add(added, Ordering::Relaxed) + added;
-            let since = self.since_scan.fetch_add(added, Ordering::Relaxed) + added;
-            if total > self.limit || since > self.limit / 10 {
-                self.maintain(false)?;
-            }
-        }
-        Ok(written)
+        Ok(prepared)
     }
 
     fn temp_name(&self) -> PathBuf {
@@ -671,6 +723,39 @@ mod tests {
 
     /// References: a hit while the file holds the bytes; once the file changes or goes,
     /// a miss that deletes the reference (never the changed bytes).
+    /// Prepared references are invisible until committed, only the kept ones appear, and
+    /// dropping uncommitted ones leaves no file behind (a pull that fails mid-way).
+    #[test]
+    fn prepared_references_appear_only_on_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = ChunkCache::open(&dir.path().join("cache"), DEFAULT_LIMIT).unwrap();
+        let (d1, ch1) = chunk(1, 8192);
+        let (d2, ch2) = chunk(2, 8192);
+        let file = dir.path().join("vm.mem");
+        // Not written yet: the pull prepares while it fetches.
+        let items = [(d1, 8192, 0), (d2, 8192, 8192)];
+        fn refs_under(dir: &Path) -> usize {
+            fs::read_dir(dir).unwrap().flatten().map(|e| if e.file_type().unwrap().is_dir() { refs_under(&e.path()) } else { usize::from(e.file_name().to_string_lossy().contains(".ref")) }).sum()
+        }
+        let files_in = |c: &ChunkCache| refs_under(c.dir());
+
+        let p = c.prepare_refs(HashAlgo::Blake3, &file, &items).unwrap();
+        assert!(!c.contains_unverified(HashAlgo::Blake3, &d1), "visible before commit");
+        assert_eq!(files_in(&c), 2, "two temporaries");
+        drop(p);
+        assert_eq!(files_in(&c), 0, "dropped: temporaries removed");
+
+        let p = c.prepare_refs(HashAlgo::Blake3, &file, &items).unwrap();
+        let mut data = ch1.as_bytes().to_vec();
+        data.extend_from_slice(ch2.as_bytes());
+        fs::write(&file, &data).unwrap();
+        assert_eq!(p.commit(|d| d == &d2).unwrap(), 1);
+        assert!(!c.contains_unverified(HashAlgo::Blake3, &d1), "not kept");
+        assert_eq!(c.get(HashAlgo::Blake3, &d2, 8192).unwrap().expect("hit").as_bytes(), ch2.as_bytes());
+        assert_eq!(files_in(&c), 1, "only the committed reference is left");
+        assert_eq!(c.stats().puts, 1);
+    }
+
     #[test]
     fn references_serve_verified_bytes_and_go_stale_safely() {
         use std::os::unix::fs::FileExt;

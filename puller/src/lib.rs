@@ -14,6 +14,6 @@ mod unpack;
 
 pub use registry::client::{Credentials, RegistrySource};
 
-pub use cache::{CacheError, CacheStats, ChunkCache};
+pub use cache::{CacheError, CacheStats, ChunkCache, PreparedRefs};
 pub use pull::{pull, PullOptions, PullReport, DEFAULT_MAX_RANGE};
 pub use unpack::{unpack, UnpackError, UnpackOptions, UnpackReport};

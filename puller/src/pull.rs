@@ -40,7 +40,7 @@ use imgfmt::{BlobSource, ChunkDigest, Image, StoredAt};
 use serde::Serialize;
 use verify::{VerifiedChunk, VerifyError};
 
-use crate::cache::{CacheStats, ChunkCache};
+use crate::cache::{CacheError, CacheStats, ChunkCache, PreparedRefs};
 use crate::unpack::{TempGuard, UnpackError, WRITE_PIECE};
 
 /// Largest coalesced range request.
@@ -258,20 +258,22 @@ pub fn pull(
     }
 
     // Work list: ranges first (they wait on the network), then cache reads.
-    let mut cached = Vec::new();
+    let mut cached: Vec<usize> = Vec::new();
     let mut misses: Vec<usize> = Vec::new();
     for (i, d) in distinct.iter().enumerate() {
         if resolved[i] {
             continue;
         }
         match cache {
-            Some(c) if c.contains_unverified(algo, &d.digest) => cached.push(Work::Cached(i)),
+            Some(c) if c.contains_unverified(algo, &d.digest) => cached.push(i),
             _ => misses.push(i),
         }
     }
+    // Chunks that will land from the source or a resumed file (for the cache's references).
+    let landing: Vec<usize> = misses.iter().copied().chain((0..distinct.len()).filter(|&i| resolved[i])).collect();
     // Bounded whatever the caller asks: each request in flight holds its range in memory.
     let mut work = coalesce(&distinct, misses, opts.max_range.min(MAX_RANGE_LIMIT));
-    work.extend(cached);
+    work.extend(cached.iter().map(|&i| Work::Cached(i)));
 
     // The cache queue: fetch workers hand verified chunks over and go on writing the
     // destination; the writers make them durable in the cache behind them.
@@ -279,10 +281,43 @@ pub fn pull(
     let queue_len = (CACHE_QUEUE_BYTES / per_chunk).clamp(2, CACHE_BATCH_MAX as u64) as usize;
     let (to_cache, from_fetch) = std::sync::mpsc::sync_channel::<(ChunkDigest, VerifiedChunk)>(queue_len);
     let from_fetch = Mutex::new(from_fetch);
-    std::thread::scope(|outer| {
+
+    // References (the default cache mode): every chunk this pull lands from the source or
+    // a resumed file gets one, naming the file's final path and the chunk's first position.
+    // They are written under hidden names while the fetch runs and made visible only once
+    // the files are durable under those names (below).
+    let mut ref_items: Vec<Vec<(ChunkDigest, u32, u64)>> = vec![Vec::new(); image.files.len()];
+    let mut final_paths: Vec<Option<PathBuf>> = vec![None; image.files.len()];
+    if cache.is_some() && !copies {
+        for &i in &landing {
+            let d = &distinct[i];
+            let (fi, ci) = d.positions[0];
+            ref_items[fi].push((d.digest, d.len, ci << shift));
+        }
+        for (fi, f) in image.files.iter().enumerate() {
+            let final_path = dest.join(&f.name);
+            let dir = final_path.parent().expect("joined path has a parent");
+            // The directory exists (created above); the file is not there yet.
+            final_paths[fi] = fs::canonicalize(dir).ok().zip(final_path.file_name()).map(|(d, n)| d.join(n));
+        }
+    }
+    let prepared: Vec<(usize, Result<PreparedRefs<'_>, CacheError>)> = std::thread::scope(|outer| {
         if let (Some(cache), true) = (cache, copies) {
             for _ in 0..CACHE_WRITERS {
                 outer.spawn(|| cache_writer(cache, algo, &from_fetch, queue_len, &c));
+            }
+        }
+        let mut preparing = Vec::new();
+        if let (Some(cache), false) = (cache, copies) {
+            let threads = opts.jobs.clamp(1, REF_WRITERS);
+            for (fi, items) in ref_items.iter().enumerate() {
+                let Some(path) = &final_paths[fi] else { continue };
+                if items.is_empty() {
+                    continue;
+                }
+                for part in items.chunks(items.len().div_ceil(threads)) {
+                    preparing.push((fi, outer.spawn(move || cache.prepare_refs(algo, path, part))));
+                }
             }
         }
         let to_cache = copies.then_some(to_cache);
@@ -291,6 +326,7 @@ pub fn pull(
         // Dropping the last sender ends the writers once the queue is drained; the outer
         // scope waits for them, so every queued chunk is put before pull returns.
         drop(ctx);
+        preparing.into_iter().map(|(fi, h)| (fi, h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))).collect()
     });
     if let (Some(cache), true) = (cache, copies) {
         // The writers' passes may have overlapped; one more check, with nothing in flight,
@@ -326,35 +362,36 @@ pub fn pull(
     }
     if let (Some(cache), false) = (cache, copies) {
         // Only now that the files are durable under their final names may the cache point
-        // into them. First position of each chunk that did not come from the cache.
-        let mut by_file: Vec<Vec<(ChunkDigest, u32, u64)>> = vec![Vec::new(); image.files.len()];
-        for (d, l) in distinct.iter().zip(&landed) {
-            if l.load(Ordering::Relaxed) {
-                let (fi, ci) = d.positions[0];
-                by_file[fi].push((d.digest, d.len, ci << shift));
-            }
-        }
-        for (f, items) in image.files.iter().zip(by_file) {
-            if items.is_empty() {
-                continue;
-            }
-            let Ok(path) = fs::canonicalize(dest.join(&f.name)) else {
-                c.put_errors.fetch_add(items.len() as u64, Ordering::Relaxed);
-                continue;
+        // into them: the prepared references become visible, for every chunk that landed.
+        let landed_digest = |d: &ChunkDigest| by_digest.get(d).is_some_and(|&i| landed[i].load(Ordering::Relaxed));
+        for (fi, p) in prepared {
+            let n = ref_items[fi].len() as u64;
+            match p {
+                // The pull is complete; only the cache missed out.
+                Err(_) => c.put_errors.fetch_add(n, Ordering::Relaxed),
+                Ok(p) => match p.commit(landed_digest) {
+                    Ok(_) => 0,
+                    Err(_) => c.put_errors.fetch_add(1, Ordering::Relaxed),
+                },
             };
-            // Creating ~1000 small files is ~0.4 s on one thread here: spread it.
-            let threads = opts.jobs.clamp(1, REF_WRITERS);
-            std::thread::scope(|s| {
-                for part in items.chunks(items.len().div_ceil(threads)) {
-                    let (path, c) = (&path, &c);
-                    s.spawn(move || {
-                        if cache.put_refs(algo, path, part).is_err() {
-                            // The pull is complete; only the cache missed out.
-                            c.put_errors.fetch_add(part.len() as u64, Ordering::Relaxed);
-                        }
-                    });
+        }
+        // Chunks planned from the cache whose entry had gone meanwhile were fetched: they
+        // had no prepared reference. Few; written now.
+        for (fi, f) in image.files.iter().enumerate() {
+            let late: Vec<(ChunkDigest, u32, u64)> = cached
+                .iter()
+                .filter(|&&i| landed[i].load(Ordering::Relaxed) && distinct[i].positions[0].0 == fi)
+                .map(|&i| (distinct[i].digest, distinct[i].len, distinct[i].positions[0].1 << shift))
+                .collect();
+            if late.is_empty() {
+                continue;
+            }
+            match fs::canonicalize(dest.join(&f.name)) {
+                Ok(path) if cache.put_refs(algo, &path, &late).is_ok() => {}
+                _ => {
+                    c.put_errors.fetch_add(late.len() as u64, Ordering::Relaxed);
                 }
-            });
+            }
         }
     }
     report.bytes_fetched = c.bytes_fetched.into_inner();
@@ -565,8 +602,7 @@ impl Ctx<'_> {
     /// Fetch stored bytes `[start, end)` of a pack and place every member chunk.
     fn fetch_range(&self, pack: u32, start: u64, end: u64, members: &[usize]) -> Result<(), UnpackError> {
         let pack_digest = &self.image.packs[pack as usize].digest;
-        let mut buf = vec![0u8; (end - start) as usize];
-        self.read_range(pack_digest, start, &mut buf).map_err(|source| {
+        let buf = self.read_range(pack_digest, start, (end - start) as usize).map_err(|source| {
             let d = &self.distinct[members[0]];
             let (file, chunk) = d.positions[0];
             VerifyError::Read { file: self.image.files[file].name.clone(), chunk, offset: chunk << self.shift, source }
@@ -575,12 +611,8 @@ impl Ctx<'_> {
         for &i in members {
             let d = &self.distinct[i];
             let s = (d.offset - start) as usize;
-            let stored = if members.len() == 1 && s == 0 && d.stored_len as usize == buf.len() {
-                // The common single-chunk range: hand the buffer over, no copy.
-                std::mem::take(&mut buf)
-            } else {
-                buf[s..s + d.stored_len as usize].to_vec()
-            };
+            // A slice of the range's buffer, not a copy: the chunk keeps it alive.
+            let stored = buf.slice(s..s + d.stored_len as usize);
             let chunk = match verify::verify_stored(self.algo, d.codec, stored, d.len, &d.digest) {
                 Ok(c) => c,
                 // Bytes damaged in transit look the same as bytes damaged at rest; one
@@ -605,11 +637,11 @@ impl Ctx<'_> {
     /// short mid-transfer, which the HTTP client's own retries do not cover because the
     /// status line had already arrived). Other errors (a missing blob, a range past the
     /// end) are answers and are not retried.
-    fn read_range(&self, pack: &imgfmt::OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), imgfmt::FormatError> {
+    fn read_range(&self, pack: &imgfmt::OciDigest, offset: u64, len: usize) -> Result<bytes::Bytes, imgfmt::FormatError> {
         let mut attempt = 0u32;
         loop {
             self.c.range_requests.fetch_add(1, Ordering::Relaxed);
-            match self.src.read_at_unverified(pack, offset, buf) {
+            match self.src.read_range_unverified(pack, offset, len) {
                 Err(imgfmt::FormatError::Io { .. }) if attempt < RANGE_RETRIES => {
                     attempt += 1;
                     self.c.range_retries.fetch_add(1, Ordering::Relaxed);
@@ -632,8 +664,8 @@ impl Ctx<'_> {
         let (file, chunk) = d.positions[0];
         let name = &self.image.files[file].name;
         let offset = chunk << self.shift;
-        let mut buf = vec![0u8; d.stored_len as usize];
-        self.read_range(&self.image.packs[d.pack as usize].digest, d.offset, &mut buf)
+        let buf = self
+            .read_range(&self.image.packs[d.pack as usize].digest, d.offset, d.stored_len as usize)
             .map_err(|source| VerifyError::Read { file: name.clone(), chunk, offset, source })?;
         self.c.bytes_fetched.fetch_add(buf.len() as u64, Ordering::Relaxed);
         verify::verify_stored(self.algo, d.codec, buf, d.len, &d.digest).map_err(|(detail, actual)| {

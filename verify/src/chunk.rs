@@ -1,13 +1,15 @@
 //! Verified chunk reads.
 
+use bytes::Bytes;
 use imgfmt::compress::{decompress, Codec};
 use imgfmt::{BlobSource, ChunkDigest, FormatError, HashAlgo, Image, StoredAt};
 
 use crate::hash::{chunk_digest, zero_digest};
 
 /// A chunk's uncompressed bytes, only constructible by checking them against their digest.
+/// Cheap to clone: the bytes may be a slice of a larger buffer (a range of a pack).
 #[derive(Clone, PartialEq, Eq)]
-pub struct VerifiedChunk(Vec<u8>);
+pub struct VerifiedChunk(Bytes);
 
 impl std::fmt::Debug for VerifiedChunk {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -19,7 +21,12 @@ impl VerifiedChunk {
     pub fn as_bytes(&self) -> &[u8] {
         &self.0
     }
+    /// The bytes as a `Vec` (no copy when this chunk owns its whole buffer alone).
     pub fn into_vec(self) -> Vec<u8> {
+        self.0.into()
+    }
+    /// The bytes as a shared buffer (no copy).
+    pub fn into_bytes(self) -> Bytes {
         self.0
     }
     pub fn len(&self) -> usize {
@@ -57,13 +64,14 @@ impl VerifyError {
 pub fn verify_stored(
     algo: HashAlgo,
     codec: Codec,
-    stored: Vec<u8>,
+    stored: impl Into<Bytes>,
     len: u32,
     expected: &ChunkDigest,
 ) -> Result<VerifiedChunk, (String, Option<ChunkDigest>)> {
+    let stored: Bytes = stored.into();
     let raw = match codec {
         Codec::Raw if stored.len() == len as usize => stored,
-        _ => decompress(codec, &stored, len as usize).map_err(|e| (e.to_string(), None))?,
+        _ => decompress(codec, &stored, len as usize).map_err(|e| (e.to_string(), None))?.into(),
     };
     let d = chunk_digest(algo, &raw);
     if &d == expected {
@@ -93,7 +101,7 @@ pub fn read_chunk(src: &dyn BlobSource, image: &Image, file: usize, chunk: u64) 
     match c.at {
         StoredAt::Zero => {
             check_zero_record(image, file, chunk)?;
-            Ok(VerifiedChunk(vec![0u8; c.len as usize]))
+            Ok(VerifiedChunk(vec![0u8; c.len as usize].into()))
         }
         StoredAt::Pack { pack, offset: at, stored_len, codec } => {
             let mut buf = vec![0u8; stored_len as usize];

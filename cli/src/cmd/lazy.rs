@@ -119,6 +119,9 @@ impl imgfmt::BlobSource for ArcSource {
     fn read_at_unverified(&self, d: &imgfmt::OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), imgfmt::FormatError> {
         self.0.read_at_unverified(d, offset, buf)
     }
+    fn read_range_unverified(&self, d: &imgfmt::OciDigest, offset: u64, len: usize) -> Result<bytes::Bytes, imgfmt::FormatError> {
+        self.0.read_range_unverified(d, offset, len)
+    }
 }
 
 /// The per-host chunk cache as the lazy server's chunk store.

@@ -149,7 +149,7 @@ fn copy_options(flags: &TransferFlags) -> CopyOptions<'static> {
     CopyOptions {
         jobs: flags.jobs as usize,
         mount_from: flags.mount_from.clone(),
-        upload: UploadOptions { piece: flags.upload_piece.min(registry::client::MAX_PIECE), cache_dir: Some(flags.cache_dir()) },
+        upload: UploadOptions { piece: flags.upload_piece.min(registry::client::MAX_PIECE), cache_dir: Some(flags.cache_dir()), source_hashed: false },
         progress: None,
     }
 }
@@ -204,7 +204,11 @@ fn pack_sending_ahead(
     let cache = a.transfer.cache_dir();
     let root = layout_root(dir, &cache)?;
     let packs = OciLayout::open_or_create(&root).with_context(|| format!("opening {}", root.display()))?;
-    let opts = copy_options(&a.transfer);
+    let mut opts = copy_options(&a.transfer);
+    // The pack writer hashed every pack as it wrote it; the registry checks that digest
+    // when it commits the blob. Hashing the bytes again on the way out was a quarter of
+    // the push's CPU (a 2 GiB image on 2 cores, BENCHMARKS.md).
+    opts.upload.source_hashed = true;
     let target = pusher::Target::Registry(dest);
     let ahead = Mutex::new(Vec::new());
     let (tx, rx) = std::sync::mpsc::channel::<(OciDigest, u64)>();

@@ -30,11 +30,18 @@ pub struct UploadOptions {
     pub piece: u64,
     /// Where resume state goes (`None`: an interrupted upload starts over).
     pub cache_dir: Option<PathBuf>,
+    /// The caller computed the digest from these very bytes in this process (a pack it
+    /// has just written), so the upload does not hash them a second time on the way out.
+    /// The registry still checks the digest when the final PUT commits the blob (the
+    /// distribution spec requires it; `snapctl serve` and distribution do), so bytes that
+    /// changed on disk since are refused there, not stored. Off by default: a source read
+    /// from a layout or another registry is hashed as it is sent.
+    pub source_hashed: bool,
 }
 
 impl Default for UploadOptions {
     fn default() -> Self {
-        UploadOptions { piece: DEFAULT_PIECE, cache_dir: Some(super::cache_dir()) }
+        UploadOptions { piece: DEFAULT_PIECE, cache_dir: Some(super::cache_dir()), source_hashed: false }
     }
 }
 
@@ -130,11 +137,13 @@ impl Hasher {
     }
 }
 
-/// The digest of a blob's first bytes, kept in step with what the registry holds.
+/// The digest of a blob's first bytes, kept in step with what the registry holds
+/// (`hasher` is `None` when the source's bytes need no second hashing, see
+/// [`UploadOptions::source_hashed`]).
 struct Prefix<'a> {
     src: &'a dyn BlobSource,
     digest: &'a OciDigest,
-    hasher: Hasher,
+    hasher: Option<Hasher>,
     upto: u64,
 }
 
@@ -142,8 +151,12 @@ impl Prefix<'_> {
     /// Hash up to `offset`, re-reading from the source what was not hashed yet (after a
     /// resume, or when the registry kept less than was sent).
     fn advance_to(&mut self, offset: u64, buf: &mut Vec<u8>) -> Result<(), ClientError> {
+        let Some(hasher) = &mut self.hasher else {
+            self.upto = offset;
+            return Ok(());
+        };
         if offset < self.upto {
-            self.hasher = Hasher::for_digest(self.digest);
+            *hasher = Hasher::for_digest(self.digest);
             self.upto = 0;
         }
         while self.upto < offset {
@@ -152,7 +165,7 @@ impl Prefix<'_> {
             self.src
                 .read_at_unverified(self.digest, self.upto, &mut buf[..n])
                 .map_err(|source| ClientError::Source { digest: self.digest.clone(), source })?;
-            self.hasher.update(&buf[..n]);
+            hasher.update(&buf[..n]);
             self.upto += n as u64;
         }
         Ok(())
@@ -276,7 +289,7 @@ impl RegistrySource {
         let state_file = opts.cache_dir.as_ref().map(|c| state::state_path(c, &self.host, &self.repository, d));
         let mut piece = opts.piece.clamp(1, MAX_PIECE);
         let mut buf: Vec<u8> = Vec::new();
-        let mut prefix = Prefix { src, digest: d, hasher: Hasher::for_digest(d), upto: 0 };
+        let mut prefix = Prefix { src, digest: d, hasher: (!opts.source_hashed).then(|| Hasher::for_digest(d)), upto: 0 };
         let mut session: Option<Session> = None;
         // A session saved by an earlier run: continue it if the registry still has it.
         if let Some(p) = &state_file {
@@ -331,9 +344,7 @@ impl RegistrySource {
             let mut gone = false;
             while size - s.offset > piece {
                 let n = piece as usize;
-                let mut chunk = vec![0u8; n];
-                src.read_at_unverified(d, s.offset, &mut chunk).map_err(|source| ClientError::Source { digest: d.clone(), source })?;
-                let chunk = Bytes::from(chunk);
+                let chunk = src.read_range_unverified(d, s.offset, n).map_err(|source| ClientError::Source { digest: d.clone(), source })?;
                 let range = format!("{}-{}", s.offset, s.offset + piece - 1);
                 let loc = s.location.clone();
                 let r = self.attempt(&what, &|c| {
@@ -350,7 +361,9 @@ impl RegistrySource {
                         let new_loc = self.location(&resp, &what).unwrap_or(loc);
                         let expect = s.offset + piece;
                         if held.is_none_or(|h| h == expect) {
-                            prefix.hasher.update(&chunk);
+                            if let Some(h) = &mut prefix.hasher {
+                                h.update(&chunk);
+                            }
                             prefix.upto = expect;
                             s = Session { location: new_loc, offset: expect };
                         } else {
@@ -408,12 +421,12 @@ impl RegistrySource {
             // The last piece, checked with the whole digest before it is sent: the PUT is
             // what makes the blob exist, so it never carries bytes that do not match.
             let n = (size - s.offset) as usize;
-            let mut last = vec![0u8; n];
-            src.read_at_unverified(d, s.offset, &mut last).map_err(|source| ClientError::Source { digest: d.clone(), source })?;
-            let mut whole = prefix.hasher.clone();
-            whole.update(&last);
-            let actual = whole.finish();
-            if &actual != d {
+            let last = src.read_range_unverified(d, s.offset, n).map_err(|source| ClientError::Source { digest: d.clone(), source })?;
+            let actual = prefix.hasher.clone().map(|mut whole| {
+                whole.update(&last);
+                whole.finish()
+            });
+            if let Some(actual) = actual.filter(|a| a != d) {
                 let loc = s.location.clone();
                 let _ = self.attempt(&what, &|c| c.delete(loc.clone()));
                 if let Some(p) = &state_file {
@@ -421,7 +434,6 @@ impl RegistrySource {
                 }
                 return Err(ClientError::DigestMismatch { digest: d.clone(), actual });
             }
-            let last = Bytes::from(last);
             let mut put_url = s.location.clone();
             put_url.query_pairs_mut().append_pair("digest", d.as_str());
             let r = self.attempt(&what, &|c| {
@@ -502,7 +514,7 @@ impl RegistrySource {
     pub fn push_small_blob(&self, data: &[u8]) -> Result<OciDigest, ClientError> {
         let m = MemSource::new(Bytes::copy_from_slice(data));
         if !self.blob_exists(&m.digest)? {
-            let opts = UploadOptions { piece: DEFAULT_PIECE, cache_dir: None };
+            let opts = UploadOptions { piece: DEFAULT_PIECE, cache_dir: None, source_hashed: false };
             self.upload_blob(&m.digest, data.len() as u64, &m, &opts, &|_| {})?;
         }
         Ok(m.digest)
@@ -512,6 +524,7 @@ impl RegistrySource {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     #[test]
     fn mem_source_reads_and_bounds() {
@@ -529,12 +542,12 @@ mod tests {
         let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
         let m = MemSource::new(data.clone());
         let mut buf = Vec::new();
-        let mut p = Prefix { src: &m, digest: &m.digest, hasher: Hasher::for_digest(&m.digest), upto: 0 };
+        let mut p = Prefix { src: &m, digest: &m.digest, hasher: Some(Hasher::for_digest(&m.digest)), upto: 0 };
         p.advance_to(7000, &mut buf).unwrap();
         // The registry says it holds less than we hashed: rehash from the start.
         p.advance_to(3000, &mut buf).unwrap();
         p.advance_to(10_000, &mut buf).unwrap();
-        assert_eq!(p.hasher.finish(), OciDigest::of(&data));
+        assert_eq!(p.hasher.unwrap().finish(), OciDigest::of(&data));
     }
 
     /// Issue 4 (a CI failure of `login_then_push`): parallel HEADs answer the registry's
@@ -544,7 +557,6 @@ mod tests {
     /// is dropped at a random moment; every HEAD must still get its answer.
     #[test]
     fn regression_issue_4_requests_in_flight_survive_a_dropped_read_token() {
-        use std::sync::Arc;
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let dir = tempfile::tempdir().unwrap();
         let h = bcrypt::hash("pw", 4).unwrap();
@@ -577,5 +589,71 @@ mod tests {
                 assert!(!h.join().unwrap().unwrap_or_else(|e| panic!("round {round}: {e}")), "round {round}: no such blob");
             }
         }
+    }
+
+    /// A server in-process over a temp dir, for the blocking client (its own runtime).
+    fn local_server() -> (tokio::runtime::Runtime, tempfile::TempDir, String) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(crate::store::FsStore::open(dir.path()).unwrap());
+        let server = crate::server::Server::new(store, crate::server::Config::default());
+        let l = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let host = l.local_addr().unwrap().to_string();
+        rt.spawn(async move {
+            let _ = server.serve(l, std::future::pending::<()>()).await;
+        });
+        (rt, dir, host)
+    }
+
+    /// `source_hashed` skips the client's own hashing; a source whose bytes do not match
+    /// the digest must still never become a blob: the registry's check at the final PUT
+    /// refuses it, whether the blob goes in one PUT or in PATCHed pieces.
+    #[test]
+    fn source_hashed_upload_of_wrong_bytes_is_refused_by_the_registry() {
+        let (_rt, _dir, host) = local_server();
+        let c = RegistrySource::new(&host, "vm/hashed", true, None).unwrap();
+        for (size, piece) in [(10_000usize, DEFAULT_PIECE), (300_000, 64 << 10)] {
+            let good: Vec<u8> = (0..size as u32).map(|i| (i % 253) as u8).collect();
+            let mut bad = good.clone();
+            bad[size / 2] ^= 1;
+            let d = OciDigest::of(&good);
+            // The wrong bytes, presented under the right digest.
+            let lying = MemSource { digest: d.clone(), data: Bytes::from(bad) };
+            for hashed in [false, true] {
+                let opts = UploadOptions { piece, cache_dir: None, source_hashed: hashed };
+                let e = c.upload_blob(&d, size as u64, &lying, &opts, &|_| {}).unwrap_err();
+                if hashed {
+                    assert!(!matches!(e, ClientError::DigestMismatch { .. }), "the client did not hash: {e}");
+                } else {
+                    assert!(matches!(e, ClientError::DigestMismatch { .. }), "{e}");
+                }
+                assert!(!c.blob_exists(&d).unwrap(), "size {size}, source_hashed {hashed}: wrong bytes stored");
+            }
+            // The right bytes, not hashed by the client, are stored and read back whole.
+            let right = MemSource { digest: d.clone(), data: Bytes::from(good.clone()) };
+            let opts = UploadOptions { piece, cache_dir: None, source_hashed: true };
+            c.upload_blob(&d, size as u64, &right, &opts, &|_| {}).unwrap();
+            assert_eq!(c.read_range_unverified(&d, 0, size).unwrap(), good);
+        }
+    }
+
+    /// The range fast path hands back exactly the bytes asked for, across the server's
+    /// mapped pieces (4 MiB) and at odd offsets; a range past the end is an error.
+    #[test]
+    fn range_reads_return_the_bytes_asked_for() {
+        let (_rt, _dir, host) = local_server();
+        let c = RegistrySource::new(&host, "vm/ranges", true, None).unwrap();
+        let data: Vec<u8> = (0..(9u32 << 20) + 123).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+        let m = MemSource::new(data.clone());
+        let opts = UploadOptions { piece: 4 << 20, cache_dir: None, source_hashed: false };
+        c.upload_blob(&m.digest, data.len() as u64, &m, &opts, &|_| {}).unwrap();
+        for (off, len) in [(0usize, 1usize), (1, 4 << 20), ((4 << 20) - 7, 5 << 20), (0, data.len()), (data.len() - 10, 10)] {
+            let got = c.read_range_unverified(&m.digest, off as u64, len).unwrap();
+            assert!(got[..] == data[off..off + len], "range {off}+{len}");
+            let mut buf = vec![0u8; len];
+            c.read_at_unverified(&m.digest, off as u64, &mut buf).unwrap();
+            assert!(buf == data[off..off + len], "read_at {off}+{len}");
+        }
+        assert!(c.read_range_unverified(&m.digest, data.len() as u64 - 5, 10).is_err());
     }
 }

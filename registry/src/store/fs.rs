@@ -10,14 +10,13 @@ use std::time::SystemTime;
 
 use bytes::Bytes;
 use futures::StreamExt;
-use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
 use super::{check_key, BlobStore, ByteStream, ObjectMeta, Result, StoreError};
 
 /// Directory (under the root) for staged and in-flight temp files.
 const TMP_DIR: &str = "_tmp";
-/// Read buffer for streaming objects out.
-const READ_BUF: usize = 256 * 1024;
+/// Objects stream out in mapped pieces of this size (see `get`).
+const MAP_PIECE: u64 = 4 << 20;
 
 /// A blob store on a local directory.
 #[derive(Debug, Clone)]
@@ -70,6 +69,16 @@ fn commit_rename(from: &Path, to: &Path) -> std::io::Result<()> {
     std::fs::File::open(parent)?.sync_all()
 }
 
+/// `len` bytes of `file` from `offset`, mapped and faulted in. Objects are never written
+/// in place (every write is a new file renamed over the old name), so a mapping of one
+/// stays what was read; a file deleted meanwhile stays mapped until the piece is dropped.
+fn map_piece(file: &std::fs::File, offset: u64, len: usize) -> std::io::Result<Bytes> {
+    // SAFETY: see above: nothing in snapctl modifies or truncates an object file after
+    // its rename into place, and `get` checked the range against the file's size.
+    let map = unsafe { memmap2::MmapOptions::new().offset(offset).len(len).populate().map(file)? };
+    Ok(Bytes::from_owner(map))
+}
+
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
     tokio::task::spawn_blocking(f).await.map_err(|e| StoreError::Backend(format!("blocking task failed: {e}")))?
 }
@@ -87,8 +96,13 @@ impl BlobStore for FsStore {
 
     async fn get(&self, key: &str, range: Option<Range<u64>>) -> Result<(ObjectMeta, ByteStream)> {
         let p = self.path(key)?;
-        let mut f = tokio::fs::File::open(&p).await.map_err(|e| StoreError::io(key, e))?;
-        let m = f.metadata().await.map_err(|e| StoreError::io(key, e))?;
+        let k = key.to_owned();
+        let (file, m) = blocking(move || {
+            let f = std::fs::File::open(&p).map_err(|e| StoreError::io(k.clone(), e))?;
+            let m = f.metadata().map_err(|e| StoreError::io(k, e))?;
+            Ok((f, m))
+        })
+        .await?;
         if !m.is_file() {
             return Err(StoreError::NotFound(key.to_owned()));
         }
@@ -97,10 +111,27 @@ impl BlobStore for FsStore {
         if range.start > range.end || range.end > meta.size {
             return Err(StoreError::Precondition { key: key.to_owned(), reason: format!("range {range:?} outside size {}", meta.size) });
         }
-        f.seek(std::io::SeekFrom::Start(range.start)).await.map_err(|e| StoreError::io(key, e))?;
+        // The range goes out as mapped pieces of the file, each mapped (and its pages
+        // faulted in) on the blocking pool, so a cold disk read never stalls the runtime.
+        // The HTTP stack sends straight from the page cache: reading into a buffer first
+        // cost a copy per byte served and a hand-off per 256 KiB (a tenth of a pull's CPU
+        // on 2 cores, BENCHMARKS.md).
+        let file = std::sync::Arc::new(file);
         let owned = key.to_owned();
-        let s = tokio_util::io::ReaderStream::with_capacity(f.take(range.end - range.start), READ_BUF)
-            .map(move |r| r.map_err(|e| StoreError::io(owned.clone(), e)));
+        let end = range.end;
+        let s = futures::stream::unfold(range.start, move |pos| {
+            let (file, key) = (file.clone(), owned.clone());
+            async move {
+                if pos >= end {
+                    return None;
+                }
+                let n = (end - pos).min(MAP_PIECE);
+                let piece = blocking(move || map_piece(&file, pos, n as usize).map_err(|e| StoreError::io(key, e))).await;
+                // After an error the stream ends.
+                let next = if piece.is_ok() { pos + n } else { end };
+                Some((piece, next))
+            }
+        });
         Ok((meta, s.boxed()))
     }
 
