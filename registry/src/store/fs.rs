@@ -79,6 +79,15 @@ fn map_piece(file: &std::fs::File, offset: u64, len: usize) -> std::io::Result<B
     Ok(Bytes::from_owner(map))
 }
 
+/// `POSIX_FADV_WILLNEED`: start reading a range into the page cache, asynchronously. A
+/// hint; failure changes nothing but speed.
+fn will_need(file: &std::fs::File, offset: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    let (Ok(off), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else { return };
+    // SAFETY: posix_fadvise only reads its integer arguments; the fd is borrowed and open.
+    let _ = unsafe { libc::posix_fadvise(file.as_raw_fd(), off, len, libc::POSIX_FADV_WILLNEED) };
+}
+
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
     tokio::task::spawn_blocking(f).await.map_err(|e| StoreError::Backend(format!("blocking task failed: {e}")))?
 }
@@ -116,6 +125,10 @@ impl BlobStore for FsStore {
         // The HTTP stack sends straight from the page cache: reading into a buffer first
         // cost a copy per byte served and a hand-off per 256 KiB (a tenth of a pull's CPU
         // on 2 cores, BENCHMARKS.md).
+        // The whole range starts coming in from disk at once, in the background, instead
+        // of a piece at a time as each is mapped (a registry's blobs are often cold by the
+        // time a sandbox wakes).
+        will_need(&file, range.start, range.end - range.start);
         let file = std::sync::Arc::new(file);
         let owned = key.to_owned();
         let end = range.end;
