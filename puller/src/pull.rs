@@ -301,6 +301,7 @@ pub fn pull(
             final_paths[fi] = fs::canonicalize(dir).ok().zip(final_path.file_name()).map(|(d, n)| d.join(n));
         }
     }
+    // (how many references, what preparing them gave), per part
     let prepared: Vec<(usize, Result<PreparedRefs<'_>, CacheError>)> = std::thread::scope(|outer| {
         if let (Some(cache), true) = (cache, copies) {
             for _ in 0..CACHE_WRITERS {
@@ -311,12 +312,16 @@ pub fn pull(
         if let (Some(cache), false) = (cache, copies) {
             let threads = opts.jobs.clamp(1, REF_WRITERS);
             for (fi, items) in ref_items.iter().enumerate() {
-                let Some(path) = &final_paths[fi] else { continue };
                 if items.is_empty() {
                     continue;
                 }
+                let Some(path) = &final_paths[fi] else {
+                    // No absolute name for the destination: the pull goes on, uncached.
+                    c.put_errors.fetch_add(items.len() as u64, Ordering::Relaxed);
+                    continue;
+                };
                 for part in items.chunks(items.len().div_ceil(threads)) {
-                    preparing.push((fi, outer.spawn(move || cache.prepare_refs(algo, path, part))));
+                    preparing.push((part.len(), outer.spawn(move || cache.prepare_refs(algo, path, part))));
                 }
             }
         }
@@ -326,7 +331,7 @@ pub fn pull(
         // Dropping the last sender ends the writers once the queue is drained; the outer
         // scope waits for them, so every queued chunk is put before pull returns.
         drop(ctx);
-        preparing.into_iter().map(|(fi, h)| (fi, h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))).collect()
+        preparing.into_iter().map(|(n, h)| (n, h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))).collect()
     });
     if let (Some(cache), true) = (cache, copies) {
         // The writers' passes may have overlapped; one more check, with nothing in flight,
@@ -364,11 +369,10 @@ pub fn pull(
         // Only now that the files are durable under their final names may the cache point
         // into them: the prepared references become visible, for every chunk that landed.
         let landed_digest = |d: &ChunkDigest| by_digest.get(d).is_some_and(|&i| landed[i].load(Ordering::Relaxed));
-        for (fi, p) in prepared {
-            let n = ref_items[fi].len() as u64;
+        for (n, p) in prepared {
             match p {
                 // The pull is complete; only the cache missed out.
-                Err(_) => c.put_errors.fetch_add(n, Ordering::Relaxed),
+                Err(_) => c.put_errors.fetch_add(n as u64, Ordering::Relaxed),
                 Ok(p) => match p.commit(landed_digest) {
                     Ok(_) => 0,
                     Err(_) => c.put_errors.fetch_add(1, Ordering::Relaxed),

@@ -433,8 +433,11 @@ impl BlobSource for RegistrySource {
         if len == 0 {
             return Ok(Bytes::new());
         }
+        let Some(last) = offset.checked_add(len as u64 - 1) else {
+            return Err(FormatError::Truncated { what: "pack blob (range past its end)", got: 0, expected: u64::MAX });
+        };
         let url = self.url("blobs", d.as_str());
-        let range = format!("bytes={}-{}", offset, offset + len as u64 - 1);
+        let range = format!("bytes={offset}-{last}");
         let what = format!("range {range} of {d} from {}", self.describe());
         let resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone())).map_err(FormatError::from)?;
         if resp.status().as_u16() != 206 || resp.content_length() != Some(len as u64) {
