@@ -252,7 +252,7 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
                             if cur.is_none() {
                                 cur = Some(writer_layout.blob_writer()?);
                             }
-                            cur.as_mut().expect("open").write_all(&b).map_err(|e| FormatError::Io { context: "write pack".into(), source: e })?;
+                            cur.as_mut().expect("open").write_all(&b).map_err(|e| FormatError::Io { context: format!("writing a pack into {}", writer_layout.root().display()), source: e })?;
                         }
                         ToWriter::Rollover => {
                             if let Some(w) = cur.take() {
@@ -274,6 +274,12 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
         result = r;
         own_packs = w;
     }
+    // A writer that failed (a full disk, a file size limit) is the cause; the main thread
+    // only saw it stop taking data, so its own error would hide the reason.
+    let own_packs = match (&result, own_packs) {
+        (Err(_), Err(e)) => return Err(e.into()),
+        (_, w) => w,
+    };
     let (per_file, own_bytes) = result?;
     let own_packs = own_packs?;
     report.pack_bytes = own_bytes;

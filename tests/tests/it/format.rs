@@ -392,6 +392,31 @@ fn verify_against_directory() {
 }
 
 /// Bad input: clear message, exit 2, no panic.
+/// Issue 4 (a benchmark run on a nearly full disk): when the pack writer thread failed,
+/// `pack` and `push` said only "pack writer stopped early". The writer's own error is the
+/// reason and must be what the user sees; no blob and no tag may be left behind. A file
+/// size limit (with SIGXFSZ ignored, writes past it fail with EFBIG) stands in for a full
+/// disk.
+#[test]
+fn regression_issue_4_a_failing_pack_writer_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = sample(dir.path(), "8MiB");
+    let out = dir.path().join("out");
+    let bin = snapctl_tests::snapctl_bin();
+    let r = run(std::process::Command::new("bash").arg("-c").arg(format!(
+        "trap '' XFSZ; ulimit -f 1024; exec '{}' pack '{}' 'oci:{}:t'",
+        bin.display(),
+        src.display(),
+        out.display()
+    )));
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("writing a pack into") && r.stderr.contains("File too large"), "{}", r.stderr);
+    assert!(!r.stderr.contains("stopped early"), "{}", r.stderr);
+    let left: Vec<_> = fs::read_dir(out.join("blobs/sha256")).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
+    assert!(left.is_empty(), "files left in the layout after a failed pack: {left:?}");
+    assert!(OciLayout::open(&out).map_or(true, |l| imgfmt::BlobSource::resolve_tag(&l, "t").is_err()), "tagged after a failed pack");
+}
+
 #[test]
 fn bad_input_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
