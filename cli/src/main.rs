@@ -61,8 +61,40 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("snapctl: {e:#}");
+            eprintln!("snapctl: {}", describe(&e));
             ExitCode::from(cmd::common::exit_code_for(&e))
         }
+    }
+}
+
+/// The error and its causes joined by ": ", each cause only if the text so far does not
+/// already hold it: the library errors put their source in their own message, so
+/// `{:#}` printed "X: File too large: X: File too large: File too large".
+fn describe(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let s = cause.to_string();
+        if out.is_empty() {
+            out = s;
+        } else if !out.contains(&s) {
+            out.push_str(": ");
+            out.push_str(&s);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::describe;
+
+    #[test]
+    fn causes_already_in_the_message_are_not_repeated() {
+        let io = std::io::Error::other("File too large");
+        let lib = imgfmt::FormatError::Io { context: "writing a pack into /x".into(), source: io };
+        let e = anyhow::Error::new(lib).context("packing /src");
+        assert_eq!(describe(&e), "packing /src: writing a pack into /x: File too large");
+        let plain = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(describe(&plain), "outer: inner");
     }
 }
