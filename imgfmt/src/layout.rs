@@ -235,12 +235,9 @@ impl BlobSource for OciLayout {
         if offset.checked_add(len as u64).is_none_or(|end| end > size) {
             return Err(FormatError::Truncated { what: "pack blob (range past its end)", got: size, expected: offset.saturating_add(len as u64) });
         }
-        // SAFETY: a blob file is written under a temporary name and renamed into place
-        // complete; nothing in snapctl writes to or truncates it afterwards (gc unlinks,
-        // which leaves a mapping intact). The range was checked against its size above.
-        let map = unsafe { memmap2::MmapOptions::new().offset(offset).len(len).populate().map(&f) }
-            .map_err(|e| FormatError::io(format!("map blob {d} at {offset}"), e))?;
-        Ok(bytes::Bytes::from_owner(map))
+        // A blob file is renamed into place complete and never written afterwards (gc
+        // unlinks, which leaves a mapping intact); the range was checked above.
+        crate::file::map_range(&f, offset, len).map_err(|e| FormatError::io(format!("map blob {d} at {offset}"), e))
     }
 }
 

@@ -24,6 +24,7 @@ pub mod compress;
 pub mod config;
 pub mod digest;
 mod error;
+pub mod file;
 pub mod image;
 pub mod index;
 pub mod layout;

@@ -470,13 +470,13 @@ fn chunk_all(
         }
         let mut slots_of_file: Vec<Option<(ChunkDigest, Option<Loc>)>> = Vec::with_capacity(n as usize);
         let mut c = 0u64;
-        read_ahead(&file, 0, batch as u64 * cs);
+        imgfmt::file::will_need(&file, 0, batch as u64 * cs);
         while c < n {
             let end_c = (c + batch as u64).min(n);
             // The batch after this one starts coming in from disk while this one is
             // hashed and written (a source not in the page cache cost a 2 GiB push 0.5 s
             // of waiting on synchronous 1 MiB reads).
-            read_ahead(&file, end_c * cs, batch as u64 * cs);
+            imgfmt::file::will_need(&file, end_c * cs, batch as u64 * cs);
             // Read phase (holes are not read).
             let mut jobs = Vec::with_capacity((end_c - c) as usize);
             for ci in c..end_c {
@@ -618,16 +618,6 @@ fn chunk_all(
         out.push(slots_of_file);
     }
     Ok((out, total))
-}
-
-/// Ask the kernel to start reading `[offset, offset + len)` of `file` into the page cache
-/// (`POSIX_FADV_WILLNEED`, asynchronous). A hint: failure changes nothing but speed.
-fn read_ahead(file: &File, offset: u64, len: u64) {
-    use std::os::fd::AsRawFd;
-    let (Ok(off), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else { return };
-    // SAFETY: posix_fadvise only reads its integer arguments; the fd is borrowed from `file`
-    // and stays open for the call.
-    let _ = unsafe { libc::posix_fadvise(file.as_raw_fd(), off, len, libc::POSIX_FADV_WILLNEED) };
 }
 
 /// Run `f` on every item using up to `threads` threads.

@@ -69,25 +69,6 @@ fn commit_rename(from: &Path, to: &Path) -> std::io::Result<()> {
     std::fs::File::open(parent)?.sync_all()
 }
 
-/// `len` bytes of `file` from `offset`, mapped and faulted in. Objects are never written
-/// in place (every write is a new file renamed over the old name), so a mapping of one
-/// stays what was read; a file deleted meanwhile stays mapped until the piece is dropped.
-fn map_piece(file: &std::fs::File, offset: u64, len: usize) -> std::io::Result<Bytes> {
-    // SAFETY: see above: nothing in snapctl modifies or truncates an object file after
-    // its rename into place, and `get` checked the range against the file's size.
-    let map = unsafe { memmap2::MmapOptions::new().offset(offset).len(len).populate().map(file)? };
-    Ok(Bytes::from_owner(map))
-}
-
-/// `POSIX_FADV_WILLNEED`: start reading a range into the page cache, asynchronously. A
-/// hint; failure changes nothing but speed.
-fn will_need(file: &std::fs::File, offset: u64, len: u64) {
-    use std::os::fd::AsRawFd;
-    let (Ok(off), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else { return };
-    // SAFETY: posix_fadvise only reads its integer arguments; the fd is borrowed and open.
-    let _ = unsafe { libc::posix_fadvise(file.as_raw_fd(), off, len, libc::POSIX_FADV_WILLNEED) };
-}
-
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
     tokio::task::spawn_blocking(f).await.map_err(|e| StoreError::Backend(format!("blocking task failed: {e}")))?
 }
@@ -120,15 +101,16 @@ impl BlobStore for FsStore {
         if range.start > range.end || range.end > meta.size {
             return Err(StoreError::Precondition { key: key.to_owned(), reason: format!("range {range:?} outside size {}", meta.size) });
         }
+        // The whole range starts coming in from disk at once, in the background, instead
+        // of a piece at a time as each is mapped (a registry's blobs are often cold by the
+        // time a sandbox wakes).
+        imgfmt::file::will_need(&file, range.start, range.end - range.start);
         // The range goes out as mapped pieces of the file, each mapped (and its pages
         // faulted in) on the blocking pool, so a cold disk read never stalls the runtime.
         // The HTTP stack sends straight from the page cache: reading into a buffer first
         // cost a copy per byte served and a hand-off per 256 KiB (a tenth of a pull's CPU
-        // on 2 cores, BENCHMARKS.md).
-        // The whole range starts coming in from disk at once, in the background, instead
-        // of a piece at a time as each is mapped (a registry's blobs are often cold by the
-        // time a sandbox wakes).
-        will_need(&file, range.start, range.end - range.start);
+        // on 2 cores, BENCHMARKS.md). Objects are never written in place (every write is a
+        // new file renamed over the name), which is what mapping them needs.
         let file = std::sync::Arc::new(file);
         let owned = key.to_owned();
         let end = range.end;
@@ -139,7 +121,7 @@ impl BlobStore for FsStore {
                     return None;
                 }
                 let n = (end - pos).min(MAP_PIECE);
-                let piece = blocking(move || map_piece(&file, pos, n as usize).map_err(|e| StoreError::io(key, e))).await;
+                let piece = blocking(move || imgfmt::file::map_range(&file, pos, n as usize).map_err(|e| StoreError::io(key, e))).await;
                 // After an error the stream ends.
                 let next = if piece.is_ok() { pos + n } else { end };
                 Some((piece, next))
