@@ -103,16 +103,8 @@ impl PreparedRefs<'_> {
                 }
             }
         }
-        let c = self.cache;
-        c.puts.fetch_add(written, Ordering::Relaxed);
-        let added = written * 4096;
-        if added > 0 {
-            let total = c.allocated.fetch_add(added, Ordering::Relaxed) + added;
-            let since = c.since_scan.fetch_add(added, Ordering::Relaxed) + added;
-            if total > c.limit || since > c.limit / 10 {
-                c.maintain(false)?;
-            }
-        }
+        self.cache.puts.fetch_add(written, Ordering::Relaxed);
+        self.cache.grew(written * 4096)?;
         match first_err {
             Some(e) => Err(e),
             None => Ok(written),
@@ -499,19 +491,27 @@ impl ChunkCache {
             self.puts.fetch_add(1, Ordering::Relaxed);
             added += allocated;
         }
-        if added > 0 {
-            let total = self.allocated.fetch_add(added, Ordering::Relaxed) + added;
-            let since = self.since_scan.fetch_add(added, Ordering::Relaxed) + added;
-            if total > self.limit || since > self.limit / 10 {
-                if let Err(e) = self.maintain(false) {
-                    // The chunks are stored; only the pass failed. Report it on the last put.
-                    if let Some(last) = results.last_mut() {
-                        *last = Err(e);
-                    }
-                }
+        if let Err(e) = self.grew(added) {
+            // The chunks are stored; only the pass failed. Report it on the last put.
+            if let Some(last) = results.last_mut() {
+                *last = Err(e);
             }
         }
         results
+    }
+
+    /// Count `added` allocated bytes just stored, and run an eviction pass when the cache
+    /// is over its limit or has grown by a tenth of it since the last scan.
+    fn grew(&self, added: u64) -> Result<(), CacheError> {
+        if added == 0 {
+            return Ok(());
+        }
+        let total = self.allocated.fetch_add(added, Ordering::Relaxed) + added;
+        let since = self.since_scan.fetch_add(added, Ordering::Relaxed) + added;
+        if total > self.limit || since > self.limit / 10 {
+            self.maintain(false)?;
+        }
+        Ok(())
     }
 
     /// Step one of a put: checks, the prefix directory, the temp file written but not yet
@@ -721,8 +721,6 @@ mod tests {
         assert!(c2.stats().bytes_allocated >= 4096);
     }
 
-    /// References: a hit while the file holds the bytes; once the file changes or goes,
-    /// a miss that deletes the reference (never the changed bytes).
     /// Prepared references are invisible until committed, only the kept ones appear, and
     /// dropping uncommitted ones leaves no file behind (a pull that fails mid-way).
     #[test]
@@ -756,6 +754,8 @@ mod tests {
         assert_eq!(c.stats().puts, 1);
     }
 
+    /// References: a hit while the file holds the bytes; once the file changes or goes,
+    /// a miss that deletes the reference (never the changed bytes).
     #[test]
     fn references_serve_verified_bytes_and_go_stale_safely() {
         use std::os::unix::fs::FileExt;

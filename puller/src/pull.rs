@@ -381,7 +381,7 @@ pub fn pull(
         }
         // Chunks planned from the cache whose entry had gone meanwhile were fetched: they
         // had no prepared reference. Few; written now.
-        for (fi, f) in image.files.iter().enumerate() {
+        for (fi, path) in final_paths.iter().enumerate() {
             let late: Vec<(ChunkDigest, u32, u64)> = cached
                 .iter()
                 .filter(|&&i| landed[i].load(Ordering::Relaxed) && distinct[i].positions[0].0 == fi)
@@ -390,8 +390,8 @@ pub fn pull(
             if late.is_empty() {
                 continue;
             }
-            match fs::canonicalize(dest.join(&f.name)) {
-                Ok(path) if cache.put_refs(algo, &path, &late).is_ok() => {}
+            match path {
+                Some(path) if cache.put_refs(algo, path, &late).is_ok() => {}
                 _ => {
                     c.put_errors.fetch_add(late.len() as u64, Ordering::Relaxed);
                 }

@@ -440,24 +440,24 @@ impl BlobSource for RegistrySource {
         let range = format!("bytes={offset}-{last}");
         let what = format!("range {range} of {d} from {}", self.describe());
         let resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone())).map_err(FormatError::from)?;
-        if resp.status().as_u16() != 206 || resp.content_length() != Some(len as u64) {
+        let first = if resp.status().as_u16() != 206 || resp.content_length() != Some(len as u64) {
             // Not the plain answer (a registry ignoring Range, an error status): the
             // general path reads this response and says what went wrong.
-            let mut buf = vec![0u8; len];
-            self.read_into(d, offset, &mut buf, Some(resp))?;
-            return Ok(buf.into());
-        }
-        // The body as the HTTP stack collected it: one copy out of the socket's buffers,
-        // where reading into a zeroed buffer of our own cost a memset and a second copy
-        // (a quarter of a pull's CPU, BENCHMARKS.md).
-        match resp.bytes() {
-            Ok(b) if b.len() == len => return Ok(b),
-            Ok(b) => tracing::debug!("{what}: body of {} bytes, expected {len}; asking again", b.len()),
-            Err(e) => tracing::debug!("{what}: {e}; asking again"),
-        }
-        // Cut short: the general path asks again for what is missing, with its retries.
+            Some(resp)
+        } else {
+            // The body as the HTTP stack collected it: one copy out of the socket's
+            // buffers, where reading into a zeroed buffer of our own cost a memset and a
+            // second copy (a quarter of a pull's CPU, BENCHMARKS.md).
+            match resp.bytes() {
+                Ok(b) if b.len() == len => return Ok(b),
+                Ok(b) => tracing::debug!("{what}: body of {} bytes, expected {len}; asking again", b.len()),
+                Err(e) => tracing::debug!("{what}: {e}; asking again"),
+            }
+            // Cut short: the general path asks again, with its retries.
+            None
+        };
         let mut buf = vec![0u8; len];
-        self.read_into(d, offset, &mut buf, None)?;
+        self.read_into(d, offset, &mut buf, first)?;
         Ok(buf.into())
     }
 }
