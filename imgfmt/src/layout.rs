@@ -110,7 +110,17 @@ impl OciLayout {
         let file = OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(io_err(format!("create {}", tmp.display())))?;
         // Writes of at most 256 KiB reach the kernel: larger page-cache copies were several
         // times slower on the VMs we measured (BENCHMARKS.md).
-        Ok(BlobWriter { file: Some(io::BufWriter::with_capacity(WRITE_PIECE, file)), tmp, dir, hasher: sha2::Sha256::new(), len: 0 })
+        Ok(BlobWriter { file: Some(io::BufWriter::with_capacity(WRITE_PIECE, file)), tmp, dir, hasher: Some(sha2::Sha256::new()), len: 0, hinted: 0 })
+    }
+
+    /// A streaming writer for a large blob whose digest the caller computes from the same
+    /// bytes, on another thread (one SHA-256 stream cannot be split, so `pack` hashes a
+    /// pack on one core while another copies it to disk). Finish it with
+    /// [`BlobWriter::finish_as`].
+    pub fn blob_writer_hashed_by_caller(&self) -> Result<BlobWriter, FormatError> {
+        let mut w = self.blob_writer()?;
+        w.hasher = None;
+        Ok(w)
     }
 
     fn read_index_json(&self) -> Result<ImageIndex, FormatError> {
@@ -250,8 +260,11 @@ pub struct BlobWriter {
     file: Option<io::BufWriter<File>>,
     tmp: PathBuf,
     dir: PathBuf,
-    hasher: sha2::Sha256,
+    /// `None` for a writer whose digest the caller computes.
+    hasher: Option<sha2::Sha256>,
     len: u64,
+    /// Bytes up to here were handed to [`crate::file::start_writeback`].
+    hinted: u64,
 }
 
 impl BlobWriter {
@@ -261,14 +274,56 @@ impl BlobWriter {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// Start writing what was written so far to disk, without waiting, so the sync in
+    /// `finish` finds little left to do. A hint: a failure only costs speed.
+    pub fn start_writeback(&mut self) {
+        let Some(w) = self.file.as_mut() else { return };
+        if w.flush().is_err() {
+            return;
+        }
+        if self.len > self.hinted {
+            crate::file::start_writeback(w.get_ref(), self.hinted, self.len - self.hinted);
+            self.hinted = self.len;
+        }
+    }
+
     /// Sync, rename to `blobs/sha256/<digest>`, sync the directory.
     pub fn finish(mut self) -> Result<(OciDigest, u64), FormatError> {
+        let h = self.hasher.take().expect("finish() is for writers that hash; use finish_as");
+        let digest = OciDigest::sha256_from_bytes(h.finalize().into());
+        self.finish_named(digest)
+    }
+
+    /// [`BlobWriter::finish`] for a writer made by
+    /// [`OciLayout::blob_writer_hashed_by_caller`]: `digest` must be the SHA-256 of exactly
+    /// the bytes written (a writer that hashes checks it; a mismatch is an error and
+    /// nothing is named).
+    pub fn finish_as(mut self, digest: OciDigest) -> Result<(OciDigest, u64), FormatError> {
+        if let Some(h) = self.hasher.take() {
+            let own = OciDigest::sha256_from_bytes(h.finalize().into());
+            if own != digest {
+                return Err(FormatError::BlobDigestMismatch { digest, actual: own });
+            }
+        }
+        self.finish_named(digest)
+    }
+
+    fn finish_named(mut self, digest: OciDigest) -> Result<(OciDigest, u64), FormatError> {
         let w = self.file.take().expect("finish once");
-        let f = w.into_inner().map_err(|e| FormatError::io("flush blob", e.into_error()))?;
-        f.sync_all().map_err(io_err("sync blob"))?;
-        let digest = OciDigest::sha256_from_bytes(std::mem::take(&mut self.hasher).finalize().into());
+        let f = match w.into_inner() {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = fs::remove_file(&self.tmp);
+                return Err(FormatError::io("flush blob", e.into_error()));
+            }
+        };
         let dest = self.dir.join(digest.hex());
-        fs::rename(&self.tmp, &dest).map_err(io_err(format!("rename to {}", dest.display())))?;
+        let res = f.sync_all().map_err(io_err("sync blob")).and_then(|()| fs::rename(&self.tmp, &dest).map_err(io_err(format!("rename to {}", dest.display()))));
+        if let Err(e) = res {
+            let _ = fs::remove_file(&self.tmp);
+            return Err(e);
+        }
         sync_dir(&self.dir)?;
         Ok((digest, self.len))
     }
@@ -281,7 +336,9 @@ impl Write for BlobWriter {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let buf = &buf[..buf.len().min(WRITE_PIECE)];
         let n = self.file.as_mut().expect("not finished").write(buf)?;
-        self.hasher.update(&buf[..n]);
+        if let Some(h) = self.hasher.as_mut() {
+            h.update(&buf[..n]);
+        }
         self.len += n as u64;
         Ok(n)
     }
@@ -372,6 +429,28 @@ mod tests {
         assert_eq!(l.resolve_tag("v1").unwrap(), d);
         assert!(l.resolve_tag("v2").is_err());
         assert!(l.set_tag("../x", Descriptor::new("x", d, 5)).is_err());
+    }
+
+    /// A writer hashed by its caller is named by the digest it is given; a writer that
+    /// hashes itself refuses a digest that is not its content's, and names nothing.
+    #[test]
+    fn finish_as_names_the_blob_and_checks_a_hashing_writer() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = OciLayout::open_or_create(dir.path()).unwrap();
+        let mut w = l.blob_writer_hashed_by_caller().unwrap();
+        w.write_all(b"pack bytes").unwrap();
+        w.start_writeback();
+        let (d, n) = w.finish_as(OciDigest::of(b"pack bytes")).unwrap();
+        assert_eq!((d.clone(), n), (OciDigest::of(b"pack bytes"), 10));
+        assert_eq!(l.read_blob_unverified(&d, 100).unwrap(), b"pack bytes");
+
+        let mut w = l.blob_writer().unwrap();
+        w.write_all(b"other bytes").unwrap();
+        let e = w.finish_as(OciDigest::of(b"not these")).unwrap_err();
+        assert!(matches!(e, FormatError::BlobDigestMismatch { .. }), "{e}");
+        assert!(!l.has_blob(&OciDigest::of(b"not these")) && !l.has_blob(&OciDigest::of(b"other bytes")));
+        let names: Vec<_> = fs::read_dir(dir.path().join("blobs/sha256")).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, vec![std::ffi::OsString::from(d.hex())], "no temp file left behind");
     }
 
     /// Ranges read by mapping (1 MiB and up) and by pread (below) give the same bytes;

@@ -443,7 +443,7 @@ impl ChunkCache {
         // Start writeback of every temp before waiting on any: the waits then overlap
         // instead of queueing one chunk's I/O behind the previous one's.
         for (_, _, f, _) in &pending {
-            start_writeback(f);
+            imgfmt::file::start_writeback(f, 0, 0);
         }
         let mut touched: Vec<PathBuf> = Vec::new();
         let mut renamed: Vec<(usize, PathBuf, u64)> = Vec::new();
@@ -672,15 +672,6 @@ fn touch(path: &Path, modified: Option<SystemTime>) {
     if modified.is_none_or(|m| m.elapsed().unwrap_or_default() > TOUCH_EVERY) {
         let _ = OpenOptions::new().write(true).open(path).and_then(|w| w.set_modified(SystemTime::now()));
     }
-}
-
-/// Ask the kernel to start writing `f`'s dirty pages now, without waiting: a hint, so a
-/// failure only means the later fdatasync does all the work.
-fn start_writeback(f: &File) {
-    use std::os::fd::AsRawFd;
-    // SAFETY: sync_file_range only reads its integer arguments; the fd is open for the
-    // call's duration (borrowed from `f`), and offset 0 / nbytes 0 means "to the end".
-    let _ = unsafe { libc::sync_file_range(f.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
 }
 
 /// Parse `SIZE` for `--cache-size` (`10GiB`, `512M`, bytes).

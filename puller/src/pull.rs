@@ -771,21 +771,11 @@ impl Ctx<'_> {
         for (k, piece) in chunk.as_bytes().chunks(WRITE_PIECE).enumerate() {
             file.write_all_at(piece, at + (k * WRITE_PIECE) as u64).map_err(|source| UnpackError::Io { path: tmp.clone(), source })?;
         }
-        start_writeback(file, at, chunk.len() as u64);
+        // The disk works while the network does; the final fsync finds little left.
+        imgfmt::file::start_writeback(file, at, chunk.len() as u64);
         self.c.written.fetch_add(chunk.len() as u64, Ordering::Relaxed);
         Ok(())
     }
-}
-
-/// Start writing a just-placed chunk to disk without waiting for it, so the disk works
-/// while the network does and the final fsync finds little left to do. A hint: if it
-/// fails, that fsync does the work.
-fn start_writeback(file: &File, at: u64, len: u64) {
-    use std::os::fd::AsRawFd;
-    let (Ok(off), Ok(n)) = (libc::off64_t::try_from(at), libc::off64_t::try_from(len)) else { return };
-    // SAFETY: sync_file_range only reads its integer arguments; the fd stays open for the
-    // call (borrowed from `file`).
-    let _ = unsafe { libc::sync_file_range(file.as_raw_fd(), off, n, libc::SYNC_FILE_RANGE_WRITE) };
 }
 
 #[cfg(test)]

@@ -15,7 +15,9 @@ use imgfmt::{
     media, BlobSource, ChunkDigest, ChunkIndex, ChunkRecord, Compression, Descriptor, FormatError, HashAlgo, Image,
     ImageConfig, Kind, Manifest, OciDigest, OciLayout, PackRef, RecordKind, Role, StoredAt,
 };
+use imgfmt::layout::BlobWriter;
 use serde::Serialize;
+use sha2::Digest as _;
 use verify::hash::is_zero;
 
 use crate::scan::{self, Coverage, ExtentCursor};
@@ -147,7 +149,91 @@ type Compressed = (Codec, Vec<u8>);
 
 enum ToWriter {
     Data(Vec<u8>),
+    /// The current pack is complete; later data goes into a new one.
     Rollover,
+    /// Every chunk was sent: seal the last pack. A pack still open when the channel closes
+    /// without this (the packing failed) is discarded, never named.
+    End,
+}
+
+enum ToHasher {
+    Data(Vec<u8>),
+    /// All of this pack's bytes were sent before it.
+    Seal(BlobWriter),
+}
+
+/// Bytes a pack writer lets pile up before starting their writeback.
+const WRITEBACK_EVERY: u64 = 8 << 20;
+
+/// Pipeline stage 1: copy each chunk into the current pack file, then pass it on to be
+/// hashed. Stops quietly when the hasher is gone (its own error is the cause).
+fn write_packs(layout: &OciLayout, rx: mpsc::Receiver<ToWriter>, to_hasher: mpsc::SyncSender<ToHasher>) -> Result<(), FormatError> {
+    let mut cur: Option<BlobWriter> = None;
+    let mut unhinted = 0u64;
+    for msg in rx {
+        let sealed = match msg {
+            ToWriter::Data(b) => {
+                let w = match cur.as_mut() {
+                    Some(w) => w,
+                    None => cur.insert(layout.blob_writer_hashed_by_caller()?),
+                };
+                w.write_all(&b).map_err(|e| FormatError::Io { context: format!("writing a pack into {}", layout.root().display()), source: e })?;
+                unhinted += b.len() as u64;
+                if unhinted >= WRITEBACK_EVERY {
+                    w.start_writeback();
+                    unhinted = 0;
+                }
+                if to_hasher.send(ToHasher::Data(b)).is_err() {
+                    return Ok(());
+                }
+                continue;
+            }
+            ToWriter::Rollover => false,
+            ToWriter::End => true,
+        };
+        if let Some(mut w) = cur.take() {
+            w.start_writeback();
+            unhinted = 0;
+            if to_hasher.send(ToHasher::Seal(w)).is_err() {
+                return Ok(());
+            }
+        }
+        if sealed {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Pipeline stage 2: the SHA-256 of each pack, from the same bytes the writer wrote.
+fn hash_packs(rx: mpsc::Receiver<ToHasher>, to_sealer: mpsc::SyncSender<(BlobWriter, OciDigest)>) -> Result<(), FormatError> {
+    let mut h = sha2::Sha256::new();
+    for msg in rx {
+        match msg {
+            ToHasher::Data(b) => h.update(&b),
+            ToHasher::Seal(w) => {
+                let d = OciDigest::sha256_from_bytes(std::mem::take(&mut h).finalize().into());
+                if to_sealer.send((w, d)).is_err() {
+                    return Ok(());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Pipeline stage 3: make each finished pack durable under its name, in order, and
+/// announce it (`push DIR` starts uploading it then, while later packs are being made).
+fn seal_packs(rx: mpsc::Receiver<(BlobWriter, OciDigest)>, on_pack: Option<OnPack>) -> Result<Vec<(OciDigest, u64)>, FormatError> {
+    let mut done = Vec::new();
+    for (w, d) in rx {
+        let (d, size) = w.finish_as(d)?;
+        if let Some(f) = on_pack {
+            f(&d, size);
+        }
+        done.push((d, size));
+    }
+    Ok(done)
 }
 
 struct Job {
@@ -223,8 +309,11 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
         .flat_map(|r| r.image.files.iter().map(|f| (f.name.as_str(), f)))
         .collect();
 
-    // The pack writer runs on its own thread: it hashes (sha256) and writes while the
-    // main thread reads and hashes (BLAKE3) the next batch.
+    // Packs are written by a pipeline beside this thread (which reads and BLAKE3-hashes):
+    // a writer copies each chunk into the pack file and starts its writeback, a hasher
+    // runs the pack's SHA-256 (one stream, so one core: the slowest stage), and a sealer
+    // fsyncs and names each finished pack, so no stage waits on another's slow part
+    // (with one thread doing all three, a 2 GiB pack took 1.7 s, 0.6 s of it in fsyncs).
     let (tx, rx) = mpsc::sync_channel::<ToWriter>(16);
     let writer_layout = dest;
     let on_pack = opts.on_pack;
@@ -234,41 +323,21 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     let own_packs: Result<Vec<(OciDigest, u64)>, FormatError>;
     {
         let (r, w) = std::thread::scope(|s| {
-            let writer = s.spawn(move || -> Result<Vec<(OciDigest, u64)>, FormatError> {
-                let mut done = Vec::new();
-                let mut cur: Option<imgfmt::layout::BlobWriter> = None;
-                // A finished pack gets its name in the layout, then is announced.
-                let mut seal = |w: imgfmt::layout::BlobWriter| -> Result<(), FormatError> {
-                    let (d, size) = w.finish()?;
-                    if let Some(f) = on_pack {
-                        f(&d, size);
-                    }
-                    done.push((d, size));
-                    Ok(())
-                };
-                for msg in rx {
-                    match msg {
-                        ToWriter::Data(b) => {
-                            if cur.is_none() {
-                                cur = Some(writer_layout.blob_writer()?);
-                            }
-                            cur.as_mut().expect("open").write_all(&b).map_err(|e| FormatError::Io { context: format!("writing a pack into {}", writer_layout.root().display()), source: e })?;
-                        }
-                        ToWriter::Rollover => {
-                            if let Some(w) = cur.take() {
-                                seal(w)?;
-                            }
-                        }
-                    }
-                }
-                if let Some(w) = cur.take() {
-                    seal(w)?;
-                }
-                Ok(done)
-            });
-            let r = chunk_all(&sc.files, opts, &parent_files, &known, &mut slots, &mut foreign_slot, &tx, &mut report);
+            let (to_hasher, hasher_rx) = mpsc::sync_channel::<ToHasher>(32);
+            let (to_sealer, sealer_rx) = mpsc::sync_channel::<(BlobWriter, OciDigest)>(4);
+            let writer = s.spawn(move || write_packs(writer_layout, rx, to_hasher));
+            let hasher = s.spawn(move || hash_packs(hasher_rx, to_sealer));
+            let sealer = s.spawn(move || seal_packs(sealer_rx, on_pack));
+            let mut r = chunk_all(&sc.files, opts, &parent_files, &known, &mut slots, &mut foreign_slot, &tx, &mut report);
+            if r.is_ok() && tx.send(ToWriter::End).is_err() {
+                r = Err(PackError::Invalid("pack writer stopped early".into()));
+            }
             drop(tx);
-            let w = writer.join().expect("pack writer thread panicked");
+            // A stage that fails drops its receiver, and the stages before it stop
+            // quietly: the one error returned is the cause.
+            let stages = [writer.join(), hasher.join()].into_iter().map(|j| j.expect("pack writer thread panicked"));
+            let sealed = sealer.join().expect("pack sealer thread panicked");
+            let w = stages.fold(Ok(()), Result::and).and(sealed);
             (r, w)
         });
         result = r;
@@ -667,4 +736,61 @@ fn created_now() -> String {
         .unwrap_or(t)
         .format(&time::format_description::well_known::Rfc3339)
         .unwrap_or_else(|_| "1970-01-01T00:00:00Z".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// Run the three pack-writing stages on `msgs`, as `pack` does; returns what the
+    /// sealer returned, the packs announced, and the file names left in the layout.
+    fn run_pipeline(msgs: Vec<ToWriter>) -> (Result<Vec<(OciDigest, u64)>, FormatError>, Vec<OciDigest>, Vec<String>) {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = OciLayout::open_or_create(dir.path()).unwrap();
+        let announced = Mutex::new(Vec::new());
+        let on_pack = |d: &OciDigest, _: u64| announced.lock().unwrap().push(d.clone());
+        let done = std::thread::scope(|s| {
+            let (tx, rx) = mpsc::sync_channel(1);
+            let (to_hasher, hasher_rx) = mpsc::sync_channel(1);
+            let (to_sealer, sealer_rx) = mpsc::sync_channel(1);
+            let w = s.spawn(|| write_packs(&layout, rx, to_hasher));
+            let h = s.spawn(|| hash_packs(hasher_rx, to_sealer));
+            let sealer = s.spawn(|| seal_packs(sealer_rx, Some(&on_pack)));
+            for m in msgs {
+                tx.send(m).unwrap();
+            }
+            drop(tx);
+            w.join().unwrap().unwrap();
+            h.join().unwrap().unwrap();
+            sealer.join().unwrap()
+        });
+        let mut names: Vec<String> = std::fs::read_dir(dir.path().join("blobs/sha256")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        names.sort();
+        (done, announced.into_inner().unwrap(), names)
+    }
+
+    #[test]
+    fn packs_are_named_by_their_bytes_in_order() {
+        let (a, b) = (vec![1u8; 3000], vec![2u8; 5000]);
+        let msgs = vec![ToWriter::Data(a[..1000].to_vec()), ToWriter::Data(a[1000..].to_vec()), ToWriter::Rollover, ToWriter::Data(b.clone()), ToWriter::End];
+        let (done, announced, names) = run_pipeline(msgs);
+        let want = vec![(OciDigest::of(&a), 3000), (OciDigest::of(&b), 5000)];
+        assert_eq!(done.unwrap(), want);
+        assert_eq!(announced, vec![want[0].0.clone(), want[1].0.clone()]);
+        let mut want_names: Vec<String> = want.iter().map(|(d, _)| d.hex().to_string()).collect();
+        want_names.sort();
+        assert_eq!(names, want_names);
+    }
+
+    /// A packing that fails stops sending without `End`: the pack it was filling is
+    /// removed, never named; packs sealed before stay (complete, content-addressed).
+    #[test]
+    fn a_pack_left_open_by_a_failed_packing_is_discarded() {
+        let (a, b) = (vec![1u8; 3000], vec![2u8; 5000]);
+        let (done, announced, names) = run_pipeline(vec![ToWriter::Data(a.clone()), ToWriter::Rollover, ToWriter::Data(b)]);
+        assert_eq!(done.unwrap(), vec![(OciDigest::of(&a), 3000)]);
+        assert_eq!(announced, vec![OciDigest::of(&a)]);
+        assert_eq!(names, vec![OciDigest::of(&a).hex().to_string()], "no temp file, no second pack");
+    }
 }

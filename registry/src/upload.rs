@@ -131,7 +131,7 @@ where
             n += chunk.len() as u64;
             if n - kicked >= WRITEBACK_EVERY {
                 w.flush()?;
-                start_writeback(w.get_ref(), base + kicked, n - kicked);
+                imgfmt::file::start_writeback(w.get_ref(), base + kicked, n - kicked);
                 kicked = n;
             }
         }
@@ -191,18 +191,6 @@ where
 /// Start write-back of a staged file every this many bytes, so that the fsync before
 /// commit finds little left to write and dirty pages do not pile up for a 2 GiB blob.
 const WRITEBACK_EVERY: u64 = 4 * 1024 * 1024;
-
-/// Ask the kernel to start writing `len` bytes at `off` of `f` to disk, without waiting.
-/// Advisory: errors are ignored (the fsync at commit is what guarantees durability).
-fn start_writeback(f: &std::fs::File, off: u64, len: u64) {
-    use std::os::fd::AsRawFd;
-    let (Ok(off), Ok(len)) = (i64::try_from(off), i64::try_from(len)) else { return };
-    // SAFETY: sync_file_range only reads the fd, which `f` keeps open for the call; it
-    // touches no memory of ours.
-    unsafe {
-        libc::sync_file_range(f.as_raw_fd(), off, len, libc::SYNC_FILE_RANGE_WRITE);
-    }
-}
 
 /// A fresh staging path in the store's staging dir.
 pub fn staging_path(store: &dyn BlobStore, what: &str) -> PathBuf {
