@@ -743,9 +743,11 @@ mod tests {
     use super::*;
     use std::sync::Mutex;
 
-    /// Run the three pack-writing stages on `msgs`, as `pack` does; returns what the
-    /// sealer returned, the packs announced, and the file names left in the layout.
-    fn run_pipeline(msgs: Vec<ToWriter>) -> (Result<Vec<(OciDigest, u64)>, FormatError>, Vec<OciDigest>, Vec<String>) {
+    /// What the sealer returned, the packs announced, and the file names left in the layout.
+    type Outcome = (Result<Vec<(OciDigest, u64)>, FormatError>, Vec<OciDigest>, Vec<String>);
+
+    /// Run the three pack-writing stages on `msgs`, as `pack` does.
+    fn run_pipeline(msgs: Vec<ToWriter>) -> Outcome {
         let dir = tempfile::tempdir().unwrap();
         let layout = OciLayout::open_or_create(dir.path()).unwrap();
         let announced = Mutex::new(Vec::new());
