@@ -32,8 +32,11 @@
 # Before each timed command: `sync`, so write-back of the last one is not billed to it,
 # and WARM bytes of memory touched and freed (bench/lib/memory.sh: on this VM, memory
 # idle for a few seconds goes back to the host and costs ~2-3 s/GiB to touch again; the
-# command should not pay that). WARM defaults to the image's logical size (--warm BYTES;
-# --warm 0 turns it off).
+# command should not pay that). WARM defaults to twice the image's logical size: a pull
+# with its server on this machine touches more fresh memory than the image's size, and
+# with only 1x warmed, pulls of the 2 GiB image took 1.1-2.9 s, with 2x 0.9-1.5 s (both
+# sides get the same; BENCHMARKS.md, 23:44 run). --warm BYTES sets it, --warm 0 turns it
+# off.
 #
 # Output: markdown on stdout, progress on stderr; every timed run is also appended to
 # bench/results/transfer-<date>.tsv (not with --quick). Needs skopeo, docker-registry, curl, jq, python3,
@@ -92,7 +95,7 @@ source "$ROOT/bench/lib/memory.sh"
 time_it() {
   local name=$1 size=$2 run=$3; shift 4
   sync
-  if [ "$WARM" = auto ]; then warm_memory "$(to_bytes "$size")"; elif [ "$WARM" != 0 ]; then warm_memory "$WARM"; fi
+  if [ "$WARM" = auto ]; then warm_memory "$((2 * $(to_bytes "$size")))"; elif [ "$WARM" != 0 ]; then warm_memory "$WARM"; fi
   local t0 t1 extra
   t0=$(date +%s%N)
   "$@" > "$W/out"
