@@ -152,15 +152,54 @@ impl Dumped {
 
     /// `criu restore -d` from `dir` (with `extra` flags).
     fn restore(&self, dir: &Path, extra: &[&str]) {
+        let busy = wait_for_free_pids(dir, Duration::from_secs(30));
         let log = self.path("b/restore.log");
         let r = run(Command::new(&self.criu).args(["restore", "-d", "-D"]).arg(dir).arg("-o").arg(&log).args(extra));
-        assert_eq!(r.code, 0, "criu restore: {}\n{}", r.stderr, fs::read_to_string(&log).unwrap_or_default());
+        assert_eq!(r.code, 0, "criu restore: {}\n{}\npids of the dump still in use when restore began: {busy:?}", r.stderr, fs::read_to_string(&log).unwrap_or_default());
     }
 
     /// The restored counter goes on from the dump with its heap intact.
     fn assert_continued(&self, what: &str) {
         counter::assert_continued(&self.progress, self.earlier, &self.at, what);
     }
+}
+
+/// CRIU restores every task under the pid it had (its `core-<pid>.img`), so a restore
+/// fails ("Can't fork for N: File exists") if another process or thread took one of
+/// them meanwhile. With this machine's pid_max of 32768 and the other tests' processes
+/// and threads running beside this one, pids wrap within a test run, and a dumped
+/// counter's forked child once found its pid taken. Wait (up to `limit`) until no pid of
+/// the dump is in use; returns those still in use, for the failure message.
+fn wait_for_free_pids(dir: &Path, limit: Duration) -> Vec<u32> {
+    let pids: Vec<u32> = fs::read_dir(dir)
+        .map(|rd| rd.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("core-")?.strip_suffix(".img")?.parse().ok()).collect())
+        .unwrap_or_default();
+    let t0 = std::time::Instant::now();
+    loop {
+        // /proc/<tid> exists for threads too, though readdir of /proc does not list them.
+        let busy: Vec<u32> = pids.iter().copied().filter(|p| Path::new(&format!("/proc/{p}")).exists()).collect();
+        if busy.is_empty() || t0.elapsed() > limit {
+            return busy;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The wait sees a pid in use (this process's) and ignores one that is free and files
+/// that are not a task's core image.
+#[test]
+fn pids_of_a_dump_in_use_are_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let me = std::process::id();
+    // pid_max here is 32768; a pid above 4194304 (the kernel's limit) is never in use.
+    for name in [format!("core-{me}.img"), "core-4194400.img".into(), "pstree.img".into(), "core-x.img".into()] {
+        fs::write(dir.path().join(name), b"").unwrap();
+    }
+    let t0 = std::time::Instant::now();
+    assert_eq!(wait_for_free_pids(dir.path(), Duration::from_millis(300)), vec![me]);
+    assert!(t0.elapsed() >= Duration::from_millis(300), "it waited for the pid to be free");
+    fs::remove_file(dir.path().join(format!("core-{me}.img"))).unwrap();
+    assert_eq!(wait_for_free_pids(dir.path(), Duration::from_secs(30)), Vec::<u32>::new());
 }
 
 /// Issue 4, "Real runtimes", CRIU: dump a running program, push it, pull it on a second
