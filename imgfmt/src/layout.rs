@@ -275,6 +275,11 @@ impl BlobWriter {
         self.len == 0
     }
 
+    /// Bytes written since the last [`BlobWriter::start_writeback`].
+    pub fn unhinted(&self) -> u64 {
+        self.len - self.hinted
+    }
+
     /// Start writing what was written so far to disk, without waiting, so the sync in
     /// `finish` finds little left to do. A hint: a failure only costs speed.
     pub fn start_writeback(&mut self) {
@@ -311,15 +316,12 @@ impl BlobWriter {
 
     fn finish_named(mut self, digest: OciDigest) -> Result<(OciDigest, u64), FormatError> {
         let w = self.file.take().expect("finish once");
-        let f = match w.into_inner() {
-            Ok(f) => f,
-            Err(e) => {
-                let _ = fs::remove_file(&self.tmp);
-                return Err(FormatError::io("flush blob", e.into_error()));
-            }
-        };
         let dest = self.dir.join(digest.hex());
-        let res = f.sync_all().map_err(io_err("sync blob")).and_then(|()| fs::rename(&self.tmp, &dest).map_err(io_err(format!("rename to {}", dest.display()))));
+        let res = w
+            .into_inner()
+            .map_err(|e| FormatError::io("flush blob", e.into_error()))
+            .and_then(|f| f.sync_all().map_err(io_err("sync blob")))
+            .and_then(|()| fs::rename(&self.tmp, &dest).map_err(io_err(format!("rename to {}", dest.display()))));
         if let Err(e) = res {
             let _ = fs::remove_file(&self.tmp);
             return Err(e);

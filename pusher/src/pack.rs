@@ -169,37 +169,30 @@ const WRITEBACK_EVERY: u64 = 8 << 20;
 /// hashed. Stops quietly when the hasher is gone (its own error is the cause).
 fn write_packs(layout: &OciLayout, rx: mpsc::Receiver<ToWriter>, to_hasher: mpsc::SyncSender<ToHasher>) -> Result<(), FormatError> {
     let mut cur: Option<BlobWriter> = None;
-    let mut unhinted = 0u64;
     for msg in rx {
-        let sealed = match msg {
-            ToWriter::Data(b) => {
-                let w = match cur.as_mut() {
-                    Some(w) => w,
-                    None => cur.insert(layout.blob_writer_hashed_by_caller()?),
-                };
-                w.write_all(&b).map_err(|e| FormatError::Io { context: format!("writing a pack into {}", layout.root().display()), source: e })?;
-                unhinted += b.len() as u64;
-                if unhinted >= WRITEBACK_EVERY {
-                    w.start_writeback();
-                    unhinted = 0;
-                }
-                if to_hasher.send(ToHasher::Data(b)).is_err() {
+        let ToWriter::Data(b) = msg else {
+            // Rollover or End: the pack being written is complete.
+            if let Some(mut w) = cur.take() {
+                w.start_writeback();
+                if to_hasher.send(ToHasher::Seal(w)).is_err() {
                     return Ok(());
                 }
-                continue;
             }
-            ToWriter::Rollover => false,
-            ToWriter::End => true,
+            if matches!(msg, ToWriter::End) {
+                break;
+            }
+            continue;
         };
-        if let Some(mut w) = cur.take() {
+        let w = match cur.as_mut() {
+            Some(w) => w,
+            None => cur.insert(layout.blob_writer_hashed_by_caller()?),
+        };
+        w.write_all(&b).map_err(|e| FormatError::Io { context: format!("writing a pack into {}", layout.root().display()), source: e })?;
+        if w.unhinted() >= WRITEBACK_EVERY {
             w.start_writeback();
-            unhinted = 0;
-            if to_hasher.send(ToHasher::Seal(w)).is_err() {
-                return Ok(());
-            }
         }
-        if sealed {
-            break;
+        if to_hasher.send(ToHasher::Data(b)).is_err() {
+            return Ok(());
         }
     }
     Ok(())
@@ -315,7 +308,6 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     // fsyncs and names each finished pack, so no stage waits on another's slow part
     // (with one thread doing all three, a 2 GiB pack took 1.7 s, 0.6 s of it in fsyncs).
     let (tx, rx) = mpsc::sync_channel::<ToWriter>(16);
-    let writer_layout = dest;
     let on_pack = opts.on_pack;
     let mut report = PackReport { kind: kind.to_string(), files: sc.files.len(), skipped: sc.skipped.clone(), ..Default::default() };
 
@@ -325,7 +317,7 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
         let (r, w) = std::thread::scope(|s| {
             let (to_hasher, hasher_rx) = mpsc::sync_channel::<ToHasher>(32);
             let (to_sealer, sealer_rx) = mpsc::sync_channel::<(BlobWriter, OciDigest)>(4);
-            let writer = s.spawn(move || write_packs(writer_layout, rx, to_hasher));
+            let writer = s.spawn(move || write_packs(dest, rx, to_hasher));
             let hasher = s.spawn(move || hash_packs(hasher_rx, to_sealer));
             let sealer = s.spawn(move || seal_packs(sealer_rx, on_pack));
             let mut r = chunk_all(&sc.files, opts, &parent_files, &known, &mut slots, &mut foreign_slot, &tx, &mut report);
