@@ -178,8 +178,7 @@ fn summary(path: &str) -> anyhow::Result<()> {
         rows[r].1.samples.push(s);
     }
     for ((table, cache), rows) in &tables {
-        let medians: BTreeMap<&str, f64> =
-            rows.iter().map(|(n, r)| (n.as_str(), median(r.samples.iter().map(|s| s.wall).collect()))).collect();
+        let medians: BTreeMap<&str, f64> = rows.iter().map(|(n, r)| (n.as_str(), median(r.samples.iter().map(|s| s.wall).collect()))).collect();
         println!("#### {table} ({cache} cache)\n");
         println!("| command | runs | median s | min–max s | ratio vs peer | CPU (user+sys) s | max RSS MiB |");
         println!("|---|---:|---:|---:|---|---:|---:|");

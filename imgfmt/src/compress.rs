@@ -82,9 +82,7 @@ impl FromStr for Compression {
         match name {
             "none" | "raw" if level.is_none() => Ok(Compression::None),
             "zstd" => Ok(Compression::Zstd(level.map(|l| parse(l, 1, 22)).transpose()?.unwrap_or(3) as i32)),
-            "flate" | "deflate" => {
-                Ok(Compression::Flate(level.map(|l| parse(l, 0, 9)).transpose()?.unwrap_or(6) as u32))
-            }
+            "flate" | "deflate" => Ok(Compression::Flate(level.map(|l| parse(l, 0, 9)).transpose()?.unwrap_or(6) as u32)),
             _ => Err(format!("unknown compression {s:?} (expected none, zstd[:1-22] or flate[:0-9])")),
         }
     }
@@ -98,10 +96,7 @@ impl Compression {
             Compression::None => return None,
             Compression::Zstd(level) => (Codec::Zstd, zstd::bulk::compress(raw, level).ok()?),
             Compression::Flate(level) => {
-                let mut enc = flate2::write::DeflateEncoder::new(
-                    Vec::with_capacity(raw.len() / 2),
-                    flate2::Compression::new(level),
-                );
+                let mut enc = flate2::write::DeflateEncoder::new(Vec::with_capacity(raw.len() / 2), flate2::Compression::new(level));
                 enc.write_all(raw).ok()?;
                 (Codec::Flate, enc.finish().ok()?)
             }
@@ -126,8 +121,7 @@ pub fn decompress(codec: Codec, stored: &[u8], raw_len: usize) -> Result<Vec<u8>
         }
         Codec::Zstd => {
             let mut out = vec![0u8; raw_len];
-            let n = zstd::bulk::decompress_to_buffer(stored, &mut out[..])
-                .map_err(|e| bad(format!("zstd: {e}")))?;
+            let n = zstd::bulk::decompress_to_buffer(stored, &mut out[..]).map_err(|e| bad(format!("zstd: {e}")))?;
             if n != raw_len {
                 return Err(bad(format!("zstd chunk decompressed to {n} bytes, expected {raw_len}")));
             }
@@ -137,10 +131,7 @@ pub fn decompress(codec: Codec, stored: &[u8], raw_len: usize) -> Result<Vec<u8>
             let mut out = Vec::with_capacity(raw_len);
             // Read one byte past the expected size to detect output that is too long
             // without ever holding more than raw_len + 1 bytes.
-            flate2::read::DeflateDecoder::new(stored)
-                .take(raw_len as u64 + 1)
-                .read_to_end(&mut out)
-                .map_err(|e| bad(format!("deflate: {e}")))?;
+            flate2::read::DeflateDecoder::new(stored).take(raw_len as u64 + 1).read_to_end(&mut out).map_err(|e| bad(format!("deflate: {e}")))?;
             if out.len() != raw_len {
                 return Err(bad(format!("deflate chunk decompressed to {}+ bytes, expected {raw_len}", out.len())));
             }

@@ -71,15 +71,12 @@ impl ChunkDigest {
     }
     /// Parse `algo:hex`, checking the algorithm.
     pub fn parse_with(s: &str, algo: HashAlgo) -> Result<Self, FormatError> {
-        let (a, h) = s
-            .split_once(':')
-            .ok_or_else(|| FormatError::invalid("digest", format!("{s:?} is not algo:hex")))?;
+        let (a, h) = s.split_once(':').ok_or_else(|| FormatError::invalid("digest", format!("{s:?} is not algo:hex")))?;
         if a != algo.name() {
             return Err(FormatError::invalid("digest", format!("{s:?} is not a {algo} digest")));
         }
         let mut out = [0u8; 32];
-        hex::decode_to_slice(h, &mut out)
-            .map_err(|_| FormatError::invalid("digest", format!("{s:?}: expected 64 hex digits")))?;
+        hex::decode_to_slice(h, &mut out).map_err(|_| FormatError::invalid("digest", format!("{s:?}: expected 64 hex digits")))?;
         Ok(ChunkDigest(out))
     }
 }

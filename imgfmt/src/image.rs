@@ -18,7 +18,12 @@ use crate::FormatError;
 pub enum StoredAt {
     Zero,
     /// `pack` indexes [`Image::packs`].
-    Pack { pack: u32, offset: u64, stored_len: u32, codec: Codec },
+    Pack {
+        pack: u32,
+        offset: u64,
+        stored_len: u32,
+        codec: Codec,
+    },
 }
 
 /// One chunk after resolving the chain.
@@ -90,10 +95,7 @@ impl Image {
         let manifest_bytes = read_verified_blob(src, manifest_digest, MAX_MANIFEST_BYTES)?;
         let manifest = Manifest::decode(&manifest_bytes)?;
         if manifest.config.media_type != media::CONFIG {
-            return Err(FormatError::invalid(
-                "manifest",
-                format!("{manifest_digest} has config type {:?}: not a snapctl image", manifest.config.media_type),
-            ));
+            return Err(FormatError::invalid("manifest", format!("{manifest_digest} has config type {:?}: not a snapctl image", manifest.config.media_type)));
         }
         let mut chain = Vec::new();
         let mut config_digest = manifest.config.digest.clone();
@@ -141,7 +143,8 @@ impl Image {
         // The manifest must list every blob the image needs, so registry GC and
         // cross-repository copies keep it whole.
         let listed: std::collections::HashSet<&OciDigest> = manifest.layers.iter().map(|d| &d.digest).collect();
-        let needed = chain.iter().skip(1).flat_map(|l| [&l.config_digest, &l.index_digest]).chain([&chain[0].index_digest]).chain(packs.iter().map(|p| &p.digest));
+        let needed =
+            chain.iter().skip(1).flat_map(|l| [&l.config_digest, &l.index_digest]).chain([&chain[0].index_digest]).chain(packs.iter().map(|p| &p.digest));
         for d in needed {
             if !listed.contains(d) {
                 return Err(FormatError::invalid("manifest", format!("{manifest_digest} does not list blob {d} that the image needs")));
@@ -165,10 +168,7 @@ fn check_config_matches_index(config: &ImageConfig, index: &ChunkIndex) -> Resul
         return Err(FormatError::invalid("config/index", "hash or chunk size differ between config and index"));
     }
     if config.files.len() != index.files.len() {
-        return Err(FormatError::invalid(
-            "config/index",
-            format!("config lists {} files, index {}", config.files.len(), index.files.len()),
-        ));
+        return Err(FormatError::invalid("config/index", format!("config lists {} files, index {}", config.files.len(), index.files.len())));
     }
     for (c, i) in config.files.iter().zip(&index.files) {
         if c.size != i.size {
@@ -200,8 +200,7 @@ pub fn resolve_chain(chain: &[ChainLink]) -> Result<(Vec<ResolvedFile>, Vec<Pack
             }
             local.push(id);
         }
-        let parent_by_name: HashMap<&str, &ResolvedFile> =
-            below.iter().flatten().map(|f| (f.name.as_str(), f)).collect();
+        let parent_by_name: HashMap<&str, &ResolvedFile> = below.iter().flatten().map(|f| (f.name.as_str(), f)).collect();
         let mut files = Vec::with_capacity(ix.files.len());
         for (fi, (cf, xf)) in link.config.files.iter().zip(&ix.files).enumerate() {
             let n = chunk_count(xf.size, shift);
@@ -225,9 +224,7 @@ pub fn resolve_chain(chain: &[ChainLink]) -> Result<(Vec<ResolvedFile>, Vec<Pack
                         let rec = r.next().expect("peeked");
                         let at = match rec.kind {
                             RecordKind::Zero => StoredAt::Zero,
-                            RecordKind::Stored { pack, offset, stored_len, codec } => {
-                                StoredAt::Pack { pack: local[pack as usize], offset, stored_len, codec }
-                            }
+                            RecordKind::Stored { pack, offset, stored_len, codec } => StoredAt::Pack { pack: local[pack as usize], offset, stored_len, codec },
                         };
                         ResolvedChunk { digest: rec.digest, len, at, depth: depth as u8 }
                     }

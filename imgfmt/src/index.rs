@@ -146,10 +146,7 @@ impl ChunkIndex {
 
     /// Exact encoded length.
     pub fn encoded_len(&self) -> usize {
-        HEADER_LEN
-            + FILE_ENTRY_LEN * self.files.len()
-            + PACK_ENTRY_LEN * self.packs.len()
-            + RECORD_LEN * self.records.len()
+        HEADER_LEN + FILE_ENTRY_LEN * self.files.len() + PACK_ENTRY_LEN * self.packs.len() + RECORD_LEN * self.records.len()
     }
 
     /// Serialize. The caller builds valid indexes; `validate` is the decoder's check and is
@@ -213,14 +210,10 @@ impl ChunkIndex {
         if major != INDEX_MAJOR {
             return Err(FormatError::UnsupportedVersion { what: "chunk index", major, supported: INDEX_MAJOR });
         }
-        let hash = HashAlgo::from_code(b[12])
-            .ok_or_else(|| FormatError::invalid("index hash algorithm", format!("unknown code {}", b[12])))?;
+        let hash = HashAlgo::from_code(b[12]).ok_or_else(|| FormatError::invalid("index hash algorithm", format!("unknown code {}", b[12])))?;
         let chunk_shift = b[13];
         if !(MIN_CHUNK_SHIFT..=MAX_CHUNK_SHIFT).contains(&chunk_shift) {
-            return Err(FormatError::invalid(
-                "index chunk_shift",
-                format!("{chunk_shift} outside {MIN_CHUNK_SHIFT}..={MAX_CHUNK_SHIFT}"),
-            ));
+            return Err(FormatError::invalid("index chunk_shift", format!("{chunk_shift} outside {MIN_CHUNK_SHIFT}..={MAX_CHUNK_SHIFT}")));
         }
         let flags = b[14];
         if flags & !FLAG_LAYER != 0 {
@@ -240,10 +233,7 @@ impl ChunkIndex {
             return Err(FormatError::TooLarge { what: "index record_count", got: record_count, limit: max_records });
         }
         // Counts are bounded above, so this cannot overflow.
-        let expected = HEADER_LEN as u64
-            + FILE_ENTRY_LEN as u64 * file_count
-            + PACK_ENTRY_LEN as u64 * pack_count
-            + RECORD_LEN as u64 * record_count;
+        let expected = HEADER_LEN as u64 + FILE_ENTRY_LEN as u64 * file_count + PACK_ENTRY_LEN as u64 * pack_count + RECORD_LEN as u64 * record_count;
         if b.len() as u64 != expected {
             return Err(FormatError::Truncated { what: "index blob", got: b.len() as u64, expected });
         }
@@ -251,11 +241,7 @@ impl ChunkIndex {
         let mut pos = HEADER_LEN;
         let mut files = Vec::with_capacity(file_count as usize);
         for _ in 0..file_count {
-            files.push(IndexFile {
-                size: u64_at(b, pos),
-                first_record: u64_at(b, pos + 8),
-                record_count: u64_at(b, pos + 16),
-            });
+            files.push(IndexFile { size: u64_at(b, pos), first_record: u64_at(b, pos + 8), record_count: u64_at(b, pos + 16) });
             pos += FILE_ENTRY_LEN;
         }
         let mut packs = Vec::with_capacity(pack_count as usize);
@@ -276,17 +262,13 @@ impl ChunkIndex {
             let kind = match kind {
                 0 => {
                     if pack != NO_PACK || offset != 0 || stored_len != 0 || codec_code != 0 {
-                        return Err(FormatError::invalid(
-                            "index record",
-                            format!("record {i}: zero chunk with pack/offset/length/codec set"),
-                        ));
+                        return Err(FormatError::invalid("index record", format!("record {i}: zero chunk with pack/offset/length/codec set")));
                     }
                     RecordKind::Zero
                 }
                 1 => {
-                    let codec = Codec::from_code(codec_code).ok_or_else(|| {
-                        FormatError::invalid("index record", format!("record {i}: unknown codec {codec_code}"))
-                    })?;
+                    let codec =
+                        Codec::from_code(codec_code).ok_or_else(|| FormatError::invalid("index record", format!("record {i}: unknown codec {codec_code}")))?;
                     RecordKind::Stored { pack, offset, stored_len, codec }
                 }
                 k => return Err(FormatError::invalid("index record", format!("record {i}: unknown kind {k}"))),
@@ -310,34 +292,23 @@ impl ChunkIndex {
                 return Err(FormatError::TooLarge { what: "file size", got: f.size, limit: MAX_FILE_SIZE });
             }
             if f.first_record != next {
-                return Err(FormatError::invalid(
-                    "index file table",
-                    format!("file {fi}: first_record {} but previous files end at {next}", f.first_record),
-                ));
+                return Err(FormatError::invalid("index file table", format!("file {fi}: first_record {} but previous files end at {next}", f.first_record)));
             }
             let n = chunk_count(f.size, self.chunk_shift);
             if f.record_count > n || (!self.layer && f.record_count != n) {
-                return Err(FormatError::invalid(
-                    "index file table",
-                    format!("file {fi}: {} records for {n} chunks", f.record_count),
-                ));
+                return Err(FormatError::invalid("index file table", format!("file {fi}: {} records for {n} chunks", f.record_count)));
             }
             next = next
                 .checked_add(f.record_count)
                 .filter(|&v| v <= self.records.len() as u64)
-                .ok_or_else(|| {
-                    FormatError::invalid("index file table", format!("file {fi}: records past the end of the table"))
-                })?;
+                .ok_or_else(|| FormatError::invalid("index file table", format!("file {fi}: records past the end of the table")))?;
             let recs = &self.records[f.first_record as usize..next as usize];
             let mut prev: Option<u64> = None;
             for (j, r) in recs.iter().enumerate() {
                 let ri = f.first_record + j as u64;
                 let ok_order = if self.layer { prev.is_none_or(|p| r.chunk > p) } else { r.chunk == j as u64 };
                 if !ok_order || r.chunk >= n {
-                    return Err(FormatError::invalid(
-                        "index record",
-                        format!("record {ri}: file {fi} chunk {} out of order or past its {n} chunks", r.chunk),
-                    ));
+                    return Err(FormatError::invalid("index record", format!("record {ri}: file {fi} chunk {} out of order or past its {n} chunks", r.chunk)));
                 }
                 prev = Some(r.chunk);
                 if let RecordKind::Stored { pack, offset, stored_len, codec } = r.kind {
@@ -356,23 +327,13 @@ impl ChunkIndex {
                         FormatError::invalid("index record", format!("record {ri}: pack {pack} not in the {}-entry pack table", self.packs.len()))
                     })?;
                     if offset.checked_add(stored_len as u64).is_none_or(|end| end > p.size) {
-                        return Err(FormatError::OutOfBounds {
-                            file: fi as u32,
-                            record: ri,
-                            pack,
-                            offset,
-                            len: stored_len as u64,
-                            pack_size: p.size,
-                        });
+                        return Err(FormatError::OutOfBounds { file: fi as u32, record: ri, pack, offset, len: stored_len as u64, pack_size: p.size });
                     }
                 }
             }
         }
         if next != self.records.len() as u64 {
-            return Err(FormatError::invalid(
-                "index file table",
-                format!("files cover {next} records, table has {}", self.records.len()),
-            ));
+            return Err(FormatError::invalid("index file table", format!("files cover {next} records, table has {}", self.records.len())));
         }
         for p in &self.packs {
             if p.digest.algorithm() != "sha256" {
@@ -408,10 +369,7 @@ mod tests {
             hash: HashAlgo::Blake3,
             chunk_shift: 16,
             layer: false,
-            files: vec![
-                IndexFile { size: 65536 * 2 + 10, first_record: 0, record_count: 3 },
-                IndexFile { size: 0, first_record: 3, record_count: 0 },
-            ],
+            files: vec![IndexFile { size: 65536 * 2 + 10, first_record: 0, record_count: 3 }, IndexFile { size: 0, first_record: 3, record_count: 0 }],
             packs: vec![PackRef { digest: OciDigest::of(b"pack"), size: 65536 + 10 }],
             records: vec![
                 ChunkRecord { chunk: 0, kind: RecordKind::Stored { pack: 0, offset: 0, stored_len: 65536, codec: Codec::Raw }, digest: d(1) },

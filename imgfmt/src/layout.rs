@@ -50,8 +50,7 @@ impl OciLayout {
     pub fn open(root: impl AsRef<Path>) -> Result<Self, FormatError> {
         let root = root.as_ref().to_path_buf();
         let marker = root.join("oci-layout");
-        let text = fs::read_to_string(&marker)
-            .map_err(io_err(format!("{} is not an OCI image layout (reading oci-layout)", root.display())))?;
+        let text = fs::read_to_string(&marker).map_err(io_err(format!("{} is not an OCI image layout (reading oci-layout)", root.display())))?;
         if !text.contains("imageLayoutVersion") {
             return Err(FormatError::invalid("oci-layout", format!("{}: no imageLayoutVersion", marker.display())));
         }
@@ -67,12 +66,7 @@ impl OciLayout {
         fs::create_dir_all(root.join("blobs").join("sha256")).map_err(io_err(format!("create {}", root.display())))?;
         write_atomic(&root.join("oci-layout"), OCI_LAYOUT_CONTENT.as_bytes())?;
         if !root.join("index.json").exists() {
-            let empty = ImageIndex {
-                schema_version: 2,
-                media_type: Some(OCI_INDEX.into()),
-                manifests: vec![],
-                annotations: Default::default(),
-            };
+            let empty = ImageIndex { schema_version: 2, media_type: Some(OCI_INDEX.into()), manifests: vec![], annotations: Default::default() };
             write_atomic(&root.join("index.json"), &serde_json::to_vec(&empty).expect("serializes"))?;
         }
         Self::open(root)
@@ -136,12 +130,7 @@ impl OciLayout {
 
     /// The tags (`org.opencontainers.image.ref.name`) and their descriptors.
     pub fn tags(&self) -> Result<Vec<(String, Descriptor)>, FormatError> {
-        Ok(self
-            .read_index_json()?
-            .manifests
-            .into_iter()
-            .filter_map(|d| d.annotations.get(ANN_REF_NAME).cloned().map(|t| (t, d)))
-            .collect())
+        Ok(self.read_index_json()?.manifests.into_iter().filter_map(|d| d.annotations.get(ANN_REF_NAME).cloned().map(|t| (t, d))).collect())
     }
 
     /// Point `tag` at a manifest (replacing what it pointed at). The manifest blob must

@@ -115,9 +115,7 @@ impl FromStr for Reference {
             }
             return Ok(Reference::Layout { path: PathBuf::from(path), selector });
         }
-        let (host, rest) = s
-            .split_once('/')
-            .ok_or_else(|| bad("expected oci:PATH[:TAG] or HOST[:PORT]/REPO[:TAG|@DIGEST]".into()))?;
+        let (host, rest) = s.split_once('/').ok_or_else(|| bad("expected oci:PATH[:TAG] or HOST[:PORT]/REPO[:TAG|@DIGEST]".into()))?;
         if host.is_empty() || !(host.contains('.') || host.contains(':') || host == "localhost") {
             return Err(bad(format!("{host:?} is not a registry host (use oci:PATH for a local layout)")));
         }
@@ -147,10 +145,7 @@ mod tests {
     #[test]
     fn registries() {
         let r: Reference = "127.0.0.1:5000/vm/base:v2".parse().unwrap();
-        assert_eq!(
-            r,
-            Reference::Registry { host: "127.0.0.1:5000".into(), repository: "vm/base".into(), selector: Selector::Tag("v2".into()) }
-        );
+        assert_eq!(r, Reference::Registry { host: "127.0.0.1:5000".into(), repository: "vm/base".into(), selector: Selector::Tag("v2".into()) });
         assert!("localhost/Bad".parse::<Reference>().is_err());
         assert!("localhost/a/../b".parse::<Reference>().is_err());
         assert!("noreg".parse::<Reference>().is_err());

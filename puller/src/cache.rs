@@ -364,7 +364,10 @@ impl ChunkCache {
     /// once `file` is durable under its name; dropped uncommitted, the temporaries go.
     pub fn prepare_refs(&self, algo: HashAlgo, file: &Path, items: &[(ChunkDigest, u32, u64)]) -> Result<PreparedRefs<'_>, CacheError> {
         if !file.is_absolute() {
-            return Err(CacheError::Io { path: file.to_path_buf(), source: std::io::Error::new(ErrorKind::InvalidInput, "a chunk reference needs an absolute path") });
+            return Err(CacheError::Io {
+                path: file.to_path_buf(),
+                source: std::io::Error::new(ErrorKind::InvalidInput, "a chunk reference needs an absolute path"),
+            });
         }
         let mut prepared = PreparedRefs { cache: self, pending: Vec::with_capacity(items.len()) };
         for (digest, len, offset) in items {
@@ -724,7 +727,11 @@ mod tests {
         // Not written yet: the pull prepares while it fetches.
         let items = [(d1, 8192, 0), (d2, 8192, 8192)];
         fn refs_under(dir: &Path) -> usize {
-            fs::read_dir(dir).unwrap().flatten().map(|e| if e.file_type().unwrap().is_dir() { refs_under(&e.path()) } else { usize::from(e.file_name().to_string_lossy().contains(".ref")) }).sum()
+            fs::read_dir(dir)
+                .unwrap()
+                .flatten()
+                .map(|e| if e.file_type().unwrap().is_dir() { refs_under(&e.path()) } else { usize::from(e.file_name().to_string_lossy().contains(".ref")) })
+                .sum()
         }
         let files_in = |c: &ChunkCache| refs_under(c.dir());
 
@@ -809,7 +816,14 @@ mod tests {
     fn chunk_ref_round_trips_and_rejects_garbage() {
         let r = ChunkRef { len: 1 << 20, offset: 7 << 20, file: PathBuf::from("/srv/vm 1/vm.mem") };
         assert_eq!(ChunkRef::decode(&r.encode()), Some(r));
-        for bad in [&b""[..], b"snapctl-chunk-ref v1 1 2", b"snapctl-chunk-ref v2 1 2\n/x", b"snapctl-chunk-ref v1 1 2\nrelative", b"snapctl-chunk-ref v1 -1 2\n/x", b"snapctl-chunk-ref v1 99999999999 2\n/x"] {
+        for bad in [
+            &b""[..],
+            b"snapctl-chunk-ref v1 1 2",
+            b"snapctl-chunk-ref v2 1 2\n/x",
+            b"snapctl-chunk-ref v1 1 2\nrelative",
+            b"snapctl-chunk-ref v1 -1 2\n/x",
+            b"snapctl-chunk-ref v1 99999999999 2\n/x",
+        ] {
             assert_eq!(ChunkRef::decode(bad), None, "{:?}", String::from_utf8_lossy(bad));
         }
     }

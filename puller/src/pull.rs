@@ -253,7 +253,20 @@ pub fn pull(
                 punch_zero_runs(&outs[fi].0, f, shift).map_err(io(&outs[fi].1))?;
             }
         }
-        let ctx = Ctx { src, image, cache, to_cache: None, distinct: &distinct, outs: &outs, write_locks: &write_locks, shift, algo, progress, c: &c, landed: &landed };
+        let ctx = Ctx {
+            src,
+            image,
+            cache,
+            to_cache: None,
+            distinct: &distinct,
+            outs: &outs,
+            write_locks: &write_locks,
+            shift,
+            algo,
+            progress,
+            c: &c,
+            landed: &landed,
+        };
         resolved = ctx.resume(&adopted, opts.jobs.max(1))?;
     }
 
@@ -326,7 +339,8 @@ pub fn pull(
             }
         }
         let to_cache = copies.then_some(to_cache);
-        let ctx = Ctx { src, image, cache, to_cache, distinct: &distinct, outs: &outs, write_locks: &write_locks, shift, algo, progress, c: &c, landed: &landed };
+        let ctx =
+            Ctx { src, image, cache, to_cache, distinct: &distinct, outs: &outs, write_locks: &write_locks, shift, algo, progress, c: &c, landed: &landed };
         run_workers(&ctx, &work, opts, &next, &failed, &first_err);
         // Dropping the last sender ends the writers once the queue is drained; the outer
         // scope waits for them, so every queued chunk is put before pull returns.
@@ -436,14 +450,7 @@ fn cache_writer(cache: &ChunkCache, algo: imgfmt::HashAlgo, rx: &Mutex<Receiver<
 }
 
 /// The fetch pool: `jobs` threads taking work items in order until done or one fails.
-fn run_workers(
-    ctx: &Ctx<'_>,
-    work: &[Work],
-    opts: &PullOptions,
-    next: &AtomicUsize,
-    failed: &AtomicBool,
-    first_err: &Mutex<Option<UnpackError>>,
-) {
+fn run_workers(ctx: &Ctx<'_>, work: &[Work], opts: &PullOptions, next: &AtomicUsize, failed: &AtomicBool, first_err: &Mutex<Option<UnpackError>>) {
     std::thread::scope(|s| {
         for _ in 0..opts.jobs.max(1) {
             s.spawn(|| loop {
@@ -668,9 +675,12 @@ impl Ctx<'_> {
         let (file, chunk) = d.positions[0];
         let name = &self.image.files[file].name;
         let offset = chunk << self.shift;
-        let buf = self
-            .read_range(&self.image.packs[d.pack as usize].digest, d.offset, d.stored_len as usize)
-            .map_err(|source| VerifyError::Read { file: name.clone(), chunk, offset, source })?;
+        let buf = self.read_range(&self.image.packs[d.pack as usize].digest, d.offset, d.stored_len as usize).map_err(|source| VerifyError::Read {
+            file: name.clone(),
+            chunk,
+            offset,
+            source,
+        })?;
         self.c.bytes_fetched.fetch_add(buf.len() as u64, Ordering::Relaxed);
         verify::verify_stored(self.algo, d.codec, buf, d.len, &d.digest).map_err(|(detail, actual)| {
             UnpackError::Verify(match actual {
@@ -815,7 +825,7 @@ mod tests {
             d(0, 0, mb as u32),
             d(0, mb, mb as u32),
             d(1, 0, 1000),
-            d(0, 3 * mb, mb as u32), // a 1 MiB gap: too far to read through
+            d(0, 3 * mb, mb as u32),   // a 1 MiB gap: too far to read through
             d(0, 4 * mb + 1000, 1000), // a small gap: joined
         ];
         let w = coalesce(&ds, vec![4, 2, 0, 3, 1], 8 * mb);

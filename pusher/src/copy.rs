@@ -116,9 +116,7 @@ impl CopyError {
     pub fn is_integrity(&self) -> bool {
         matches!(
             self,
-            CopyError::Client(ClientError::DigestMismatch { .. })
-                | CopyError::Format(FormatError::BlobDigestMismatch { .. })
-                | CopyError::SizeMismatch { .. }
+            CopyError::Client(ClientError::DigestMismatch { .. }) | CopyError::Format(FormatError::BlobDigestMismatch { .. }) | CopyError::SizeMismatch { .. }
         )
     }
 }
@@ -164,7 +162,10 @@ pub enum Moved {
     Skipped,
     /// Linked from another repository of the same registry.
     Mounted,
-    Uploaded { sent: u64, resumed: u64 },
+    Uploaded {
+        sent: u64,
+        resumed: u64,
+    },
 }
 
 /// The manifest at `digest` in `src` (checked against it) and the blobs it lists.

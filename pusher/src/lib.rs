@@ -11,6 +11,6 @@ mod pack;
 mod push;
 pub mod scan;
 
-pub use pack::{ensure_blob, pack, OnPack, PackError, PackOptions, PackReport, Related, DEFAULT_PACK_SIZE};
 pub use copy::{copy, CopyError, CopyOptions, PushReport, Target};
+pub use pack::{ensure_blob, pack, OnPack, PackError, PackOptions, PackReport, Related, DEFAULT_PACK_SIZE};
 pub use push::push;

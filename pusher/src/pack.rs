@@ -11,11 +11,11 @@ use std::time::Instant;
 use imgfmt::compress::Codec;
 use imgfmt::config::{BlobRef, ChainRef, FileEntry, CONFIG_FORMAT};
 use imgfmt::index::{chunk_count, chunk_len, IndexFile};
-use imgfmt::{
-    media, BlobSource, ChunkDigest, ChunkIndex, ChunkRecord, Compression, Descriptor, FormatError, HashAlgo, Image,
-    ImageConfig, Kind, Manifest, OciDigest, OciLayout, PackRef, RecordKind, Role, StoredAt,
-};
 use imgfmt::layout::BlobWriter;
+use imgfmt::{
+    media, BlobSource, ChunkDigest, ChunkIndex, ChunkRecord, Compression, Descriptor, FormatError, HashAlgo, Image, ImageConfig, Kind, Manifest, OciDigest,
+    OciLayout, PackRef, RecordKind, Role, StoredAt,
+};
 use serde::Serialize;
 use sha2::Digest as _;
 use verify::hash::is_zero;
@@ -137,7 +137,11 @@ struct Loc {
 enum Slot {
     /// The n-th pack this run writes.
     Own(usize),
-    Foreign { pack: PackRef, owner: &'static str, from_base: bool },
+    Foreign {
+        pack: PackRef,
+        owner: &'static str,
+        from_base: bool,
+    },
 }
 
 /// Per file, per chunk: `None` = inherited from the parent, `Some((digest, None))` = zero,
@@ -296,11 +300,7 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
             }
         }
     }
-    let parent_files: HashMap<&str, &imgfmt::ResolvedFile> = opts
-        .parent
-        .iter()
-        .flat_map(|r| r.image.files.iter().map(|f| (f.name.as_str(), f)))
-        .collect();
+    let parent_files: HashMap<&str, &imgfmt::ResolvedFile> = opts.parent.iter().flat_map(|r| r.image.files.iter().map(|f| (f.name.as_str(), f))).collect();
 
     // Packs are written by a pipeline beside this thread (which reads and BLAKE3-hashes):
     // a writer copies each chunk into the pack file and starts its writeback, a hasher
@@ -478,7 +478,10 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     };
     let manifest_bytes = manifest.encode();
     let manifest_digest = dest.put_blob(&manifest_bytes)?;
-    dest.set_tag(tag, Descriptor::new(media::OCI_MANIFEST, manifest_digest.clone(), manifest_bytes.len() as u64).with_annotation(media::ANN_ROOT, config.root.clone()))?;
+    dest.set_tag(
+        tag,
+        Descriptor::new(media::OCI_MANIFEST, manifest_digest.clone(), manifest_bytes.len() as u64).with_annotation(media::ANN_ROOT, config.root.clone()),
+    )?;
 
     report.manifest = manifest_digest.to_string();
     report.root = config.root;
@@ -524,10 +527,7 @@ fn chunk_all(
         let parent = parent_files.get(f.name.as_str()).copied();
         let diff_file = opts.diff && f.role == Role::Memory;
         if diff_file && parent.is_none_or(|p| p.size != size) {
-            return Err(PackError::Invalid(format!(
-                "--diff: {} has no same-size counterpart in the parent, so its holes cannot mean 'unchanged'",
-                f.name
-            )));
+            return Err(PackError::Invalid(format!("--diff: {} has no same-size counterpart in the parent, so its holes cannot mean 'unchanged'", f.name)));
         }
         let mut slots_of_file: Vec<Option<(ChunkDigest, Option<Loc>)>> = Vec::with_capacity(n as usize);
         let mut c = 0u64;
@@ -724,10 +724,7 @@ fn created_now() -> String {
         .and_then(|s| s.parse::<i64>().ok())
         .and_then(|s| time::OffsetDateTime::from_unix_timestamp(s).ok())
         .unwrap_or_else(time::OffsetDateTime::now_utc);
-    t.replace_nanosecond(0)
-        .unwrap_or(t)
-        .format(&time::format_description::well_known::Rfc3339)
-        .unwrap_or_else(|_| "1970-01-01T00:00:00Z".into())
+    t.replace_nanosecond(0).unwrap_or(t).format(&time::format_description::well_known::Rfc3339).unwrap_or_else(|_| "1970-01-01T00:00:00Z".into())
 }
 
 #[cfg(test)]
@@ -759,7 +756,8 @@ mod tests {
             h.join().unwrap().unwrap();
             sealer.join().unwrap()
         });
-        let mut names: Vec<String> = std::fs::read_dir(dir.path().join("blobs/sha256")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        let mut names: Vec<String> =
+            std::fs::read_dir(dir.path().join("blobs/sha256")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
         names.sort();
         (done, announced.into_inner().unwrap(), names)
     }

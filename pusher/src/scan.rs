@@ -35,22 +35,14 @@ pub fn scan_dir(dir: &Path) -> io::Result<Scan> {
     while let Some((p, prefix)) = stack.pop() {
         for e in std::fs::read_dir(&p)? {
             let e = e?;
-            let name = e.file_name().into_string().map_err(|n| {
-                io::Error::new(io::ErrorKind::InvalidData, format!("file name {n:?} is not UTF-8"))
-            })?;
+            let name = e.file_name().into_string().map_err(|n| io::Error::new(io::ErrorKind::InvalidData, format!("file name {n:?} is not UTF-8")))?;
             let rel = if prefix.is_empty() { name } else { format!("{prefix}/{name}") };
             let ft = e.file_type()?;
             if ft.is_dir() {
                 stack.push((e.path(), rel));
             } else if ft.is_file() {
                 let md = e.metadata()?;
-                scan.files.push(SourceFile {
-                    name: rel,
-                    path: e.path(),
-                    size: md.len(),
-                    mode: md.permissions().mode() & 0o7777,
-                    role: Role::Other,
-                });
+                scan.files.push(SourceFile { name: rel, path: e.path(), size: md.len(), mode: md.permissions().mode() & 0o7777, role: Role::Other });
             } else {
                 scan.skipped.push(rel);
             }
@@ -70,10 +62,12 @@ pub fn detect_kind(files: &[SourceFile]) -> Kind {
     let has = |n: &str| files.iter().any(|f| base_name(&f.name) == n);
     if has("checkpoint.img") || has("pages_meta.img") {
         Kind::Gvisor
-    } else if has("inventory.img") || files.iter().any(|f| {
-        let b = base_name(&f.name);
-        (b.starts_with("pages-") || b.starts_with("pagemap-")) && b.ends_with(".img")
-    }) {
+    } else if has("inventory.img")
+        || files.iter().any(|f| {
+            let b = base_name(&f.name);
+            (b.starts_with("pages-") || b.starts_with("pagemap-")) && b.ends_with(".img")
+        })
+    {
         Kind::Criu
     } else if has("vm.mem") || has("vm.state") || has("vmstate") || (has("memory") && (has("snapshot") || has("state"))) {
         Kind::Firecracker
@@ -187,12 +181,7 @@ impl<'a> ExtentCursor<'a> {
     }
     /// The data pieces inside `[start, end)`.
     pub fn pieces(&self, start: u64, end: u64) -> Vec<(u64, u64)> {
-        self.extents[self.i..]
-            .iter()
-            .take_while(|(s, _)| *s < end)
-            .filter(|(_, e)| *e > start)
-            .map(|&(s, e)| (s.max(start), e.min(end)))
-            .collect()
+        self.extents[self.i..].iter().take_while(|(s, _)| *s < end).filter(|(_, e)| *e > start).map(|&(s, e)| (s.max(start), e.min(end))).collect()
     }
 }
 
@@ -203,10 +192,7 @@ mod tests {
     #[test]
     fn kinds_and_roles() {
         let f = |names: &[&str]| -> Vec<SourceFile> {
-            names
-                .iter()
-                .map(|n| SourceFile { name: n.to_string(), path: n.into(), size: 0, mode: 0o644, role: Role::Other })
-                .collect()
+            names.iter().map(|n| SourceFile { name: n.to_string(), path: n.into(), size: 0, mode: 0o644, role: Role::Other }).collect()
         };
         assert_eq!(detect_kind(&f(&["vm.mem", "vm.state"])), Kind::Firecracker);
         assert_eq!(detect_kind(&f(&["checkpoint.img"])), Kind::Gvisor);

@@ -207,23 +207,12 @@ impl Auth {
         let users = parse_htpasswd(htpasswd)?;
         let mut rules = match acl {
             Some(t) => toml::from_str::<AclFile>(t).map_err(|e| AuthConfigError::Acl(e.to_string()))?.rule,
-            None => vec![Rule {
-                users: vec!["*".into()],
-                repos: vec!["*".into()],
-                actions: vec![Action::Pull, Action::Push, Action::Delete],
-            }],
+            None => vec![Rule { users: vec!["*".into()], repos: vec!["*".into()], actions: vec![Action::Pull, Action::Push, Action::Delete] }],
         };
         if anonymous_read {
             rules.push(Rule { users: vec!["anonymous".into()], repos: vec!["*".into()], actions: vec![Action::Pull] });
         }
-        Ok(Auth {
-            users,
-            rules,
-            secret,
-            service: "snapctl".into(),
-            realm: None,
-            verified: Mutex::new(HashSet::new()),
-        })
+        Ok(Auth { users, rules, secret, service: "snapctl".into(), realm: None, verified: Mutex::new(HashSet::new()) })
     }
 
     /// Whether a user (None = anonymous) has `action` on `repo` per the ACL.
@@ -295,16 +284,9 @@ impl Auth {
             if kind != "repository" {
                 continue;
             }
-            let wanted: Vec<Action> = if acts == "*" {
-                vec![Action::Pull, Action::Push, Action::Delete]
-            } else {
-                acts.split(',').filter_map(Action::parse).collect()
-            };
-            let granted: Vec<String> = wanted
-                .into_iter()
-                .filter(|a| self.acl_allows(sub, name, *a))
-                .map(|a| a.as_str().to_owned())
-                .collect();
+            let wanted: Vec<Action> =
+                if acts == "*" { vec![Action::Pull, Action::Push, Action::Delete] } else { acts.split(',').filter_map(Action::parse).collect() };
+            let granted: Vec<String> = wanted.into_iter().filter(|a| self.acl_allows(sub, name, *a)).map(|a| a.as_str().to_owned()).collect();
             if let Some(e) = access.iter_mut().find(|e| e.name == name) {
                 for g in granted {
                     if !e.actions.contains(&g) {
@@ -343,11 +325,7 @@ impl Auth {
         if claims.exp <= now() || claims.aud != self.service {
             return None;
         }
-        let access = claims
-            .access
-            .iter()
-            .flat_map(|a| a.actions.iter().filter_map(|x| Action::parse(x)).map(|x| (a.name.clone(), x)))
-            .collect();
+        let access = claims.access.iter().flat_map(|a| a.actions.iter().filter_map(|x| Action::parse(x)).map(|x| (a.name.clone(), x))).collect();
         Some(Identity::Token { sub: claims.sub, access })
     }
 }

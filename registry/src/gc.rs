@@ -101,17 +101,15 @@ pub async fn run(store: &dyn BlobStore, opts: &GcOptions) -> Result<GcReport, Gc
     for m in &repo_keys {
         match layout::parse_repo_key(&m.key) {
             Some(RepoKey::Manifest(_, d)) | Some(RepoKey::Referrer(_, _, d)) => todo.push(d),
-            Some(RepoKey::Tag(..)) => {
-                match store.get_bytes(&m.key).await {
-                    Ok(b) => {
-                        if let Some(d) = std::str::from_utf8(&b).ok().and_then(|s| s.trim().parse().ok()) {
-                            todo.push(d);
-                        }
+            Some(RepoKey::Tag(..)) => match store.get_bytes(&m.key).await {
+                Ok(b) => {
+                    if let Some(d) = std::str::from_utf8(&b).ok().and_then(|s| s.trim().parse().ok()) {
+                        todo.push(d);
                     }
-                    Err(e) if e.is_not_found() => {}
-                    Err(e) => return Err(e.into()),
                 }
-            }
+                Err(e) if e.is_not_found() => {}
+                Err(e) => return Err(e.into()),
+            },
             Some(RepoKey::Layer(_, d)) => layer_links.push((m.key.clone(), d)),
             None => {}
         }
@@ -134,8 +132,7 @@ pub async fn run(store: &dyn BlobStore, opts: &GcOptions) -> Result<GcReport, Gc
             Err(e) => return Err(e.into()),
         };
         report.manifests += 1;
-        let json: serde_json::Value = serde_json::from_slice(&bytes)
-            .map_err(|e| GcError::BadManifest { digest: d.clone(), reason: e.to_string() })?;
+        let json: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| GcError::BadManifest { digest: d.clone(), reason: e.to_string() })?;
         let refs = manifest_refs(&json).map_err(|e| GcError::BadManifest { digest: d.clone(), reason: e.message })?;
         for (child, is_manifest) in refs.children {
             if is_manifest {

@@ -248,11 +248,7 @@ impl Server {
 
     /// Serve plain HTTP on `listener` until `shutdown` resolves, then finish in-flight
     /// requests.
-    pub async fn serve(
-        self: Arc<Self>,
-        listener: tokio::net::TcpListener,
-        shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> std::io::Result<()> {
+    pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
         let app = self.router().into_make_service_with_connect_info::<SocketAddr>();
         axum::serve(listener, app).with_graceful_shutdown(shutdown).await
     }
@@ -297,10 +293,7 @@ impl Server {
 
     async fn identify(&self, headers: &HeaderMap) -> Result<Identity, ApiError> {
         let Some(auth) = &self.cfg.auth else { return Ok(Identity::Anonymous) };
-        let is_basic = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.len() > 6 && v[..6].eq_ignore_ascii_case("basic "));
+        let is_basic = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).is_some_and(|v| v.len() > 6 && v[..6].eq_ignore_ascii_case("basic "));
         let r = if is_basic {
             // bcrypt is deliberately slow (tens of ms per uncached check): on the
             // multi-thread runtime, let the other tasks of this worker move elsewhere.
@@ -441,8 +434,7 @@ impl Server {
     async fn get_blob(&self, repo: &RepoName, d: &str, headers: &HeaderMap, head: bool) -> Result<Response, ApiError> {
         let d = parse_digest(d)?;
         let unknown = || ApiError::not_found(Code::BlobUnknown, format!("blob {d} unknown to {repo}"));
-        let linked = exists(self.store.as_ref(), &layout::layer_link(repo, &d)).await?
-            || exists(self.store.as_ref(), &layout::manifest_link(repo, &d)).await?;
+        let linked = exists(self.store.as_ref(), &layout::layer_link(repo, &d)).await? || exists(self.store.as_ref(), &layout::manifest_link(repo, &d)).await?;
         if !linked {
             return Err(unknown());
         }
@@ -549,12 +541,7 @@ impl Server {
         Ok(true)
     }
 
-    async fn put_whole_blob(
-        &self,
-        repo: &RepoName,
-        d: &Digest,
-        body: impl futures::Stream<Item = Result<Bytes, axum::Error>> + Send,
-    ) -> Result<(), ApiError> {
+    async fn put_whole_blob(&self, repo: &RepoName, d: &Digest, body: impl futures::Stream<Item = Result<Bytes, axum::Error>> + Send) -> Result<(), ApiError> {
         let tmp = upload::staging_path(self.store.as_ref(), "mono");
         let (_, h) = upload::stream_to_file(body, &tmp, Some(d.algorithm().hasher()), None).await?;
         let got = h.expect("hasher").finish();
@@ -601,16 +588,11 @@ impl Server {
     async fn get_manifest(&self, repo: &RepoName, reference: &str, headers: &HeaderMap, head: bool) -> Result<Response, ApiError> {
         let (d, mt) = self.resolve(repo, reference).await?;
         if !accepts(headers, &mt) {
-            return Err(ApiError::not_found(
-                Code::ManifestUnknown,
-                format!("manifest {reference} is {mt}, which the Accept header does not allow"),
-            ));
+            return Err(ApiError::not_found(Code::ManifestUnknown, format!("manifest {reference} is {mt}, which the Accept header does not allow")));
         }
         let bytes = match self.store.get_bytes(&layout::blob(&d)).await {
             Ok(b) => b,
-            Err(e) if e.is_not_found() => {
-                return Err(ApiError::not_found(Code::ManifestUnknown, format!("manifest {d} content missing")))
-            }
+            Err(e) if e.is_not_found() => return Err(ApiError::not_found(Code::ManifestUnknown, format!("manifest {d} content missing"))),
             Err(e) => return Err(e.into()),
         };
         let hs = [
@@ -633,9 +615,7 @@ impl Server {
         body: impl futures::Stream<Item = Result<Bytes, axum::Error>> + Send,
     ) -> Result<Response, ApiError> {
         let limit = self.cfg.max_manifest_bytes;
-        let too_big = || {
-            ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, Code::SizeInvalid, format!("manifest larger than {limit} bytes"))
-        };
+        let too_big = || ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, Code::SizeInvalid, format!("manifest larger than {limit} bytes"));
         if content_length(headers).is_some_and(|n| n > limit as u64) {
             return Err(too_big());
         }
@@ -648,9 +628,7 @@ impl Server {
             }
             buf.extend_from_slice(&c);
         }
-        let tag = if reference.contains(':') { None } else {
-            Some(Tag::parse(reference).map_err(|e| ApiError::bad(Code::ManifestInvalid, e.to_string()))?)
-        };
+        let tag = if reference.contains(':') { None } else { Some(Tag::parse(reference).map_err(|e| ApiError::bad(Code::ManifestInvalid, e.to_string()))?) };
         let d = match &tag {
             None => {
                 let want = parse_digest(reference)?;
@@ -662,14 +640,11 @@ impl Server {
             }
             Some(_) => Digest::of(Algorithm::Sha256, &buf),
         };
-        let json: serde_json::Value = serde_json::from_slice(&buf)
-            .map_err(|e| ApiError::bad(Code::ManifestInvalid, format!("manifest is not JSON: {e}")))?;
+        let json: serde_json::Value = serde_json::from_slice(&buf).map_err(|e| ApiError::bad(Code::ManifestInvalid, format!("manifest is not JSON: {e}")))?;
         let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(|s| s.split(';').next().unwrap_or(s).trim().to_owned());
         let field = json.get("mediaType").and_then(|v| v.as_str()).map(str::to_owned);
         let mt = match (ct, field) {
-            (Some(c), Some(f)) if c != f => {
-                return Err(ApiError::bad(Code::ManifestInvalid, format!("Content-Type {c} but mediaType {f}")))
-            }
+            (Some(c), Some(f)) if c != f => return Err(ApiError::bad(Code::ManifestInvalid, format!("Content-Type {c} but mediaType {f}"))),
             (Some(c), _) => c,
             (None, Some(f)) => f,
             (None, None) => return Err(ApiError::bad(Code::ManifestInvalid, "no Content-Type and no mediaType")),
@@ -685,16 +660,10 @@ impl Server {
         }
         self.store.put(&layout::blob(&d), Bytes::from(buf.clone())).await?;
         self.store.put(&layout::manifest_link(repo, &d), Bytes::from(mt.clone())).await?;
-        let mut hs = vec![
-            (header::LOCATION, format!("/v2/{repo}/manifests/{d}")),
-            (HeaderName::from_static("docker-content-digest"), d.to_string()),
-        ];
+        let mut hs = vec![(header::LOCATION, format!("/v2/{repo}/manifests/{d}")), (HeaderName::from_static("docker-content-digest"), d.to_string())];
         if let Some(subject) = &refs.subject {
             let mut desc = serde_json::json!({ "mediaType": mt, "digest": d.to_string(), "size": buf.len() });
-            let at = json
-                .get("artifactType")
-                .and_then(|v| v.as_str())
-                .or_else(|| json.pointer("/config/mediaType").and_then(|v| v.as_str()));
+            let at = json.get("artifactType").and_then(|v| v.as_str()).or_else(|| json.pointer("/config/mediaType").and_then(|v| v.as_str()));
             if let Some(at) = at {
                 desc["artifactType"] = at.into();
             }
@@ -742,13 +711,8 @@ impl Server {
     }
 
     async fn tags(&self, repo: &RepoName, q: &[(String, String)]) -> Result<Response, ApiError> {
-        let mut tags: Vec<String> = self
-            .store
-            .list(&layout::tags_dir(repo))
-            .await?
-            .into_iter()
-            .filter_map(|m| m.key.rsplit('/').next().map(str::to_owned))
-            .collect();
+        let mut tags: Vec<String> =
+            self.store.list(&layout::tags_dir(repo)).await?.into_iter().filter_map(|m| m.key.rsplit('/').next().map(str::to_owned)).collect();
         if tags.is_empty() && self.store.list(&layout::manifests_dir(repo)).await?.is_empty() {
             return Err(ApiError::not_found(Code::NameUnknown, format!("repository {repo} unknown")));
         }
@@ -819,21 +783,11 @@ fn content_length(h: &HeaderMap) -> Option<u64> {
 }
 
 fn upload_headers(repo: &RepoName, uid: &str, size: u64) -> Vec<(HeaderName, String)> {
-    vec![
-        (header::LOCATION, upload_location(repo, uid)),
-        (header::RANGE, range_header(size)),
-        (HeaderName::from_static("docker-upload-uuid"), uid.to_owned()),
-    ]
+    vec![(header::LOCATION, upload_location(repo, uid)), (header::RANGE, range_header(size)), (HeaderName::from_static("docker-upload-uuid"), uid.to_owned())]
 }
 
 fn blob_created(repo: &RepoName, d: &Digest) -> Response {
-    empty(
-        StatusCode::CREATED,
-        &[
-            (header::LOCATION, format!("/v2/{repo}/blobs/{d}")),
-            (HeaderName::from_static("docker-content-digest"), d.to_string()),
-        ],
-    )
+    empty(StatusCode::CREATED, &[(header::LOCATION, format!("/v2/{repo}/blobs/{d}")), (HeaderName::from_static("docker-content-digest"), d.to_string())])
 }
 
 /// Whether the request's `Accept` allows media type `mt`. No `Accept` allows all.
@@ -922,8 +876,7 @@ async fn token(State(s): State<Arc<Server>>, uri: Uri, headers: HeaderMap) -> Re
         }
     };
     let q = query(&uri);
-    let scopes: Vec<String> =
-        q.iter().filter(|(k, _)| k == "scope").flat_map(|(_, v)| v.split(' ').map(str::to_owned)).collect();
+    let scopes: Vec<String> = q.iter().filter(|(k, _)| k == "scope").flat_map(|(_, v)| v.split(' ').map(str::to_owned)).collect();
     let (tok, _) = auth.issue_token(sub.as_deref(), &scopes);
     let issued = time::OffsetDateTime::now_utc().format(&time::format_description::well_known::Rfc3339).unwrap_or_default();
     axum::Json(serde_json::json!({

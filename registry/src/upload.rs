@@ -84,12 +84,7 @@ enum Sink {
 /// Stream `body` into a new file at `dest`, feeding `hasher` (if any) on a blocking
 /// thread. At most `limit` bytes are accepted. Returns bytes written and the hasher.
 /// On error the file is removed.
-pub async fn stream_to_file<S, E>(
-    body: S,
-    dest: &Path,
-    hasher: Option<Hasher>,
-    limit: Option<u64>,
-) -> Result<(u64, Option<Hasher>), ApiError>
+pub async fn stream_to_file<S, E>(body: S, dest: &Path, hasher: Option<Hasher>, limit: Option<u64>) -> Result<(u64, Option<Hasher>), ApiError>
 where
     S: Stream<Item = Result<Bytes, E>> + Send,
     E: std::fmt::Display,
@@ -97,12 +92,7 @@ where
     stream_into(body, Sink::New(dest.to_path_buf()), hasher, limit).await
 }
 
-async fn stream_into<S, E>(
-    body: S,
-    sink: Sink,
-    mut hasher: Option<Hasher>,
-    limit: Option<u64>,
-) -> Result<(u64, Option<Hasher>), ApiError>
+async fn stream_into<S, E>(body: S, sink: Sink, mut hasher: Option<Hasher>, limit: Option<u64>) -> Result<(u64, Option<Hasher>), ApiError>
 where
     S: Stream<Item = Result<Bytes, E>> + Send,
     E: std::fmt::Display,
@@ -178,10 +168,7 @@ where
             }
             Sink::AppendAt(path, at) => {
                 // Best effort: the next append cuts the tail anyway.
-                let _ = tokio::task::spawn_blocking(move || {
-                    std::fs::OpenOptions::new().write(true).open(path).and_then(|f| f.set_len(at))
-                })
-                .await;
+                let _ = tokio::task::spawn_blocking(move || std::fs::OpenOptions::new().write(true).open(path).and_then(|f| f.set_len(at))).await;
             }
         }
     }
@@ -232,8 +219,7 @@ impl Uploads {
             Err(e) if e.is_not_found() => return Err(unknown()),
             Err(e) => return Err(e.into()),
         };
-        let st: UploadState =
-            serde_json::from_slice(&raw).map_err(|e| ApiError::internal(format!("upload {id}: bad state: {e}")))?;
+        let st: UploadState = serde_json::from_slice(&raw).map_err(|e| ApiError::internal(format!("upload {id}: bad state: {e}")))?;
         if st.repo != repo.as_str() {
             return Err(unknown());
         }

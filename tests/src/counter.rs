@@ -19,15 +19,9 @@ pub struct Tick {
 /// own) into `dir/counter`; `Err` carries gcc's output.
 pub fn build(dir: &Path) -> Result<PathBuf, String> {
     let counter = dir.join("counter");
-    let r = run(Command::new("gcc")
-        .args(["-O2", "-static", "-o"])
-        .arg(&counter)
-        .arg(workspace_root().join("tests/runtimes/counter.c")));
+    let r = run(Command::new("gcc").args(["-O2", "-static", "-o"]).arg(&counter).arg(workspace_root().join("tests/runtimes/counter.c")));
     if r.code != 0 {
-        return Err(format!(
-            "gcc -static failed (libc6-dev missing?): {}",
-            r.stderr
-        ));
+        return Err(format!("gcc -static failed (libc6-dev missing?): {}", r.stderr));
     }
     Ok(counter)
 }
@@ -37,15 +31,9 @@ pub fn ticks(progress: &Path) -> Vec<Tick> {
     let text = std::fs::read_to_string(progress).unwrap_or_default();
     text.lines()
         .filter_map(|l| {
-            let mut f = l
-                .split_whitespace()
-                .map(|kv| kv.split_once('=').map(|(_, v)| v.to_string()));
+            let mut f = l.split_whitespace().map(|kv| kv.split_once('=').map(|(_, v)| v.to_string()));
             let count = f.next()??.parse().ok()?;
-            Some(Tick {
-                count,
-                sum0: f.next()??,
-                sum: f.next()??,
-            })
+            Some(Tick { count, sum0: f.next()??, sum: f.next()?? })
         })
         .collect()
 }
@@ -57,11 +45,7 @@ pub fn wait_for_count(progress: &Path, want: u64, what: &str) -> Tick {
         if let Some(t) = ticks(progress).into_iter().rev().find(|t| t.count >= want) {
             return t;
         }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: no count >= {want} within 30 s; ticks: {:?}",
-            ticks(progress)
-        );
+        assert!(Instant::now() < deadline, "{what}: no count >= {want} within 30 s; ticks: {:?}", ticks(progress));
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -81,16 +65,9 @@ pub fn assert_continued(progress: &Path, earlier: usize, at_checkpoint: &Tick, w
         first.count,
         at_checkpoint.count
     );
-    assert_eq!(
-        after.sum0, at_checkpoint.sum0,
-        "{what}: a different program instance (heap seed changed)"
-    );
+    assert_eq!(after.sum0, at_checkpoint.sum0, "{what}: a different program instance (heap seed changed)");
     for t in &restored {
-        assert_eq!(
-            t.sum, t.sum0,
-            "{what}: heap checksum after restore no longer matches at count {}",
-            t.count
-        );
+        assert_eq!(t.sum, t.sum0, "{what}: heap checksum after restore no longer matches at count {}", t.count);
     }
 }
 

@@ -92,8 +92,7 @@ impl Match {
     }
 
     fn matches(&self, method: &str, target: &str) -> bool {
-        self.method.as_deref().is_none_or(|m| m.eq_ignore_ascii_case(method))
-            && self.path_contains.as_deref().is_none_or(|p| target.contains(p))
+        self.method.as_deref().is_none_or(|m| m.eq_ignore_ascii_case(method)) && self.path_contains.as_deref().is_none_or(|p| target.contains(p))
     }
 }
 
@@ -263,10 +262,7 @@ pub struct FaultProxy {
 impl FaultProxy {
     /// Start a proxy on 127.0.0.1:free-port in front of `upstream` (e.g. `127.0.0.1:5000`).
     pub fn start(upstream: impl ToSocketAddrs) -> io::Result<FaultProxy> {
-        let upstream = upstream
-            .to_socket_addrs()?
-            .next()
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "upstream resolves to nothing"))?;
+        let upstream = upstream.to_socket_addrs()?.next().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "upstream resolves to nothing"))?;
         let listener = TcpListener::bind("127.0.0.1:0")?;
         let addr = listener.local_addr()?.to_string();
         let shared = Arc::new(Shared {
@@ -424,16 +420,7 @@ fn read_head(r: &mut impl BufRead, request: bool) -> io::Result<Option<Head>> {
         (String::new(), b.to_string(), code)
     };
     let http10 = first.contains("HTTP/1.0");
-    let mut h = Head {
-        raw,
-        method,
-        target,
-        status,
-        content_length: None,
-        chunked: false,
-        close: http10,
-        expect_continue: false,
-    };
+    let mut h = Head { raw, method, target, status, content_length: None, chunked: false, close: http10, expect_continue: false };
     for line in lines {
         let Some((k, v)) = line.split_once(':') else { continue };
         let (k, v) = (k.trim().to_ascii_lowercase(), v.trim().to_ascii_lowercase());
@@ -452,10 +439,7 @@ fn read_head(r: &mut impl BufRead, request: bool) -> io::Result<Option<Head>> {
 /// The head without its `Expect: 100-continue` line (the proxy answers that itself).
 fn strip_expect(raw: &[u8]) -> Vec<u8> {
     let text = String::from_utf8_lossy(raw);
-    text.split_inclusive('\n')
-        .filter(|l| !l.to_ascii_lowercase().starts_with("expect:"))
-        .collect::<String>()
-        .into_bytes()
+    text.split_inclusive('\n').filter(|l| !l.to_ascii_lowercase().starts_with("expect:")).collect::<String>().into_bytes()
 }
 
 /// Where relayed body bytes go: a writer that may flip, cut or reset.
@@ -572,16 +556,12 @@ fn read_line(r: &mut impl BufRead) -> io::Result<Vec<u8>> {
 
 /// Relay a chunked body through `frame(bytes, is_payload)`: chunk-size lines, CRLFs and
 /// trailers with `false`, chunk data with `true`.
-fn relay_chunked(
-    r: &mut impl BufRead,
-    frame: &mut dyn FnMut(&[u8], bool) -> Step,
-) -> Step {
+fn relay_chunked(r: &mut impl BufRead, frame: &mut dyn FnMut(&[u8], bool) -> Step) -> Step {
     loop {
         let line = read_line(r).map_err(Err)?;
         let text = String::from_utf8_lossy(&line);
         let size_hex = text.trim().split(';').next().unwrap_or_default().trim();
-        let size = u64::from_str_radix(size_hex, 16)
-            .map_err(|_| Err(io::Error::new(io::ErrorKind::InvalidData, "bad chunk size")))?;
+        let size = u64::from_str_radix(size_hex, 16).map_err(|_| Err(io::Error::new(io::ErrorKind::InvalidData, "bad chunk size")))?;
         frame(&line, false)?;
         if size == 0 {
             // Trailers, then the final blank line.
@@ -639,9 +619,7 @@ fn relay(sh: &Shared, client: TcpStream) -> io::Result<()> {
             // Drain the request body, answer ourselves, keep the connection.
             drain_request_body(&mut client_r, &req)?;
             sh.counters.faults.fetch_add(1, Ordering::Relaxed);
-            let body = format!(
-                "{{\"errors\":[{{\"code\":\"UNAVAILABLE\",\"message\":\"fault proxy: injected {code}\"}}]}}"
-            );
+            let body = format!("{{\"errors\":[{{\"code\":\"UNAVAILABLE\",\"message\":\"fault proxy: injected {code}\"}}]}}");
             let resp = format!(
                 "HTTP/1.1 {code} Injected\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{}\r\n{body}",
                 body.len(),
@@ -693,23 +671,10 @@ fn relay(sh: &Shared, client: TcpStream) -> io::Result<()> {
         if fault.is_some() {
             sh.counters.faults.fetch_add(1, Ordering::Relaxed);
         }
-        sh.log.lock().unwrap().push(Seen {
-            method: req.method.clone(),
-            target: req.target.clone(),
-            status: resp.status,
-            fault: fault.clone(),
-        });
+        sh.log.lock().unwrap().push(Seen { method: req.method.clone(), target: req.target.clone(), status: resp.status, fault: fault.clone() });
 
-        let mut sink = Sink {
-            out: &mut client_w,
-            counters: &sh.counters,
-            written: 0,
-            body_pos: 0,
-            fault,
-            body_len: resp.content_length,
-            flipped: false,
-            counting: true,
-        };
+        let mut sink =
+            Sink { out: &mut client_w, counters: &sh.counters, written: 0, body_pos: 0, fault, body_len: resp.content_length, flipped: false, counting: true };
         let result = (|| {
             sink.frame(&resp.raw)?;
             if no_body {

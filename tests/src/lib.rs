@@ -34,10 +34,7 @@ pub fn snapctl_bin() -> PathBuf {
         let target_dir = profile_dir.parent().expect("target dir").to_path_buf();
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         let mut cmd = Command::new(cargo);
-        cmd.current_dir(workspace_root())
-            .args(["build", "--quiet", "-p", "snapctl", "--bin", "snapctl"])
-            .arg("--target-dir")
-            .arg(&target_dir);
+        cmd.current_dir(workspace_root()).args(["build", "--quiet", "-p", "snapctl", "--bin", "snapctl"]).arg("--target-dir").arg(&target_dir);
         if release {
             cmd.arg("--release");
         }
@@ -155,12 +152,7 @@ pub fn uffd_usable() -> bool {
 /// Whether an external program is on PATH (tests that need a real peer skip loudly
 /// without it, unless `SNAPCTL_REQUIRE_PEERS=1`, which CI sets, turns that into a failure).
 pub fn have(program: &str) -> bool {
-    let found = Command::new("sh")
-        .arg("-c")
-        .arg(format!("command -v {program} >/dev/null 2>&1"))
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
+    let found = Command::new("sh").arg("-c").arg(format!("command -v {program} >/dev/null 2>&1")).status().map(|s| s.success()).unwrap_or(false);
     if !found && require_peers() {
         panic!("{program} is required (SNAPCTL_REQUIRE_PEERS=1) but not on PATH; run scripts/setup.sh");
     }

@@ -53,11 +53,7 @@ impl Serve {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let child = cmd
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log file"))
-            .spawn()
-            .expect("spawn snapctl serve");
+        let child = cmd.stdout(Stdio::null()).stderr(std::fs::File::create(&log).expect("log file")).spawn().expect("spawn snapctl serve");
         let mut s = Serve { child, addr, log };
         wait_for_port(port, &mut s.child, "snapctl serve");
         s
@@ -89,10 +85,7 @@ impl Serve {
     /// Peak RSS (VmHWM) in KiB, from /proc.
     pub fn peak_rss_kib(&self) -> u64 {
         let s = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default();
-        s.lines()
-            .find_map(|l| l.strip_prefix("VmHWM:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .unwrap_or(0)
+        s.lines().find_map(|l| l.strip_prefix("VmHWM:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok()).unwrap_or(0)
     }
 }
 
@@ -121,9 +114,7 @@ impl S3Server {
     /// Start a server and create `bucket`.
     pub fn start(bucket: &str) -> Option<S3Server> {
         let want = std::env::var("SNAPCTL_S3_SERVER").unwrap_or_default();
-        let quiet_have = |p: &str| {
-            Command::new("sh").arg("-c").arg(format!("command -v {p} >/dev/null 2>&1")).status().is_ok_and(|s| s.success())
-        };
+        let quiet_have = |p: &str| Command::new("sh").arg("-c").arg(format!("command -v {p} >/dev/null 2>&1")).status().is_ok_and(|s| s.success());
         let kind = match want.as_str() {
             "s3s-fs" => "s3s-fs",
             "moto" => "moto_server",
@@ -260,8 +251,7 @@ pub fn layout_manifest_digest(dir: &Path, tag: &str) -> Option<String> {
 
 /// Write an htpasswd file with bcrypt (cost 4: tests only) entries for `users`.
 pub fn htpasswd(path: &Path, users: &[(&str, &str)]) {
-    let text: String =
-        users.iter().map(|(u, p)| format!("{u}:{}\n", bcrypt::hash(p, 4).expect("bcrypt"))).collect();
+    let text: String = users.iter().map(|(u, p)| format!("{u}:{}\n", bcrypt::hash(p, 4).expect("bcrypt"))).collect();
     std::fs::write(path, text).unwrap();
 }
 
@@ -286,13 +276,8 @@ impl Distribution {
             ),
         )
         .unwrap();
-        let mut child = Command::new("docker-registry")
-            .arg("serve")
-            .arg(&cfg)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn docker-registry");
+        let mut child =
+            Command::new("docker-registry").arg("serve").arg(&cfg).stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("spawn docker-registry");
         wait_for_port(port, &mut child, "docker-registry");
         Distribution { child, addr }
     }
@@ -304,4 +289,3 @@ impl Drop for Distribution {
         let _ = self.child.wait();
     }
 }
-

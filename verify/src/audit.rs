@@ -148,10 +148,7 @@ pub fn audit(src: &dyn BlobSource, image: &Image, opts: &AuditOptions) -> Result
         }
         let base = Image::open(src, &b.manifest)?;
         if base.config().root != b.root {
-            report.failures.push(fail(
-                FailureKind::ChainRoot,
-                format!("base {} has root {}, the image names {}", b.manifest, base.config().root, b.root),
-            ));
+            report.failures.push(fail(FailureKind::ChainRoot, format!("base {} has root {}, the image names {}", b.manifest, base.config().root, b.root)));
         }
         audit_one(src, &base, opts, &mut report)?;
         next = base.config().base.clone();
@@ -270,14 +267,14 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
                     }
                     match sha256_of_blob(src, &p.digest, p.size) {
                         Ok(d) if d == p.digest => {}
-                        Ok(d) => failures.lock().expect("poisoned").push(Failure {
-                            blob: Some(p.digest.to_string()),
-                            ..fail(FailureKind::PackDigest, format!("pack content hashes to {d}"))
-                        }),
-                        Err(e) => failures.lock().expect("poisoned").push(Failure {
-                            blob: Some(p.digest.to_string()),
-                            ..fail(FailureKind::PackUnreadable, e.to_string())
-                        }),
+                        Ok(d) => failures
+                            .lock()
+                            .expect("poisoned")
+                            .push(Failure { blob: Some(p.digest.to_string()), ..fail(FailureKind::PackDigest, format!("pack content hashes to {d}")) }),
+                        Err(e) => failures
+                            .lock()
+                            .expect("poisoned")
+                            .push(Failure { blob: Some(p.digest.to_string()), ..fail(FailureKind::PackUnreadable, e.to_string()) }),
                     }
                 }
             });
@@ -392,12 +389,7 @@ pub fn audit_against(image: &Image, dir: &Path, opts: &AuditOptions) -> AuditRep
             let c = &f.chunks[ci];
             let off = (ci as u64) << shift;
             buf.resize(c.len as usize, 0);
-            let fail_here = |m: String| Failure {
-                file: Some(f.name.clone()),
-                chunk: Some(ci as u64),
-                offset: Some(off),
-                ..fail(FailureKind::FileContent, m)
-            };
+            let fail_here = |m: String| Failure { file: Some(f.name.clone()), chunk: Some(ci as u64), offset: Some(off), ..fail(FailureKind::FileContent, m) };
             if let Err(e) = file.read_exact_at(buf, off) {
                 failures.lock().expect("poisoned").push(fail_here(format!("read failed: {e}")));
                 return;

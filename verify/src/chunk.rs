@@ -105,8 +105,12 @@ pub fn read_chunk(src: &dyn BlobSource, image: &Image, file: usize, chunk: u64) 
         }
         StoredAt::Pack { pack, offset: at, stored_len, codec } => {
             let mut buf = vec![0u8; stored_len as usize];
-            src.read_at_unverified(&image.packs[pack as usize].digest, at, &mut buf)
-                .map_err(|source| VerifyError::Read { file: f.name.clone(), chunk, offset, source })?;
+            src.read_at_unverified(&image.packs[pack as usize].digest, at, &mut buf).map_err(|source| VerifyError::Read {
+                file: f.name.clone(),
+                chunk,
+                offset,
+                source,
+            })?;
             verify_stored(algo, codec, buf, c.len, &c.digest).map_err(|(detail, actual)| match actual {
                 Some(actual) => VerifyError::DigestMismatch { file: f.name.clone(), chunk, offset, expected: c.digest, actual },
                 None => VerifyError::Corrupt { file: f.name.clone(), chunk, offset, detail },

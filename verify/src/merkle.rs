@@ -66,8 +66,7 @@ pub fn image_root<'a>(algo: HashAlgo, files: impl IntoIterator<Item = (&'a str, 
 
 /// Per-file roots and the image root of resolved files.
 pub fn resolved_root(algo: HashAlgo, files: &[ResolvedFile]) -> (Vec<ChunkDigest>, ChunkDigest) {
-    let roots: Vec<ChunkDigest> =
-        files.iter().map(|f| file_root(algo, &f.chunks.iter().map(|c| c.digest).collect::<Vec<_>>())).collect();
+    let roots: Vec<ChunkDigest> = files.iter().map(|f| file_root(algo, &f.chunks.iter().map(|c| c.digest).collect::<Vec<_>>())).collect();
     let root = image_root(algo, files.iter().zip(&roots).map(|(f, r)| (f.name.as_str(), f.size, *r)));
     (roots, root)
 }

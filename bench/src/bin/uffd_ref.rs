@@ -62,17 +62,8 @@ fn parse_args() -> anyhow::Result<Args> {
             other => bail!("unknown argument {other:?}"),
         }
     }
-    ensure!(
-        granularity >= PAGE && granularity.is_power_of_two(),
-        "--granularity must be a power of two >= 4096"
-    );
-    Ok(Args {
-        socket: socket.context("--socket is required")?,
-        mem_file: mem_file.context("--mem-file is required")?,
-        granularity,
-        once,
-        json,
-    })
+    ensure!(granularity >= PAGE && granularity.is_power_of_two(), "--granularity must be a power of two >= 4096");
+    Ok(Args { socket: socket.context("--socket is required")?, mem_file: mem_file.context("--mem-file is required")?, granularity, once, json })
 }
 
 /// One entry of Firecracker's mapping message.

@@ -104,16 +104,9 @@ pub fn run(a: DiffArgs) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else {
         for d in &diffs {
-            let list: Vec<String> =
-                d.chunks.iter().map(|(s, e)| if s == e { s.to_string() } else { format!("{s}-{e}") }).collect();
+            let list: Vec<String> = d.chunks.iter().map(|(s, e)| if s == e { s.to_string() } else { format!("{s}-{e}") }).collect();
             match d.status {
-                "changed" => println!(
-                    "changed {}: {} chunk(s), {} [{}]",
-                    d.name,
-                    d.changed_chunks,
-                    imgfmt::size::human(d.changed_bytes),
-                    list.join(",")
-                ),
+                "changed" => println!("changed {}: {} chunk(s), {} [{}]", d.name, d.changed_chunks, imgfmt::size::human(d.changed_bytes), list.join(",")),
                 s => println!("{s} {}: {}", d.name, imgfmt::size::human(d.changed_bytes)),
             }
         }

@@ -70,11 +70,7 @@ struct Out {
 
 /// Pack blobs this image wrote itself (as opposed to ones it inherits or references).
 fn own_packs(image: &Image) -> impl Iterator<Item = &imgfmt::Descriptor> {
-    image
-        .manifest
-        .layers
-        .iter()
-        .filter(|d| d.media_type == media::PACK && d.annotations.get(media::ANN_OWNER).is_some_and(|o| o == "self"))
+    image.manifest.layers.iter().filter(|d| d.media_type == media::PACK && d.annotations.get(media::ANN_OWNER).is_some_and(|o| o == "self"))
 }
 
 pub fn counts(image: &Image) -> (Vec<Counts>, Counts) {
@@ -189,13 +185,17 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
     for f in &out.files {
         println!(
             "{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}",
-            f.name, f.role, human(f.size), f.counts.chunks, f.counts.zero, f.counts.stored, f.counts.referenced, f.counts.inherited
+            f.name,
+            f.role,
+            human(f.size),
+            f.counts.chunks,
+            f.counts.zero,
+            f.counts.stored,
+            f.counts.referenced,
+            f.counts.inherited
         );
     }
     let t = &out.totals;
-    println!(
-        "{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}",
-        "total", "", human(out.size), t.chunks, t.zero, t.stored, t.referenced, t.inherited
-    );
+    println!("{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}", "total", "", human(out.size), t.chunks, t.zero, t.stored, t.referenced, t.inherited);
     Ok(common::code(common::EXIT_OK))
 }

@@ -119,13 +119,7 @@ pub fn pack_into(src: &Path, layout: &OciLayout, tag: &str, f: &PackFlags) -> an
 }
 
 /// [`pack_into`], calling `on_pack` with each pack as soon as it is complete.
-pub fn pack_into_with(
-    src: &Path,
-    layout: &OciLayout,
-    tag: &str,
-    f: &PackFlags,
-    on_pack: Option<pusher::OnPack<'_>>,
-) -> anyhow::Result<pusher::PackReport> {
+pub fn pack_into_with(src: &Path, layout: &OciLayout, tag: &str, f: &PackFlags, on_pack: Option<pusher::OnPack<'_>>) -> anyhow::Result<pusher::PackReport> {
     validate(src, f)?;
     let mut annotations = BTreeMap::new();
     for kv in &f.annotations {
@@ -142,12 +136,7 @@ pub fn pack_into_with(
         Some(o) => Some(pusher::Related { source: o.source.as_ref(), image: open_image(o)?, reference: o.reference.clone() }),
         None => None,
     };
-    let total: u64 = pusher::scan::scan_dir(src)
-        .with_context(|| format!("reading {}", src.display()))?
-        .files
-        .iter()
-        .map(|f| f.size)
-        .sum();
+    let total: u64 = pusher::scan::scan_dir(src).with_context(|| format!("reading {}", src.display()))?.files.iter().map(|f| f.size).sum();
     let pb = progress_bar(total, "pack");
     let tick = |n: u64| {
         if let Some(pb) = &pb {

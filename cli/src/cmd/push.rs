@@ -196,11 +196,7 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
 /// is sealed, on up to 4 threads: the upload of one pack overlaps the packing of the next
 /// instead of starting when packing is over. Returns how each pack sent ahead went; one
 /// that failed is left to the push proper, which sends it again (resuming) and reports.
-fn pack_sending_ahead(
-    dir: &Path,
-    a: &PushArgs,
-    dest: &registry::client::RegistrySource,
-) -> anyhow::Result<(OciLayout, OciDigest, bool, SentAhead)> {
+fn pack_sending_ahead(dir: &Path, a: &PushArgs, dest: &registry::client::RegistrySource) -> anyhow::Result<(OciLayout, OciDigest, bool, SentAhead)> {
     let cache = a.transfer.cache_dir();
     let root = layout_root(dir, &cache)?;
     let packs = OciLayout::open_or_create(&root).with_context(|| format!("opening {}", root.display()))?;
@@ -253,12 +249,7 @@ fn layout_root(dir: &Path, cache: &Path) -> anyhow::Result<PathBuf> {
 /// files. When the content is unchanged though the stamp is not (same index and packs:
 /// only the creation time would differ), the earlier manifest is used again. Either way
 /// the registry is only asked what it has and nothing is sent.
-fn pack_directory(
-    dir: &Path,
-    flags: &PackFlags,
-    cache: &Path,
-    on_pack: Option<pusher::OnPack<'_>>,
-) -> anyhow::Result<(OciLayout, OciDigest, bool)> {
+fn pack_directory(dir: &Path, flags: &PackFlags, cache: &Path, on_pack: Option<pusher::OnPack<'_>>) -> anyhow::Result<(OciLayout, OciDigest, bool)> {
     super::pack::validate(dir, flags)?;
     let canon = dir.canonicalize().with_context(|| format!("resolving {}", dir.display()))?;
     let key = OciDigest::of(canon.as_os_str().as_encoded_bytes());
@@ -310,7 +301,9 @@ fn pack_and_reuse(dir: &Path, layout: &OciLayout, flags: &PackFlags, on_pack: Op
     }
     let new: OciDigest = report.manifest.parse()?;
     if let Some(old) = previous.filter(|o| o != &new) {
-        let same = |d: &OciDigest| imgfmt::source::read_verified_blob(layout, d, imgfmt::manifest::MAX_MANIFEST_BYTES).ok().and_then(|b| imgfmt::Manifest::decode(&b).ok());
+        let same = |d: &OciDigest| {
+            imgfmt::source::read_verified_blob(layout, d, imgfmt::manifest::MAX_MANIFEST_BYTES).ok().and_then(|b| imgfmt::Manifest::decode(&b).ok())
+        };
         if let (Some(a), Some(b)) = (same(&old), same(&new)) {
             if a.layers == b.layers && a.config.media_type == b.config.media_type {
                 eprintln!("{}: unchanged since the last push", dir.display());

@@ -54,8 +54,7 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("SNAPCTL_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,registry=info"));
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SNAPCTL_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,registry=info"));
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false).try_init();
 
     let auth = match &args.htpasswd {
@@ -70,27 +69,21 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
                 Some(p) => std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
                 None => registry::auth::random_secret(),
             };
-            let mut a = registry::auth::Auth::new(&users, acl.as_deref(), args.anonymous_read, secret)
-                .context("loading authentication config")?;
+            let mut a = registry::auth::Auth::new(&users, acl.as_deref(), args.anonymous_read, secret).context("loading authentication config")?;
             a.realm = args.token_realm.clone();
             Some(a)
         }
     };
     let tls = args.tls_cert.is_some();
     let cfg = registry::Config { max_manifest_bytes: args.max_manifest_bytes, auth, tls, chunk_min_length: args.chunk_min_length };
-    let store = registry::store::open(&args.storage, args.staging_dir.as_deref())
-        .with_context(|| format!("opening storage {}", args.storage))?;
+    let store = registry::store::open(&args.storage, args.staging_dir.as_deref()).with_context(|| format!("opening storage {}", args.storage))?;
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     rt.block_on(async move {
         let server = registry::Server::new(store, cfg);
         let listener = std::net::TcpListener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
         let addr = listener.local_addr()?;
-        eprintln!(
-            "snapctl serve: listening on {}://{addr} (storage: {})",
-            if tls { "https" } else { "http" },
-            args.storage
-        );
+        eprintln!("snapctl serve: listening on {}://{addr} (storage: {})", if tls { "https" } else { "http" }, args.storage);
         match (&args.tls_cert, &args.tls_key) {
             (Some(cert), Some(key)) => server.serve_tls(listener, cert, key, shutdown_signal()).await,
             _ => {

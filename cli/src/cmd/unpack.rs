@@ -39,8 +39,8 @@ pub fn run(a: UnpackArgs) -> anyhow::Result<ExitCode> {
         }
     };
     let opts = UnpackOptions { overwrite: a.overwrite, ..Default::default() };
-    let report = puller::unpack(o.source.as_ref(), &image, &a.dest, &opts, Some(&tick))
-        .with_context(|| format!("unpacking {} into {}", a.image, a.dest.display()))?;
+    let report =
+        puller::unpack(o.source.as_ref(), &image, &a.dest, &opts, Some(&tick)).with_context(|| format!("unpacking {} into {}", a.image, a.dest.display()))?;
     if let Some(pb) = pb {
         pb.finish_and_clear();
     }

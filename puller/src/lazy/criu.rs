@@ -933,10 +933,7 @@ mod tests {
         };
         let pages: Vec<u8> = (0..27 * 4096u32).map(|i| (i / 4096 + 1) as u8 ^ (i as u8)).collect();
         let pagemap_bytes = encode_pagemap(&pm);
-        let (image, layout) = packed_dump(
-            dir.path(),
-            &[("pagemap-5.img", &pagemap_bytes), ("pages-2.img", &pages), ("core-5.img", b"core of task 5")],
-        );
+        let (image, layout) = packed_dump(dir.path(), &[("pagemap-5.img", &pagemap_bytes), ("pages-2.img", &pages), ("core-5.img", b"core of task 5")]);
 
         let work = dir.path().join("work");
         std::fs::create_dir_all(&work).unwrap();

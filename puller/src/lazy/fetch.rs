@@ -196,9 +196,9 @@ impl Fetcher {
     pub fn is_zero(&self, chunk: u64) -> Result<bool, FetchFailure> {
         let c = &self.image.files[self.file].chunks[chunk as usize];
         match c.at {
-            StoredAt::Zero => verify::check_zero_record(&self.image, self.file, chunk)
-                .map(|_| true)
-                .map_err(|e| FetchFailure::Integrity { chunk, detail: e.to_string() }),
+            StoredAt::Zero => {
+                verify::check_zero_record(&self.image, self.file, chunk).map(|_| true).map_err(|e| FetchFailure::Integrity { chunk, detail: e.to_string() })
+            }
             StoredAt::Pack { .. } => Ok(false),
         }
     }
@@ -392,7 +392,12 @@ pub(crate) mod tests {
         let (_d, mem, image, layout) = sample_image(6);
         let src = flaky(layout, Duration::from_millis(50));
         let f = Arc::new(fetcher(src.clone(), image, Duration::from_secs(5)));
-        let handles: Vec<_> = (0..4).map(|_| { let f = f.clone(); std::thread::spawn(move || f.get(2)) }).collect();
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                let f = f.clone();
+                std::thread::spawn(move || f.get(2))
+            })
+            .collect();
         let mut fetched = 0;
         for h in handles {
             let (o, origin, _) = h.join().unwrap();
@@ -475,8 +480,8 @@ pub(crate) mod tests {
         let f = worker.join().unwrap();
         assert!(served.is_ok(), "faults waited for the stuck cache");
         drop(f); // drains the queue
-        // At most what the queue holds plus the batch the writer had taken when it got
-        // stuck: the rest were skipped, not waited for.
+                 // At most what the queue holds plus the batch the writer had taken when it got
+                 // stuck: the rest were skipped, not waited for.
         let puts = store.puts.load(Ordering::SeqCst);
         assert!((1..=(PUT_QUEUE + PUT_BATCH) as u64).contains(&puts), "{puts} puts");
         // What queued up behind the stuck put went down in full batches.

@@ -154,8 +154,7 @@ pub fn receive(stream: &mut UnixStream) -> Result<Handshake, HandshakeError> {
     let n = {
         let mut iov = [IoSliceMut::new(&mut buf)];
         let mut space = nix::cmsg_space!([RawFd; 8]);
-        let msg = recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
-            .map_err(|e| HandshakeError::Io(e.into()))?;
+        let msg = recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC).map_err(|e| HandshakeError::Io(e.into()))?;
         for c in msg.cmsgs().map_err(|e| HandshakeError::Io(e.into()))? {
             if let ControlMessageOwned::ScmRights(received) = c {
                 // SAFETY: the kernel just installed these descriptors in our table for us;

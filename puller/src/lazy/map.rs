@@ -251,7 +251,10 @@ mod tests {
         r.insert(0x1000, 0x3000);
         r.insert(0x5000, 0x6000);
         assert!(r.contains(0x1000) && r.contains(0x2fff) && !r.contains(0x3000) && !r.contains(0xfff));
-        assert_eq!(r.split(0, 0x8000), vec![(false, 0, 0x1000), (true, 0x1000, 0x3000), (false, 0x3000, 0x5000), (true, 0x5000, 0x6000), (false, 0x6000, 0x8000)]);
+        assert_eq!(
+            r.split(0, 0x8000),
+            vec![(false, 0, 0x1000), (true, 0x1000, 0x3000), (false, 0x3000, 0x5000), (true, 0x5000, 0x6000), (false, 0x6000, 0x8000)]
+        );
         assert_eq!(r.split(0x2000, 0x5800), vec![(true, 0x2000, 0x3000), (false, 0x3000, 0x5000), (true, 0x5000, 0x5800)]);
         // Touching and overlapping ranges merge into one.
         r.insert(0x3000, 0x5000);

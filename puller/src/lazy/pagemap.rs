@@ -361,7 +361,7 @@ mod tests {
         b.extend_from_slice(&IMG_COMMON_MAGIC.to_le_bytes());
         b.extend_from_slice(&PAGEMAP_MAGIC.to_le_bytes());
         put_message(&mut b, &[0x08, 0x01]); // pages_id = 1
-        // vaddr = 0x1000, nr_pages = 1, no flags: present (old image).
+                                            // vaddr = 0x1000, nr_pages = 1, no flags: present (old image).
         put_message(&mut b, &[0x08, 0x80, 0x20, 0x10, 0x01]);
         // vaddr = 0x2000, nr_pages = 1, in_parent = true, no flags: parent.
         put_message(&mut b, &[0x08, 0x80, 0x40, 0x10, 0x01, 0x18, 0x01]);

@@ -22,12 +22,7 @@ pub struct Histogram {
 
 impl Default for Histogram {
     fn default() -> Self {
-        Histogram {
-            buckets: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(),
-            count: AtomicU64::new(0),
-            sum: AtomicU64::new(0),
-            max: AtomicU64::new(0),
-        }
+        Histogram { buckets: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(), count: AtomicU64::new(0), sum: AtomicU64::new(0), max: AtomicU64::new(0) }
     }
 }
 
@@ -239,7 +234,10 @@ pub fn prometheus(c: &Counters, connections_active: u64, connections_total: u64)
     ] {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", l(v));
     }
-    let _ = writeln!(out, "# HELP snapctl_lazy_connections Connections being served.\n# TYPE snapctl_lazy_connections gauge\nsnapctl_lazy_connections {connections_active}");
+    let _ = writeln!(
+        out,
+        "# HELP snapctl_lazy_connections Connections being served.\n# TYPE snapctl_lazy_connections gauge\nsnapctl_lazy_connections {connections_active}"
+    );
     let _ = writeln!(out, "# HELP snapctl_lazy_connections_total Connections accepted.\n# TYPE snapctl_lazy_connections_total counter\nsnapctl_lazy_connections_total {connections_total}");
     c.latency.prometheus("snapctl_lazy_fault_latency_seconds", &mut out);
     out

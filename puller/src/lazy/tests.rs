@@ -129,10 +129,16 @@ fn restore_touch_every_page_remove_and_trace() {
     let Some(guest) = Guest::new(&[(split, 0), (mem.len() - split, split as u64)]) else { return };
     let src = flaky(layout);
     let traces = LayoutTraces(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap());
-    let run = start(dir.path(), image.clone(), src.clone(), |o| {
-        o.record_trace = true;
-        o.prefetch = PrefetchMode::None;
-    }, Some(Box::new(traces)));
+    let run = start(
+        dir.path(),
+        image.clone(),
+        src.clone(),
+        |o| {
+            o.record_trace = true;
+            o.prefetch = PrefetchMode::None;
+        },
+        Some(Box::new(traces)),
+    );
     let sock = guest.connect(&run.socket);
     let guest = Arc::new(guest);
 
@@ -248,10 +254,16 @@ fn recorded_trace_is_replayed_by_the_next_restore_and_metrics_are_served() {
     let order = [8usize, 2, 20, 9]; // (chunks c % 3 == 1 are zero: never traced)
     {
         let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
-        let run = start(dir.path(), image.clone(), flaky(layout), |o| {
-            o.record_trace = true;
-            o.prefetch = PrefetchMode::None;
-        }, traces());
+        let run = start(
+            dir.path(),
+            image.clone(),
+            flaky(layout),
+            |o| {
+                o.record_trace = true;
+                o.prefetch = PrefetchMode::None;
+            },
+            traces(),
+        );
         let sock = guest.connect(&run.socket);
         for &c in &order {
             assert_eq!(guest.region(0)[c * K64 + 100], mem[c * K64 + 100]);

@@ -146,11 +146,7 @@ impl RegistrySource {
     }
 
     /// One try: send, answer one auth challenge, classify the outcome.
-    fn attempt(
-        &self,
-        what: &str,
-        build: &dyn Fn(&reqwest::blocking::Client) -> reqwest::blocking::RequestBuilder,
-    ) -> Result<Attempt, ClientError> {
+    fn attempt(&self, what: &str, build: &dyn Fn(&reqwest::blocking::Client) -> reqwest::blocking::RequestBuilder) -> Result<Attempt, ClientError> {
         // Each request answers one challenge, and one more when it went out with no
         // credentials, or with other ones than the client now holds: other threads share
         // `auth`, and a push that starts writing drops a read-only token
@@ -227,9 +223,8 @@ impl RegistrySource {
     fn authenticate(&self, challenge: &str) -> Result<(), ClientError> {
         use base64::Engine;
         let (scheme, params) = challenge.split_once(' ').unwrap_or((challenge, ""));
-        let basic = self.creds.as_ref().map(|c| {
-            format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(format!("{}:{}", c.username, c.password)))
-        });
+        let basic =
+            self.creds.as_ref().map(|c| format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(format!("{}:{}", c.username, c.password))));
         if scheme.eq_ignore_ascii_case("basic") {
             let b = basic.ok_or_else(|| ClientError::NeedsCredentials { host: self.host.clone() })?;
             *self.auth.lock().expect("poisoned") = Some(b);

@@ -128,9 +128,11 @@ impl RegistrySource {
     pub fn read_referrer_payload(&self, referrer: &Descriptor) -> Result<Vec<u8>, ClientError> {
         use imgfmt::source::read_verified_blob;
         self.manifests.lock().expect("poisoned").insert(referrer.digest.clone());
-        let m = read_verified_blob(self, &referrer.digest, MAX_MANIFEST_BYTES).map_err(|source| ClientError::Source { digest: referrer.digest.clone(), source })?;
+        let m =
+            read_verified_blob(self, &referrer.digest, MAX_MANIFEST_BYTES).map_err(|source| ClientError::Source { digest: referrer.digest.clone(), source })?;
         let m = Manifest::decode(&m).map_err(|source| ClientError::Source { digest: referrer.digest.clone(), source })?;
-        let layer = m.layers.first().ok_or_else(|| ClientError::Http { what: format!("referrer {}", referrer.digest), message: "has no payload layer".into() })?;
+        let layer =
+            m.layers.first().ok_or_else(|| ClientError::Http { what: format!("referrer {}", referrer.digest), message: "has no payload layer".into() })?;
         read_verified_blob(self, &layer.digest, MAX_PAYLOAD_BYTES).map_err(|source| ClientError::Source { digest: layer.digest.clone(), source })
     }
 }

@@ -92,7 +92,8 @@ mod tests {
         let p = state_path(dir.path(), "h:1", "r/s", &d);
         assert_ne!(p, state_path(dir.path(), "h:1", "r/t", &d));
         assert!(load(&p, "h:1", "r/s", &d).is_none());
-        let s = UploadState { host: "h:1".into(), repository: "r/s".into(), digest: d.clone(), location: "http://h:1/v2/r/s/blobs/uploads/abc".into(), offset: 7 };
+        let s =
+            UploadState { host: "h:1".into(), repository: "r/s".into(), digest: d.clone(), location: "http://h:1/v2/r/s/blobs/uploads/abc".into(), offset: 7 };
         save(&p, &s).unwrap();
         assert_eq!(load(&p, "h:1", "r/s", &d), Some(s));
         assert!(load(&p, "h:1", "r/other", &d).is_none(), "content is checked, not only the name");

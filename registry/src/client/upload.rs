@@ -162,9 +162,7 @@ impl Prefix<'_> {
         while self.upto < offset {
             let n = (offset - self.upto).min(4 << 20) as usize;
             buf.resize(n, 0);
-            self.src
-                .read_at_unverified(self.digest, self.upto, &mut buf[..n])
-                .map_err(|source| ClientError::Source { digest: self.digest.clone(), source })?;
+            self.src.read_at_unverified(self.digest, self.upto, &mut buf[..n]).map_err(|source| ClientError::Source { digest: self.digest.clone(), source })?;
             hasher.update(&buf[..n]);
             self.upto += n as u64;
         }
@@ -307,7 +305,13 @@ impl RegistrySource {
         }
         let save = |s: &Session, piece: u64| {
             if let (Some(p), true) = (&state_file, size > piece) {
-                let st = UploadState { host: self.host.clone(), repository: self.repository.clone(), digest: d.clone(), location: s.location.to_string(), offset: s.offset };
+                let st = UploadState {
+                    host: self.host.clone(),
+                    repository: self.repository.clone(),
+                    digest: d.clone(),
+                    location: s.location.to_string(),
+                    offset: s.offset,
+                };
                 if let Err(e) = state::save(p, &st) {
                     tracing::warn!("{}: cannot save upload state: {e}", p.display());
                 }

@@ -29,7 +29,12 @@ impl TestServer {
         let url = format!("http://{}", l.local_addr().unwrap());
         let (tx, rx) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(async move {
-            server.serve(l, async { let _ = rx.await; }).await.unwrap();
+            server
+                .serve(l, async {
+                    let _ = rx.await;
+                })
+                .await
+                .unwrap();
         });
         TestServer { url, dir, stop: Some(tx), task: Some(task) }
     }
@@ -185,7 +190,14 @@ async fn chunked_upload_out_of_order_is_416_and_status_reports_range() {
     let d = sha(&data);
     let r = c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap();
     let loc = r.headers()["location"].to_str().unwrap().to_owned();
-    let r = c.patch(s.u(&loc)).header("content-range", "0-99999").header("content-type", "application/octet-stream").body(data[..100_000].to_vec()).send().await.unwrap();
+    let r = c
+        .patch(s.u(&loc))
+        .header("content-range", "0-99999")
+        .header("content-type", "application/octet-stream")
+        .body(data[..100_000].to_vec())
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), StatusCode::ACCEPTED);
     assert_eq!(r.headers()["range"], "0-99999");
     // Out of order: skips bytes 100000..150000.

@@ -38,9 +38,7 @@ fn map_err(key: &str, e: object_store::Error) -> StoreError {
     match e {
         object_store::Error::NotFound { .. } => StoreError::NotFound(key.to_owned()),
         object_store::Error::AlreadyExists { .. } => StoreError::AlreadyExists(key.to_owned()),
-        object_store::Error::Precondition { source, .. } => {
-            StoreError::Precondition { key: key.to_owned(), reason: source.to_string() }
-        }
+        object_store::Error::Precondition { source, .. } => StoreError::Precondition { key: key.to_owned(), reason: source.to_string() },
         other => StoreError::Backend(format!("{key}: {other}")),
     }
 }
@@ -75,8 +73,7 @@ impl ObjectStoreBackend {
     pub fn s3_with(bucket: &str, prefix: &str, staging: &Path, overrides: &[(&str, &str)]) -> Result<ObjectStoreBackend> {
         let mut b = object_store::aws::AmazonS3Builder::from_env().with_bucket_name(bucket);
         for (k, v) in overrides {
-            let key: object_store::aws::AmazonS3ConfigKey =
-                k.parse().map_err(|e| StoreError::Backend(format!("S3 option {k}: {e}")))?;
+            let key: object_store::aws::AmazonS3ConfigKey = k.parse().map_err(|e| StoreError::Backend(format!("S3 option {k}: {e}")))?;
             b = b.with_config(key, *v);
         }
         let s3 = b.build().map_err(|e| StoreError::Backend(format!("configuring S3 bucket {bucket}: {e}")))?;
@@ -100,11 +97,8 @@ impl ObjectStoreBackend {
 
     fn meta(&self, m: &object_store::ObjectMeta) -> ObjectMeta {
         let ts = m.last_modified.timestamp();
-        let modified = if ts >= 0 {
-            SystemTime::UNIX_EPOCH + Duration::new(ts as u64, m.last_modified.timestamp_subsec_nanos())
-        } else {
-            SystemTime::UNIX_EPOCH
-        };
+        let modified =
+            if ts >= 0 { SystemTime::UNIX_EPOCH + Duration::new(ts as u64, m.last_modified.timestamp_subsec_nanos()) } else { SystemTime::UNIX_EPOCH };
         ObjectMeta { key: self.key_of(&m.location), size: m.size, modified }
     }
 }
@@ -195,8 +189,7 @@ impl BlobStore for ObjectStoreBackend {
 
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
         let p = self.path(prefix.trim_end_matches('/'))?;
-        let metas: Vec<object_store::ObjectMeta> =
-            self.inner.list(Some(&p)).try_collect().await.map_err(|e| map_err(prefix, e))?;
+        let metas: Vec<object_store::ObjectMeta> = self.inner.list(Some(&p)).try_collect().await.map_err(|e| map_err(prefix, e))?;
         Ok(metas.iter().map(|m| self.meta(m)).collect())
     }
 
@@ -212,8 +205,7 @@ mod tests {
     #[tokio::test]
     async fn in_memory_object_store_conformance() {
         let dir = tempfile::tempdir().unwrap();
-        let store =
-            ObjectStoreBackend::new(Arc::new(object_store::memory::InMemory::new()), "some/prefix", dir.path()).unwrap();
+        let store = ObjectStoreBackend::new(Arc::new(object_store::memory::InMemory::new()), "some/prefix", dir.path()).unwrap();
         super::super::conformance::all(&store).await;
     }
 }

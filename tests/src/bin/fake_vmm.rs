@@ -135,16 +135,7 @@ fn map_guest(ranges: &[(u64, u64)]) -> anyhow::Result<Vec<Region>> {
     const ALIGN: u64 = 2 << 20;
     let span: u64 = ranges.iter().map(|&(_, len)| len.div_ceil(ALIGN) * ALIGN + GAP).sum::<u64>() + ALIGN;
     // SAFETY: a fresh anonymous reservation; no existing memory is touched.
-    let res = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            span as usize,
-            libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
+    let res = unsafe { libc::mmap(std::ptr::null_mut(), span as usize, libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0) };
     ensure!(res != libc::MAP_FAILED, "reserve {span} bytes of address space: {}", std::io::Error::last_os_error());
     let mut at = (res as u64).div_ceil(ALIGN) * ALIGN;
     let mut regions = Vec::new();
@@ -296,10 +287,7 @@ fn run() -> anyhow::Result<u8> {
     let dontneed = a.dontneed.as_deref().map(parse_range).transpose()?;
     if let Some((off, len)) = dontneed {
         ensure!(off % PAGE == 0 && len % PAGE == 0 && len > 0, "--dontneed must be whole pages");
-        ensure!(
-            regions.iter().any(|r| off >= r.offset && off + len <= r.offset + r.size),
-            "--dontneed {off}:{len} must lie inside one region"
-        );
+        ensure!(regions.iter().any(|r| off >= r.offset && off + len <= r.offset + r.size), "--dontneed {off}:{len} must lie inside one region");
     }
 
     // Non-blocking, with remove events, kernel faults allowed (process_vm_readv faults in
@@ -367,8 +355,7 @@ fn run() -> anyhow::Result<u8> {
     let mem = Arc::new(mem);
     let mut handles = Vec::new();
     for _ in 0..a.threads {
-        let (touches, next, lat, regions, mem, c) =
-            (touches.clone(), next.clone(), latencies.clone(), regions.clone(), mem.clone(), counters.clone());
+        let (touches, next, lat, regions, mem, c) = (touches.clone(), next.clone(), latencies.clone(), regions.clone(), mem.clone(), counters.clone());
         handles.push(std::thread::spawn(move || -> anyhow::Result<()> {
             let mut got = vec![0u8; PAGE as usize];
             let mut want = vec![0u8; PAGE as usize];
@@ -441,12 +428,8 @@ fn run() -> anyhow::Result<u8> {
     let mut lat = std::mem::take(&mut *latencies.lock().expect("latency lock"));
     lat.sort_unstable();
     let c = &counters;
-    let (checked, mismatches, poisoned, zero) = (
-        c.checked.load(Ordering::SeqCst),
-        c.mismatches.load(Ordering::SeqCst),
-        c.poisoned.load(Ordering::SeqCst),
-        c.zero.load(Ordering::SeqCst),
-    );
+    let (checked, mismatches, poisoned, zero) =
+        (c.checked.load(Ordering::SeqCst), c.mismatches.load(Ordering::SeqCst), c.poisoned.load(Ordering::SeqCst), c.zero.load(Ordering::SeqCst));
     let summary = serde_json::json!({
         "pages_checked": checked,
         "mismatches": mismatches,
@@ -490,10 +473,7 @@ fn connect(path: &std::path::Path) -> anyhow::Result<UnixStream> {
     loop {
         match UnixStream::connect(path) {
             Ok(s) => return Ok(s),
-            Err(e)
-                if Instant::now() < deadline
-                    && matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) =>
-            {
+            Err(e) if Instant::now() < deadline && matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) => {
                 std::thread::sleep(Duration::from_millis(20));
             }
             Err(e) => return Err(e).with_context(|| format!("connect to {}", path.display())),

@@ -155,7 +155,13 @@ impl Dumped {
         let busy = wait_for_free_pids(dir, Duration::from_secs(30));
         let log = self.path("b/restore.log");
         let r = run(Command::new(&self.criu).args(["restore", "-d", "-D"]).arg(dir).arg("-o").arg(&log).args(extra));
-        assert_eq!(r.code, 0, "criu restore: {}\n{}\npids of the dump still in use when restore began: {busy:?}", r.stderr, fs::read_to_string(&log).unwrap_or_default());
+        assert_eq!(
+            r.code,
+            0,
+            "criu restore: {}\n{}\npids of the dump still in use when restore began: {busy:?}",
+            r.stderr,
+            fs::read_to_string(&log).unwrap_or_default()
+        );
     }
 
     /// The restored counter goes on from the dump with its heap intact.
@@ -285,8 +291,7 @@ fn criu_lazy_pages_restore_into_a_prepared_workdir() {
     assert_eq!(rep["ended"], "all pages installed", "{rep}");
     assert!(rep["lazy_pages"].as_u64().unwrap() >= 2048, "{rep}");
     assert_eq!(rep["verify_failures"].as_u64(), Some(0), "{rep}");
-    let left: Vec<_> =
-        fs::read_dir(&work).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.ends_with(".img")).collect();
+    let left: Vec<_> = fs::read_dir(&work).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.ends_with(".img")).collect();
     assert!(left.is_empty(), "prepared files left after the daemon exited: {left:?}");
 }
 

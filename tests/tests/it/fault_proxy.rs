@@ -333,20 +333,12 @@ fn snapctl_push_through_503_bursts_and_a_reset_upload_response_completes() {
     p.add(Rule::new(Fault::Status { code: 503 }).on(Match::new("POST", "/blobs/uploads/")).times(2));
     p.add(Rule::new(Fault::Reset { after: 0 }).on(Match::new("PUT", "/blobs/uploads/")));
     let reference = format!("{}/fp/vm:v1", p.addr);
-    let r = snapctl_tests::run(
-        snapctl_tests::snapctl().arg("push").arg(t.join("snap")).arg(&reference).arg("--cache").arg(t.join("pcache")),
-    );
+    let r = snapctl_tests::run(snapctl_tests::snapctl().arg("push").arg(t.join("snap")).arg(&reference).arg("--cache").arg(t.join("pcache")));
     assert_eq!(r.code, 0, "push through faults: {}{}", r.stdout, r.stderr);
     assert_eq!(p.plan().lock().unwrap().pending(), 0, "every fault was hit: {:?}", p.log());
     assert_eq!(p.faults(), 5);
-    let r = snapctl_tests::run(
-        snapctl_tests::snapctl()
-            .arg("pull")
-            .arg(format!("{}/fp/vm:v1", s.addr))
-            .arg(t.join("pulled"))
-            .arg("--cache")
-            .arg(t.join("ccache")),
-    );
+    let r =
+        snapctl_tests::run(snapctl_tests::snapctl().arg("pull").arg(format!("{}/fp/vm:v1", s.addr)).arg(t.join("pulled")).arg("--cache").arg(t.join("ccache")));
     assert_eq!(r.code, 0, "pull: {}{}", r.stdout, r.stderr);
     assert!(dir_contents(&t.join("snap")) == dir_contents(&t.join("pulled")), "pulled files differ from the pushed ones");
 }

@@ -316,12 +316,8 @@ fn tamper_every_blob_kind_is_named() {
     assert_eq!(run(snapctl().args(["verify", &laystr])).code, 0);
     let m = manifest_json(&lay, &digest);
     let cfg = m["config"]["digest"].as_str().unwrap().to_string();
-    let layers: Vec<(String, String)> = m["layers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| (l["mediaType"].as_str().unwrap().to_string(), l["digest"].as_str().unwrap().to_string()))
-        .collect();
+    let layers: Vec<(String, String)> =
+        m["layers"].as_array().unwrap().iter().map(|l| (l["mediaType"].as_str().unwrap().to_string(), l["digest"].as_str().unwrap().to_string())).collect();
     let index = layers.iter().find(|(t, _)| t == imgfmt::media::INDEX).unwrap().1.clone();
     let pack = layers.iter().find(|(t, _)| t == imgfmt::media::PACK).unwrap().1.clone();
 
@@ -483,4 +479,3 @@ fn copy_dir(from: &Path, to: &Path) {
         }
     }
 }
-

@@ -91,11 +91,7 @@ impl Handler {
 
     fn spawn(mut cmd: Command, socket: &Path) -> Handler {
         let log = socket.with_extension("log");
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(fs::File::create(&log).expect("handler log"))
-            .spawn()
-            .expect("spawn handler");
+        let mut child = cmd.stdout(Stdio::piped()).stderr(fs::File::create(&log).expect("handler log")).spawn().expect("spawn handler");
         let out = child.stdout.take().expect("piped stdout");
         let lines = Arc::new(Mutex::new(Vec::new()));
         let l2 = lines.clone();
@@ -132,13 +128,7 @@ impl Handler {
     fn reports(&self, n: usize, within: Duration) -> Vec<Value> {
         let deadline = Instant::now() + within;
         loop {
-            let got: Vec<Value> = self
-                .lines
-                .lock()
-                .unwrap()
-                .iter()
-                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-                .collect();
+            let got: Vec<Value> = self.lines.lock().unwrap().iter().filter_map(|l| serde_json::from_str::<Value>(l).ok()).collect();
             if got.len() >= n {
                 return got;
             }
@@ -436,12 +426,13 @@ fn lazy_restore_of_tampered_pack_never_shows_wrong_bytes() {
     // Touch the tampered chunk and its neighbours only.
     let first = chunk * 256;
     let pages = format!("{}-{}", first.saturating_sub(256), first + 511);
-    let r = run(Command::new(env!("CARGO_BIN_EXE_fake_vmm"))
-        .arg("--socket")
-        .arg(&sock)
-        .arg("--mem-file")
-        .arg(&mem)
-        .args(["--json", "--timeout", "20", "--touch", &pages]));
+    let r = run(Command::new(env!("CARGO_BIN_EXE_fake_vmm")).arg("--socket").arg(&sock).arg("--mem-file").arg(&mem).args([
+        "--json",
+        "--timeout",
+        "20",
+        "--touch",
+        &pages,
+    ]));
     let j: Value = serde_json::from_str(r.stdout.trim()).unwrap_or(Value::Null);
     assert_eq!(n(&j, &["mismatches"]), 0, "no wrong byte ever reaches the guest: {r:?}");
     let stalled = j["stalled"].as_bool() == Some(true);

@@ -79,10 +79,13 @@ fn stored_bytes(layout: &Path, name: &str) -> u64 {
     let l = OciLayout::open(layout).unwrap();
     let image = Image::open(&l, &l.resolve_tag("v1").unwrap()).unwrap();
     let f = image.file(name).unwrap_or_else(|| panic!("{name} in the image")).1;
-    f.chunks.iter().map(|c| match c.at {
-        StoredAt::Pack { stored_len, .. } => stored_len as u64,
-        StoredAt::Zero => 0,
-    }).sum()
+    f.chunks
+        .iter()
+        .map(|c| match c.at {
+            StoredAt::Pack { stored_len, .. } => stored_len as u64,
+            StoredAt::Zero => 0,
+        })
+        .sum()
 }
 
 /// A task ended well: every page pushed, or the task exited (its memory went) first.
@@ -275,6 +278,10 @@ fn sigterm_before_the_restore_removes_the_prepared_dump() {
     assert_eq!(unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) }, 0);
     let (code, reps) = d.finish(Duration::from_secs(10));
     assert_eq!(code, 0, "{reps:?} {}", d.log_text());
-    let left: Vec<_> = fs::read_dir(&work).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.ends_with(".img") || n.ends_with(".socket")).collect();
+    let left: Vec<_> = fs::read_dir(&work)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".img") || n.ends_with(".socket"))
+        .collect();
     assert!(left.is_empty(), "left behind: {left:?}");
 }

@@ -277,11 +277,7 @@ fn pull_killed_then_resumed_fetches_only_the_rest() {
     let (r, full) = pull(&v1, &fx.path("full"), None, &[]);
     ok(&r);
     assert!(n(&j, "bytes_fetched") < n(&full, "bytes_fetched"), "resume fetched {} of a full {}", j["bytes_fetched"], full["bytes_fetched"]);
-    assert_eq!(
-        n(&j, "chunks_fetched") + n(&j, "chunks_from_cache") + n(&j, "chunks_resumed"),
-        n(&full, "chunks_fetched"),
-        "resume: {j}\nfull: {full}"
-    );
+    assert_eq!(n(&j, "chunks_fetched") + n(&j, "chunks_from_cache") + n(&j, "chunks_resumed"), n(&full, "chunks_fetched"), "resume: {j}\nfull: {full}");
 }
 
 /// Allocated bytes of the hidden temp files of pulls in `dir`.
@@ -492,11 +488,14 @@ fn pull_through_faults_completes_or_fails_verified() {
         ("resets", vec![Rule::new(Fault::Reset { after: 64 * 1024 }).on(Match::blob_gets()).nth(3).times(3)]),
         ("503 burst", vec![Rule::new(Fault::Status { code: 503 }).times(4)]),
         ("truncated bodies", vec![Rule::new(Fault::Truncate { after: 100 * 1024 }).on(Match::blob_gets()).nth(4).times(2)]),
-        ("all three", vec![
-            Rule::new(Fault::Status { code: 503 }).on(Match::blob_gets()).nth(5).times(2),
-            Rule::new(Fault::Reset { after: 1000 }).on(Match::blob_gets()).nth(8),
-            Rule::new(Fault::Truncate { after: 10 }).on(Match::blob_gets()).nth(12),
-        ]),
+        (
+            "all three",
+            vec![
+                Rule::new(Fault::Status { code: 503 }).on(Match::blob_gets()).nth(5).times(2),
+                Rule::new(Fault::Reset { after: 1000 }).on(Match::blob_gets()).nth(8),
+                Rule::new(Fault::Truncate { after: 10 }).on(Match::blob_gets()).nth(12),
+            ],
+        ),
     ];
     for (what, rules) in cases {
         proxy.clear();

@@ -265,12 +265,7 @@ impl Throttle {
     fn start(upstream: &str, rate: u64) -> Throttle {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap().to_string();
-        let t = Throttle {
-            addr,
-            rate: Arc::new(AtomicU64::new(rate)),
-            forwarded: Arc::new(AtomicU64::new(0)),
-            stop: Arc::new(AtomicBool::new(false)),
-        };
+        let t = Throttle { addr, rate: Arc::new(AtomicU64::new(rate)), forwarded: Arc::new(AtomicU64::new(0)), stop: Arc::new(AtomicBool::new(false)) };
         let (up, rate, fwd, stop) = (upstream.to_string(), t.rate.clone(), t.forwarded.clone(), t.stop.clone());
         std::thread::spawn(move || {
             for conn in l.incoming() {
@@ -338,13 +333,7 @@ fn kill9_push_resumes(registry: &str, expect_resume: bool) {
     let proxy = Throttle::start(registry, 4 * MIB);
     let dest = format!("{}/vm/resume:v1", proxy.addr);
     let src = format!("oci:{}:v1", lay.display());
-    let mut child = w
-        .cmd()
-        .args(["push", &src, &dest, "--upload-piece", "1MiB", "--jobs", "1"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = w.cmd().args(["push", &src, &dest, "--upload-piece", "1MiB", "--jobs", "1"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     while proxy.forwarded.load(Relaxed) < 6 * MIB {
         assert!(Instant::now() < deadline, "the push did not get going");

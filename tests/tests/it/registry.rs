@@ -109,11 +109,7 @@ actions = ["pull"]
 "#,
     )
     .unwrap();
-    let s = Serve::start(
-        tmp.path().join("store").to_str().unwrap(),
-        &["--htpasswd", pw.to_str().unwrap(), "--acl", acl.to_str().unwrap()],
-        &[],
-    );
+    let s = Serve::start(tmp.path().join("store").to_str().unwrap(), &["--htpasswd", pw.to_str().unwrap(), "--acl", acl.to_str().unwrap()], &[]);
     let src_ref = format!("oci:{}:v1", src.display());
     let dst = format!("docker://{}/snap/vm:v1", s.addr);
     let r = skopeo_copy(&src_ref, &dst, &["--dest-creds", "bob:bob-pw"]);
@@ -143,11 +139,7 @@ fn mount_from_a_repository_the_user_cannot_read_is_refused() {
          [[rule]]\nusers=[\"bob\"]\nrepos=[\"bob/*\"]\nactions=[\"pull\",\"push\"]\n",
     )
     .unwrap();
-    let s = Serve::start(
-        tmp.path().join("store").to_str().unwrap(),
-        &["--htpasswd", pw.to_str().unwrap(), "--acl", acl.to_str().unwrap()],
-        &[],
-    );
+    let s = Serve::start(tmp.path().join("store").to_str().unwrap(), &["--htpasswd", pw.to_str().unwrap(), "--acl", acl.to_str().unwrap()], &[]);
     let c = Client::new();
     let data = b"alice's private layer".to_vec();
     let d = sha256(&data);
@@ -215,14 +207,7 @@ fn kill9_during_chunked_upload_then_restart_resumes_and_shows_no_partial_blob() 
     assert_eq!(r.status(), 202);
     // Second chunk: announce 48 MiB, send 20 MiB, then kill -9 the server mid-body.
     let rest = data.len() - first;
-    let _conn = partial_request(
-        &s.addr,
-        "PATCH",
-        &loc,
-        &[("Content-Range", format!("{first}-{}", data.len() - 1))],
-        rest,
-        &data[first..first + 20 * MIB],
-    );
+    let _conn = partial_request(&s.addr, "PATCH", &loc, &[("Content-Range", format!("{first}-{}", data.len() - 1))], rest, &data[first..first + 20 * MIB]);
     std::thread::sleep(Duration::from_millis(500));
     // On disk a session's chunks are appended in place to _uploads/<id>/data (spec/registry.md §3).
     let id = loc.rsplit('/').next().unwrap().split('?').next().unwrap().to_owned();
@@ -354,7 +339,12 @@ fn gc_cli_sweeps_a_deleted_image_and_keeps_a_live_one() {
             "artifactType": "application/vnd.snapctl.snapshot.v1",
             "config": {"mediaType": "application/vnd.snapctl.config.v1+json", "digest": sha256(&cfg), "size": cfg.len()},
             "layers": [{"mediaType": "application/vnd.snapctl.pack.v1", "digest": sha256(&layer), "size": 1000}]});
-        let r = c.put(s.url(&format!("/v2/{repo}/manifests/v1"))).header("content-type", "application/vnd.oci.image.manifest.v1+json").body(serde_json::to_vec(&m).unwrap()).send().unwrap();
+        let r = c
+            .put(s.url(&format!("/v2/{repo}/manifests/v1")))
+            .header("content-type", "application/vnd.oci.image.manifest.v1+json")
+            .body(serde_json::to_vec(&m).unwrap())
+            .send()
+            .unwrap();
         assert_eq!(r.status(), 201);
         r.headers()["docker-content-digest"].to_str().unwrap().to_owned()
     };
@@ -388,14 +378,16 @@ fn tls_from_cert_and_key_files() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let (cert, key) = (tmp.path().join("cert.pem"), tmp.path().join("key.pem"));
-    let r = run(Command::new("openssl").args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout"]).arg(&key).arg("-out").arg(&cert));
+    let r = run(Command::new("openssl")
+        .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout"])
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert));
     assert_eq!(r.code, 0, "{}", r.stderr);
-    let s = Serve::start(
-        tmp.path().join("store").to_str().unwrap(),
-        &["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()],
-        &[],
-    );
-    let r = run(Command::new("curl").args(["-sS", "--cacert", cert.to_str().unwrap(), "-o", "/dev/null", "-w", "%{http_code}"]).arg(format!("https://{}/v2/", s.addr)));
+    let s = Serve::start(tmp.path().join("store").to_str().unwrap(), &["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()], &[]);
+    let r = run(Command::new("curl")
+        .args(["-sS", "--cacert", cert.to_str().unwrap(), "-o", "/dev/null", "-w", "%{http_code}"])
+        .arg(format!("https://{}/v2/", s.addr)));
     assert_eq!(r.stdout, "200", "{}", r.stderr);
     let r = run(Command::new("curl").args(["-sS", "-o", "/dev/null", "-w", "%{http_code}"]).arg(format!("http://{}/v2/", s.addr)));
     assert_ne!(r.stdout, "200", "plain HTTP must not be served on a TLS port");

@@ -11,8 +11,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use snapctl_tests::registry_support::Serve;
 use snapctl_tests::counter::{self, sha256_file, ticks, wait_for_count};
+use snapctl_tests::registry_support::Serve;
 use snapctl_tests::{have, require_peers, run, snapctl};
 
 /// Skip with a note, or fail when peers are required.
@@ -44,11 +44,7 @@ impl Runsc {
         let log = self.root.join(format!("{id}.log"));
         let f = std::fs::File::create(&log).unwrap();
         let status = self.cmd().args(args).stdout(f.try_clone().unwrap()).stderr(f).status().expect("spawn runsc");
-        snapctl_tests::Run {
-            code: status.code().unwrap_or(-1),
-            stdout: String::new(),
-            stderr: std::fs::read_to_string(&log).unwrap_or_default(),
-        }
+        snapctl_tests::Run { code: status.code().unwrap_or(-1), stdout: String::new(), stderr: std::fs::read_to_string(&log).unwrap_or_default() }
     }
 }
 
@@ -134,10 +130,7 @@ fn runsc_checkpoint_push_pull_restore_continues_the_counter() {
     bundle(&bundle_b, &counter, &out_b);
     let mut host_b = Runsc { root: t.join("b/runsc"), ids: vec![] };
     let id_b = format!("snapctl-counter-b-{}", std::process::id());
-    let r = host_b.start(
-        &id_b,
-        &["restore", "-detach", "--image-path", restored.to_str().unwrap(), "--bundle", bundle_b.to_str().unwrap(), &id_b],
-    );
+    let r = host_b.start(&id_b, &["restore", "-detach", "--image-path", restored.to_str().unwrap(), "--bundle", bundle_b.to_str().unwrap(), &id_b]);
     assert_eq!(r.code, 0, "runsc restore: {}", r.stderr);
 
     // The restored program writes into host B's output directory, continuing the count.

@@ -12,15 +12,7 @@ use snapctl_tests::registry_support::{Distribution, Serve};
 use snapctl_tests::{have, run, snapctl};
 
 fn skopeo(src: &str, dst: &str) -> snapctl_tests::Run {
-    run(Command::new("skopeo").args([
-        "copy",
-        "--quiet",
-        "--preserve-digests",
-        "--src-tls-verify=false",
-        "--dest-tls-verify=false",
-        src,
-        dst,
-    ]))
+    run(Command::new("skopeo").args(["copy", "--quiet", "--preserve-digests", "--src-tls-verify=false", "--dest-tls-verify=false", src, dst]))
 }
 
 fn pack(src: &Path, dest: &str, extra: &[&str]) -> String {

@@ -233,11 +233,7 @@ fn vector_corruptions_are_each_caught() {
                 if kind == "pack" {
                     let candidates = chunks_covering(&layout, &opened, &digest.parse().unwrap(), offset);
                     assert!(!candidates.is_empty(), "{ctx}: no chunk covers this byte");
-                    assert!(
-                        candidates.iter().any(|c| r.stderr.contains(c.as_str())),
-                        "{ctx}: stderr names none of {candidates:?}: {}",
-                        r.stderr
-                    );
+                    assert!(candidates.iter().any(|c| r.stderr.contains(c.as_str())), "{ctx}: stderr names none of {candidates:?}: {}", r.stderr);
                     let d = &c["detected"];
                     let named = format!("{}: chunk {} at offset {}", s(&d["file"]), n(&d["chunk"]), n(&d["offset"]));
                     assert!(candidates.contains(&named), "{ctx}: vectors.json says {named}, not among {candidates:?}");
@@ -266,10 +262,7 @@ fn vector_consistent_lies_open_but_fail_verify() {
         assert_eq!(img.manifest_digest.as_str(), s(&lie["manifest"]), "{ctx}");
         let report = verify::audit(&layout, &img, &verify::AuditOptions { threads: 2, blob_digests: false }).unwrap();
         let want = &lie["expect"];
-        let kind = serde_json::to_value(
-            report.failures.iter().map(|f| f.kind).collect::<Vec<_>>(),
-        )
-        .unwrap();
+        let kind = serde_json::to_value(report.failures.iter().map(|f| f.kind).collect::<Vec<_>>()).unwrap();
         assert!(kind.as_array().unwrap().contains(&want["kind"]), "{ctx}: expected a {} failure, got {:?}", want["kind"], report.failures);
         let r = run(snapctl().arg("verify").arg(format!("oci:{}:{tag}", path.display())));
         assert_eq!(r.code, 1, "{ctx}: verify must exit 1\nstderr: {}", r.stderr);
@@ -308,11 +301,7 @@ fn spec_worked_example_index() {
     use imgfmt::RecordKind::{Stored, Zero};
     assert_eq!(
         kinds,
-        [
-            Stored { pack: 0, offset: 0, stored_len: 49, codec: Codec::Zstd },
-            Zero,
-            Stored { pack: 0, offset: 49, stored_len: 67, codec: Codec::Raw },
-        ]
+        [Stored { pack: 0, offset: 0, stored_len: 49, codec: Codec::Zstd }, Zero, Stored { pack: 0, offset: 49, stored_len: 67, codec: Codec::Raw },]
     );
     assert_eq!(ix.records[1].digest, verify::zero_digest(HashAlgo::Blake3, 65536));
     let root = verify::file_root(HashAlgo::Blake3, &ix.records.iter().map(|r| r.digest).collect::<Vec<_>>());
