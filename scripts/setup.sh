@@ -1,8 +1,26 @@
 #!/usr/bin/env bash
-# Installs everything snapctl's build, tests and benchmarks need on a fresh Debian machine.
-# Idempotent: safe to run again. Run as root (or with sudo available).
+# Installs what snapctl needs on a fresh Debian machine. Idempotent: safe to run again.
+# Run as root (or with sudo available).
+#
+#   bash scripts/setup.sh           # build dependencies only: what `scripts/demo.sh` runs
+#   bash scripts/setup.sh --tests   # also the real peers the tests and benchmarks talk to
+#
+# Everything it installs is listed here (BUILD_APT, TEST_APT, PIP_PKGS, the trixie prefixes,
+# s3s-fs, cargo-fuzz), so that scripts/fresh-check.sh can remove exactly that and prove these
+# commands on a machine that never saw them.
 set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+cd "$here"
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+tests=0
+list=0
+case "${1:-}" in
+  "") ;;
+  --tests) tests=1 ;;
+  --list) list=1 ;;   # print what it installs, one "KIND NAME" a line (for fresh-check.sh)
+  -h|--help) sed -n "2,10s/^# \\{0,1\\}//p" "$here/setup.sh"; exit 0 ;;
+  *) echo "setup: unknown argument $1 (try --help)" >&2; exit 2 ;;
+esac
 
 if ! command -v cargo >/dev/null 2>&1; then
   echo "setup: cargo not found. snapctl needs Rust >= 1.89 (rustup's stable toolchain);" >&2
@@ -10,31 +28,53 @@ if ! command -v cargo >/dev/null 2>&1; then
   exit 2
 fi
 
-# Debian packages: build deps and the real peers the tests talk to.
-APT_PKGS=(
-  pkg-config libclang-dev clang g++  # bindgen (userfaultfd-sys); libFuzzer (fuzz smoke)
+# Build: bindgen for userfaultfd-sys (libclang), a C toolchain, and what demo.sh calls.
+BUILD_APT=(pkg-config libclang-dev clang gcc g++ libc6-dev curl python3)
+# Tests and benchmarks: the real peers, and tools the test harness calls.
+TEST_APT=(
   b3sum casync                       # format benchmark peers
   skopeo docker-registry             # registry peers
   openssl bc                         # registry TLS test (self-signed cert), bench arithmetic
-  hyperfine curl jq python3-pip
-  runsc gcc libc6-dev                # gVisor round trip (tests/tests/it/runsc.rs), static counter
+  hyperfine jq python3-pip
+  runsc                              # gVisor 2022 (one checkpoint.img), tests/tests/it/runsc.rs
 )
-missing=()
-for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
-if [ ${#missing[@]} -gt 0 ]; then
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+PIP_PKGS=(oras "moto[server]")       # OCI artifact client; S3 server
+# Installed by tools, not here, listed for fresh-check: the trixie prefixes
+# (install-trixie.sh), cargo binaries (s3s-fs below, cargo-fuzz by fuzz-smoke.sh).
+PREFIXES=("${SNAPCTL_CRIU_PREFIX:-/opt/snapctl-criu}" "${SNAPCTL_RUNSC_PREFIX:-/opt/snapctl-runsc}")
+CARGO_BINS=(s3s-fs cargo-fuzz)
+if [ "$list" = 1 ]; then
+  printf 'build-apt %s\n' "${BUILD_APT[@]}"
+  printf 'test-apt %s\n' "${TEST_APT[@]}"
+  printf 'pip %s\n' "${PIP_PKGS[@]}"
+  printf 'prefix %s\n' "${PREFIXES[@]}"
+  printf 'cargo-bin %s\n' "${CARGO_BINS[@]}"
+  exit 0
 fi
+
+apt_install() {
+  local missing=() p
+  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [ ${#missing[@]} -gt 0 ] || return 0
+  echo "setup: apt: ${missing[*]}" >&2
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+apt_install "${BUILD_APT[@]}"
+[ "$tests" = 1 ] || exit 0
+
+apt_install "${TEST_APT[@]}"
 # docker-registry's package starts a system service on :5000; tests start their own on free ports.
 if command -v systemctl >/dev/null 2>&1; then $SUDO systemctl disable --now docker-registry >/dev/null 2>&1 || true; fi
 pkill -f '^/usr/bin/docker-registry serve /etc/docker/registry/config.yml' 2>/dev/null || true
 
-# CRIU 4.x from Debian trixie in a private prefix (/opt/snapctl-criu): bookworm's 3.17
-# cannot dump on this kernel. For tests/tests/it/criu.rs.
-$SUDO bash "$(dirname "$0")/install-criu.sh"
+# From Debian trixie, each in a private prefix with its dependency closure resolved from
+# trixie's lists: criu 4.x (bookworm's 3.17 cannot dump on this kernel) and runsc 2024 (the
+# split checkpoint.img + pages_meta.img + pages.img format).
+$SUDO bash ./install-trixie.sh criu
+$SUDO bash ./install-trixie.sh runsc
 
-# PyPI packages: oras (OCI artifact client) and moto (S3 server).
-PIP_PKGS=(oras "moto[server]")
 python3 -m pip install -q --disable-pip-version-check "${PIP_PKGS[@]}" >/dev/null 2>&1 || \
   python3 -m pip install -q --disable-pip-version-check --break-system-packages "${PIP_PKGS[@]}"
 

@@ -4,7 +4,7 @@
 # Ends with one summary line, "total: N passed, M failed".
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --tests
 export SNAPCTL_REQUIRE_PEERS="${SNAPCTL_REQUIRE_PEERS:-1}"
 export CARGO_TERM_COLOR=never
 cargo build --workspace --bins

@@ -3,7 +3,7 @@
 //! --lazy-pages` with `snapctl lazy --criu-workdir` serving the memory).
 //!
 //! The criu is 4.x from Debian trixie, unpacked with its own glibc by
-//! `scripts/install-criu.sh` (Debian bookworm's criu 3.17 cannot dump on this kernel);
+//! `scripts/install-trixie.sh criu` (Debian bookworm's criu 3.17 cannot dump on this kernel);
 //! tests find it as `$SNAPCTL_CRIU`, else `/opt/snapctl-criu/criu`. The program is
 //! `tests/runtimes/counter.c`, run as its own session with no terminal (what `criu dump`
 //! takes without `--shell-job`). Skips loudly without criu, gcc, root or userfaultfd; with
@@ -38,7 +38,7 @@ fn find_criu() -> Result<PathBuf, String> {
     }
     let bin = std::env::var_os("SNAPCTL_CRIU").map(PathBuf::from).unwrap_or_else(|| "/opt/snapctl-criu/criu".into());
     if !bin.exists() {
-        return Err(format!("no criu at {} (run scripts/install-criu.sh, or set SNAPCTL_CRIU)", bin.display()));
+        return Err(format!("no criu at {} (run `bash scripts/install-trixie.sh criu`, or set SNAPCTL_CRIU)", bin.display()));
     }
     let r = run(Command::new(&bin).arg("check"));
     if r.code != 0 {
