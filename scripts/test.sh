@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian machine and runs every test: unit, integration (with real peers:
-# skopeo, docker-registry, oras, an S3 server), and a short fuzz run of every decoder.
+# skopeo, docker-registry, oras, an S3 server, runsc, criu), format and clippy lints, and a
+# short fuzz run of every decoder.
 # Ends with one summary line, "total: N passed, M failed".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,10 @@ log="$(mktemp "${TMPDIR:-/tmp}/snapctl-test.XXXXXX")"
 trap 'rm -f "$log"' EXIT
 status=0
 cargo test --workspace --no-fail-fast -- --test-threads="${SNAPCTL_TEST_THREADS:-2}" 2>&1 | tee "$log" || status=$?
+# Format and lints are part of the tests: a change that breaks either fails here, as in CI.
+lint=0
+cargo fmt --all --check >/dev/null 2>&1 || { echo "lint: cargo fmt --all --check: the code is not formatted (run cargo fmt --all)"; lint=1; status=1; }
+cargo clippy --workspace --all-targets --quiet -- -D warnings || { echo "lint: cargo clippy found warnings (above)"; lint=1; status=1; }
 fuzz=0
 if [ -f scripts/fuzz-smoke.sh ]; then
   bash scripts/fuzz-smoke.sh || { fuzz=1; status=1; }
@@ -21,5 +26,6 @@ fi
 passed=$(sed -n 's/^test result: .* \([0-9][0-9]*\) passed; \([0-9][0-9]*\) failed.*/\1/p' "$log" | awk '{s+=$1} END {print s+0}')
 failed=$(sed -n 's/^test result: .* \([0-9][0-9]*\) passed; \([0-9][0-9]*\) failed.*/\2/p' "$log" | awk '{s+=$1} END {print s+0}')
 [ "$fuzz" = 0 ] || echo "fuzz smoke: a target crashed (see above)"
-echo "total: $passed passed, $((failed + fuzz)) failed"
+[ "$lint" = 0 ] || echo "lint: format or clippy failed (see above)"
+echo "total: $passed passed, $((failed + fuzz + lint)) failed"
 exit "$status"
