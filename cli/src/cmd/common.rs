@@ -1,6 +1,6 @@
-//! Glue shared by subcommands: opening references, progress bars, exit codes.
+//! Glue shared by subcommands: opening references, progress bars, exit codes, stdout.
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write as _};
 use std::process::ExitCode;
 
 use anyhow::Context;
@@ -40,6 +40,55 @@ pub fn exit_code_for(e: &anyhow::Error) -> u8 {
         return if u.is_integrity() { EXIT_FAILED } else { EXIT_ERROR };
     }
     EXIT_ERROR
+}
+
+/// Writing to stdout failed. When the reader has gone (`snapctl inspect REF | head -n 3`:
+/// EPIPE), `main` ends the command quietly with status 0: the data was not wanted any more.
+/// Any other failure (a full disk behind a redirection) is an error like any other.
+#[derive(Debug)]
+pub struct StdoutError(pub std::io::Error);
+impl std::fmt::Display for StdoutError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "writing to stdout: {}", self.0)
+    }
+}
+impl std::error::Error for StdoutError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
+
+/// Whether `e` says that stdout's reader has gone (and nothing else went wrong).
+pub fn is_stdout_closed(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.downcast_ref::<StdoutError>().is_some_and(|s| s.0.kind() == std::io::ErrorKind::BrokenPipe))
+}
+
+/// Write one line to stdout, returning the error `println!` would panic with. Every byte a
+/// command prints goes through here (the crate denies `clippy::print_stdout`).
+pub fn write_stdout(args: std::fmt::Arguments<'_>) -> Result<(), StdoutError> {
+    let mut out = std::io::stdout().lock();
+    out.write_fmt(args).and_then(|()| out.write_all(b"\n")).map_err(StdoutError)
+}
+
+/// `println!` that returns a [`StdoutError`] instead of panicking.
+macro_rules! outln {
+    () => { $crate::cmd::common::write_stdout(format_args!("")) };
+    ($($arg:tt)*) => { $crate::cmd::common::write_stdout(format_args!($($arg)*)) };
+}
+pub(crate) use outln;
+
+/// Print `value` as pretty JSON on stdout, one document.
+pub fn print_json<T: serde::Serialize + ?Sized>(value: &T) -> anyhow::Result<()> {
+    let text = serde_json::to_string_pretty(value).context("serializing the report")?;
+    write_stdout(format_args!("{text}"))?;
+    Ok(())
+}
+
+/// Print `value` as JSON on one line of stdout (streams of reports, `--json` of gc).
+pub fn print_json_line<T: serde::Serialize + ?Sized>(value: &T) -> anyhow::Result<()> {
+    let text = serde_json::to_string(value).context("serializing the report")?;
+    write_stdout(format_args!("{text}"))?;
+    Ok(())
 }
 
 pub fn code(c: u8) -> ExitCode {
@@ -115,4 +164,20 @@ pub fn progress_bar(total: u64, what: &str) -> Option<indicatif::ProgressBar> {
 /// Parse a size argument (`1MiB`, `4M`, `65536`).
 pub fn parse_size(s: &str) -> Result<u64, String> {
     imgfmt::size::parse_size(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_closed_stdout_is_quiet() {
+        let closed = anyhow::Error::new(StdoutError(std::io::ErrorKind::BrokenPipe.into())).context("printing");
+        assert!(is_stdout_closed(&closed));
+        let full = anyhow::Error::new(StdoutError(std::io::Error::from_raw_os_error(28)));
+        assert!(!is_stdout_closed(&full), "a full disk is an error");
+        // A broken pipe elsewhere (a registry connection) is not stdout's.
+        let socket = anyhow::Error::new(std::io::Error::from(std::io::ErrorKind::BrokenPipe));
+        assert!(!is_stdout_closed(&socket));
+    }
 }

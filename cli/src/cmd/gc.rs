@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 
+use super::common::{self, outln};
+
 fn duration(s: &str) -> Result<Duration, String> {
     registry::gc::parse_duration(s).ok_or_else(|| format!("invalid duration {s:?} (examples: 90s, 15m, 1h, 7d)"))
 }
@@ -40,16 +42,16 @@ pub fn run(args: GcArgs) -> anyhow::Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     let report = rt.block_on(registry::gc::run(store.as_ref(), &opts)).context("gc")?;
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        common::print_json_line(&report)?;
     } else {
         let verb = if args.dry_run { "would delete" } else { "deleted" };
-        println!("manifests walked:   {}", report.manifests);
-        println!("blobs reachable:    {}", report.marked);
-        println!("blobs in storage:   {}", report.blobs);
-        println!("blobs {verb}: {} ({} bytes)", report.swept, report.swept_bytes);
-        println!("kept (in grace):    {}", report.kept_young);
-        println!("links {verb}: {}", report.links_removed);
-        println!("uploads {verb}: {}", report.uploads_removed);
+        outln!("manifests walked:   {}", report.manifests)?;
+        outln!("blobs reachable:    {}", report.marked)?;
+        outln!("blobs in storage:   {}", report.blobs)?;
+        outln!("blobs {verb}: {} ({} bytes)", report.swept, report.swept_bytes)?;
+        outln!("kept (in grace):    {}", report.kept_young)?;
+        outln!("links {verb}: {}", report.links_removed)?;
+        outln!("uploads {verb}: {}", report.uploads_removed)?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -1,6 +1,5 @@
 //! `snapctl lazy`: the userfaultfd page-fault server for restoring VMs (spec/lazy.md).
 
-use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -273,9 +272,9 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
             r.seconds
         );
         if json {
-            let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "{}", serde_json::to_string(r).expect("report serializes"));
-            let _ = out.flush();
+            // A page server keeps serving when its report reader has gone: a guest
+            // still faulting must not lose its handler over a closed pipe.
+            let _ = common::print_json_line(r);
         }
     }))?;
     Ok(common::code(if failed.load(Ordering::Relaxed) { common::EXIT_FAILED } else { common::EXIT_OK }))
@@ -379,9 +378,9 @@ fn serve_criu(a: &LazyArgs, daemon: &Arc<CriuDaemon>) -> anyhow::Result<ExitCode
             r.error.as_deref().map(|e| format!("; ERROR: {e}")).unwrap_or_default()
         );
         if json {
-            let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "{}", serde_json::to_string(r).expect("report serializes"));
-            let _ = out.flush();
+            // A page server keeps serving when its report reader has gone: a guest
+            // still faulting must not lose its handler over a closed pipe.
+            let _ = common::print_json_line(r);
         }
     }))?;
     Ok(common::code(if errored.load(Ordering::Relaxed) {

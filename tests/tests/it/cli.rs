@@ -1,0 +1,98 @@
+//! What a first user meets at the command line (issue 13 §2): a closed stdout.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use snapctl_tests::registry_support::Serve;
+use snapctl_tests::{run, snapctl, Run};
+
+/// A scratch area with its own snapctl cache and Docker config.
+struct Work {
+    dir: tempfile::TempDir,
+}
+
+impl Work {
+    fn new() -> Work {
+        Work { dir: tempfile::tempdir().unwrap() }
+    }
+    fn path(&self, p: &str) -> PathBuf {
+        self.dir.path().join(p)
+    }
+    fn cmd(&self) -> Command {
+        let mut c = snapctl();
+        c.env("SNAPCTL_CACHE", self.path("cache")).env("DOCKER_CONFIG", self.path("docker"));
+        c
+    }
+    fn ok(&self, args: &[&str]) -> Run {
+        let r = run(self.cmd().args(args));
+        assert_eq!(r.code, 0, "snapctl {args:?}: {r:?}");
+        r
+    }
+    /// `snapctl sample` of `size` into a new directory, packed as `oci:<dir>/l:<tag>`.
+    fn packed(&self, name: &str, size: &str, tag: &str) -> (PathBuf, String) {
+        let src = self.path(name);
+        self.ok(&["sample", src.to_str().unwrap(), "--size", size]);
+        let r = format!("oci:{}:{tag}", self.path("l").display());
+        self.ok(&["pack", src.to_str().unwrap(), &r]);
+        (src, r)
+    }
+}
+
+/// Run `cmd` with stdout a pipe whose reading end is already closed (what `| head -n 3`
+/// leaves once head has exited).
+fn run_into_closed_pipe(cmd: &mut Command) -> Run {
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let out = cmd.stdin(Stdio::null()).stdout(writer).stderr(Stdio::piped()).output().expect("spawn");
+    Run { code: out.status.code().unwrap_or(-1), stdout: String::new(), stderr: String::from_utf8_lossy(&out.stderr).into_owned() }
+}
+
+/// Issue 13: `snapctl inspect REF | head -n 3` panicked ("failed printing to stdout: Broken
+/// pipe"). Every command that writes to stdout now ends quietly, status 0, when its reader
+/// has gone: no panic, no error line.
+#[test]
+fn regression_issue_13_closed_stdout_ends_quietly_with_status_0() {
+    let w = Work::new();
+    let (src, a) = w.packed("snap", "2MiB", "a");
+    w.ok(&["sample", src.to_str().unwrap(), "--size", "2MiB", "--mutate", "2"]);
+    let b = format!("oci:{}:b", w.path("l").display());
+    w.ok(&["pack", src.to_str().unwrap(), &b, "--parent", &a]);
+    let storage = w.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    let s = Serve::start(storage.to_str().unwrap(), &[], &[]);
+    let remote = format!("{}/vm/pipe:v1", s.addr);
+    w.ok(&["push", &a, &remote]);
+    let (src_s, st, lay2) = (src.to_str().unwrap(), storage.to_str().unwrap(), format!("oci:{}:c", w.path("l2").display()));
+    let commands: Vec<Vec<String>> = [
+        &["inspect", &a][..],
+        &["inspect", &a, "--json"],
+        &["inspect", &remote],
+        &["verify", &a, "--json"],
+        &["diff", &a, &b],
+        &["diff", &a, &b, "--json"],
+        &["pack", src_s, &format!("oci:{}:p", w.path("l3").display())],
+        &["pack", src_s, &format!("oci:{}:q", w.path("l3").display()), "--json"],
+        &["unpack", &a, w.path("out1").to_str().unwrap(), "--json"],
+        &["copy", &a, &lay2, "--json"],
+        &["push", &b, &format!("{}/vm/pipe:v2", s.addr)],
+        &["push", &b, &format!("{}/vm/pipe2:v2", s.addr), "--json"],
+        &["pull", &remote, w.path("out2").to_str().unwrap(), "--json"],
+        &["gc", "--storage", st, "--dry-run"],
+        &["gc", "--storage", st, "--dry-run", "--json"],
+        &["--help"],
+        &["inspect", "--help"],
+        &["--version"],
+    ]
+    .iter()
+    .map(|c| c.iter().map(|s| s.to_string()).collect())
+    .collect();
+    for c in &commands {
+        let r = run_into_closed_pipe(w.cmd().args(c));
+        assert!(!r.stderr.contains("panicked"), "snapctl {c:?} panicked on a closed stdout: {}", r.stderr);
+        assert!(!r.stderr.contains("Broken pipe") && !r.stderr.contains("snapctl:"), "snapctl {c:?}: an error line for a closed stdout: {}", r.stderr);
+        assert_eq!(r.code, 0, "snapctl {c:?} on a closed stdout: {r:?}");
+    }
+    // The same commands still print in full to an open stdout.
+    let r = w.ok(&["inspect", &a]);
+    assert!(r.stdout.lines().count() > 5 && r.stdout.contains("total"), "{r:?}");
+}
