@@ -46,6 +46,10 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    match &cli.command {
+        Command::Serve(_) => cmd::common::init_logging(cmd::serve::DEFAULT_LOG, true),
+        _ => cmd::common::init_logging("warn", false),
+    }
     let result = match cli.command {
         Command::Pack(a) => cmd::pack::run(a),
         Command::Unpack(a) => cmd::unpack::run(a),

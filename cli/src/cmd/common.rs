@@ -1,4 +1,5 @@
-//! Glue shared by subcommands: opening references, progress bars, exit codes, stdout.
+//! Glue shared by subcommands: opening references, progress bars, exit codes, stdout,
+//! logging.
 
 use std::io::{IsTerminal, Write as _};
 use std::process::ExitCode;
@@ -89,6 +90,29 @@ pub fn print_json_line<T: serde::Serialize + ?Sized>(value: &T) -> anyhow::Resul
     let text = serde_json::to_string(value).context("serializing the report")?;
     write_stdout(format_args!("{text}"))?;
     Ok(())
+}
+
+/// Install the log subscriber every command uses: `tracing` events of the libraries (and
+/// of the CLI) on stderr, filtered by `SNAPCTL_LOG`, else `RUST_LOG`, else `default`
+/// (filter directives: `warn`, `warn,registry=info`, `debug`, …). Clients print level and
+/// message; a server (`timestamps`) adds the time and the module, for its log files. A
+/// filter that does not parse is reported on stderr and `default` used instead.
+pub fn init_logging(default: &str, timestamps: bool) {
+    use tracing_subscriber::EnvFilter;
+    let mut rejected = None;
+    let filter = ["SNAPCTL_LOG", "RUST_LOG"]
+        .iter()
+        .find_map(|var| {
+            let v = std::env::var(var).ok().filter(|v| !v.trim().is_empty())?;
+            Some(EnvFilter::try_new(&v).map_err(|e| rejected = Some(format!("{var}={v:?} ({e})"))).ok())
+        })
+        .flatten()
+        .unwrap_or_else(|| EnvFilter::new(default));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false);
+    let _ = if timestamps { builder.try_init() } else { builder.without_time().with_target(false).try_init() };
+    if let Some(r) = rejected {
+        tracing::warn!("ignoring {r}: logging at {default:?}");
+    }
 }
 
 pub fn code(c: u8) -> ExitCode {

@@ -1,4 +1,5 @@
-//! What a first user meets at the command line (issue 13 §2): a closed stdout.
+//! What a first user meets at the command line (issue 13 §2): a closed stdout, client
+//! warnings on stderr.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -95,4 +96,47 @@ fn regression_issue_13_closed_stdout_ends_quietly_with_status_0() {
     // The same commands still print in full to an open stdout.
     let r = w.ok(&["inspect", &a]);
     assert!(r.stdout.lines().count() > 5 && r.stdout.contains("total"), "{r:?}");
+}
+
+/// The pack of `sample 2MiB` is bigger than this, so its upload goes in several PATCHes and
+/// saves resume state after each one.
+const SMALL_PIECE: &str = "64KiB";
+
+/// Issue 13: only `serve` installed a log subscriber, so a library's warning in a client
+/// command went nowhere. Push with an upload-state directory that cannot be created: the
+/// registry client's `tracing::warn!` reaches stderr by default; `SNAPCTL_LOG`, then
+/// `RUST_LOG`, set the level.
+#[test]
+fn regression_issue_13_client_warnings_reach_stderr() {
+    let w = Work::new();
+    let (_, a) = w.packed("snap", "2MiB", "a");
+    let storage = w.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    let s = Serve::start(storage.to_str().unwrap(), &[], &[]);
+    let push = |n: u32, env: &[(&str, &str)]| -> Run {
+        // A fresh cache per push (so nothing is mounted from an earlier repository), where
+        // `uploads` is a file: the resume state cannot be saved.
+        let cache = w.path(&format!("cache{n}"));
+        std::fs::create_dir_all(&cache).unwrap();
+        std::fs::write(cache.join("uploads"), b"not a directory").unwrap();
+        let mut c = w.cmd();
+        c.args(["push", &a, &format!("{}/vm/log{n}:v1", s.addr), "--upload-piece", SMALL_PIECE, "--cache", cache.to_str().unwrap()]);
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        let r = run(&mut c);
+        assert_eq!(r.code, 0, "a push whose resume state cannot be saved still completes: {r:?}");
+        r
+    };
+    let warned = |r: &Run| r.stderr.contains("cannot save upload state");
+    let r = push(1, &[]);
+    assert!(warned(&r), "the warning reaches stderr by default: {}", r.stderr);
+    assert!(r.stderr.contains("WARN"), "with its level: {}", r.stderr);
+    assert_eq!(r.stderr.matches("cannot save upload state").count(), 1, "once per blob, not once per piece: {}", r.stderr);
+    let r = push(2, &[("SNAPCTL_LOG", "error")]);
+    assert!(!warned(&r), "SNAPCTL_LOG=error silences it: {}", r.stderr);
+    let r = push(3, &[("RUST_LOG", "error")]);
+    assert!(!warned(&r), "RUST_LOG=error silences it: {}", r.stderr);
+    let r = push(4, &[("SNAPCTL_LOG", "warn"), ("RUST_LOG", "error")]);
+    assert!(warned(&r), "SNAPCTL_LOG wins over RUST_LOG: {}", r.stderr);
 }
