@@ -1,8 +1,9 @@
 //! Glue shared by subcommands: opening references, progress bars, exit codes, stdout,
-//! logging.
+//! logging, and the grammars of size and duration flags.
 
 use std::io::{IsTerminal, Write as _};
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::Context;
 use imgfmt::reference::{Reference, Selector};
@@ -190,9 +191,42 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     imgfmt::size::parse_size(s)
 }
 
+/// Parse a duration argument, for every duration flag of the CLI: numbers with units `ms`,
+/// `s`, `m`, `h`, `d` (also `us`, `w` and the long names), combined as in `1h30m` or `2m
+/// 30s` (humantime's grammar), or a plain number of seconds (`120`, `0`).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) {
+        return t.parse().map(Duration::from_secs).map_err(|_| format!("{t}: too many seconds"));
+    }
+    humantime::parse_duration(t).map_err(|e| format!("{e} (examples: 500ms, 90s, 15m, 1h30m, 7d)"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_duration_grammar() {
+        for (s, ms) in [
+            ("500ms", 500),
+            ("90s", 90_000),
+            ("2m", 120_000),
+            ("1h", 3_600_000),
+            ("1h30m", 5_400_000),
+            ("1h 30m", 5_400_000),
+            ("7d", 604_800_000),
+            ("1.5s", 1500),
+            ("120", 120_000),
+            ("0", 0),
+            ("0s", 0),
+        ] {
+            assert_eq!(parse_duration(s), Ok(Duration::from_millis(ms)), "{s}");
+        }
+        for bad in ["", "soon", "-1s", "1x", "h", "99999999999999999999", "99999999999999999999d"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn only_a_closed_stdout_is_quiet() {

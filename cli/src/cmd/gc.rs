@@ -5,11 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 
-use super::common::{self, outln};
-
-fn duration(s: &str) -> Result<Duration, String> {
-    registry::gc::parse_duration(s).ok_or_else(|| format!("invalid duration {s:?} (examples: 90s, 15m, 1h, 7d)"))
-}
+use super::common::{self, outln, parse_duration};
 
 /// Delete blobs that no manifest reaches.
 ///
@@ -22,11 +18,12 @@ pub struct GcArgs {
     /// The registry storage: a directory, or s3://BUCKET/PREFIX.
     #[arg(long)]
     pub storage: String,
-    /// Keep unreferenced blobs younger than this (90s, 15m, 1h, 7d).
-    #[arg(long, default_value = "1h", value_parser = duration)]
+    /// Keep unreferenced blobs younger than this (500ms, 90s, 15m, 1h30m, 7d; a plain
+    /// number is seconds).
+    #[arg(long, default_value = "1h", value_parser = parse_duration)]
     pub grace: Duration,
-    /// Remove upload sessions idle for longer than this.
-    #[arg(long, default_value = "24h", value_parser = duration)]
+    /// Remove upload sessions idle for longer than this (same grammar as --grace).
+    #[arg(long, default_value = "24h", value_parser = parse_duration)]
     pub upload_ttl: Duration,
     /// Report what would be deleted; delete nothing.
     #[arg(long)]

@@ -1,7 +1,7 @@
 //! What a first user meets at the command line (issue 13 §2): a closed stdout, client
-//! warnings on stderr.
+//! warnings on stderr, one duration grammar.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use snapctl_tests::registry_support::Serve;
@@ -139,4 +139,41 @@ fn regression_issue_13_client_warnings_reach_stderr() {
     assert!(!warned(&r), "RUST_LOG=error silences it: {}", r.stderr);
     let r = push(4, &[("SNAPCTL_LOG", "warn"), ("RUST_LOG", "error")]);
     assert!(warned(&r), "SNAPCTL_LOG wins over RUST_LOG: {}", r.stderr);
+}
+
+fn gc_json(storage: &Path, extra: &[&str]) -> Run {
+    run(snapctl().args(["gc", "--storage", storage.to_str().unwrap(), "--json", "--dry-run"]).args(extra))
+}
+
+/// Issue 13: `gc --grace 500ms` and `lazy --retry-budget 1h` were refused: two duration
+/// grammars. One parser takes ms, s, m, h, d and combinations for every duration flag.
+#[test]
+fn regression_issue_13_one_duration_grammar_for_every_flag() {
+    let w = Work::new();
+    let storage = w.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    for d in ["500ms", "90s", "1h", "1h30m", "7d", "0", "120"] {
+        let r = gc_json(&storage, &["--grace", d, "--upload-ttl", d]);
+        assert_eq!(r.code, 0, "gc --grace {d}: {r:?}");
+    }
+    let r = gc_json(&storage, &["--grace", "soon"]);
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("--grace") && r.stderr.contains("1h30m"), "names the flag and an example: {}", r.stderr);
+
+    // lazy: the duration is accepted, so the command gets as far as opening the image.
+    let missing = format!("oci:{}", w.path("missing").display());
+    for d in ["1h", "500ms", "2m", "1h30m", "120"] {
+        let r = run(snapctl().args(["lazy", &missing, "--socket", w.path("s.sock").to_str().unwrap(), "--retry-budget", d]));
+        assert_eq!(r.code, 2, "{r:?}");
+        assert!(!r.stderr.contains("invalid value"), "lazy --retry-budget {d} is accepted: {}", r.stderr);
+        assert!(r.stderr.contains("missing"), "fails on the missing image instead: {}", r.stderr);
+    }
+    let r = run(snapctl().args(["lazy", &missing, "--socket", "x", "--retry-budget=-1s"]));
+    assert!(r.code == 2 && r.stderr.contains("invalid value"), "{r:?}");
+    // The help texts say what is accepted.
+    for (cmd, flag) in [("gc", "--grace"), ("lazy", "--retry-budget")] {
+        let r = run(snapctl().args([cmd, "--help"]));
+        let line = r.stdout.lines().skip_while(|l| !l.trim_start().starts_with(flag)).take(4).collect::<Vec<_>>().join(" ");
+        assert!(line.contains("ms") && line.contains("1h30m"), "{cmd} --help documents the grammar: {line}");
+    }
 }
