@@ -1,5 +1,5 @@
 //! What a first user meets at the command line (issue 13 §2): a closed stdout, client
-//! warnings on stderr, one duration grammar.
+//! warnings on stderr, skopeo's `docker://` spelling, one duration grammar.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -139,6 +139,29 @@ fn regression_issue_13_client_warnings_reach_stderr() {
     assert!(!warned(&r), "RUST_LOG=error silences it: {}", r.stderr);
     let r = push(4, &[("SNAPCTL_LOG", "warn"), ("RUST_LOG", "error")]);
     assert!(warned(&r), "SNAPCTL_LOG wins over RUST_LOG: {}", r.stderr);
+}
+
+/// Issue 13: skopeo spells a registry reference `docker://HOST/REPO:TAG`; snapctl refused it
+/// with a name-grammar error. It is accepted wherever a reference is.
+#[test]
+fn regression_issue_13_docker_transport_prefix_is_a_registry_reference() {
+    let w = Work::new();
+    let (_, a) = w.packed("snap", "2MiB", "a");
+    let storage = w.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    let s = Serve::start(storage.to_str().unwrap(), &[], &[]);
+    let remote = format!("docker://{}/vm/skopeo:v1", s.addr);
+    let pushed = w.ok(&["push", &a, &remote]).stdout;
+    let r = w.ok(&["inspect", &remote, "--json"]);
+    let j: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!(j["manifest"].as_str().unwrap(), pushed.trim());
+    w.ok(&["verify", &remote]);
+    w.ok(&["copy", &remote, &format!("docker://{}/vm/skopeo2:v1", s.addr)]);
+    w.ok(&["pull", &format!("docker://{}/vm/skopeo2:v1", s.addr), w.path("out").to_str().unwrap()]);
+    // Docker Hub short names are not guessed: the message says what to write.
+    let r = run(w.cmd().args(["inspect", "docker://alpine:3"]));
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("docker://HOST[:PORT]/REPO"), "says what to write: {}", r.stderr);
 }
 
 fn gc_json(storage: &Path, extra: &[&str]) -> Run {
