@@ -131,12 +131,17 @@ pub fn open_ref(reference: &str) -> anyhow::Result<Opened> {
     open_ref_plain(reference, false)
 }
 
-/// A client for one repository of a registry: plain HTTP when asked (`--plain-http`,
-/// `SNAPCTL_PLAIN_HTTP=1`) or for a loopback host; credentials from the docker config.
+/// Whether to speak plain HTTP to `host`: when asked (`--plain-http`,
+/// `SNAPCTL_PLAIN_HTTP=1`) or for a loopback host.
+pub fn plain_http_for(host: &str, plain_http: bool) -> bool {
+    plain_http || std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || registry::client::is_loopback(host)
+}
+
+/// A client for one repository of a registry ([`plain_http_for`]); credentials from the
+/// docker config and the credential helpers it names, when the registry asks.
 pub fn registry_client(host: &str, repository: &str, plain_http: bool) -> anyhow::Result<registry::client::RegistrySource> {
-    let plain = plain_http || std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || registry::client::is_loopback(host);
-    let creds = registry::client::docker_config_credentials(host);
-    registry::client::RegistrySource::new(host, repository, plain, creds).with_context(|| format!("connecting to {host}"))
+    registry::client::RegistrySource::with_docker_credentials(host, repository, plain_http_for(host, plain_http))
+        .with_context(|| format!("connecting to {host}"))
 }
 
 /// [`open_ref`], with `--plain-http` for registry references.

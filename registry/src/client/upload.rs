@@ -577,7 +577,7 @@ mod tests {
         rt.spawn(async move {
             let _ = server.serve(l, std::future::pending::<()>()).await;
         });
-        let creds = super::super::Credentials { username: "alice".into(), password: "pw".into() };
+        let creds = super::super::Credentials::Password { username: "alice".into(), password: "pw".into() };
         let c = Arc::new(RegistrySource::new(&host, "vm/auth", true, Some(creds)).unwrap());
         let mut rng = 0x9e37_79b9_7f4a_7c15u64;
         for round in 0..150 {
