@@ -1,6 +1,10 @@
 //! `snapctl`: the CLI definition plus glue. Each subcommand lives in `cmd/`.
 //!
-//! Exit codes: 0 ok · 1 verification said no · 2 error (could not answer).
+//! Exit codes: 0 ok · 1 verification said no · 2 error (could not answer). A closed stdout
+//! (`snapctl inspect REF | head`) ends any command quietly with 0.
+
+// Output goes through `cmd::common::outln!`, which returns the error `println!` panics with.
+#![deny(clippy::print_stdout)]
 
 use std::process::ExitCode;
 
@@ -42,6 +46,10 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    match &cli.command {
+        Command::Serve(_) => cmd::common::init_logging(cmd::serve::DEFAULT_LOG, true),
+        _ => cmd::common::init_logging("warn", false),
+    }
     let result = match cli.command {
         Command::Pack(a) => cmd::pack::run(a),
         Command::Unpack(a) => cmd::unpack::run(a),
@@ -60,6 +68,7 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(code) => code,
+        Err(e) if cmd::common::is_stdout_closed(&e) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("snapctl: {}", describe(&e));
             ExitCode::from(cmd::common::exit_code_for(&e))

@@ -1,5 +1,6 @@
 //! Image references: `oci:PATH[:TAG|@DIGEST]` for a local layout, and
-//! `HOST[:PORT]/REPO[:TAG|@DIGEST]` for a registry.
+//! `HOST[:PORT]/REPO[:TAG|@DIGEST]` for a registry, also spelt as skopeo does,
+//! `docker://HOST[:PORT]/REPO[:TAG|@DIGEST]`.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -7,6 +8,9 @@ use std::str::FromStr;
 
 use crate::digest::OciDigest;
 use crate::FormatError;
+
+/// skopeo's (containers/image's) transport prefix for a registry reference.
+pub const DOCKER_TRANSPORT: &str = "docker://";
 
 /// Tag used when a reference names none.
 pub const DEFAULT_TAG: &str = "latest";
@@ -115,10 +119,21 @@ impl FromStr for Reference {
             }
             return Ok(Reference::Layout { path: PathBuf::from(path), selector });
         }
-        let (host, rest) = s.split_once('/').ok_or_else(|| bad("expected oci:PATH[:TAG] or HOST[:PORT]/REPO[:TAG|@DIGEST]".into()))?;
-        if host.is_empty() || !(host.contains('.') || host.contains(':') || host == "localhost") {
-            return Err(bad(format!("{host:?} is not a registry host (use oci:PATH for a local layout)")));
-        }
+        // skopeo's spelling names the same thing; only the explicit host is required here
+        // (no Docker Hub short names: `docker://alpine` would mean docker.io/library/alpine).
+        let (docker, name) = match s.strip_prefix(DOCKER_TRANSPORT) {
+            Some(n) => (true, n),
+            None => (false, s),
+        };
+        let Some((host, rest)) = name.split_once('/').filter(|(h, _)| h.contains('.') || h.contains(':') || *h == "localhost") else {
+            return Err(bad(if docker {
+                "docker:// references name their registry: docker://HOST[:PORT]/REPO[:TAG|@DIGEST]".into()
+            } else if let Some((host, _)) = name.split_once('/').filter(|(h, _)| !h.is_empty()) {
+                format!("{host:?} is not a registry host (use oci:PATH for a local layout)")
+            } else {
+                "expected oci:PATH[:TAG] or HOST[:PORT]/REPO[:TAG|@DIGEST]".into()
+            }));
+        };
         let (repository, selector) = split_selector(rest, true).map_err(bad)?;
         check_repository(repository).map_err(bad)?;
         Ok(Reference::Registry { host: host.into(), repository: repository.into(), selector })
@@ -150,6 +165,27 @@ mod tests {
         assert!("localhost/a/../b".parse::<Reference>().is_err());
         assert!("noreg".parse::<Reference>().is_err());
         check_repository("a__b-c.d/e").unwrap();
+        assert!("/repo".parse::<Reference>().is_err());
+        assert!("vm/base:v1".parse::<Reference>().unwrap_err().to_string().contains("\"vm\" is not a registry host"));
+    }
+
+    /// Issue 13: skopeo's `docker://` spelling is the same registry reference.
+    #[test]
+    fn regression_issue_13_docker_transport_prefix() {
+        let digest = format!("sha256:{}", "b".repeat(64));
+        for plain in ["127.0.0.1:5000/vm/base:v2".to_string(), "registry.example.com/a/b".into(), format!("localhost/x@{digest}")] {
+            let docker: Reference = format!("docker://{plain}").parse().unwrap();
+            assert_eq!(docker, plain.parse::<Reference>().unwrap(), "{plain}");
+            assert!(matches!(docker, Reference::Registry { .. }));
+        }
+        let r: Reference = "docker://ghcr.io/org/vm:v1".parse().unwrap();
+        assert_eq!(r, Reference::Registry { host: "ghcr.io".into(), repository: "org/vm".into(), selector: Selector::Tag("v1".into()) });
+        // The repository grammar still applies, and a short name says what to write.
+        assert!("docker://ghcr.io/Org/vm".parse::<Reference>().is_err());
+        for short in ["docker://alpine:3", "docker://library/alpine", "docker://"] {
+            let e = short.parse::<Reference>().unwrap_err().to_string();
+            assert!(e.contains("docker://HOST[:PORT]/REPO"), "{short}: {e}");
+        }
         assert!(check_repository("a___b").is_err());
         assert!(check_repository("-a").is_err());
     }

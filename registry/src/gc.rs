@@ -74,21 +74,6 @@ pub enum GcError {
     },
 }
 
-/// Parse a duration like `90s`, `15m`, `1h`, `7d` (or plain seconds).
-pub fn parse_duration(s: &str) -> Option<Duration> {
-    let s = s.trim();
-    let (num, mult) = match s.chars().last()? {
-        's' => (&s[..s.len() - 1], 1),
-        'm' => (&s[..s.len() - 1], 60),
-        'h' => (&s[..s.len() - 1], 3600),
-        'd' => (&s[..s.len() - 1], 86400),
-        c if c.is_ascii_digit() => (s, 1),
-        _ => return None,
-    };
-    let n: u64 = num.parse().ok()?;
-    Some(Duration::from_secs(n.checked_mul(mult)?))
-}
-
 /// Run gc over `store`.
 pub async fn run(store: &dyn BlobStore, opts: &GcOptions) -> Result<GcReport, GcError> {
     let now = SystemTime::now();
@@ -198,21 +183,4 @@ pub async fn run(store: &dyn BlobStore, opts: &GcOptions) -> Result<GcReport, Gc
         }
     }
     Ok(report)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("1h"), Some(Duration::from_secs(3600)));
-        assert_eq!(parse_duration("90s"), Some(Duration::from_secs(90)));
-        assert_eq!(parse_duration("15m"), Some(Duration::from_secs(900)));
-        assert_eq!(parse_duration("2d"), Some(Duration::from_secs(172_800)));
-        assert_eq!(parse_duration("0"), Some(Duration::ZERO));
-        for bad in ["", "h", "1x", "-1h", "1.5h", "99999999999999999999d"] {
-            assert_eq!(parse_duration(bad), None, "{bad:?}");
-        }
-    }
 }

@@ -48,7 +48,7 @@ pub fn snapctl_bin() -> PathBuf {
 /// A `Command` for the snapctl binary with a clean, predictable environment.
 pub fn snapctl() -> Command {
     let mut c = Command::new(snapctl_bin());
-    c.env_remove("SNAPCTL_LOG").env("NO_COLOR", "1");
+    c.env_remove("SNAPCTL_LOG").env_remove("RUST_LOG").env("NO_COLOR", "1");
     c
 }
 

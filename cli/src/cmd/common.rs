@@ -1,7 +1,9 @@
-//! Glue shared by subcommands: opening references, progress bars, exit codes.
+//! Glue shared by subcommands: opening references, progress bars, exit codes, stdout,
+//! logging, and the grammars of size and duration flags.
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write as _};
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::Context;
 use imgfmt::reference::{Reference, Selector};
@@ -42,6 +44,78 @@ pub fn exit_code_for(e: &anyhow::Error) -> u8 {
     EXIT_ERROR
 }
 
+/// Writing to stdout failed. When the reader has gone (`snapctl inspect REF | head -n 3`:
+/// EPIPE), `main` ends the command quietly with status 0: the data was not wanted any more.
+/// Any other failure (a full disk behind a redirection) is an error like any other.
+#[derive(Debug)]
+pub struct StdoutError(pub std::io::Error);
+impl std::fmt::Display for StdoutError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "writing to stdout: {}", self.0)
+    }
+}
+impl std::error::Error for StdoutError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
+
+/// Whether `e` says that stdout's reader has gone (and nothing else went wrong).
+pub fn is_stdout_closed(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.downcast_ref::<StdoutError>().is_some_and(|s| s.0.kind() == std::io::ErrorKind::BrokenPipe))
+}
+
+/// Write one line to stdout, returning the error `println!` would panic with. Every byte a
+/// command prints goes through here (the crate denies `clippy::print_stdout`).
+pub fn write_stdout(args: std::fmt::Arguments<'_>) -> Result<(), StdoutError> {
+    let mut out = std::io::stdout().lock();
+    out.write_fmt(args).and_then(|()| out.write_all(b"\n")).map_err(StdoutError)
+}
+
+/// `println!` that returns a [`StdoutError`] instead of panicking.
+macro_rules! outln {
+    () => { $crate::cmd::common::write_stdout(format_args!("")) };
+    ($($arg:tt)*) => { $crate::cmd::common::write_stdout(format_args!($($arg)*)) };
+}
+pub(crate) use outln;
+
+/// Print `value` as pretty JSON on stdout, one document.
+pub fn print_json<T: serde::Serialize + ?Sized>(value: &T) -> anyhow::Result<()> {
+    let text = serde_json::to_string_pretty(value).context("serializing the report")?;
+    write_stdout(format_args!("{text}"))?;
+    Ok(())
+}
+
+/// Print `value` as JSON on one line of stdout (streams of reports, `--json` of gc).
+pub fn print_json_line<T: serde::Serialize + ?Sized>(value: &T) -> anyhow::Result<()> {
+    let text = serde_json::to_string(value).context("serializing the report")?;
+    write_stdout(format_args!("{text}"))?;
+    Ok(())
+}
+
+/// Install the log subscriber every command uses: `tracing` events of the libraries (and
+/// of the CLI) on stderr, filtered by `SNAPCTL_LOG`, else `RUST_LOG`, else `default`
+/// (filter directives: `warn`, `warn,registry=info`, `debug`, …). Clients print level and
+/// message; a server (`timestamps`) adds the time and the module, for its log files. A
+/// filter that does not parse is reported on stderr and `default` used instead.
+pub fn init_logging(default: &str, timestamps: bool) {
+    use tracing_subscriber::EnvFilter;
+    let mut rejected = None;
+    let filter = ["SNAPCTL_LOG", "RUST_LOG"]
+        .iter()
+        .find_map(|var| {
+            let v = std::env::var(var).ok().filter(|v| !v.trim().is_empty())?;
+            Some(EnvFilter::try_new(&v).map_err(|e| rejected = Some(format!("{var}={v:?} ({e})"))).ok())
+        })
+        .flatten()
+        .unwrap_or_else(|| EnvFilter::new(default));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false);
+    let _ = if timestamps { builder.try_init() } else { builder.without_time().with_target(false).try_init() };
+    if let Some(r) = rejected {
+        tracing::warn!("ignoring {r}: logging at {default:?}");
+    }
+}
+
 pub fn code(c: u8) -> ExitCode {
     ExitCode::from(c)
 }
@@ -57,12 +131,17 @@ pub fn open_ref(reference: &str) -> anyhow::Result<Opened> {
     open_ref_plain(reference, false)
 }
 
-/// A client for one repository of a registry: plain HTTP when asked (`--plain-http`,
-/// `SNAPCTL_PLAIN_HTTP=1`) or for a loopback host; credentials from the docker config.
+/// Whether to speak plain HTTP to `host`: when asked (`--plain-http`,
+/// `SNAPCTL_PLAIN_HTTP=1`) or for a loopback host.
+pub fn plain_http_for(host: &str, plain_http: bool) -> bool {
+    plain_http || std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || registry::client::is_loopback(host)
+}
+
+/// A client for one repository of a registry ([`plain_http_for`]); credentials from the
+/// docker config and the credential helpers it names, when the registry asks.
 pub fn registry_client(host: &str, repository: &str, plain_http: bool) -> anyhow::Result<registry::client::RegistrySource> {
-    let plain = plain_http || std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || registry::client::is_loopback(host);
-    let creds = registry::client::docker_config_credentials(host);
-    registry::client::RegistrySource::new(host, repository, plain, creds).with_context(|| format!("connecting to {host}"))
+    registry::client::RegistrySource::with_docker_credentials(host, repository, plain_http_for(host, plain_http))
+        .with_context(|| format!("connecting to {host}"))
 }
 
 /// [`open_ref`], with `--plain-http` for registry references.
@@ -115,4 +194,53 @@ pub fn progress_bar(total: u64, what: &str) -> Option<indicatif::ProgressBar> {
 /// Parse a size argument (`1MiB`, `4M`, `65536`).
 pub fn parse_size(s: &str) -> Result<u64, String> {
     imgfmt::size::parse_size(s)
+}
+
+/// Parse a duration argument, for every duration flag of the CLI: numbers with units `ms`,
+/// `s`, `m`, `h`, `d` (also `us`, `w` and the long names), combined as in `1h30m` or `2m
+/// 30s` (humantime's grammar), or a plain number of seconds (`120`, `0`).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) {
+        return t.parse().map(Duration::from_secs).map_err(|_| format!("{t}: too many seconds"));
+    }
+    humantime::parse_duration(t).map_err(|e| format!("{e} (examples: 500ms, 90s, 15m, 1h30m, 7d)"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_duration_grammar() {
+        for (s, ms) in [
+            ("500ms", 500),
+            ("90s", 90_000),
+            ("2m", 120_000),
+            ("1h", 3_600_000),
+            ("1h30m", 5_400_000),
+            ("1h 30m", 5_400_000),
+            ("7d", 604_800_000),
+            ("1.5s", 1500),
+            ("120", 120_000),
+            ("0", 0),
+            ("0s", 0),
+        ] {
+            assert_eq!(parse_duration(s), Ok(Duration::from_millis(ms)), "{s}");
+        }
+        for bad in ["", "soon", "-1s", "1x", "h", "99999999999999999999", "99999999999999999999d"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn only_a_closed_stdout_is_quiet() {
+        let closed = anyhow::Error::new(StdoutError(std::io::ErrorKind::BrokenPipe.into())).context("printing");
+        assert!(is_stdout_closed(&closed));
+        let full = anyhow::Error::new(StdoutError(std::io::Error::from_raw_os_error(28)));
+        assert!(!is_stdout_closed(&full), "a full disk is an error");
+        // A broken pipe elsewhere (a registry connection) is not stdout's.
+        let socket = anyhow::Error::new(std::io::Error::from(std::io::ErrorKind::BrokenPipe));
+        assert!(!is_stdout_closed(&socket));
+    }
 }

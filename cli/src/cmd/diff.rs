@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use serde::Serialize;
 
-use super::common::{self, open_image, open_ref};
+use super::common::{self, open_image, open_ref, outln};
 
 /// Compare two images chunk by chunk (by digest; nothing is downloaded).
 ///
@@ -101,13 +101,13 @@ pub fn run(a: DiffArgs) -> anyhow::Result<ExitCode> {
     }
     if a.json {
         let j = serde_json::json!({"identical": diffs.is_empty(), "root_a": ia.config().root, "root_b": ib.config().root, "files": diffs});
-        println!("{}", serde_json::to_string_pretty(&j)?);
+        common::print_json(&j)?;
     } else {
         for d in &diffs {
             let list: Vec<String> = d.chunks.iter().map(|(s, e)| if s == e { s.to_string() } else { format!("{s}-{e}") }).collect();
             match d.status {
-                "changed" => println!("changed {}: {} chunk(s), {} [{}]", d.name, d.changed_chunks, imgfmt::size::human(d.changed_bytes), list.join(",")),
-                s => println!("{s} {}: {}", d.name, imgfmt::size::human(d.changed_bytes)),
+                "changed" => outln!("changed {}: {} chunk(s), {} [{}]", d.name, d.changed_chunks, imgfmt::size::human(d.changed_bytes), list.join(","))?,
+                s => outln!("{s} {}: {}", d.name, imgfmt::size::human(d.changed_bytes))?,
             }
         }
         if diffs.is_empty() {

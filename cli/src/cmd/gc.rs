@@ -5,9 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 
-fn duration(s: &str) -> Result<Duration, String> {
-    registry::gc::parse_duration(s).ok_or_else(|| format!("invalid duration {s:?} (examples: 90s, 15m, 1h, 7d)"))
-}
+use super::common::{self, outln, parse_duration};
 
 /// Delete blobs that no manifest reaches.
 ///
@@ -20,11 +18,12 @@ pub struct GcArgs {
     /// The registry storage: a directory, or s3://BUCKET/PREFIX.
     #[arg(long)]
     pub storage: String,
-    /// Keep unreferenced blobs younger than this (90s, 15m, 1h, 7d).
-    #[arg(long, default_value = "1h", value_parser = duration)]
+    /// Keep unreferenced blobs younger than this (500ms, 90s, 15m, 1h30m, 7d; a plain
+    /// number is seconds).
+    #[arg(long, default_value = "1h", value_parser = parse_duration)]
     pub grace: Duration,
-    /// Remove upload sessions idle for longer than this.
-    #[arg(long, default_value = "24h", value_parser = duration)]
+    /// Remove upload sessions idle for longer than this (same grammar as --grace).
+    #[arg(long, default_value = "24h", value_parser = parse_duration)]
     pub upload_ttl: Duration,
     /// Report what would be deleted; delete nothing.
     #[arg(long)]
@@ -40,16 +39,16 @@ pub fn run(args: GcArgs) -> anyhow::Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     let report = rt.block_on(registry::gc::run(store.as_ref(), &opts)).context("gc")?;
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        common::print_json_line(&report)?;
     } else {
         let verb = if args.dry_run { "would delete" } else { "deleted" };
-        println!("manifests walked:   {}", report.manifests);
-        println!("blobs reachable:    {}", report.marked);
-        println!("blobs in storage:   {}", report.blobs);
-        println!("blobs {verb}: {} ({} bytes)", report.swept, report.swept_bytes);
-        println!("kept (in grace):    {}", report.kept_young);
-        println!("links {verb}: {}", report.links_removed);
-        println!("uploads {verb}: {}", report.uploads_removed);
+        outln!("manifests walked:   {}", report.manifests)?;
+        outln!("blobs reachable:    {}", report.marked)?;
+        outln!("blobs in storage:   {}", report.blobs)?;
+        outln!("blobs {verb}: {} ({} bytes)", report.swept, report.swept_bytes)?;
+        outln!("kept (in grace):    {}", report.kept_young)?;
+        outln!("links {verb}: {}", report.links_removed)?;
+        outln!("uploads {verb}: {}", report.uploads_removed)?;
     }
     Ok(ExitCode::SUCCESS)
 }

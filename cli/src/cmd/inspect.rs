@@ -7,7 +7,7 @@ use imgfmt::size::human;
 use imgfmt::{media, Image, StoredAt};
 use serde::Serialize;
 
-use super::common::{self, open_image, open_ref};
+use super::common::{self, open_image, open_ref, outln};
 
 /// Show an image: kind, files, sizes, chunk counts (zero / stored / referenced /
 /// inherited), compression ratio, roots and the base/parent chain.
@@ -158,32 +158,32 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
         base: cfg.base.as_ref().map(|b| serde_json::json!({"manifest": b.manifest, "root": b.root, "reference": b.reference})),
     };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        common::print_json(&out)?;
         return Ok(common::code(common::EXIT_OK));
     }
-    println!("image        {}", out.manifest);
-    println!("kind         {}", out.kind);
-    println!("created      {}", out.created);
-    println!("root         {}", out.root);
-    println!("chunks       {} of {}, {}, compression {}", out.totals.chunks, human(out.chunk_size), out.hash, out.compression);
-    println!("size         {} logical, {} non-zero data", human(out.size), human(out.totals.data_bytes));
-    println!(
+    outln!("image        {}", out.manifest)?;
+    outln!("kind         {}", out.kind)?;
+    outln!("created      {}", out.created)?;
+    outln!("root         {}", out.root)?;
+    outln!("chunks       {} of {}, {}, compression {}", out.totals.chunks, human(out.chunk_size), out.hash, out.compression)?;
+    outln!("size         {} logical, {} non-zero data", human(out.size), human(out.totals.data_bytes))?;
+    outln!(
         "storage      {} in own packs, {} metadata, {} pack(s) referenced, compression ratio {:.2}",
         human(out.own_pack_bytes),
         human(out.metadata_bytes),
         out.packs,
         out.compression_ratio
-    );
+    )?;
     for (i, c) in out.chain.iter().enumerate() {
-        println!("parent[{}]    {} {}", i + 1, c["manifest"].as_str().unwrap_or(""), c["reference"].as_str().unwrap_or(""));
+        outln!("parent[{}]    {} {}", i + 1, c["manifest"].as_str().unwrap_or(""), c["reference"].as_str().unwrap_or(""))?;
     }
     if let Some(b) = &out.base {
-        println!("base         {} {}", b["manifest"].as_str().unwrap_or(""), b["reference"].as_str().unwrap_or(""));
+        outln!("base         {} {}", b["manifest"].as_str().unwrap_or(""), b["reference"].as_str().unwrap_or(""))?;
     }
-    println!();
-    println!("{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}", "FILE", "ROLE", "SIZE", "CHUNKS", "ZERO", "STORED", "REFD", "INHER");
+    outln!()?;
+    outln!("{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}", "FILE", "ROLE", "SIZE", "CHUNKS", "ZERO", "STORED", "REFD", "INHER")?;
     for f in &out.files {
-        println!(
+        outln!(
             "{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}",
             f.name,
             f.role,
@@ -193,9 +193,9 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
             f.counts.stored,
             f.counts.referenced,
             f.counts.inherited
-        );
+        )?;
     }
     let t = &out.totals;
-    println!("{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}", "total", "", human(out.size), t.chunks, t.zero, t.stored, t.referenced, t.inherited);
+    outln!("{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}", "total", "", human(out.size), t.chunks, t.zero, t.stored, t.referenced, t.inherited)?;
     Ok(common::code(common::EXIT_OK))
 }

@@ -1,6 +1,5 @@
 //! `snapctl lazy`: the userfaultfd page-fault server for restoring VMs (spec/lazy.md).
 
-use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -83,8 +82,8 @@ pub struct LazyArgs {
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<String>,
     /// How long to keep retrying a failing source for one chunk before poisoning it
-    /// (e.g. 120s, 500ms, 2m).
-    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    /// (500ms, 120s, 2m, 1h30m; a plain number is seconds).
+    #[arg(long, default_value = "120s", value_parser = common::parse_duration)]
     pub retry_budget: Duration,
     /// Recently used chunks kept in memory (shared by all connections).
     #[arg(long, default_value = "256MiB", value_name = "SIZE", value_parser = common::parse_size)]
@@ -149,25 +148,6 @@ impl puller::lazy::ChunkStore for CacheStore {
 
 fn parse_prefetch(s: &str) -> Result<PrefetchMode, String> {
     s.parse()
-}
-
-/// `120s`, `500ms`, `2m`, or plain seconds.
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, mult_ms) = if let Some(n) = s.strip_suffix("ms") {
-        (n, 1.0)
-    } else if let Some(n) = s.strip_suffix('s') {
-        (n, 1000.0)
-    } else if let Some(n) = s.strip_suffix('m') {
-        (n, 60_000.0)
-    } else {
-        (s, 1000.0)
-    };
-    let v: f64 = num.trim().parse().map_err(|_| format!("bad duration {s:?} (e.g. 120s, 500ms, 2m)"))?;
-    if !(0.0..=86_400_000.0).contains(&(v * mult_ms)) {
-        return Err(format!("duration {s:?} out of range"));
-    }
-    Ok(Duration::from_secs_f64(v * mult_ms / 1000.0))
 }
 
 pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
@@ -273,9 +253,9 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
             r.seconds
         );
         if json {
-            let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "{}", serde_json::to_string(r).expect("report serializes"));
-            let _ = out.flush();
+            // A page server keeps serving when its report reader has gone: a guest
+            // still faulting must not lose its handler over a closed pipe.
+            let _ = common::print_json_line(r);
         }
     }))?;
     Ok(common::code(if failed.load(Ordering::Relaxed) { common::EXIT_FAILED } else { common::EXIT_OK }))
@@ -379,9 +359,9 @@ fn serve_criu(a: &LazyArgs, daemon: &Arc<CriuDaemon>) -> anyhow::Result<ExitCode
             r.error.as_deref().map(|e| format!("; ERROR: {e}")).unwrap_or_default()
         );
         if json {
-            let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "{}", serde_json::to_string(r).expect("report serializes"));
-            let _ = out.flush();
+            // A page server keeps serving when its report reader has gone: a guest
+            // still faulting must not lose its handler over a closed pipe.
+            let _ = common::print_json_line(r);
         }
     }))?;
     Ok(common::code(if errored.load(Ordering::Relaxed) {
@@ -391,19 +371,4 @@ fn serve_criu(a: &LazyArgs, daemon: &Arc<CriuDaemon>) -> anyhow::Result<ExitCode
     } else {
         common::EXIT_OK
     }))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("120s").unwrap(), Duration::from_secs(120));
-        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
-        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
-        assert_eq!(parse_duration("3").unwrap(), Duration::from_secs(3));
-        assert!(parse_duration("soon").is_err());
-        assert!(parse_duration("-1s").is_err());
-    }
 }

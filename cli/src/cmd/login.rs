@@ -4,16 +4,19 @@ use std::io::{BufRead, IsTerminal};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
-use registry::client::{docker_config_path, Credentials, RegistrySource};
+use registry::client::{docker_config_path, Credentials, RegistrySource, Stored};
 
 use super::common;
 
 /// Log in to a registry: check the credentials, then store them.
 ///
 /// The credentials are checked against the registry (GET /v2/, answering its Basic or
-/// token challenge) before anything is written. They are stored in Docker's config
+/// token challenge) before anything is written. They are stored as docker stores them:
+/// through the credential helper Docker's config names for the host (credHelpers, else
+/// credsStore: docker-credential-NAME store), or else in the config itself
 /// ($DOCKER_CONFIG/config.json, else ~/.docker/config.json; shared with docker, skopeo,
-/// oras), replaced atomically with mode 0600, keeping every other entry.
+/// oras; base64, not encrypted), replaced atomically with mode 0600, keeping every other
+/// entry.
 ///
 /// Examples:
 ///   echo "$TOKEN" | snapctl login registry.example.com -u ci --password-stdin
@@ -38,7 +41,8 @@ pub struct LoginArgs {
     pub plain_http: bool,
 }
 
-/// Log out of a registry: remove its credentials from Docker's config.
+/// Log out of a registry: remove its credentials from Docker's config and from the
+/// credential helper it names for the host.
 ///
 /// Example:
 ///   snapctl logout registry.example.com
@@ -78,21 +82,27 @@ pub fn run_login(a: LoginArgs) -> anyhow::Result<ExitCode> {
     if password.is_empty() {
         bail!("empty password");
     }
-    let creds = Credentials { username: a.username.clone(), password };
-    let plain = a.plain_http || std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || registry::client::is_loopback(&a.host);
+    let creds = Credentials::Password { username: a.username.clone(), password };
+    let plain = common::plain_http_for(&a.host, a.plain_http);
     let client = RegistrySource::new(&a.host, "", plain, Some(creds.clone())).with_context(|| format!("connecting to {}", a.host))?;
     client.check_login().with_context(|| format!("login to {} as {} failed", a.host, a.username))?;
     let path = docker_config_path().context("no home directory: set DOCKER_CONFIG")?;
-    registry::client::store_docker_credentials(&path, &a.host, &creds).with_context(|| format!("writing {}", path.display()))?;
-    eprintln!("logged in to {} as {} (credentials in {})", a.host, a.username, path.display());
+    let stored = registry::client::store_docker_credentials(&path, &a.host, &creds).with_context(|| format!("storing the credentials for {}", a.host))?;
+    match stored {
+        Stored::Helper(name) => eprintln!("logged in to {} as {} (credentials stored by docker-credential-{name})", a.host, a.username),
+        _ => {
+            eprintln!("logged in to {} as {} (credentials in {})", a.host, a.username, path.display());
+            eprintln!("warning: the password is stored unencrypted in {}; a credential helper (credsStore) keeps it in a keychain", path.display());
+        }
+    }
     Ok(common::code(common::EXIT_OK))
 }
 
 pub fn run_logout(a: LogoutArgs) -> anyhow::Result<ExitCode> {
     check_host(&a.host)?;
     let path = docker_config_path().context("no home directory: set DOCKER_CONFIG")?;
-    if registry::client::remove_docker_credentials(&path, &a.host).with_context(|| format!("updating {}", path.display()))? {
-        eprintln!("removed credentials for {} from {}", a.host, path.display());
+    if registry::client::remove_docker_credentials(&path, &a.host).with_context(|| format!("removing the credentials for {}", a.host))? {
+        eprintln!("removed credentials for {}", a.host);
     } else {
         eprintln!("not logged in to {}", a.host);
     }

@@ -9,7 +9,7 @@ use imgfmt::reference::{Reference, Selector};
 use imgfmt::{Compression, HashAlgo, Kind, OciLayout};
 use pusher::PackOptions;
 
-use super::common::{self, open_image, open_ref, progress_bar};
+use super::common::{self, open_image, open_ref, outln, progress_bar};
 
 /// Pack a checkpoint directory into an image.
 ///
@@ -82,9 +82,9 @@ pub fn run(a: PackArgs) -> anyhow::Result<ExitCode> {
         eprintln!("warning: skipped {s}: not a regular file");
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        common::print_json(&report)?;
     } else {
-        println!("{}", report.manifest);
+        outln!("{}", report.manifest)?;
         eprintln!(
             "packed {} files, {} in {:.2}s: {} chunks ({} zero, {} stored, {} deduplicated, {} inherited), {} in packs",
             report.files,

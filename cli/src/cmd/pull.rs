@@ -116,7 +116,7 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
         pb.finish_and_clear();
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        common::print_json(&report)?;
     }
     eprintln!(
         "pulled {} files, {} in {:.2}s: fetched {} in {} requests ({} chunks), {} chunks from cache, {} resumed, {} deduplicated, {} zero",

@@ -13,7 +13,7 @@ use pusher::copy::{Moved, PackStep};
 use pusher::{CopyOptions, PushReport};
 use registry::client::UploadOptions;
 
-use super::common::{self, progress_bar, IntegrityError};
+use super::common::{self, outln, progress_bar, IntegrityError};
 use super::pack::PackFlags;
 
 /// Push an image to an OCI registry.
@@ -126,9 +126,9 @@ fn transfer_with_pack(
         pb.finish_and_clear();
     }
     if flags.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        common::print_json(&report)?;
     } else {
-        println!("{}", report.manifest);
+        outln!("{}", report.manifest)?;
         eprintln!(
             "{verb}: {} blobs to {} ({} already there, {} mounted, {} uploaded): {} sent of {}{} in {:.2}s",
             report.blobs_total,

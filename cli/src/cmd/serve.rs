@@ -9,8 +9,9 @@ use anyhow::Context as _;
 ///
 /// Storage is a directory (default) or s3://BUCKET/PREFIX (configured from AWS_* env:
 /// AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ALLOW_HTTP).
-/// Logs go to stderr (filter with SNAPCTL_LOG, e.g. `SNAPCTL_LOG=debug`). SIGTERM or
-/// SIGINT stops accepting connections and finishes in-flight requests.
+/// Logs go to stderr, one line per request (filter with SNAPCTL_LOG or RUST_LOG, e.g.
+/// `SNAPCTL_LOG=debug`). SIGTERM or SIGINT stops accepting connections and finishes
+/// in-flight requests.
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
     /// Where blobs and manifests live: a directory, or s3://BUCKET/PREFIX.
@@ -53,10 +54,11 @@ pub struct ServeArgs {
     pub chunk_min_length: u64,
 }
 
-pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("SNAPCTL_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,registry=info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false).try_init();
+/// The server's log filter when neither SNAPCTL_LOG nor RUST_LOG sets one: warnings, and
+/// one line per request.
+pub const DEFAULT_LOG: &str = "warn,registry=info";
 
+pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let auth = match &args.htpasswd {
         None => None,
         Some(h) => {

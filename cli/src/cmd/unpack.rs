@@ -45,7 +45,7 @@ pub fn run(a: UnpackArgs) -> anyhow::Result<ExitCode> {
         pb.finish_and_clear();
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        common::print_json(&report)?;
     } else {
         eprintln!(
             "unpacked {} files, {} ({} written, {} zero chunks as holes) in {:.2}s",

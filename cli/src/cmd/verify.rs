@@ -42,7 +42,7 @@ pub fn run(a: VerifyArgs) -> anyhow::Result<ExitCode> {
             let msg = e.to_string();
             if a.json {
                 let j = serde_json::json!({"ok": false, "failures": [{"kind": "metadata", "message": msg}]});
-                println!("{}", serde_json::to_string_pretty(&j)?);
+                common::print_json(&j)?;
             }
             eprintln!("FAILED {msg}");
             return Ok(common::code(common::EXIT_FAILED));
@@ -67,7 +67,7 @@ pub fn run(a: VerifyArgs) -> anyhow::Result<ExitCode> {
             "against": against.as_ref().map(|r| serde_json::json!({"bytes_checked": r.stored_bytes_checked, "chunks_checked": r.stored_chunks_checked})),
             "seconds": secs,
         });
-        println!("{}", serde_json::to_string_pretty(&j)?);
+        common::print_json(&j)?;
     }
     if report.ok() {
         eprintln!(

@@ -23,6 +23,25 @@ pub enum ClientError {
     TooLarge { what: String, limit: u64 },
     /// {path}: {source}
     State { path: std::path::PathBuf, source: std::io::Error },
+    /// credentials for {host}: {source}
+    Credentials { host: String, source: CredentialsError },
+}
+
+/// Docker's credential configuration (`config.json` and its credential helpers) could not
+/// answer. "No credentials" is not an error: lookups say `None`.
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
+#[non_exhaustive]
+pub enum CredentialsError {
+    /// {path}: {source}
+    Config { path: std::path::PathBuf, source: std::io::Error },
+    /// {value:?} ({origin} in {config}) is not a credential helper name
+    BadHelperName { value: String, origin: String, config: std::path::PathBuf },
+    /// cannot run {program} ({origin} in {config}): {source}
+    HelperNotRun { program: String, origin: String, config: std::path::PathBuf, source: std::io::Error },
+    /// {program} {action} failed ({status}): {message}
+    HelperFailed { program: String, action: &'static str, status: String, message: String },
+    /// {program} get: not the credentials JSON ({reason})
+    HelperAnswer { program: String, reason: String },
 }
 
 impl ClientError {

@@ -9,25 +9,28 @@
 //! state.rs     resume state files of chunked uploads
 //! known.rs     which repositories of a host hold which blobs (for mounts)
 //! config.rs    Docker's config.json (credentials) and snapctl's cache directory
-//! error.rs     ClientError and the registry's OCI error bodies
+//! helper.rs    Docker credential helpers (docker-credential-NAME get/store/erase)
+//! error.rs     ClientError, CredentialsError and the registry's OCI error bodies
 //! ```
 //!
 //! It speaks plain HTTP to 127.0.0.1/localhost and HTTPS elsewhere, answers
-//! `WWW-Authenticate` challenges (Basic, and the Bearer token flow) with credentials from
-//! `~/.docker/config.json` or the caller, and retries transient failures (connection
+//! `WWW-Authenticate` challenges (Basic, and the Bearer token flow, with a password or an
+//! identity token) with credentials from the caller or, looked up at the first challenge,
+//! from Docker's config and its credential helpers, and retries transient failures (connection
 //! errors, 408, 429 honouring `Retry-After`, 5xx) with exponential backoff and jitter.
 //! Everything the read half returns is unverified; callers check digests (see
 //! `imgfmt::source`). The wire behaviour is specified in `spec/transfer.md`.
 
 mod config;
 mod error;
+mod helper;
 mod known;
 mod referrers;
 pub mod state;
 mod upload;
 
-pub use config::{cache_dir, docker_config_credentials, docker_config_path, remove_docker_credentials, store_docker_credentials};
-pub use error::{explain, ClientError};
+pub use config::{cache_dir, docker_config_credentials, docker_config_path, remove_docker_credentials, store_docker_credentials, Stored};
+pub use error::{explain, ClientError, CredentialsError};
 pub use known::KnownBlobs;
 pub use upload::{MemSource, PutManifest, UploadOptions, Uploaded, DEFAULT_PIECE, MAX_PIECE};
 
@@ -42,15 +45,31 @@ use imgfmt::{media, BlobSource, FormatError, OciDigest};
 
 /// Credentials for one registry.
 #[derive(Clone)]
-pub struct Credentials {
-    pub username: String,
-    pub password: String,
+pub enum Credentials {
+    /// A user name and a password (or an access token used as one): HTTP Basic, and Basic
+    /// on the token flow's `GET realm`.
+    Password { username: String, password: String },
+    /// An identity token (docker's `identitytoken`; a helper's `<token>` user): an OAuth2
+    /// refresh token, sent to the token flow's `POST realm` (grant_type=refresh_token).
+    IdentityToken(String),
 }
 
 impl std::fmt::Debug for Credentials {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Credentials({}, ***)", self.username)
+        match self {
+            Credentials::Password { username, .. } => write!(f, "Password({username}, ***)"),
+            Credentials::IdentityToken(_) => f.write_str("IdentityToken(***)"),
+        }
     }
+}
+
+/// Where a client's credentials come from.
+enum CredentialSource {
+    /// Given by the caller, or already looked up.
+    Known(Option<Credentials>),
+    /// Docker's config and credential helpers, asked at the first challenge (a helper is a
+    /// process, and a broken one must not fail requests that need no credentials).
+    DockerConfig,
 }
 
 /// Whether a host is local, where plain HTTP is the default.
@@ -65,7 +84,7 @@ pub struct RegistrySource {
     base: String,
     host: String,
     repository: String,
-    creds: Option<Credentials>,
+    creds: Mutex<CredentialSource>,
     /// `Authorization` header value that worked last (a bearer token or basic).
     auth: Mutex<Option<String>>,
     /// Token scopes to ask for beyond `repository:<repo>:pull` (push, mount sources).
@@ -121,13 +140,36 @@ impl RegistrySource {
             base: format!("{scheme}://{host}"),
             host: host.into(),
             repository: repository.into(),
-            creds,
+            creds: Mutex::new(CredentialSource::Known(creds)),
             auth: Mutex::new(None),
             scopes: Mutex::new(BTreeSet::new()),
             writing: AtomicBool::new(false),
             manifests: Mutex::new(HashSet::new()),
             retries: 5,
         })
+    }
+
+    /// A client whose credentials come from Docker's config (`$DOCKER_CONFIG/config.json`
+    /// or `~/.docker/config.json`) and the credential helpers it names, looked up when the
+    /// registry first asks for them.
+    pub fn with_docker_credentials(host: &str, repository: &str, plain_http: bool) -> Result<Self, FormatError> {
+        let c = Self::new(host, repository, plain_http, None)?;
+        *c.creds.lock().expect("poisoned") = CredentialSource::DockerConfig;
+        Ok(c)
+    }
+
+    /// The credentials, looked up once (under the lock: parallel requests that meet their
+    /// first challenge together run a helper once).
+    fn credentials(&self) -> Result<Option<Credentials>, ClientError> {
+        let mut c = self.creds.lock().expect("poisoned");
+        if let CredentialSource::DockerConfig = *c {
+            let found = config::docker_config_credentials(&self.host).map_err(|source| ClientError::Credentials { host: self.host.clone(), source })?;
+            *c = CredentialSource::Known(found);
+        }
+        match &*c {
+            CredentialSource::Known(k) => Ok(k.clone()),
+            CredentialSource::DockerConfig => unreachable!("looked up above"),
+        }
     }
 
     /// The registry host (`HOST[:PORT]`).
@@ -218,15 +260,30 @@ impl RegistrySource {
     }
 
     /// Answer a `WWW-Authenticate` challenge: Basic with the credentials, or the Bearer
-    /// token flow (GET realm?service=…&scope=…, scopes from the challenge plus
-    /// `repository:<repo>:pull[,push]` and `repository:<mount source>:pull`).
+    /// token flow (scopes from the challenge plus `repository:<repo>:pull[,push]` and
+    /// `repository:<mount source>:pull`): `GET realm?service=…&scope=…` with Basic
+    /// credentials, or with an identity token `POST realm` (OAuth2 refresh_token grant).
     fn authenticate(&self, challenge: &str) -> Result<(), ClientError> {
         use base64::Engine;
         let (scheme, params) = challenge.split_once(' ').unwrap_or((challenge, ""));
-        let basic =
-            self.creds.as_ref().map(|c| format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(format!("{}:{}", c.username, c.password))));
+        let creds = self.credentials()?;
+        let basic = match &creds {
+            Some(Credentials::Password { username, password }) => {
+                Some(format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(format!("{username}:{password}"))))
+            }
+            _ => None,
+        };
         if scheme.eq_ignore_ascii_case("basic") {
-            let b = basic.ok_or_else(|| ClientError::NeedsCredentials { host: self.host.clone() })?;
+            let b = match (basic, &creds) {
+                (Some(b), _) => b,
+                (None, Some(Credentials::IdentityToken(_))) => {
+                    return Err(ClientError::Http {
+                        what: self.host.clone(),
+                        message: "the registry asks for Basic auth, but its credentials are an identity token (usable only with the Bearer token flow)".into(),
+                    })
+                }
+                (None, _) => return Err(ClientError::NeedsCredentials { host: self.host.clone() }),
+            };
             *self.auth.lock().expect("poisoned") = Some(b);
             return Ok(());
         }
@@ -255,21 +312,36 @@ impl RegistrySource {
             scopes.insert(format!("repository:{}:{actions}", self.repository));
         }
         scopes.extend(self.scopes.lock().expect("poisoned").iter().cloned());
-        let mut req = self.client.get(&realm);
-        for s in &scopes {
-            req = req.query(&[("scope", s.as_str())]);
-        }
-        if let Some(s) = &service {
-            req = req.query(&[("service", s.as_str())]);
-        }
-        if let Some(b) = &basic {
-            req = req.header(reqwest::header::AUTHORIZATION, b);
-        }
+        let req = if let Some(Credentials::IdentityToken(refresh)) = &creds {
+            // The docker token spec's OAuth2 form (what docker sends with an identity
+            // token): scopes space-separated in one field.
+            let mut form = form_urlencoded::Serializer::new(String::new());
+            form.append_pair("grant_type", "refresh_token").append_pair("refresh_token", refresh).append_pair("client_id", "snapctl");
+            if let Some(s) = &service {
+                form.append_pair("service", s);
+            }
+            if !scopes.is_empty() {
+                form.append_pair("scope", &scopes.iter().map(String::as_str).collect::<Vec<_>>().join(" "));
+            }
+            self.client.post(&realm).header(reqwest::header::CONTENT_TYPE, "application/x-www-form-urlencoded").body(form.finish())
+        } else {
+            let mut req = self.client.get(&realm);
+            for s in &scopes {
+                req = req.query(&[("scope", s.as_str())]);
+            }
+            if let Some(s) = &service {
+                req = req.query(&[("service", s.as_str())]);
+            }
+            if let Some(b) = &basic {
+                req = req.header(reqwest::header::AUTHORIZATION, b);
+            }
+            req
+        };
         let what = format!("token request to {realm}");
         let resp = req.send().map_err(|e| ClientError::Http { what: what.clone(), message: error_chain(&e) })?;
         if !resp.status().is_success() {
             let status = resp.status().as_u16();
-            if (status == 401 || status == 403) && self.creds.is_none() {
+            if (status == 401 || status == 403) && creds.is_none() {
                 return Err(ClientError::NeedsCredentials { host: self.host.clone() });
             }
             return Err(Self::refusal(&what, resp));

@@ -303,6 +303,9 @@ impl RegistrySource {
                 }
             }
         }
+        // Said once per blob: the state is saved after every piece, and a directory that
+        // refuses one write refuses them all.
+        let save_failed = std::cell::Cell::new(false);
         let save = |s: &Session, piece: u64| {
             if let (Some(p), true) = (&state_file, size > piece) {
                 let st = UploadState {
@@ -313,7 +316,9 @@ impl RegistrySource {
                     offset: s.offset,
                 };
                 if let Err(e) = state::save(p, &st) {
-                    tracing::warn!("{}: cannot save upload state: {e}", p.display());
+                    if !save_failed.replace(true) {
+                        tracing::warn!("{}: cannot save upload state: {e} (if interrupted, this blob's upload starts over)", p.display());
+                    }
                 }
             }
         };
@@ -572,7 +577,7 @@ mod tests {
         rt.spawn(async move {
             let _ = server.serve(l, std::future::pending::<()>()).await;
         });
-        let creds = super::super::Credentials { username: "alice".into(), password: "pw".into() };
+        let creds = super::super::Credentials::Password { username: "alice".into(), password: "pw".into() };
         let c = Arc::new(RegistrySource::new(&host, "vm/auth", true, Some(creds)).unwrap());
         let mut rng = 0x9e37_79b9_7f4a_7c15u64;
         for round in 0..150 {

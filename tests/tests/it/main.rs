@@ -1,5 +1,7 @@
 //! All of snapctl's cross-crate integration tests, in one binary.
 
+mod cli;
+mod credentials;
 mod criu;
 mod fault_proxy;
 mod format;
