@@ -66,8 +66,7 @@ impl OciLayout {
         fs::create_dir_all(root.join("blobs").join("sha256")).map_err(io_err(format!("create {}", root.display())))?;
         write_atomic(&root.join("oci-layout"), OCI_LAYOUT_CONTENT.as_bytes())?;
         if !root.join("index.json").exists() {
-            let empty = ImageIndex { schema_version: 2, media_type: Some(OCI_INDEX.into()), manifests: vec![], annotations: Default::default() };
-            write_atomic(&root.join("index.json"), &serde_json::to_vec(&empty).expect("serializes"))?;
+            write_atomic(&root.join("index.json"), &serde_json::to_vec(&ImageIndex::empty()).expect("serializes"))?;
         }
         Self::open(root)
     }
@@ -460,6 +459,45 @@ mod tests {
             let e = l.read_range_unverified(&d, off as u64, len).unwrap_err();
             assert!(matches!(e, FormatError::Truncated { .. }), "{off}+{len}: {e}");
         }
+    }
+
+    /// Issue 14 §3: moving a tag in an `index.json` another tool also writes keeps every
+    /// field of every other entry, and of the index itself.
+    #[test]
+    fn regression_issue_14_set_tag_keeps_what_other_tools_wrote() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = OciLayout::open_or_create(dir.path()).unwrap();
+        let theirs = OciDigest::of(b"theirs");
+        let other = serde_json::json!({
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": theirs.as_str(),
+            "size": 6,
+            "platform": {"architecture": "arm64", "os": "linux", "variant": "v8"},
+            "urls": ["https://mirror.example/x"],
+            "data": "dGhlaXJz",
+            "artifactType": "application/vnd.example.thing",
+            "annotations": {"org.opencontainers.image.ref.name": "theirs", "k": "v"},
+            "io.example.unknown": true
+        });
+        let index = serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.index.v1+json",
+            "artifactType": "application/vnd.example.index",
+            "subject": {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": theirs.as_str(), "size": 6},
+            "io.example.top": [1, 2],
+            "manifests": [other.clone()],
+            "annotations": {"top": "level"}
+        });
+        fs::write(dir.path().join("index.json"), serde_json::to_vec(&index).unwrap()).unwrap();
+        let d = l.put_blob(b"ours").unwrap();
+        l.set_tag("v1", Descriptor::new("x", d.clone(), 4)).unwrap();
+        let after: serde_json::Value = serde_json::from_slice(&fs::read(dir.path().join("index.json")).unwrap()).unwrap();
+        assert_eq!(after["manifests"][0], other, "the other tool's entry, field for field");
+        assert_eq!(after["manifests"][1]["digest"], d.as_str());
+        for k in ["artifactType", "subject", "io.example.top", "annotations"] {
+            assert_eq!(after[k], index[k], "{k}");
+        }
+        assert_eq!(l.resolve_tag("theirs").unwrap(), theirs);
     }
 
     #[test]
