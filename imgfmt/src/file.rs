@@ -192,13 +192,25 @@ impl Dir {
         Ok(file)
     }
 
+    /// Open the existing `name` for reading if it is a regular file (any owner, any link
+    /// count: for files whose bytes are checked after reading, where only a symlink, a
+    /// FIFO or a device must not be opened).
+    pub fn open_regular(&self, name: &OsStr) -> io::Result<File> {
+        open_regular_at(&self.fd, name)
+    }
+
     /// Rename `from` to `to`, both in this directory (never through a symlink: names are
     /// plain). With `replace` false, an existing `to` makes this fail with
     /// `AlreadyExists` (`RENAME_NOREPLACE`); with it, `to` is replaced whatever it is
     /// (a symlink under `to` is replaced, not followed).
     pub fn rename(&self, from: &OsStr, to: &OsStr, replace: bool) -> io::Result<()> {
+        self.rename_to(from, self, to, replace)
+    }
+
+    /// [`Dir::rename`] into another directory (on the same filesystem).
+    pub fn rename_to(&self, from: &OsStr, to_dir: &Dir, to: &OsStr, replace: bool) -> io::Result<()> {
         let flags = if replace { nix::fcntl::RenameFlags::empty() } else { nix::fcntl::RenameFlags::RENAME_NOREPLACE };
-        nix::fcntl::renameat2(&self.fd, plain(from)?, &self.fd, plain(to)?, flags).map_err(nix_io)
+        nix::fcntl::renameat2(&self.fd, plain(from)?, &to_dir.fd, plain(to)?, flags).map_err(nix_io)
     }
 
     /// Remove the name `name` (a symlink or a hard link is removed, not what it points at).
@@ -244,6 +256,27 @@ impl EntryKind {
             _ => EntryKind::Other,
         }
     }
+}
+
+fn open_regular_at(dir: impl AsFd, name: &(impl nix::NixPath + ?Sized)) -> io::Result<File> {
+    let flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC | OFlag::O_NOCTTY;
+    let fd = nix::fcntl::openat(dir, name, flags, Mode::empty()).map_err(|e| match e {
+        nix::errno::Errno::ELOOP => Refused::Symlink.into(),
+        e => nix_io(e),
+    })?;
+    let file = File::from(fd);
+    if !file.metadata()?.file_type().is_file() {
+        return Err(Refused::NotRegular.into());
+    }
+    Ok(file)
+}
+
+/// Open `path` for reading if its last component is a regular file, not a symlink, FIFO
+/// or device (`O_NOFOLLOW | O_NONBLOCK`, checked on the descriptor): for a path recorded
+/// earlier (a cache entry, a file a reference names) whose bytes are checked after
+/// reading, so that what is planted there can neither hang the reader nor be opened.
+pub fn open_regular(path: &Path) -> io::Result<File> {
+    open_regular_at(nix::fcntl::AT_FDCWD, path)
 }
 
 /// This process's effective uid.

@@ -93,7 +93,12 @@ impl OciLayout {
         let mut removed = 0;
         for name in names {
             let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(".tmp-blob-")) else { continue };
-            if rest.split('-').next().and_then(|p| p.parse::<u32>().ok()).is_some_and(|pid| pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists()) {
+            if rest
+                .split('-')
+                .next()
+                .and_then(|p| p.parse::<u32>().ok())
+                .is_some_and(|pid| pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists())
+            {
                 continue;
             }
             // Only our own regular files (a symlink planted under such a name is not opened).
