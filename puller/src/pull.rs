@@ -412,7 +412,6 @@ pub fn pull(
     }
 
     // Every file is complete: sync and rename each, then sync its directory.
-    let mut outs = outs;
     for (f, out) in image.files.iter().zip(outs.iter_mut()) {
         let Some(file) = out.file.take() else { continue };
         let final_path = out.dir.display_path(&out.base);

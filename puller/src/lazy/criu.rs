@@ -179,6 +179,14 @@ pub struct CriuReport {
     pub forked_from: Option<i32>,
 }
 
+/// An error resolving or creating names beneath the work directory, its kind kept.
+fn dest_err(e: crate::unpack::UnpackError) -> LazyError {
+    match e {
+        crate::unpack::UnpackError::Io { path, source } => LazyError::Io { context: path.display().to_string(), source },
+        e => LazyError::Invalid(e.to_string()),
+    }
+}
+
 /// What [`CriuDaemon::prepare_workdir`] wrote.
 #[derive(Debug, Clone)]
 pub struct Prepared {
@@ -394,11 +402,11 @@ impl CriuDaemon {
         // overwrites a dump, and a refusal leaves the directory as it was. Names are
         // resolved beneath the work directory without following symlinks (a planted one
         // is refused, or counts as a file already there).
-        let mut dirs = crate::unpack::DestDirs::create(&self.workdir).map_err(|e| LazyError::Invalid(e.to_string()))?;
+        let mut dirs = crate::unpack::DestDirs::create(&self.workdir).map_err(dest_err)?;
         let mut plan = Vec::with_capacity(self.image.files.len());
         for f in &self.image.files {
             let dest = self.workdir.join(&f.name);
-            if dirs.exists(&f.name).map_err(|e| LazyError::Invalid(e.to_string()))? {
+            if dirs.exists(&f.name).map_err(dest_err)? {
                 return Err(LazyError::Invalid(format!("{} already exists: --criu-prepare writes into a directory without the dump", dest.display())));
             }
             let base = f.name.rsplit('/').next().unwrap_or(&f.name);
@@ -408,7 +416,7 @@ impl CriuDaemon {
         }
         let mut out = Prepared { paths: Vec::new(), bytes_written: 0, lazy_bytes_left: 0, files: Vec::new() };
         for (i, (dest, skip)) in plan.into_iter().enumerate() {
-            let written = dirs.dir_of(&self.image.files[i].name, true).map_err(|e| LazyError::Invalid(e.to_string())).and_then(|d| {
+            let written = dirs.dir_of(&self.image.files[i].name, true).map_err(dest_err).and_then(|d| {
                 let (dir, base) = d.expect("created");
                 self.write_prepared(i, &dir, &base, &skip).map(|n| (n, dir, base))
             });
