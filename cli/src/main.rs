@@ -78,8 +78,13 @@ fn main() -> ExitCode {
 
 /// The error and its causes joined by ": ", each cause only if the text so far does not
 /// already hold it: the library errors put their source in their own message, so
-/// `{:#}` printed "X: File too large: X: File too large: File too large".
+/// `{:#}` printed "X: File too large: X: File too large: File too large". Control
+/// characters are escaped: an error may quote a name, a header or a body from a peer.
 fn describe(e: &anyhow::Error) -> String {
+    cmd::common::printable(&join_causes(e)).into_owned()
+}
+
+fn join_causes(e: &anyhow::Error) -> String {
     let mut out = String::new();
     for cause in e.chain() {
         let s = cause.to_string();
@@ -105,5 +110,7 @@ mod tests {
         assert_eq!(describe(&e), "packing /src: writing a pack into /x: File too large");
         let plain = anyhow::anyhow!("inner").context("outer");
         assert_eq!(describe(&plain), "outer: inner");
+        let hostile = anyhow::anyhow!("registry said: \x1b[2J\nsnapctl: all good");
+        assert_eq!(describe(&hostile), "registry said: \\u{1b}[2J\\nsnapctl: all good");
     }
 }

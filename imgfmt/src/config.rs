@@ -90,7 +90,8 @@ pub struct FileEntry {
     pub name: String,
     /// Size in bytes.
     pub size: u64,
-    /// Unix permission bits (`0o7777` at most).
+    /// Unix permission bits as packed (`0o7777` at most). What pull and unpack give the
+    /// file is [`applied_mode`] of this.
     pub mode: u32,
     pub role: Role,
     /// Number of chunks (`ceil(size / chunkSize)`).
@@ -167,8 +168,17 @@ mod hash_name {
     }
 }
 
+/// The permission bits pull and unpack give a file whose image records `mode`: the
+/// owner/group/other bits only, less write for others. An image comes from someone else;
+/// set-uid, set-gid and sticky bits on files a root pull creates, or files any local user
+/// may rewrite under a restoring VMM, are not the image's to ask for (spec/format.md §5).
+pub const fn applied_mode(mode: u32) -> u32 {
+    mode & 0o775
+}
+
 /// Check a file name from a config or a source directory: relative, `/`-separated, no
-/// traversal. Unpack writes under these names, so this is a security check.
+/// traversal, nothing a terminal would act on. Unpack writes under these names and
+/// inspect prints them, so this is a security check.
 pub fn check_name(name: &str) -> Result<(), FormatError> {
     let bad = |why: &str| FormatError::invalid("file name", format!("{name:?}: {why}"));
     if name.is_empty() || name.len() > 4096 {
@@ -179,6 +189,11 @@ pub fn check_name(name: &str) -> Result<(), FormatError> {
     }
     if name.contains('\0') || name.contains('\\') {
         return Err(bad("contains NUL or backslash"));
+    }
+    // ESC, newline, carriage return, DEL...: printed, such a name could rewrite or forge
+    // the lines around it.
+    if name.chars().any(|c| c < ' ' || c == '\x7f') {
+        return Err(bad("contains a control character"));
     }
     if name.split('/').any(|c| c.is_empty() || c == "." || c == "..") {
         return Err(bad("empty, '.' or '..' component"));
@@ -234,6 +249,18 @@ impl ImageConfig {
                 return Err(FormatError::invalid("file chunks", format!("{:?}: {} chunks for {} bytes", f.name, f.chunks, f.size)));
             }
         }
+        // No name may be a directory of another (`vm.mem` and `vm.mem/x`): no directory
+        // could hold both, so such an image could be verified but never pulled.
+        for f in &self.files {
+            let mut at = 0;
+            while let Some(i) = f.name[at..].find('/') {
+                let dir = &f.name[..at + i];
+                if names.contains(dir) {
+                    return Err(FormatError::invalid("config files", format!("{dir:?} is a file and also a directory of {:?}", f.name)));
+                }
+                at += i + 1;
+            }
+        }
         Ok(())
     }
 }
@@ -247,8 +274,60 @@ mod tests {
         for ok in ["vm.mem", "a/b.img", "pages-1.img"] {
             check_name(ok).unwrap();
         }
-        for bad in ["", "/etc/passwd", "../x", "a/../b", "a//b", "./a", "a\0b"] {
+        for bad in ["", "/etc/passwd", "../x", "a/../b", "a//b", "./a", "a\0b", "a/", "a/.", "..", "."] {
             assert!(check_name(bad).is_err(), "{bad:?}");
         }
+    }
+
+    fn config(names: &[&str]) -> ImageConfig {
+        ImageConfig {
+            format: CONFIG_FORMAT.into(),
+            kind: Kind::Dir,
+            created: "1970-01-01T00:00:00Z".into(),
+            chunk_size: 1 << 16,
+            hash: HashAlgo::Blake3,
+            compression: "none".into(),
+            files: names.iter().map(|n| FileEntry { name: n.to_string(), size: 0, mode: 0o644, role: Role::Other, chunks: 0, root: String::new() }).collect(),
+            root: String::new(),
+            index: BlobRef { digest: OciDigest::of(b""), size: 0 },
+            parent: None,
+            base: None,
+            annotations: BTreeMap::new(),
+        }
+    }
+
+    /// Issue 14 §16: a name holding ESC, a newline or DEL could forge the output it is
+    /// printed in; the decoder refuses it.
+    #[test]
+    fn regression_issue_14_control_characters_in_names_are_refused() {
+        for bad in ["vm.mem\n", "\x1b[2Jvm.mem", "a\rb", "a\tb", "x\x7f", "dir/\x07bell"] {
+            let e = check_name(bad).unwrap_err();
+            assert!(e.to_string().contains("control character"), "{bad:?}: {e}");
+            let c = config(&[bad]);
+            assert!(ImageConfig::decode(&c.encode()).is_err(), "{bad:?}");
+        }
+        // Printable non-ASCII is a name like any other.
+        check_name("mémoire/été.img").unwrap();
+    }
+
+    /// Issue 14 §17: `vm.mem` and `vm.mem/x` in one image could never be written to one
+    /// directory; the decoder refuses the image, wherever the pair is in the list.
+    #[test]
+    fn regression_issue_14_a_name_that_is_a_directory_of_another_is_refused() {
+        for names in [&["vm.mem", "vm.mem/x"][..], &["a/b/c", "a/b"], &["a", "z", "a/b/c/d"]] {
+            let e = ImageConfig::decode(&config(names).encode()).unwrap_err();
+            assert!(e.to_string().contains("also a directory"), "{names:?}: {e}");
+        }
+        for ok in [&["vm.mem", "vm.mem2/x"][..], &["a/b", "a/c", "ab/c"], &["a.b/c", "a"]] {
+            ImageConfig::decode(&config(ok).encode()).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
+        }
+    }
+
+    #[test]
+    fn applied_modes_drop_special_bits_and_world_write() {
+        assert_eq!(applied_mode(0o7777), 0o775);
+        assert_eq!(applied_mode(0o4755), 0o755);
+        assert_eq!(applied_mode(0o666), 0o664);
+        assert_eq!(applied_mode(0o600), 0o600);
     }
 }

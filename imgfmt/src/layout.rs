@@ -57,23 +57,59 @@ impl OciLayout {
         Ok(OciLayout { root, open_blobs: Mutex::new(HashMap::new()) })
     }
 
-    /// Open a layout, creating an empty one if the directory does not hold one yet.
+    /// Open a layout to write into, creating an empty one if the directory does not hold
+    /// one yet. Temp files of blob writers that were killed are removed (see
+    /// [`OciLayout::remove_stale_temps`]).
     pub fn open_or_create(root: impl AsRef<Path>) -> Result<Self, FormatError> {
         let root = root.as_ref();
         if root.join("oci-layout").exists() {
-            return Self::open(root);
+            let l = Self::open(root)?;
+            l.remove_stale_temps();
+            return Ok(l);
         }
         fs::create_dir_all(root.join("blobs").join("sha256")).map_err(io_err(format!("create {}", root.display())))?;
         write_atomic(&root.join("oci-layout"), OCI_LAYOUT_CONTENT.as_bytes())?;
         if !root.join("index.json").exists() {
-            let empty = ImageIndex { schema_version: 2, media_type: Some(OCI_INDEX.into()), manifests: vec![], annotations: Default::default() };
-            write_atomic(&root.join("index.json"), &serde_json::to_vec(&empty).expect("serializes"))?;
+            write_atomic(&root.join("index.json"), &serde_json::to_vec(&ImageIndex::empty()).expect("serializes"))?;
         }
         Self::open(root)
     }
 
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// Remove the `blobs/sha256/.tmp-blob-*` files of blob writers that were killed (a
+    /// `pack` killed mid-way leaves one per pack in progress, each up to a pack's size).
+    /// A temp file goes only when all three say its writer is gone: it is older than
+    /// [`STALE_TEMP_AGE`], the pid in its name does not run on this host, and its `flock`
+    /// (which every [`BlobWriter`] holds from creation to rename) can be taken. The lock
+    /// is what protects a live writer in another pid namespace; the age, the instant
+    /// between a writer's create and its lock; the pid, a writer of a build that did not
+    /// lock. Best effort: what cannot be checked or removed stays. Returns how many went.
+    pub fn remove_stale_temps(&self) -> usize {
+        let Ok(dir) = crate::file::Dir::open(&self.root.join("blobs").join("sha256")) else { return 0 };
+        let Ok(names) = dir.names() else { return 0 };
+        let mut removed = 0;
+        for name in names {
+            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(".tmp-blob-")) else { continue };
+            if rest
+                .split('-')
+                .next()
+                .and_then(|p| p.parse::<u32>().ok())
+                .is_some_and(|pid| pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists())
+            {
+                continue;
+            }
+            // Only our own regular files (a symlink planted under such a name is not opened).
+            let Ok(f) = dir.open_own_file(&name, false) else { continue };
+            let old = f.metadata().and_then(|m| m.modified()).is_ok_and(|t| t.elapsed().is_ok_and(|age| age > STALE_TEMP_AGE));
+            // Held while unlinking: no writer can be holding it meanwhile.
+            if old && f.try_lock().is_ok() && dir.remove_file(&name).is_ok() {
+                removed += 1;
+            }
+        }
+        removed
     }
 
     /// Path of a blob (which may not exist).
@@ -102,6 +138,10 @@ impl OciLayout {
         fs::create_dir_all(&dir).map_err(io_err(format!("create {}", dir.display())))?;
         let tmp = tempname(&dir, ".tmp-blob");
         let file = OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(io_err(format!("create {}", tmp.display())))?;
+        // Held until the file is renamed or removed: a later `remove_stale_temps` (another
+        // process's) tells a live writer's temp file from a killed one's by it. A
+        // filesystem without flock leaves the pid and the age to tell.
+        let _ = file.try_lock();
         // Writes of at most 256 KiB reach the kernel: larger page-cache copies were several
         // times slower on the VMs we measured (BENCHMARKS.md).
         Ok(BlobWriter { file: Some(io::BufWriter::with_capacity(WRITE_PIECE, file)), tmp, dir, hasher: Some(sha2::Sha256::new()), len: 0, hinted: 0 })
@@ -239,6 +279,10 @@ impl BlobSource for OciLayout {
         crate::file::map_range(&f, offset, len).map_err(|e| FormatError::io(format!("map blob {d} at {offset}"), e))
     }
 }
+
+/// A blob writer's temp file unchanged for this long may be a killed writer's leftover
+/// (see [`OciLayout::remove_stale_temps`]).
+pub const STALE_TEMP_AGE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Ranges from this size up are mapped rather than read (see `read_range_unverified`).
 const MAP_MIN: usize = 1 << 20;
@@ -460,6 +504,82 @@ mod tests {
             let e = l.read_range_unverified(&d, off as u64, len).unwrap_err();
             assert!(matches!(e, FormatError::Truncated { .. }), "{off}+{len}: {e}");
         }
+    }
+
+    /// Issue 14 §3: moving a tag in an `index.json` another tool also writes keeps every
+    /// field of every other entry, and of the index itself.
+    #[test]
+    fn regression_issue_14_set_tag_keeps_what_other_tools_wrote() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = OciLayout::open_or_create(dir.path()).unwrap();
+        let theirs = OciDigest::of(b"theirs");
+        let other = serde_json::json!({
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": theirs.as_str(),
+            "size": 6,
+            "platform": {"architecture": "arm64", "os": "linux", "variant": "v8"},
+            "urls": ["https://mirror.example/x"],
+            "data": "dGhlaXJz",
+            "artifactType": "application/vnd.example.thing",
+            "annotations": {"org.opencontainers.image.ref.name": "theirs", "k": "v"},
+            "io.example.unknown": true
+        });
+        let index = serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.index.v1+json",
+            "artifactType": "application/vnd.example.index",
+            "subject": {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": theirs.as_str(), "size": 6},
+            "io.example.top": [1, 2],
+            "manifests": [other.clone()],
+            "annotations": {"top": "level"}
+        });
+        fs::write(dir.path().join("index.json"), serde_json::to_vec(&index).unwrap()).unwrap();
+        let d = l.put_blob(b"ours").unwrap();
+        l.set_tag("v1", Descriptor::new("x", d.clone(), 4)).unwrap();
+        let after: serde_json::Value = serde_json::from_slice(&fs::read(dir.path().join("index.json")).unwrap()).unwrap();
+        assert_eq!(after["manifests"][0], other, "the other tool's entry, field for field");
+        assert_eq!(after["manifests"][1]["digest"], d.as_str());
+        for k in ["artifactType", "subject", "io.example.top", "annotations"] {
+            assert_eq!(after[k], index[k], "{k}");
+        }
+        assert_eq!(l.resolve_tag("theirs").unwrap(), theirs);
+    }
+
+    /// Issue 14 §5: a killed writer's temp blob (its pid gone, unlocked, old) is removed
+    /// when the layout is next opened to write; a locked one, a young one, and a live
+    /// writer's are not.
+    #[test]
+    fn regression_issue_14_stale_temp_blobs_are_removed_live_ones_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = OciLayout::open_or_create(dir.path()).unwrap();
+        let blobs = dir.path().join("blobs/sha256");
+        let old = std::time::SystemTime::now() - STALE_TEMP_AGE * 2;
+        let make = |name: &str, age: std::time::SystemTime| {
+            let f = OpenOptions::new().read(true).write(true).create_new(true).open(blobs.join(name)).unwrap();
+            f.write_all_at(&[7u8; 4096], 0).unwrap();
+            f.set_modified(age).unwrap();
+            f
+        };
+        drop(make(".tmp-blob-4000000-0-1", old)); // killed: pid gone, unlocked, old
+        drop(make(".tmp-blob-4000000-0-2", std::time::SystemTime::now())); // too young to tell
+        let held = make(".tmp-blob-4000001-0-3", old); // a writer in another pid namespace
+        held.try_lock().unwrap();
+        let mut live = l.blob_writer().unwrap(); // this process's own writer
+        live.write_all(b"in progress").unwrap();
+        live.flush().unwrap();
+        File::options().write(true).open(&live.tmp).unwrap().set_modified(old).unwrap();
+        let mut before: Vec<_> = fs::read_dir(&blobs).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        before.sort();
+        assert_eq!(before.len(), 4);
+
+        drop(OciLayout::open_or_create(dir.path()).unwrap());
+        let mut after: Vec<_> = fs::read_dir(&blobs).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        after.sort();
+        before.retain(|n| n != ".tmp-blob-4000000-0-1");
+        assert_eq!(after, before, "only the killed writer's temp file goes");
+        drop(held);
+        let (d, _) = live.finish().unwrap();
+        assert!(l.has_blob(&d), "the live writer finished its blob");
     }
 
     #[test]

@@ -12,16 +12,25 @@
 //! directory: a crash can forget a chunk but never leave a torn one under its name. A get
 //! re-hashes the bytes every time, so damage after the fact (a bad disk, a stray write) is
 //! a miss (the entry is deleted), never served.
+//!
+//! Whoever else can write into the cache directory cannot make it write, touch or delete
+//! anything outside it: `chunks/v1` and `tmp/` are opened beneath the root without
+//! following symlinks, temp files are created and renamed through those descriptors,
+//! prefix directories that are symlinks are neither written into nor scanned, and an entry
+//! or reference that is a symlink, FIFO or device is a miss, never opened through
+//! (spec/cache.md §1).
 
-use std::fs::{self, File, OpenOptions};
+use std::ffi::{OsStr, OsString};
+use std::fs::{self, File};
 use std::io::{ErrorKind, Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use imgfmt::compress::Codec;
+use imgfmt::file::Dir;
 use imgfmt::{ChunkDigest, HashAlgo};
 use serde::Serialize;
 use verify::VerifiedChunk;
@@ -79,8 +88,8 @@ pub struct CacheStats {
 #[must_use = "nothing is in the cache until commit"]
 pub struct PreparedRefs<'a> {
     cache: &'a ChunkCache,
-    /// (temporary name, entry name, digest)
-    pending: Vec<(PathBuf, PathBuf, ChunkDigest)>,
+    /// (prefix directory, temporary name, entry name, digest)
+    pending: Vec<(Arc<Dir>, OsString, OsString, ChunkDigest)>,
 }
 
 impl PreparedRefs<'_> {
@@ -90,16 +99,16 @@ impl PreparedRefs<'_> {
     pub fn commit(mut self, keep: impl Fn(&ChunkDigest) -> bool) -> Result<u64, CacheError> {
         let mut written = 0u64;
         let mut first_err = None;
-        for (tmp, rpath, digest) in std::mem::take(&mut self.pending) {
+        for (dir, tmp, name, digest) in std::mem::take(&mut self.pending) {
             if !keep(&digest) {
-                let _ = fs::remove_file(&tmp);
+                let _ = dir.remove_file(&tmp);
                 continue;
             }
-            match fs::rename(&tmp, &rpath) {
+            match dir.rename(&tmp, &name, true) {
                 Ok(()) => written += 1,
                 Err(e) => {
-                    let _ = fs::remove_file(&tmp);
-                    first_err.get_or_insert_with(|| io(&rpath)(e));
+                    let _ = dir.remove_file(&tmp);
+                    first_err.get_or_insert_with(|| io(&dir.display_path(&name))(e));
                 }
             }
         }
@@ -114,8 +123,8 @@ impl PreparedRefs<'_> {
 
 impl Drop for PreparedRefs<'_> {
     fn drop(&mut self) {
-        for (tmp, _, _) in &self.pending {
-            let _ = fs::remove_file(tmp);
+        for (dir, tmp, _, _) in &self.pending {
+            let _ = dir.remove_file(tmp);
         }
     }
 }
@@ -126,6 +135,10 @@ impl Drop for PreparedRefs<'_> {
 pub struct ChunkCache {
     base: PathBuf,
     tmp: PathBuf,
+    /// `base` and `tmp`, opened beneath the cache root without following symlinks: puts
+    /// create, rename and remove through these, never through the paths.
+    base_dir: Dir,
+    tmp_dir: Dir,
     limit: u64,
     hits: AtomicU64,
     misses: AtomicU64,
@@ -200,10 +213,14 @@ impl ChunkCache {
     pub fn open(dir: &Path, limit_bytes: u64) -> Result<ChunkCache, CacheError> {
         let base = dir.join(VERSION_DIR);
         let tmp = base.join("tmp");
-        fs::create_dir_all(&tmp).map_err(io(&tmp))?;
+        // The root is the caller's to choose; beneath it, a symlink is refused.
+        let base_dir = Dir::create_all(dir).and_then(|d| d.create_dir_all(Path::new(VERSION_DIR))).map_err(io(&base))?;
+        let tmp_dir = base_dir.create_dir_all(Path::new("tmp")).map_err(io(&tmp))?;
         let c = ChunkCache {
             base,
             tmp,
+            base_dir,
+            tmp_dir,
             limit: limit_bytes,
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
@@ -253,9 +270,15 @@ impl ChunkCache {
     /// so a damaged entry is deleted and reported as a miss, never served).
     pub fn get(&self, algo: HashAlgo, digest: &ChunkDigest, len: u32) -> Result<Option<VerifiedChunk>, CacheError> {
         let path = self.entry_path(algo, digest);
-        let mut f = match File::open(&path) {
+        let mut f = match imgfmt::file::open_regular(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == ErrorKind::NotFound => return self.get_by_ref(algo, digest, len),
+            // A symlink, FIFO or device under an entry's name is not one of ours: a miss,
+            // never opened through (and gone, as a damaged entry would be).
+            Err(e) if imgfmt::file::refusal(&e).is_some() => {
+                self.drop_damaged(&path);
+                return Ok(None);
+            }
             Err(e) => return Err(io(&path)(e)),
         };
         let md = f.metadata().map_err(io(&path))?;
@@ -276,7 +299,7 @@ impl ChunkCache {
         match verify::verify_stored(algo, Codec::Raw, buf, len, digest) {
             Ok(chunk) => {
                 self.hits.fetch_add(1, Ordering::Relaxed);
-                touch(&path, md.modified().ok());
+                touch(&f, md.modified().ok());
                 Ok(Some(chunk))
             }
             Err(_) => {
@@ -298,16 +321,20 @@ impl ChunkCache {
     /// or changed is stale: deleted, a miss.
     fn get_by_ref(&self, algo: HashAlgo, digest: &ChunkDigest, len: u32) -> Result<Option<VerifiedChunk>, CacheError> {
         let rpath = self.ref_path(algo, digest);
-        let (raw, modified) = match File::open(&rpath) {
+        let (rfile, raw, modified) = match imgfmt::file::open_regular(&rpath) {
             // A reference is a few hundred bytes; more is not one of ours.
-            Ok(f) => {
+            Ok(mut f) => {
                 let modified = f.metadata().and_then(|m| m.modified()).ok();
                 let mut raw = Vec::new();
-                f.take(MAX_REF + 1).read_to_end(&mut raw).map_err(io(&rpath))?;
-                (raw, modified)
+                (&mut f).take(MAX_REF + 1).read_to_end(&mut raw).map_err(io(&rpath))?;
+                (f, raw, modified)
             }
             Err(e) if e.kind() == ErrorKind::NotFound => {
                 self.misses.fetch_add(1, Ordering::Relaxed);
+                return Ok(None);
+            }
+            Err(e) if imgfmt::file::refusal(&e).is_some() => {
+                self.drop_stale(&rpath);
                 return Ok(None);
             }
             Err(e) => return Err(io(&rpath)(e)),
@@ -317,7 +344,9 @@ impl ChunkCache {
             return Ok(None);
         };
         let mut buf = vec![0u8; len as usize];
-        let read = File::open(&r.file).and_then(|f| {
+        // The referenced file is read only if it is (still) a regular file: a symlink,
+        // FIFO or device swapped in under its name is stale, never opened through.
+        let read = imgfmt::file::open_regular(&r.file).and_then(|f| {
             use std::os::unix::fs::FileExt;
             f.read_exact_at(&mut buf, r.offset)
         });
@@ -329,7 +358,7 @@ impl ChunkCache {
         match verify::verify_stored(algo, Codec::Raw, buf, len, digest) {
             Ok(chunk) => {
                 self.hits.fetch_add(1, Ordering::Relaxed);
-                touch(&rpath, modified);
+                touch(&rfile, modified);
                 Ok(Some(chunk))
             }
             Err(_) => {
@@ -370,32 +399,59 @@ impl ChunkCache {
             });
         }
         let mut prepared = PreparedRefs { cache: self, pending: Vec::with_capacity(items.len()) };
+        let mut dirs: std::collections::HashMap<String, Arc<Dir>> = std::collections::HashMap::new();
         for (digest, len, offset) in items {
             if self.entry_path(algo, digest).is_file() {
                 continue;
             }
-            let rpath = self.ref_path(algo, digest);
-            let dir = rpath.parent().expect("entry has a parent");
-            if !dir.is_dir() {
-                fs::create_dir_all(dir).map_err(io(dir))?;
-            }
+            let hex = digest.to_hex();
+            let dir = match dirs.get(&hex[..2]) {
+                Some(d) => d.clone(),
+                None => {
+                    let (d, _) = self.prefix_dir(algo, &hex)?;
+                    let d = Arc::new(d);
+                    dirs.insert(hex[..2].to_string(), d.clone());
+                    d
+                }
+            };
             let body = ChunkRef { len: *len, offset: *offset, file: file.to_path_buf() }.encode();
             // The temp name is in the entry's own directory, not `tmp/`: creating files is
             // the cost of a pull's references (~0.3 ms each here), and spread over the 256
             // prefix directories, threads doing it at once do not queue on one directory.
-            let tmp = dir.join(format!("{REF_TEMP_PREFIX}{}.{}", std::process::id(), self.seq.fetch_add(1, Ordering::Relaxed)));
-            if let Err(e) = fs::write(&tmp, &body) {
-                let _ = fs::remove_file(&tmp);
-                return Err(io(&tmp)(e));
+            // Created (never opened through whatever a crash, or someone else, left under
+            // the name); a leftover of a dead process with our pid is removed first.
+            let tmp = OsString::from(format!("{REF_TEMP_PREFIX}{}.{}", std::process::id(), self.seq.fetch_add(1, Ordering::Relaxed)));
+            let created = dir.create_new(&tmp, 0o644).or_else(|e| match e.kind() {
+                ErrorKind::AlreadyExists => dir.remove_file(&tmp).and_then(|()| dir.create_new(&tmp, 0o644)),
+                _ => Err(e),
+            });
+            if let Err(e) = created.and_then(|mut f| f.write_all(&body)) {
+                let _ = dir.remove_file(&tmp);
+                return Err(io(&dir.display_path(&tmp))(e));
             }
-            prepared.pending.push((tmp, rpath, *digest));
+            let mut name = OsString::from(&hex);
+            name.push(REF_SUFFIX);
+            prepared.pending.push((dir, tmp, name, *digest));
         }
         Ok(prepared)
     }
 
-    fn temp_name(&self) -> PathBuf {
+    fn temp_name(&self) -> OsString {
         let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_nanos();
-        self.tmp.join(format!("{}.{}.{nanos}.tmp", std::process::id(), self.seq.fetch_add(1, Ordering::Relaxed)))
+        OsString::from(format!("{}.{}.{nanos}.tmp", std::process::id(), self.seq.fetch_add(1, Ordering::Relaxed)))
+    }
+
+    /// The prefix directory `<algo>/<xx>` of the entry of `hex`, beneath `chunks/v1`
+    /// without following a symlink (one planted there is refused: nothing is put through
+    /// it), created if missing; and whether it was created.
+    fn prefix_dir(&self, algo: HashAlgo, hex: &str) -> Result<(Dir, bool), CacheError> {
+        let rel = Path::new(algo.name()).join(&hex[..2]);
+        let path = self.base.join(&rel);
+        match self.base_dir.open_dir(&rel) {
+            Ok(d) => Ok((d, false)),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok((self.base_dir.create_dir_all(&rel).map_err(io(&path))?, true)),
+            Err(e) => Err(io(&path)(e)),
+        }
     }
 
     fn drop_damaged(&self, path: &Path) {
@@ -428,7 +484,7 @@ impl ChunkCache {
     pub fn put_batch(&self, algo: HashAlgo, items: &[(ChunkDigest, &VerifiedChunk)]) -> Vec<Result<(), CacheError>> {
         let mut results: Vec<Result<(), CacheError>> = Vec::with_capacity(items.len());
         // Items with a temp file written: (index into results, temp, open file, final path).
-        let mut pending: Vec<(usize, PathBuf, File, PathBuf)> = Vec::new();
+        let mut pending: Vec<(usize, OsString, File, Written)> = Vec::new();
         // Parents of prefix directories this batch created: their entries must be durable
         // for the new directories' (and so the chunks') to be.
         let mut new_dir_parents: Vec<PathBuf> = Vec::new();
@@ -450,26 +506,27 @@ impl ChunkCache {
         }
         let mut touched: Vec<PathBuf> = Vec::new();
         let mut renamed: Vec<(usize, PathBuf, u64)> = Vec::new();
-        for (k, tmp, f, path) in pending {
+        for (k, tmp, f, w) in pending {
+            let tmp_path = self.tmp.join(&tmp);
             let res = (|| {
-                f.sync_data().map_err(io(&tmp))?;
-                let allocated = f.metadata().map_err(io(&tmp))?.blocks() * 512;
+                f.sync_data().map_err(io(&tmp_path))?;
+                let allocated = f.metadata().map_err(io(&tmp_path))?.blocks() * 512;
                 drop(f);
                 // Concurrent puts of one digest each rename a complete copy of the same
                 // bytes: whichever lands last wins, and every reader sees a whole file.
-                fs::rename(&tmp, &path).map_err(io(&path))?;
+                self.tmp_dir.rename_to(&tmp, &w.dir, &w.name, true).map_err(io(&w.path))?;
                 Ok(allocated)
             })();
             match res {
                 Ok(allocated) => {
-                    let dir = path.parent().expect("entry has a parent").to_path_buf();
+                    let dir = w.path.parent().expect("entry has a parent").to_path_buf();
                     if !touched.contains(&dir) {
                         touched.push(dir.clone());
                     }
                     renamed.push((k, dir, allocated));
                 }
                 Err(e) => {
-                    let _ = fs::remove_file(&tmp);
+                    let _ = self.tmp_dir.remove_file(&tmp);
                     results[k] = Err(e);
                 }
             }
@@ -525,7 +582,7 @@ impl ChunkCache {
         digest: &ChunkDigest,
         chunk: &VerifiedChunk,
         new_dir_parents: &mut Vec<PathBuf>,
-    ) -> Result<Option<(PathBuf, File, PathBuf)>, CacheError> {
+    ) -> Result<Option<(OsString, File, Written)>, CacheError> {
         let bytes = chunk.as_bytes();
         if bytes.len() as u64 > MAX_ENTRY {
             return Err(CacheError::TooLarge { len: bytes.len() as u64 });
@@ -534,24 +591,25 @@ impl ChunkCache {
             return Ok(None);
         }
         let path = self.entry_path(algo, digest);
-        if let Ok(md) = fs::metadata(&path) {
-            if md.len() == bytes.len() as u64 {
+        if let Ok(md) = fs::symlink_metadata(&path) {
+            if md.is_file() && md.len() == bytes.len() as u64 {
                 return Ok(None);
             }
         }
-        let dir = path.parent().expect("entry has a parent");
-        if !dir.is_dir() {
-            fs::create_dir_all(dir).map_err(io(dir))?;
-            new_dir_parents.push(dir.parent().expect("algo dir").to_path_buf());
+        let hex = digest.to_hex();
+        let (dir, created) = self.prefix_dir(algo, &hex)?;
+        if created {
+            new_dir_parents.push(path.parent().and_then(Path::parent).expect("algo dir").to_path_buf());
         }
         let tmp = self.temp_name();
-        let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(io(&tmp))?;
+        let tmp_path = self.tmp.join(&tmp);
+        let mut f = self.tmp_dir.create_new(&tmp, 0o644).map_err(io(&tmp_path))?;
         if let Err(e) = f.write_all(bytes) {
             drop(f);
-            let _ = fs::remove_file(&tmp);
-            return Err(io(&tmp)(e));
+            let _ = self.tmp_dir.remove_file(&tmp);
+            return Err(io(&tmp_path)(e));
         }
-        Ok(Some((tmp, f, path)))
+        Ok(Some((tmp, f, Written { dir, name: OsString::from(hex), path })))
     }
 
     pub fn stats(&self) -> CacheStats {
@@ -582,7 +640,11 @@ impl ChunkCache {
             return Ok(());
         }
         let lock_path = self.base.join("lock");
-        let lock = OpenOptions::new().create(true).truncate(false).write(true).open(&lock_path).map_err(io(&lock_path))?;
+        let lock = match self.base_dir.create_new(OsStr::new("lock"), 0o644) {
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => self.base_dir.open_regular(OsStr::new("lock")),
+            other => other,
+        }
+        .map_err(io(&lock_path))?;
         lock.lock().map_err(io(&lock_path))?;
         self.since_scan.store(0, Ordering::Relaxed);
         let mut entries = self.scan()?;
@@ -616,9 +678,17 @@ impl ChunkCache {
         let mut out = Vec::new();
         for algo in [HashAlgo::Blake3, HashAlgo::Sha256] {
             let adir = self.base.join(algo.name());
+            // Never through a symlink: evicting "entries" of a directory it points at
+            // would delete someone else's files.
+            if !fs::symlink_metadata(&adir).is_ok_and(|m| m.is_dir()) {
+                continue;
+            }
             let Ok(prefixes) = fs::read_dir(&adir) else { continue };
             for p in prefixes {
                 let p = p.map_err(io(&adir))?;
+                if !p.file_type().is_ok_and(|t| t.is_dir()) {
+                    continue;
+                }
                 let Ok(files) = fs::read_dir(p.path()) else { continue };
                 for f in files {
                     let Ok(f) = f else { continue };
@@ -647,19 +717,21 @@ impl ChunkCache {
     /// never served; removing one of a live writer in another pid namespace only fails that
     /// put (the chunk is fetched again next time).
     fn clean_temps(&self) -> Result<(), CacheError> {
-        let Ok(rd) = fs::read_dir(&self.tmp) else { return Ok(()) };
+        // Listed and removed through the descriptor opened (symlink-free) at open: names
+        // only ever of the cache's own temp directory.
+        let Ok(names) = self.tmp_dir.names() else { return Ok(()) };
         let me = std::process::id();
-        for e in rd.flatten() {
-            let name = e.file_name();
-            let name = name.to_string_lossy();
+        for os_name in names {
+            let name = os_name.to_string_lossy();
             let pid: Option<u32> = name.split('.').next().and_then(|p| p.parse().ok());
-            let old = e.metadata().ok().and_then(|m| m.modified().ok()).is_none_or(|m| m.elapsed().unwrap_or_default() > STALE_TEMP);
+            let modified = fs::symlink_metadata(self.tmp.join(&os_name)).ok().and_then(|m| m.modified().ok());
+            let old = modified.is_none_or(|m| m.elapsed().unwrap_or_default() > STALE_TEMP);
             let writer_gone = match pid {
                 Some(p) if p == me => false,
                 Some(p) => !Path::new(&format!("/proc/{p}")).exists(),
                 None => true,
             };
-            if (old || writer_gone) && fs::remove_file(e.path()).is_ok() {
+            if (old || writer_gone) && self.tmp_dir.remove_file(&os_name).is_ok() {
                 self.strays.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -670,11 +742,20 @@ impl ChunkCache {
 /// Refresh an entry's recency for LRU eviction, at most once per [`TOUCH_EVERY`] (so hot
 /// entries do not cost a metadata write per read). atime is unreliable (noatime,
 /// relatime), so the cache keeps its own in mtime; failing to touch only makes eviction
-/// less fair. `modified`: the entry's mtime as just read (unknown: touch).
-fn touch(path: &Path, modified: Option<SystemTime>) {
+/// less fair. `entry`: the entry as just opened and read (through its descriptor: never
+/// a file a symlink swapped in since points at); `modified`: its mtime (unknown: touch).
+fn touch(entry: &File, modified: Option<SystemTime>) {
     if modified.is_none_or(|m| m.elapsed().unwrap_or_default() > TOUCH_EVERY) {
-        let _ = OpenOptions::new().write(true).open(path).and_then(|w| w.set_modified(SystemTime::now()));
+        let _ = entry.set_modified(SystemTime::now());
     }
+}
+
+/// Where a put's temp file goes: its prefix directory (opened without following a
+/// symlink), the entry's name there, and its path (for messages).
+struct Written {
+    dir: Dir,
+    name: OsString,
+    path: PathBuf,
 }
 
 /// Parse `SIZE` for `--cache-size` (`10GiB`, `512M`, bytes).
@@ -685,6 +766,7 @@ pub fn parse_limit(s: &str) -> Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs::OpenOptions;
     use std::sync::Arc;
 
     fn chunk(seed: u8, len: usize) -> (ChunkDigest, VerifiedChunk) {
@@ -945,6 +1027,84 @@ mod tests {
         assert!(small.stats().bytes_allocated <= 2 * len as u64 + 1000);
         let measured: u64 = small.scan().unwrap().iter().map(|e| e.allocated).sum();
         assert_eq!(measured, small.stats().bytes_allocated);
+    }
+
+    /// Issue 14 §1, the cache: whoever can write into the cache directory cannot make it
+    /// write, touch or delete anything outside. A `tmp/` that is a symlink is refused at
+    /// open (cleaning it used to delete the files of the directory it points at); a
+    /// prefix directory that is a symlink is neither evicted from nor put into; a symlink
+    /// planted under the name of a reference being written is not written through.
+    #[test]
+    fn regression_issue_14_cache_never_acts_through_planted_symlinks() {
+        use std::os::unix::fs::symlink;
+        let t = tempfile::tempdir().unwrap();
+        let victim_dir = t.path().join("victim");
+        fs::create_dir_all(&victim_dir).unwrap();
+        let victims: Vec<PathBuf> = (0..4).map(|i| victim_dir.join(format!("important-{i}"))).collect();
+        for v in &victims {
+            fs::write(v, vec![0xaa; 64 << 10]).unwrap();
+        }
+        let precious = t.path().join("precious");
+        fs::write(&precious, b"precious").unwrap();
+        let unchanged = |what: &str| {
+            for v in &victims {
+                assert_eq!(fs::read(v).unwrap_or_else(|e| panic!("{what}: {} deleted: {e}", v.display())), vec![0xaa; 64 << 10], "{what}");
+            }
+            assert_eq!(fs::read(&precious).unwrap(), b"precious", "{what}");
+        };
+
+        // tmp/ planted as a symlink to the victim directory.
+        let root = t.path().join("c1");
+        fs::create_dir_all(root.join("chunks/v1")).unwrap();
+        symlink(&victim_dir, root.join("chunks/v1/tmp")).unwrap();
+        let e = ChunkCache::open(&root, DEFAULT_LIMIT).unwrap_err();
+        assert!(e.to_string().contains("symlink"), "{e}");
+        unchanged("tmp/ as a symlink");
+
+        // A prefix directory planted as a symlink to the victim directory, in a cache
+        // small enough that opening it evicts.
+        let root = t.path().join("c2");
+        let c = ChunkCache::open(&root, DEFAULT_LIMIT).unwrap();
+        let (d, ch) = chunk(9, 8192);
+        let hex = d.to_hex();
+        fs::create_dir_all(root.join("chunks/v1/blake3")).unwrap();
+        symlink(&victim_dir, root.join("chunks/v1/blake3").join(&hex[..2])).unwrap();
+        assert!(c.put(HashAlgo::Blake3, &d, &ch).is_err(), "a put through a symlinked prefix directory");
+        assert!(!victim_dir.join(&hex).exists());
+        drop(ChunkCache::open(&root, 4096).unwrap());
+        unchanged("eviction over a symlinked prefix directory");
+
+        // A symlink under the name the next reference temp will take (`.ref-<pid>.<seq>`).
+        let root = t.path().join("c3");
+        let c = ChunkCache::open(&root, DEFAULT_LIMIT).unwrap();
+        let pulled = t.path().join("pulled");
+        fs::write(&pulled, ch.as_bytes()).unwrap();
+        let prefix = root.join("chunks/v1/blake3").join(&hex[..2]);
+        fs::create_dir_all(&prefix).unwrap();
+        for seq in 0..4 {
+            symlink(&precious, prefix.join(format!("{REF_TEMP_PREFIX}{}.{seq}", std::process::id()))).unwrap();
+        }
+        assert_eq!(c.put_refs(HashAlgo::Blake3, &pulled, &[(d, 8192, 0)]).unwrap(), 1);
+        unchanged("a reference written over a planted symlink");
+        assert_eq!(c.get(HashAlgo::Blake3, &d, 8192).unwrap().expect("the reference serves").as_bytes(), ch.as_bytes());
+    }
+
+    /// An entry that is a FIFO is a miss, at once: opening it must not wait for a writer.
+    #[test]
+    fn regression_issue_14_a_fifo_under_an_entry_name_is_a_miss_not_a_hang() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = ChunkCache::open(dir.path(), DEFAULT_LIMIT).unwrap();
+        let (d, _) = chunk(3, 4096);
+        let p = c.entry_path(HashAlgo::Blake3, &d);
+        fs::create_dir_all(p.parent().unwrap()).unwrap();
+        nix::unistd::mkfifo(&p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let c = Arc::new(c);
+        let c2 = c.clone();
+        std::thread::spawn(move || tx.send(c2.get(HashAlgo::Blake3, &d, 4096).map(|o| o.is_none()).map_err(|e| e.to_string())));
+        let got = rx.recv_timeout(Duration::from_secs(5)).expect("get on a FIFO entry hung");
+        assert_eq!(got, Ok(true));
+        assert!(fs::symlink_metadata(&p).is_err(), "the FIFO's name is dropped like a damaged entry");
     }
 
     #[test]

@@ -2,8 +2,11 @@
 //! fetching only what the per-host [`ChunkCache`] does not already hold.
 //!
 //! ```text
+//! dest:   every name resolved beneath DEST, never through a symlink (imgfmt::file::Dir);
+//!         a file already under its final name holding exactly the image is kept
 //! plan:   every chunk position -> zero (a hole) | a distinct digest
-//! files:  temp name (or the temp file of a killed pull here, taken over), set_len (holes)
+//! files:  temp name (or the temp file of a killed pull here, taken over if it is a
+//!         regular single-link file of ours), set_len (holes)
 //! resume: in a taken-over file, each distinct chunk found whole and verified is kept
 //! rest:   in the cache? read it (re-hashed) : fetch it
 //! fetch:  misses grouped by pack, sorted by offset, neighbours coalesced into
@@ -24,15 +27,17 @@
 //! Identical chunks are fetched once. A layer whose parent was pulled before on this host
 //! fetches only the chunks its parent did not have (they come from the cache). A pull
 //! killed half-way (or failed on the network) and rerun takes over its temp file and
-//! fetches only what is not verified there. See `spec/cache.md`.
+//! fetches only what is not verified there; killed between its renames, the rerun keeps
+//! the files already renamed once each is checked whole. See `spec/cache.md` §6.
 
 use std::collections::HashMap;
-use std::fs::{self, File, OpenOptions};
+use std::ffi::OsString;
+use std::fs::{self, File};
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use imgfmt::compress::Codec;
@@ -41,7 +46,8 @@ use serde::Serialize;
 use verify::{VerifiedChunk, VerifyError};
 
 use crate::cache::{CacheError, CacheStats, ChunkCache, PreparedRefs};
-use crate::unpack::{TempGuard, UnpackError, WRITE_PIECE};
+use crate::unpack::{partial_name, DestDirs, TempGuard, UnpackError, WRITE_PIECE};
+use imgfmt::file::Dir;
 
 /// Largest coalesced range request.
 pub const DEFAULT_MAX_RANGE: u64 = 8 << 20;
@@ -109,6 +115,11 @@ pub struct PullReport {
     /// Distinct chunks found complete and verified in the temp file of an earlier pull
     /// into the same place that was killed (resumed, not fetched).
     pub chunks_resumed: u64,
+    /// Files already under their final name holding exactly the image's content (a pull
+    /// killed between its renames left them; every chunk checked): kept, not written.
+    pub files_in_place: usize,
+    /// Chunk positions of those files (counted in `chunks_total` too, in no other count).
+    pub chunks_in_place: u64,
     /// Non-zero positions served by a chunk already read or fetched for another position.
     pub chunks_deduplicated: u64,
     /// Chunks that failed verification once and were fetched again alone (a corrupted
@@ -168,6 +179,24 @@ pub fn pull(
         ..Default::default()
     };
 
+    // Destination first: every name is resolved beneath `dest` without following a
+    // symlink (a planted one is refused, never written through). A file already under
+    // its final name is kept only if it holds exactly the image's content (a pull killed
+    // between its renames left it; its bytes are checked whoever did); anything else
+    // there fails the pull before anything is fetched, unless --overwrite.
+    let mut dirs = DestDirs::create(dest)?;
+    let mut in_place = vec![false; image.files.len()];
+    for (fi, f) in image.files.iter().enumerate() {
+        let Some((dir, base)) = dirs.dir_of(&f.name, false)? else { continue };
+        if dir.entry(&base).map_err(io(&dir.display_path(&base)))?.is_none() {
+            continue;
+        }
+        in_place[fi] = holds_in_place(image, fi, &dir, &base, opts.jobs.max(1))?;
+        if !in_place[fi] && !opts.overwrite {
+            return Err(UnpackError::Exists(dest.join(&f.name)));
+        }
+    }
+
     // Plan: distinct non-zero digests and their positions; zero records checked.
     let mut distinct: Vec<Distinct> = Vec::new();
     let mut by_digest: HashMap<ChunkDigest, usize> = HashMap::new();
@@ -175,9 +204,15 @@ pub fn pull(
     for (fi, f) in image.files.iter().enumerate() {
         for (ci, c) in f.chunks.iter().enumerate() {
             report.chunks_total += 1;
+            if let StoredAt::Zero = c.at {
+                verify::check_zero_record(image, fi, ci as u64)?;
+            }
+            if in_place[fi] {
+                report.chunks_in_place += 1;
+                continue;
+            }
             match c.at {
                 StoredAt::Zero => {
-                    verify::check_zero_record(image, fi, ci as u64)?;
                     report.chunks_zero += 1;
                     zero_bytes += c.len as u64;
                 }
@@ -193,48 +228,58 @@ pub fn pull(
                 },
             }
         }
+        if in_place[fi] {
+            report.files_in_place += 1;
+            zero_bytes += f.size;
+        }
     }
     if let Some(p) = progress {
         p(zero_bytes);
     }
 
-    // Destination and temp files (all of them first: a missing directory or an existing
-    // file fails the pull before anything is fetched).
-    fs::create_dir_all(dest).map_err(io(dest))?;
-    if !opts.overwrite {
-        for f in &image.files {
-            let p = dest.join(&f.name);
-            if p.symlink_metadata().is_ok() {
-                return Err(UnpackError::Exists(p));
-            }
-        }
-    }
-    let mut outs: Vec<(File, PathBuf, TempGuard)> = Vec::with_capacity(image.files.len());
+    // Temp files (all of them before anything is fetched: a directory that cannot be
+    // made fails the pull first).
+    let mut outs: Vec<Out> = Vec::with_capacity(image.files.len());
     let mut adopted = vec![false; image.files.len()];
     for (fi, f) in image.files.iter().enumerate() {
-        // Names were checked when the config was decoded: relative, no traversal.
-        let final_path = dest.join(&f.name);
-        let dir = final_path.parent().expect("joined path has a parent");
-        fs::create_dir_all(dir).map_err(io(dir))?;
-        let base = final_path.file_name().expect("file name").to_string_lossy().into_owned();
-        let prefix = format!(".{base}.snapctl-partial");
-        let tmp = imgfmt::layout::tempname(dir, &prefix);
-        // The temp file of a pull here that was killed holds what it got: take it over
-        // (rename is atomic, so two pulls never both get it) and check it below.
-        let mut dead = dead_partials(dir, &prefix).into_iter();
-        adopted[fi] = dead.by_ref().any(|p| fs::rename(&p, &tmp).is_ok());
-        for p in dead {
-            let _ = fs::remove_file(p);
+        let (dir, base) = dirs.dir_of(&f.name, true)?.expect("created");
+        let (prefix, tmp) = partial_name(&dir, &base);
+        let tmp_path = dir.display_path(&tmp);
+        if in_place[fi] {
+            // Nothing to write: no temp file, no rename.
+            outs.push(Out { file: None, dir, tmp, base, path: tmp_path, guard: TempGuard(None) });
+            continue;
         }
-        let guard = TempGuard(Some(tmp.clone()));
-        let file = if adopted[fi] {
-            OpenOptions::new().read(true).write(true).open(&tmp).map_err(io(&tmp))?
-        } else {
-            OpenOptions::new().read(true).write(true).create_new(true).open(&tmp).map_err(io(&tmp))?
+        // The temp file of a pull here that was killed holds what it got: take it over
+        // (rename is atomic, so two pulls never both get it), then check what was taken:
+        // only a regular file with one link, of our own user, is kept (a symlink or a hard
+        // link planted under such a name is dropped, its target untouched). Its bytes are
+        // checked chunk by chunk below.
+        let mut file = None;
+        for p in dead_partials(&dir, &prefix) {
+            if file.is_none() && dir.rename(&p, &tmp, false).is_ok() {
+                match dir.open_own_file(&tmp, true) {
+                    Ok(f) => {
+                        file = Some(f);
+                        continue;
+                    }
+                    Err(e) => tracing::warn!("not taking over {}: {e}", dir.display_path(&p).display()),
+                }
+                let _ = dir.remove_file(&tmp);
+                continue;
+            }
+            let _ = dir.remove_file(&p);
+        }
+        adopted[fi] = file.is_some();
+        let guard = TempGuard(Some((dir.clone(), tmp.clone())));
+        let file = match file {
+            Some(f) => f,
+            // Created, never opened through whatever is under the name; 0600 until done.
+            None => dir.create_new(&tmp, 0o600).map_err(io(&tmp_path))?,
         };
         // A sparse file of the final size: zero chunks are never written.
-        file.set_len(f.size).map_err(io(&tmp))?;
-        outs.push((file, tmp, guard));
+        file.set_len(f.size).map_err(io(&tmp_path))?;
+        outs.push(Out { file: Some(file), dir, tmp, base, path: tmp_path, guard });
     }
 
     let write_locks: Vec<Mutex<()>> = outs.iter().map(|_| Mutex::new(())).collect();
@@ -250,7 +295,7 @@ pub fn pull(
     if adopted.iter().any(|&a| a) {
         for (fi, f) in image.files.iter().enumerate() {
             if adopted[fi] {
-                punch_zero_runs(&outs[fi].0, f, shift).map_err(io(&outs[fi].1))?;
+                punch_zero_runs(outs[fi].file(), f, shift).map_err(io(&outs[fi].path))?;
             }
         }
         let ctx = Ctx {
@@ -307,11 +352,10 @@ pub fn pull(
             let (fi, ci) = d.positions[0];
             ref_items[fi].push((d.digest, d.len, ci << shift));
         }
-        for (fi, f) in image.files.iter().enumerate() {
-            let final_path = dest.join(&f.name);
-            let dir = final_path.parent().expect("joined path has a parent");
-            // The directory exists (created above); the file is not there yet.
-            final_paths[fi] = fs::canonicalize(dir).ok().zip(final_path.file_name()).map(|(d, n)| d.join(n));
+        for (fi, out) in outs.iter().enumerate() {
+            // The directory exists (created above, no symlink beneath `dest`); the file
+            // is not there yet.
+            final_paths[fi] = fs::canonicalize(out.dir.path()).ok().map(|d| d.join(&out.base));
         }
     }
     // (how many references, what preparing them gave), per part
@@ -359,8 +403,8 @@ pub fn pull(
             // The network or the disk failed, not the data: keep the temp files (hidden
             // names, never the final ones) so that running the pull again resumes from
             // them, as after a kill. Nothing unverified is in them.
-            for (_, _, g) in outs.iter_mut() {
-                let _ = g.0.take();
+            for out in outs.iter_mut() {
+                let _ = out.guard.0.take();
             }
         }
         // Otherwise the guards remove every temp file: nothing appears under a final name.
@@ -368,16 +412,24 @@ pub fn pull(
     }
 
     // Every file is complete: sync and rename each, then sync its directory.
-    for (f, (file, tmp, mut guard)) in image.files.iter().zip(outs) {
-        let final_path = dest.join(&f.name);
-        file.set_permissions(fs::Permissions::from_mode(f.mode)).map_err(io(&tmp))?;
-        file.sync_all().map_err(io(&tmp))?;
+    for (f, out) in image.files.iter().zip(outs.iter_mut()) {
+        let Some(file) = out.file.take() else { continue };
+        let final_path = out.dir.display_path(&out.base);
+        file.set_permissions(fs::Permissions::from_mode(imgfmt::config::applied_mode(f.mode))).map_err(io(&out.path))?;
+        file.sync_all().map_err(io(&out.path))?;
         drop(file);
-        fs::rename(&tmp, &final_path).map_err(io(&final_path))?;
+        // Without --overwrite, a name that appeared since the check is not replaced (the
+        // verified temp file stays, for a rerun to take over).
+        if let Err(e) = out.dir.rename(&out.tmp, &out.base, opts.overwrite) {
+            if e.kind() == std::io::ErrorKind::AlreadyExists {
+                let _ = out.guard.0.take();
+                return Err(UnpackError::Exists(final_path));
+            }
+            return Err(UnpackError::Io { path: final_path, source: e });
+        }
         // Renamed: nothing left for the guard to remove.
-        let _ = guard.0.take();
-        let dir = final_path.parent().expect("joined path has a parent");
-        File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))?;
+        let _ = out.guard.0.take();
+        out.dir.sync().map_err(io(out.dir.path()))?;
     }
     if let (Some(cache), false) = (cache, copies) {
         // Only now that the files are durable under their final names may the cache point
@@ -477,21 +529,62 @@ fn run_workers(ctx: &Ctx<'_>, work: &[Work], opts: &PullOptions, next: &AtomicUs
     });
 }
 
-/// Remove `<prefix>-<pid>-...` temp files of pulls (or unpacks) that were killed: their
-/// pid no longer runs. A live writer's temp file (another pull into the same directory)
-/// is left alone.
-fn dead_partials(dir: &Path, prefix: &str) -> Vec<PathBuf> {
-    let Ok(rd) = fs::read_dir(dir) else { return Vec::new() };
+/// The names of `<prefix>-<pid>-...` temp files in `dir` of pulls (or unpacks) that were
+/// killed: their pid no longer runs. A live writer's temp file (another pull into the
+/// same directory) is left alone. Names only: what is under them is checked when taken.
+fn dead_partials(dir: &Dir, prefix: &str) -> Vec<OsString> {
+    let Ok(names) = dir.names() else { return Vec::new() };
     let mut out = Vec::new();
-    for e in rd.flatten() {
-        let name = e.file_name();
+    for name in names {
         let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)).and_then(|r| r.strip_prefix('-')) else { continue };
         let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
         if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
-            out.push(e.path());
+            out.push(name);
         }
     }
+    out.sort();
     out
+}
+
+/// Whether the existing `base` in `dir` is a regular file of ours, with one link, holding
+/// exactly file `fi` of the image (size, every chunk checked). Anything else (a symlink,
+/// a hard link, another user's file, other bytes) is not: `false`, never an error, so
+/// the caller's rule for an existing name applies. Its mode is set to the image's.
+fn holds_in_place(image: &Image, fi: usize, dir: &Dir, base: &OsString, jobs: usize) -> Result<bool, UnpackError> {
+    let path = dir.display_path(base);
+    let file = match dir.open_own_file(base, false) {
+        Ok(f) => f,
+        Err(e) if imgfmt::file::refusal(&e).is_some() => return Ok(false),
+        Err(source) => return Err(UnpackError::Io { path, source }),
+    };
+    if !verify::file_holds(image, fi, &file, jobs).map_err(|source| UnpackError::Io { path: path.clone(), source })? {
+        return Ok(false);
+    }
+    // Ours (checked above), so its mode is ours to set: what a completed pull gives it
+    // (the killed pull set it before renaming, but it may have been changed since).
+    let mode = imgfmt::config::applied_mode(image.files[fi].mode);
+    file.set_permissions(fs::Permissions::from_mode(mode)).map_err(|source| UnpackError::Io { path, source })?;
+    Ok(true)
+}
+
+/// One file of a pull: its temp file being written (`None` once renamed, or for a file
+/// already in place), the directory holding it and its names there.
+struct Out {
+    file: Option<File>,
+    dir: Arc<Dir>,
+    /// The temp name in `dir`.
+    tmp: OsString,
+    /// The final name in `dir`.
+    base: OsString,
+    /// `dir/tmp`, for messages.
+    path: PathBuf,
+    guard: TempGuard,
+}
+
+impl Out {
+    fn file(&self) -> &File {
+        self.file.as_ref().expect("a file being written")
+    }
 }
 
 /// In a taken-over temp file, make every zero chunk of `f` a hole again where the earlier
@@ -585,7 +678,7 @@ struct Ctx<'a> {
     /// The cache queue (with a cache only).
     to_cache: Option<SyncSender<(ChunkDigest, VerifiedChunk)>>,
     distinct: &'a [Distinct],
-    outs: &'a [(File, PathBuf, TempGuard)],
+    outs: &'a [Out],
     /// One per file, held while writing to it (see `write_at`).
     write_locks: &'a [Mutex<()>],
     shift: u8,
@@ -724,7 +817,7 @@ impl Ctx<'_> {
         let mut good: Option<VerifiedChunk> = None;
         let mut need: Vec<(usize, u64)> = Vec::new();
         for &(fi, ci) in &d.positions {
-            let (file, tmp, _) = &self.outs[fi];
+            let (file, tmp) = (self.outs[fi].file(), &self.outs[fi].path);
             let at = ci << self.shift;
             let here = if adopted[fi] && has_data(file, at, at + d.len as u64).map_err(|source| UnpackError::Io { path: tmp.clone(), source })? {
                 let mut buf = vec![0u8; d.len as usize];
@@ -770,7 +863,7 @@ impl Ctx<'_> {
     }
 
     fn write_at(&self, fi: usize, ci: u64, chunk: &VerifiedChunk) -> Result<(), UnpackError> {
-        let (file, tmp, _) = &self.outs[fi];
+        let (file, tmp) = (self.outs[fi].file(), &self.outs[fi].path);
         let at = ci << self.shift;
         // Buffered writes to one file take its inode lock in the kernel, one at a time
         // anyway; with 8 threads writing, the waiters spun on it (`rwsem_spin_on_owner`:
@@ -815,7 +908,8 @@ mod tests {
         for p in [&dead, &live, &other, &keep] {
             fs::write(p, b"x").unwrap();
         }
-        assert_eq!(dead_partials(dir.path(), ".vm.mem.snapctl-partial"), vec![dead]);
+        let d = Dir::open(dir.path()).unwrap();
+        assert_eq!(dead_partials(&d, ".vm.mem.snapctl-partial"), vec![dead.file_name().unwrap().to_os_string()]);
     }
 
     #[test]

@@ -1,14 +1,22 @@
 //! `unpack`: materialise an image's files, every chunk verified before it is written,
 //! zero chunks left as holes, each file appearing under its name only when complete and
 //! synced.
+//!
+//! Every name is resolved beneath the destination through [`imgfmt::file::Dir`]: a
+//! symlink planted there (a subdirectory, a temp or final name) is refused or replaced,
+//! never written through, and files get `mode & 0o775` (spec/format.md §5).
 
-use std::fs::{self, File, OpenOptions};
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::fs;
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Instant;
 
+use imgfmt::file::{split_name, Dir};
 use imgfmt::{BlobSource, FormatError, Image, StoredAt};
 use serde::Serialize;
 
@@ -61,14 +69,65 @@ pub struct UnpackReport {
     pub seconds: f64,
 }
 
-/// Removes the temporary file unless the unpack of that file completed.
-pub(crate) struct TempGuard(pub(crate) Option<PathBuf>);
+/// Removes the temporary file (a name in a directory) unless the unpack of that file
+/// completed.
+pub(crate) struct TempGuard(pub(crate) Option<(Arc<Dir>, OsString)>);
 impl Drop for TempGuard {
     fn drop(&mut self) {
-        if let Some(p) = self.0.take() {
-            let _ = fs::remove_file(p);
+        if let Some((dir, name)) = self.0.take() {
+            let _ = dir.remove_file(&name);
         }
     }
+}
+
+/// The directories of an image's files beneath a destination, each opened once (a
+/// symlink anywhere beneath the destination is refused, never followed).
+pub(crate) struct DestDirs<'a> {
+    root: Dir,
+    dest: &'a Path,
+    open: HashMap<PathBuf, Arc<Dir>>,
+}
+
+impl<'a> DestDirs<'a> {
+    /// Create `dest` if missing (symlinks in `dest` itself are the caller's to choose)
+    /// and open it.
+    pub(crate) fn create(dest: &'a Path) -> Result<Self, UnpackError> {
+        let root = Dir::create_all(dest).map_err(|source| UnpackError::Io { path: dest.to_path_buf(), source })?;
+        Ok(DestDirs { root, dest, open: HashMap::new() })
+    }
+
+    /// The directory holding the image file `name`, and the file's last component;
+    /// `create`: make missing directories, else `None` when one is missing.
+    pub(crate) fn dir_of(&mut self, name: &str, create: bool) -> Result<Option<(Arc<Dir>, OsString)>, UnpackError> {
+        // Names were checked when the config was decoded: relative, no traversal.
+        let (rel, base) = split_name(name);
+        if let Some(d) = self.open.get(rel) {
+            return Ok(Some((d.clone(), base.to_os_string())));
+        }
+        let res = if create { self.root.create_dir_all(rel) } else { self.root.open_dir(rel) };
+        match res {
+            Ok(d) => {
+                let d = Arc::new(d);
+                self.open.insert(rel.to_path_buf(), d.clone());
+                Ok(Some((d, base.to_os_string())))
+            }
+            Err(e) if !create && e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(UnpackError::Io { path: self.dest.join(rel), source }),
+        }
+    }
+
+    /// Whether anything (a file, a symlink, a directory) is under the image file `name`.
+    pub(crate) fn exists(&mut self, name: &str) -> Result<bool, UnpackError> {
+        let Some((dir, base)) = self.dir_of(name, false)? else { return Ok(false) };
+        dir.entry(&base).map(|e| e.is_some()).map_err(|source| UnpackError::Io { path: dir.display_path(&base), source })
+    }
+}
+
+/// A temp name for `base` in its directory: `.<base>.snapctl-partial-<pid>-<seq>-<nanos>`.
+pub(crate) fn partial_name(dir: &Dir, base: &OsString) -> (String, OsString) {
+    let prefix = format!(".{}.snapctl-partial", base.to_string_lossy());
+    let tmp = imgfmt::layout::tempname(dir.path(), &prefix);
+    (prefix, tmp.file_name().expect("temp name").to_os_string())
 }
 
 /// Unpack `image` (read from `src`) into `dest`.
@@ -84,26 +143,24 @@ pub fn unpack(
         let p = p.to_path_buf();
         move |source| UnpackError::Io { path: p, source }
     };
-    fs::create_dir_all(dest).map_err(io(dest))?;
+    let mut dirs = DestDirs::create(dest)?;
     if !opts.overwrite {
         for f in &image.files {
-            let p = dest.join(&f.name);
-            if p.symlink_metadata().is_ok() {
-                return Err(UnpackError::Exists(p));
+            if dirs.exists(&f.name)? {
+                return Err(UnpackError::Exists(dest.join(&f.name)));
             }
         }
     }
     let shift = image.chunk_shift();
     let mut report = UnpackReport { files: image.files.len(), ..Default::default() };
     for (fi, f) in image.files.iter().enumerate() {
-        // Names were checked when the config was decoded: relative, no traversal.
-        let final_path = dest.join(&f.name);
-        let dir = final_path.parent().expect("joined path has a parent").to_path_buf();
-        fs::create_dir_all(&dir).map_err(io(&dir))?;
-        let base = final_path.file_name().expect("file name").to_string_lossy().into_owned();
-        let tmp = imgfmt::layout::tempname(&dir, &format!(".{base}.snapctl-partial"));
-        let mut guard = TempGuard(Some(tmp.clone()));
-        let file = OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(io(&tmp))?;
+        let (dir, base) = dirs.dir_of(&f.name, true)?.expect("created");
+        let final_path = dir.display_path(&base);
+        let (_, tmp_name) = partial_name(&dir, &base);
+        let tmp = dir.display_path(&tmp_name);
+        // Created, never opened through whatever is under the name; 0600 until complete.
+        let file = dir.create_new(&tmp_name, 0o600).map_err(io(&tmp))?;
+        let mut guard = TempGuard(Some((dir.clone(), tmp_name.clone())));
         // A sparse file of the final size: zero chunks are never written.
         file.set_len(f.size).map_err(io(&tmp))?;
 
@@ -157,12 +214,16 @@ pub fn unpack(
         if let Some(e) = first_err.into_inner().expect("poisoned") {
             return Err(e);
         }
-        file.set_permissions(fs::Permissions::from_mode(f.mode)).map_err(io(&tmp))?;
+        file.set_permissions(fs::Permissions::from_mode(imgfmt::config::applied_mode(f.mode))).map_err(io(&tmp))?;
         file.sync_all().map_err(io(&tmp))?;
         drop(file);
-        fs::rename(&tmp, &final_path).map_err(io(&final_path))?;
+        // Without --overwrite, a name that appeared since the check is not replaced.
+        dir.rename(&tmp_name, &base, opts.overwrite).map_err(|e| match e.kind() {
+            std::io::ErrorKind::AlreadyExists => UnpackError::Exists(final_path.clone()),
+            _ => UnpackError::Io { path: final_path.clone(), source: e },
+        })?;
         guard.0 = None;
-        File::open(&dir).and_then(|d| d.sync_all()).map_err(io(&dir))?;
+        dir.sync().map_err(io(dir.path()))?;
         report.logical_bytes += f.size;
         report.bytes_written += written.into_inner();
         report.zero_chunks += zeros.into_inner();

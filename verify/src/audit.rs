@@ -380,8 +380,11 @@ pub fn audit_against(image: &Image, dir: &Path, opts: &AuditOptions) -> AuditRep
             report.failures.push(meta_fail(format!("size is {}, snapshot has {}", md.len(), f.size)));
             continue;
         }
-        if md.mode() & 0o7777 != f.mode {
-            report.failures.push(meta_fail(format!("mode is {:o}, snapshot has {:o}", md.mode() & 0o7777, f.mode)));
+        // As packed (a source directory) or as pull and unpack apply it (less special bits
+        // and write for others: spec/format.md §5).
+        let mode = md.mode() & 0o7777;
+        if mode != f.mode && mode != imgfmt::config::applied_mode(f.mode) {
+            report.failures.push(meta_fail(format!("mode is {mode:o}, snapshot has {:o} (applied as {:o})", f.mode, imgfmt::config::applied_mode(f.mode))));
         }
         let bytes = AtomicU64::new(0);
         let failures = Mutex::new(Vec::new());
@@ -395,11 +398,7 @@ pub fn audit_against(image: &Image, dir: &Path, opts: &AuditOptions) -> AuditRep
                 return;
             }
             bytes.fetch_add(c.len as u64, Ordering::Relaxed);
-            let ok = match c.at {
-                StoredAt::Zero => is_zero(buf),
-                StoredAt::Pack { .. } => chunk_digest(algo, buf) == c.digest,
-            };
-            if !ok {
+            if !chunk_holds(algo, c, buf) {
                 let what = match c.at {
                     StoredAt::Zero => "expected all zeros".to_string(),
                     StoredAt::Pack { .. } => format!("digest {} differs from the snapshot's {}", chunk_digest(algo, buf), c.digest),
@@ -414,6 +413,49 @@ pub fn audit_against(image: &Image, dir: &Path, opts: &AuditOptions) -> AuditRep
         report.stored_chunks_checked += f.chunks.len() as u64;
     }
     report
+}
+
+/// Whether `file` holds exactly file `fi` of `image`: its size, every stored chunk
+/// hashing to its digest and every zero chunk reading as zeros. Stops at the first
+/// difference; reads on `threads` threads. What lets a pull rerun keep a file a killed
+/// pull had already renamed into place: the bytes are checked, whoever left them.
+pub fn file_holds(image: &Image, fi: usize, file: &File, threads: usize) -> std::io::Result<bool> {
+    let f = &image.files[fi];
+    if file.metadata()?.len() != f.size {
+        return Ok(false);
+    }
+    let (algo, shift) = (image.config().hash, image.chunk_shift());
+    let differs = std::sync::atomic::AtomicBool::new(false);
+    let error: Mutex<Option<std::io::Error>> = Mutex::new(None);
+    for_each_index(f.chunks.len(), threads, |ci, buf| {
+        if differs.load(Ordering::Relaxed) {
+            return;
+        }
+        let c = &f.chunks[ci];
+        buf.resize(c.len as usize, 0);
+        let same = match file.read_exact_at(buf, (ci as u64) << shift) {
+            Ok(()) => chunk_holds(algo, c, buf),
+            Err(e) => {
+                error.lock().expect("poisoned").get_or_insert(e);
+                false
+            }
+        };
+        if !same {
+            differs.store(true, Ordering::Relaxed);
+        }
+    });
+    match error.into_inner().expect("poisoned") {
+        Some(e) => Err(e),
+        None => Ok(!differs.into_inner()),
+    }
+}
+
+/// Whether `bytes` (a whole chunk read from a file) are what the image says is there.
+fn chunk_holds(algo: HashAlgo, c: &imgfmt::ResolvedChunk, bytes: &[u8]) -> bool {
+    match c.at {
+        StoredAt::Zero => is_zero(bytes),
+        StoredAt::Pack { .. } => chunk_digest(algo, bytes) == c.digest,
+    }
 }
 
 /// Regular files under `dir`, as `/`-separated relative names.

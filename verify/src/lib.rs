@@ -9,7 +9,7 @@ mod chunk;
 pub mod hash;
 pub mod merkle;
 
-pub use audit::{audit, audit_against, AuditOptions, AuditReport, Failure, FailureKind};
+pub use audit::{audit, audit_against, file_holds, AuditOptions, AuditReport, Failure, FailureKind};
 pub use chunk::{check_zero_record, read_chunk, verify_stored, VerifiedChunk, VerifyError};
 pub use hash::{chunk_digest, zero_digest};
 pub use merkle::{file_root, image_root, resolved_root};

@@ -30,6 +30,29 @@ pub fn is_integrity(e: &FormatError) -> bool {
     !matches!(e, FormatError::Io { .. } | FormatError::TagNotFound { .. } | FormatError::BadReference { .. })
 }
 
+/// `s` made safe to print on a terminal: every control character (C0, DEL, C1) and every
+/// bidirectional override is written as its Rust escape (`\u{1b}`, `\n`), so text from
+/// an image or a peer (a name, an annotation, a registry's error body) can neither move
+/// the cursor, recolour or clear the screen, nor start a line that looks like ours. The
+/// decoder already refuses control characters in file names; this covers every other
+/// string. Plain text is returned as is.
+pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
+    // U+202A..U+202E and U+2066..U+2069 reorder what follows them on screen.
+    let unsafe_char = |c: char| c.is_control() || ('\u{202a}'..='\u{202e}').contains(&c) || ('\u{2066}'..='\u{2069}').contains(&c);
+    if !s.chars().any(unsafe_char) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if unsafe_char(c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// Exit code for an error that reached `main`.
 pub fn exit_code_for(e: &anyhow::Error) -> u8 {
     if e.chain().any(|c| c.downcast_ref::<IntegrityError>().is_some()) {
@@ -242,5 +265,18 @@ mod tests {
         // A broken pipe elsewhere (a registry connection) is not stdout's.
         let socket = anyhow::Error::new(std::io::Error::from(std::io::ErrorKind::BrokenPipe));
         assert!(!is_stdout_closed(&socket));
+    }
+
+    /// Issue 14 §16: what is printed from an image or a peer cannot carry a terminal
+    /// escape or a line break of its own.
+    #[test]
+    fn regression_issue_14_printable_escapes_control_and_bidi_characters() {
+        assert_eq!(printable("vm.mem"), "vm.mem");
+        assert_eq!(printable("mémoire"), "mémoire");
+        assert_eq!(printable("a\nFAILED forged"), "a\\nFAILED forged");
+        assert_eq!(printable("\x1b[2Jx"), "\\u{1b}[2Jx");
+        assert_eq!(printable("x\u{7f}\u{9b}y"), "x\\u{7f}\\u{9b}y");
+        assert_eq!(printable("evil\u{202e}gpj.exe"), "evil\\u{202e}gpj.exe");
+        assert!(!printable("\r\t\x07\x00").chars().any(|c| c.is_control()));
     }
 }

@@ -106,12 +106,18 @@ pub fn run(a: DiffArgs) -> anyhow::Result<ExitCode> {
         for d in &diffs {
             let list: Vec<String> = d.chunks.iter().map(|(s, e)| if s == e { s.to_string() } else { format!("{s}-{e}") }).collect();
             match d.status {
-                "changed" => outln!("changed {}: {} chunk(s), {} [{}]", d.name, d.changed_chunks, imgfmt::size::human(d.changed_bytes), list.join(","))?,
-                s => outln!("{s} {}: {}", d.name, imgfmt::size::human(d.changed_bytes))?,
+                "changed" => outln!(
+                    "changed {}: {} chunk(s), {} [{}]",
+                    common::printable(&d.name),
+                    d.changed_chunks,
+                    imgfmt::size::human(d.changed_bytes),
+                    list.join(",")
+                )?,
+                s => outln!("{s} {}: {}", common::printable(&d.name), imgfmt::size::human(d.changed_bytes))?,
             }
         }
         if diffs.is_empty() {
-            eprintln!("identical content ({})", ia.config().root);
+            eprintln!("identical content ({})", common::printable(&ia.config().root));
         }
     }
     Ok(common::code(if diffs.is_empty() { common::EXIT_OK } else { common::EXIT_FAILED }))

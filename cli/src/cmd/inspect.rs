@@ -161,11 +161,13 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
         common::print_json(&out)?;
         return Ok(common::code(common::EXIT_OK));
     }
+    // Strings from the image's config are escaped (the JSON above is, by serde_json).
+    let p = common::printable;
     outln!("image        {}", out.manifest)?;
     outln!("kind         {}", out.kind)?;
-    outln!("created      {}", out.created)?;
-    outln!("root         {}", out.root)?;
-    outln!("chunks       {} of {}, {}, compression {}", out.totals.chunks, human(out.chunk_size), out.hash, out.compression)?;
+    outln!("created      {}", p(&out.created))?;
+    outln!("root         {}", p(&out.root))?;
+    outln!("chunks       {} of {}, {}, compression {}", out.totals.chunks, human(out.chunk_size), out.hash, p(&out.compression))?;
     outln!("size         {} logical, {} non-zero data", human(out.size), human(out.totals.data_bytes))?;
     outln!(
         "storage      {} in own packs, {} metadata, {} pack(s) referenced, compression ratio {:.2}",
@@ -175,17 +177,17 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
         out.compression_ratio
     )?;
     for (i, c) in out.chain.iter().enumerate() {
-        outln!("parent[{}]    {} {}", i + 1, c["manifest"].as_str().unwrap_or(""), c["reference"].as_str().unwrap_or(""))?;
+        outln!("parent[{}]    {} {}", i + 1, c["manifest"].as_str().unwrap_or(""), p(c["reference"].as_str().unwrap_or("")))?;
     }
     if let Some(b) = &out.base {
-        outln!("base         {} {}", b["manifest"].as_str().unwrap_or(""), b["reference"].as_str().unwrap_or(""))?;
+        outln!("base         {} {}", b["manifest"].as_str().unwrap_or(""), p(b["reference"].as_str().unwrap_or("")))?;
     }
     outln!()?;
     outln!("{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}", "FILE", "ROLE", "SIZE", "CHUNKS", "ZERO", "STORED", "REFD", "INHER")?;
     for f in &out.files {
         outln!(
             "{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}",
-            f.name,
+            p(&f.name),
             f.role,
             human(f.size),
             f.counts.chunks,

@@ -21,7 +21,10 @@ use super::common::{self, open_image, parse_size, progress_bar};
 /// this image fetches only the delta while these files exist; --cache-copy keeps copies
 /// instead (they survive deleting the files; every byte is written twice). A pull killed
 /// or cut off by the network and rerun into the same directory takes over what it wrote
-/// and fetches only the rest.
+/// and fetches only the rest; a file already under its name that holds exactly the
+/// image's content (checked whole) is kept. Names are written beneath DEST only: a
+/// symlink found there is never followed. Modes are applied less set-uid/set-gid/sticky
+/// bits and write for others.
 ///
 /// Exit 0 ok, 1 a chunk or metadata blob failed verification (no file of it is left under
 /// its final name), 2 error.
@@ -131,6 +134,9 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
         report.chunks_deduplicated,
         report.chunks_zero,
     );
+    if report.files_in_place > 0 {
+        eprintln!("note: {} files were already in place with the image's content (checked whole) and were kept", report.files_in_place);
+    }
     if report.range_retries > 0 {
         eprintln!("note: {} range requests failed mid-transfer and were repeated", report.range_retries);
     }

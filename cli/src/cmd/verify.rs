@@ -44,7 +44,7 @@ pub fn run(a: VerifyArgs) -> anyhow::Result<ExitCode> {
                 let j = serde_json::json!({"ok": false, "failures": [{"kind": "metadata", "message": msg}]});
                 common::print_json(&j)?;
             }
-            eprintln!("FAILED {msg}");
+            eprintln!("FAILED {}", common::printable(&msg));
             return Ok(common::code(common::EXIT_FAILED));
         }
         Err(e) => return Err(e),
@@ -56,7 +56,7 @@ pub fn run(a: VerifyArgs) -> anyhow::Result<ExitCode> {
     }
     let secs = t0.elapsed().as_secs_f64();
     for f in &report.failures {
-        eprintln!("FAILED {f}");
+        eprintln!("FAILED {}", common::printable(&f.to_string()));
     }
     if a.json {
         let j = serde_json::json!({
@@ -73,7 +73,7 @@ pub fn run(a: VerifyArgs) -> anyhow::Result<ExitCode> {
         eprintln!(
             "verified {} ({}): {} stored chunks ({}), {} zero chunks, {} image(s){} in {:.2}s",
             a.image,
-            image.config().root,
+            common::printable(&image.config().root),
             report.stored_chunks_checked,
             imgfmt::size::human(report.stored_bytes_checked),
             report.zero_chunks,

@@ -179,6 +179,14 @@ pub struct CriuReport {
     pub forked_from: Option<i32>,
 }
 
+/// An error resolving or creating names beneath the work directory, its kind kept.
+fn dest_err(e: crate::unpack::UnpackError) -> LazyError {
+    match e {
+        crate::unpack::UnpackError::Io { path, source } => LazyError::Io { context: path.display().to_string(), source },
+        e => LazyError::Invalid(e.to_string()),
+    }
+}
+
 /// What [`CriuDaemon::prepare_workdir`] wrote.
 #[derive(Debug, Clone)]
 pub struct Prepared {
@@ -188,6 +196,9 @@ pub struct Prepared {
     pub bytes_written: u64,
     /// Bytes of lazy pages left as holes for this server to serve.
     pub lazy_bytes_left: u64,
+    /// The same files as (directory, name): removed through the directory, never through
+    /// a path that a symlink swapped in since could redirect.
+    files: Vec<(std::sync::Arc<imgfmt::file::Dir>, std::ffi::OsString)>,
 }
 
 /// The CRIU lazy-pages server: one image, one restore.
@@ -388,15 +399,14 @@ impl CriuDaemon {
             runs.extend(pm.runs().iter().filter(|r| r.lazy).map(|r| (r.offset, r.offset + r.len)));
         }
         // Every destination is checked before anything is written: the daemon never
-        // overwrites a dump, and a refusal leaves the directory as it was.
+        // overwrites a dump, and a refusal leaves the directory as it was. Names are
+        // resolved beneath the work directory without following symlinks (a planted one
+        // is refused, or counts as a file already there).
+        let mut dirs = crate::unpack::DestDirs::create(&self.workdir).map_err(dest_err)?;
         let mut plan = Vec::with_capacity(self.image.files.len());
         for f in &self.image.files {
-            let rel = std::path::Path::new(&f.name);
-            if rel.is_absolute() || rel.components().any(|c| !matches!(c, std::path::Component::Normal(_))) {
-                return Err(LazyError::Invalid(format!("the image's file name {:?} is not a plain relative path", f.name)));
-            }
-            let dest = self.workdir.join(rel);
-            if dest.exists() {
+            let dest = self.workdir.join(&f.name);
+            if dirs.exists(&f.name).map_err(dest_err)? {
                 return Err(LazyError::Invalid(format!("{} already exists: --criu-prepare writes into a directory without the dump", dest.display())));
             }
             let base = f.name.rsplit('/').next().unwrap_or(&f.name);
@@ -404,10 +414,17 @@ impl CriuDaemon {
             skip.sort_unstable();
             plan.push((dest, skip));
         }
-        let mut out = Prepared { paths: Vec::new(), bytes_written: 0, lazy_bytes_left: 0 };
+        let mut out = Prepared { paths: Vec::new(), bytes_written: 0, lazy_bytes_left: 0, files: Vec::new() };
         for (i, (dest, skip)) in plan.into_iter().enumerate() {
-            match self.write_prepared(i, &dest, &skip) {
-                Ok(n) => out.bytes_written += n,
+            let written = dirs.dir_of(&self.image.files[i].name, true).map_err(dest_err).and_then(|d| {
+                let (dir, base) = d.expect("created");
+                self.write_prepared(i, &dir, &base, &skip).map(|n| (n, dir, base))
+            });
+            match written {
+                Ok((n, dir, base)) => {
+                    out.bytes_written += n;
+                    out.files.push((dir, base));
+                }
                 Err(e) => {
                     self.remove_prepared(&out);
                     return Err(e);
@@ -419,19 +436,18 @@ impl CriuDaemon {
         Ok(out)
     }
 
-    /// Write file `file` of the image to `dest` (via a temporary name), leaving the sorted,
-    /// non-overlapping byte ranges `skip` as holes; the bytes written.
-    fn write_prepared(&self, file: usize, dest: &std::path::Path, skip: &[(u64, u64)]) -> Result<u64, LazyError> {
-        use std::os::unix::fs::FileExt as _;
+    /// Write file `file` of the image as `base` in `dir` (via a temporary name created
+    /// there, never opened through anything planted), leaving the sorted, non-overlapping
+    /// byte ranges `skip` as holes; the bytes written.
+    fn write_prepared(&self, file: usize, dir: &imgfmt::file::Dir, base: &std::ffi::OsStr, skip: &[(u64, u64)]) -> Result<u64, LazyError> {
+        use std::os::unix::fs::{FileExt as _, PermissionsExt as _};
         let f = &self.image.files[file];
-        if let Some(dir) = dest.parent() {
-            std::fs::create_dir_all(dir).map_err(super::io_err(format!("creating {}", dir.display())))?;
-        }
-        let name = dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let tmp = dest.with_file_name(format!(".{name}.snapctl-prepare-{}", std::process::id()));
-        let out = std::fs::File::create(&tmp).map_err(super::io_err(format!("creating {}", tmp.display())))?;
+        let tmp_path = imgfmt::layout::tempname(dir.path(), &format!(".{}.snapctl-prepare", base.to_string_lossy()));
+        let tmp = tmp_path.file_name().expect("temp name").to_os_string();
+        let dest = dir.display_path(base);
+        let out = dir.create_new(&tmp, 0o600).map_err(super::io_err(format!("creating {}", tmp_path.display())))?;
         let result = (|| {
-            out.set_len(f.size).map_err(super::io_err(format!("sizing {}", tmp.display())))?;
+            out.set_len(f.size).map_err(super::io_err(format!("sizing {}", tmp_path.display())))?;
             let fetcher = self.fetcher(file);
             let shift = self.image.chunk_shift();
             let mut written = 0u64;
@@ -457,28 +473,30 @@ impl CriuDaemon {
                 let chunk = v.map_err(|e| LazyError::Invalid(format!("{} chunk {c}: {e}", f.name)))?;
                 let bytes = chunk.as_bytes();
                 for (a, b) in keep {
-                    out.write_all_at(&bytes[(a - start) as usize..(b - start) as usize], a).map_err(super::io_err(format!("writing {}", tmp.display())))?;
+                    out.write_all_at(&bytes[(a - start) as usize..(b - start) as usize], a)
+                        .map_err(super::io_err(format!("writing {}", tmp_path.display())))?;
                     written += b - a;
                 }
             }
             Ok(written)
         })();
-        match result {
-            Ok(n) => {
-                std::fs::rename(&tmp, dest).map_err(super::io_err(format!("renaming {} to {}", tmp.display(), dest.display())))?;
-                Ok(n)
-            }
-            Err(e) => {
-                let _ = std::fs::remove_file(&tmp);
-                Err(e)
-            }
+        let result = result.and_then(|n| {
+            out.set_permissions(std::fs::Permissions::from_mode(imgfmt::config::applied_mode(f.mode)))
+                .map_err(super::io_err(format!("setting the mode of {}", tmp_path.display())))?;
+            // Never over a file that appeared meanwhile (RENAME_NOREPLACE).
+            dir.rename(&tmp, base, false).map_err(super::io_err(format!("renaming {} to {}", tmp_path.display(), dest.display())))?;
+            Ok(n)
+        });
+        if result.is_err() {
+            let _ = dir.remove_file(&tmp);
         }
+        result
     }
 
     /// Remove what [`CriuDaemon::prepare_workdir`] wrote (the socket is removed by `run`).
     pub fn remove_prepared(&self, prepared: &Prepared) {
-        for p in &prepared.paths {
-            if let Err(e) = std::fs::remove_file(p) {
+        for ((dir, name), p) in prepared.files.iter().zip(&prepared.paths) {
+            if let Err(e) = dir.remove_file(name) {
                 if e.kind() != std::io::ErrorKind::NotFound {
                     eprintln!("snapctl lazy: criu: could not remove {}: {e}", p.display());
                 }
@@ -862,6 +880,7 @@ mod tests {
         let src = dir.join("dump");
         std::fs::create_dir_all(&src).unwrap();
         for (name, bytes) in files {
+            std::fs::create_dir_all(src.join(name).parent().unwrap()).unwrap();
             std::fs::write(src.join(name), bytes).unwrap();
         }
         let layout = imgfmt::OciLayout::open_or_create(dir.join("layout")).unwrap();
@@ -914,6 +933,40 @@ mod tests {
         assert!(d.layout(6).unwrap_err().contains("needs 98304 bytes of pages-3.img, which has 4096"));
         assert!(d.layout(7).unwrap_err().contains("no pagemap-7.img"));
         assert!(d.layout(8).unwrap_err().contains("magic"));
+    }
+
+    /// Issue 14 §1: `--criu-prepare` writes only beneath the work directory. A symlink
+    /// planted under the temp name it used to use (`.<name>.snapctl-prepare-<pid>`) does
+    /// not carry the dump's bytes into its target, and a subdirectory that is a symlink
+    /// is refused before anything is written.
+    #[test]
+    fn regression_issue_14_prepare_never_writes_through_planted_symlinks() {
+        use std::os::unix::fs::symlink;
+        let dir = tempfile::tempdir().unwrap();
+        let (image, layout) = packed_dump(dir.path(), &[("core-5.img", b"core of task 5"), ("sub/inventory.img", b"inventory")]);
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+
+        let work = dir.path().join("work");
+        std::fs::create_dir_all(&work).unwrap();
+        symlink(&victim, work.join(format!(".core-5.img.snapctl-prepare-{}", std::process::id()))).unwrap();
+        let d = CriuDaemon::new(image.clone(), layout.clone(), None, work.clone(), LazyOptions::new(PathBuf::new()));
+        let p = d.prepare_workdir().unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious", "the victim was written through a planted symlink");
+        assert!(std::fs::symlink_metadata(work.join("core-5.img")).unwrap().is_file());
+        assert_eq!(std::fs::read(work.join("core-5.img")).unwrap(), b"core of task 5");
+        d.remove_prepared(&p);
+
+        let work2 = dir.path().join("work2");
+        let outside = dir.path().join("outside");
+        std::fs::create_dir_all(&work2).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        symlink(&outside, work2.join("sub")).unwrap();
+        let d = CriuDaemon::new(image, layout, None, work2.clone(), LazyOptions::new(PathBuf::new()));
+        let e = d.prepare_workdir().unwrap_err().to_string();
+        assert!(e.contains("symlink"), "{e}");
+        assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0, "written outside the work directory");
+        assert!(!work2.join("core-5.img").exists(), "a refusal writes nothing");
     }
 
     /// `--criu-prepare`: every file of the image is written, except that the pages file has

@@ -109,7 +109,7 @@ impl RegistrySource {
             let what = format!("referrers fallback tag {}:{tag}", self.describe());
             let mut idx = match self.get_index(&self.url("manifests", &tag), &what)? {
                 Some((idx, _)) => idx,
-                None => ImageIndex { schema_version: 2, media_type: Some(media::OCI_INDEX.into()), manifests: vec![], annotations: Default::default() },
+                None => ImageIndex::empty(),
             };
             if !idx.manifests.iter().any(|d| d.digest == put.digest) {
                 let mut desc = Descriptor::new(media::OCI_MANIFEST, put.digest.clone(), bytes.len() as u64);
