@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 
-fn duration(s: &str) -> Result<Duration, String> {
+pub(crate) fn duration(s: &str) -> Result<Duration, String> {
     registry::gc::parse_duration(s).ok_or_else(|| format!("invalid duration {s:?} (examples: 90s, 15m, 1h, 7d)"))
 }
 

@@ -649,3 +649,206 @@ mod gc {
         assert_eq!((rep.swept, rep.uploads_removed), (5, 1), "{rep:?}");
     }
 }
+
+/// Issue 14: what the server promises a hostile client (spec/registry.md §7).
+mod hostile {
+    use super::*;
+    use std::time::{Duration, Instant};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpSocket, TcpStream};
+
+    fn limits(header: u64, idle: u64, cap: usize) -> Limits {
+        Limits { header_read_timeout: Duration::from_secs(header), idle_timeout: Duration::from_secs(idle), max_conns_per_client: cap }
+    }
+
+    /// A connection to the server from source address `from` (any 127/8 address).
+    async fn connect_from(s: &TestServer, from: &str) -> TcpStream {
+        let sock = TcpSocket::new_v4().unwrap();
+        sock.bind(format!("{from}:0").parse().unwrap()).unwrap();
+        sock.connect(s.url.trim_start_matches("http://").parse().unwrap()).await.unwrap()
+    }
+
+    /// Whether the server closed `c` (EOF or reset) within `within`; bytes it sent first
+    /// (an error response) are skipped.
+    async fn closed_within(c: &mut TcpStream, within: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        let mut buf = [0u8; 4096];
+        loop {
+            match tokio::time::timeout_at(deadline, c.read(&mut buf)).await {
+                Err(_) => return false,
+                Ok(Ok(0)) | Ok(Err(_)) => return true,
+                Ok(Ok(_)) => continue,
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn regression_issue_14_made_up_methods_do_not_grow_the_metrics() {
+        let s = TestServer::start(Config::default()).await;
+        let c = Client::new();
+        let send = |i: usize| {
+            let m = reqwest::Method::from_bytes(format!("M{i}{}", "X".repeat(2000)).as_bytes()).unwrap();
+            c.request(m, s.u("/v2/")).send()
+        };
+        send(0).await.unwrap();
+        let before = c.get(s.u("/metrics")).send().await.unwrap().text().await.unwrap();
+        for i in 1..300 {
+            send(i).await.unwrap();
+        }
+        let after = c.get(s.u("/metrics")).send().await.unwrap().text().await.unwrap();
+        assert!(after.len() < before.len() + 100, "metrics grew from {} to {} bytes", before.len(), after.len());
+        assert!(after.contains("snapctl_http_requests_total{method=\"other\",status=\"200\"} 300"), "{after}");
+    }
+
+    #[tokio::test]
+    async fn metrics_can_move_to_their_own_listener() {
+        let s = TestServer::start(Config { api_metrics: false, ..Config::default() }).await;
+        assert_eq!(reqwest::get(s.u("/metrics")).await.unwrap().status(), StatusCode::NOT_FOUND);
+        let server = Server::new(Arc::new(FsStore::open(s.dir.path()).unwrap()), Config::default());
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/metrics", l.local_addr().unwrap());
+        tokio::spawn(server.serve_metrics(l, std::future::pending()));
+        let r = reqwest::get(&url).await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        assert!(r.text().await.unwrap().contains("snapctl_http_connections"));
+    }
+
+    #[tokio::test]
+    async fn metrics_on_the_api_listener_need_credentials_when_auth_is_on() {
+        let h = bcrypt::hash("pw", 4).unwrap();
+        let a = Auth::new(&format!("alice:{h}\n"), None, true, vec![9; 32]).unwrap();
+        let s = TestServer::start(Config { auth: Some(a), ..Config::default() }).await;
+        let c = Client::new();
+        assert_eq!(c.get(s.u("/metrics")).send().await.unwrap().status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(c.get(s.u("/metrics")).basic_auth("alice", Some("pw")).send().await.unwrap().status(), StatusCode::OK);
+    }
+
+    /// Issue 14: HTTP/2 sends `:authority`, not `Host`; the realm was `…://localhost/token`.
+    #[tokio::test]
+    async fn regression_issue_14_h2_token_realm_is_the_requests_authority() {
+        let h = bcrypt::hash("pw", 4).unwrap();
+        let a = Auth::new(&format!("alice:{h}\n"), None, false, vec![9; 32]).unwrap();
+        let s = TestServer::start(Config { auth: Some(a), ..Config::default() }).await;
+        let c = Client::builder().http2_prior_knowledge().build().unwrap();
+        let r = c.get(s.u("/v2/")).send().await.unwrap();
+        assert_eq!(r.version(), reqwest::Version::HTTP_2);
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+        let ch = r.headers()["www-authenticate"].to_str().unwrap().to_owned();
+        assert!(ch.starts_with(&format!("Bearer realm=\"{}/token\"", s.url)), "{ch}");
+    }
+
+    #[test]
+    fn the_realm_never_echoes_a_host_that_breaks_the_challenge() {
+        let mut h = HeaderMap::new();
+        let uri: Uri = "/v2/".parse().unwrap();
+        h.insert(header::HOST, "reg.example:5000".parse().unwrap());
+        assert_eq!(request_authority(&uri, &h), Some("reg.example:5000"));
+        h.insert(header::HOST, "evil\",error=\"x".parse().unwrap());
+        assert_eq!(request_authority(&uri, &h), None);
+        let abs: Uri = "http://[::1]:5000/v2/".parse().unwrap();
+        assert_eq!(request_authority(&abs, &h), Some("[::1]:5000"), "the URI's authority wins");
+    }
+
+    #[test]
+    fn passwords_in_clear_text_on_the_network_are_warned_about() {
+        let h = bcrypt::hash("pw", 4).unwrap();
+        let auth = || Some(Auth::new(&format!("alice:{h}\n"), None, false, vec![9; 32]).unwrap());
+        let public: SocketAddr = "0.0.0.0:5000".parse().unwrap();
+        let local: SocketAddr = "127.0.0.1:5000".parse().unwrap();
+        assert_eq!(Config { auth: auth(), ..Config::default() }.exposure_warnings(public).len(), 1);
+        assert!(Config { auth: auth(), ..Config::default() }.exposure_warnings(local).is_empty());
+        assert!(Config { auth: auth(), tls: true, ..Config::default() }.exposure_warnings(public).is_empty());
+        assert!(Config::default().exposure_warnings(public).is_empty());
+    }
+
+    /// Issue 14: 300 half-sent requests held the registry at its descriptor limit. Now a
+    /// client past its cap is closed at once, half-sent heads are closed after the header
+    /// timeout, and another client is answered meanwhile.
+    #[tokio::test]
+    async fn regression_issue_14_half_sent_requests_are_capped_and_timed_out() {
+        let s = TestServer::start(Config { limits: limits(2, 5, 8), ..Config::default() }).await;
+        let mut held = Vec::new();
+        for _ in 0..40 {
+            let mut c = connect_from(&s, "127.0.0.2").await;
+            c.write_all(b"GET /v2/ HTTP/1.1\r\nHost: x\r\nX-Slow: ").await.unwrap();
+            held.push(c);
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut refused = 0;
+        for c in held.iter_mut() {
+            if closed_within(c, Duration::from_millis(50)).await {
+                refused += 1;
+            }
+        }
+        assert_eq!(refused, 32, "connections past the cap of 8 are closed at once");
+        let t = Instant::now();
+        let r = Client::builder().timeout(Duration::from_secs(5)).build().unwrap().get(s.u("/v2/")).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK, "another client is answered");
+        assert!(t.elapsed() < Duration::from_secs(2));
+        let metrics = reqwest::get(s.u("/metrics")).await.unwrap().text().await.unwrap();
+        assert!(metrics.contains("snapctl_http_connections_refused_total 32"), "{metrics}");
+        for c in held.iter_mut() {
+            assert!(closed_within(c, Duration::from_secs(6)).await, "a half-sent head outlived the header timeout");
+        }
+        let mut again = connect_from(&s, "127.0.0.2").await;
+        again.write_all(b"GET /v2/ HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+        let mut resp = String::new();
+        again.read_to_string(&mut resp).await.unwrap();
+        assert!(resp.starts_with("HTTP/1.1 200"), "the client may connect again once its connections are gone: {resp}");
+    }
+
+    /// A connection that never sends a byte (not even enough to tell HTTP/1.1 from h2) is
+    /// closed after the header timeout too.
+    #[tokio::test]
+    async fn a_silent_connection_is_closed_after_the_header_timeout() {
+        let s = TestServer::start(Config { limits: limits(1, 60, 0), ..Config::default() }).await;
+        let mut c = connect_from(&s, "127.0.0.1").await;
+        let t = Instant::now();
+        assert!(closed_within(&mut c, Duration::from_secs(5)).await);
+        assert!(t.elapsed() >= Duration::from_millis(900), "closed too early: {:?}", t.elapsed());
+    }
+
+    /// A request body that stops arriving fails its request after the idle timeout
+    /// instead of holding the connection forever.
+    #[tokio::test]
+    async fn a_stalled_request_body_is_answered_and_closed() {
+        let s = TestServer::start(Config { limits: limits(30, 1, 0), ..Config::default() }).await;
+        let c = Client::new();
+        let r = c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap();
+        let loc = r.headers()["location"].to_str().unwrap().to_owned();
+        let mut conn = connect_from(&s, "127.0.0.1").await;
+        conn.write_all(format!("PATCH {loc} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n0123456789").as_bytes()).await.unwrap();
+        let mut resp = vec![0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(5), conn.read(&mut resp)).await.expect("no answer to a stalled body").unwrap();
+        let head = String::from_utf8_lossy(&resp[..n]);
+        assert!(head.starts_with("HTTP/1.1 400"), "{head}");
+        assert!(head.contains("request body"), "{head}");
+        // The session is intact: nothing of the stalled body was committed.
+        let r = c.get(s.u(&loc)).send().await.unwrap();
+        assert_eq!(r.headers()["range"], "0-0");
+    }
+
+    /// Issue 14: upload sessions never expired in `serve`. Now a sweep removes idle ones
+    /// whole (directories too) and the gauge comes back down.
+    #[tokio::test]
+    async fn regression_issue_14_idle_upload_sessions_expire_in_the_server() {
+        let s = TestServer::start(Config { upload_ttl: Duration::from_secs(1), ..Config::default() }).await;
+        let c = Client::new();
+        let r = c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap();
+        let loc = r.headers()["location"].to_str().unwrap().to_owned();
+        assert_eq!(c.patch(s.u(&loc)).body(vec![1u8; 100]).send().await.unwrap().status(), StatusCode::ACCEPTED);
+        let m = c.get(s.u("/metrics")).send().await.unwrap().text().await.unwrap();
+        assert!(m.contains("snapctl_uploads_in_progress 1\n"), "{m}");
+        let uploads = s.dir.path().join("_uploads");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::fs::read_dir(&uploads).map(|d| d.count()).unwrap_or(0) > 0 {
+            assert!(Instant::now() < deadline, "idle session still in {}", uploads.display());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let r = c.get(s.u(&loc)).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::NOT_FOUND);
+        let m = c.get(s.u("/metrics")).send().await.unwrap().text().await.unwrap();
+        assert!(m.contains("snapctl_uploads_in_progress 0\n"), "{m}");
+        assert!(m.contains("snapctl_uploads_expired_total 1\n"), "{m}");
+    }
+}
