@@ -26,6 +26,7 @@ use futures::StreamExt;
 use crate::auth::{Action, Auth, Identity, Rejected};
 use crate::digest::{Algorithm, Digest};
 use crate::error::{ApiError, Code};
+use crate::inuse;
 use crate::layout;
 use crate::metrics::Metrics;
 use crate::name::{RepoName, Tag};
@@ -522,6 +523,14 @@ impl Server {
             Err(e) if e.is_not_found() => return Err(unknown()),
             Err(e) => return Err(e.into()),
         };
+        if head {
+            // A HEAD that finds a blob lets a pushing client skip uploading it: rely on
+            // it, so a running gc keeps it, and answer by what is there after that.
+            inuse::rely_on(self.store.as_ref(), &d).await?;
+            if !exists(self.store.as_ref(), &key).await? {
+                return Err(unknown());
+            }
+        }
         let range = parse_range(headers.get(header::RANGE), meta.size)?;
         let mut hs = vec![
             (header::CONTENT_TYPE, "application/octet-stream".to_owned()),
@@ -614,6 +623,10 @@ impl Server {
                 }
             }
         }
+        inuse::rely_on(self.store.as_ref(), d).await?;
+        if !exists(self.store.as_ref(), &layout::blob(d)).await? {
+            return Ok(false); // a gc took it meanwhile: the client uploads it instead
+        }
         self.store.put(&layout::layer_link(repo, d), Bytes::new()).await?;
         Ok(true)
     }
@@ -628,6 +641,12 @@ impl Server {
             return Err(ApiError::bad(Code::DigestInvalid, format!("content is {got}, not {d}")));
         }
         let key = layout::blob(d);
+        // Bytes the registry already holds are not stored again; rely on those, so a
+        // running gc keeps them (or they are stored again if it took them).
+        if let Err(e) = inuse::rely_on(self.store.as_ref(), d).await {
+            let _ = tokio::fs::remove_file(&tmp).await;
+            return Err(e.into());
+        }
         if exists(self.store.as_ref(), &key).await? {
             let _ = tokio::fs::remove_file(&tmp).await;
         } else if let Err(e) = self.store.put_file(&key, &tmp).await {
@@ -727,7 +746,39 @@ impl Server {
             (None, None) => return Err(ApiError::bad(Code::ManifestInvalid, "no Content-Type and no mediaType")),
         };
         let refs = manifest_refs(&json)?;
+        // Lease what this manifest relies on (its children and its own bytes) before
+        // checking it: a gc whose listing misses this manifest then keeps them, or we
+        // see them gone (crate::inuse).
+        let mut relied: Vec<Digest> = refs.children.iter().map(|(c, _)| c.clone()).collect();
+        relied.push(d.clone());
+        let lease = inuse::lease(self.store.as_ref(), relied).await?;
+        let done = self.commit_manifest(repo, &d, tag.as_ref(), mt, buf, &json, &refs, &lease).await;
+        let released = match done {
+            Ok(_) => lease.release_committed(self.store.as_ref()).await,
+            Err(_) => lease.release(self.store.as_ref()).await,
+        };
+        if let Err(e) = released {
+            // The lease stays and keeps protecting until it is stale; nothing is lost.
+            tracing::warn!(%e, %d, "could not release a manifest lease");
+        }
+        done
+    }
+
+    /// The part of a manifest PUT under its lease: check what it references, then write it.
+    #[allow(clippy::too_many_arguments)]
+    async fn commit_manifest(
+        &self,
+        repo: &RepoName,
+        d: &Digest,
+        tag: Option<&Tag>,
+        mt: String,
+        buf: Vec<u8>,
+        json: &serde_json::Value,
+        refs: &ManifestRefs,
+        lease: &inuse::Lease,
+    ) -> Result<Response, ApiError> {
         for (child, is_manifest) in &refs.children {
+            inuse::settled(self.store.as_ref(), child).await?;
             let key = if *is_manifest { layout::manifest_link(repo, child) } else { layout::layer_link(repo, child) };
             // The bytes too, not only the link: gc may have swept an old unreferenced
             // blob that a client skipped uploading because HEAD said it existed.
@@ -735,11 +786,15 @@ impl Server {
                 return Err(ApiError::bad(Code::ManifestBlobUnknown, format!("{child} is not in {repo}")));
             }
         }
-        self.store.put(&layout::blob(&d), Bytes::from(buf.clone())).await?;
+        // Our own bytes may be an old unreferenced copy a gc is deleting: let it finish first.
+        inuse::settled(self.store.as_ref(), d).await?;
+        lease.check_fresh()?;
+        let (d, size) = (d.clone(), buf.len());
+        self.store.put(&layout::blob(&d), Bytes::from(buf)).await?;
         self.store.put(&layout::manifest_link(repo, &d), Bytes::from(mt.clone())).await?;
         let mut hs = vec![(header::LOCATION, format!("/v2/{repo}/manifests/{d}")), (HeaderName::from_static("docker-content-digest"), d.to_string())];
         if let Some(subject) = &refs.subject {
-            let mut desc = serde_json::json!({ "mediaType": mt, "digest": d.to_string(), "size": buf.len() });
+            let mut desc = serde_json::json!({ "mediaType": mt, "digest": d.to_string(), "size": size });
             let at = json.get("artifactType").and_then(|v| v.as_str()).or_else(|| json.pointer("/config/mediaType").and_then(|v| v.as_str()));
             if let Some(at) = at {
                 desc["artifactType"] = at.into();
@@ -751,7 +806,7 @@ impl Server {
             self.store.put(&layout::referrer(repo, subject, &d), raw.into()).await?;
             hs.push((HeaderName::from_static("oci-subject"), subject.to_string()));
         }
-        if let Some(t) = &tag {
+        if let Some(t) = tag {
             self.store.put(&layout::tag(repo, t), Bytes::from(d.to_string())).await?;
         }
         Ok(empty(StatusCode::CREATED, &hs))

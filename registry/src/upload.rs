@@ -482,6 +482,10 @@ impl Uploads {
             return Err(ApiError::bad(Code::DigestInvalid, format!("content is {got}, not {digest}")));
         }
         let bkey = layout::blob(digest);
+        // The registry may hold these bytes already, and then they are not stored again:
+        // rely on them first, so a running gc keeps them or we see them gone and store
+        // ours (crate::inuse).
+        crate::inuse::rely_on(self.store.as_ref(), digest).await?;
         let exists = match self.store.head(&bkey).await {
             Ok(_) => true,
             Err(e) if e.is_not_found() => false,

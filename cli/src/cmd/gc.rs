@@ -12,15 +12,19 @@ pub(crate) fn duration(s: &str) -> Result<Duration, String> {
 /// Delete blobs that no manifest reaches.
 ///
 /// Marks from every manifest in every repository (config, layers, index children,
-/// subject), then deletes unmarked blobs older than --grace, so a push running at the
-/// same time keeps its freshly uploaded blobs. Safe to run against a live registry.
+/// subject), then deletes unmarked blobs older than --grace that no request relied on
+/// (a HEAD that found it, a mount, an upload of the same bytes, a manifest PUT) since
+/// --grace before gc started. Safe to run against live servers, one gc at a time: a
+/// push running meanwhile keeps what it uploaded or was told exists, or is refused
+/// cleanly (spec/registry.md §4). Upload sessions idle for --upload-ttl go too.
 /// The report goes to stdout (JSON with --json).
 #[derive(Debug, clap::Args)]
 pub struct GcArgs {
     /// The registry storage: a directory, or s3://BUCKET/PREFIX.
     #[arg(long)]
     pub storage: String,
-    /// Keep unreferenced blobs younger than this (90s, 15m, 1h, 7d).
+    /// Keep unreferenced blobs younger than this, or used by a request less than this
+    /// before gc started (90s, 15m, 1h, 7d).
     #[arg(long, default_value = "1h", value_parser = duration)]
     pub grace: Duration,
     /// Remove upload sessions idle for longer than this.
@@ -48,6 +52,7 @@ pub fn run(args: GcArgs) -> anyhow::Result<ExitCode> {
         println!("blobs in storage:   {}", report.blobs);
         println!("blobs {verb}: {} ({} bytes)", report.swept, report.swept_bytes);
         println!("kept (in grace):    {}", report.kept_young);
+        println!("kept (in use):      {}", report.kept_in_use);
         println!("links {verb}: {}", report.links_removed);
         println!("uploads {verb}: {}", report.uploads_removed);
     }

@@ -24,6 +24,11 @@ impl TestServer {
 
     pub async fn start_in(dir: tempfile::TempDir, cfg: Config) -> TestServer {
         let store = Arc::new(FsStore::open(dir.path()).unwrap());
+        TestServer::start_on(store, dir, cfg).await
+    }
+
+    /// A server over `store` (`dir` is only kept alive with it).
+    pub async fn start_on(store: Arc<dyn BlobStore>, dir: tempfile::TempDir, cfg: Config) -> TestServer {
         let server = Server::new(store, cfg);
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", l.local_addr().unwrap());
@@ -604,7 +609,169 @@ mod auth {
 
 mod gc {
     use super::*;
-    use crate::gc::{run, GcOptions};
+    use crate::gc::{mark, run, sweep, GcOptions, GcReport, GcRun};
+    use std::time::{Duration, SystemTime};
+
+    /// Set the mtime of every file under `dir` back by `by`: blobs, links and use marks
+    /// as a registry has them after a while.
+    fn age_all(dir: &std::path::Path, by: Duration) {
+        let t = SystemTime::now() - by;
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).unwrap().flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else {
+                    std::fs::File::options().write(true).open(&p).unwrap().set_modified(t).unwrap();
+                }
+            }
+        }
+    }
+
+    /// Issue 14: old unreferenced blobs; gc marks (seconds, with 40,000 manifests); a
+    /// re-push of the same image meanwhile: its HEADs find config and layer, it uploads a
+    /// blob the registry already holds, its manifest PUT succeeds. The sweep that follows
+    /// must keep everything the push relied on.
+    #[tokio::test]
+    async fn regression_issue_14_a_push_during_gc_keeps_what_it_relied_on() {
+        let s = TestServer::start(Config::default()).await;
+        let c = Client::new();
+        let md = sample_image(&c, &s, "r", "v1", "old").await;
+        let extra = push_blob(&c, &s, "r", b"extra layer").await;
+        assert_eq!(c.delete(s.u(&format!("/v2/r/manifests/{md}"))).send().await.unwrap().status(), StatusCode::ACCEPTED);
+        age_all(s.dir.path(), Duration::from_secs(7200));
+        let (cfg, layer) = ("{\"salt\":\"old\"}", "layer bytes old");
+        let (cd, ld) = (sha(cfg.as_bytes()), sha(layer.as_bytes()));
+
+        let store = FsStore::open(s.dir.path()).unwrap();
+        let opts = GcOptions::default();
+        let mut report = GcReport::default();
+        let mut gc = GcRun::start(&store, false).await.unwrap();
+        let marked = mark(&store, &mut gc, &mut report).await.unwrap();
+
+        for d in [&cd, &ld] {
+            assert_eq!(c.head(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap().status(), StatusCode::OK);
+        }
+        assert_eq!(push_blob(&c, &s, "r", b"extra layer").await, extra);
+        let m = image_manifest(&cd, cfg.len(), &[(ld.clone(), layer.len()), (extra.clone(), 11)]);
+        assert_eq!(push_manifest(&c, &s, "r", "v2", &m).await.status(), StatusCode::CREATED);
+
+        sweep(&store, &mut gc, &opts, marked, &mut report).await.unwrap();
+        gc.finish(&store).await;
+        assert_eq!((report.kept_in_use, report.swept), (3, 1), "only the deleted manifest goes: {report:?}");
+        for d in [&cd, &ld, &extra] {
+            let r = c.get(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap();
+            assert_eq!(r.status(), StatusCode::OK, "gc deleted {d}, which the push relied on");
+        }
+        assert!(!s.dir.path().join("_gc/run").exists() && !s.dir.path().join("_gc/condemned").exists(), "gc left its marks");
+    }
+
+    /// The same race on an object store (S3's key space, no directories, no way to set an
+    /// mtime back): with `--grace 0s` everything stored before gc started is a candidate,
+    /// and only what the push relied on while gc ran is kept.
+    #[tokio::test]
+    async fn regression_issue_14_a_push_during_gc_keeps_what_it_relied_on_object_store() {
+        let staging = tempfile::tempdir().unwrap();
+        let mem = Arc::new(object_store::memory::InMemory::new());
+        let store: Arc<dyn BlobStore> = Arc::new(crate::store::ObjectStoreBackend::new(mem, "reg", staging.path()).unwrap());
+        let s = TestServer::start_on(store.clone(), tempfile::tempdir().unwrap(), Config::default()).await;
+        let c = Client::new();
+        let md = sample_image(&c, &s, "r", "v1", "old").await;
+        assert_eq!(c.delete(s.u(&format!("/v2/r/manifests/{md}"))).send().await.unwrap().status(), StatusCode::ACCEPTED);
+        let orphan = push_blob(&c, &s, "r", b"nobody relies on this").await;
+        let (cfg, layer) = ("{\"salt\":\"old\"}", "layer bytes old");
+        let (cd, ld) = (sha(cfg.as_bytes()), sha(layer.as_bytes()));
+        tokio::time::sleep(Duration::from_millis(20)).await; // gc starts strictly later
+
+        let opts = GcOptions { grace: Duration::ZERO, ..GcOptions::default() };
+        let mut report = GcReport::default();
+        let mut gc = GcRun::start(store.as_ref(), false).await.unwrap();
+        let marked = mark(store.as_ref(), &mut gc, &mut report).await.unwrap();
+        for d in [&cd, &ld] {
+            assert_eq!(c.head(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap().status(), StatusCode::OK);
+        }
+        let m = image_manifest(&cd, cfg.len(), &[(ld.clone(), layer.len())]);
+        assert_eq!(push_manifest(&c, &s, "r", "v2", &m).await.status(), StatusCode::CREATED);
+        sweep(store.as_ref(), &mut gc, &opts, marked, &mut report).await.unwrap();
+        gc.finish(store.as_ref()).await;
+
+        // The manifest is the same as v1's, written again: young.
+        assert_eq!((report.kept_in_use, report.swept, report.kept_young), (2, 1, 1), "only the orphan goes: {report:?}");
+        for d in [&cd, &ld] {
+            assert_eq!(c.get(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap().status(), StatusCode::OK, "{d}");
+        }
+        assert_eq!(c.get(s.u(&format!("/v2/r/blobs/{orphan}"))).send().await.unwrap().status(), StatusCode::NOT_FOUND);
+        assert!(store.list(layout::GC).await.unwrap().iter().all(|m| m.key.starts_with(layout::GC_USED)), "gc left marks");
+    }
+
+    /// A manifest PUT in flight holds a lease on what it references: gc keeps those blobs
+    /// whatever their age and the grace period, until the lease goes (or is stale).
+    #[tokio::test]
+    async fn a_lease_keeps_its_blobs_until_released() {
+        let s = TestServer::start(Config::default()).await;
+        let c = Client::new();
+        let d = push_blob(&c, &s, "r", b"leased").await;
+        age_all(s.dir.path(), Duration::from_secs(7200));
+        let store = FsStore::open(s.dir.path()).unwrap();
+        let now = GcOptions { grace: Duration::ZERO, ..GcOptions::default() };
+        let lease = crate::inuse::lease(&store, vec![d.clone()]).await.unwrap();
+        let rep = run(&store, &now).await.unwrap();
+        assert_eq!((rep.kept_in_use, rep.swept), (1, 0), "{rep:?}");
+        lease.release(&store).await.unwrap();
+        let rep = run(&store, &now).await.unwrap();
+        assert_eq!(rep.swept, 1, "{rep:?}");
+    }
+
+    /// A HEAD for a blob gc is deciding about waits for gc, and answers by what gc did:
+    /// never "present" for a blob about to go.
+    #[tokio::test]
+    async fn a_head_during_the_sweep_answers_by_what_gc_did() {
+        let s = TestServer::start(Config::default()).await;
+        let c = Client::new();
+        let d = push_blob(&c, &s, "r", b"condemned").await;
+        let store = Arc::new(FsStore::open(s.dir.path()).unwrap());
+        store.touch(layout::GC_RUN).await.unwrap();
+        store.touch(&layout::gc_condemned(&d)).await.unwrap();
+        let st = store.clone();
+        let d2 = d.clone();
+        let gc = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            st.delete(&layout::blob(&d2)).await.unwrap();
+            st.delete(&layout::gc_condemned(&d2)).await.unwrap();
+        });
+        let r = c.head(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap();
+        gc.await.unwrap();
+        assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    }
+
+    /// One gc at a time: a second refuses while the first keeps `_gc/run` fresh.
+    #[tokio::test]
+    async fn a_second_gc_refuses_to_run_beside_a_live_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FsStore::open(dir.path()).unwrap();
+        store.touch(layout::GC_RUN).await.unwrap();
+        assert!(matches!(run(&store, &GcOptions::default()).await, Err(crate::gc::GcError::Running { .. })));
+        age_all(dir.path(), Duration::from_secs(3600));
+        run(&store, &GcOptions::default()).await.expect("a stopped gc's mark is taken over");
+    }
+
+    /// Issue 14: `gc --upload-ttl` removed a session's files but left its directory.
+    #[tokio::test]
+    async fn regression_issue_14_gc_removes_upload_sessions_whole() {
+        let s = TestServer::start(Config::default()).await;
+        let c = Client::new();
+        for _ in 0..3 {
+            let r = c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap();
+            let loc = r.headers()["location"].to_str().unwrap().to_owned();
+            c.patch(s.u(&loc)).body(vec![7u8; 10]).send().await.unwrap();
+        }
+        let store = FsStore::open(s.dir.path()).unwrap();
+        let rep = run(&store, &GcOptions { upload_ttl: Duration::ZERO, ..GcOptions::default() }).await.unwrap();
+        assert_eq!(rep.uploads_removed, 3);
+        let left: Vec<_> = std::fs::read_dir(s.dir.path().join("_uploads")).unwrap().flatten().map(|e| e.path()).collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
+    }
 
     #[tokio::test]
     async fn sweeps_unreferenced_keeps_reachable_and_young() {
