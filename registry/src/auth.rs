@@ -96,6 +96,8 @@ pub enum AuthConfigError {
     Acl(String),
     /// token secret must be at least 32 bytes, got {0}
     ShortSecret(usize),
+    /// bcrypt: {0}
+    Bcrypt(String),
 }
 
 /// Who is asking.
@@ -159,6 +161,12 @@ pub struct Auth {
     pub realm: Option<String>,
     /// Successful (user, sha256(password)) checks, so bcrypt runs once per credential.
     verified: Mutex<HashSet<(String, [u8; 32])>>,
+    /// A bcrypt hash of no one's password, at the highest cost among the users: an
+    /// unknown user's password is checked against it, so a wrong user name costs the same
+    /// time as a wrong password (0.5 ms against 60 ms told an attacker which names exist).
+    dummy: String,
+    /// bcrypt verifications run (tests observe that every path runs one).
+    bcrypt_runs: std::sync::atomic::AtomicU64,
 }
 
 fn now() -> u64 {
@@ -174,6 +182,11 @@ pub fn repo_matches(pattern: &str, name: &str) -> bool {
         return name.strip_prefix(prefix).is_some_and(|r| r.starts_with('/'));
     }
     pattern == name
+}
+
+/// The cost of a bcrypt hash (`$2y$10$...` -> 10).
+fn bcrypt_cost(hash: &str) -> Option<u32> {
+    hash.split('$').nth(2)?.parse().ok()
 }
 
 /// Parse an htpasswd file (bcrypt only).
@@ -212,7 +225,10 @@ impl Auth {
         if anonymous_read {
             rules.push(Rule { users: vec!["anonymous".into()], repos: vec!["*".into()], actions: vec![Action::Pull] });
         }
-        Ok(Auth { users, rules, secret, service: "snapctl".into(), realm: None, verified: Mutex::new(HashSet::new()) })
+        // With no users there is no name to hide: the cheapest cost will do.
+        let cost = users.values().filter_map(|h| bcrypt_cost(h)).max().unwrap_or(4).clamp(4, 31);
+        let dummy = bcrypt::hash(hex::encode(random_secret()), cost).map_err(|e| AuthConfigError::Bcrypt(e.to_string()))?;
+        Ok(Auth { users, rules, secret, service: "snapctl".into(), realm: None, verified: Mutex::new(HashSet::new()), dummy, bcrypt_runs: Default::default() })
     }
 
     /// Whether a user (None = anonymous) has `action` on `repo` per the ACL.
@@ -241,7 +257,13 @@ impl Auth {
         if self.verified.lock().unwrap_or_else(|p| p.into_inner()).contains(&key) {
             return true;
         }
-        let ok = self.users.get(user).is_some_and(|h| bcrypt::verify(password, h).unwrap_or(false));
+        // Unknown users are checked against the dummy hash (same cost), and fail.
+        let (hash, known) = match self.users.get(user) {
+            Some(h) => (h.as_str(), true),
+            None => (self.dummy.as_str(), false),
+        };
+        self.bcrypt_runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let ok = bcrypt::verify(password, hash).unwrap_or(false) && known;
         if ok {
             self.verified.lock().unwrap_or_else(|p| p.into_inner()).insert(key);
         }
@@ -398,6 +420,25 @@ mod tests {
         h.insert(header::AUTHORIZATION, format!("Basic {}", STANDARD.encode("carol:secret")).parse().unwrap());
         assert!(matches!(a.identify(&h), Err(Rejected::BadPassword)));
         assert!(parse_htpasswd("eve:{SHA}abc").is_err());
+    }
+
+    /// Issue 14: an unknown user answered in 0.5 ms, a known one in 60 ms. Both paths now
+    /// run one bcrypt verification, against a dummy hash of the users' cost.
+    #[test]
+    fn regression_issue_14_unknown_users_cost_one_bcrypt_verification_too() {
+        let h = bcrypt::hash("secret", 5).unwrap();
+        let a = Auth::new(&format!("alice:{h}\n"), None, false, vec![7; 32]).unwrap();
+        assert_eq!(bcrypt_cost(&a.dummy), Some(5), "dummy hash has the users' cost: {}", a.dummy);
+        let runs = || a.bcrypt_runs.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(!a.check_password("alice", "wrong"));
+        assert_eq!(runs(), 1);
+        assert!(!a.check_password("mallory", "secret"));
+        assert_eq!(runs(), 2, "an unknown user must cost a bcrypt verification");
+        assert!(!a.check_password("mallory", ""), "nothing verifies as an unknown user");
+        assert!(a.check_password("alice", "secret"));
+        assert_eq!(runs(), 4);
+        assert!(a.check_password("alice", "secret"));
+        assert_eq!(runs(), 4, "a verified credential is cached");
     }
 
     #[test]

@@ -112,6 +112,17 @@ impl From<StoreError> for ApiError {
     }
 }
 
+impl From<crate::inuse::InUseError> for ApiError {
+    fn from(e: crate::inuse::InUseError) -> ApiError {
+        use crate::inuse::InUseError as E;
+        match e {
+            E::Store(e) => e.into(),
+            // The client retries; the push it belongs to stays correct either way.
+            e => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, Code::Unknown, e.to_string()).with_header(axum::http::header::RETRY_AFTER, "5"),
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = serde_json::json!({

@@ -12,7 +12,13 @@
 //! _uploads/<id>/data                                      the bytes so far (local fs store;
 //!                                                         may run past the committed size)
 //! _uploads/<id>/committed                                 committed size, decimal (local fs)
+//! _gc/run                                                 a gc is running (refreshed while it runs)
+//! _gc/used/<alg>/<hex[0..2]>/<hex>                        empty; mtime: a request last relied on the blob
+//! _gc/condemned/<alg>/<hex>                               empty: gc is deciding whether to delete the blob
+//! _gc/inflight/<id>                                       JSON digests a manifest PUT in flight relies on
 //! ```
+//! The `_gc/` objects are how live requests and a running gc agree on what may be
+//! deleted ([`crate::inuse`]).
 //! Names and tags are validated ([`crate::name`]) and cannot start with `_`, so a
 //! repository component can never collide with `_layers`, `_tags`, ... .
 
@@ -25,6 +31,42 @@ pub const BLOBS: &str = "blobs/";
 pub const REPOS: &str = "repositories/";
 /// Prefix of all upload sessions.
 pub const UPLOADS: &str = "_uploads/";
+
+/// Prefix of gc's coordination objects.
+pub const GC: &str = "_gc/";
+/// Present while a gc runs; its mtime is refreshed as it goes.
+pub const GC_RUN: &str = "_gc/run";
+/// Prefix of the "a request relied on this blob" marks.
+pub const GC_USED: &str = "_gc/used/";
+/// Prefix of the "gc is deciding about this blob" marks.
+pub const GC_CONDEMNED: &str = "_gc/condemned/";
+/// Prefix of the leases of manifest PUTs in flight.
+pub const GC_INFLIGHT: &str = "_gc/inflight/";
+
+/// The mark a request leaves on blob `d` it relies on.
+pub fn gc_used(d: &Digest) -> String {
+    format!("{GC_USED}{}/{}/{}", d.algorithm().as_str(), &d.hex()[..2], d.hex())
+}
+
+/// The digest of a [`gc_used`] key, if it is one.
+pub fn parse_gc_used(key: &str) -> Option<Digest> {
+    let mut it = key.strip_prefix(GC_USED)?.split('/');
+    let (alg, _, hex) = (it.next()?, it.next()?, it.next()?);
+    if it.next().is_some() {
+        return None;
+    }
+    format!("{alg}:{hex}").parse().ok()
+}
+
+/// The mark gc leaves on blob `d` while it decides whether to delete it.
+pub fn gc_condemned(d: &Digest) -> String {
+    format!("{GC_CONDEMNED}{}/{}", d.algorithm().as_str(), d.hex())
+}
+
+/// The lease of manifest PUT `id` (32 hex).
+pub fn gc_inflight(id: &str) -> String {
+    format!("{GC_INFLIGHT}{id}")
+}
 
 /// Key of a blob's (or manifest's) bytes.
 pub fn blob(d: &Digest) -> String {
@@ -149,7 +191,9 @@ mod tests {
         assert_eq!(parse_repo_key(&manifest_link(&r, &d)), Some(RepoKey::Manifest(r.clone(), d.clone())));
         let t = Tag::parse("v1").unwrap();
         assert_eq!(parse_repo_key(&tag(&r, &t)), Some(RepoKey::Tag(r.clone(), t)));
-        assert_eq!(parse_repo_key(&referrer(&r, &s, &d)), Some(RepoKey::Referrer(r, s, d)));
+        assert_eq!(parse_repo_key(&referrer(&r, &s, &d)), Some(RepoKey::Referrer(r, s.clone(), d)));
         assert_eq!(parse_repo_key("repositories/x/_bogus/1"), None);
+        assert_eq!(parse_gc_used(&gc_used(&s)), Some(s.clone()));
+        assert_eq!(parse_gc_used(&blob(&s)), None);
     }
 }

@@ -11,6 +11,7 @@
 //! auth       htpasswd users, ACL, docker token flow (HMAC-signed tokens)
 //! server     axum routes for the /v2/ API, /token, /metrics
 //! gc         mark and sweep of unreachable blobs
+//! inuse      what live requests rely on, so a running gc keeps it
 //! client     the other end: a blocking HTTP client (auth, retries, ranges, uploads)
 //! ```
 //! The wire and storage formats are specified in `spec/registry.md`.
@@ -20,6 +21,7 @@ pub mod client;
 pub mod digest;
 pub mod error;
 pub mod gc;
+pub mod inuse;
 pub mod layout;
 pub mod metrics;
 pub mod name;

@@ -1,12 +1,18 @@
 //! Prometheus text metrics, kept in atomics and small maps (no metrics framework).
 //!
-//! Exposed at `GET /metrics`:
-//! - `snapctl_http_requests_total{method,status}` counter
+//! Exposed at `GET /metrics` (or on its own listener, `--metrics-listen`). Every label
+//! takes values from a fixed set, whatever a client sends: a hostile client must not be
+//! able to grow this process's memory or the scrape by inventing methods, paths or codes.
+//! - `snapctl_http_requests_total{method,status}` counter (`method` is one of
+//!   [`METHODS`] or `other`; `status` a three-digit code the server sent)
 //! - `snapctl_http_request_bytes_total`, `snapctl_http_response_bytes_total` counters
 //! - `snapctl_http_errors_total{code}` counter of OCI error responses
 //! - `snapctl_uploads_started_total`, `snapctl_uploads_completed_total`,
 //!   `snapctl_uploads_cancelled_total` counters; `snapctl_uploads_in_progress` gauge (this process)
+//! - `snapctl_uploads_expired_total` counter: sessions removed by the server's idle sweep
 //! - `snapctl_storage_seconds{op}` histogram, `snapctl_storage_errors_total{op}` counter
+//! - `snapctl_http_connections` gauge; `snapctl_http_connections_refused_total` (over the
+//!   per-address cap) and `snapctl_http_connections_timed_out_total` counters
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -25,10 +31,21 @@ struct Hist {
     errors: u64,
 }
 
+/// The methods counted under their own name; any other is counted as `other`.
+pub const METHODS: [&str; 7] = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"];
+
+/// The `method` label of a request method: its name if it is one of [`METHODS`], else
+/// `other`. (Method names are client input of any length: 1,000 made-up ones grew the
+/// process by 60 MB when each became a series, issue 14.)
+pub fn method_label(method: &str) -> &'static str {
+    METHODS.iter().find(|m| **m == method).copied().unwrap_or("other")
+}
+
 /// All counters of one server.
 #[derive(Debug, Default)]
 pub struct Metrics {
-    requests: Mutex<BTreeMap<(String, u16), u64>>,
+    /// (method label, status): at most 8 × 900 series, in practice a dozen.
+    requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
     errors: Mutex<BTreeMap<&'static str, u64>>,
     storage: Mutex<BTreeMap<&'static str, Hist>>,
     /// Request body bytes received.
@@ -41,14 +58,24 @@ pub struct Metrics {
     pub uploads_completed: AtomicU64,
     /// Upload sessions cancelled or failed digest checks.
     pub uploads_cancelled: AtomicU64,
-    /// Sessions started here and not finished yet.
+    /// Sessions started here and not finished yet (kept by [`crate::upload::Uploads`]).
     pub uploads_in_progress: AtomicI64,
+    /// Sessions removed by the server's idle sweep.
+    pub uploads_expired: AtomicU64,
+    /// Connections open now.
+    pub connections: AtomicI64,
+    /// Connections closed at once because their address had too many open.
+    pub connections_refused: AtomicU64,
+    /// Connections closed because a request head, a request body or the connection
+    /// itself stalled past its timeout.
+    pub connections_timed_out: AtomicU64,
 }
 
 impl Metrics {
-    /// Count one request.
+    /// Count one request (`method` is reduced to [`method_label`]).
     pub fn request(&self, method: &str, status: u16) {
-        *self.requests.lock().unwrap_or_else(|p| p.into_inner()).entry((method.to_owned(), status)).or_default() += 1;
+        // StatusCode is always 100..=999; the server only sends codes it chose.
+        *self.requests.lock().unwrap_or_else(|p| p.into_inner()).entry((method_label(method), status)).or_default() += 1;
     }
 
     /// Count one OCI error response.
@@ -92,6 +119,13 @@ impl Metrics {
             ("snapctl_uploads_started_total", "Blob upload sessions started.", self.uploads_started.load(Relaxed)),
             ("snapctl_uploads_completed_total", "Blob upload sessions completed.", self.uploads_completed.load(Relaxed)),
             ("snapctl_uploads_cancelled_total", "Blob upload sessions cancelled or refused.", self.uploads_cancelled.load(Relaxed)),
+            ("snapctl_uploads_expired_total", "Idle blob upload sessions removed by the server.", self.uploads_expired.load(Relaxed)),
+            ("snapctl_http_connections_refused_total", "Connections closed at once: their address had too many open.", self.connections_refused.load(Relaxed)),
+            (
+                "snapctl_http_connections_timed_out_total",
+                "Connections closed because a request head, a body or the connection stalled.",
+                self.connections_timed_out.load(Relaxed),
+            ),
         ];
         for (name, help, v) in counters {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
@@ -100,6 +134,11 @@ impl Metrics {
             o,
             "# HELP snapctl_uploads_in_progress Upload sessions started by this process and not finished.\n# TYPE snapctl_uploads_in_progress gauge\nsnapctl_uploads_in_progress {}",
             self.uploads_in_progress.load(Relaxed)
+        );
+        let _ = writeln!(
+            o,
+            "# HELP snapctl_http_connections Open client connections.\n# TYPE snapctl_http_connections gauge\nsnapctl_http_connections {}",
+            self.connections.load(Relaxed)
         );
         o.push_str("# HELP snapctl_storage_seconds Latency of storage calls by operation.\n");
         o.push_str("# TYPE snapctl_storage_seconds histogram\n");
@@ -139,5 +178,20 @@ mod tests {
         assert!(t.contains("snapctl_storage_seconds_bucket{op=\"get\",le=\"0.001\"} 0\n"));
         assert!(t.contains("snapctl_storage_seconds_bucket{op=\"get\",le=\"0.005\"} 1\n"));
         assert!(t.contains("snapctl_http_response_bytes_total 42\n"));
+    }
+
+    #[test]
+    fn regression_issue_14_made_up_methods_share_one_series() {
+        let m = Metrics::default();
+        m.request("GET", 200);
+        let before = m.render().len();
+        for i in 0..1000 {
+            m.request(&format!("M{i}{}", "X".repeat(4000)), 400);
+        }
+        let t = m.render();
+        assert!(t.contains("snapctl_http_requests_total{method=\"other\",status=\"400\"} 1000\n"), "{t}");
+        assert!(t.len() < before + 200, "metrics grew from {before} to {} bytes", t.len());
+        assert_eq!(method_label("PATCH"), "PATCH");
+        assert_eq!(method_label("get"), "other", "methods are case-sensitive");
     }
 }

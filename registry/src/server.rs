@@ -3,12 +3,15 @@
 //!
 //! Repository names contain `/`, so `/v2/*` is routed by hand from the end of the path
 //! ([`parse_route`]). Every name, tag and digest is validated before it reaches storage.
+//! Connections are accepted by [`listen`], which bounds what a slow or idle client can
+//! hold (timeouts, a cap per client).
 
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -23,6 +26,7 @@ use futures::StreamExt;
 use crate::auth::{Action, Auth, Identity, Rejected};
 use crate::digest::{Algorithm, Digest};
 use crate::error::{ApiError, Code};
+use crate::inuse;
 use crate::layout;
 use crate::metrics::Metrics;
 use crate::name::{RepoName, Tag};
@@ -38,6 +42,12 @@ pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
 pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 const API_VERSION: (&str, &str) = ("docker-distribution-api-version", "registry/2.0");
 
+mod listen;
+pub use listen::Limits;
+
+/// Default idle time after which an upload session is removed.
+pub const DEFAULT_UPLOAD_TTL: Duration = Duration::from_secs(24 * 3600);
+
 /// Server configuration.
 #[derive(Debug)]
 pub struct Config {
@@ -50,11 +60,50 @@ pub struct Config {
     /// `OCI-Chunk-Min-Length` announced when an upload starts; PATCHes with a smaller
     /// `Content-Length` are refused (the last piece goes with the closing PUT). 0 = none.
     pub chunk_min_length: u64,
+    /// Timeouts and the per-client connection cap.
+    pub limits: Limits,
+    /// Upload sessions idle this long are removed, by a sweep every quarter of it
+    /// (between 1 s and 10 min).
+    pub upload_ttl: Duration,
+    /// Serve `/metrics` on the API listener (with auth enabled, to users only). Off when
+    /// metrics have a listener of their own ([`Server::serve_metrics`]).
+    pub api_metrics: bool,
 }
 
 impl Default for Config {
     fn default() -> Config {
-        Config { max_manifest_bytes: DEFAULT_MAX_MANIFEST, auth: None, tls: false, chunk_min_length: 0 }
+        Config {
+            max_manifest_bytes: DEFAULT_MAX_MANIFEST,
+            auth: None,
+            tls: false,
+            chunk_min_length: 0,
+            limits: Limits::default(),
+            upload_ttl: DEFAULT_UPLOAD_TTL,
+            api_metrics: true,
+        }
+    }
+}
+
+impl Config {
+    /// Why serving on `addr` with this configuration exposes something (logged as a
+    /// warning at start-up): passwords and tokens in clear text on a non-loopback address.
+    pub fn exposure_warnings(&self, addr: SocketAddr) -> Vec<String> {
+        let mut w = Vec::new();
+        if self.auth.is_some() && !self.tls && !addr.ip().is_loopback() {
+            w.push(format!(
+                "authentication is enabled without TLS on {addr}: passwords and tokens cross the network in clear text (use --tls-cert/--tls-key, or a TLS proxy in front)"
+            ));
+        }
+        w
+    }
+}
+
+/// Aborts a background task when dropped (the server's sweeper ends with its listener).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -124,6 +173,17 @@ pub fn parse_route(path: &str) -> Option<Result<Route, ApiError>> {
         return None;
     };
     Some(r)
+}
+
+/// The authority (`host[:port]`) a request was sent to: the URI's authority when it has
+/// one (HTTP/2 sends `:authority` and no `Host`; an HTTP/1.1 absolute-form target
+/// overrides `Host`), else the `Host` header. `None` when absent or not a plain
+/// authority: it is echoed into the token realm, so nothing that could break out of
+/// the quoted challenge parameter gets there.
+pub fn request_authority<'a>(uri: &'a Uri, headers: &'a HeaderMap) -> Option<&'a str> {
+    let a = uri.authority().map(|a| a.as_str()).or_else(|| headers.get(header::HOST)?.to_str().ok())?;
+    let plain = !a.is_empty() && a.len() <= 255 && a.bytes().all(|b| b.is_ascii_alphanumeric() || b".-:[]_".contains(&b));
+    plain.then_some(a)
 }
 
 /// Query parameters of a URI, decoded, repeated keys kept.
@@ -230,27 +290,51 @@ impl Server {
     pub fn new(store: Arc<dyn BlobStore>, cfg: Config) -> Arc<Server> {
         let metrics = Arc::new(Metrics::default());
         let store: Arc<dyn BlobStore> = Arc::new(MeteredStore::new(store, metrics.clone()));
-        Arc::new(Server { uploads: Uploads::new(store.clone()), store, metrics, cfg })
+        Arc::new(Server { uploads: Uploads::new(store.clone(), metrics.clone()), store, metrics, cfg })
     }
 
     /// The axum router of this server.
     pub fn router(self: &Arc<Self>) -> Router {
-        Router::new()
-            .route("/v2", any(v2))
-            .route("/v2/", any(v2))
-            .route("/v2/{*rest}", any(v2))
-            .route("/token", get(token))
-            .route("/metrics", get(metrics))
-            .layer(middleware::from_fn_with_state(self.clone(), count))
-            .layer(DefaultBodyLimit::disable())
-            .with_state(self.clone())
+        let mut r = Router::new().route("/v2", any(v2)).route("/v2/", any(v2)).route("/v2/{*rest}", any(v2)).route("/token", get(token));
+        if self.cfg.api_metrics {
+            r = r.route("/metrics", get(metrics));
+        }
+        r.layer(middleware::from_fn_with_state(self.clone(), count)).layer(DefaultBodyLimit::disable()).with_state(self.clone())
+    }
+
+    /// The router of the metrics listener: `/metrics` only, unauthenticated.
+    pub fn metrics_router(self: &Arc<Self>) -> Router {
+        Router::new().route("/metrics", get(open_metrics)).with_state(self.clone())
     }
 
     /// Serve plain HTTP on `listener` until `shutdown` resolves, then finish in-flight
-    /// requests.
+    /// requests. Idle upload sessions are swept meanwhile.
     pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-        let app = self.router().into_make_service_with_connect_info::<SocketAddr>();
-        axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+        let _sweeper = self.spawn_upload_sweeper();
+        listen::serve(self.router(), listener, None, self.cfg.limits.clone(), self.metrics.clone(), shutdown).await
+    }
+
+    /// Serve `/metrics` alone on `listener` (a private address) until `shutdown` resolves.
+    pub async fn serve_metrics(self: Arc<Self>, listener: tokio::net::TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+        listen::serve(self.metrics_router(), listener, None, self.cfg.limits.clone(), self.metrics.clone(), shutdown).await
+    }
+
+    /// Remove idle upload sessions every quarter of the TTL (1 s to 10 min), until dropped.
+    fn spawn_upload_sweeper(self: &Arc<Self>) -> AbortOnDrop {
+        let s = self.clone();
+        AbortOnDrop(tokio::spawn(async move {
+            let ttl = s.cfg.upload_ttl;
+            let every = (ttl / 4).clamp(Duration::from_secs(1), Duration::from_secs(600));
+            loop {
+                tokio::time::sleep(every).await;
+                match s.uploads.expire(ttl).await {
+                    Ok(n) => {
+                        s.metrics.uploads_expired.fetch_add(n as u64, Relaxed);
+                    }
+                    Err(e) => tracing::warn!(%e, "sweeping idle upload sessions"),
+                }
+            }
+        }))
     }
 
     /// Serve HTTPS with a PEM certificate chain and key until `shutdown` resolves, then
@@ -263,22 +347,19 @@ impl Server {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let _ = rustls::crypto::ring::default_provider().install_default();
+        // Reads the PEM files and offers h2 and http/1.1 by ALPN.
         let tls = axum_server::tls_rustls::RustlsConfig::from_pem_file(cert, key).await?;
-        let handle = axum_server::Handle::new();
-        let h = handle.clone();
-        tokio::spawn(async move {
-            shutdown.await;
-            h.graceful_shutdown(None);
-        });
         listener.set_nonblocking(true)?;
-        let app = self.router().into_make_service_with_connect_info::<SocketAddr>();
-        axum_server::from_tcp_rustls(listener, tls).handle(handle).serve(app).await
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        let _sweeper = self.spawn_upload_sweeper();
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls.get_inner());
+        listen::serve(self.router(), listener, Some(acceptor), self.cfg.limits.clone(), self.metrics.clone(), shutdown).await
     }
 
-    fn challenge(&self, headers: &HeaderMap, scope: Option<String>, insufficient: bool) -> String {
+    fn challenge(&self, uri: &Uri, headers: &HeaderMap, scope: Option<String>, insufficient: bool) -> String {
         let auth = self.cfg.auth.as_ref().expect("challenge only with auth");
         let realm = auth.realm.clone().unwrap_or_else(|| {
-            let host = headers.get(header::HOST).and_then(|h| h.to_str().ok()).unwrap_or("localhost");
+            let host = request_authority(uri, headers).unwrap_or("localhost");
             format!("{}://{host}/token", if self.cfg.tls { "https" } else { "http" })
         });
         let mut c = format!("Bearer realm=\"{realm}\",service=\"{}\"", auth.service);
@@ -291,7 +372,7 @@ impl Server {
         c
     }
 
-    async fn identify(&self, headers: &HeaderMap) -> Result<Identity, ApiError> {
+    async fn identify(&self, uri: &Uri, headers: &HeaderMap) -> Result<Identity, ApiError> {
         let Some(auth) = &self.cfg.auth else { return Ok(Identity::Anonymous) };
         let is_basic = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).is_some_and(|v| v.len() > 6 && v[..6].eq_ignore_ascii_case("basic "));
         let r = if is_basic {
@@ -307,12 +388,12 @@ impl Server {
         };
         r.map_err(|e: Rejected| {
             ApiError::new(StatusCode::UNAUTHORIZED, Code::Unauthorized, e.to_string())
-                .with_header(header::WWW_AUTHENTICATE, self.challenge(headers, None, false))
+                .with_header(header::WWW_AUTHENTICATE, self.challenge(uri, headers, None, false))
         })
     }
 
     /// Check that `id` may do `action` on `repo`; the error is the right 401/403.
-    fn authorize(&self, id: &Identity, headers: &HeaderMap, repo: &RepoName, action: Action) -> Result<(), ApiError> {
+    fn authorize(&self, id: &Identity, uri: &Uri, headers: &HeaderMap, repo: &RepoName, action: Action) -> Result<(), ApiError> {
         let Some(auth) = &self.cfg.auth else { return Ok(()) };
         if auth.allows(id, repo.as_str(), action) {
             return Ok(());
@@ -329,9 +410,9 @@ impl Server {
         Err(match id {
             Identity::User(_) => ApiError::new(StatusCode::FORBIDDEN, Code::Denied, msg),
             Identity::Anonymous => ApiError::new(StatusCode::UNAUTHORIZED, Code::Unauthorized, msg)
-                .with_header(header::WWW_AUTHENTICATE, self.challenge(headers, Some(scope), false)),
+                .with_header(header::WWW_AUTHENTICATE, self.challenge(uri, headers, Some(scope), false)),
             Identity::Token { .. } => ApiError::new(StatusCode::UNAUTHORIZED, Code::Unauthorized, msg)
-                .with_header(header::WWW_AUTHENTICATE, self.challenge(headers, Some(scope), true)),
+                .with_header(header::WWW_AUTHENTICATE, self.challenge(uri, headers, Some(scope), true)),
         })
     }
 
@@ -344,7 +425,7 @@ impl Server {
             Some(r) => r?,
             None => return Err(ApiError::not_found(Code::Unsupported, format!("no such endpoint {}", uri.path()))),
         };
-        let id = self.identify(&headers).await?;
+        let id = self.identify(&uri, &headers).await?;
         use Route as R;
         let need = match (&route, &method) {
             (R::Base, _) => None,
@@ -359,16 +440,17 @@ impl Server {
             R::Blob(r, _) | R::Manifest(r, _) | R::Tags(r) | R::Referrers(r, _) | R::UploadStart(r) | R::Upload(r, _) => Some(r),
         };
         if let (Some(repo), Some(action)) = (repo, need) {
-            self.authorize(&id, &headers, repo, action)?;
+            self.authorize(&id, &uri, &headers, repo, action)?;
         }
         let q = query(&uri);
         let head = method == Method::HEAD;
-        let counted = count_bytes(body.into_data_stream(), self.metrics.clone(), true);
+        let body = stall_limited(body.into_data_stream(), self.cfg.limits.idle_timeout, self.metrics.clone());
+        let counted = count_bytes(body, self.metrics.clone(), true);
         match (route, method) {
             (R::Base, _) => {
                 if self.cfg.auth.is_some() && id == Identity::Anonymous {
                     return Err(ApiError::new(StatusCode::UNAUTHORIZED, Code::Unauthorized, "authentication required")
-                        .with_header(header::WWW_AUTHENTICATE, self.challenge(&headers, None, false)));
+                        .with_header(header::WWW_AUTHENTICATE, self.challenge(&uri, &headers, None, false)));
                 }
                 Ok(respond(StatusCode::OK, &[(header::CONTENT_TYPE, "application/json".into())], Body::from("{}")))
             }
@@ -409,12 +491,10 @@ impl Server {
                 match self.uploads.finish(&repo, &uid, &d, counted).await {
                     Ok(()) => {
                         self.metrics.uploads_completed.fetch_add(1, Relaxed);
-                        self.metrics.uploads_in_progress.fetch_sub(1, Relaxed);
                     }
                     Err(e) => {
                         if e.code == Code::DigestInvalid {
                             self.metrics.uploads_cancelled.fetch_add(1, Relaxed);
-                            self.metrics.uploads_in_progress.fetch_sub(1, Relaxed);
                         }
                         return Err(e);
                     }
@@ -424,7 +504,6 @@ impl Server {
             (R::Upload(repo, uid), Method::DELETE) => {
                 self.uploads.cancel(&repo, &uid).await?;
                 self.metrics.uploads_cancelled.fetch_add(1, Relaxed);
-                self.metrics.uploads_in_progress.fetch_sub(1, Relaxed);
                 Ok(empty(StatusCode::NO_CONTENT, &[]))
             }
             (_, method) => Err(ApiError::new(StatusCode::METHOD_NOT_ALLOWED, Code::Unsupported, format!("{method} not allowed here"))),
@@ -444,6 +523,14 @@ impl Server {
             Err(e) if e.is_not_found() => return Err(unknown()),
             Err(e) => return Err(e.into()),
         };
+        if head {
+            // A HEAD that finds a blob lets a pushing client skip uploading it: rely on
+            // it, so a running gc keeps it, and answer by what is there after that.
+            inuse::rely_on(self.store.as_ref(), &d).await?;
+            if !exists(self.store.as_ref(), &key).await? {
+                return Err(unknown());
+            }
+        }
         let range = parse_range(headers.get(header::RANGE), meta.size)?;
         let mut hs = vec![
             (header::CONTENT_TYPE, "application/octet-stream".to_owned()),
@@ -506,7 +593,6 @@ impl Server {
         }
         let uid = self.uploads.start(repo).await?;
         self.metrics.uploads_started.fetch_add(1, Relaxed);
-        self.metrics.uploads_in_progress.fetch_add(1, Relaxed);
         let mut hs = upload_headers(repo, &uid, 0);
         hs.push((HeaderName::from_static("oci-chunk-min-length"), self.cfg.chunk_min_length.to_string()));
         Ok(empty(StatusCode::ACCEPTED, &hs))
@@ -537,6 +623,10 @@ impl Server {
                 }
             }
         }
+        inuse::rely_on(self.store.as_ref(), d).await?;
+        if !exists(self.store.as_ref(), &layout::blob(d)).await? {
+            return Ok(false); // a gc took it meanwhile: the client uploads it instead
+        }
         self.store.put(&layout::layer_link(repo, d), Bytes::new()).await?;
         Ok(true)
     }
@@ -551,6 +641,12 @@ impl Server {
             return Err(ApiError::bad(Code::DigestInvalid, format!("content is {got}, not {d}")));
         }
         let key = layout::blob(d);
+        // Bytes the registry already holds are not stored again; rely on those, so a
+        // running gc keeps them (or they are stored again if it took them).
+        if let Err(e) = inuse::rely_on(self.store.as_ref(), d).await {
+            let _ = tokio::fs::remove_file(&tmp).await;
+            return Err(e.into());
+        }
         if exists(self.store.as_ref(), &key).await? {
             let _ = tokio::fs::remove_file(&tmp).await;
         } else if let Err(e) = self.store.put_file(&key, &tmp).await {
@@ -650,7 +746,39 @@ impl Server {
             (None, None) => return Err(ApiError::bad(Code::ManifestInvalid, "no Content-Type and no mediaType")),
         };
         let refs = manifest_refs(&json)?;
+        // Lease what this manifest relies on (its children and its own bytes) before
+        // checking it: a gc whose listing misses this manifest then keeps them, or we
+        // see them gone (crate::inuse).
+        let mut relied: Vec<Digest> = refs.children.iter().map(|(c, _)| c.clone()).collect();
+        relied.push(d.clone());
+        let lease = inuse::lease(self.store.as_ref(), relied).await?;
+        let done = self.commit_manifest(repo, &d, tag.as_ref(), mt, buf, &json, &refs, &lease).await;
+        let released = match done {
+            Ok(_) => lease.release_committed(self.store.as_ref()).await,
+            Err(_) => lease.release(self.store.as_ref()).await,
+        };
+        if let Err(e) = released {
+            // The lease stays and keeps protecting until it is stale; nothing is lost.
+            tracing::warn!(%e, %d, "could not release a manifest lease");
+        }
+        done
+    }
+
+    /// The part of a manifest PUT under its lease: check what it references, then write it.
+    #[allow(clippy::too_many_arguments)]
+    async fn commit_manifest(
+        &self,
+        repo: &RepoName,
+        d: &Digest,
+        tag: Option<&Tag>,
+        mt: String,
+        buf: Vec<u8>,
+        json: &serde_json::Value,
+        refs: &ManifestRefs,
+        lease: &inuse::Lease,
+    ) -> Result<Response, ApiError> {
         for (child, is_manifest) in &refs.children {
+            inuse::settled(self.store.as_ref(), child).await?;
             let key = if *is_manifest { layout::manifest_link(repo, child) } else { layout::layer_link(repo, child) };
             // The bytes too, not only the link: gc may have swept an old unreferenced
             // blob that a client skipped uploading because HEAD said it existed.
@@ -658,11 +786,15 @@ impl Server {
                 return Err(ApiError::bad(Code::ManifestBlobUnknown, format!("{child} is not in {repo}")));
             }
         }
-        self.store.put(&layout::blob(&d), Bytes::from(buf.clone())).await?;
+        // Our own bytes may be an old unreferenced copy a gc is deleting: let it finish first.
+        inuse::settled(self.store.as_ref(), d).await?;
+        lease.check_fresh()?;
+        let (d, size) = (d.clone(), buf.len());
+        self.store.put(&layout::blob(&d), Bytes::from(buf)).await?;
         self.store.put(&layout::manifest_link(repo, &d), Bytes::from(mt.clone())).await?;
         let mut hs = vec![(header::LOCATION, format!("/v2/{repo}/manifests/{d}")), (HeaderName::from_static("docker-content-digest"), d.to_string())];
         if let Some(subject) = &refs.subject {
-            let mut desc = serde_json::json!({ "mediaType": mt, "digest": d.to_string(), "size": buf.len() });
+            let mut desc = serde_json::json!({ "mediaType": mt, "digest": d.to_string(), "size": size });
             let at = json.get("artifactType").and_then(|v| v.as_str()).or_else(|| json.pointer("/config/mediaType").and_then(|v| v.as_str()));
             if let Some(at) = at {
                 desc["artifactType"] = at.into();
@@ -674,7 +806,7 @@ impl Server {
             self.store.put(&layout::referrer(repo, subject, &d), raw.into()).await?;
             hs.push((HeaderName::from_static("oci-subject"), subject.to_string()));
         }
-        if let Some(t) = &tag {
+        if let Some(t) = tag {
             self.store.put(&layout::tag(repo, t), Bytes::from(d.to_string())).await?;
         }
         Ok(empty(StatusCode::CREATED, &hs))
@@ -866,7 +998,7 @@ async fn token(State(s): State<Arc<Server>>, uri: Uri, headers: HeaderMap) -> Re
     let Some(auth) = &s.cfg.auth else {
         return ApiError::not_found(Code::Unsupported, "authentication is not enabled").into_response();
     };
-    let sub = match s.identify(&headers).await {
+    let sub = match s.identify(&uri, &headers).await {
         Ok(Identity::User(u)) => Some(u),
         Ok(Identity::Anonymous) => None,
         Ok(Identity::Token { .. }) | Err(_) => {
@@ -886,7 +1018,26 @@ async fn token(State(s): State<Arc<Server>>, uri: Uri, headers: HeaderMap) -> Re
     .into_response()
 }
 
-async fn metrics(State(s): State<Arc<Server>>) -> Response {
+/// `/metrics` on the API listener: with auth enabled, for users only (a scraper sends
+/// Basic credentials).
+async fn metrics(State(s): State<Arc<Server>>, uri: Uri, headers: HeaderMap) -> Response {
+    if s.cfg.auth.is_some() {
+        let user = match s.identify(&uri, &headers).await {
+            Ok(Identity::User(_)) => true,
+            Ok(Identity::Token { sub, .. }) => !sub.is_empty(),
+            _ => false,
+        };
+        if !user {
+            return ApiError::new(StatusCode::UNAUTHORIZED, Code::Unauthorized, "metrics need credentials")
+                .with_header(header::WWW_AUTHENTICATE, "Basic realm=\"snapctl\"")
+                .into_response();
+        }
+    }
+    open_metrics(State(s)).await
+}
+
+/// `/metrics` for anyone who can reach it (the metrics listener).
+async fn open_metrics(State(s): State<Arc<Server>>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], s.metrics.render()).into_response()
 }
 
@@ -897,8 +1048,44 @@ async fn count(State(s): State<Arc<Server>>, req: Request, next: Next) -> Respon
     let t = std::time::Instant::now();
     let resp = next.run(req).await;
     s.metrics.request(method.as_str(), resp.status().as_u16());
+    // Methods and paths are client input of any length: log a bounded prefix.
+    let (method, path) = (clip(method.as_str(), 16), clip(&path, 512));
     tracing::info!(%method, %path, status = resp.status().as_u16(), ms = t.elapsed().as_millis() as u64, "request");
     resp
+}
+
+/// At most `n` bytes of `s` (cut at a character boundary).
+fn clip(s: &str, n: usize) -> &str {
+    let mut end = s.len().min(n);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// Fail a request body that stalls: when no byte arrives for `idle`, the stream ends with
+/// an error, the handler answers, and the connection can go (a body owed forever would
+/// hold its connection and descriptor forever).
+fn stall_limited(
+    s: impl futures::Stream<Item = Result<Bytes, axum::Error>> + Send + 'static,
+    idle: Duration,
+    m: Arc<Metrics>,
+) -> impl futures::Stream<Item = Result<Bytes, axum::Error>> + Send + 'static {
+    futures::stream::unfold(Some(Box::pin(s)), move |st| {
+        let m = m.clone();
+        async move {
+            let mut s = st?;
+            match tokio::time::timeout(idle, s.next()).await {
+                Ok(Some(item)) => Some((item, Some(s))),
+                Ok(None) => None,
+                Err(_) => {
+                    m.connections_timed_out.fetch_add(1, Relaxed);
+                    let e = std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no byte of the request body for {} s", idle.as_secs_f64()));
+                    Some((Err(axum::Error::new(e)), None))
+                }
+            }
+        }
+    })
 }
 
 #[cfg(test)]

@@ -17,11 +17,17 @@
 //! committed size. The running SHA-256 state is cached in memory per session; after a
 //! restart (or on another replica) it is recomputed from the committed bytes. A blob
 //! becomes visible (`blobs/...`) only after its digest was checked.
+//!
+//! Sessions idle for the upload TTL are removed whole (state, bytes, directories) by the
+//! server's periodic sweep ([`Uploads::expire`]) and by gc ([`idle_sessions`],
+//! [`remove_session`]): a client that opens sessions and walks away costs disk only for
+//! that long.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::http::{header, StatusCode};
 use bytes::Bytes;
@@ -30,6 +36,7 @@ use futures::{Stream, StreamExt, TryStreamExt};
 use crate::digest::{Algorithm, Digest, Hasher};
 use crate::error::{ApiError, Code};
 use crate::layout;
+use crate::metrics::Metrics;
 use crate::name::RepoName;
 use crate::store::{BlobStore, StoreError};
 
@@ -55,6 +62,32 @@ pub struct Uploads {
     store: Arc<dyn BlobStore>,
     /// Per-session lock + cached hash state. Entries are dropped when a session ends.
     sessions: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Option<HashAt>>>>>,
+    /// Sessions this process started that have not ended (as far as it knows: one that
+    /// another replica or `snapctl gc` ended is found by [`Uploads::expire`]). Its size
+    /// is the `uploads_in_progress` gauge.
+    mine: Mutex<HashSet<String>>,
+    metrics: Arc<Metrics>,
+}
+
+/// Sessions whose newest object is `ttl` old or older (ids, sorted). Objects of a
+/// session without state (a crash between removing the state and the rest) count too.
+pub async fn idle_sessions(store: &dyn BlobStore, ttl: Duration) -> Result<Vec<String>, StoreError> {
+    let now = SystemTime::now();
+    let mut newest: BTreeMap<String, SystemTime> = BTreeMap::new();
+    for m in store.list(layout::UPLOADS).await? {
+        if let Some(id) = m.key.strip_prefix(layout::UPLOADS).and_then(|r| r.split('/').next()) {
+            let t = newest.entry(id.to_owned()).or_insert(UNIX_EPOCH);
+            *t = (*t).max(m.modified);
+        }
+    }
+    Ok(newest.into_iter().filter(|(_, t)| now.duration_since(*t).unwrap_or_default() >= ttl).map(|(id, _)| id).collect())
+}
+
+/// Remove session `id` whole: its state first (once that is gone the session is gone,
+/// whatever else remains), then everything under `_uploads/<id>/`, directories included.
+pub async fn remove_session(store: &dyn BlobStore, id: &str) -> Result<(), StoreError> {
+    store.delete(&layout::upload_state(id)).await?;
+    store.delete_prefix(&format!("{}{id}/", layout::UPLOADS)).await
 }
 
 /// Whether `id` looks like one of our session ids (32 lowercase hex).
@@ -186,9 +219,45 @@ pub fn staging_path(store: &dyn BlobStore, what: &str) -> PathBuf {
 }
 
 impl Uploads {
-    /// Sessions over `store`.
-    pub fn new(store: Arc<dyn BlobStore>) -> Uploads {
-        Uploads { store, sessions: Mutex::new(HashMap::new()) }
+    /// Sessions over `store`; the sessions this process starts are counted in
+    /// `metrics.uploads_in_progress`.
+    pub fn new(store: Arc<dyn BlobStore>, metrics: Arc<Metrics>) -> Uploads {
+        Uploads { store, sessions: Mutex::new(HashMap::new()), mine: Mutex::new(HashSet::new()), metrics }
+    }
+
+    /// Change the set of sessions this process started, and the gauge with it.
+    fn mine(&self, f: impl FnOnce(&mut HashSet<String>)) {
+        let mut m = self.mine.lock().unwrap_or_else(|p| p.into_inner());
+        f(&mut m);
+        self.metrics.uploads_in_progress.store(m.len() as i64, Relaxed);
+    }
+
+    /// Remove the sessions idle for `ttl` or longer, whole; a session with a request in
+    /// this process is not idle. Sessions this process started that have ended elsewhere
+    /// (another replica, `snapctl gc`) leave the gauge. Returns how many were removed.
+    pub async fn expire(&self, ttl: Duration) -> Result<usize, StoreError> {
+        let mut removed = 0;
+        for id in idle_sessions(self.store.as_ref(), ttl).await? {
+            let lock = self.lock_of(&id);
+            // Held by a PATCH or PUT streaming a body (on an object store its bytes are
+            // not in the store yet, so the session looks idle): not idle.
+            let Ok(_busy) = lock.try_lock() else { continue };
+            tracing::info!(%id, ?ttl, "removing idle upload session");
+            remove_session(self.store.as_ref(), &id).await?;
+            self.forget(&id);
+            removed += 1;
+        }
+        let mine: Vec<String> = self.mine.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect();
+        for id in mine {
+            match self.store.head(&layout::upload_state(&id)).await {
+                Err(e) if e.is_not_found() => self.mine(|m| {
+                    m.remove(&id);
+                }),
+                Err(e) => return Err(e),
+                Ok(_) => {}
+            }
+        }
+        Ok(removed)
     }
 
     fn lock_of(&self, id: &str) -> Arc<tokio::sync::Mutex<Option<HashAt>>> {
@@ -198,6 +267,9 @@ impl Uploads {
 
     fn forget(&self, id: &str) {
         self.sessions.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
+        self.mine(|m| {
+            m.remove(id);
+        });
     }
 
     /// Start a session for `repo`; returns its id.
@@ -206,6 +278,9 @@ impl Uploads {
         let st = UploadState { repo: repo.to_string(), started: unix_now() };
         let body = serde_json::to_vec(&st).expect("state serializes");
         self.store.put(&layout::upload_state(&id), body.into()).await?;
+        self.mine(|m| {
+            m.insert(id.clone());
+        });
         Ok(id)
     }
 
@@ -303,9 +378,10 @@ impl Uploads {
         S: Stream<Item = Result<Bytes, E>> + Send,
         E: std::fmt::Display,
     {
-        self.check(repo, id).await?;
         let lock = self.lock_of(id);
         let mut cached = lock.lock().await;
+        // Under the lock: the idle sweep removes a session only while holding it.
+        self.check(repo, id).await?;
         let parts = self.parts(id).await?;
         let offset = Self::end_of(&parts);
         if let Some(s) = start {
@@ -392,6 +468,7 @@ impl Uploads {
         self.append(repo, id, None, body).await?;
         let lock = self.lock_of(id);
         let mut cached = lock.lock().await;
+        self.check(repo, id).await?;
         let parts = self.parts(id).await?;
         let total = Self::end_of(&parts);
         let hasher = match cached.take() {
@@ -405,6 +482,10 @@ impl Uploads {
             return Err(ApiError::bad(Code::DigestInvalid, format!("content is {got}, not {digest}")));
         }
         let bkey = layout::blob(digest);
+        // The registry may hold these bytes already, and then they are not stored again:
+        // rely on them first, so a running gc keeps them or we see them gone and store
+        // ours (crate::inuse).
+        crate::inuse::rely_on(self.store.as_ref(), digest).await?;
         let exists = match self.store.head(&bkey).await {
             Ok(_) => true,
             Err(e) if e.is_not_found() => false,
@@ -445,15 +526,7 @@ impl Uploads {
     }
 
     async fn cancel_unchecked(&self, id: &str) -> Result<(), ApiError> {
-        // State first: once it is gone the session is gone, whatever parts remain (gc
-        // removes orphaned parts).
-        self.store.delete(&layout::upload_state(id)).await?;
-        for m in self.store.list(&format!("{}{id}/", layout::UPLOADS)).await? {
-            match self.store.delete(&m.key).await {
-                Ok(()) | Err(StoreError::NotFound(_)) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
+        remove_session(self.store.as_ref(), id).await?;
         self.forget(id);
         Ok(())
     }
@@ -496,7 +569,7 @@ mod tests {
     async fn resume_and_cut_tail(store: Arc<dyn BlobStore>) {
         let data: Vec<u8> = (0..300_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
         let digest = Digest::of(Algorithm::Sha256, &data);
-        let up = Uploads::new(store.clone());
+        let up = Uploads::new(store.clone(), Default::default());
         let id = up.start(&repo()).await.unwrap();
         assert_eq!(up.append(&repo(), &id, Some(0), ok_body(&data[..100_000])).await.unwrap(), 100_000);
         assert_eq!(up.append(&repo(), &id, Some(100_000), ok_body(&data[100_000..150_000])).await.unwrap(), 150_000);
@@ -507,7 +580,7 @@ mod tests {
         assert!(up.append(&repo(), &id, Some(150_000), cut_body(&torn)).await.is_err());
         assert_eq!(up.status(&repo(), &id).await.unwrap(), 150_000);
 
-        let up = Uploads::new(store.clone()); // a restart: no cached hash
+        let up = Uploads::new(store.clone(), Default::default()); // a restart: no cached hash
         assert_eq!(up.status(&repo(), &id).await.unwrap(), 150_000);
         let e = up.append(&repo(), &id, Some(149_000), ok_body(&data[149_000..])).await.unwrap_err();
         assert_eq!(e.status, StatusCode::RANGE_NOT_SATISFIABLE);
@@ -544,7 +617,7 @@ mod tests {
         use std::os::unix::fs::MetadataExt;
         let dir = tempfile::tempdir().unwrap();
         let store: Arc<dyn BlobStore> = Arc::new(FsStore::open(dir.path()).unwrap());
-        let up = Uploads::new(store.clone());
+        let up = Uploads::new(store.clone(), Default::default());
         let id = up.start(&repo()).await.unwrap();
         let data = vec![7u8; 50_000];
         for i in 0..5 {
@@ -557,5 +630,47 @@ mod tests {
         up.finish(&repo(), &id, &digest, ok_body(&[])).await.unwrap();
         let blob = store.local_file(&layout::blob(&digest)).unwrap();
         assert_eq!(std::fs::metadata(blob).unwrap().ino(), ino);
+    }
+
+    /// Issue 14: sessions never expired in the server, and expiry left a directory per
+    /// session. Idle sessions go whole; a session with a request in flight stays; the
+    /// gauge follows, also for sessions another process removed.
+    async fn idle_sessions_expire_whole(store: Arc<dyn BlobStore>) {
+        let m = Arc::new(Metrics::default());
+        let gauge = || m.uploads_in_progress.load(Relaxed);
+        let up = Uploads::new(store.clone(), m.clone());
+        let a = up.start(&repo()).await.unwrap();
+        up.append(&repo(), &a, None, ok_body(&[1u8; 5000])).await.unwrap();
+        let b = up.start(&repo()).await.unwrap();
+        let c = up.start(&repo()).await.unwrap();
+        assert_eq!(gauge(), 3);
+        assert_eq!(up.expire(Duration::from_secs(3600)).await.unwrap(), 0, "nothing is an hour old");
+        let lock = up.lock_of(&b);
+        let busy = lock.lock().await;
+        assert_eq!(up.expire(Duration::ZERO).await.unwrap(), 2, "a and c are idle; b has a request in flight");
+        assert_eq!(gauge(), 1);
+        drop(busy);
+        assert!(up.status(&repo(), &a).await.unwrap_err().code == Code::BlobUploadUnknown);
+        assert!(up.status(&repo(), &c).await.is_err());
+        // Another process (gc, a replica) removes b: the gauge learns it at the next sweep.
+        remove_session(store.as_ref(), &b).await.unwrap();
+        assert_eq!(up.expire(Duration::from_secs(3600)).await.unwrap(), 0);
+        assert_eq!(gauge(), 0);
+        assert!(store.list(layout::UPLOADS).await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn regression_issue_14_fs_idle_sessions_expire_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        idle_sessions_expire_whole(Arc::new(FsStore::open(dir.path()).unwrap())).await;
+        let left: Vec<_> = std::fs::read_dir(dir.path().join("_uploads")).unwrap().flatten().map(|e| e.path()).collect();
+        assert!(left.is_empty(), "directories left: {left:?}");
+    }
+
+    #[tokio::test]
+    async fn regression_issue_14_object_store_idle_sessions_expire_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let mem = Arc::new(object_store::memory::InMemory::new());
+        idle_sessions_expire_whole(Arc::new(ObjectStoreBackend::new(mem, "p", dir.path()).unwrap())).await;
     }
 }

@@ -10,16 +10,19 @@ use super::common::{self, outln, parse_duration};
 /// Delete blobs that no manifest reaches.
 ///
 /// Marks from every manifest in every repository (config, layers, index children,
-/// subject), then deletes unmarked blobs older than --grace, so a push running at the
-/// same time keeps its freshly uploaded blobs. Safe to run against a live registry.
+/// subject), then deletes unmarked blobs older than --grace that no request relied on
+/// (a HEAD that found it, a mount, an upload of the same bytes, a manifest PUT) since
+/// --grace before gc started. Safe to run against live servers, one gc at a time: a
+/// push running meanwhile keeps what it uploaded or was told exists, or is refused
+/// cleanly (spec/registry.md §4). Upload sessions idle for --upload-ttl go too.
 /// The report goes to stdout (JSON with --json).
 #[derive(Debug, clap::Args)]
 pub struct GcArgs {
     /// The registry storage: a directory, or s3://BUCKET/PREFIX.
     #[arg(long)]
     pub storage: String,
-    /// Keep unreferenced blobs younger than this (500ms, 90s, 15m, 1h30m, 7d; a plain
-    /// number is seconds).
+    /// Keep unreferenced blobs younger than this, or used by a request less than this
+    /// before gc started (500ms, 90s, 15m, 1h30m, 7d; a plain number is seconds).
     #[arg(long, default_value = "1h", value_parser = parse_duration)]
     pub grace: Duration,
     /// Remove upload sessions idle for longer than this (same grammar as --grace).
@@ -47,6 +50,7 @@ pub fn run(args: GcArgs) -> anyhow::Result<ExitCode> {
         outln!("blobs in storage:   {}", report.blobs)?;
         outln!("blobs {verb}: {} ({} bytes)", report.swept, report.swept_bytes)?;
         outln!("kept (in grace):    {}", report.kept_young)?;
+        outln!("kept (in use):      {}", report.kept_in_use)?;
         outln!("links {verb}: {}", report.links_removed)?;
         outln!("uploads {verb}: {}", report.uploads_removed)?;
     }

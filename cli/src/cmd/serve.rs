@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::Context as _;
 
@@ -12,6 +13,13 @@ use anyhow::Context as _;
 /// Logs go to stderr, one line per request (filter with SNAPCTL_LOG or RUST_LOG, e.g.
 /// `SNAPCTL_LOG=debug`). SIGTERM or SIGINT stops accepting connections and finishes
 /// in-flight requests.
+///
+/// Against hostile clients: a request head must arrive within --header-timeout, a
+/// connection with nothing in flight and nothing moving (or a request body that stops)
+/// is closed after --idle-timeout, a client (IPv4 address, IPv6 /64) may hold
+/// --max-conns-per-client connections, idle upload sessions are removed after
+/// --upload-ttl, and /metrics has fixed label sets (and, with --htpasswd, needs
+/// credentials unless it has its own --metrics-listen address). See spec/registry.md.
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
     /// Where blobs and manifests live: a directory, or s3://BUCKET/PREFIX.
@@ -52,6 +60,24 @@ pub struct ServeArgs {
     /// when an upload starts (0: no minimum).
     #[arg(long, default_value = "0", value_parser = super::common::parse_size)]
     pub chunk_min_length: u64,
+    /// A request head (for a new connection: its TLS handshake too) must arrive within this.
+    #[arg(long, default_value = "30s", value_parser = super::common::parse_duration)]
+    pub header_timeout: Duration,
+    /// Close a connection with no request in flight and no byte moving, and fail a request
+    /// whose body stops arriving, after this.
+    #[arg(long, default_value = "120s", value_parser = super::common::parse_duration)]
+    pub idle_timeout: Duration,
+    /// Most connections one client (IPv4 address, IPv6 /64) may hold open; more are
+    /// closed at once (0: no cap).
+    #[arg(long, default_value_t = 64)]
+    pub max_conns_per_client: usize,
+    /// Remove upload sessions idle for this long (checked every quarter of it).
+    #[arg(long, default_value = "24h", value_parser = super::common::parse_duration)]
+    pub upload_ttl: Duration,
+    /// Serve /metrics on this address only (e.g. 127.0.0.1:9100), unauthenticated, and not
+    /// on --listen. Default: on --listen, needing credentials when --htpasswd is set.
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
 }
 
 /// The server's log filter when neither SNAPCTL_LOG nor RUST_LOG sets one: warnings, and
@@ -77,24 +103,59 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         }
     };
     let tls = args.tls_cert.is_some();
-    let cfg = registry::Config { max_manifest_bytes: args.max_manifest_bytes, auth, tls, chunk_min_length: args.chunk_min_length };
+    let limits =
+        registry::server::Limits { header_read_timeout: args.header_timeout, idle_timeout: args.idle_timeout, max_conns_per_client: args.max_conns_per_client };
+    if limits.header_read_timeout.is_zero() || limits.idle_timeout.is_zero() {
+        anyhow::bail!("--header-timeout and --idle-timeout must be more than 0");
+    }
+    let cfg = registry::Config {
+        max_manifest_bytes: args.max_manifest_bytes,
+        auth,
+        tls,
+        chunk_min_length: args.chunk_min_length,
+        limits,
+        upload_ttl: args.upload_ttl,
+        api_metrics: args.metrics_listen.is_none(),
+    };
     let store = registry::store::open(&args.storage, args.staging_dir.as_deref()).with_context(|| format!("opening storage {}", args.storage))?;
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     rt.block_on(async move {
-        let server = registry::Server::new(store, cfg);
         let listener = std::net::TcpListener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
         let addr = listener.local_addr()?;
+        for w in cfg.exposure_warnings(addr) {
+            tracing::warn!("{w}");
+        }
+        let server = registry::Server::new(store, cfg);
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(());
+        tokio::spawn(async move {
+            shutdown_signal().await;
+            let _ = stop_tx.send(());
+        });
+        let stopped = |mut rx: tokio::sync::watch::Receiver<()>| async move {
+            let _ = rx.changed().await;
+        };
+        let metrics = match &args.metrics_listen {
+            Some(m) => {
+                let l = tokio::net::TcpListener::bind(m).await.with_context(|| format!("listening on {m} for metrics"))?;
+                eprintln!("snapctl serve: metrics on http://{}/metrics", l.local_addr()?);
+                Some(tokio::spawn(server.clone().serve_metrics(l, stopped(stop_rx.clone()))))
+            }
+            None => None,
+        };
         eprintln!("snapctl serve: listening on {}://{addr} (storage: {})", if tls { "https" } else { "http" }, args.storage);
         match (&args.tls_cert, &args.tls_key) {
-            (Some(cert), Some(key)) => server.serve_tls(listener, cert, key, shutdown_signal()).await,
+            (Some(cert), Some(key)) => server.serve_tls(listener, cert, key, stopped(stop_rx)).await,
             _ => {
                 listener.set_nonblocking(true)?;
                 let l = tokio::net::TcpListener::from_std(listener)?;
-                server.serve(l, shutdown_signal()).await
+                server.serve(l, stopped(stop_rx)).await
             }
         }
         .context("serving")?;
+        if let Some(m) = metrics {
+            m.await.context("metrics listener")?.context("serving metrics")?;
+        }
         eprintln!("snapctl serve: stopped");
         Ok(ExitCode::SUCCESS)
     })

@@ -24,6 +24,11 @@ impl TestServer {
 
     pub async fn start_in(dir: tempfile::TempDir, cfg: Config) -> TestServer {
         let store = Arc::new(FsStore::open(dir.path()).unwrap());
+        TestServer::start_on(store, dir, cfg).await
+    }
+
+    /// A server over `store` (`dir` is only kept alive with it).
+    pub async fn start_on(store: Arc<dyn BlobStore>, dir: tempfile::TempDir, cfg: Config) -> TestServer {
         let server = Server::new(store, cfg);
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", l.local_addr().unwrap());
@@ -604,7 +609,169 @@ mod auth {
 
 mod gc {
     use super::*;
-    use crate::gc::{run, GcOptions};
+    use crate::gc::{mark, run, sweep, GcOptions, GcReport, GcRun};
+    use std::time::{Duration, SystemTime};
+
+    /// Set the mtime of every file under `dir` back by `by`: blobs, links and use marks
+    /// as a registry has them after a while.
+    fn age_all(dir: &std::path::Path, by: Duration) {
+        let t = SystemTime::now() - by;
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).unwrap().flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else {
+                    std::fs::File::options().write(true).open(&p).unwrap().set_modified(t).unwrap();
+                }
+            }
+        }
+    }
+
+    /// Issue 14: old unreferenced blobs; gc marks (seconds, with 40,000 manifests); a
+    /// re-push of the same image meanwhile: its HEADs find config and layer, it uploads a
+    /// blob the registry already holds, its manifest PUT succeeds. The sweep that follows
+    /// must keep everything the push relied on.
+    #[tokio::test]
+    async fn regression_issue_14_a_push_during_gc_keeps_what_it_relied_on() {
+        let s = TestServer::start(Config::default()).await;
+        let c = Client::new();
+        let md = sample_image(&c, &s, "r", "v1", "old").await;
+        let extra = push_blob(&c, &s, "r", b"extra layer").await;
+        assert_eq!(c.delete(s.u(&format!("/v2/r/manifests/{md}"))).send().await.unwrap().status(), StatusCode::ACCEPTED);
+        age_all(s.dir.path(), Duration::from_secs(7200));
+        let (cfg, layer) = ("{\"salt\":\"old\"}", "layer bytes old");
+        let (cd, ld) = (sha(cfg.as_bytes()), sha(layer.as_bytes()));
+
+        let store = FsStore::open(s.dir.path()).unwrap();
+        let opts = GcOptions::default();
+        let mut report = GcReport::default();
+        let mut gc = GcRun::start(&store, false).await.unwrap();
+        let marked = mark(&store, &mut gc, &mut report).await.unwrap();
+
+        for d in [&cd, &ld] {
+            assert_eq!(c.head(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap().status(), StatusCode::OK);
+        }
+        assert_eq!(push_blob(&c, &s, "r", b"extra layer").await, extra);
+        let m = image_manifest(&cd, cfg.len(), &[(ld.clone(), layer.len()), (extra.clone(), 11)]);
+        assert_eq!(push_manifest(&c, &s, "r", "v2", &m).await.status(), StatusCode::CREATED);
+
+        sweep(&store, &mut gc, &opts, marked, &mut report).await.unwrap();
+        gc.finish(&store).await;
+        assert_eq!((report.kept_in_use, report.swept), (3, 1), "only the deleted manifest goes: {report:?}");
+        for d in [&cd, &ld, &extra] {
+            let r = c.get(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap();
+            assert_eq!(r.status(), StatusCode::OK, "gc deleted {d}, which the push relied on");
+        }
+        assert!(!s.dir.path().join("_gc/run").exists() && !s.dir.path().join("_gc/condemned").exists(), "gc left its marks");
+    }
+
+    /// The same race on an object store (S3's key space, no directories, no way to set an
+    /// mtime back): with `--grace 0s` everything stored before gc started is a candidate,
+    /// and only what the push relied on while gc ran is kept.
+    #[tokio::test]
+    async fn regression_issue_14_a_push_during_gc_keeps_what_it_relied_on_object_store() {
+        let staging = tempfile::tempdir().unwrap();
+        let mem = Arc::new(object_store::memory::InMemory::new());
+        let store: Arc<dyn BlobStore> = Arc::new(crate::store::ObjectStoreBackend::new(mem, "reg", staging.path()).unwrap());
+        let s = TestServer::start_on(store.clone(), tempfile::tempdir().unwrap(), Config::default()).await;
+        let c = Client::new();
+        let md = sample_image(&c, &s, "r", "v1", "old").await;
+        assert_eq!(c.delete(s.u(&format!("/v2/r/manifests/{md}"))).send().await.unwrap().status(), StatusCode::ACCEPTED);
+        let orphan = push_blob(&c, &s, "r", b"nobody relies on this").await;
+        let (cfg, layer) = ("{\"salt\":\"old\"}", "layer bytes old");
+        let (cd, ld) = (sha(cfg.as_bytes()), sha(layer.as_bytes()));
+        tokio::time::sleep(Duration::from_millis(20)).await; // gc starts strictly later
+
+        let opts = GcOptions { grace: Duration::ZERO, ..GcOptions::default() };
+        let mut report = GcReport::default();
+        let mut gc = GcRun::start(store.as_ref(), false).await.unwrap();
+        let marked = mark(store.as_ref(), &mut gc, &mut report).await.unwrap();
+        for d in [&cd, &ld] {
+            assert_eq!(c.head(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap().status(), StatusCode::OK);
+        }
+        let m = image_manifest(&cd, cfg.len(), &[(ld.clone(), layer.len())]);
+        assert_eq!(push_manifest(&c, &s, "r", "v2", &m).await.status(), StatusCode::CREATED);
+        sweep(store.as_ref(), &mut gc, &opts, marked, &mut report).await.unwrap();
+        gc.finish(store.as_ref()).await;
+
+        // The manifest is the same as v1's, written again: young.
+        assert_eq!((report.kept_in_use, report.swept, report.kept_young), (2, 1, 1), "only the orphan goes: {report:?}");
+        for d in [&cd, &ld] {
+            assert_eq!(c.get(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap().status(), StatusCode::OK, "{d}");
+        }
+        assert_eq!(c.get(s.u(&format!("/v2/r/blobs/{orphan}"))).send().await.unwrap().status(), StatusCode::NOT_FOUND);
+        assert!(store.list(layout::GC).await.unwrap().iter().all(|m| m.key.starts_with(layout::GC_USED)), "gc left marks");
+    }
+
+    /// A manifest PUT in flight holds a lease on what it references: gc keeps those blobs
+    /// whatever their age and the grace period, until the lease goes (or is stale).
+    #[tokio::test]
+    async fn a_lease_keeps_its_blobs_until_released() {
+        let s = TestServer::start(Config::default()).await;
+        let c = Client::new();
+        let d = push_blob(&c, &s, "r", b"leased").await;
+        age_all(s.dir.path(), Duration::from_secs(7200));
+        let store = FsStore::open(s.dir.path()).unwrap();
+        let now = GcOptions { grace: Duration::ZERO, ..GcOptions::default() };
+        let lease = crate::inuse::lease(&store, vec![d.clone()]).await.unwrap();
+        let rep = run(&store, &now).await.unwrap();
+        assert_eq!((rep.kept_in_use, rep.swept), (1, 0), "{rep:?}");
+        lease.release(&store).await.unwrap();
+        let rep = run(&store, &now).await.unwrap();
+        assert_eq!(rep.swept, 1, "{rep:?}");
+    }
+
+    /// A HEAD for a blob gc is deciding about waits for gc, and answers by what gc did:
+    /// never "present" for a blob about to go.
+    #[tokio::test]
+    async fn a_head_during_the_sweep_answers_by_what_gc_did() {
+        let s = TestServer::start(Config::default()).await;
+        let c = Client::new();
+        let d = push_blob(&c, &s, "r", b"condemned").await;
+        let store = Arc::new(FsStore::open(s.dir.path()).unwrap());
+        store.touch(layout::GC_RUN).await.unwrap();
+        store.touch(&layout::gc_condemned(&d)).await.unwrap();
+        let st = store.clone();
+        let d2 = d.clone();
+        let gc = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            st.delete(&layout::blob(&d2)).await.unwrap();
+            st.delete(&layout::gc_condemned(&d2)).await.unwrap();
+        });
+        let r = c.head(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap();
+        gc.await.unwrap();
+        assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    }
+
+    /// One gc at a time: a second refuses while the first keeps `_gc/run` fresh.
+    #[tokio::test]
+    async fn a_second_gc_refuses_to_run_beside_a_live_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FsStore::open(dir.path()).unwrap();
+        store.touch(layout::GC_RUN).await.unwrap();
+        assert!(matches!(run(&store, &GcOptions::default()).await, Err(crate::gc::GcError::Running { .. })));
+        age_all(dir.path(), Duration::from_secs(3600));
+        run(&store, &GcOptions::default()).await.expect("a stopped gc's mark is taken over");
+    }
+
+    /// Issue 14: `gc --upload-ttl` removed a session's files but left its directory.
+    #[tokio::test]
+    async fn regression_issue_14_gc_removes_upload_sessions_whole() {
+        let s = TestServer::start(Config::default()).await;
+        let c = Client::new();
+        for _ in 0..3 {
+            let r = c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap();
+            let loc = r.headers()["location"].to_str().unwrap().to_owned();
+            c.patch(s.u(&loc)).body(vec![7u8; 10]).send().await.unwrap();
+        }
+        let store = FsStore::open(s.dir.path()).unwrap();
+        let rep = run(&store, &GcOptions { upload_ttl: Duration::ZERO, ..GcOptions::default() }).await.unwrap();
+        assert_eq!(rep.uploads_removed, 3);
+        let left: Vec<_> = std::fs::read_dir(s.dir.path().join("_uploads")).unwrap().flatten().map(|e| e.path()).collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
+    }
 
     #[tokio::test]
     async fn sweeps_unreferenced_keeps_reachable_and_young() {
@@ -647,5 +814,209 @@ mod gc {
         c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap();
         let rep = run(&store, &GcOptions { upload_ttl: std::time::Duration::ZERO, ..now }).await.unwrap();
         assert_eq!((rep.swept, rep.uploads_removed), (5, 1), "{rep:?}");
+    }
+}
+
+/// Issue 14: what the server promises a hostile client (spec/registry.md §7).
+mod hostile {
+    use super::*;
+    use std::time::{Duration, Instant};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpSocket, TcpStream};
+
+    fn limits(header: u64, idle: u64, cap: usize) -> Limits {
+        Limits { header_read_timeout: Duration::from_secs(header), idle_timeout: Duration::from_secs(idle), max_conns_per_client: cap }
+    }
+
+    /// A connection to the server from source address `from` (any 127/8 address).
+    async fn connect_from(s: &TestServer, from: &str) -> TcpStream {
+        let sock = TcpSocket::new_v4().unwrap();
+        sock.bind(format!("{from}:0").parse().unwrap()).unwrap();
+        sock.connect(s.url.trim_start_matches("http://").parse().unwrap()).await.unwrap()
+    }
+
+    /// Whether the server closed `c` (EOF or reset) within `within`; bytes it sent first
+    /// (an error response) are skipped.
+    async fn closed_within(c: &mut TcpStream, within: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        let mut buf = [0u8; 4096];
+        loop {
+            match tokio::time::timeout_at(deadline, c.read(&mut buf)).await {
+                Err(_) => return false,
+                Ok(Ok(0)) | Ok(Err(_)) => return true,
+                Ok(Ok(_)) => continue,
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn regression_issue_14_made_up_methods_do_not_grow_the_metrics() {
+        let s = TestServer::start(Config::default()).await;
+        let c = Client::new();
+        let send = |i: usize| {
+            let m = reqwest::Method::from_bytes(format!("M{i}{}", "X".repeat(2000)).as_bytes()).unwrap();
+            c.request(m, s.u("/v2/")).send()
+        };
+        send(0).await.unwrap();
+        let before = c.get(s.u("/metrics")).send().await.unwrap().text().await.unwrap();
+        for i in 1..300 {
+            send(i).await.unwrap();
+        }
+        let after = c.get(s.u("/metrics")).send().await.unwrap().text().await.unwrap();
+        assert!(after.len() < before.len() + 100, "metrics grew from {} to {} bytes", before.len(), after.len());
+        assert!(after.contains("snapctl_http_requests_total{method=\"other\",status=\"200\"} 300"), "{after}");
+    }
+
+    #[tokio::test]
+    async fn metrics_can_move_to_their_own_listener() {
+        let s = TestServer::start(Config { api_metrics: false, ..Config::default() }).await;
+        assert_eq!(reqwest::get(s.u("/metrics")).await.unwrap().status(), StatusCode::NOT_FOUND);
+        let server = Server::new(Arc::new(FsStore::open(s.dir.path()).unwrap()), Config::default());
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/metrics", l.local_addr().unwrap());
+        tokio::spawn(server.serve_metrics(l, std::future::pending()));
+        let r = reqwest::get(&url).await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        assert!(r.text().await.unwrap().contains("snapctl_http_connections"));
+    }
+
+    #[tokio::test]
+    async fn metrics_on_the_api_listener_need_credentials_when_auth_is_on() {
+        let h = bcrypt::hash("pw", 4).unwrap();
+        let a = Auth::new(&format!("alice:{h}\n"), None, true, vec![9; 32]).unwrap();
+        let s = TestServer::start(Config { auth: Some(a), ..Config::default() }).await;
+        let c = Client::new();
+        assert_eq!(c.get(s.u("/metrics")).send().await.unwrap().status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(c.get(s.u("/metrics")).basic_auth("alice", Some("pw")).send().await.unwrap().status(), StatusCode::OK);
+    }
+
+    /// Issue 14: HTTP/2 sends `:authority`, not `Host`; the realm was `…://localhost/token`.
+    #[tokio::test]
+    async fn regression_issue_14_h2_token_realm_is_the_requests_authority() {
+        let h = bcrypt::hash("pw", 4).unwrap();
+        let a = Auth::new(&format!("alice:{h}\n"), None, false, vec![9; 32]).unwrap();
+        let s = TestServer::start(Config { auth: Some(a), ..Config::default() }).await;
+        let c = Client::builder().http2_prior_knowledge().build().unwrap();
+        let r = c.get(s.u("/v2/")).send().await.unwrap();
+        assert_eq!(r.version(), reqwest::Version::HTTP_2);
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+        let ch = r.headers()["www-authenticate"].to_str().unwrap().to_owned();
+        assert!(ch.starts_with(&format!("Bearer realm=\"{}/token\"", s.url)), "{ch}");
+    }
+
+    #[test]
+    fn the_realm_never_echoes_a_host_that_breaks_the_challenge() {
+        let mut h = HeaderMap::new();
+        let uri: Uri = "/v2/".parse().unwrap();
+        h.insert(header::HOST, "reg.example:5000".parse().unwrap());
+        assert_eq!(request_authority(&uri, &h), Some("reg.example:5000"));
+        h.insert(header::HOST, "evil\",error=\"x".parse().unwrap());
+        assert_eq!(request_authority(&uri, &h), None);
+        let abs: Uri = "http://[::1]:5000/v2/".parse().unwrap();
+        assert_eq!(request_authority(&abs, &h), Some("[::1]:5000"), "the URI's authority wins");
+    }
+
+    #[test]
+    fn passwords_in_clear_text_on_the_network_are_warned_about() {
+        let h = bcrypt::hash("pw", 4).unwrap();
+        let auth = || Some(Auth::new(&format!("alice:{h}\n"), None, false, vec![9; 32]).unwrap());
+        let public: SocketAddr = "0.0.0.0:5000".parse().unwrap();
+        let local: SocketAddr = "127.0.0.1:5000".parse().unwrap();
+        assert_eq!(Config { auth: auth(), ..Config::default() }.exposure_warnings(public).len(), 1);
+        assert!(Config { auth: auth(), ..Config::default() }.exposure_warnings(local).is_empty());
+        assert!(Config { auth: auth(), tls: true, ..Config::default() }.exposure_warnings(public).is_empty());
+        assert!(Config::default().exposure_warnings(public).is_empty());
+    }
+
+    /// Issue 14: 300 half-sent requests held the registry at its descriptor limit. Now a
+    /// client past its cap is closed at once, half-sent heads are closed after the header
+    /// timeout, and another client is answered meanwhile.
+    #[tokio::test]
+    async fn regression_issue_14_half_sent_requests_are_capped_and_timed_out() {
+        let s = TestServer::start(Config { limits: limits(2, 5, 8), ..Config::default() }).await;
+        let mut held = Vec::new();
+        for _ in 0..40 {
+            let mut c = connect_from(&s, "127.0.0.2").await;
+            // Past the cap the server may have closed it already: the write may fail.
+            let _ = c.write_all(b"GET /v2/ HTTP/1.1\r\nHost: x\r\nX-Slow: ").await;
+            held.push(c);
+        }
+        let t = Instant::now();
+        let r = Client::builder().timeout(Duration::from_secs(5)).build().unwrap().get(s.u("/v2/")).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK, "another client is answered");
+        assert!(t.elapsed() < Duration::from_secs(2), "answered after {:?}", t.elapsed());
+        // Accepted in order, so all 40 were handled before that GET: 8 held, 32 closed.
+        let metrics = reqwest::get(s.u("/metrics")).await.unwrap().text().await.unwrap();
+        assert!(metrics.contains("snapctl_http_connections_refused_total 32\n"), "{metrics}");
+        let mut refused = 0;
+        for c in held.iter_mut() {
+            if closed_within(c, Duration::from_millis(100)).await {
+                refused += 1;
+            }
+        }
+        assert_eq!(refused, 32, "connections past the cap of 8 are closed at once");
+        for c in held.iter_mut() {
+            assert!(closed_within(c, Duration::from_secs(6)).await, "a half-sent head outlived the header timeout");
+        }
+        let mut again = connect_from(&s, "127.0.0.2").await;
+        again.write_all(b"GET /v2/ HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+        let mut resp = String::new();
+        again.read_to_string(&mut resp).await.unwrap();
+        assert!(resp.starts_with("HTTP/1.1 200"), "the client may connect again once its connections are gone: {resp}");
+    }
+
+    /// A connection that never sends a byte (not even enough to tell HTTP/1.1 from h2) is
+    /// closed after the header timeout too.
+    #[tokio::test]
+    async fn a_silent_connection_is_closed_after_the_header_timeout() {
+        let s = TestServer::start(Config { limits: limits(1, 60, 0), ..Config::default() }).await;
+        let mut c = connect_from(&s, "127.0.0.1").await;
+        let t = Instant::now();
+        assert!(closed_within(&mut c, Duration::from_secs(5)).await);
+        assert!(t.elapsed() >= Duration::from_millis(900), "closed too early: {:?}", t.elapsed());
+    }
+
+    /// A request body that stops arriving fails its request after the idle timeout
+    /// instead of holding the connection forever.
+    #[tokio::test]
+    async fn a_stalled_request_body_is_answered_and_closed() {
+        let s = TestServer::start(Config { limits: limits(30, 1, 0), ..Config::default() }).await;
+        let c = Client::new();
+        let r = c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap();
+        let loc = r.headers()["location"].to_str().unwrap().to_owned();
+        let mut conn = connect_from(&s, "127.0.0.1").await;
+        conn.write_all(format!("PATCH {loc} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n0123456789").as_bytes()).await.unwrap();
+        let mut resp = vec![0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(5), conn.read(&mut resp)).await.expect("no answer to a stalled body").unwrap();
+        let head = String::from_utf8_lossy(&resp[..n]);
+        assert!(head.starts_with("HTTP/1.1 400"), "{head}");
+        assert!(head.contains("request body"), "{head}");
+        // The session is intact: nothing of the stalled body was committed.
+        let r = c.get(s.u(&loc)).send().await.unwrap();
+        assert_eq!(r.headers()["range"], "0-0");
+    }
+
+    /// Issue 14: upload sessions never expired in `serve`. Now a sweep removes idle ones
+    /// whole (directories too) and the gauge comes back down.
+    #[tokio::test]
+    async fn regression_issue_14_idle_upload_sessions_expire_in_the_server() {
+        let s = TestServer::start(Config { upload_ttl: Duration::from_secs(1), ..Config::default() }).await;
+        let c = Client::new();
+        let r = c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap();
+        let loc = r.headers()["location"].to_str().unwrap().to_owned();
+        assert_eq!(c.patch(s.u(&loc)).body(vec![1u8; 100]).send().await.unwrap().status(), StatusCode::ACCEPTED);
+        let m = c.get(s.u("/metrics")).send().await.unwrap().text().await.unwrap();
+        assert!(m.contains("snapctl_uploads_in_progress 1\n"), "{m}");
+        let uploads = s.dir.path().join("_uploads");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::fs::read_dir(&uploads).map(|d| d.count()).unwrap_or(0) > 0 {
+            assert!(Instant::now() < deadline, "idle session still in {}", uploads.display());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let r = c.get(s.u(&loc)).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::NOT_FOUND);
+        let m = c.get(s.u("/metrics")).send().await.unwrap().text().await.unwrap();
+        assert!(m.contains("snapctl_uploads_in_progress 0\n"), "{m}");
+        assert!(m.contains("snapctl_uploads_expired_total 1\n"), "{m}");
     }
 }

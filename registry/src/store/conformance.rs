@@ -23,6 +23,8 @@ pub async fn all(store: &dyn BlobStore) {
     copy_and_rename(store).await;
     delete_is_idempotent(store).await;
     list_is_by_directory_prefix(store).await;
+    delete_prefix_removes_everything_under_it(store).await;
+    touch_creates_and_refreshes_markers(store).await;
     refuses_bad_keys(store).await;
 }
 
@@ -120,6 +122,30 @@ pub async fn list_is_by_directory_prefix(store: &dyn BlobStore) {
     keys.sort();
     assert_eq!(keys, ["conformance/l/a", "conformance/l/sub/b", "conformance/l/sub/deeper/c"]);
     assert!(store.list("conformance/nothing-here/").await.unwrap().is_empty(), "list of empty prefix");
+}
+
+/// `delete_prefix("p/")` removes every object under `p/` at any depth, nothing from
+/// `p2/`, and a missing prefix is not an error.
+pub async fn delete_prefix_removes_everything_under_it(store: &dyn BlobStore) {
+    for k in ["conformance/dp/a", "conformance/dp/sub/b", "conformance/dp2/x"] {
+        store.put(k, Bytes::from_static(b"1")).await.unwrap();
+    }
+    store.delete_prefix("conformance/dp/").await.expect("delete_prefix");
+    assert!(store.list("conformance/dp/").await.unwrap().is_empty(), "objects left under the prefix");
+    assert!(store.head("conformance/dp2/x").await.is_ok(), "delete_prefix went past its prefix");
+    store.delete_prefix("conformance/dp/").await.expect("delete_prefix of a missing prefix");
+}
+
+/// `touch` creates an empty marker (parents included) and refreshes an existing one's mtime.
+pub async fn touch_creates_and_refreshes_markers(store: &dyn BlobStore) {
+    let key = "conformance/touch/deep/marker";
+    store.touch(key).await.expect("touch a new key");
+    let m = store.head(key).await.expect("head after touch");
+    assert_eq!(m.size, 0);
+    let age = SystemTime::now().duration_since(m.modified).unwrap_or_default();
+    assert!(age < Duration::from_secs(300), "touched object's mtime is {age:?} old");
+    store.touch(key).await.expect("touch an existing key");
+    assert!(store.head(key).await.expect("head").modified >= m.modified, "touch moved the mtime back");
 }
 
 /// Keys that could escape the store are refused before any I/O.

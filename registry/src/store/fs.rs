@@ -202,6 +202,35 @@ impl BlobStore for FsStore {
         }
     }
 
+    async fn delete_prefix(&self, prefix: &str) -> Result<()> {
+        let p = self.path(prefix.trim_end_matches('/'))?;
+        let k = prefix.to_owned();
+        blocking(move || match std::fs::remove_dir_all(&p) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(StoreError::io(k, e)),
+        })
+        .await
+    }
+
+    async fn touch(&self, key: &str) -> Result<()> {
+        let p = self.path(key)?;
+        let k = key.to_owned();
+        blocking(move || {
+            let open = || std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&p);
+            let f = match open() {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    std::fs::create_dir_all(p.parent().expect("object paths have a parent")).and_then(|()| open())
+                }
+                r => r,
+            };
+            // Visible to every other process at once; no fsync: a marker lost in a crash
+            // only makes a later gc keep less, and that gc cannot run before the restart.
+            f.and_then(|f| f.set_modified(SystemTime::now())).map_err(|e| StoreError::io(k, e))
+        })
+        .await
+    }
+
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
         let dir_key = prefix.trim_end_matches('/');
         let dir = self.path(dir_key)?;
@@ -268,6 +297,32 @@ mod tests {
         let store = FsStore::open(dir.path()).unwrap();
         assert_eq!(std::fs::read_dir(store.staging_dir()).unwrap().count(), 0);
         assert_eq!(&store.get_bytes("a/b").await.unwrap()[..], b"kept");
+    }
+
+    /// Issue 14: removing an upload session left its directory behind, one per upload.
+    #[tokio::test]
+    async fn delete_prefix_leaves_no_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FsStore::open(dir.path()).unwrap();
+        store.put("_uploads/x/parts/0001", Bytes::from_static(b"1")).await.unwrap();
+        store.put("_uploads/x/state.json", Bytes::from_static(b"{}")).await.unwrap();
+        store.delete_prefix("_uploads/x/").await.unwrap();
+        assert!(!dir.path().join("_uploads/x").exists());
+        assert!(dir.path().join("_uploads").exists());
+    }
+
+    /// A touch refreshes the mtime of an old marker (and creates its directories).
+    #[tokio::test]
+    async fn touch_refreshes_an_old_marker() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FsStore::open(dir.path()).unwrap();
+        store.touch("m/a/b").await.unwrap();
+        let p = dir.path().join("m/a/b");
+        let old = SystemTime::now() - std::time::Duration::from_secs(7200);
+        std::fs::File::options().write(true).open(&p).unwrap().set_modified(old).unwrap();
+        store.touch("m/a/b").await.unwrap();
+        let m = store.head("m/a/b").await.unwrap();
+        assert!(m.modified > old + std::time::Duration::from_secs(3600), "mtime not refreshed");
     }
 
     #[tokio::test]

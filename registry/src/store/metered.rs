@@ -59,6 +59,12 @@ impl BlobStore for MeteredStore {
     async fn delete(&self, key: &str) -> Result<()> {
         timed!(self, "delete", self.inner.delete(key))
     }
+    async fn delete_prefix(&self, prefix: &str) -> Result<()> {
+        timed!(self, "delete", self.inner.delete_prefix(prefix))
+    }
+    async fn touch(&self, key: &str) -> Result<()> {
+        timed!(self, "put", self.inner.touch(key))
+    }
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
         timed!(self, "list", self.inner.list(prefix))
     }

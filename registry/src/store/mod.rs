@@ -128,6 +128,23 @@ pub trait BlobStore: Send + Sync + std::fmt::Debug + 'static {
     /// Delete `key`. Deleting a missing key is not an error.
     async fn delete(&self, key: &str) -> Result<()>;
 
+    /// Delete every object under `prefix` (a directory: ends with `/`) and, on a store
+    /// with real directories, the directories too, so nothing of it is left behind.
+    /// Deleting a missing prefix is not an error.
+    async fn delete_prefix(&self, prefix: &str) -> Result<()> {
+        for m in self.list(prefix).await? {
+            self.delete(&m.key).await?;
+        }
+        Ok(())
+    }
+
+    /// Create `key` as an empty marker object, or refresh its modification time if it
+    /// exists. For markers only: their content does not matter (an object store rewrites
+    /// it empty) and the refresh need not survive a crash (the fs store does not fsync).
+    async fn touch(&self, key: &str) -> Result<()> {
+        self.put(key, Bytes::new()).await
+    }
+
     /// Every object whose key starts with `prefix`, which names a directory (ends with `/`),
     /// at any depth, in no particular order.
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>>;

@@ -1,6 +1,7 @@
 //! All of snapctl's cross-crate integration tests, in one binary.
 
 mod adversarial_files;
+mod adversarial_registry;
 mod cli;
 mod credentials;
 mod criu;
