@@ -120,3 +120,179 @@ fn regression_issue_14_redirected_reads_carry_no_credentials() {
     assert_eq!(credentials_seen(&cdn), Vec::<String>::new(), "credentials sent to another origin");
     w.ok(&["verify", &dest, "--against", out.to_str().unwrap()]);
 }
+
+/// `snapctl lazy REF --socket SOCKET EXTRA...` started with umask 000 (as the issue found
+/// it: the socket was then 0777), waited for until it listens.
+fn lazy_under_umask_000(w: &Work, reference: &str, socket: &std::path::Path, extra: &[&str]) -> crate::lazy::Handler {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = w.cmd();
+    cmd.args(["lazy", reference, "--json", "--no-cache", "--prefetch", "none", "--socket"]).arg(socket).args(extra);
+    // SAFETY: umask(2) only sets the child's file mode mask; it allocates nothing and
+    // cannot fail, so it is safe between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::umask(0);
+            Ok(())
+        })
+    };
+    crate::lazy::Handler::spawn(cmd, socket)
+}
+
+/// What happened to a connection made as another user.
+#[derive(Debug, PartialEq, Eq)]
+enum Peer {
+    /// connect(2) failed (the socket's mode kept the user out).
+    CouldNotConnect,
+    /// The daemon hung up (refused) after the handshake was sent.
+    HungUp,
+    /// The daemon kept the connection (it took the handshake) for 3 s.
+    KeptOpen,
+}
+
+/// Connect to `socket` as `uid`/`gid` and send a Firecracker handshake: one region of one
+/// page, and a descriptor (a pipe's: the daemon reads the handshake before it ever uses
+/// the descriptor as a userfaultfd) by SCM_RIGHTS. A forked child does it with raw system
+/// calls only (everything is prepared before the fork: the test binary has threads).
+fn connect_as(uid: u32, gid: u32, socket: &std::path::Path) -> Peer {
+    use std::os::unix::ffi::OsStrExt;
+    let body = br#"[{"base_host_virt_addr":268435456,"size":4096,"offset":0,"page_size":4096,"page_size_kib":4096}]"#;
+    // SAFETY: zeroed plain-old-data structures, filled in below.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let p = socket.as_os_str().as_bytes();
+    assert!(p.len() < addr.sun_path.len(), "socket path too long for sockaddr_un");
+    for (d, s) in addr.sun_path.iter_mut().zip(p) {
+        *d = *s as libc::c_char;
+    }
+    let mut pipe = [0i32; 2];
+    // SAFETY: pipe(2) writes two descriptors into the array we own.
+    assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<i32>() as u32) } as usize;
+    let mut control = vec![0u8; space];
+    let mut iov = libc::iovec { iov_base: body.as_ptr() as *mut libc::c_void, iov_len: body.len() };
+    // SAFETY: zeroed msghdr, then pointed at buffers that outlive the fork below; the
+    // CMSG_* macros only compute offsets inside `control`, which is CMSG_SPACE(int) long.
+    let msg = unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+        msg.msg_controllen = space;
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<i32>() as u32) as usize;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut i32, pipe[0]);
+        msg
+    };
+    // SAFETY: the child calls only async-signal-safe system calls on memory prepared
+    // above, then _exit: nothing of the (multi-threaded) parent's state is touched.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        // SAFETY: see above; every call is a plain system call on owned memory.
+        unsafe {
+            if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(gid) != 0 || libc::setuid(uid) != 0 {
+                libc::_exit(20);
+            }
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+            if fd < 0 {
+                libc::_exit(21);
+            }
+            if libc::connect(fd, &addr as *const libc::sockaddr_un as *const libc::sockaddr, std::mem::size_of::<libc::sockaddr_un>() as u32) != 0 {
+                libc::_exit(10);
+            }
+            if libc::sendmsg(fd, &msg, 0) < 0 {
+                libc::_exit(11);
+            }
+            libc::alarm(3);
+            let mut b = [0u8; 1];
+            let n = libc::read(fd, b.as_mut_ptr() as *mut libc::c_void, 1);
+            libc::_exit(if n <= 0 { 0 } else { 12 });
+        }
+    }
+    // SAFETY: closing the pipe we created, and waiting for our own child.
+    let status = unsafe {
+        libc::close(pipe[0]);
+        libc::close(pipe[1]);
+        let mut status = 0;
+        assert_eq!(libc::waitpid(pid, &mut status, 0), pid);
+        status
+    };
+    if libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGALRM {
+        return Peer::KeptOpen;
+    }
+    match libc::WEXITSTATUS(status) {
+        0 => Peer::HungUp,
+        10 => Peer::CouldNotConnect,
+        other => panic!("the peer failed on its own: exit {other}"),
+    }
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid takes nothing and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root {
+        assert!(!snapctl_tests::require_peers(), "this test must run as root (SNAPCTL_REQUIRE_PEERS=1)");
+        eprintln!("SKIP: needs root (to act as a second user)");
+    }
+    root
+}
+
+/// spec/lazy.md: the socket is the daemon's user's alone. Started with umask 000, the
+/// socket is still 0600 (it was 0777: any local user could connect), and no private
+/// directory used to create it is left behind.
+#[test]
+fn regression_issue_14_lazy_socket_is_0600_under_umask_000() {
+    use std::os::unix::fs::PermissionsExt;
+    let w = Work::new();
+    let reference = w.packed();
+    let socket = w.path("vm.sock");
+    let h = lazy_under_umask_000(&w, &reference, &socket, &[]);
+    let mode = std::fs::symlink_metadata(&socket).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode, 0o600, "socket mode {mode:o}: {}", h.log_text());
+    let left: Vec<_> = std::fs::read_dir(w.dir.path()).unwrap().flatten().map(|e| e.file_name()).filter(|n| n.to_string_lossy().starts_with(".snapctl")).collect();
+    assert!(left.is_empty(), "private directories left: {left:?}");
+}
+
+/// spec/lazy.md: another local user (nobody, 65534) cannot have the daemon copy the
+/// snapshot's memory into a userfaultfd of theirs. With umask 000 the socket used to let
+/// them connect and the daemon took their handshake; now the mode keeps them out, and
+/// where the mode would not (the socket made 0666, a bind mount), the daemon checks the
+/// peer's credentials, logs the refusal and hangs up without reading the descriptor.
+/// `--allow-uid 65534` lets them in: the option a jailed VMM needs.
+#[test]
+fn regression_issue_14_lazy_refuses_another_users_process() {
+    use std::os::unix::fs::PermissionsExt;
+    if !is_root() {
+        return;
+    }
+    let w = Work::new();
+    // nobody must reach the socket's directory (temp dirs are 0700).
+    std::fs::set_permissions(w.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let reference = w.packed();
+    let socket = w.path("vm.sock");
+    let h = lazy_under_umask_000(&w, &reference, &socket, &[]);
+    let served = |h: &crate::lazy::Handler| h.log_text().contains("region(s)");
+    let peer = connect_as(65534, 65534, &socket);
+    assert_ne!(peer, Peer::KeptOpen, "{}", h.log_text());
+    assert!(!served(&h), "another user's handshake was taken: {}", h.log_text());
+
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    assert_eq!(connect_as(65534, 65534, &socket), Peer::HungUp, "{}", h.log_text());
+    let log = h.log_text();
+    assert!(log.contains("refusing a connection from uid 65534 gid 65534"), "the refusal is logged: {log}");
+    assert!(!served(&h), "another user's handshake was taken: {log}");
+    drop(h);
+
+    let socket = w.path("allowed.sock");
+    let h = lazy_under_umask_000(&w, &reference, &socket, &["--allow-uid", "65534"]);
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let _ = connect_as(65534, 65534, &socket);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !served(&h) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(served(&h), "--allow-uid 65534 admits nobody: {}", h.log_text());
+}
