@@ -336,7 +336,8 @@ impl RegistrySource {
             }
         }
         let realm = realm.ok_or_else(|| ClientError::Http { what: self.host.clone(), message: format!("bearer challenge without realm: {challenge}") })?;
-        let realm_url = reqwest::Url::parse(&realm).map_err(|e| ClientError::Http { what: self.host.clone(), message: format!("bearer realm {realm:?}: {e}") })?;
+        let realm_url =
+            reqwest::Url::parse(&realm).map_err(|e| ClientError::Http { what: self.host.clone(), message: format!("bearer realm {realm:?}: {e}") })?;
         // The registry names its token service, often on another host (Docker Hub's
         // auth.docker.io): it gets the Basic credentials over HTTPS, or on the registry's
         // own origin; never over plain HTTP elsewhere (an https registry naming an http
@@ -360,7 +361,8 @@ impl RegistrySource {
         let what = format!("token request to {realm}");
         let req = req.build().map_err(|e| ClientError::Http { what: what.clone(), message: error_chain(&e) })?;
         let basic = basic.filter(|_| realm_gets_basic);
-        let resp = self.execute(req, basic.as_deref().map(|b| (&realm_url, b))).map_err(|e| ClientError::Http { what: what.clone(), message: error_chain(&e) })?;
+        let resp =
+            self.execute(req, basic.as_deref().map(|b| (&realm_url, b))).map_err(|e| ClientError::Http { what: what.clone(), message: error_chain(&e) })?;
         if !resp.status().is_success() {
             let status = resp.status().as_u16();
             if (status == 401 || status == 403) && self.creds.is_none() {
@@ -753,7 +755,8 @@ mod tests {
     /// spoke plain HTTP to it and sent stored Basic credentials in the clear.
     #[test]
     fn regression_issue_14_loopback_is_an_address_not_a_spelling() {
-        for h in ["127.0.0.1", "127.0.0.1:5000", "127.1.2.3:80", "127.255.255.254", "localhost", "localhost:5000", "LOCALHOST:1", "[::1]", "[::1]:5000", "::1"] {
+        for h in ["127.0.0.1", "127.0.0.1:5000", "127.1.2.3:80", "127.255.255.254", "localhost", "localhost:5000", "LOCALHOST:1", "[::1]", "[::1]:5000", "::1"]
+        {
             assert!(is_loopback(h), "{h} is loopback");
         }
         for h in [
