@@ -37,6 +37,10 @@ pub struct ResolvedChunk {
     pub depth: u8,
 }
 
+// One resolved chunk per chunk position, each recorded by some link of the chain: the
+// resolved table is at most as large as the chain's records (spec/format.md §12).
+const _: () = assert!(std::mem::size_of::<ResolvedChunk>() <= crate::index::RECORD_LEN);
+
 #[derive(Debug, Clone)]
 pub struct ResolvedFile {
     pub name: String,

@@ -30,7 +30,6 @@
 //! fetches only what is not verified there; killed between its renames, the rerun keeps
 //! the files already renamed once each is checked whole. See `spec/cache.md` §6.
 
-use std::collections::HashMap;
 use std::ffi::OsString;
 use std::fs::{self, File};
 use std::os::unix::fs::{FileExt, PermissionsExt};
@@ -135,7 +134,11 @@ pub struct PullReport {
     pub cache: Option<CacheStats>,
 }
 
-/// Where a distinct chunk goes and where it can be fetched from.
+/// Where a distinct chunk goes and where it can be fetched from. 80 bytes, one per
+/// distinct stored chunk: a hostile image has 4 M of them per index, and most chunks have
+/// a single position, so the others live in one shared list ([`Plan::more`]) instead of a
+/// vector each (issue 14: a vector and a hash map entry per chunk made a pull's plan
+/// several times the size of the index).
 struct Distinct {
     digest: ChunkDigest,
     len: u32,
@@ -144,8 +147,68 @@ struct Distinct {
     offset: u64,
     stored_len: u32,
     codec: Codec,
-    /// (file, chunk) positions holding it; the first names it in errors.
-    positions: Vec<(usize, u64)>,
+    /// Its first (file, chunk) position, which names it in errors.
+    first: (u32, u64),
+    /// Its other positions: `Plan::more[more]`.
+    more: std::ops::Range<u32>,
+}
+
+// spec/format.md §12 states this size.
+const _: () = assert!(std::mem::size_of::<Distinct>() <= 80);
+
+/// The distinct stored chunks of an image, sorted by (digest, length), and where each
+/// goes.
+struct Plan {
+    distinct: Vec<Distinct>,
+    /// Positions after each distinct chunk's first, grouped by chunk.
+    more: Vec<(u32, u64)>,
+}
+
+impl Plan {
+    /// Every (file, chunk) position of distinct chunk `i`, the first first.
+    fn positions(&self, i: usize) -> impl Iterator<Item = (usize, u64)> + '_ {
+        let d = &self.distinct[i];
+        std::iter::once(d.first).chain(self.more[d.more.start as usize..d.more.end as usize].iter().copied()).map(|(f, c)| (f as usize, c))
+    }
+
+    fn position_count(&self, i: usize) -> u64 {
+        1 + self.distinct[i].more.len() as u64
+    }
+
+    /// Index range of the distinct chunks with digest `d` (one per length).
+    fn with_digest(&self, d: &ChunkDigest) -> std::ops::Range<usize> {
+        let start = self.distinct.partition_point(|x| x.digest < *d);
+        start..start + self.distinct[start..].iter().take_while(|x| x.digest == *d).count()
+    }
+
+    /// Group the stored positions of `image` by (digest, length): a sort of 16-byte
+    /// positions rather than a hash map of digests. Positions keep their file order within
+    /// a group, so a chunk's first position is where it first occurs.
+    fn of(image: &Image, skip: &[bool]) -> Result<Plan, UnpackError> {
+        // The format's limits keep positions far below 2^32 (64 links of 4 Mi records).
+        let too_many = |n: usize| {
+            UnpackError::Format(imgfmt::FormatError::TooLarge { what: "files or chunk positions of one image", got: n as u64, limit: u32::MAX as u64 })
+        };
+        let mut stored: Vec<(u32, u64)> = Vec::new();
+        for (fi, f) in image.files.iter().enumerate().filter(|(fi, _)| !skip[*fi]) {
+            let fi = u32::try_from(fi).map_err(|_| too_many(fi))?;
+            stored.extend(f.chunks.iter().enumerate().filter(|(_, c)| !matches!(c.at, StoredAt::Zero)).map(|(ci, _)| (fi, ci as u64)));
+        }
+        let chunk = |&(fi, ci): &(u32, u64)| &image.files[fi as usize].chunks[ci as usize];
+        stored.sort_unstable_by(|a, b| (chunk(a).digest, chunk(a).len, a).cmp(&(chunk(b).digest, chunk(b).len, b)));
+        let same = |a: &(u32, u64), b: &(u32, u64)| chunk(a).digest == chunk(b).digest && chunk(a).len == chunk(b).len;
+        let groups = stored.chunk_by(|a, b| same(a, b)).count();
+        let mut plan = Plan { distinct: Vec::with_capacity(groups), more: Vec::with_capacity(stored.len() - groups) };
+        for g in stored.chunk_by(|a, b| same(a, b)) {
+            let c = chunk(&g[0]);
+            let StoredAt::Pack { pack, offset, stored_len, codec } = c.at else { unreachable!("only stored positions were collected") };
+            let start = u32::try_from(plan.more.len()).map_err(|_| too_many(plan.more.len()))?;
+            plan.more.extend_from_slice(&g[1..]);
+            let end = u32::try_from(plan.more.len()).map_err(|_| too_many(plan.more.len()))?;
+            plan.distinct.push(Distinct { digest: c.digest, len: c.len, pack, offset, stored_len, codec, first: g[0], more: start..end });
+        }
+        Ok(plan)
+    }
 }
 
 /// One unit of work for the pool.
@@ -198,8 +261,6 @@ pub fn pull(
     }
 
     // Plan: distinct non-zero digests and their positions; zero records checked.
-    let mut distinct: Vec<Distinct> = Vec::new();
-    let mut by_digest: HashMap<ChunkDigest, usize> = HashMap::new();
     let mut zero_bytes = 0u64;
     for (fi, f) in image.files.iter().enumerate() {
         for (ci, c) in f.chunks.iter().enumerate() {
@@ -211,21 +272,9 @@ pub fn pull(
                 report.chunks_in_place += 1;
                 continue;
             }
-            match c.at {
-                StoredAt::Zero => {
-                    report.chunks_zero += 1;
-                    zero_bytes += c.len as u64;
-                }
-                StoredAt::Pack { pack, offset, stored_len, codec } => match by_digest.get(&c.digest) {
-                    Some(&d) if distinct[d].len == c.len => {
-                        distinct[d].positions.push((fi, ci as u64));
-                        report.chunks_deduplicated += 1;
-                    }
-                    _ => {
-                        by_digest.insert(c.digest, distinct.len());
-                        distinct.push(Distinct { digest: c.digest, len: c.len, pack, offset, stored_len, codec, positions: vec![(fi, ci as u64)] });
-                    }
-                },
+            if let StoredAt::Zero = c.at {
+                report.chunks_zero += 1;
+                zero_bytes += c.len as u64;
             }
         }
         if in_place[fi] {
@@ -233,6 +282,9 @@ pub fn pull(
             zero_bytes += f.size;
         }
     }
+    let plan = Plan::of(image, &in_place)?;
+    report.chunks_deduplicated = plan.more.len() as u64;
+    let distinct = &plan.distinct;
     if let Some(p) = progress {
         p(zero_bytes);
     }
@@ -303,7 +355,8 @@ pub fn pull(
             image,
             cache,
             to_cache: None,
-            distinct: &distinct,
+            distinct,
+            plan: &plan,
             outs: &outs,
             write_locks: &write_locks,
             shift,
@@ -327,10 +380,12 @@ pub fn pull(
             _ => misses.push(i),
         }
     }
+    // The plan is in digest order: read cached chunks in file order, for the disk.
+    cached.sort_unstable_by_key(|&i| distinct[i].first);
     // Chunks that will land from the source or a resumed file (for the cache's references).
     let landing: Vec<usize> = misses.iter().copied().chain((0..distinct.len()).filter(|&i| resolved[i])).collect();
     // Bounded whatever the caller asks: each request in flight holds its range in memory.
-    let mut work = coalesce(&distinct, misses, opts.max_range.min(MAX_RANGE_LIMIT));
+    let mut work = coalesce(distinct, misses, opts.max_range.min(MAX_RANGE_LIMIT));
     work.extend(cached.iter().map(|&i| Work::Cached(i)));
 
     // The cache queue: fetch workers hand verified chunks over and go on writing the
@@ -349,8 +404,8 @@ pub fn pull(
     if cache.is_some() && !copies {
         for &i in &landing {
             let d = &distinct[i];
-            let (fi, ci) = d.positions[0];
-            ref_items[fi].push((d.digest, d.len, ci << shift));
+            let (fi, ci) = d.first;
+            ref_items[fi as usize].push((d.digest, d.len, ci << shift));
         }
         for (fi, out) in outs.iter().enumerate() {
             // The directory exists (created above, no symlink beneath `dest`); the file
@@ -384,7 +439,7 @@ pub fn pull(
         }
         let to_cache = copies.then_some(to_cache);
         let ctx =
-            Ctx { src, image, cache, to_cache, distinct: &distinct, outs: &outs, write_locks: &write_locks, shift, algo, progress, c: &c, landed: &landed };
+            Ctx { src, image, cache, to_cache, distinct, plan: &plan, outs: &outs, write_locks: &write_locks, shift, algo, progress, c: &c, landed: &landed };
         run_workers(&ctx, &work, opts, &next, &failed, &first_err);
         // Dropping the last sender ends the writers once the queue is drained; the outer
         // scope waits for them, so every queued chunk is put before pull returns.
@@ -434,7 +489,10 @@ pub fn pull(
     if let (Some(cache), false) = (cache, copies) {
         // Only now that the files are durable under their final names may the cache point
         // into them: the prepared references become visible, for every chunk that landed.
-        let landed_digest = |d: &ChunkDigest| by_digest.get(d).is_some_and(|&i| landed[i].load(Ordering::Relaxed));
+        let landed_digest = |d: &ChunkDigest| {
+            let r = plan.with_digest(d);
+            !r.is_empty() && r.into_iter().all(|i| landed[i].load(Ordering::Relaxed))
+        };
         for (n, p) in prepared {
             match p {
                 // The pull is complete; only the cache missed out.
@@ -450,8 +508,8 @@ pub fn pull(
         for (fi, path) in final_paths.iter().enumerate() {
             let late: Vec<(ChunkDigest, u32, u64)> = cached
                 .iter()
-                .filter(|&&i| landed[i].load(Ordering::Relaxed) && distinct[i].positions[0].0 == fi)
-                .map(|&i| (distinct[i].digest, distinct[i].len, distinct[i].positions[0].1 << shift))
+                .filter(|&&i| landed[i].load(Ordering::Relaxed) && distinct[i].first.0 as usize == fi)
+                .map(|&i| (distinct[i].digest, distinct[i].len, distinct[i].first.1 << shift))
                 .collect();
             if late.is_empty() {
                 continue;
@@ -678,6 +736,7 @@ struct Ctx<'a> {
     /// The cache queue (with a cache only).
     to_cache: Option<SyncSender<(ChunkDigest, VerifiedChunk)>>,
     distinct: &'a [Distinct],
+    plan: &'a Plan,
     outs: &'a [Out],
     /// One per file, held while writing to it (see `write_at`).
     write_locks: &'a [Mutex<()>],
@@ -708,8 +767,8 @@ impl Ctx<'_> {
         let pack_digest = &self.image.packs[pack as usize].digest;
         let buf = self.read_range(pack_digest, start, (end - start) as usize).map_err(|source| {
             let d = &self.distinct[members[0]];
-            let (file, chunk) = d.positions[0];
-            VerifyError::Read { file: self.image.files[file].name.clone(), chunk, offset: chunk << self.shift, source }
+            let (file, chunk) = d.first;
+            VerifyError::Read { file: self.image.files[file as usize].name.clone(), chunk, offset: chunk << self.shift, source }
         })?;
         self.c.bytes_fetched.fetch_add(buf.len() as u64, Ordering::Relaxed);
         for &i in members {
@@ -765,8 +824,8 @@ impl Ctx<'_> {
     fn refetch(&self, i: usize) -> Result<VerifiedChunk, UnpackError> {
         self.c.refetched.fetch_add(1, Ordering::Relaxed);
         let d = &self.distinct[i];
-        let (file, chunk) = d.positions[0];
-        let name = &self.image.files[file].name;
+        let (file, chunk) = d.first;
+        let name = &self.image.files[file as usize].name;
         let offset = chunk << self.shift;
         let buf = self.read_range(&self.image.packs[d.pack as usize].digest, d.offset, d.stored_len as usize).map_err(|source| VerifyError::Read {
             file: name.clone(),
@@ -787,7 +846,9 @@ impl Ctx<'_> {
     /// threads: a distinct chunk found whole and verified at one of its positions is
     /// written to its other positions and needs no fetch. Returns which are resolved.
     fn resume(&self, adopted: &[bool], jobs: usize) -> Result<Vec<bool>, UnpackError> {
-        let todo: Vec<usize> = (0..self.distinct.len()).filter(|&i| self.distinct[i].positions.iter().any(|&(fi, _)| adopted[fi])).collect();
+        let mut todo: Vec<usize> = (0..self.distinct.len()).filter(|&i| self.plan.positions(i).any(|(fi, _)| adopted[fi])).collect();
+        // In file order, for the disk (the plan is in digest order).
+        todo.sort_unstable_by_key(|&i| self.distinct[i].first);
         let resolved: Vec<AtomicBool> = self.distinct.iter().map(|_| AtomicBool::new(false)).collect();
         let next = AtomicUsize::new(0);
         let first_err: Mutex<Option<UnpackError>> = Mutex::new(None);
@@ -816,7 +877,7 @@ impl Ctx<'_> {
         let d = &self.distinct[i];
         let mut good: Option<VerifiedChunk> = None;
         let mut need: Vec<(usize, u64)> = Vec::new();
-        for &(fi, ci) in &d.positions {
+        for (fi, ci) in self.plan.positions(i) {
             let (file, tmp) = (self.outs[fi].file(), &self.outs[fi].path);
             let at = ci << self.shift;
             let here = if adopted[fi] && has_data(file, at, at + d.len as u64).map_err(|source| UnpackError::Io { path: tmp.clone(), source })? {
@@ -846,14 +907,14 @@ impl Ctx<'_> {
         self.c.resumed.fetch_add(1, Ordering::Relaxed);
         self.landed[i].store(true, Ordering::Relaxed);
         if let Some(p) = self.progress {
-            p(d.len as u64 * d.positions.len() as u64);
+            p(d.len as u64 * self.plan.position_count(i));
         }
         Ok(true)
     }
 
     /// Write a verified chunk at every position that holds it.
     fn place(&self, i: usize, chunk: &VerifiedChunk) -> Result<(), UnpackError> {
-        for &(fi, ci) in &self.distinct[i].positions {
+        for (fi, ci) in self.plan.positions(i) {
             self.write_at(fi, ci, chunk)?;
             if let Some(p) = self.progress {
                 p(chunk.len() as u64);
@@ -886,7 +947,7 @@ mod tests {
     use super::*;
 
     fn d(pack: u32, offset: u64, stored_len: u32) -> Distinct {
-        Distinct { digest: ChunkDigest::default(), len: stored_len, pack, offset, stored_len, codec: Codec::Raw, positions: vec![(0, 0)] }
+        Distinct { digest: ChunkDigest::default(), len: stored_len, pack, offset, stored_len, codec: Codec::Raw, first: (0, 0), more: 0..0 }
     }
 
     fn ranges(w: &[Work]) -> Vec<(u32, u64, u64, usize)> {

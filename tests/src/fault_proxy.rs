@@ -15,6 +15,12 @@
 //! | [`Fault::Status`] | an injected status (503 by default) with a small JSON body; the request never reaches upstream |
 //! | [`Fault::Truncate`] | the full head (with the original `Content-Length`), N body bytes, then FIN |
 //! | [`Fault::FlipByte`] | the full, well-framed response with one body byte XOR 0xFF |
+//! | [`Fault::Redirect`] | an injected redirect to the same target on another origin; the request never reaches upstream |
+//! | [`Fault::MoveLocation`] | the response with its `Location` header moved to another origin (a registry handing uploads elsewhere) |
+//!
+//! [`FaultProxy::require_basic`] makes the proxy a registry that wants HTTP Basic
+//! credentials, and [`Seen::authorization`] records what each request carried: together
+//! with a second proxy as "another origin", that tests where a client sends credentials.
 //!
 //! The proxy is for tests only: it trusts its upstream, and it keeps no limits beyond a
 //! bound on head sizes and chunk-size lines so a broken peer fails a test instead of
@@ -62,6 +68,20 @@ pub enum Fault {
     FlipByte {
         /// Offset in the body.
         at: u64,
+    },
+    /// Do not forward the request; answer `code` (301, 302, 303, 307, 308) with
+    /// `Location: {to}{target}` (`to` an origin such as `http://127.0.0.1:PORT`).
+    Redirect {
+        /// Redirect status.
+        code: u16,
+        /// Origin to send the client to.
+        to: String,
+    },
+    /// Forward, and point the response's `Location` header (absolute or relative) at
+    /// origin `to`, keeping its path and query.
+    MoveLocation {
+        /// Origin the `Location` moves to.
+        to: String,
     },
 }
 
@@ -237,6 +257,8 @@ pub struct Seen {
     pub status: u16,
     /// The fault injected into its response, if any.
     pub fault: Option<Fault>,
+    /// Its `Authorization` header, if it had one.
+    pub authorization: Option<String>,
 }
 
 struct Shared {
@@ -245,6 +267,8 @@ struct Shared {
     counters: Counters,
     log: Mutex<Vec<Seen>>,
     stop: AtomicBool,
+    /// `Basic …` a request must carry, else the proxy answers 401 itself.
+    require: Mutex<Option<String>>,
     // Client sockets of live connections, shut down on drop so their threads end.
     live: Mutex<HashMap<u64, TcpStream>>,
     next_id: AtomicU64,
@@ -271,6 +295,7 @@ impl FaultProxy {
             counters: Counters::default(),
             log: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
+            require: Mutex::new(None),
             live: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(0),
         });
@@ -350,6 +375,21 @@ impl FaultProxy {
     pub fn log(&self) -> Vec<Seen> {
         self.shared.log.lock().unwrap().clone()
     }
+
+    /// From now on, answer any request that lacks `Authorization: Basic base64(user:password)`
+    /// with 401 and `WWW-Authenticate: Basic realm="fault-proxy"` (not forwarded): the
+    /// proxy plays a registry that wants Basic credentials.
+    pub fn require_basic(&self, user: &str, password: &str) {
+        use base64::Engine;
+        let b = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+        *self.shared.require.lock().unwrap() = Some(format!("Basic {b}"));
+    }
+
+    /// `http://127.0.0.1:PORT`: the proxy's origin, for [`Fault::Redirect`] and
+    /// [`Fault::MoveLocation`] of another proxy.
+    pub fn origin(&self) -> String {
+        format!("http://{}", self.addr)
+    }
 }
 
 impl Drop for FaultProxy {
@@ -378,6 +418,7 @@ struct Head {
     chunked: bool,
     close: bool,
     expect_continue: bool,
+    authorization: Option<String>,
 }
 
 /// Read one head (up to and including the blank line). `Ok(None)` on a clean EOF
@@ -420,9 +461,12 @@ fn read_head(r: &mut impl BufRead, request: bool) -> io::Result<Option<Head>> {
         (String::new(), b.to_string(), code)
     };
     let http10 = first.contains("HTTP/1.0");
-    let mut h = Head { raw, method, target, status, content_length: None, chunked: false, close: http10, expect_continue: false };
+    let mut h = Head { raw, method, target, status, content_length: None, chunked: false, close: http10, expect_continue: false, authorization: None };
     for line in lines {
         let Some((k, v)) = line.split_once(':') else { continue };
+        if k.trim().eq_ignore_ascii_case("authorization") {
+            h.authorization = Some(v.trim().to_string());
+        }
         let (k, v) = (k.trim().to_ascii_lowercase(), v.trim().to_ascii_lowercase());
         match k.as_str() {
             "content-length" => h.content_length = Some(v.parse().map_err(|_| bad("content-length"))?),
@@ -440,6 +484,40 @@ fn read_head(r: &mut impl BufRead, request: bool) -> io::Result<Option<Head>> {
 fn strip_expect(raw: &[u8]) -> Vec<u8> {
     let text = String::from_utf8_lossy(raw);
     text.split_inclusive('\n').filter(|l| !l.to_ascii_lowercase().starts_with("expect:")).collect::<String>().into_bytes()
+}
+
+/// The head with its `Location` header pointed at origin `to` (path and query kept).
+fn move_location(raw: &[u8], to: &str) -> Vec<u8> {
+    let text = String::from_utf8_lossy(raw);
+    text.split_inclusive('\n')
+        .map(|l| match l.split_once(':') {
+            Some((k, v)) if k.trim().eq_ignore_ascii_case("location") => {
+                let v = v.trim();
+                // Absolute: drop scheme and authority; relative: keep it as it is.
+                let path = match v.split_once("://") {
+                    Some((_, rest)) => rest.find('/').map_or("/", |i| &rest[i..]),
+                    None => v,
+                };
+                format!("Location: {to}{path}\r\n")
+            }
+            _ => l.to_string(),
+        })
+        .collect::<String>()
+        .into_bytes()
+}
+
+/// Write a small response the proxy makes up itself (JSON body), keeping the connection
+/// unless the request asked to close it.
+fn answer(sh: &Shared, w: &mut TcpStream, req: &Head, code: u16, extra: &str, message: &str) -> io::Result<()> {
+    let body = format!("{{\"errors\":[{{\"code\":\"UNAVAILABLE\",\"message\":\"fault proxy: {message}\"}}]}}");
+    let resp = format!(
+        "HTTP/1.1 {code} Injected\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra}{}\r\n{body}",
+        body.len(),
+        if req.close { "Connection: close\r\n" } else { "" }
+    );
+    w.write_all(resp.as_bytes())?;
+    sh.counters.bytes_down.fetch_add(resp.len() as u64, Ordering::Relaxed);
+    Ok(())
 }
 
 /// Where relayed body bytes go: a writer that may flip, cut or reset.
@@ -610,24 +688,32 @@ fn relay(sh: &Shared, client: TcpStream) -> io::Result<()> {
             return Ok(());
         }
         sh.counters.requests.fetch_add(1, Ordering::Relaxed);
-        let fault = sh.plan.lock().unwrap().decide(&req.method, &req.target);
         if req.expect_continue {
             client_w.write_all(b"HTTP/1.1 100 Continue\r\n\r\n")?;
         }
+        let required = sh.require.lock().unwrap().clone();
+        if required.is_some() && req.authorization != required {
+            drain_request_body(&mut client_r, &req)?;
+            answer(sh, &mut client_w, &req, 401, "WWW-Authenticate: Basic realm=\"fault-proxy\"\r\n", "credentials required")?;
+            sh.log.lock().unwrap().push(Seen { method: req.method, target: req.target, status: 401, fault: None, authorization: req.authorization });
+            if req.close {
+                return Ok(());
+            }
+            continue;
+        }
+        let fault = sh.plan.lock().unwrap().decide(&req.method, &req.target);
 
-        if let Some(Fault::Status { code }) = fault {
+        let made_up = match &fault {
+            Some(Fault::Status { code }) => Some((*code, String::new(), format!("injected {code}"))),
+            Some(Fault::Redirect { code, to }) => Some((*code, format!("Location: {to}{}\r\n", req.target), format!("injected redirect {code}"))),
+            _ => None,
+        };
+        if let Some((code, extra, message)) = made_up {
             // Drain the request body, answer ourselves, keep the connection.
             drain_request_body(&mut client_r, &req)?;
             sh.counters.faults.fetch_add(1, Ordering::Relaxed);
-            let body = format!("{{\"errors\":[{{\"code\":\"UNAVAILABLE\",\"message\":\"fault proxy: injected {code}\"}}]}}");
-            let resp = format!(
-                "HTTP/1.1 {code} Injected\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{}\r\n{body}",
-                body.len(),
-                if req.close { "Connection: close\r\n" } else { "" }
-            );
-            client_w.write_all(resp.as_bytes())?;
-            sh.counters.bytes_down.fetch_add(resp.len() as u64, Ordering::Relaxed);
-            sh.log.lock().unwrap().push(Seen { method: req.method, target: req.target, status: code, fault });
+            answer(sh, &mut client_w, &req, code, &extra, &message)?;
+            sh.log.lock().unwrap().push(Seen { method: req.method, target: req.target, status: code, fault, authorization: req.authorization });
             if req.close {
                 return Ok(());
             }
@@ -671,12 +757,22 @@ fn relay(sh: &Shared, client: TcpStream) -> io::Result<()> {
         if fault.is_some() {
             sh.counters.faults.fetch_add(1, Ordering::Relaxed);
         }
-        sh.log.lock().unwrap().push(Seen { method: req.method.clone(), target: req.target.clone(), status: resp.status, fault: fault.clone() });
+        sh.log.lock().unwrap().push(Seen {
+            method: req.method.clone(),
+            target: req.target.clone(),
+            status: resp.status,
+            fault: fault.clone(),
+            authorization: req.authorization.clone(),
+        });
+        let resp_raw = match &fault {
+            Some(Fault::MoveLocation { to }) => move_location(&resp.raw, to),
+            _ => resp.raw.clone(),
+        };
 
         let mut sink =
             Sink { out: &mut client_w, counters: &sh.counters, written: 0, body_pos: 0, fault, body_len: resp.content_length, flipped: false, counting: true };
         let result = (|| {
-            sink.frame(&resp.raw)?;
+            sink.frame(&resp_raw)?;
             if no_body {
                 return Ok(());
             }
@@ -802,5 +898,17 @@ mod tests {
         assert!(read_head(&mut &b"GET / HTTP/1.1\r\nHost: x\r\n"[..], true).is_err());
         let huge = vec![b'a'; MAX_HEAD + 10];
         assert!(read_head(&mut &huge[..], true).is_err());
+        let raw = b"GET / HTTP/1.1\r\nauthorization:  Basic eDp5 \r\n\r\n";
+        assert_eq!(read_head(&mut &raw[..], true).unwrap().unwrap().authorization.as_deref(), Some("Basic eDp5"));
+    }
+
+    #[test]
+    fn location_moves_to_another_origin() {
+        let to = "http://127.0.0.1:9";
+        let raw = b"HTTP/1.1 202 Accepted\r\nlocation: http://127.0.0.1:5000/v2/a/blobs/uploads/u?_state=x\r\nRange: 0-0\r\n\r\n";
+        let moved = String::from_utf8(move_location(raw, to)).unwrap();
+        assert_eq!(moved, "HTTP/1.1 202 Accepted\r\nLocation: http://127.0.0.1:9/v2/a/blobs/uploads/u?_state=x\r\nRange: 0-0\r\n\r\n");
+        let raw = b"HTTP/1.1 202 Accepted\r\nLocation: /v2/a/blobs/uploads/u\r\n\r\n";
+        assert!(String::from_utf8(move_location(raw, to)).unwrap().contains("Location: http://127.0.0.1:9/v2/a/blobs/uploads/u\r\n"));
     }
 }

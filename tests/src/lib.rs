@@ -6,6 +6,7 @@
 
 pub mod counter;
 pub mod fault_proxy;
+pub mod hostile;
 pub mod registry_support;
 
 use std::path::{Path, PathBuf};

@@ -2,7 +2,8 @@
 //! digest, every Merkle root recomputed, and (`audit_against`) a local directory proven
 //! byte-for-byte equal to the snapshot.
 
-use std::collections::{BTreeMap, HashSet};
+use std::borrow::Cow;
+use std::collections::HashSet;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
@@ -10,7 +11,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use imgfmt::compress::Codec;
-use imgfmt::{media, resolve_chain, BlobSource, ChunkDigest, FormatError, HashAlgo, Image, OciDigest, StoredAt};
+use imgfmt::{media, resolve_chain, BlobSource, ChunkDigest, FormatError, HashAlgo, Image, OciDigest, PackRef, ResolvedFile, StoredAt};
 use serde::Serialize;
 
 use crate::chunk::verify_stored;
@@ -100,6 +101,11 @@ impl Default for AuditOptions {
     }
 }
 
+/// Failures an audit lists; more are counted in [`AuditReport::failures_unlisted`]. A
+/// hostile image can make every one of its 4 M chunks fail, and a listed failure costs a
+/// few hundred bytes (issue 14): the first thousand say what is wrong as well.
+pub const MAX_LISTED_FAILURES: usize = 1000;
+
 #[derive(Debug, Default, Clone, Serialize)]
 pub struct AuditReport {
     /// Images audited (the image, and its base when the source holds it).
@@ -108,12 +114,56 @@ pub struct AuditReport {
     pub stored_bytes_checked: u64,
     pub zero_chunks: u64,
     pub packs: u64,
+    /// The first [`MAX_LISTED_FAILURES`] failures.
     pub failures: Vec<Failure>,
+    /// Failures beyond those listed.
+    pub failures_unlisted: u64,
 }
 
 impl AuditReport {
     pub fn ok(&self) -> bool {
-        self.failures.is_empty()
+        self.failures.is_empty() && self.failures_unlisted == 0
+    }
+
+    /// Every failure, listed or not.
+    pub fn failure_count(&self) -> u64 {
+        self.failures.len() as u64 + self.failures_unlisted
+    }
+
+    /// Record a failure: listed while there is room, counted after.
+    pub fn push_failure(&mut self, f: Failure) {
+        push_bounded(&mut self.failures, &mut self.failures_unlisted, f);
+    }
+
+    /// Add another report's failures (`--against` after the audit).
+    pub fn merge_failures(&mut self, other: &AuditReport) {
+        for f in &other.failures {
+            self.push_failure(f.clone());
+        }
+        self.failures_unlisted += other.failures_unlisted;
+    }
+}
+
+fn push_bounded(list: &mut Vec<Failure>, unlisted: &mut u64, f: Failure) {
+    if list.len() < MAX_LISTED_FAILURES {
+        list.push(f);
+    } else {
+        *unlisted += 1;
+    }
+}
+
+/// Failures found by worker threads: bounded like the report's list, sorted when taken.
+#[derive(Default)]
+struct Found {
+    list: Vec<Failure>,
+    unlisted: u64,
+}
+
+impl Found {
+    fn push(m: &Mutex<Found>, f: Failure) {
+        let mut g = m.lock().expect("poisoned");
+        let Found { list, unlisted } = &mut *g;
+        push_bounded(list, unlisted, f);
     }
 }
 
@@ -121,7 +171,9 @@ fn fail(kind: FailureKind, message: impl Into<String>) -> Failure {
     Failure { kind, file: None, chunk: None, offset: None, blob: None, blob_offset: None, message: message.into() }
 }
 
-/// One stored range to check, with the first (file, chunk) that uses it, for naming.
+/// One stored range to check, with the first (file, chunk) that uses it, for naming:
+/// file `file` of chain link `link` (its name is in that link's config). 72 bytes, one
+/// per distinct stored range: no name copied per chunk.
 struct Work {
     pack: u32,
     at: u64,
@@ -129,8 +181,19 @@ struct Work {
     codec: Codec,
     len: u32,
     digest: ChunkDigest,
-    file: String,
+    link: u8,
+    file: u32,
     chunk: u64,
+}
+
+// spec/format.md §12 states this size.
+const _: () = assert!(std::mem::size_of::<Work>() <= 72);
+
+impl Work {
+    /// What makes two stored ranges the same check.
+    fn key(&self) -> (u32, u64, ChunkDigest, u32) {
+        (self.pack, self.at, self.digest, self.len)
+    }
 }
 
 /// Audit an opened image (and its base, when `src` has it). Metadata blobs were already
@@ -148,7 +211,7 @@ pub fn audit(src: &dyn BlobSource, image: &Image, opts: &AuditOptions) -> Result
         }
         let base = Image::open(src, &b.manifest)?;
         if base.config().root != b.root {
-            report.failures.push(fail(FailureKind::ChainRoot, format!("base {} has root {}, the image names {}", b.manifest, base.config().root, b.root)));
+            report.push_failure(fail(FailureKind::ChainRoot, format!("base {} has root {}, the image names {}", b.manifest, base.config().root, b.root)));
         }
         audit_one(src, &base, opts, &mut report)?;
         next = base.config().base.clone();
@@ -164,21 +227,34 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
     // Roots of every link of the chain, and the references between links.
     let ann = image.manifest.annotations.get(media::ANN_ROOT);
     if ann.is_some_and(|a| a != &image.config().root) {
-        report.failures.push(fail(
+        report.push_failure(fail(
             FailureKind::ImageRoot,
             format!("manifest annotation {} = {}, config root {}", media::ANN_ROOT, ann.map(String::as_str).unwrap_or(""), image.config().root),
         ));
     }
-    let mut work: BTreeMap<(u32, u64, ChunkDigest, u32), Work> = BTreeMap::new();
+    // Each distinct stored range once, kept sorted and deduplicated after each link: an
+    // ancestor's range already listed is skipped (a binary search), so the list never
+    // holds a link's duplicates at once. The first use of a range, in chain then file
+    // order, names it.
+    let stored = image.files.iter().flat_map(|f| &f.chunks).filter(|c| matches!(c.at, StoredAt::Pack { .. })).count();
+    let mut work: Vec<Work> = Vec::with_capacity(stored);
     for k in 0..image.chain.len() {
+        let listed = work.len();
         let link = &image.chain[k];
-        let (files, packs) = if k == 0 { (image.files.clone(), image.packs.clone()) } else { resolve_chain(&image.chain[k..])? };
+        // The image's own resolution is borrowed; an ancestor's is made for this turn only.
+        let (files, packs): (Cow<'_, [ResolvedFile]>, Cow<'_, [PackRef]>) = if k == 0 {
+            (Cow::Borrowed(&image.files), Cow::Borrowed(&image.packs))
+        } else {
+            resolve_chain(&image.chain[k..]).map(|(f, p)| (Cow::Owned(f), Cow::Owned(p)))?
+        };
+        // Ancestors' packs in the image's table (or not part of the image: u32::MAX).
+        let global: Vec<u32> = packs.iter().map(|p| image.pack_index(&p.digest).unwrap_or(u32::MAX)).collect();
         let (roots, root) = resolved_root(algo, &files);
         let who = if k == 0 { "image".to_string() } else { format!("ancestor {k} (config {})", link.config_digest) };
         for ((f, r), cf) in files.iter().zip(&roots).zip(&link.config.files) {
             let want = r.display_with(algo);
             if cf.root != want {
-                report.failures.push(Failure {
+                report.push_failure(Failure {
                     file: Some(f.name.clone()),
                     ..fail(FailureKind::FileRoot, format!("{who}: file root is {want}, config says {}", cf.root))
                 });
@@ -186,22 +262,21 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
         }
         let want = root.display_with(algo);
         if link.config.root != want {
-            report.failures.push(fail(FailureKind::ImageRoot, format!("{who}: content root is {want}, config says {}", link.config.root)));
+            report.push_failure(fail(FailureKind::ImageRoot, format!("{who}: content root is {want}, config says {}", link.config.root)));
         }
         if k > 0 {
             let named = &image.chain[k - 1].config.parent.as_ref().expect("link has a parent").root;
             if named != &link.config.root {
-                report.failures.push(fail(FailureKind::ChainRoot, format!("{who}: root {} but its child names {named}", link.config.root)));
+                report.push_failure(fail(FailureKind::ChainRoot, format!("{who}: root {} but its child names {named}", link.config.root)));
             }
         }
-        // Chunks: each distinct stored range once.
-        for f in &files {
+        for (fi, f) in files.iter().enumerate() {
             for (ci, c) in f.chunks.iter().enumerate() {
                 match c.at {
                     StoredAt::Zero => {
                         report.zero_chunks += u64::from(k == 0);
                         if c.digest != zero_digest(algo, c.len) {
-                            report.failures.push(Failure {
+                            report.push_failure(Failure {
                                 file: Some(f.name.clone()),
                                 chunk: Some(ci as u64),
                                 offset: Some((ci as u64) << shift),
@@ -210,7 +285,7 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
                         }
                     }
                     StoredAt::Pack { pack, offset, stored_len, codec } => {
-                        let gp = image.pack_index(&packs[pack as usize].digest).unwrap_or(u32::MAX);
+                        let gp = global[pack as usize];
                         if gp == u32::MAX {
                             // A chunk an ancestor had but this image replaced: its pack is
                             // not part of this image (the manifest need not list it), so
@@ -218,21 +293,28 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
                             // ancestor's root above.
                             continue;
                         }
-                        work.entry((gp, offset, c.digest, c.len)).or_insert(Work {
+                        if work[..listed].binary_search_by(|w| w.key().cmp(&(gp, offset, c.digest, c.len))).is_ok() {
+                            continue;
+                        }
+                        work.push(Work {
                             pack: gp,
                             at: offset,
                             stored_len,
                             codec,
                             len: c.len,
                             digest: c.digest,
-                            file: f.name.clone(),
+                            link: k as u8,
+                            file: fi as u32,
                             chunk: ci as u64,
                         });
                     }
                 }
             }
         }
+        work.sort_unstable_by_key(|w| (w.key(), w.link, w.file, w.chunk));
+        work.dedup_by_key(|w| w.key());
     }
+    let name = |w: &Work| image.chain[w.link as usize].config.files[w.file as usize].name.clone();
 
     // Packs: present, of the recorded size, and (optionally) of the right sha256.
     let mut bad_packs = HashSet::new();
@@ -242,21 +324,21 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
             Ok(n) if n == p.size => {}
             Ok(n) => {
                 bad_packs.insert(i as u32);
-                report.failures.push(Failure {
+                report.push_failure(Failure {
                     blob: Some(p.digest.to_string()),
                     ..fail(FailureKind::PackUnreadable, format!("pack is {n} bytes, index says {}", p.size))
                 });
             }
             Err(e) => {
                 bad_packs.insert(i as u32);
-                report.failures.push(Failure { blob: Some(p.digest.to_string()), ..fail(FailureKind::PackUnreadable, e.to_string()) });
+                report.push_failure(Failure { blob: Some(p.digest.to_string()), ..fail(FailureKind::PackUnreadable, e.to_string()) });
             }
         }
     }
 
-    let work: Vec<Work> = work.into_values().filter(|w| !bad_packs.contains(&w.pack)).collect();
+    work.retain(|w| !bad_packs.contains(&w.pack));
     let bytes = AtomicU64::new(0);
-    let failures = Mutex::new(Vec::new());
+    let failures = Mutex::new(Found::default());
     std::thread::scope(|s| {
         if opts.blob_digests {
             // One thread re-hashes whole packs while the others check chunks.
@@ -267,14 +349,11 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
                     }
                     match sha256_of_blob(src, &p.digest, p.size) {
                         Ok(d) if d == p.digest => {}
-                        Ok(d) => failures
-                            .lock()
-                            .expect("poisoned")
-                            .push(Failure { blob: Some(p.digest.to_string()), ..fail(FailureKind::PackDigest, format!("pack content hashes to {d}")) }),
-                        Err(e) => failures
-                            .lock()
-                            .expect("poisoned")
-                            .push(Failure { blob: Some(p.digest.to_string()), ..fail(FailureKind::PackUnreadable, e.to_string()) }),
+                        Ok(d) => Found::push(
+                            &failures,
+                            Failure { blob: Some(p.digest.to_string()), ..fail(FailureKind::PackDigest, format!("pack content hashes to {d}")) },
+                        ),
+                        Err(e) => Found::push(&failures, Failure { blob: Some(p.digest.to_string()), ..fail(FailureKind::PackUnreadable, e.to_string()) }),
                     }
                 }
             });
@@ -284,7 +363,7 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
             let pack = &image.packs[w.pack as usize].digest;
             buf.resize(w.stored_len as usize, 0);
             let base = Failure {
-                file: Some(w.file.clone()),
+                file: Some(name(w)),
                 chunk: Some(w.chunk),
                 offset: Some(w.chunk << shift),
                 blob: Some(pack.to_string()),
@@ -292,7 +371,7 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
                 ..fail(FailureKind::ChunkDigest, "")
             };
             if let Err(e) = src.read_at_unverified(pack, w.at, buf) {
-                failures.lock().expect("poisoned").push(Failure { kind: FailureKind::PackUnreadable, message: e.to_string(), ..base });
+                Found::push(&failures, Failure { kind: FailureKind::PackUnreadable, message: e.to_string(), ..base });
                 return;
             }
             bytes.fetch_add(w.stored_len as u64, Ordering::Relaxed);
@@ -304,14 +383,17 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
                         Some(a) => Failure { message: format!("digest mismatch: expected {}, got {}", w.digest, a), ..base },
                         None => Failure { kind: FailureKind::ChunkCorrupt, message: detail, ..base },
                     };
-                    failures.lock().expect("poisoned").push(f);
+                    Found::push(&failures, f);
                 }
             }
         });
     });
-    let mut failures = failures.into_inner().expect("poisoned");
-    failures.sort_by(|a, b| (&a.file, a.chunk, &a.blob).cmp(&(&b.file, b.chunk, &b.blob)));
-    report.failures.extend(failures);
+    let mut found = failures.into_inner().expect("poisoned");
+    found.list.sort_by(|a, b| (&a.file, a.chunk, &a.blob).cmp(&(&b.file, b.chunk, &b.blob)));
+    for f in found.list {
+        report.push_failure(f);
+    }
+    report.failures_unlisted += found.unlisted;
     report.stored_chunks_checked += work.len() as u64;
     report.stored_bytes_checked += bytes.into_inner();
     Ok(())
@@ -356,7 +438,7 @@ pub fn audit_against(image: &Image, dir: &Path, opts: &AuditOptions) -> AuditRep
     let names: HashSet<&str> = image.files.iter().map(|f| f.name.as_str()).collect();
     for extra in walk_files(dir) {
         if !names.contains(extra.as_str()) {
-            report.failures.push(Failure { file: Some(extra), ..fail(FailureKind::UnexpectedFile, "not part of the snapshot") });
+            report.push_failure(Failure { file: Some(extra), ..fail(FailureKind::UnexpectedFile, "not part of the snapshot") });
         }
     }
     for f in &image.files {
@@ -365,36 +447,36 @@ pub fn audit_against(image: &Image, dir: &Path, opts: &AuditOptions) -> AuditRep
         let file = match File::open(&path) {
             Ok(h) => h,
             Err(e) => {
-                report.failures.push(meta_fail(format!("cannot open: {e}")));
+                report.push_failure(meta_fail(format!("cannot open: {e}")));
                 continue;
             }
         };
         let md = match file.metadata() {
             Ok(m) => m,
             Err(e) => {
-                report.failures.push(meta_fail(format!("cannot stat: {e}")));
+                report.push_failure(meta_fail(format!("cannot stat: {e}")));
                 continue;
             }
         };
         if md.len() != f.size {
-            report.failures.push(meta_fail(format!("size is {}, snapshot has {}", md.len(), f.size)));
+            report.push_failure(meta_fail(format!("size is {}, snapshot has {}", md.len(), f.size)));
             continue;
         }
         // As packed (a source directory) or as pull and unpack apply it (less special bits
         // and write for others: spec/format.md §5).
         let mode = md.mode() & 0o7777;
         if mode != f.mode && mode != imgfmt::config::applied_mode(f.mode) {
-            report.failures.push(meta_fail(format!("mode is {mode:o}, snapshot has {:o} (applied as {:o})", f.mode, imgfmt::config::applied_mode(f.mode))));
+            report.push_failure(meta_fail(format!("mode is {mode:o}, snapshot has {:o} (applied as {:o})", f.mode, imgfmt::config::applied_mode(f.mode))));
         }
         let bytes = AtomicU64::new(0);
-        let failures = Mutex::new(Vec::new());
+        let failures = Mutex::new(Found::default());
         for_each_index(f.chunks.len(), opts.threads, |ci, buf| {
             let c = &f.chunks[ci];
             let off = (ci as u64) << shift;
             buf.resize(c.len as usize, 0);
             let fail_here = |m: String| Failure { file: Some(f.name.clone()), chunk: Some(ci as u64), offset: Some(off), ..fail(FailureKind::FileContent, m) };
             if let Err(e) = file.read_exact_at(buf, off) {
-                failures.lock().expect("poisoned").push(fail_here(format!("read failed: {e}")));
+                Found::push(&failures, fail_here(format!("read failed: {e}")));
                 return;
             }
             bytes.fetch_add(c.len as u64, Ordering::Relaxed);
@@ -403,12 +485,15 @@ pub fn audit_against(image: &Image, dir: &Path, opts: &AuditOptions) -> AuditRep
                     StoredAt::Zero => "expected all zeros".to_string(),
                     StoredAt::Pack { .. } => format!("digest {} differs from the snapshot's {}", chunk_digest(algo, buf), c.digest),
                 };
-                failures.lock().expect("poisoned").push(fail_here(what));
+                Found::push(&failures, fail_here(what));
             }
         });
-        let mut fs = failures.into_inner().expect("poisoned");
-        fs.sort_by_key(|f| f.chunk);
-        report.failures.extend(fs);
+        let mut found = failures.into_inner().expect("poisoned");
+        found.list.sort_by_key(|f| f.chunk);
+        for f in found.list {
+            report.push_failure(f);
+        }
+        report.failures_unlisted += found.unlisted;
         report.stored_bytes_checked += bytes.into_inner();
         report.stored_chunks_checked += f.chunks.len() as u64;
     }
@@ -476,4 +561,30 @@ fn walk_files(dir: &Path) -> Vec<String> {
     }
     out.sort();
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A hostile image can make every chunk fail: the report lists the first
+    /// `MAX_LISTED_FAILURES` and counts the rest, and still says no.
+    #[test]
+    fn failures_beyond_the_listed_ones_are_counted() {
+        let mut r = AuditReport::default();
+        for i in 0..MAX_LISTED_FAILURES as u64 + 5 {
+            r.push_failure(fail(FailureKind::ChunkDigest, format!("chunk {i}")));
+        }
+        assert_eq!(r.failures.len(), MAX_LISTED_FAILURES);
+        assert_eq!((r.failures_unlisted, r.failure_count()), (5, MAX_LISTED_FAILURES as u64 + 5));
+        assert!(!r.ok());
+        let mut other = AuditReport::default();
+        other.push_failure(fail(FailureKind::FileContent, "x"));
+        r.merge_failures(&other);
+        assert_eq!(r.failure_count(), MAX_LISTED_FAILURES as u64 + 6);
+        let mut only_unlisted = AuditReport { failures_unlisted: 1, ..Default::default() };
+        assert!(!only_unlisted.ok());
+        only_unlisted.failures_unlisted = 0;
+        assert!(only_unlisted.ok());
+    }
 }

@@ -33,6 +33,10 @@ use super::common::{self, open_image};
 /// for a restore) and exits once those being served have ended: a guest whose page server
 /// goes away reads its untouched memory as zeros. A second signal exits at once (status 2).
 ///
+/// The socket is created mode 0600 whatever the umask, and only processes of the daemon's
+/// own user (or of --allow-uid / --allow-gid) are served: whoever connects gets the
+/// snapshot's memory. Others are logged and disconnected unread.
+///
 /// Exit codes (with --once or --criu-workdir): 0 served, 1 a chunk failed verification
 /// (poisoned), 2 error (with --criu-workdir: also a task that could not be fully served).
 #[derive(Debug, clap::Args)]
@@ -94,6 +98,13 @@ pub struct LazyArgs {
     /// Write the socket path to this file once the socket is listening.
     #[arg(long, value_name = "PATH")]
     pub ready_file: Option<PathBuf>,
+    /// Also serve processes of this user (repeatable; e.g. a VMM jailed under its own uid).
+    /// The socket stays 0600: make it reachable for them (chown, a bind mount) as well.
+    #[arg(long, value_name = "UID")]
+    pub allow_uid: Vec<u32>,
+    /// Also serve processes whose primary group is this one (repeatable).
+    #[arg(long, value_name = "GID")]
+    pub allow_gid: Vec<u32>,
     /// Print one JSON summary per finished connection on stdout (one line each).
     #[arg(long)]
     pub json: bool,
@@ -151,6 +162,9 @@ fn parse_prefetch(s: &str) -> Result<PrefetchMode, String> {
 }
 
 pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
+    // The libraries' warnings (a refused peer, above all) on stderr; SNAPCTL_LOG to tune.
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SNAPCTL_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false).try_init();
     // Registry references get a client of their own so traces can be pushed as referrers
     // through it; layouts keep traces under the fallback tag.
     let mut fault_source: Option<Arc<dyn imgfmt::BlobSource>> = None;
@@ -190,6 +204,8 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     opts.memory_bytes = a.memory;
     opts.once = a.once;
     opts.ready_file = a.ready_file.clone();
+    opts.allow_uids = a.allow_uid.clone();
+    opts.allow_gids = a.allow_gid.clone();
     let src: Arc<dyn imgfmt::BlobSource> = match fault_source {
         Some(s) => s,
         None => Arc::from(o.source),

@@ -52,11 +52,14 @@ pub fn run(a: VerifyArgs) -> anyhow::Result<ExitCode> {
     let mut report: AuditReport = verify::audit(o.source.as_ref(), &image, &opts)?;
     let against = a.against.as_ref().map(|d| verify::audit_against(&image, d, &opts));
     if let Some(r) = &against {
-        report.failures.extend(r.failures.iter().cloned());
+        report.merge_failures(r);
     }
     let secs = t0.elapsed().as_secs_f64();
     for f in &report.failures {
         eprintln!("FAILED {}", common::printable(&f.to_string()));
+    }
+    if report.failures_unlisted > 0 {
+        eprintln!("FAILED … and {} more failure(s) not listed", report.failures_unlisted);
     }
     if a.json {
         let j = serde_json::json!({
@@ -83,7 +86,7 @@ pub fn run(a: VerifyArgs) -> anyhow::Result<ExitCode> {
         );
         Ok(common::code(common::EXIT_OK))
     } else {
-        eprintln!("{}: {} integrity failure(s)", a.image, report.failures.len());
+        eprintln!("{}: {} integrity failure(s)", a.image, report.failure_count());
         Ok(common::code(common::EXIT_FAILED))
     }
 }

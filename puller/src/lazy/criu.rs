@@ -518,6 +518,7 @@ impl CriuDaemon {
                 return Ok(());
             }
             match listener.accept() {
+                Ok((s, _)) if !super::admit(&s, &self.opts) => drop(s),
                 Ok((s, _)) => break s,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::Interrupted => {
                     std::thread::sleep(Duration::from_millis(20));

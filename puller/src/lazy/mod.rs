@@ -12,6 +12,11 @@
 //!
 //! One daemon serves many connections over one image, one chunk cache and one in-flight
 //! map. The wire contract and the `--json` summary are in `spec/lazy.md`.
+//!
+//! Whoever connects gets the snapshot's memory copied into their address space, so the
+//! socket is the daemon's user's alone: it is created mode 0600 whatever the umask
+//! ([`listen`]), and every peer's credentials (`SO_PEERCRED`) are checked before a byte
+//! or a descriptor of theirs is read ([`admit`]).
 
 pub mod criu;
 mod fetch;
@@ -71,6 +76,10 @@ pub struct LazyOptions {
     pub once: bool,
     /// Written (with the socket path) once the socket is bound.
     pub ready_file: Option<PathBuf>,
+    /// Users whose processes may connect besides the daemon's own (a jailed VMM).
+    pub allow_uids: Vec<u32>,
+    /// Groups (a peer's primary group) whose processes may connect.
+    pub allow_gids: Vec<u32>,
 }
 
 impl LazyOptions {
@@ -84,6 +93,8 @@ impl LazyOptions {
             memory_bytes: 256 << 20,
             once: false,
             ready_file: None,
+            allow_uids: Vec::new(),
+            allow_gids: Vec::new(),
         }
     }
 }
@@ -188,6 +199,7 @@ impl Daemon {
                 break;
             }
             match listener.accept() {
+                Ok((stream, _)) if !admit(&stream, &self.opts) => drop(stream),
                 Ok((stream, _)) => {
                     let me = self.clone();
                     let cb = on_report.clone();
@@ -326,10 +338,82 @@ impl Daemon {
     }
 }
 
-/// Bind the Unix socket `path` (non-blocking; replacing a stale socket file, refusing when
-/// another `who` answers there), say so on stderr (`snapctl lazy: {tag}listening on PATH`:
-/// tests and bench/lazy.sh wait for that line) and write `ready` (aside, then renamed, so
-/// a watcher never reads it half-written). The guard removes the socket file.
+/// Whether the peer of a freshly accepted connection may use the daemon: its user is the
+/// daemon's effective user (root peers only when the daemon is root) or in `allow_uids`,
+/// or its primary group is in `allow_gids`. A refused peer is logged and closed before
+/// anything it sent is read, so the userfaultfd it may have attached is never received.
+fn admit(stream: &UnixStream, opts: &LazyOptions) -> bool {
+    use nix::sys::socket::{getsockopt, sockopt};
+    // SAFETY: geteuid takes nothing and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    match getsockopt(stream, sockopt::PeerCredentials) {
+        Ok(c) if peer_allowed(c.uid(), c.gid(), me, opts) => true,
+        Ok(c) => {
+            tracing::warn!(
+                "{}: refusing a connection from uid {} gid {} pid {}: not the daemon's user (uid {me}) nor allowed by --allow-uid/--allow-gid",
+                opts.socket.display(),
+                c.uid(),
+                c.gid(),
+                c.pid()
+            );
+            false
+        }
+        Err(e) => {
+            tracing::warn!("{}: refusing a connection whose credentials cannot be read: {e}", opts.socket.display());
+            false
+        }
+    }
+}
+
+/// The rule [`admit`] applies to a peer `uid`/`gid` of a daemon running as `me`.
+fn peer_allowed(uid: u32, gid: u32, me: u32, opts: &LazyOptions) -> bool {
+    uid == me || opts.allow_uids.contains(&uid) || opts.allow_gids.contains(&gid)
+}
+
+/// Bind a Unix socket at `path` that only this user can connect to, whatever the umask:
+/// bound inside a fresh directory only the owner can enter, made 0600 there, then moved
+/// to `path` (never replacing anything there). No one can connect in between: reaching
+/// the socket before the move needs the directory, after it the mode. `umask` is not
+/// used, as it is process-wide and other threads create files.
+fn bind_private(path: &std::path::Path) -> std::io::Result<UnixListener> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let private = imgfmt::layout::tempname(dir, ".snapctl");
+    std::fs::DirBuilder::new().mode(0o700).create(&private)?;
+    let inner = private.join("s");
+    let res = (|| {
+        let l = UnixListener::bind(&inner)?;
+        std::fs::set_permissions(&inner, std::fs::Permissions::from_mode(0o600))?;
+        rename_noreplace(&inner, path)?;
+        Ok(l)
+    })();
+    let _ = std::fs::remove_file(&inner);
+    let _ = std::fs::remove_dir(&private);
+    res
+}
+
+/// `rename(from, to)` failing with `EEXIST` when `to` exists (`RENAME_NOREPLACE`); where
+/// the file system lacks the flag, checked first (then a file created in between would be
+/// replaced: the stale-socket check before has the same window).
+fn rename_noreplace(from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
+    use nix::fcntl::{renameat2, RenameFlags, AT_FDCWD};
+    match renameat2(AT_FDCWD, from, AT_FDCWD, to, RenameFlags::RENAME_NOREPLACE) {
+        Ok(()) => Ok(()),
+        Err(nix::errno::Errno::EINVAL | nix::errno::Errno::ENOSYS) => {
+            if std::fs::symlink_metadata(to).is_ok() {
+                return Err(std::io::Error::from_raw_os_error(libc::EEXIST));
+            }
+            std::fs::rename(from, to)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Bind the Unix socket `path` (0600, see [`bind_private`]; non-blocking; replacing a
+/// stale socket file, refusing when another `who` answers there), say so on stderr
+/// (`snapctl lazy: {tag}listening on PATH`: tests and bench/lazy.sh wait for that line)
+/// and write `ready` (aside, then renamed, so a watcher never reads it half-written). The
+/// guard removes the socket file.
 fn listen(path: &std::path::Path, ready: Option<&std::path::Path>, who: &str, tag: &str) -> Result<(UnixListener, RemoveOnDrop), LazyError> {
     if let Ok(m) = std::fs::symlink_metadata(path) {
         use std::os::unix::fs::FileTypeExt;
@@ -340,7 +424,7 @@ fn listen(path: &std::path::Path, ready: Option<&std::path::Path>, who: &str, ta
             std::fs::remove_file(path).map_err(io_err(format!("removing stale socket {}", path.display())))?;
         }
     }
-    let listener = UnixListener::bind(path).map_err(io_err(format!("binding {}", path.display())))?;
+    let listener = bind_private(path).map_err(io_err(format!("binding {}", path.display())))?;
     listener.set_nonblocking(true).map_err(io_err("socket"))?;
     let cleanup = RemoveOnDrop(path.to_path_buf());
     eprintln!("snapctl lazy: {tag}listening on {}", path.display());

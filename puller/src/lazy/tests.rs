@@ -326,3 +326,43 @@ fn regression_remove_before_first_touch_keeps_the_rest_of_the_chunk() {
     let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
     assert_eq!((rep.removed_ranges, rep.faults.fetched), (1, 1), "{rep:?}");
 }
+
+/// Issue 14 §9: the socket is 0600 whatever the umask (it is created in a private
+/// directory, which is removed), it never replaces a file that is not a stale socket,
+/// and a peer of the daemon's own user is admitted.
+#[test]
+fn regression_issue_14_socket_is_private_and_replaces_nothing() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("vm.sock");
+    let (l, guard) = listen(&path, None, "daemon", "").unwrap();
+    assert_eq!(std::fs::symlink_metadata(&path).unwrap().permissions().mode() & 0o7777, 0o600);
+    let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert_eq!(names, vec![std::ffi::OsString::from("vm.sock")], "nothing else left behind");
+    // The socket moved after bind still answers, and our own user is admitted.
+    let _c = UnixStream::connect(&path).unwrap();
+    l.set_nonblocking(false).unwrap();
+    let (s, _) = l.accept().unwrap();
+    assert!(admit(&s, &LazyOptions::new(path.clone())));
+    drop((l, guard));
+    assert!(!path.exists(), "the guard removes the socket");
+
+    let file = dir.path().join("not-a-socket");
+    std::fs::write(&file, b"keep me").unwrap();
+    assert!(listen(&file, None, "daemon", "").is_err());
+    assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
+}
+
+#[test]
+fn peers_allowed_by_user_or_group() {
+    let mut o = LazyOptions::new("s".into());
+    assert!(peer_allowed(1000, 1000, 1000, &o), "the daemon's own user");
+    assert!(peer_allowed(0, 0, 0, &o), "root, when the daemon is root");
+    assert!(!peer_allowed(0, 0, 1000, &o), "root is not the daemon's user");
+    assert!(!peer_allowed(65534, 65534, 0, &o), "another user");
+    o.allow_uids = vec![123];
+    o.allow_gids = vec![456];
+    assert!(peer_allowed(123, 1, 0, &o));
+    assert!(peer_allowed(7, 456, 0, &o));
+    assert!(!peer_allowed(7, 8, 0, &o));
+}

@@ -13,11 +13,13 @@
 //! error.rs     ClientError, CredentialsError and the registry's OCI error bodies
 //! ```
 //!
-//! It speaks plain HTTP to 127.0.0.1/localhost and HTTPS elsewhere, answers
+//! It speaks plain HTTP to loopback addresses and HTTPS elsewhere, answers
 //! `WWW-Authenticate` challenges (Basic, and the Bearer token flow, with a password or an
 //! identity token) with credentials from the caller or, looked up at the first challenge,
 //! from Docker's config and its credential helpers, and retries transient failures (connection
 //! errors, 408, 429 honouring `Retry-After`, 5xx) with exponential backoff and jitter.
+//! Credentials go only to the registry's own origin: every request, redirect hop and
+//! upload `Location` passes through [`may_send_credentials`] (`RegistrySource::execute`).
 //! Everything the read half returns is unverified; callers check digests (see
 //! `imgfmt::source`). The wire behaviour is specified in `spec/transfer.md`.
 
@@ -72,16 +74,50 @@ enum CredentialSource {
     DockerConfig,
 }
 
-/// Whether a host is local, where plain HTTP is the default.
+/// Whether `HOST[:PORT]` names this machine, where plain HTTP is the default: an IP
+/// address in `127.0.0.0/8` or `::1` (bracketed with a port, `[::1]:5000`), or the name
+/// `localhost`. Decided by parsing the address, never by its spelling: a host *named*
+/// `127.example.com` is somebody else's, and plain HTTP to it would carry stored
+/// credentials in the clear.
 pub fn is_loopback(host: &str) -> bool {
-    let h = host.rsplit_once(':').map(|(h, _)| h).unwrap_or(host);
-    h == "localhost" || h == "127.0.0.1" || h == "[::1]" || h.starts_with("127.")
+    use std::net::IpAddr;
+    let name = match host.strip_prefix('[') {
+        // `[v6]` or `[v6]:port`: only the bracketed part is the address.
+        Some(rest) => match rest.split_once(']') {
+            Some((addr, tail)) if tail.is_empty() || tail.starts_with(':') => return addr.parse::<std::net::Ipv6Addr>().is_ok_and(|a| a.is_loopback()),
+            _ => return false,
+        },
+        None => match host.parse::<IpAddr>() {
+            // A bare address, `::1` included (its colons are not a port).
+            Ok(ip) => return ip.is_loopback(),
+            Err(_) => host.rsplit_once(':').map_or(host, |(h, _)| h),
+        },
+    };
+    name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::Ipv4Addr>().is_ok_and(|a| a.is_loopback())
 }
+
+/// Whether credentials that belong to origin `owner` may go with a request to `to`: only
+/// to the same origin (scheme, host and port, RFC 6454). An upload `Location` or a
+/// redirect naming another host or port, or going from https to http, gets none: a
+/// registry may hand its uploads and downloads to any server (a CDN, a bucket), and that
+/// server has no business with the registry's password or token.
+///
+/// This is the one place that decides; every request of the client goes through
+/// `RegistrySource::execute`, which asks it at each hop.
+pub fn may_send_credentials(owner: &reqwest::Url, to: &reqwest::Url) -> bool {
+    let o = owner.origin();
+    o.is_tuple() && o == to.origin()
+}
+
+/// Redirects followed per request (reqwest's own default).
+const MAX_REDIRECTS: usize = 10;
 
 /// A repository in a registry, read and written over HTTP(S).
 pub struct RegistrySource {
     client: reqwest::blocking::Client,
     base: String,
+    /// `base` parsed: the origin the credentials and tokens belong to.
+    origin: reqwest::Url,
     host: String,
     repository: String,
     creds: Mutex<CredentialSource>,
@@ -132,12 +168,18 @@ impl RegistrySource {
             .connect_timeout(Duration::from_secs(10))
             .timeout(Duration::from_secs(300))
             .user_agent(concat!("snapctl/", env!("CARGO_PKG_VERSION")))
+            // Redirects are followed by `execute`, which decides at each hop whether the
+            // credentials go along (reqwest's policy has its own rule for that).
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| http_err("building HTTP client", e))?;
         let scheme = if plain_http { "http" } else { "https" };
+        let base = format!("{scheme}://{host}");
+        let origin = reqwest::Url::parse(&base).map_err(|e| http_err(&format!("registry address {base}"), e))?;
         Ok(RegistrySource {
             client,
-            base: format!("{scheme}://{host}"),
+            base,
+            origin,
             host: host.into(),
             repository: repository.into(),
             creds: Mutex::new(CredentialSource::Known(creds)),
@@ -196,16 +238,16 @@ impl RegistrySource {
         // bound keeps a registry that refuses every token from looping.
         let mut challenges = 0;
         loop {
-            let mut req = build(&self.client);
+            let req = build(&self.client).build().map_err(|e| ClientError::Http { what: what.into(), message: error_chain(&e) })?;
             let sent = self.auth.lock().expect("poisoned").clone();
-            if let Some(a) = &sent {
-                req = req.header(reqwest::header::AUTHORIZATION, a);
-            }
-            match req.send() {
+            match self.execute(req, sent.as_deref().map(|a| (&self.origin, a))) {
                 Ok(resp) => {
                     let st = resp.status();
                     let stale = sent.is_none() || *self.auth.lock().expect("poisoned") != sent;
-                    if st == reqwest::StatusCode::UNAUTHORIZED && (challenges == 0 || (stale && challenges < 3)) {
+                    // Only the registry's own challenges are answered: another origin
+                    // asking for credentials gets none (see `may_send_credentials`).
+                    let ours = may_send_credentials(&self.origin, resp.url());
+                    if st == reqwest::StatusCode::UNAUTHORIZED && ours && (challenges == 0 || (stale && challenges < 3)) {
                         challenges += 1;
                         let hdr = resp.headers().get(reqwest::header::WWW_AUTHENTICATE).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
                         if !hdr.is_empty() {
@@ -224,6 +266,50 @@ impl RegistrySource {
                 }
                 Err(e) => return Err(ClientError::Http { what: what.into(), message: error_chain(&e) }),
             }
+        }
+    }
+
+    /// Send `req`, following redirects (at most [`MAX_REDIRECTS`]) by hand, with
+    /// `Authorization: auth.1` on each hop that [`may_send_credentials`] allows for origin
+    /// `auth.0`, and on no other. 301/302/303 are followed for GET and HEAD (other methods
+    /// get the redirect back as their answer), 307/308 for any method whose body can be
+    /// sent again.
+    fn execute(&self, mut req: reqwest::blocking::Request, auth: Option<(&reqwest::Url, &str)>) -> reqwest::Result<reqwest::blocking::Response> {
+        use reqwest::header::{HeaderValue, AUTHORIZATION, LOCATION};
+        let mut hops = 0;
+        loop {
+            req.headers_mut().remove(AUTHORIZATION);
+            if let Some((owner, value)) = auth {
+                if may_send_credentials(owner, req.url()) {
+                    // Tokens are checked to be header-safe when stored; one that is not
+                    // simply goes unsent.
+                    if let Ok(mut v) = HeaderValue::from_str(value) {
+                        v.set_sensitive(true);
+                        req.headers_mut().insert(AUTHORIZATION, v);
+                    }
+                } else {
+                    tracing::debug!("{} {}: not {owner}'s origin: sent without credentials", req.method(), req.url());
+                }
+            }
+            let again = req.try_clone();
+            let method = req.method().clone();
+            let resp = self.client.execute(req)?;
+            let follow = match resp.status().as_u16() {
+                301..=303 => method == reqwest::Method::GET || method == reqwest::Method::HEAD,
+                307 | 308 => true,
+                _ => false,
+            };
+            if !follow || hops == MAX_REDIRECTS {
+                return Ok(resp);
+            }
+            let next = resp.headers().get(LOCATION).and_then(|v| v.to_str().ok()).and_then(|l| resp.url().join(l).ok());
+            let (Some(next), Some(mut again)) = (next.filter(|u| matches!(u.scheme(), "http" | "https")), again) else {
+                return Ok(resp);
+            };
+            tracing::debug!("{method} {}: HTTP {}, following to {next}", resp.url(), resp.status());
+            *again.url_mut() = next;
+            req = again;
+            hops += 1;
         }
     }
 
@@ -307,12 +393,30 @@ impl RegistrySource {
             }
         }
         let realm = realm.ok_or_else(|| ClientError::Http { what: self.host.clone(), message: format!("bearer challenge without realm: {challenge}") })?;
+        let realm_url =
+            reqwest::Url::parse(&realm).map_err(|e| ClientError::Http { what: self.host.clone(), message: format!("bearer realm {realm:?}: {e}") })?;
+        // The registry names its token service, often on another host (Docker Hub's
+        // auth.docker.io): it gets the Basic credentials over HTTPS, or on the registry's
+        // own origin; never over plain HTTP elsewhere (an https registry naming an http
+        // realm would otherwise send the password in the clear).
+        let realm_gets_basic = may_send_credentials(&self.origin, &realm_url) || realm_url.scheme() == "https";
+        if !realm_gets_basic && basic.is_some() {
+            tracing::warn!("{}: token realm {realm} is plain HTTP on another origin: asking it without credentials", self.host);
+        }
         if !self.repository.is_empty() {
             let actions = if self.writing.load(Ordering::Relaxed) { "pull,push" } else { "pull" };
             scopes.insert(format!("repository:{}:{actions}", self.repository));
         }
         scopes.extend(self.scopes.lock().expect("poisoned").iter().cloned());
         let req = if let Some(Credentials::IdentityToken(refresh)) = &creds {
+            // An identity token is a long-lived secret: like a password, it goes to the
+            // realm only over HTTPS or on the registry's own origin.
+            if !realm_gets_basic {
+                return Err(ClientError::Http {
+                    what: self.host.clone(),
+                    message: format!("token realm {realm} is plain HTTP on another origin: not sending it the identity token"),
+                });
+            }
             // The docker token spec's OAuth2 form (what docker sends with an identity
             // token): scopes space-separated in one field.
             let mut form = form_urlencoded::Serializer::new(String::new());
@@ -323,22 +427,22 @@ impl RegistrySource {
             if !scopes.is_empty() {
                 form.append_pair("scope", &scopes.iter().map(String::as_str).collect::<Vec<_>>().join(" "));
             }
-            self.client.post(&realm).header(reqwest::header::CONTENT_TYPE, "application/x-www-form-urlencoded").body(form.finish())
+            self.client.post(realm_url.clone()).header(reqwest::header::CONTENT_TYPE, "application/x-www-form-urlencoded").body(form.finish())
         } else {
-            let mut req = self.client.get(&realm);
+            let mut req = self.client.get(realm_url.clone());
             for s in &scopes {
                 req = req.query(&[("scope", s.as_str())]);
             }
             if let Some(s) = &service {
                 req = req.query(&[("service", s.as_str())]);
             }
-            if let Some(b) = &basic {
-                req = req.header(reqwest::header::AUTHORIZATION, b);
-            }
             req
         };
         let what = format!("token request to {realm}");
-        let resp = req.send().map_err(|e| ClientError::Http { what: what.clone(), message: error_chain(&e) })?;
+        let req = req.build().map_err(|e| ClientError::Http { what: what.clone(), message: error_chain(&e) })?;
+        let basic = basic.filter(|_| realm_gets_basic);
+        let resp =
+            self.execute(req, basic.as_deref().map(|b| (&realm_url, b))).map_err(|e| ClientError::Http { what: what.clone(), message: error_chain(&e) })?;
         if !resp.status().is_success() {
             let status = resp.status().as_u16();
             if (status == 401 || status == 403) && creds.is_none() {
@@ -351,8 +455,12 @@ impl RegistrySource {
             .get("token")
             .or_else(|| v.get("access_token"))
             .and_then(|t| t.as_str())
-            .ok_or_else(|| ClientError::Http { what, message: "no token in the response".into() })?;
-        *self.auth.lock().expect("poisoned") = Some(format!("Bearer {token}"));
+            .ok_or_else(|| ClientError::Http { what: what.clone(), message: "no token in the response".into() })?;
+        let bearer = format!("Bearer {token}");
+        if reqwest::header::HeaderValue::from_str(&bearer).is_err() {
+            return Err(ClientError::Http { what, message: "the token is not a valid header value".into() });
+        }
+        *self.auth.lock().expect("poisoned") = Some(bearer);
         Ok(())
     }
 
@@ -609,11 +717,144 @@ mod tests {
         assert!(backoff(6, Some(Duration::from_millis(1))) >= Duration::from_secs(5));
     }
 
+    /// A tiny HTTP/1.1 server on 127.0.0.1 for tests: one request per connection
+    /// (`Connection: close`), answered by `answer(method, target, authorization)` with
+    /// (status, extra header lines, body); every request is recorded.
+    type Seen = std::sync::Arc<Mutex<Vec<(String, String, Option<String>)>>>;
+    fn canned(answer: impl Fn(&str, &str, Option<&str>) -> (u16, String, String) + Send + Sync + 'static) -> (String, Seen) {
+        use std::io::{BufRead, BufReader, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let seen: Seen = Default::default();
+        let rec = seen.clone();
+        std::thread::spawn(move || {
+            for c in l.incoming() {
+                let Ok(mut c) = c else { return };
+                let mut r = BufReader::new(c.try_clone().unwrap());
+                let mut first = String::new();
+                if r.read_line(&mut first).is_err() {
+                    continue;
+                }
+                let (mut auth, mut len) = (None, 0usize);
+                loop {
+                    let mut h = String::new();
+                    if r.read_line(&mut h).unwrap_or(0) == 0 || h.trim().is_empty() {
+                        break;
+                    }
+                    let (k, v) = h.split_once(':').unwrap_or((&h, ""));
+                    match k.trim().to_ascii_lowercase().as_str() {
+                        "authorization" => auth = Some(v.trim().to_string()),
+                        "content-length" => len = v.trim().parse().unwrap_or(0),
+                        _ => {}
+                    }
+                }
+                let mut body = vec![0u8; len];
+                let _ = std::io::Read::read_exact(&mut r, &mut body);
+                let mut parts = first.split_whitespace();
+                let (m, t) = (parts.next().unwrap_or("").to_string(), parts.next().unwrap_or("").to_string());
+                let (status, extra, body) = answer(&m, &t, auth.as_deref());
+                rec.lock().unwrap().push((m, t, auth));
+                let _ = write!(c, "HTTP/1.1 {status} X\r\n{extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+            }
+        });
+        (addr, seen)
+    }
+
+    fn creds() -> Option<Credentials> {
+        Some(Credentials::Password { username: "alice".into(), password: "s3cret".into() })
+    }
+    const BASIC: &str = "Basic YWxpY2U6czNjcmV0";
+
     #[test]
-    fn params_and_hosts() {
+    fn credentials_go_only_to_their_origin() {
+        let u = |s: &str| reqwest::Url::parse(s).unwrap();
+        let owner = u("https://reg.example:5000/v2/");
+        assert!(may_send_credentials(&owner, &u("https://reg.example:5000/v2/a/blobs/uploads/x?y=1")));
+        assert!(may_send_credentials(&owner, &u("https://REG.example:5000/other")), "host names compare case-insensitively");
+        assert!(!may_send_credentials(&owner, &u("http://reg.example:5000/v2/")), "https to http");
+        assert!(!may_send_credentials(&owner, &u("https://reg.example:5001/v2/")), "another port");
+        assert!(!may_send_credentials(&owner, &u("https://cdn.reg.example:5000/v2/")), "another host, even a subdomain");
+        assert!(!may_send_credentials(&owner, &u("https://reg.example/v2/")), "443 is another port than 5000");
+        assert!(may_send_credentials(&u("https://reg.example/"), &u("https://reg.example:443/x")), "the default port is the port");
+        assert!(!may_send_credentials(&u("http://127.0.0.1:5000/"), &u("http://localhost:5000/")), "another name for the host is another origin");
+        assert!(may_send_credentials(&u("http://[::1]:5000/"), &u("http://[::1]:5000/v2/")));
+    }
+
+    /// Issue 14 §6: the upload POST's `Location` named another origin and the PATCH/PUT
+    /// sent there carried the registry's Basic credentials.
+    #[test]
+    fn regression_issue_14_upload_location_on_another_origin_gets_no_credentials() {
+        let (elsewhere, seen_elsewhere) = canned(|m, _, _| if m == "PUT" { (201, String::new(), String::new()) } else { (404, String::new(), String::new()) });
+        let loc = format!("http://{elsewhere}/upload/1");
+        let (registry, seen_registry) = canned(move |m, _, auth| match (m, auth == Some(BASIC)) {
+            (_, false) => (401, "WWW-Authenticate: Basic realm=\"r\"\r\n".into(), String::new()),
+            ("POST", true) => (202, format!("Location: {loc}\r\n"), String::new()),
+            _ => (404, String::new(), String::new()),
+        });
+        let c = RegistrySource::new(&registry, "vm/x", true, creds()).unwrap();
+        let m = MemSource::new(b"hello".to_vec());
+        let opts = UploadOptions { piece: DEFAULT_PIECE, cache_dir: None, source_hashed: false };
+        c.upload_blob(&m.digest, 5, &m, &opts, &|_| {}).unwrap();
+        let there = seen_elsewhere.lock().unwrap().clone();
+        assert_eq!(there.len(), 1, "{there:?}");
+        assert_eq!(there[0].2, None, "credentials went to another origin: {there:?}");
+        assert!(seen_registry.lock().unwrap().iter().any(|(m, _, a)| m == "POST" && a.as_deref() == Some(BASIC)));
+    }
+
+    /// The Bearer flow's token service gets the password over HTTPS or on the registry's
+    /// own origin, not over plain HTTP elsewhere; the token itself goes to the registry.
+    #[test]
+    fn a_plain_http_token_realm_elsewhere_gets_no_password() {
+        let (realm, seen_realm) = canned(|_, _, _| (200, String::new(), r#"{"token":"t0k"}"#.into()));
+        let challenge = format!("WWW-Authenticate: Bearer realm=\"http://{realm}/token\",service=\"s\"\r\n");
+        let (registry, seen_registry) =
+            canned(move |_, _, auth| if auth == Some("Bearer t0k") { (200, String::new(), "{}".into()) } else { (401, challenge.clone(), String::new()) });
+        RegistrySource::new(&registry, "vm/x", true, creds()).unwrap().check_login().unwrap();
+        assert_eq!(seen_realm.lock().unwrap()[0].2, None, "password sent to a plain-HTTP realm on another origin");
+        assert!(seen_registry.lock().unwrap().iter().any(|(_, _, a)| a.as_deref() == Some("Bearer t0k")));
+
+        // A realm on the registry's own origin gets it.
+        let reg: std::sync::Arc<Mutex<String>> = Default::default();
+        let r2 = reg.clone();
+        let (registry, seen) = canned(move |_, t, auth| match (t.starts_with("/token"), auth) {
+            (true, _) => (200, String::new(), r#"{"token":"t0k"}"#.into()),
+            (false, Some("Bearer t0k")) => (200, String::new(), "{}".into()),
+            _ => (401, format!("WWW-Authenticate: Bearer realm=\"http://{}/token\"\r\n", r2.lock().unwrap()), String::new()),
+        });
+        *reg.lock().unwrap() = registry.clone();
+        RegistrySource::new(&registry, "vm/x", true, creds()).unwrap().check_login().unwrap();
+        assert!(seen.lock().unwrap().iter().any(|(_, t, a)| t.starts_with("/token") && a.as_deref() == Some(BASIC)));
+    }
+
+    #[test]
+    fn params() {
         assert_eq!(split_params(r#"realm="http://a/token",service="x,y",scope="s""#).len(), 3);
-        assert!(is_loopback("127.0.0.1:5000"));
-        assert!(is_loopback("localhost"));
-        assert!(!is_loopback("ghcr.io"));
+    }
+
+    /// Issue 14 §7: a host *named* `127.something` was taken for loopback, so snapctl
+    /// spoke plain HTTP to it and sent stored Basic credentials in the clear.
+    #[test]
+    fn regression_issue_14_loopback_is_an_address_not_a_spelling() {
+        for h in ["127.0.0.1", "127.0.0.1:5000", "127.1.2.3:80", "127.255.255.254", "localhost", "localhost:5000", "LOCALHOST:1", "[::1]", "[::1]:5000", "::1"]
+        {
+            assert!(is_loopback(h), "{h} is loopback");
+        }
+        for h in [
+            "127.example.com",
+            "127.example.com:5000",
+            "127.0.0.1.nip.io",
+            "127.0.0.1.evil.io:443",
+            "localhost.evil.io",
+            "ghcr.io",
+            "10.0.0.1:5000",
+            "[::2]:5000",
+            "[::1].evil.io",
+            "[::1]x:5000",
+            "[127.0.0.1]:5000",
+            "128.0.0.1",
+            "",
+        ] {
+            assert!(!is_loopback(h), "{h} is not loopback");
+        }
     }
 }

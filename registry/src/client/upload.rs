@@ -188,15 +188,20 @@ impl RegistrySource {
         }
     }
 
-    /// Resolve a `Location` header (absolute, or relative to the registry).
+    /// Resolve a `Location` header (absolute, or relative to the URL that answered). It
+    /// may name any server: whether credentials go there is decided when a request is
+    /// sent to it ([`super::may_send_credentials`]).
     fn location(&self, resp: &reqwest::blocking::Response, what: &str) -> Result<reqwest::Url, ClientError> {
         let loc = resp
             .headers()
             .get(reqwest::header::LOCATION)
             .and_then(|v| v.to_str().ok())
             .ok_or_else(|| ClientError::Http { what: what.into(), message: format!("HTTP {} without a Location header", resp.status()) })?;
-        let base = reqwest::Url::parse(&self.base).map_err(|e| ClientError::Http { what: what.into(), message: e.to_string() })?;
-        base.join(loc).map_err(|e| ClientError::Http { what: what.into(), message: format!("bad Location {loc:?}: {e}") })
+        let url = resp.url().join(loc).map_err(|e| ClientError::Http { what: what.into(), message: format!("bad Location {loc:?}: {e}") })?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(ClientError::Http { what: what.into(), message: format!("Location {loc:?} is not an HTTP(S) URL") });
+        }
+        Ok(url)
     }
 
     /// Whether the repository has blob `d` (HEAD; 404 = no).

@@ -89,7 +89,7 @@ impl Handler {
         Handler::spawn(cmd, socket)
     }
 
-    fn spawn(mut cmd: Command, socket: &Path) -> Handler {
+    pub(crate) fn spawn(mut cmd: Command, socket: &Path) -> Handler {
         let log = socket.with_extension("log");
         let mut child = cmd.stdout(Stdio::piped()).stderr(fs::File::create(&log).expect("handler log")).spawn().expect("spawn handler");
         let out = child.stdout.take().expect("piped stdout");

@@ -1,5 +1,6 @@
 //! All of snapctl's cross-crate integration tests, in one binary.
 
+mod adversarial_client;
 mod adversarial_files;
 mod adversarial_registry;
 mod cli;
