@@ -43,6 +43,9 @@ impl fmt::Display for Reference {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Reference::Layout { path, selector } => write!(f, "oci:{}{selector}", path.display()),
+            // A registry on a host called `oci` with a port would read back as a layout path
+            // in the short spelling; skopeo's spelling keeps it a registry.
+            Reference::Registry { host, repository, selector } if host.starts_with("oci:") => write!(f, "{DOCKER_TRANSPORT}{host}/{repository}{selector}"),
             Reference::Registry { host, repository, selector } => write!(f, "{host}/{repository}{selector}"),
         }
     }
@@ -108,6 +111,38 @@ pub fn check_repository(name: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// A registry host as references spell it: a DNS name or IPv4 address (`[A-Za-z0-9-]`
+/// labels joined by `.`) or a bracketed IPv6 address, then an optional `:PORT` (1-65535).
+pub fn check_host(host: &str) -> Result<(), String> {
+    let bad = || format!("{host:?} is not a registry host (HOST or HOST:PORT, HOST a DNS name, IPv4 or [IPv6] address)");
+    let (name, port) = if let Some(rest) = host.strip_prefix('[') {
+        let (addr, after) = rest.split_once(']').ok_or_else(bad)?;
+        addr.parse::<std::net::Ipv6Addr>().map_err(|_| bad())?;
+        match after {
+            "" => (None, None),
+            p => (None, Some(p.strip_prefix(':').ok_or_else(bad)?)),
+        }
+    } else {
+        match host.split_once(':') {
+            Some((n, p)) => (Some(n), Some(p)),
+            None => (Some(host), None),
+        }
+    };
+    if let Some(name) = name {
+        let label_ok =
+            |l: &str| !l.is_empty() && l.len() <= 63 && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') && !l.starts_with('-') && !l.ends_with('-');
+        if name.len() > 253 || !name.split('.').all(label_ok) {
+            return Err(bad());
+        }
+    }
+    if let Some(p) = port {
+        if p.is_empty() || p.len() > 5 || !p.bytes().all(|b| b.is_ascii_digit()) || !(1..=65535).contains(&p.parse::<u32>().unwrap_or(0)) {
+            return Err(bad());
+        }
+    }
+    Ok(())
+}
+
 impl FromStr for Reference {
     type Err = FormatError;
     fn from_str(s: &str) -> Result<Self, FormatError> {
@@ -134,6 +169,7 @@ impl FromStr for Reference {
                 "expected oci:PATH[:TAG] or HOST[:PORT]/REPO[:TAG|@DIGEST]".into()
             }));
         };
+        check_host(host).map_err(bad)?;
         let (repository, selector) = split_selector(rest, true).map_err(bad)?;
         check_repository(repository).map_err(bad)?;
         Ok(Reference::Registry { host: host.into(), repository: repository.into(), selector })
@@ -143,6 +179,20 @@ impl FromStr for Reference {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by the `reference` fuzz target: `docker://oci:/x/y` took `oci:` for a host
+    /// and printed as `oci:/x/y`, a layout.
+    #[test]
+    fn hosts_follow_their_grammar_and_print_back() {
+        for bad in ["docker://oci:/7_ebc.d/e", "a..b/x", "-a.b/x", "h:0/x", "h:99999/x", "h:/x", "[::1/x", "[zz]:5/x", "h_s.io/x"] {
+            assert!(bad.parse::<Reference>().is_err(), "{bad}");
+        }
+        for good in ["docker://oci:5000/x", "localhost:5000/a/b:v1", "[::1]:5000/x", "127.0.0.1/x", "Ghcr.IO/org/x"] {
+            let r: Reference = good.parse().unwrap();
+            let back: Reference = r.to_string().parse().unwrap();
+            assert_eq!(back, r, "{good} -> {r}");
+        }
+    }
 
     #[test]
     fn layouts() {

@@ -109,6 +109,20 @@ pub fn may_send_credentials(owner: &reqwest::Url, to: &reqwest::Url) -> bool {
     o.is_tuple() && o == to.origin()
 }
 
+/// Whether a Bearer challenge's token service (`realm`) may get the registry's
+/// credentials (the Basic password or an identity token). The registry names its token
+/// service, often on another host (Docker Hub's auth.docker.io): it gets them over HTTPS,
+/// or on the registry's own origin; never over plain HTTP elsewhere (an https registry
+/// naming an http realm would otherwise send the password in the clear). Plain HTTP that
+/// never leaves this machine (a loopback registry naming a loopback token service, by
+/// address, as a local test or sidecar set-up does) is not in the clear.
+pub fn realm_may_get_credentials(registry: &reqwest::Url, realm: &reqwest::Url) -> bool {
+    let on_this_machine = |u: &reqwest::Url| {
+        u.host_str().and_then(|h| h.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>().ok()).is_some_and(|a| a.is_loopback())
+    };
+    may_send_credentials(registry, realm) || realm.scheme() == "https" || (on_this_machine(registry) && on_this_machine(realm))
+}
+
 /// Redirects followed per request (reqwest's own default).
 const MAX_REDIRECTS: usize = 10;
 
@@ -395,11 +409,7 @@ impl RegistrySource {
         let realm = realm.ok_or_else(|| ClientError::Http { what: self.host.clone(), message: format!("bearer challenge without realm: {challenge}") })?;
         let realm_url =
             reqwest::Url::parse(&realm).map_err(|e| ClientError::Http { what: self.host.clone(), message: format!("bearer realm {realm:?}: {e}") })?;
-        // The registry names its token service, often on another host (Docker Hub's
-        // auth.docker.io): it gets the Basic credentials over HTTPS, or on the registry's
-        // own origin; never over plain HTTP elsewhere (an https registry naming an http
-        // realm would otherwise send the password in the clear).
-        let realm_gets_basic = may_send_credentials(&self.origin, &realm_url) || realm_url.scheme() == "https";
+        let realm_gets_basic = realm_may_get_credentials(&self.origin, &realm_url);
         if !realm_gets_basic && basic.is_some() {
             tracing::warn!("{}: token realm {realm} is plain HTTP on another origin: asking it without credentials", self.host);
         }
@@ -805,13 +815,16 @@ mod tests {
     /// own origin, not over plain HTTP elsewhere; the token itself goes to the registry.
     #[test]
     fn a_plain_http_token_realm_elsewhere_gets_no_password() {
-        let (realm, seen_realm) = canned(|_, _, _| (200, String::new(), r#"{"token":"t0k"}"#.into()));
-        let challenge = format!("WWW-Authenticate: Bearer realm=\"http://{realm}/token\",service=\"s\"\r\n");
-        let (registry, seen_registry) =
-            canned(move |_, _, auth| if auth == Some("Bearer t0k") { (200, String::new(), "{}".into()) } else { (401, challenge.clone(), String::new()) });
-        RegistrySource::new(&registry, "vm/x", true, creds()).unwrap().check_login().unwrap();
-        assert_eq!(seen_realm.lock().unwrap()[0].2, None, "password sent to a plain-HTTP realm on another origin");
-        assert!(seen_registry.lock().unwrap().iter().any(|(_, _, a)| a.as_deref() == Some("Bearer t0k")));
+        let u = |s: &str| reqwest::Url::parse(s).unwrap();
+        let reg = u("http://reg.example:5000/");
+        assert!(!realm_may_get_credentials(&reg, &u("http://auth.example/token")), "plain HTTP elsewhere");
+        assert!(!realm_may_get_credentials(&u("https://reg.example/"), &u("http://auth.example/token")), "https registry, http realm");
+        assert!(!realm_may_get_credentials(&u("http://127.0.0.1:5000/"), &u("http://auth.example/token")), "loopback registry, remote realm");
+        assert!(!realm_may_get_credentials(&u("http://localhost:5000/"), &u("http://localhost:5001/")), "names are not addresses");
+        assert!(realm_may_get_credentials(&reg, &u("https://auth.example/token")));
+        assert!(realm_may_get_credentials(&reg, &u("http://reg.example:5000/token")));
+        assert!(realm_may_get_credentials(&u("http://127.0.0.1:5000/"), &u("http://127.0.0.1:5001/token")), "never leaves this machine");
+        assert!(realm_may_get_credentials(&u("http://[::1]:5000/"), &u("http://127.0.0.1:5001/token")));
 
         // A realm on the registry's own origin gets it.
         let reg: std::sync::Arc<Mutex<String>> = Default::default();
