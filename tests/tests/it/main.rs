@@ -1,5 +1,6 @@
 //! All of snapctl's cross-crate integration tests, in one binary.
 
+mod chain;
 mod criu;
 mod fault_proxy;
 mod format;
