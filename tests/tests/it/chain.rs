@@ -135,6 +135,10 @@ fn regression_issue_13_chain_of_300_layers_pushes_and_pulls() {
         let r = run(&mut c);
         assert_eq!(r.code, 0, "push of layer {i} failed: {}", r.stderr);
         let rep = json(&r);
+        // The image as pushed: a layer lists each ancestor's config.
+        let manifest = manifest_of(&push_layout(&work.path().join("cache")), rep["manifest"].as_str().unwrap());
+        let ancestors = manifest.layers.iter().filter(|d| d.media_type == media::CONFIG).count();
+        assert_eq!(ancestors, depth, "layer {i}: ancestors listed in its manifest");
         let step = &rep["pack"];
         assert_eq!(step["chain_depth"].as_u64(), Some(depth as u64), "layer {i}: {rep}");
         let is_rebase = i > 0 && depth == 0;
@@ -155,7 +159,6 @@ fn regression_issue_13_chain_of_300_layers_pushes_and_pulls() {
         // into was there before, and went up with no byte sent.
         let after = stored_blobs(storage.path());
         let added: BTreeSet<String> = after.difference(&before).cloned().collect();
-        let manifest = manifest_of(&push_layout(&work.path().join("cache")), rep["manifest"].as_str().unwrap());
         let own = packs_owned(&manifest, "self");
         let chain = packs_owned(&manifest, media::OWNER_REBASED);
         assert_eq!(own.len(), 1, "layer {i}: one changed chunk, one new pack: {manifest:?}");
