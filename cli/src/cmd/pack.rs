@@ -65,8 +65,9 @@ pub struct PackFlags {
     pub diff: bool,
     /// Most ancestors a layer may have (0..=64). A layer over a --parent whose chain is
     /// already this long is rebased: written as a full image that points into the packs
-    /// the chain already stored (nothing is stored or uploaded again; only a new index,
-    /// config and manifest), and the next layer starts a new chain from it.
+    /// the chain already stored (no chunk of theirs is stored or uploaded again: a new
+    /// index, config and manifest, and packs only for new chunks), and the next layer
+    /// starts a new chain from it. 0: never a layer.
     #[arg(long, value_name = "N", default_value_t = imgfmt::config::MAX_CHAIN_DEPTH as u16,
           value_parser = clap::value_parser!(u16).range(0..=imgfmt::config::MAX_CHAIN_DEPTH as i64))]
     pub max_chain: u16,

@@ -24,7 +24,10 @@ use super::pack::PackFlags;
 /// skipped, blobs other repositories of the registry hold are mounted (--mount-from, and
 /// a record of where this host pushed and pulled blobs), the rest are uploaded in
 /// parallel; large packs go up in resumable pieces, so rerunning an interrupted push
-/// continues where it stopped. Prints the manifest digest (--json: a report).
+/// continues where it stopped. With --parent, a layer whose chain would pass --max-chain
+/// is rebased onto packs the registry already has (see `snapctl pack --help`; --json
+/// says so in .pack.rebased and .pack.chain_depth). Prints the manifest digest (--json:
+/// a report).
 ///
 /// Credentials come from ~/.docker/config.json (see `snapctl login`). Plain HTTP is used
 /// for 127.0.0.1/localhost, with --plain-http, or with SNAPCTL_PLAIN_HTTP=1.
