@@ -103,13 +103,19 @@ impl Image {
         }
         let mut chain = Vec::new();
         let mut config_digest = manifest.config.digest.clone();
+        // Kept, not taken: unchanged layers over the same files have identical indexes.
+        let fetched = prefetch_ancestors(src, &manifest);
+        let read = |d: &OciDigest, limit: u64| match fetched.get(d) {
+            Some(b) => Ok(b.clone()),
+            None => read_verified_blob(src, d, limit),
+        };
         loop {
             if chain.len() > MAX_CHAIN_DEPTH {
                 return Err(FormatError::TooLarge { what: "parent chain depth", got: chain.len() as u64, limit: MAX_CHAIN_DEPTH as u64 });
             }
-            let config = ImageConfig::decode(&read_verified_blob(src, &config_digest, MAX_CONFIG_BYTES)?)?;
+            let config = ImageConfig::decode(&read(&config_digest, MAX_CONFIG_BYTES)?)?;
             let index_digest = config.index.digest.clone();
-            let index = ChunkIndex::decode(&read_verified_blob(src, &index_digest, MAX_INDEX_BYTES)?)?;
+            let index = ChunkIndex::decode(&read(&index_digest, MAX_INDEX_BYTES)?)?;
             check_config_matches_index(&config, &index)?;
             let parent = config.parent.as_ref().map(|p| p.config.clone());
             if index.layer != parent.is_some() {
@@ -165,6 +171,49 @@ impl Image {
     pub fn file(&self, name: &str) -> Option<(usize, &ResolvedFile)> {
         self.files.iter().enumerate().find(|(_, f)| f.name == name)
     }
+}
+
+/// Threads fetching a chain's configs and indexes at once.
+const PREFETCH_THREADS: usize = 8;
+
+/// The configs and indexes a layer's manifest lists as its ancestors' (owner `parent`,
+/// `parent.parent`, …), fetched in parallel and checked against their digests. Reading a
+/// chain link by link costs two round trips per ancestor, one after the other (130 for a
+/// chain of 64: seconds over a WAN, and most of a small pull's time on loopback). At most
+/// as many blobs as the longest chain has are fetched, so a manifest listing more cannot
+/// make a reader fetch more than the link-by-link walk could. A blob that fails here is
+/// left to the walk, which reads it again and reports the failure.
+fn prefetch_ancestors(src: &dyn BlobSource, manifest: &Manifest) -> HashMap<OciDigest, Vec<u8>> {
+    let is_ancestor = |o: &str| o.split('.').all(|p| p == "parent");
+    let mut seen = std::collections::HashSet::new();
+    let wanted: Vec<(&OciDigest, u64)> = manifest
+        .layers
+        .iter()
+        .filter(|d| d.annotations.get(media::ANN_OWNER).is_some_and(|o| is_ancestor(o)) && seen.insert(&d.digest))
+        .filter_map(|d| match d.media_type.as_str() {
+            media::CONFIG => Some((&d.digest, MAX_CONFIG_BYTES)),
+            media::INDEX => Some((&d.digest, MAX_INDEX_BYTES)),
+            _ => None,
+        })
+        .take(2 * MAX_CHAIN_DEPTH)
+        .collect();
+    if wanted.is_empty() {
+        return HashMap::new();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let got = std::sync::Mutex::new(HashMap::new());
+    std::thread::scope(|s| {
+        for _ in 0..PREFETCH_THREADS.min(wanted.len()) {
+            s.spawn(|| {
+                while let Some((d, limit)) = wanted.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+                    if let Ok(b) = read_verified_blob(src, d, *limit) {
+                        got.lock().expect("poisoned").insert((*d).clone(), b);
+                    }
+                }
+            });
+        }
+    });
+    got.into_inner().expect("poisoned")
 }
 
 fn check_config_matches_index(config: &ImageConfig, index: &ChunkIndex) -> Result<(), FormatError> {
@@ -284,4 +333,251 @@ pub fn resolve_chain(chain: &[ChainLink]) -> Result<(Vec<ResolvedFile>, Vec<Pack
         })
         .collect();
     Ok((files, kept))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::config::{BlobRef, ChainRef, FileEntry, CONFIG_FORMAT};
+    use crate::index::{ChunkRecord, IndexFile};
+    use crate::manifest::Descriptor;
+    use crate::{HashAlgo, Kind, OciLayout};
+
+    const SHIFT: u8 = 16;
+
+    fn digest(n: u8) -> ChunkDigest {
+        ChunkDigest([n; 32])
+    }
+
+    fn stored(chunk: u64, pack: u32, offset: u64, d: u8) -> ChunkRecord {
+        ChunkRecord { chunk, kind: RecordKind::Stored { pack, offset, stored_len: 65536, codec: Codec::Raw }, digest: digest(d) }
+    }
+
+    fn pack(n: u8) -> PackRef {
+        PackRef { digest: OciDigest::of(&[n]), size: 5 << 16 }
+    }
+
+    fn config(files: &[(&str, u64)], index: &ChunkIndex, parent: Option<ChainRef>) -> ImageConfig {
+        ImageConfig {
+            format: CONFIG_FORMAT.into(),
+            kind: Kind::Dir,
+            created: "1970-01-01T00:00:00Z".into(),
+            chunk_size: 1 << SHIFT,
+            hash: HashAlgo::Blake3,
+            compression: "none".into(),
+            files: files
+                .iter()
+                .map(|(name, size)| FileEntry {
+                    name: (*name).into(),
+                    size: *size,
+                    mode: 0o644,
+                    role: Role::Other,
+                    chunks: size.div_ceil(1 << SHIFT),
+                    root: String::new(),
+                })
+                .collect(),
+            root: String::new(),
+            index: BlobRef { digest: OciDigest::of(&index.encode()), size: index.encoded_len() as u64 },
+            parent,
+            base: None,
+            annotations: BTreeMap::new(),
+        }
+    }
+
+    fn link(files: &[(&str, u64)], index: ChunkIndex) -> ChainLink {
+        let config = config(files, &index, None);
+        ChainLink { config_digest: OciDigest::of(&config.encode()), index_digest: config.index.digest.clone(), config, index }
+    }
+
+    fn index(layer: bool, files: Vec<IndexFile>, packs: Vec<PackRef>, records: Vec<ChunkRecord>) -> ChunkIndex {
+        let ix = ChunkIndex { hash: HashAlgo::Blake3, chunk_shift: SHIFT, layer, files, packs, records };
+        ix.validate().unwrap();
+        ix
+    }
+
+    /// A file's chunks as (digest, pack digest or none, offset).
+    type Located = (String, Vec<(ChunkDigest, Option<OciDigest>, u64)>);
+
+    /// Every resolved chunk's digest and stored location: what a reader does with a
+    /// chunk, whatever the pack numbering.
+    fn located(files: &[ResolvedFile], packs: &[PackRef]) -> Vec<Located> {
+        files
+            .iter()
+            .map(|f| {
+                let chunks = f
+                    .chunks
+                    .iter()
+                    .map(|c| match c.at {
+                        StoredAt::Zero => (c.digest, None, 0),
+                        StoredAt::Pack { pack, offset, .. } => (c.digest, Some(packs[pack as usize].digest.clone()), offset),
+                    })
+                    .collect();
+                (f.name.clone(), chunks)
+            })
+            .collect()
+    }
+
+    /// A rebased image is a full index whose records point into the packs its chain
+    /// stored, with no parent: it resolves to exactly the chunks (and stored locations) of
+    /// the layer it replaces, and holds no chain of its own.
+    #[test]
+    fn a_full_index_into_the_chains_packs_resolves_like_the_layer_it_replaces() {
+        let files = [("mem", 4u64 << 16), ("state", 100)];
+        // Parent: full, pack 1. Layer: chunk 2 of mem changed (pack 2), chunk 3 zeroed.
+        let parent = link(
+            &files,
+            index(
+                false,
+                vec![IndexFile { size: 4 << 16, first_record: 0, record_count: 4 }, IndexFile { size: 100, first_record: 4, record_count: 1 }],
+                vec![pack(1)],
+                vec![
+                    stored(0, 0, 0, 10),
+                    stored(1, 0, 65536, 11),
+                    stored(2, 0, 131072, 12),
+                    stored(3, 0, 196608, 13),
+                    ChunkRecord { chunk: 0, kind: RecordKind::Stored { pack: 0, offset: 262144, stored_len: 100, codec: Codec::Raw }, digest: digest(14) },
+                ],
+            ),
+        );
+        let zero = ChunkRecord { chunk: 3, kind: RecordKind::Zero, digest: digest(99) };
+        let layer = link(
+            &files,
+            index(
+                true,
+                vec![IndexFile { size: 4 << 16, first_record: 0, record_count: 2 }, IndexFile { size: 100, first_record: 2, record_count: 0 }],
+                vec![pack(2)],
+                vec![stored(2, 0, 0, 22), zero],
+            ),
+        );
+        let (want_files, want_packs) = resolve_chain(&[layer, parent]).unwrap();
+
+        // The rebased index: one record per chunk, the unchanged ones where the parent
+        // stored them; its pack table lists both packs (its own first, as a packer writes).
+        let rebased = link(
+            &files,
+            index(
+                false,
+                vec![IndexFile { size: 4 << 16, first_record: 0, record_count: 4 }, IndexFile { size: 100, first_record: 4, record_count: 1 }],
+                vec![pack(2), pack(1)],
+                vec![
+                    stored(0, 1, 0, 10),
+                    stored(1, 1, 65536, 11),
+                    stored(2, 0, 0, 22),
+                    zero,
+                    ChunkRecord { chunk: 0, kind: RecordKind::Stored { pack: 1, offset: 262144, stored_len: 100, codec: Codec::Raw }, digest: digest(14) },
+                ],
+            ),
+        );
+        let (got_files, got_packs) = resolve_chain(std::slice::from_ref(&rebased)).unwrap();
+        assert_eq!(located(&got_files, &got_packs), located(&want_files, &want_packs));
+        assert!(got_files.iter().flat_map(|f| &f.chunks).all(|c| c.depth == 0), "every chunk is the rebased image's own record");
+        let mut a: Vec<_> = got_packs.iter().map(|p| &p.digest).collect();
+        let mut b: Vec<_> = want_packs.iter().map(|p| &p.digest).collect();
+        a.sort();
+        b.sort();
+        assert_eq!(a, b, "the same packs are needed");
+    }
+
+    /// Counts each blob read, to see what `Image::open` fetches.
+    struct Counting<'a> {
+        inner: &'a OciLayout,
+        reads: Mutex<BTreeMap<OciDigest, usize>>,
+    }
+
+    impl BlobSource for Counting<'_> {
+        fn describe(&self) -> String {
+            self.inner.describe()
+        }
+        fn resolve_tag(&self, tag: &str) -> Result<OciDigest, FormatError> {
+            self.inner.resolve_tag(tag)
+        }
+        fn read_blob_unverified(&self, d: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
+            *self.reads.lock().unwrap().entry(d.clone()).or_default() += 1;
+            self.inner.read_blob_unverified(d, limit)
+        }
+        fn blob_size(&self, d: &OciDigest) -> Result<u64, FormatError> {
+            self.inner.blob_size(d)
+        }
+        fn read_at_unverified(&self, d: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+            self.inner.read_at_unverified(d, offset, buf)
+        }
+    }
+
+    /// Store a chain of `n` images (one zero-chunk file; each layer unchanged) and return
+    /// the last manifest's digest, with `extra` descriptors added to its layers.
+    fn store_chain(layout: &OciLayout, n: usize, extra: &[Descriptor]) -> OciDigest {
+        let files = [("mem", 1u64 << 16)];
+        let mut ancestors: Vec<(OciDigest, u64, OciDigest, u64)> = Vec::new(); // config, size, index, size (parent first)
+        let mut parent: Option<ChainRef> = None;
+        let mut last = None;
+        for k in 0..n {
+            let ix = if k == 0 {
+                index(
+                    false,
+                    vec![IndexFile { size: 1 << 16, first_record: 0, record_count: 1 }],
+                    vec![],
+                    vec![ChunkRecord { chunk: 0, kind: RecordKind::Zero, digest: digest(0) }],
+                )
+            } else {
+                index(true, vec![IndexFile { size: 1 << 16, first_record: 0, record_count: 0 }], vec![], vec![])
+            };
+            let ib = ix.encode();
+            let id = layout.put_blob(&ib).unwrap();
+            let cfg = config(&files, &ix, parent.clone());
+            let cb = cfg.encode();
+            let cd = layout.put_blob(&cb).unwrap();
+            let mut layers = vec![Descriptor::new(media::INDEX, id.clone(), ib.len() as u64).with_annotation(media::ANN_OWNER, "self")];
+            for (depth, (c, cs, i, is)) in ancestors.iter().enumerate() {
+                let owner = vec!["parent"; depth + 1].join(".");
+                layers.push(Descriptor::new(media::CONFIG, c.clone(), *cs).with_annotation(media::ANN_OWNER, owner.clone()));
+                layers.push(Descriptor::new(media::INDEX, i.clone(), *is).with_annotation(media::ANN_OWNER, owner));
+            }
+            if k == n - 1 {
+                layers.extend_from_slice(extra);
+            }
+            let m = Manifest {
+                schema_version: 2,
+                media_type: Some(media::OCI_MANIFEST.into()),
+                artifact_type: Some(media::ARTIFACT_TYPE.into()),
+                config: Descriptor::new(media::CONFIG, cd.clone(), cb.len() as u64),
+                layers,
+                subject: None,
+                annotations: BTreeMap::new(),
+            };
+            let md = layout.put_blob(&m.encode()).unwrap();
+            parent = Some(ChainRef { manifest: md.clone(), config: cd.clone(), index: id.clone(), root: String::new(), reference: None });
+            ancestors.insert(0, (cd, cb.len() as u64, id, ib.len() as u64));
+            last = Some(md);
+        }
+        last.unwrap()
+    }
+
+    /// Opening a deep chain reads each ancestor's config and index once (fetched
+    /// together from the manifest's list, not one round trip after another), and blobs
+    /// the manifest lists as ancestors' that are not in the chain change nothing.
+    #[test]
+    fn open_reads_every_ancestor_once_whatever_the_manifest_lists() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = OciLayout::open_or_create(dir.path()).unwrap();
+        let stray = layout.put_blob(b"{\"not\": \"a config of this chain\"}").unwrap();
+        let extra = [Descriptor::new(media::CONFIG, stray.clone(), 33).with_annotation(media::ANN_OWNER, "parent")];
+        let top = store_chain(&layout, MAX_CHAIN_DEPTH + 1, &extra);
+        let src = Counting { inner: &layout, reads: Mutex::new(BTreeMap::new()) };
+        let img = Image::open(&src, &top).unwrap();
+        assert_eq!(img.chain.len(), MAX_CHAIN_DEPTH + 1);
+        let reads = src.reads.into_inner().unwrap();
+        assert!(reads.values().all(|n| *n == 1), "each blob read once: {reads:?}");
+        // The manifest, each link's config, the full index and the (identical) layer index.
+        assert_eq!(reads.len() - usize::from(reads.contains_key(&stray)), 1 + (MAX_CHAIN_DEPTH + 1) + 2);
+
+        // One more ancestor is still refused.
+        let dir = tempfile::tempdir().unwrap();
+        let layout = OciLayout::open_or_create(dir.path()).unwrap();
+        let top = store_chain(&layout, MAX_CHAIN_DEPTH + 2, &[]);
+        let err = Image::open(&layout, &top).unwrap_err();
+        assert!(matches!(err, FormatError::TooLarge { what: "parent chain depth", .. }), "{err}");
+    }
 }

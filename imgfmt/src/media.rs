@@ -18,8 +18,14 @@ pub const ANN_ROOT: &str = "dev.snapctl.root";
 /// Manifest annotation: the snapshot kind (`firecracker`, `gvisor`, `criu`, `dir`).
 pub const ANN_KIND: &str = "dev.snapctl.kind";
 /// Layer annotation: which image in the chain a blob belongs to: `self`, `parent`,
-/// `parent.parent`, …, or `base`.
+/// `parent.parent`, …, `base`, or [`OWNER_REBASED`].
 pub const ANN_OWNER: &str = "dev.snapctl.owner";
+/// [`ANN_OWNER`] of a pack that a *rebased* image points into: stored by the chain it was
+/// rebased from (spec/format.md §10, "Rebasing"), no ancestor of this image.
+pub const OWNER_REBASED: &str = "rebased";
+/// Manifest annotation of a rebased image: the manifest digest of the layer it would
+/// have been a layer over. Provenance only: readers never follow it.
+pub const ANN_REBASED_FROM: &str = "dev.snapctl.rebased-from";
 /// Standard OCI creation-time annotation.
 pub const ANN_CREATED: &str = "org.opencontainers.image.created";
 /// Standard OCI tag annotation in `index.json`.

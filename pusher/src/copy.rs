@@ -94,6 +94,15 @@ pub struct PackStep {
     /// Seconds spent stamping (and, unless skipped, packing) the directory; packs are sent
     /// to the registry during this time too, as soon as each is sealed.
     pub seconds: f64,
+    /// Ancestors of the pushed image (0: a full image, rebased ones included).
+    pub chain_depth: usize,
+    /// The layer over `--parent` would have passed `--max-chain`, so a full index was
+    /// written instead, pointing into packs the chain already stored: only the new index,
+    /// config and manifest (and packs of chunks new in this snapshot) go up.
+    pub rebased: bool,
+    /// When rebased: the parent's manifest digest (provenance only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rebased_from: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error, displaydoc::Display)]

@@ -9,7 +9,7 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use imgfmt::compress::Codec;
-use imgfmt::config::{BlobRef, ChainRef, FileEntry, CONFIG_FORMAT};
+use imgfmt::config::{BlobRef, ChainRef, FileEntry, CONFIG_FORMAT, MAX_CHAIN_DEPTH};
 use imgfmt::index::{chunk_count, chunk_len, IndexFile};
 use imgfmt::layout::BlobWriter;
 use imgfmt::{
@@ -67,6 +67,11 @@ pub struct PackOptions<'a> {
     pub parent: Option<Related<'a>>,
     /// Memory files are Firecracker diff snapshots: holes mean "unchanged since parent".
     pub diff: bool,
+    /// Most ancestors the written image may have (at most [`MAX_CHAIN_DEPTH`]). A layer
+    /// over a parent whose chain is already this long is *rebased* instead: written as a
+    /// full image whose records point into the packs the chain already stored (nothing is
+    /// copied or uploaded again), with no parent, so the next layer starts a new chain.
+    pub max_chain: usize,
     pub annotations: BTreeMap<String, String>,
     pub threads: usize,
     /// Called with the number of source bytes (holes included) as they are processed.
@@ -88,6 +93,7 @@ impl Default for PackOptions<'_> {
             base: None,
             parent: None,
             diff: false,
+            max_chain: MAX_CHAIN_DEPTH,
             annotations: BTreeMap::new(),
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2),
             progress: None,
@@ -114,13 +120,26 @@ pub struct PackReport {
     pub stored_chunks: u64,
     /// Chunks that matched another chunk of this image, the base or the parent chain.
     pub deduplicated_chunks: u64,
-    /// Chunks inherited unchanged from the parent (no record at all).
+    /// Chunks unchanged since the parent: no record in a layer; in a rebased image, a
+    /// record pointing where the chain stores them.
     pub inherited_chunks: u64,
     /// Bytes written into new packs.
     pub pack_bytes: u64,
     /// Manifest + config + index bytes.
     pub metadata_bytes: u64,
     pub packs: usize,
+    /// Ancestors of the written image: 0 for a full image (rebased ones included), the
+    /// parent's plus one for a layer.
+    pub chain_depth: usize,
+    /// A layer over the parent would have had more than `max_chain` ancestors, so a full
+    /// index was written instead, pointing into the chain's packs: the chain starts over.
+    pub rebased: bool,
+    /// When rebased: the parent's manifest digest (also the manifest annotation
+    /// `dev.snapctl.rebased-from`), for provenance only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rebased_from: Option<String>,
+    /// When rebased: packs of the chain the new index points into (none copied or sent).
+    pub chain_packs_referenced: usize,
     pub seconds: f64,
 }
 
@@ -273,6 +292,14 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     if opts.diff && opts.parent.is_none() {
         return Err(PackError::Invalid("--diff needs --parent: a diff snapshot's holes mean 'as in the parent'".into()));
     }
+    if opts.max_chain > MAX_CHAIN_DEPTH {
+        return Err(PackError::Invalid(format!("--max-chain {}: readers open at most {MAX_CHAIN_DEPTH} ancestors", opts.max_chain)));
+    }
+    // A layer has its parent's ancestors plus the parent. Past the limit, rebase: the
+    // same records a full image would have, pointing where the chain stored the bytes.
+    let rebase = opts.parent.as_ref().is_some_and(|p| p.image.chain.len() > opts.max_chain);
+    // Packs of the chain a rebased image points into are no ancestor's any more.
+    let chain_owner = if rebase { media::OWNER_REBASED } else { "parent" };
 
     let mut sc = scan::scan_dir(src_dir).map_err(io_at(src_dir))?;
     if sc.files.len() as u64 > imgfmt::index::MAX_FILES {
@@ -289,7 +316,7 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     let mut foreign_slot: HashMap<OciDigest, u32> = HashMap::new();
     // Digest -> location, for deduplication against base and parent chain.
     let mut known: HashMap<ChunkDigest, (OciDigest, u64, u32, Codec, &'static str, bool)> = HashMap::new();
-    for (rel, owner, from_base) in [(&opts.base, "base", true), (&opts.parent, "parent", false)] {
+    for (rel, owner, from_base) in [(&opts.base, "base", true), (&opts.parent, chain_owner, false)] {
         if let Some(r) = rel {
             for f in &r.image.files {
                 for c in &f.chunks {
@@ -346,6 +373,26 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     report.pack_bytes = own_bytes;
     report.packs = own_packs.len();
 
+    // Rebasing: every chunk the layer would have inherited gets a record where the chain
+    // stores it, so those packs join the pack table (as foreign packs, like a base's).
+    if rebase {
+        let p = opts.parent.as_ref().expect("rebase has a parent");
+        for (fi, f) in sc.files.iter().enumerate() {
+            for (c, slot) in per_file[fi].iter().enumerate() {
+                if slot.is_some() {
+                    continue;
+                }
+                if let StoredAt::Pack { pack, .. } = parent_files[f.name.as_str()].chunks[c].at {
+                    let pr = &p.image.packs[pack as usize];
+                    foreign_slot.entry(pr.digest.clone()).or_insert_with(|| {
+                        slots.push(Slot::Foreign { pack: pr.clone(), owner: chain_owner, from_base: false });
+                        (slots.len() - 1) as u32
+                    });
+                }
+            }
+        }
+    }
+
     // Pack table: slots in order, own packs now named.
     let mut pack_table = Vec::with_capacity(slots.len());
     for s in &slots {
@@ -359,7 +406,7 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     }
 
     // Records, file roots, image root.
-    let layer = opts.parent.is_some();
+    let layer = opts.parent.is_some() && !rebase;
     let mut index = ChunkIndex { hash: algo, chunk_shift: shift, layer, files: Vec::new(), packs: pack_table, records: Vec::new() };
     let mut entries = Vec::new();
     let mut roots = Vec::new();
@@ -367,20 +414,28 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
         let first = index.records.len() as u64;
         let mut digests = Vec::with_capacity(per_file[fi].len());
         for (c, slot) in per_file[fi].iter().enumerate() {
-            let (digest, loc) = match slot {
-                Some(x) => *x,
+            let (digest, kind) = match slot {
+                Some((digest, None)) => (*digest, RecordKind::Zero),
+                Some((digest, Some(l))) => (*digest, RecordKind::Stored { pack: l.slot, offset: l.offset, stored_len: l.stored_len, codec: l.codec }),
                 None => {
-                    // Inherited from the parent: no record.
                     let pc = parent_files[f.name.as_str()].chunks[c];
                     digests.push(pc.digest);
+                    if !rebase {
+                        // Inherited from the parent: no record.
+                        continue;
+                    }
+                    let p = opts.parent.as_ref().expect("rebase has a parent");
+                    let kind = match pc.at {
+                        StoredAt::Zero => RecordKind::Zero,
+                        StoredAt::Pack { pack, offset, stored_len, codec } => {
+                            RecordKind::Stored { pack: foreign_slot[&p.image.packs[pack as usize].digest], offset, stored_len, codec }
+                        }
+                    };
+                    index.records.push(ChunkRecord { chunk: c as u64, kind, digest: pc.digest });
                     continue;
                 }
             };
             digests.push(digest);
-            let kind = match loc {
-                None => RecordKind::Zero,
-                Some(l) => RecordKind::Stored { pack: l.slot, offset: l.offset, stored_len: l.stored_len, codec: l.codec },
-            };
             index.records.push(ChunkRecord { chunk: c as u64, kind, digest });
         }
         index.files.push(IndexFile { size: f.size, first_record: first, record_count: index.records.len() as u64 - first });
@@ -417,7 +472,7 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
         files: entries,
         root: image_root.display_with(algo),
         index: BlobRef { digest: index_digest.clone(), size: index_bytes.len() as u64 },
-        parent: opts.parent.as_ref().map(chain_ref),
+        parent: opts.parent.as_ref().filter(|_| !rebase).map(chain_ref),
         base: opts.base.as_ref().map(chain_ref),
         annotations: opts.annotations.clone(),
     };
@@ -430,12 +485,14 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     for (d, size) in &own_packs {
         layers.push(Descriptor::new(media::PACK, d.clone(), *size).with_annotation(media::ANN_OWNER, "self"));
     }
-    if let Some(p) = &opts.parent {
+    if let Some(p) = opts.parent.as_ref().filter(|_| !rebase) {
         for (k, link) in p.image.chain.iter().enumerate() {
             let owner = vec!["parent"; k + 1].join(".");
             ensure_blob(dest, p.source, &link.config_digest)?;
             ensure_blob(dest, p.source, &link.index_digest)?;
-            let cs = p.source.blob_size(&link.config_digest)?;
+            // The copy just ensured is local: asking a registry instead cost a round trip
+            // per ancestor, one after the other.
+            let cs = dest.blob_size(&link.config_digest)?;
             layers.push(Descriptor::new(media::CONFIG, link.config_digest.clone(), cs).with_annotation(media::ANN_OWNER, owner.clone()));
             layers.push(Descriptor::new(media::INDEX, link.index_digest.clone(), link.config.index.size).with_annotation(media::ANN_OWNER, owner));
         }
@@ -446,7 +503,7 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
             foreign.insert(pack.digest.clone(), (pack.size, owner, *from_base));
         }
     }
-    if let Some(p) = &opts.parent {
+    if let Some(p) = opts.parent.as_ref().filter(|_| !rebase) {
         for (fi, f) in sc.files.iter().enumerate() {
             for (c, slot) in per_file[fi].iter().enumerate() {
                 if slot.is_none() {
@@ -467,6 +524,17 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     annotations.insert(media::ANN_ROOT.to_string(), config.root.clone());
     annotations.insert(media::ANN_KIND.to_string(), kind.to_string());
     annotations.insert(media::ANN_CREATED.to_string(), config.created.clone());
+    if rebase {
+        let p = opts.parent.as_ref().expect("rebase has a parent");
+        annotations.insert(media::ANN_REBASED_FROM.to_string(), p.image.manifest_digest.to_string());
+        report.rebased = true;
+        report.rebased_from = Some(p.image.manifest_digest.to_string());
+        report.chain_packs_referenced = foreign.values().filter(|(_, owner, _)| *owner == media::OWNER_REBASED).count();
+    }
+    report.chain_depth = match &opts.parent {
+        Some(p) if !rebase => p.image.chain.len(),
+        _ => 0,
+    };
     let manifest = Manifest {
         schema_version: 2,
         media_type: Some(media::OCI_MANIFEST.into()),
@@ -784,5 +852,129 @@ mod tests {
         assert_eq!(done.unwrap(), vec![(OciDigest::of(&a), 3000)]);
         assert_eq!(announced, vec![OciDigest::of(&a)]);
         assert_eq!(names, vec![OciDigest::of(&a).hex().to_string()], "no temp file, no second pack");
+    }
+
+    /// A snapshot directory: `mem` of 8 chunks of 64 KiB (chunk `i` filled with `fill[i]`,
+    /// 0 = zeros) and a small `state`.
+    fn snapshot(dir: &Path, fill: &[u8; 8]) {
+        std::fs::create_dir_all(dir).unwrap();
+        let mem: Vec<u8> = fill.iter().flat_map(|b| std::iter::repeat_n(*b, 1 << 16)).collect();
+        std::fs::write(dir.join("mem"), mem).unwrap();
+        std::fs::write(dir.join("state"), b"state").unwrap();
+    }
+
+    fn open(layout: &OciLayout, tag: &str) -> Image {
+        Image::open(layout, &layout.resolve_tag(tag).unwrap()).unwrap()
+    }
+
+    /// Pack `dir` as `tag`, a layer over `parent` (a tag of the same layout) if given.
+    fn pack_as(dir: &Path, layout: &OciLayout, tag: &str, parent: Option<&str>, max_chain: usize) -> Result<PackReport, PackError> {
+        let parent = parent.map(|p| Related { source: layout, image: open(layout, p), reference: p.to_string() });
+        let opts = PackOptions { chunk_shift: 16, parent, max_chain, threads: 2, ..Default::default() };
+        pack(dir, layout, tag, &opts)
+    }
+
+    /// Every resolved chunk's digest and where its bytes are (pack digest, offset).
+    fn located(img: &Image) -> Vec<(ChunkDigest, Option<(OciDigest, u64)>)> {
+        img.files
+            .iter()
+            .flat_map(|f| &f.chunks)
+            .map(|c| match c.at {
+                StoredAt::Zero => (c.digest, None),
+                StoredAt::Pack { pack, offset, .. } => (c.digest, Some((img.packs[pack as usize].digest.clone(), offset))),
+            })
+            .collect()
+    }
+
+    fn blobs(dir: &Path) -> std::collections::BTreeSet<String> {
+        std::fs::read_dir(dir.join("blobs/sha256")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect()
+    }
+
+    /// The layer that would have 65 ancestors is rebased: no parent, a full index whose
+    /// records point where the chain stored each chunk (no pack copied or written for
+    /// them), the same content root a layer of that content has; it verifies, and the
+    /// next layer starts a new chain over it.
+    #[test]
+    fn the_layer_past_the_chain_limit_is_rebased_onto_the_chains_packs() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = OciLayout::open_or_create(dir.path().join("layout")).unwrap();
+        let src = dir.path().join("src");
+        let mut fill = [1, 2, 0, 4, 5, 0, 7, 8];
+        snapshot(&src, &fill);
+        assert_eq!(pack_as(&src, &layout, "l0", None, MAX_CHAIN_DEPTH).unwrap().chain_depth, 0);
+        for i in 1..=MAX_CHAIN_DEPTH + 2 {
+            fill[i % 8] = 10 + i as u8; // one chunk changes per layer
+            snapshot(&src, &fill);
+            let before = blobs(layout.root());
+            let parent = open(&layout, &format!("l{}", i - 1));
+            let r = pack_as(&src, &layout, &format!("l{i}"), Some(&format!("l{}", i - 1)), MAX_CHAIN_DEPTH).unwrap();
+            let img = open(&layout, &format!("l{i}"));
+            if i <= MAX_CHAIN_DEPTH {
+                assert_eq!((r.rebased, r.chain_depth, img.chain.len()), (false, i, i + 1), "layer {i}");
+                continue;
+            }
+            if i == MAX_CHAIN_DEPTH + 2 {
+                assert_eq!((r.rebased, r.chain_depth, img.chain.len()), (false, 1, 2), "a new chain over the rebased image");
+                continue;
+            }
+            assert!(r.rebased && r.chain_depth == 0, "layer {i}: {r:?}");
+            assert_eq!(r.rebased_from.as_deref(), Some(parent.manifest_digest.as_str()));
+            assert_eq!(img.manifest.annotations.get(media::ANN_REBASED_FROM).map(String::as_str), Some(parent.manifest_digest.as_str()));
+            assert_eq!(img.chain.len(), 1, "no parent link");
+            assert!(!img.index().layer && img.config().parent.is_none());
+            // One chunk changed: one new pack of one chunk; every other chunk where the
+            // chain had it.
+            assert_eq!((r.packs, r.pack_bytes, r.stored_chunks), (1, 1 << 16, 1));
+            let (want, got) = (located(&parent), located(&img));
+            let differ: Vec<usize> = (0..want.len()).filter(|&k| want[k] != got[k]).collect();
+            assert_eq!(differ, vec![i % 8], "only the changed chunk is elsewhere");
+            let added: Vec<String> = blobs(layout.root()).difference(&before).cloned().collect();
+            assert_eq!(added.len(), 4, "new pack, index, config, manifest only: {added:?}");
+            let owned = |o: &str| img.manifest.layers.iter().filter(|d| d.media_type == media::PACK && d.annotations[media::ANN_OWNER] == o).count();
+            assert_eq!((owned("self"), owned(media::OWNER_REBASED), r.chain_packs_referenced), (1, img.packs.len() - 1, img.packs.len() - 1));
+            assert!(!img.manifest.layers.iter().any(|d| d.media_type == media::CONFIG), "no ancestor is listed");
+            let audit = verify::audit(&layout, &img, &verify::AuditOptions { threads: 2, blob_digests: true }).unwrap();
+            assert!(audit.ok(), "{:?}", audit.failures);
+            assert_eq!(audit.stored_chunks_checked, 9, "every stored chunk verified (by now all 8 of mem, and state)");
+        }
+    }
+
+    /// A lower limit rebases earlier; the rebased image's content root equals that of the
+    /// layer it replaces (same content, same root), and an unchanged directory rebases
+    /// into metadata alone.
+    #[test]
+    fn max_chain_rebases_earlier_with_the_same_root_and_no_new_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = OciLayout::open_or_create(dir.path().join("layout")).unwrap();
+        let src = dir.path().join("src");
+        snapshot(&src, &[1, 2, 3, 0, 0, 6, 7, 8]);
+        pack_as(&src, &layout, "l0", None, 2).unwrap();
+        snapshot(&src, &[1, 9, 3, 0, 0, 6, 7, 8]);
+        pack_as(&src, &layout, "l1", Some("l0"), 2).unwrap();
+        snapshot(&src, &[1, 9, 3, 0, 11, 6, 7, 8]);
+        assert_eq!(pack_as(&src, &layout, "l2", Some("l1"), 2).unwrap().chain_depth, 2);
+        snapshot(&src, &[1, 9, 3, 12, 11, 6, 7, 8]);
+        let layer = pack_as(&src, &layout, "layer", Some("l2"), 3).unwrap();
+        let rebased = pack_as(&src, &layout, "rebased", Some("l2"), 2).unwrap();
+        assert_eq!((layer.rebased, layer.chain_depth, rebased.rebased, rebased.chain_depth), (false, 3, true, 0));
+        assert_eq!(rebased.root, layer.root);
+        assert_eq!(located(&open(&layout, "rebased")), located(&open(&layout, "layer")), "same chunks in the same places");
+
+        // Nothing changed: no pack at all, only index, config and manifest.
+        let before = blobs(layout.root());
+        let again = pack_as(&src, &layout, "again", Some("layer"), 0).unwrap();
+        assert!(again.rebased && again.packs == 0 && again.pack_bytes == 0, "{again:?}");
+        assert_eq!(blobs(layout.root()).difference(&before).count(), 3);
+        assert_eq!(again.root, layer.root);
+    }
+
+    #[test]
+    fn max_chain_past_what_readers_open_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = OciLayout::open_or_create(dir.path().join("layout")).unwrap();
+        let src = dir.path().join("src");
+        snapshot(&src, &[1; 8]);
+        let err = pack_as(&src, &layout, "l0", None, MAX_CHAIN_DEPTH + 1).unwrap_err();
+        assert!(err.to_string().contains("--max-chain 65"), "{err}");
     }
 }

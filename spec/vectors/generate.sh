@@ -55,7 +55,7 @@ vectors=$(jq -n --argjson fb "$files_boundaries" '[
      {name: "vm.state", parts: [{text: "s", len: 1000}]},
      {name: "vm.mem", parts: [{zero: 65536}, {text: "q", len: 700}]}]}]},
   {name: "chain", hash: "blake3", compress: "zstd", chunk_size: 65536,
-   about: "a parent, a layer over it (one chunk changed, one chunk zeroed, one file unchanged, one file added) and an image with the parent as its base",
+   about: "a parent, a layer over it (one chunk changed, one chunk zeroed, one file unchanged, one file added), an image with the parent as its base, and the layer'"'"'s content rebased (--parent child --max-chain 0): a full index into the chain'"'"'s packs, no parent, the layer'"'"'s root",
    images: [
      {tag: "parent", files: [
        {name: "mem", parts: [{text: "p", len: 65536}, {text: "q", len: 65536}, {text: "r", len: 65536}, {text: "s", len: 65536}]},
@@ -65,7 +65,11 @@ vectors=$(jq -n --argjson fb "$files_boundaries" '[
        {name: "new", parts: [{text: "n", len: 10}]},
        {name: "state", parts: [{text: "st", len: 3000}]}]},
      {tag: "based", base: "parent", files: [
-       {name: "mem", parts: [{text: "p", len: 65536}, {text: "y", len: 100}]}]}]}
+       {name: "mem", parts: [{text: "p", len: 65536}, {text: "y", len: 100}]}]},
+     {tag: "rebased", parent: "child", max_chain: 0, files: [
+       {name: "mem", parts: [{text: "p", len: 65536}, {text: "q", len: 65536}, {text: "x", len: 65536}, {zero: 65536}]},
+       {name: "new", parts: [{text: "n", len: 10}]},
+       {name: "state", parts: [{text: "st", len: 3000}]}]}]}
 ]')
 
 # ---------------------------------------------------------------------------------------
@@ -200,6 +204,7 @@ for ((vi = 0; vi < nv; vi++)); do
     args=(--kind dir --chunk-size "$(jq .chunk_size <<<"$V")" --hash "$(jq -r .hash <<<"$V")" --compress "$(jq -r .compress <<<"$V")")
     if jq -e .parent <<<"$I" >/dev/null; then args+=(--parent "oci:$name:$(jq -r .parent <<<"$I")"); fi
     if jq -e .base <<<"$I" >/dev/null; then args+=(--base "oci:$name:$(jq -r .base <<<"$I")"); fi
+    if jq -e 'has("max_chain")' <<<"$I" >/dev/null; then args+=(--max-chain "$(jq .max_chain <<<"$I")"); fi
     manifest=$("$SNAPCTL" pack "$src" "oci:$name:$tag" "${args[@]}")
     cfg=$(blob "$name" "$(config_of "$name" "$tag")")
     (cd "$here" && "$SNAPCTL" verify "oci:$name:$tag" >/dev/null)
@@ -293,7 +298,7 @@ for ((vi = 0; vi < nv; vi++)); do
       --argjson isz "$(stat -c %s "$ix")" --arg root "$(jq -r .root "$cfg")" --argjson files "$files_out" \
       --argjson inputs "$(jq -c .files <<<"$I")" --argjson corr "$corr" \
       --argjson img "$I" \
-      '. + [{tag: $tag, parent: $img.parent, base: $img.base, inputs: $inputs,
+      '. + [{tag: $tag, parent: $img.parent, base: $img.base} + ($img | with_entries(select(.key == "max_chain"))) + {inputs: $inputs,
              expected: {manifest: $m, config: $c, index: $i, index_size: $isz, root: $root, files: $files},
              corruptions: $corr}]' <<<"$images_out")
   done

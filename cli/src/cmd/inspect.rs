@@ -65,6 +65,10 @@ struct Out {
     metadata_bytes: u64,
     packs: usize,
     chain: Vec<serde_json::Value>,
+    /// A rebased image: the manifest of the layer it would have been a layer over
+    /// (provenance only; its chunks are its own records).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rebased_from: Option<String>,
     base: Option<serde_json::Value>,
 }
 
@@ -155,6 +159,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
         metadata_bytes,
         packs: image.packs.len(),
         chain,
+        rebased_from: image.manifest.annotations.get(media::ANN_REBASED_FROM).cloned(),
         base: cfg.base.as_ref().map(|b| serde_json::json!({"manifest": b.manifest, "root": b.root, "reference": b.reference})),
     };
     if a.json {
@@ -178,6 +183,9 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
     )?;
     for (i, c) in out.chain.iter().enumerate() {
         outln!("parent[{}]    {} {}", i + 1, c["manifest"].as_str().unwrap_or(""), p(c["reference"].as_str().unwrap_or("")))?;
+    }
+    if let Some(r) = &out.rebased_from {
+        println!("rebased from {r} (a full index into that chain's packs)");
     }
     if let Some(b) = &out.base {
         outln!("base         {} {}", b["manifest"].as_str().unwrap_or(""), p(b["reference"].as_str().unwrap_or("")))?;

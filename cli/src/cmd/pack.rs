@@ -15,7 +15,9 @@ use super::common::{self, open_image, open_ref, outln, progress_bar};
 ///
 /// Files are cut into fixed chunks; all-zero chunks (and holes of sparse files) are never
 /// stored; identical chunks are stored once; with --base, chunks the base already has are
-/// referenced; with --parent, the image is a layer that records only what changed.
+/// referenced; with --parent, the image is a layer that records only what changed. A
+/// layer whose chain of parents would pass --max-chain (default 64, the most readers
+/// open) is rebased instead: a full index pointing into the chain's packs.
 /// Prints the manifest digest.
 ///
 /// Examples:
@@ -61,6 +63,14 @@ pub struct PackFlags {
     /// Memory files are Firecracker diff snapshots (holes = unchanged since --parent).
     #[arg(long, requires = "parent")]
     pub diff: bool,
+    /// Most ancestors a layer may have (0..=64). A layer over a --parent whose chain is
+    /// already this long is rebased: written as a full image that points into the packs
+    /// the chain already stored (no chunk of theirs is stored or uploaded again: a new
+    /// index, config and manifest, and packs only for new chunks), and the next layer
+    /// starts a new chain from it. 0: never a layer.
+    #[arg(long, value_name = "N", default_value_t = imgfmt::config::MAX_CHAIN_DEPTH as u16,
+          value_parser = clap::value_parser!(u16).range(0..=imgfmt::config::MAX_CHAIN_DEPTH as i64))]
+    pub max_chain: u16,
     /// Largest pack blob.
     #[arg(long, default_value = "256MiB", value_parser = common::parse_size)]
     pub pack_size: u64,
@@ -81,6 +91,9 @@ pub fn run(a: PackArgs) -> anyhow::Result<ExitCode> {
     for s in &report.skipped {
         eprintln!("warning: skipped {s}: not a regular file");
     }
+    if let Some(line) = rebase_note(&report, a.flags.max_chain) {
+        eprintln!("{line}");
+    }
     if a.json {
         common::print_json(&report)?;
     } else {
@@ -99,6 +112,17 @@ pub fn run(a: PackArgs) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(common::code(common::EXIT_OK))
+}
+
+/// For people: what a rebase did, when there was one.
+pub fn rebase_note(report: &pusher::PackReport, max_chain: u16) -> Option<String> {
+    report.rebased.then(|| {
+        format!(
+            "rebased: a layer over {} would have had more than {max_chain} ancestors (--max-chain); wrote a full index instead that points into {} pack(s) the chain already stored (none copied); the next layer starts a new chain here",
+            report.rebased_from.as_deref().unwrap_or("the parent"),
+            report.chain_packs_referenced
+        )
+    })
 }
 
 /// Check the flags and the source before anything is created.
@@ -152,6 +176,7 @@ pub fn pack_into_with(src: &Path, layout: &OciLayout, tag: &str, f: &PackFlags, 
         base,
         parent,
         diff: f.diff,
+        max_chain: f.max_chain as usize,
         annotations,
         progress: Some(&tick),
         on_pack,

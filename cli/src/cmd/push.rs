@@ -24,7 +24,10 @@ use super::pack::PackFlags;
 /// skipped, blobs other repositories of the registry hold are mounted (--mount-from, and
 /// a record of where this host pushed and pulled blobs), the rest are uploaded in
 /// parallel; large packs go up in resumable pieces, so rerunning an interrupted push
-/// continues where it stopped. Prints the manifest digest (--json: a report).
+/// continues where it stopped. With --parent, a layer whose chain would pass --max-chain
+/// is rebased onto packs the registry already has (see `snapctl pack --help`; --json
+/// says so in .pack.rebased and .pack.chain_depth). Prints the manifest digest (--json:
+/// a report).
 ///
 /// Credentials come from ~/.docker/config.json (see `snapctl login`). Plain HTTP is used
 /// for 127.0.0.1/localhost, with --plain-http, or with SNAPCTL_PLAIN_HTTP=1.
@@ -183,8 +186,17 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
         bail!("{}: push sends a local image or directory; to move an image from one registry to another use `snapctl copy {} {}`", a.src, a.src, a.dest);
     } else {
         let started = Instant::now();
-        let (layout, digest, skipped, sent) = pack_sending_ahead(Path::new(&a.src), &a, &dest)?;
-        pack = Some(PackStep { skipped, seconds: started.elapsed().as_secs_f64() });
+        let (layout, digest, packed, sent) = pack_sending_ahead(Path::new(&a.src), &a, &dest)?;
+        if let Some(line) = packed.as_ref().and_then(|r| super::pack::rebase_note(r, a.pack.max_chain)) {
+            eprintln!("{line}");
+        }
+        pack = Some(PackStep {
+            skipped: packed.is_none(),
+            seconds: started.elapsed().as_secs_f64(),
+            chain_depth: packed.as_ref().map_or(0, |r| r.chain_depth),
+            rebased: packed.as_ref().is_some_and(|r| r.rebased),
+            rebased_from: packed.and_then(|r| r.rebased_from),
+        });
         ahead = sent;
         (layout, digest)
     };
@@ -196,7 +208,12 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
 /// is sealed, on up to 4 threads: the upload of one pack overlaps the packing of the next
 /// instead of starting when packing is over. Returns how each pack sent ahead went; one
 /// that failed is left to the push proper, which sends it again (resuming) and reports.
-fn pack_sending_ahead(dir: &Path, a: &PushArgs, dest: &registry::client::RegistrySource) -> anyhow::Result<(OciLayout, OciDigest, bool, SentAhead)> {
+/// The pack report is `None` when packing was skipped (see [`pack_directory`]).
+fn pack_sending_ahead(
+    dir: &Path,
+    a: &PushArgs,
+    dest: &registry::client::RegistrySource,
+) -> anyhow::Result<(OciLayout, OciDigest, Option<pusher::PackReport>, SentAhead)> {
     let cache = a.transfer.cache_dir();
     let root = layout_root(dir, &cache)?;
     let packs = OciLayout::open_or_create(&root).with_context(|| format!("opening {}", root.display()))?;
@@ -228,8 +245,8 @@ fn pack_sending_ahead(dir: &Path, a: &PushArgs, dest: &registry::client::Registr
         pack_directory(dir, &a.pack, &cache, Some(&send))
         // `tx` goes here: the senders finish what is queued, then stop.
     });
-    let (layout, digest, skipped) = packed?;
-    Ok((layout, digest, skipped, ahead.into_inner().expect("poisoned")))
+    let (layout, digest, report) = packed?;
+    Ok((layout, digest, report, ahead.into_inner().expect("poisoned")))
 }
 
 /// Packs sent while packing, and how each went.
@@ -243,13 +260,18 @@ fn layout_root(dir: &Path, cache: &Path) -> anyhow::Result<PathBuf> {
 }
 
 /// Pack a directory into a layout of its own under the cache directory (one per source
-/// path); also whether packing was skipped. When the directory's stamp (every entry's
+/// path); also how it was packed (`None`: packing was skipped). When the directory's stamp (every entry's
 /// name, size, times and inode, see [`Stamp`]) equals the one recorded when it was last
 /// packed with the same options, the recorded manifest is used without reading the
 /// files. When the content is unchanged though the stamp is not (same index and packs:
 /// only the creation time would differ), the earlier manifest is used again. Either way
 /// the registry is only asked what it has and nothing is sent.
-fn pack_directory(dir: &Path, flags: &PackFlags, cache: &Path, on_pack: Option<pusher::OnPack<'_>>) -> anyhow::Result<(OciLayout, OciDigest, bool)> {
+fn pack_directory(
+    dir: &Path,
+    flags: &PackFlags,
+    cache: &Path,
+    on_pack: Option<pusher::OnPack<'_>>,
+) -> anyhow::Result<(OciLayout, OciDigest, Option<pusher::PackReport>)> {
     super::pack::validate(dir, flags)?;
     let canon = dir.canonicalize().with_context(|| format!("resolving {}", dir.display()))?;
     let key = OciDigest::of(canon.as_os_str().as_encoded_bytes());
@@ -266,21 +288,21 @@ fn pack_directory(dir: &Path, flags: &PackFlags, cache: &Path, on_pack: Option<p
     if let Some(stamp) = &before {
         if let Some(digest) = Stamp::recorded(&stamp_path, stamp).filter(|d| layout_has_image(&layout, d)) {
             eprintln!("{}: unchanged since it was last packed (same stamp): not packing again", dir.display());
-            return Ok((layout, digest, true));
+            return Ok((layout, digest, None));
         }
     }
-    let report = pack_and_reuse(dir, &layout, flags, on_pack)?;
+    let (digest, report) = pack_and_reuse(dir, &layout, flags, on_pack)?;
     if let (Some(before), Some(options)) = (before, &options) {
         // Recorded only when nothing changed while packing and no file was written so
         // recently that a later write could leave its times as they are (see Stamp::racy).
         let after = Stamp::take(&canon, options).with_context(|| format!("reading {}", dir.display()))?;
         if after.entries == before.entries && !before.racy() {
-            Stamp { manifest: report.to_string(), ..before }.save(&stamp_path).with_context(|| format!("writing {}", stamp_path.display()))?;
+            Stamp { manifest: digest.to_string(), ..before }.save(&stamp_path).with_context(|| format!("writing {}", stamp_path.display()))?;
         } else {
             let _ = std::fs::remove_file(&stamp_path);
         }
     }
-    Ok((layout, report, false))
+    Ok((layout, digest, Some(report)))
 }
 
 /// Whether `layout` holds manifest `digest` (checked) and every blob it lists, at their
@@ -292,8 +314,8 @@ fn layout_has_image(layout: &OciLayout, digest: &OciDigest) -> bool {
 }
 
 /// Pack `dir` into `layout`; when only the creation time differs from the image pushed
-/// last from this directory, that image's manifest.
-fn pack_and_reuse(dir: &Path, layout: &OciLayout, flags: &PackFlags, on_pack: Option<pusher::OnPack<'_>>) -> anyhow::Result<OciDigest> {
+/// last from this directory, that image's manifest; and the pack report.
+fn pack_and_reuse(dir: &Path, layout: &OciLayout, flags: &PackFlags, on_pack: Option<pusher::OnPack<'_>>) -> anyhow::Result<(OciDigest, pusher::PackReport)> {
     let previous = layout.resolve_tag("previous").ok();
     let report = super::pack::pack_into_with(dir, layout, "latest", flags, on_pack)?;
     for s in &report.skipped {
@@ -307,13 +329,13 @@ fn pack_and_reuse(dir: &Path, layout: &OciLayout, flags: &PackFlags, on_pack: Op
         if let (Some(a), Some(b)) = (same(&old), same(&new)) {
             if a.layers == b.layers && a.config.media_type == b.config.media_type {
                 eprintln!("{}: unchanged since the last push", dir.display());
-                return Ok(old);
+                return Ok((old, report));
             }
         }
     }
     let desc = imgfmt::Descriptor::new(imgfmt::media::OCI_MANIFEST, new.clone(), layout.blob_size(&new)?);
     layout.set_tag("previous", desc)?;
-    Ok(new)
+    Ok((new, report))
 }
 
 /// What a directory looked like when it was packed: every entry (recursively, the

@@ -3,6 +3,7 @@
 mod adversarial_client;
 mod adversarial_files;
 mod adversarial_registry;
+mod chain;
 mod cli;
 mod credentials;
 mod criu;

@@ -181,6 +181,9 @@ fn vectors_regenerate_and_audit_clean() {
                     cmd.arg(format!("--{rel}")).arg(format!("oci:{}:{t}", s(&v["layout"])));
                 }
             }
+            if let Some(m) = img["max_chain"].as_u64() {
+                cmd.args(["--max-chain", &m.to_string()]);
+            }
             let r = run(&mut cmd);
             assert_eq!(r.code, 0, "{ctx}: pack failed: {}", r.stderr);
             let (_, repacked) = open(&tmp.path().join(s(&v["layout"])), tag);
@@ -197,6 +200,25 @@ fn vectors_regenerate_and_audit_clean() {
 
             let r = run(snapctl().arg("verify").arg(format!("oci:{}:{tag}", vdir.join(s(&v["layout"])).display())));
             assert_eq!(r.code, 0, "{ctx}: verify of the committed layout: {}", r.stderr);
+
+            // A rebased image (its --parent's chain already had --max-chain ancestors):
+            // no parent, a full index, the parent named only as provenance.
+            if let (Some(max), Some(parent)) = (img["max_chain"].as_u64(), img["parent"].as_str()) {
+                let (_, p) = open(&vdir.join(s(&v["layout"])), parent);
+                if p.chain.len() as u64 > max {
+                    for im in [&opened, &repacked] {
+                        assert!(im.chain.len() == 1 && !im.index().layer && im.config().parent.is_none(), "{ctx}: rebased, so no parent");
+                        assert_eq!(im.manifest.annotations.get(imgfmt::media::ANN_REBASED_FROM).map(String::as_str), Some(p.manifest_digest.as_str()), "{ctx}");
+                    }
+                }
+            }
+        }
+        // Same inputs, same content root, however each image was packed (layer, rebased).
+        let images = v["images"].as_array().unwrap();
+        for a in images {
+            for b in images.iter().filter(|b| b["inputs"] == a["inputs"]) {
+                assert_eq!(b["expected"]["root"], a["expected"]["root"], "{name}: {} and {} hold the same files", a["tag"], b["tag"]);
+            }
         }
     }
 }
