@@ -351,15 +351,20 @@ fn run() -> anyhow::Result<u8> {
     let touches = Arc::new(touches);
     let next = Arc::new(AtomicUsize::new(0));
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(touches.len())));
+    // First touches of pages whose original bytes are not all zero: the ones a page server
+    // has to fetch (zero pages it fills without fetching anything).
+    let data_latencies = Arc::new(Mutex::new(Vec::new()));
     let regions = Arc::new(regions);
     let mem = Arc::new(mem);
     let mut handles = Vec::new();
     for _ in 0..a.threads {
         let (touches, next, lat, regions, mem, c) = (touches.clone(), next.clone(), latencies.clone(), regions.clone(), mem.clone(), counters.clone());
+        let data_lat = data_latencies.clone();
         handles.push(std::thread::spawn(move || -> anyhow::Result<()> {
             let mut got = vec![0u8; PAGE as usize];
             let mut want = vec![0u8; PAGE as usize];
             let mut mine = Vec::new();
+            let mut mine_data = Vec::new();
             loop {
                 // Shared cursor: together the threads follow the planned order closely.
                 let i = next.fetch_add(1, Ordering::Relaxed);
@@ -368,7 +373,8 @@ fn run() -> anyhow::Result<u8> {
                 let addr = guest_addr(&regions, off).expect("planned pages are mapped");
                 let t = Instant::now();
                 let r = read_guest_page(addr, &mut got);
-                mine.push(t.elapsed().as_nanos() as u64);
+                let took = t.elapsed().as_nanos() as u64;
+                mine.push(took);
                 match r {
                     Read::Poisoned(errno) => {
                         if c.poisoned.fetch_add(1, Ordering::SeqCst) < 5 {
@@ -377,6 +383,9 @@ fn run() -> anyhow::Result<u8> {
                     }
                     Read::Ok => {
                         original_page(&mem, file_len, off, &mut want)?;
+                        if want.iter().any(|&b| b != 0) {
+                            mine_data.push(took);
+                        }
                         if got != want {
                             if c.mismatches.fetch_add(1, Ordering::SeqCst) < 5 {
                                 let at = got.iter().zip(&want).position(|(x, y)| x != y).unwrap_or(0);
@@ -390,6 +399,7 @@ fn run() -> anyhow::Result<u8> {
                 c.checked.fetch_add(1, Ordering::SeqCst);
             }
             lat.lock().expect("latency lock").extend(mine);
+            data_lat.lock().expect("latency lock").extend(mine_data);
             Ok(())
         }));
     }
@@ -427,6 +437,8 @@ fn run() -> anyhow::Result<u8> {
 
     let mut lat = std::mem::take(&mut *latencies.lock().expect("latency lock"));
     lat.sort_unstable();
+    let mut data_lat = std::mem::take(&mut *data_latencies.lock().expect("latency lock"));
+    data_lat.sort_unstable();
     let c = &counters;
     let (checked, mismatches, poisoned, zero) =
         (c.checked.load(Ordering::SeqCst), c.mismatches.load(Ordering::SeqCst), c.poisoned.load(Ordering::SeqCst), c.zero.load(Ordering::SeqCst));
@@ -440,6 +452,12 @@ fn run() -> anyhow::Result<u8> {
             "p50": percentile(&lat, 0.50),
             "p99": percentile(&lat, 0.99),
             "max": percentile(&lat, 1.0),
+        },
+        "touch_latency_us_data": {
+            "pages": data_lat.len(),
+            "p50": percentile(&data_lat, 0.50),
+            "p99": percentile(&data_lat, 0.99),
+            "max": percentile(&data_lat, 1.0),
         },
         "dontneed_pages": dontneed_pages,
         "dontneed_nonzero": dontneed_nonzero,
