@@ -31,11 +31,12 @@
 # through it (% of the cap a plain single download gets).
 # Lazy time = daemon start (it opens the image through the proxy) to fake_vmm's exit
 # (every touched page checked against the original). Per row: median time, time / pull's
-# median time in the same setting, fake_vmm's first-touch latency of the touched data
-# (non-zero) pages p50/p99 (the vCPU's view; most find their page installed by an earlier
-# fault on the same chunk), the daemon's fault latency p50/p99 (fault read -> installed,
-# every kind of fault: zero, fetched, from the cache), and bytes through the proxy per
-# byte touched (pages touched x 4 KiB, zero pages included). At RTT 0 without a
+# median time in the same setting, the vCPU's fault latency p50/p99 (fake_vmm: first
+# touches of data (non-zero) pages that found the page missing, by mincore just before;
+# most touches find it installed by an earlier fault on the same chunk), the daemon's fault
+# latency p50/p99 (fault read -> installed, every kind: zero, fetched, from the cache),
+# and bytes through the proxy per byte touched (pages touched x 4 KiB, zero pages
+# included). At RTT 0 without a
 # cap pull is also timed straight to the server, no proxy, to show what the proxy costs.
 # Before each timed command: `sync`, and the image's size of memory touched and freed
 # (bench/lib/memory.sh).
@@ -194,7 +195,8 @@ lazy_once() {
   local h=$W/handler.json v=$W/vmm.json
   record setting="$setting" rtt_ms="$rtt" rate="$rate" path="$path" run="$run" seconds="$secs" \
     bytes_down="$(jq .bytes_down <<<"$NET_STATS")" connections="$(jq .connections <<<"$NET_STATS")" \
-    pages="$(jq .pages_checked "$v")" touch_p50_us="$(jq .touch_latency_us_data.p50 "$v")" touch_p99_us="$(jq .touch_latency_us_data.p99 "$v")" \
+    pages="$(jq .pages_checked "$v")" missing="$(jq .pages_missing_at_touch "$v")" vcpu_faults="$(jq .fault_latency_us_data.pages "$v")" \
+    touch_p50_us="$(jq .fault_latency_us_data.p50 "$v")" touch_p99_us="$(jq .fault_latency_us_data.p99 "$v")" \
     cache_faults="$(jq .faults.cache_hit "$h")" zero_faults="$(jq .faults.zero "$h")" \
     fault_p50_us="$(jq .latency_us.p50 "$h")" fault_p99_us="$(jq .latency_us.p99 "$h")" \
     faults="$(jq .faults.total "$h")" fetched_faults="$(jq .faults.fetched "$h")" present_faults="$(jq .faults.present "$h")" \
@@ -268,7 +270,7 @@ for r in runs:
         settings.append(r["setting"])
 f = lambda x, d=2: "-" if x is None else f"{x:.{d}f}"
 ms = lambda us: f(us / 1000, 2 if us >= 1000 else 3)
-print("| RTT | cap | what | time s | / pull | % of cap | vCPU first touch of data pages p50 / p99 ms | daemon fault p50 / p99 ms | bytes fetched per byte touched | runs s |")
+print("| RTT | cap | what | time s | / pull | % of cap | vCPU data-page fault p50 / p99 ms | daemon fault p50 / p99 ms | bytes fetched per byte touched | runs s |")
 print("|---:|---|---|---:|---:|---:|---:|---:|---:|---|")
 for s in settings:
     rs = [r for r in runs if r["setting"] == s]
@@ -299,9 +301,14 @@ if lz:
     for p in order:
         pr = [r for r in lz if r["path"] == p]
         if pr:
-            parts.append(f"{p}: {med([r['faults'] for r in pr]):.0f} faults reached the daemon ({med([r['zero_faults'] for r in pr]):.0f} zero, {med([r['cache_faults'] for r in pr]):.0f} from the cache or a fetch in flight), {med([r['fetched_faults'] for r in pr]):.0f} waited for their own fetch "
-                         f"({100 * med([1 - r['fetched_faults'] / r['pages'] for r in pr]):.1f}% of touches did not), {med([r['prefetched_bytes'] for r in pr]) / 1e6:.0f} MB prefetched")
-    print(f"Per restore, medians: {pages} pages touched ({pages * 4096} B). " + "; ".join(parts) + ".")
+            parts.append(f"{p}: {100 * med([1 - r['missing'] / r['pages'] for r in pr]):.1f}% of touches found their page installed "
+                         f"({med([r['missing'] for r in pr]):.0f} missing, {med([r['vcpu_faults'] for r in pr]):.0f} of them data pages); "
+                         f"{med([r['faults'] for r in pr]):.0f} faults reached the daemon ({med([r['zero_faults'] for r in pr]):.0f} zero, "
+                         f"{med([r['cache_faults'] for r in pr]):.0f} from the cache or a fetch in flight, {med([r['fetched_faults'] for r in pr]):.0f} fetched); "
+                         f"{med([r['prefetched_bytes'] for r in pr]) / 1e6:.0f} MB prefetched")
+    print(f"Per restore, medians: {pages} pages touched ({pages * 4096} B).\n")
+    for part in parts:
+        print(f"- {part}")
 PY
 echo
 echo "Every run: \`bench/results/$NAME.jsonl\`."
