@@ -1,7 +1,8 @@
 //! A fault-injecting TCP proxy for HTTP/1.1, in front of a registry, for tests.
 //!
 //! `FaultProxy::start(upstream)` listens on 127.0.0.1:free-port and relays each client
-//! connection to its own upstream connection, one thread per connection. It understands
+//! connection to its own upstream connection, one thread per connection (the accept loop
+//! and shutdown are [`crate::proxy`]'s, shared with [`crate::netem`]). It understands
 //! HTTP/1.1 framing (request and response heads, `Content-Length` and `chunked` bodies,
 //! bodies that end at close, `HEAD`/204/304 without bodies, interim 1xx), so keep-alive
 //! connections work and a fault can hit exactly one response on a reused connection.
@@ -26,13 +27,13 @@
 //! bound on head sizes and chunk-size lines so a broken peer fails a test instead of
 //! eating memory.
 
-use std::collections::HashMap;
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::Duration;
+
+use crate::proxy::{linger_zero, resolve, Acceptor, Tracked};
 
 /// Longest request or response head the proxy accepts (bytes).
 const MAX_HEAD: usize = 64 * 1024;
@@ -266,12 +267,8 @@ struct Shared {
     plan: Arc<Mutex<Plan>>,
     counters: Counters,
     log: Mutex<Vec<Seen>>,
-    stop: AtomicBool,
     /// `Basic …` a request must carry, else the proxy answers 401 itself.
     require: Mutex<Option<String>>,
-    // Client sockets of live connections, shut down on drop so their threads end.
-    live: Mutex<HashMap<u64, TcpStream>>,
-    next_id: AtomicU64,
 }
 
 /// A running proxy; stopped (listener closed, live connections shut down, threads
@@ -280,50 +277,26 @@ pub struct FaultProxy {
     /// `127.0.0.1:PORT` the proxy listens on.
     pub addr: String,
     shared: Arc<Shared>,
-    accept: Option<JoinHandle<()>>,
+    _acceptor: Acceptor,
 }
 
 impl FaultProxy {
     /// Start a proxy on 127.0.0.1:free-port in front of `upstream` (e.g. `127.0.0.1:5000`).
     pub fn start(upstream: impl ToSocketAddrs) -> io::Result<FaultProxy> {
-        let upstream = upstream.to_socket_addrs()?.next().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "upstream resolves to nothing"))?;
-        let listener = TcpListener::bind("127.0.0.1:0")?;
-        let addr = listener.local_addr()?.to_string();
+        let upstream = resolve(upstream)?;
         let shared = Arc::new(Shared {
             upstream,
             plan: Arc::new(Mutex::new(Plan::default())),
             counters: Counters::default(),
             log: Mutex::new(Vec::new()),
-            stop: AtomicBool::new(false),
             require: Mutex::new(None),
-            live: Mutex::new(HashMap::new()),
-            next_id: AtomicU64::new(0),
         });
         let sh = shared.clone();
-        let accept = std::thread::Builder::new().name("fault-proxy-accept".into()).spawn(move || {
-            let mut workers: Vec<JoinHandle<()>> = Vec::new();
-            for conn in listener.incoming() {
-                if sh.stop.load(Ordering::SeqCst) {
-                    break;
-                }
-                let Ok(client) = conn else { continue };
-                sh.counters.connections.fetch_add(1, Ordering::Relaxed);
-                let id = sh.next_id.fetch_add(1, Ordering::Relaxed);
-                if let Ok(c) = client.try_clone() {
-                    sh.live.lock().unwrap().insert(id, c);
-                }
-                let sh2 = sh.clone();
-                workers.retain(|w| !w.is_finished());
-                workers.push(std::thread::spawn(move || {
-                    let _ = relay(&sh2, client);
-                    sh2.live.lock().unwrap().remove(&id);
-                }));
-            }
-            for w in workers {
-                let _ = w.join();
-            }
+        let acceptor = Acceptor::start(SocketAddr::from(([127, 0, 0, 1], 0)), "fault-proxy", move |client, tracked| {
+            sh.counters.connections.fetch_add(1, Ordering::Relaxed);
+            let _ = relay(&sh, client, tracked);
         })?;
-        Ok(FaultProxy { addr, shared, accept: Some(accept) })
+        Ok(FaultProxy { addr: acceptor.addr.to_string(), shared, _acceptor: acceptor })
     }
 
     /// `http://127.0.0.1:PORT` + path.
@@ -389,20 +362,6 @@ impl FaultProxy {
     /// [`Fault::MoveLocation`] of another proxy.
     pub fn origin(&self) -> String {
         format!("http://{}", self.addr)
-    }
-}
-
-impl Drop for FaultProxy {
-    fn drop(&mut self) {
-        self.shared.stop.store(true, Ordering::SeqCst);
-        // Wake the blocking accept() with a throwaway connection.
-        let _ = TcpStream::connect(&self.addr);
-        for (_, s) in self.shared.live.lock().unwrap().drain() {
-            let _ = s.shutdown(Shutdown::Both);
-        }
-        if let Some(h) = self.accept.take() {
-            let _ = h.join();
-        }
     }
 }
 
@@ -657,25 +616,8 @@ fn relay_chunked(r: &mut impl BufRead, frame: &mut dyn FnMut(&[u8], bool) -> Ste
     }
 }
 
-/// Set SO_LINGER {on, 0} so closing sends RST instead of FIN.
-fn linger_zero(s: &TcpStream) {
-    use std::os::fd::AsRawFd;
-    let l = libc::linger { l_onoff: 1, l_linger: 0 };
-    // SAFETY: setsockopt on a socket we own, with a pointer to a live, correctly sized
-    // `linger` value; the kernel copies it before returning.
-    unsafe {
-        libc::setsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            &l as *const libc::linger as *const libc::c_void,
-            std::mem::size_of::<libc::linger>() as libc::socklen_t,
-        );
-    }
-}
-
 /// Serve one client connection until either side closes or a fault ends it.
-fn relay(sh: &Shared, client: TcpStream) -> io::Result<()> {
+fn relay(sh: &Shared, client: TcpStream, tracked: &Tracked) -> io::Result<()> {
     client.set_read_timeout(Some(IDLE))?;
     let _ = client.set_nodelay(true);
     let mut client_w = client.try_clone()?;
@@ -684,7 +626,7 @@ fn relay(sh: &Shared, client: TcpStream) -> io::Result<()> {
 
     loop {
         let Some(req) = read_head(&mut client_r, true)? else { return Ok(()) };
-        if sh.stop.load(Ordering::SeqCst) {
+        if tracked.stopping() {
             return Ok(());
         }
         sh.counters.requests.fetch_add(1, Ordering::Relaxed);
@@ -723,6 +665,7 @@ fn relay(sh: &Shared, client: TcpStream) -> io::Result<()> {
         // Forward the request.
         if upstream.is_none() {
             let u = TcpStream::connect(sh.upstream)?;
+            tracked.add(&u);
             u.set_read_timeout(Some(IDLE))?;
             let _ = u.set_nodelay(true);
             let r = BufReader::with_capacity(BUF, u.try_clone()?);

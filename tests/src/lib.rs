@@ -7,6 +7,8 @@
 pub mod counter;
 pub mod fault_proxy;
 pub mod hostile;
+pub mod netem;
+mod proxy;
 pub mod registry_support;
 
 use std::path::{Path, PathBuf};

@@ -185,7 +185,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
         outln!("parent[{}]    {} {}", i + 1, c["manifest"].as_str().unwrap_or(""), p(c["reference"].as_str().unwrap_or("")))?;
     }
     if let Some(r) = &out.rebased_from {
-        println!("rebased from {r} (a full index into that chain's packs)");
+        outln!("rebased from {} (a full index into that chain's packs)", p(r))?;
     }
     if let Some(b) = &out.base {
         outln!("base         {} {}", b["manifest"].as_str().unwrap_or(""), p(b["reference"].as_str().unwrap_or("")))?;

@@ -241,6 +241,15 @@ fn read_guest_page(addr: u64, buf: &mut [u8]) -> Read {
     }
 }
 
+/// Whether the guest page at `addr` is installed (mincore: resident). Checked before a
+/// touch: a page the handler installs meanwhile (in flight) then counts as missing.
+fn page_resident(addr: u64) -> bool {
+    let mut v = 0u8;
+    // SAFETY: mincore on one page of our own mapping, writing one byte into `v`.
+    let rc = unsafe { libc::mincore(addr as *mut libc::c_void, PAGE as usize, &mut v) };
+    rc == 0 && v & 1 == 1
+}
+
 /// The original bytes at a file offset (zeros past the end of the file).
 fn original_page(f: &File, file_len: u64, off: u64, buf: &mut [u8]) -> anyhow::Result<()> {
     buf.fill(0);
@@ -254,6 +263,8 @@ fn original_page(f: &File, file_len: u64, off: u64, buf: &mut [u8]) -> anyhow::R
 #[derive(Default)]
 struct Counters {
     checked: AtomicU64,
+    /// Touches that found their page not yet installed (mincore said not resident).
+    missing: AtomicU64,
     mismatches: AtomicU64,
     poisoned: AtomicU64,
     zero: AtomicU64,
@@ -351,24 +362,35 @@ fn run() -> anyhow::Result<u8> {
     let touches = Arc::new(touches);
     let next = Arc::new(AtomicUsize::new(0));
     let latencies = Arc::new(Mutex::new(Vec::with_capacity(touches.len())));
+    // First touches of pages whose original bytes are not all zero (the ones a page server
+    // has to fetch; zero pages it fills without fetching anything), with whether the page
+    // was missing when the thread went to touch it (a fault) or already installed.
+    let data_latencies: Arc<Mutex<Vec<(u64, bool)>>> = Arc::new(Mutex::new(Vec::new()));
     let regions = Arc::new(regions);
     let mem = Arc::new(mem);
     let mut handles = Vec::new();
     for _ in 0..a.threads {
         let (touches, next, lat, regions, mem, c) = (touches.clone(), next.clone(), latencies.clone(), regions.clone(), mem.clone(), counters.clone());
+        let data_lat = data_latencies.clone();
         handles.push(std::thread::spawn(move || -> anyhow::Result<()> {
             let mut got = vec![0u8; PAGE as usize];
             let mut want = vec![0u8; PAGE as usize];
             let mut mine = Vec::new();
+            let mut mine_data = Vec::new();
             loop {
                 // Shared cursor: together the threads follow the planned order closely.
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(&page) = touches.get(i) else { break };
                 let off = page * PAGE;
                 let addr = guest_addr(&regions, off).expect("planned pages are mapped");
+                let missing = !page_resident(addr);
+                if missing {
+                    c.missing.fetch_add(1, Ordering::Relaxed);
+                }
                 let t = Instant::now();
                 let r = read_guest_page(addr, &mut got);
-                mine.push(t.elapsed().as_nanos() as u64);
+                let took = t.elapsed().as_nanos() as u64;
+                mine.push(took);
                 match r {
                     Read::Poisoned(errno) => {
                         if c.poisoned.fetch_add(1, Ordering::SeqCst) < 5 {
@@ -377,6 +399,9 @@ fn run() -> anyhow::Result<u8> {
                     }
                     Read::Ok => {
                         original_page(&mem, file_len, off, &mut want)?;
+                        if want.iter().any(|&b| b != 0) {
+                            mine_data.push((took, missing));
+                        }
                         if got != want {
                             if c.mismatches.fetch_add(1, Ordering::SeqCst) < 5 {
                                 let at = got.iter().zip(&want).position(|(x, y)| x != y).unwrap_or(0);
@@ -390,6 +415,7 @@ fn run() -> anyhow::Result<u8> {
                 c.checked.fetch_add(1, Ordering::SeqCst);
             }
             lat.lock().expect("latency lock").extend(mine);
+            data_lat.lock().expect("latency lock").extend(mine_data);
             Ok(())
         }));
     }
@@ -427,6 +453,11 @@ fn run() -> anyhow::Result<u8> {
 
     let mut lat = std::mem::take(&mut *latencies.lock().expect("latency lock"));
     lat.sort_unstable();
+    let data = std::mem::take(&mut *data_latencies.lock().expect("latency lock"));
+    let mut data_lat: Vec<u64> = data.iter().map(|&(t, _)| t).collect();
+    data_lat.sort_unstable();
+    let mut fault_lat: Vec<u64> = data.iter().filter(|&&(_, missing)| missing).map(|&(t, _)| t).collect();
+    fault_lat.sort_unstable();
     let c = &counters;
     let (checked, mismatches, poisoned, zero) =
         (c.checked.load(Ordering::SeqCst), c.mismatches.load(Ordering::SeqCst), c.poisoned.load(Ordering::SeqCst), c.zero.load(Ordering::SeqCst));
@@ -441,6 +472,20 @@ fn run() -> anyhow::Result<u8> {
             "p99": percentile(&lat, 0.99),
             "max": percentile(&lat, 1.0),
         },
+        "touch_latency_us_data": {
+            "pages": data_lat.len(),
+            "p50": percentile(&data_lat, 0.50),
+            "p99": percentile(&data_lat, 0.99),
+            "max": percentile(&data_lat, 1.0),
+        },
+        // Of those, the touches that found their page missing: the vCPU's fault latency.
+        "fault_latency_us_data": {
+            "pages": fault_lat.len(),
+            "p50": percentile(&fault_lat, 0.50),
+            "p99": percentile(&fault_lat, 0.99),
+            "max": percentile(&fault_lat, 1.0),
+        },
+        "pages_missing_at_touch": c.missing.load(Ordering::SeqCst),
         "dontneed_pages": dontneed_pages,
         "dontneed_nonzero": dontneed_nonzero,
         "threads": a.threads,

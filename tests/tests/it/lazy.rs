@@ -261,6 +261,13 @@ fn fake_vmm_checks_every_page_against_reference_handler() {
     let r = fake_vmm(&sock, &mem, &["--threads", "3", "--dontneed", "9MiB:32KiB"]);
     assert_clean(&r, 16 * MIB / 4096);
     assert!(n(&r.json, &["zero_pages_seen"]) > 0, "the sample has holes: {r:?}");
+    // First-touch latencies of data pages (those a page server fetches) are kept apart.
+    assert_eq!(n(&r.json, &["touch_latency_us_data", "pages"]) + n(&r.json, &["zero_pages_seen"]), 16 * MIB / 4096, "{r:?}");
+    // The reference handler installs 1 MiB per fault: of 4096 touches, a few dozen find
+    // their page missing (one per MiB, plus touches racing an install).
+    let missing = n(&r.json, &["pages_missing_at_touch"]);
+    assert!((1..1000).contains(&missing), "{missing} touches found their page missing: {r:?}");
+    assert!(n(&r.json, &["fault_latency_us_data", "pages"]) <= missing, "{r:?}");
     assert_eq!(n(&r.json, &["dontneed_pages"]), 8, "{r:?}");
     assert_eq!(r.json["regions"].as_array().unwrap().len(), 2, "{r:?}");
     let regions = r.json["regions"].as_array().unwrap();

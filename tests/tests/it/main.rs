@@ -11,6 +11,7 @@ mod fault_proxy;
 mod format;
 mod lazy;
 mod lazy_criu;
+mod netem;
 mod pull;
 mod push;
 mod registry;

@@ -1,0 +1,314 @@
+#!/usr/bin/env bash
+# The across-a-network benchmark of issue 16: `snapctl pull` and `snapctl lazy` restores
+# (tests/src/bin/fake_vmm as the VM: two vCPU threads, each waiting for its fault) from a
+# `snapctl serve` reached through netem_proxy (tests/src/netem.rs: half the RTT on every
+# byte each way, one RTT for a new connection's handshake, optionally a bandwidth cap per
+# direction shared by all connections). Release builds.
+#
+#   bash bench/wan.sh            2 GiB image (half zero), RTT 0 2 20 50 ms x no cap, 1gbit,
+#                                200mbit, 3 runs (long: hours on this 2-core machine)
+#   bash bench/wan.sh --quick    256 MiB, RTT 0 20 ms x no cap, 1gbit, 1 run: a smoke test
+#
+# Options: --runs N  --size SIZE  --rtts "0 2 20 50" (ms)  --rates "0 1gbit 200mbit"
+#          --pct P (5)  --all (also --prefetch all --prefetch-rate 0, scattered)  --tag NAME
+#          --keep
+#
+# For each setting (RTT x cap) and run, each against a fresh proxy (so its byte counts are
+# the command's own) and a fresh, empty chunk cache (cold):
+#   pull        `snapctl pull REF DIR --cache FRESH`: wall time; % of the cap achieved
+#               (bytes through the proxy x 8 / time / cap)
+#   clustered   `snapctl lazy REF --once --prefetch none`, fake_vmm touching P% of the
+#               pages in runs of 64 contiguous pages (256 KiB) at random offsets
+#   scattered   the same with P% of the pages scattered singly, and --record-trace (the
+#               trace is stored after the guest is done, outside the timed part)
+#   warm        the scattered restore again with the chunk cache the scattered restore
+#               left (faults served from the cache; the image's metadata still comes
+#               through the proxy)
+#   replay      the scattered restore again, cold, --prefetch trace: replays the trace the
+#               scattered restore of this run just recorded (the newest trace wins)
+#   all         (with --all) scattered, --prefetch all --prefetch-rate 0
+# And once per setting with a cap, the proxy's own ceiling: `curl` of the largest pack
+# through it (% of the cap a plain single download gets).
+# Lazy time = daemon start (it opens the image through the proxy) to fake_vmm's exit
+# (every touched page checked against the original). Per row: median time, time / pull's
+# median time in the same setting, the vCPU's fault latency p50/p99 (fake_vmm: first
+# touches of data (non-zero) pages that found the page missing, by mincore just before;
+# most touches find it installed by an earlier fault on the same chunk), the daemon's fault
+# latency p50/p99 (fault read -> installed, every kind: zero, fetched, from the cache),
+# and bytes through the proxy per byte touched (pages touched x 4 KiB, zero pages
+# included). At RTT 0 without a
+# cap pull is also timed straight to the server, no proxy, to show what the proxy costs.
+# Before each timed command: `sync`, and the image's size of memory touched and freed
+# (bench/lib/memory.sh).
+#
+# Output: markdown on stdout and in bench/results/wan-DATE[-TAG].md (-quick with --quick),
+# every run as JSON lines in bench/results/wan-DATE[-TAG].jsonl; progress on stderr. Needs
+# root (userfaultfd), jq, python3. SNAPCTL / FAKE_VMM / NETEM pick binaries (default:
+# target/release/*, built if missing).
+set -euo pipefail
+trap 'echo "wan.sh: line $LINENO failed: $BASH_COMMAND" >&2' ERR
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+RUNS=3 SIZE=2GiB RTTS="0 2 20 50" RATES="0 1gbit 200mbit" PCT=5 ALL=0 TAG="" KEEP=0 QUICK=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) QUICK=1; RUNS=1; SIZE=256MiB; RTTS="0 20"; RATES="0 1gbit" ;;
+    --runs) RUNS=$2; shift ;;
+    --size) SIZE=$2; shift ;;
+    --rtts) RTTS=$2; shift ;;
+    --rates) RATES=$2; shift ;;
+    --pct) PCT=$2; shift ;;
+    --all) ALL=1 ;;
+    --tag) TAG=$2; shift ;;
+    --keep) KEEP=1 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "wan.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+for p in jq python3; do
+  command -v "$p" >/dev/null || { echo "wan.sh: $p not found (run scripts/setup.sh)" >&2; exit 2; }
+done
+
+TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
+SNAPCTL=${SNAPCTL:-$TARGET/release/snapctl}
+FAKE_VMM=${FAKE_VMM:-$TARGET/release/fake_vmm}
+NETEM=${NETEM:-$TARGET/release/netem_proxy}
+if [ ! -x "$SNAPCTL" ] || [ ! -x "$FAKE_VMM" ] || [ ! -x "$NETEM" ]; then
+  echo "building release binaries in $TARGET" >&2
+  (cd "$ROOT" && cargo build --release -q -p snapctl -p snapctl-tests --bin snapctl --bin fake_vmm --bin netem_proxy)
+fi
+
+W=$(mktemp -d "${TMPDIR:-/tmp}/snapctl-wan.XXXXXX")
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && { kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; }; done
+  if [ "$KEEP" = 1 ]; then echo "kept $W" >&2; else rm -rf "$W"; fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+log() { echo "[$(date -u +%H:%M:%S) wan.sh] $*" >&2; }
+now() { date +%s.%N; }
+since() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.3f}')" "$1" "$(now)"; }
+
+SERVER_LOGS=$W
+# shellcheck source=bench/lib/servers.sh
+source "$ROOT/bench/lib/servers.sh"
+# shellcheck source=bench/lib/memory.sh
+source "$ROOT/bench/lib/memory.sh"
+WARM_BYTES=$(to_bytes "$SIZE")
+
+DATE=$(date -u +%F)
+NAME=wan-$DATE${TAG:+-$TAG}
+[ "$QUICK" = 1 ] && NAME=$NAME-quick
+mkdir -p "$ROOT/bench/results"
+[ -e "$ROOT/bench/results/$NAME.md" ] && NAME=$NAME-$(date -u +%H%M)
+OUT=$ROOT/bench/results/$NAME.md
+RUNLOG=$ROOT/bench/results/$NAME.jsonl
+: > "$RUNLOG"
+
+# ---------------------------------------------------------------- the dialled network
+# start_net RTT_MS RATE: a fresh netem_proxy in front of the server; sets NET_ADDR.
+# stop_net: SIGTERM it; sets NET_STATS (its JSON summary: connections, bytes up/down).
+NET_PID="" NET_ADDR="" NET_STATS="{}"
+start_net() {
+  local rtt=$1 rate=$2
+  [ "$rtt" = 0 ] || rtt=${rtt}ms
+  : > "$W/net.out"
+  "$NETEM" --upstream "127.0.0.1:$PORT" --rtt "$rtt" --rate "$rate" >"$W/net.out" 2>"$W/net.log" &
+  NET_PID=$!
+  PIDS+=("$NET_PID")
+  for _ in $(seq 500); do [ -s "$W/net.out" ] && break; sleep 0.02; done
+  NET_ADDR=$(head -1 "$W/net.out")
+  case "$NET_ADDR" in 127.0.0.1:*) ;; *) echo "wan.sh: netem_proxy did not start: $(cat "$W/net.log")" >&2; exit 2 ;; esac
+}
+stop_net() {
+  kill -TERM "$NET_PID"
+  wait "$NET_PID" || { echo "wan.sh: netem_proxy failed: $(cat "$W/net.log")" >&2; exit 2; }
+  NET_STATS=$(tail -1 "$W/net.out")
+}
+
+# record KEY=VALUE...: one JSON line per measured run (values are numbers or strings).
+record() { python3 -c 'import json,sys
+d={}
+for a in sys.argv[1:]:
+    k,v=a.split("=",1)
+    try: d[k]=json.loads(v)
+    except ValueError: d[k]=v
+print(json.dumps(d))' "$@" >> "$RUNLOG"; }
+
+# ---------------------------------------------------------------- the image
+log "sample $SIZE (half zero) + push to snapctl serve"
+"$SNAPCTL" sample "$W/snap" --size "$SIZE" --zero-fraction 0.5 --seed 2 >/dev/null
+start_server snapctl "$W/storage"
+"$SNAPCTL" push "$W/snap" "127.0.0.1:$PORT/bench/vm:v1" --cache "$W/pushcache" >/dev/null
+rm -rf "$W/pushcache"
+MEM=$W/snap/vm.mem
+STORED=$(du -sb "$W/storage" | cut -f1)
+NONZERO=$(du -B1 "$MEM" | cut -f1)
+
+# ---------------------------------------------------------------- one timed command each
+# pull_once SETTING RUN RTT RATE [direct]
+pull_once() {
+  local setting=$1 run=$2 rtt=$3 rate=$4 direct=${5:-}
+  local addr=127.0.0.1:$PORT path=pull
+  if [ -z "$direct" ]; then start_net "$rtt" "$rate"; addr=$NET_ADDR; else path=pull_direct; fi
+  rm -rf "$W/pulled" "$W/cache"
+  sync; warm_memory "$WARM_BYTES"
+  local t0; t0=$(now)
+  "$SNAPCTL" pull "$addr/bench/vm:v1" "$W/pulled" --cache "$W/cache" --json >"$W/pull.json" 2>"$W/pull.log" \
+    || { echo "wan.sh: pull failed: $(tail -5 "$W/pull.log")" >&2; exit 2; }
+  local secs; secs=$(since "$t0")
+  local down=0
+  if [ -z "$direct" ]; then stop_net; down=$(jq .bytes_down <<<"$NET_STATS"); fi
+  cmp -s "$MEM" "$W/pulled/vm.mem" || { echo "wan.sh: pulled vm.mem differs" >&2; exit 1; }
+  record setting="$setting" rtt_ms="$rtt" rate="$rate" path=$path run="$run" seconds="$secs" bytes_down="$down" \
+    bytes_fetched="$(jq .bytes_fetched "$W/pull.json")" range_requests="$(jq .range_requests "$W/pull.json")"
+  log "  $path: $secs s, $down B through the proxy"
+  rm -rf "$W/pulled" "$W/cache"
+}
+
+# lazy_once SETTING RUN RTT RATE PATH TOUCH_ARGS LAZY_ARGS [CACHE]: one restore through a
+# fresh proxy. TOUCH_ARGS / LAZY_ARGS are space-separated word lists. CACHE: cold (an empty
+# chunk cache, removed after; the default), fill (empty, kept for the next), warm (the one
+# kept, removed after).
+lazy_once() {
+  local setting=$1 run=$2 rtt=$3 rate=$4 path=$5 touch=$6 largs=$7 cache=${8:-cold}
+  start_net "$rtt" "$rate"
+  local sock=$W/h.sock
+  rm -f "$sock"
+  [ "$cache" = warm ] || rm -rf "$W/lcache"
+  sync; warm_memory "$WARM_BYTES"
+  local t0; t0=$(now)
+  # shellcheck disable=SC2086
+  "$SNAPCTL" lazy "$NET_ADDR/bench/vm:v1" --socket "$sock" --once --json --cache "$W/lcache" $largs >"$W/handler.json" 2>"$W/handler.log" &
+  local hp=$!
+  PIDS+=("$hp")
+  # shellcheck disable=SC2086
+  if ! "$FAKE_VMM" --socket "$sock" --mem-file "$MEM" --threads 2 --seed 3 --json --timeout 1800 $touch >"$W/vmm.json" 2>"$W/vmm.log"; then
+    echo "wan.sh: fake_vmm failed: $(cat "$W/vmm.log") $(cat "$W/vmm.json")" >&2; exit 2
+  fi
+  local secs; secs=$(since "$t0")
+  wait "$hp" || { echo "wan.sh: snapctl lazy failed: $(tail -5 "$W/handler.log")" >&2; exit 2; }
+  stop_net
+  [ "$(jq .mismatches "$W/vmm.json")" = 0 ] || { echo "wan.sh: fake_vmm saw wrong bytes!" >&2; exit 1; }
+  local h=$W/handler.json v=$W/vmm.json
+  record setting="$setting" rtt_ms="$rtt" rate="$rate" path="$path" run="$run" seconds="$secs" \
+    bytes_down="$(jq .bytes_down <<<"$NET_STATS")" connections="$(jq .connections <<<"$NET_STATS")" \
+    pages="$(jq .pages_checked "$v")" missing="$(jq .pages_missing_at_touch "$v")" vcpu_faults="$(jq .fault_latency_us_data.pages "$v")" \
+    touch_p50_us="$(jq .fault_latency_us_data.p50 "$v")" touch_p99_us="$(jq .fault_latency_us_data.p99 "$v")" \
+    cache_faults="$(jq .faults.cache_hit "$h")" zero_faults="$(jq .faults.zero "$h")" \
+    fault_p50_us="$(jq .latency_us.p50 "$h")" fault_p99_us="$(jq .latency_us.p99 "$h")" \
+    faults="$(jq .faults.total "$h")" fetched_faults="$(jq .faults.fetched "$h")" present_faults="$(jq .faults.present "$h")" \
+    bytes_fetched="$(jq .bytes_fetched "$h")" prefetched_bytes="$(jq .prefetched_bytes "$h")"
+  log "  $path: $secs s, $(jq -c '{faults, bytes_fetched, prefetched_bytes, latency_us}' "$h"), $(jq -c .bytes_down <<<"$NET_STATS") B through the proxy"
+  [ "$cache" = fill ] || rm -rf "$W/lcache"
+}
+
+# calibrate SETTING RTT RATE: curl the largest pack through a fresh proxy.
+BIGGEST=""
+calibrate() {
+  local setting=$1 rtt=$2 rate=$3
+  if [ -z "$BIGGEST" ]; then
+    BIGGEST=$(curl -sf -H 'Accept: application/vnd.oci.image.manifest.v1+json' "http://127.0.0.1:$PORT/v2/bench/vm/manifests/v1" | jq -r '.layers | max_by(.size) | .digest')
+  fi
+  start_net "$rtt" "$rate"
+  sync; warm_memory "$WARM_BYTES"
+  local t0; t0=$(now)
+  curl -sf -o /dev/null "http://$NET_ADDR/v2/bench/vm/blobs/$BIGGEST"
+  local secs; secs=$(since "$t0")
+  stop_net
+  record setting="$setting" rtt_ms="$rtt" rate="$rate" path=calibration run=1 seconds="$secs" bytes_down="$(jq .bytes_down <<<"$NET_STATS")"
+  log "  curl of the largest pack: $secs s, $(jq .bytes_down <<<"$NET_STATS") B"
+}
+
+CLUSTER="--touch $PCT% --run-pages 64"
+SCATTER="--touch $PCT% --run-pages 1"
+for rtt in $RTTS; do
+  for rate in $RATES; do
+    setting="$rtt ms, $rate"
+    [ "$rate" = 0 ] || calibrate "$setting" "$rtt" "$rate"
+    for run in $(seq "$RUNS"); do
+      log "RTT $rtt ms, cap $rate: run $run/$RUNS"
+      pull_once "$setting" "$run" "$rtt" "$rate"
+      if [ "$rtt" = 0 ] && [ "$rate" = 0 ]; then pull_once "$setting" "$run" 0 0 direct; fi
+      lazy_once "$setting" "$run" "$rtt" "$rate" clustered "$CLUSTER" "--prefetch none"
+      lazy_once "$setting" "$run" "$rtt" "$rate" scattered "$SCATTER" "--prefetch none --record-trace" fill
+      lazy_once "$setting" "$run" "$rtt" "$rate" warm "$SCATTER" "--prefetch none" warm
+      lazy_once "$setting" "$run" "$rtt" "$rate" replay "$SCATTER" "--prefetch trace"
+      if [ "$ALL" = 1 ]; then lazy_once "$setting" "$run" "$rtt" "$rate" all "$SCATTER" "--prefetch all --prefetch-rate 0"; fi
+    done
+  done
+done
+stop_server
+
+# ---------------------------------------------------------------- the table
+exec > >(tee "$OUT")
+echo "### $NAME: \`bash bench/wan.sh$([ "$QUICK" = 1 ] && echo ' --quick')\`, $(date -u '+%Y-%m-%d %H:%M UTC')"
+echo
+echo "$(nproc) cores, kernel $(uname -r), load average at the end $(cut -d' ' -f1-3 /proc/loadavg), snapctl $(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- . 2>/dev/null || echo '+changes'); medians of $RUNS run(s)."
+echo "Image: \`snapctl sample --size $SIZE --zero-fraction 0.5\`: $NONZERO B allocated in vm.mem, $STORED B in the registry's storage. Guest: fake_vmm, 2 vCPU threads, $PCT% of the pages."
+echo
+python3 - "$RUNLOG" <<'PY'
+import json, statistics, sys
+runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+med = lambda xs: statistics.median(xs) if xs else None
+def rate_bps(r):
+    r = str(r).lower()
+    for s, m in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1)):
+        if r.endswith(s):
+            return float(r[: -len(s)]) * m
+    return float(r) or None
+order = ["calibration", "pull", "pull_direct", "clustered", "scattered", "warm", "replay", "all"]
+label = {"calibration": "`curl` of the largest pack (the proxy's ceiling)", "pull": "`snapctl pull`", "pull_direct": "`snapctl pull`, no proxy",
+         "clustered": "lazy, clustered (runs of 64 pages)", "scattered": "lazy, scattered (records a trace)",
+         "warm": "lazy, scattered again, warm chunk cache", "replay": "lazy, scattered again, cold, `--prefetch trace`",
+         "all": "lazy, scattered, `--prefetch all --prefetch-rate 0`"}
+settings = []
+for r in runs:
+    if r["setting"] not in settings:
+        settings.append(r["setting"])
+f = lambda x, d=2: "-" if x is None else f"{x:.{d}f}"
+ms = lambda us: f(us / 1000, 2 if us >= 1000 else 3)
+print("| RTT | cap | what | time s | / pull | % of cap | vCPU data-page fault p50 / p99 ms | daemon fault p50 / p99 ms | bytes fetched per byte touched | runs s |")
+print("|---:|---|---|---:|---:|---:|---:|---:|---:|---|")
+for s in settings:
+    rs = [r for r in runs if r["setting"] == s]
+    pull_t = med([r["seconds"] for r in rs if r["path"] == "pull"])
+    for p in order:
+        pr = [r for r in rs if r["path"] == p]
+        if not pr:
+            continue
+        t = med([r["seconds"] for r in pr])
+        rtt, rate = pr[0]["rtt_ms"], pr[0]["rate"]
+        cap = rate_bps(rate)
+        ratio = f(t / pull_t) + "x" if pull_t and p not in ("pull", "calibration") else ""
+        pct = ""
+        if p in ("pull", "calibration") and cap:
+            pct = f(100 * med([r["bytes_down"] * 8 / r["seconds"] / cap for r in pr]), 0) + "%"
+        if p.startswith("pull") or p == "calibration":
+            touch = fault = per = ""
+        else:
+            touch = f"{ms(med([r['touch_p50_us'] for r in pr]))} / {ms(med([r['touch_p99_us'] for r in pr]))}"
+            fault = f"{ms(med([r['fault_p50_us'] for r in pr]))} / {ms(med([r['fault_p99_us'] for r in pr]))}"
+            per = f(med([r["bytes_down"] / (r["pages"] * 4096) for r in pr]), 1)
+        print(f"| {rtt} ms | {'none' if not cap else rate} | {label[p]} | **{f(t)}** | {ratio} | {pct} | {touch} | {fault} | {per} | {', '.join(f(r['seconds']) for r in pr)} |")
+print()
+lz = [r for r in runs if r["path"] not in ("pull", "pull_direct", "calibration")]
+if lz:
+    pages = lz[0]["pages"]
+    parts = []
+    for p in order:
+        pr = [r for r in lz if r["path"] == p]
+        if pr:
+            parts.append(f"{p}: {100 * med([1 - r['missing'] / r['pages'] for r in pr]):.1f}% of touches found their page installed "
+                         f"({med([r['missing'] for r in pr]):.0f} missing, {med([r['vcpu_faults'] for r in pr]):.0f} of them data pages); "
+                         f"{med([r['faults'] for r in pr]):.0f} faults reached the daemon ({med([r['zero_faults'] for r in pr]):.0f} zero, "
+                         f"{med([r['cache_faults'] for r in pr]):.0f} from the cache or a fetch in flight, {med([r['fetched_faults'] for r in pr]):.0f} fetched); "
+                         f"{med([r['prefetched_bytes'] for r in pr]) / 1e6:.0f} MB prefetched")
+    print(f"Per restore, medians: {pages} pages touched ({pages * 4096} B).\n")
+    for part in parts:
+        print(f"- {part}")
+PY
+echo
+echo "Every run: \`bench/results/$NAME.jsonl\`."

@@ -1,0 +1,309 @@
+//! The dialled network (`snapctl_tests::netem`, issue 16 §1): every byte pays half an RTT
+//! each way, connections and the bytes within one connection are pipelined rather than
+//! taking turns, a bandwidth cap is shared by all connections, and `snapctl pull` works
+//! across it. The `netem_proxy` program starts, says where it listens, and stops.
+//!
+//! Timing assertions are lower bounds (a delay the proxy promises), except where the point is
+//! that things overlap: there the bound is half or less of what taking turns would cost, so a
+//! loaded machine has hundreds of milliseconds of slack.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use reqwest::blocking::Client;
+use snapctl_tests::netem::{Netem, NetemConfig};
+use snapctl_tests::registry_support::{random_bytes, sha256, Serve};
+use snapctl_tests::{run, snapctl};
+
+const MS: Duration = Duration::from_millis(1);
+
+/// A `snapctl serve` holding a blob of `len` random bytes in repo `net/blob` (uploaded
+/// directly, not through any proxy), and the blob's digest.
+fn serve_with_blob(len: usize) -> (tempfile::TempDir, Serve, Vec<u8>, String) {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = Serve::start(tmp.path().join("store").to_str().unwrap(), &[], &[]);
+    let data = random_bytes(len as u64, len);
+    let d = sha256(&data);
+    let r = Client::new().post(s.url(&format!("/v2/net/blob/blobs/uploads/?digest={d}"))).body(data.clone()).send().unwrap();
+    assert_eq!(r.status(), 201, "{}", r.text().unwrap_or_default());
+    (tmp, s, data, d)
+}
+
+/// One HTTP/1.1 GET on a kept-alive connection; returns the status line once the whole
+/// body (Content-Length framing: the registry's `/v2/`) has arrived.
+fn get(conn: &mut BufReader<TcpStream>, path: &str) -> String {
+    write!(conn.get_mut(), "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut status = String::new();
+    conn.read_line(&mut status).unwrap();
+    let mut len = 0usize;
+    loop {
+        let mut l = String::new();
+        conn.read_line(&mut l).unwrap();
+        if l == "\r\n" {
+            break;
+        }
+        if let Some(v) = l.to_ascii_lowercase().strip_prefix("content-length:") {
+            len = v.trim().parse().unwrap();
+        }
+    }
+    let mut body = vec![0u8; len];
+    conn.read_exact(&mut body).unwrap();
+    status.trim().to_string()
+}
+
+fn connect(addr: &str) -> BufReader<TcpStream> {
+    let s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    BufReader::new(s)
+}
+
+#[test]
+fn a_request_through_a_40ms_rtt_proxy_takes_at_least_40ms_and_a_fresh_connection_one_rtt_more() {
+    let (_t, s, _, _) = serve_with_blob(1);
+    let rtt = 40 * MS;
+    let net = Netem::start(s.addr.as_str(), NetemConfig::new(rtt)).unwrap();
+    let t0 = Instant::now();
+    let mut c = connect(&net.addr);
+    assert_eq!(get(&mut c, "/v2/"), "HTTP/1.1 200 OK");
+    let first = t0.elapsed();
+    let t1 = Instant::now();
+    assert_eq!(get(&mut c, "/v2/"), "HTTP/1.1 200 OK");
+    let second = t1.elapsed();
+    assert!(first >= 2 * rtt, "a request on a fresh connection took {first:?}, under handshake + 1 RTT ({:?})", 2 * rtt);
+    assert!(second >= rtt, "a request on a kept-alive connection took {second:?}, under 1 RTT ({rtt:?})");
+
+    let quick = Netem::start(s.addr.as_str(), NetemConfig { handshake: false, ..NetemConfig::new(rtt) }).unwrap();
+    let t0 = Instant::now();
+    let mut c = connect(&quick.addr);
+    assert_eq!(get(&mut c, "/v2/"), "HTTP/1.1 200 OK");
+    assert!(t0.elapsed() >= rtt, "without the handshake a request still takes 1 RTT; took {:?}", t0.elapsed());
+    assert_eq!((net.connections(), quick.connections()), (1, 1));
+}
+
+#[test]
+fn concurrent_connections_each_pay_their_own_round_trips_not_each_others() {
+    let (_t, s, _, _) = serve_with_blob(1);
+    let rtt = 200 * MS;
+    let net = Netem::start(s.addr.as_str(), NetemConfig::new(rtt)).unwrap();
+    let n = 8;
+    let go = Arc::new(Barrier::new(n + 1));
+    let threads: Vec<_> = (0..n)
+        .map(|_| {
+            let (addr, go) = (net.addr.clone(), go.clone());
+            std::thread::spawn(move || {
+                go.wait();
+                let t = Instant::now();
+                let mut c = connect(&addr);
+                assert_eq!(get(&mut c, "/v2/"), "HTTP/1.1 200 OK");
+                t.elapsed()
+            })
+        })
+        .collect();
+    go.wait();
+    let t0 = Instant::now();
+    let each: Vec<Duration> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let total = t0.elapsed();
+    // Each: handshake + 1 RTT = 400 ms. Taking turns: 8 x 400 ms = 3.2 s.
+    for e in &each {
+        assert!(*e >= 2 * rtt, "a request took {e:?}, under handshake + 1 RTT");
+    }
+    assert!(total < n as u32 * 2 * rtt / 2, "{n} concurrent requests took {total:?}: they took turns ({each:?})");
+    assert_eq!(net.connections(), n as u64);
+}
+
+/// A TCP echo server on 127.0.0.1 (one thread per connection), for timing single bytes.
+fn echo_server() -> String {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { continue };
+            std::thread::spawn(move || {
+                let mut w = c.try_clone().unwrap();
+                let _ = std::io::copy(&mut c, &mut w);
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn bytes_sent_one_after_another_on_one_connection_travel_together() {
+    // 12 single bytes sent 50 ms apart through 200 ms of RTT: each echo comes back 1 RTT
+    // after its byte was sent, with the others in flight meanwhile; not after the echo
+    // before it (one round trip at a time), nor batched with later bytes (a relay that
+    // only reads again once it has delivered what it read: up to +100 ms each way).
+    let rtt = 200 * MS;
+    let net = Netem::start(echo_server(), NetemConfig { handshake: false, ..NetemConfig::new(rtt) }).unwrap();
+    let mut s = TcpStream::connect(&net.addr).unwrap();
+    s.set_nodelay(true).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut r = s.try_clone().unwrap();
+    let n = 12;
+    let sender = std::thread::spawn(move || {
+        let mut sent = Vec::new();
+        for i in 0..n {
+            sent.push(Instant::now());
+            s.write_all(&[i as u8]).unwrap();
+            std::thread::sleep(50 * MS);
+        }
+        sent
+    });
+    let mut back = Vec::new();
+    let mut b = [0u8; 1];
+    for i in 0..n {
+        r.read_exact(&mut b).unwrap();
+        assert_eq!(b[0], i as u8, "bytes in order");
+        back.push(Instant::now());
+    }
+    let sent = sender.join().unwrap();
+    let mut took: Vec<Duration> = sent.iter().zip(&back).map(|(s, b)| *b - *s).collect();
+    for (i, t) in took.iter().enumerate() {
+        assert!(*t >= rtt, "byte {i} came back after {t:?}, under 1 RTT");
+    }
+    took.sort();
+    // The median, so one late wake-up on a loaded machine does not decide; 100 ms of slack.
+    let median = took[n / 2];
+    assert!(median < rtt * 3 / 2, "echoes took {median:?} (median) for a {rtt:?} RTT: bytes wait for each other ({took:?})");
+}
+
+#[test]
+fn one_connection_keeps_a_window_of_bytes_in_flight_not_one_piece_per_round_trip() {
+    // 20 MB at 100 ms RTT, no cap: with 16 MiB in flight that is a few round trips
+    // (~0.5 s); a relay that held each piece until it was delivered (or acknowledged)
+    // before reading the next would move 256 KiB per 50-100 ms: 4-8 s.
+    let len = 20_000_000;
+    let (_t, s, _, d) = serve_with_blob(len);
+    let net = Netem::start(s.addr.as_str(), NetemConfig::new(100 * MS)).unwrap();
+    let t0 = Instant::now();
+    let body = Client::new().get(net.url(&format!("/v2/net/blob/blobs/{d}"))).send().unwrap().error_for_status().unwrap().bytes().unwrap();
+    let took = t0.elapsed();
+    assert_eq!(sha256(&body), d, "bytes arrive unchanged");
+    assert!(took >= 200 * MS, "handshake + 1 RTT at least: {took:?}");
+    assert!(took < Duration::from_secs(2), "20 MB over one connection at 100 ms RTT took {took:?}: one piece per round trip?");
+
+    // And the window is what bounds a connection: 2 MiB per 100 ms RTT moves 20 MB in >= 0.95 s.
+    let narrow = Netem::start(s.addr.as_str(), NetemConfig { window: 2 << 20, ..NetemConfig::new(100 * MS) }).unwrap();
+    let t0 = Instant::now();
+    let body = Client::new().get(narrow.url(&format!("/v2/net/blob/blobs/{d}"))).send().unwrap().bytes().unwrap();
+    let slow = t0.elapsed();
+    assert_eq!(body.len(), len);
+    assert!(slow >= Duration::from_millis(900), "a 2 MiB window at 100 ms RTT moved 20 MB in {slow:?}");
+}
+
+#[test]
+fn a_bandwidth_cap_is_a_lower_bound_on_time_and_shared_by_all_connections() {
+    let len = 10_000_000;
+    let (_t, s, _, d) = serve_with_blob(len);
+    let rate = 80_000_000; // 80 Mbit/s: 10 MB takes 1 s
+    let net = Netem::start(s.addr.as_str(), NetemConfig::new(2 * MS).rate(rate)).unwrap();
+    let url = net.url(&format!("/v2/net/blob/blobs/{d}"));
+
+    // One connection, 20 MB (the blob twice, kept alive): >= 2 s at 80 Mbit/s.
+    let client = Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
+    let t0 = Instant::now();
+    for _ in 0..2 {
+        let body = client.get(&url).send().unwrap().error_for_status().unwrap().bytes().unwrap();
+        assert_eq!(sha256(&body), d, "bytes arrive unchanged");
+    }
+    let one = t0.elapsed();
+    assert!(one >= Duration::from_millis(1800), "20 MB at 80 Mbit/s took {one:?}, under 1.8 s");
+
+    // Two connections at once, 10 MB each: they share the link, so together >= ~2 s too.
+    let t0 = Instant::now();
+    let both: Vec<_> = (0..2)
+        .map(|_| {
+            let url = url.clone();
+            std::thread::spawn(move || Client::builder().timeout(Duration::from_secs(120)).build().unwrap().get(&url).send().unwrap().bytes().unwrap())
+        })
+        .collect();
+    for t in both {
+        assert_eq!(t.join().unwrap().len(), len);
+    }
+    let shared = t0.elapsed();
+    assert!(shared >= Duration::from_millis(1800), "2 x 10 MB on two connections took {shared:?}: the cap is not shared");
+
+    // The other direction has its own link: an upload of 10 MB takes >= ~1 s.
+    let up = random_bytes(7, len);
+    let ud = sha256(&up);
+    let t0 = Instant::now();
+    let r = client.post(net.url(&format!("/v2/net/up/blobs/uploads/?digest={ud}"))).body(up).send().unwrap();
+    let upload = t0.elapsed();
+    assert_eq!(r.status(), 201);
+    assert!(upload >= Duration::from_millis(900), "a 10 MB upload at 80 Mbit/s took {upload:?}");
+    assert!(net.bytes_down() >= 4 * len as u64 && net.bytes_up() >= len as u64, "counters: {} down, {} up", net.bytes_down(), net.bytes_up());
+}
+
+#[test]
+fn snapctl_pull_across_20ms_of_rtt_succeeds_and_verifies() {
+    let w = tempfile::tempdir().unwrap();
+    let s = Serve::start(w.path().join("store").to_str().unwrap(), &[], &[]);
+    let snap = w.path().join("snap");
+    let ok = |r: snapctl_tests::Run| assert_eq!(r.code, 0, "{r:?}");
+    ok(run(snapctl().arg("sample").arg(&snap).args(["--size", "24MiB"])));
+    ok(run(snapctl().arg("push").arg(&snap).arg(format!("{}/net/vm:v1", s.addr))));
+
+    let net = Netem::start(s.addr.as_str(), NetemConfig::new(20 * MS).rate(1_000_000_000)).unwrap();
+    let image = format!("{}/net/vm:v1", net.addr);
+    let dest = w.path().join("pulled");
+    let t0 = Instant::now();
+    ok(run(snapctl().arg("pull").arg(&image).arg(&dest).arg("--cache").arg(w.path().join("cache"))));
+    let took = t0.elapsed();
+    ok(run(snapctl().arg("verify").arg(&image).arg("--against").arg(&dest)));
+    for f in ["vm.mem", "vm.state"] {
+        assert!(std::fs::read(snap.join(f)).unwrap() == std::fs::read(dest.join(f)).unwrap(), "{f} differs");
+    }
+    // It went through the proxy: about 12 MiB of non-zero memory came down it, in no less
+    // than the round trips of resolving the tag, the manifest, the config and the packs.
+    assert!(net.bytes_down() > 10 << 20, "only {} bytes came through the proxy", net.bytes_down());
+    assert!(took >= 4 * 20 * MS, "a pull across 20 ms took {took:?}");
+}
+
+/// `netem_proxy` with stdin as a pipe: (process, the address it printed).
+fn start_program(upstream: &str, args: &[&str]) -> (std::process::Child, BufReader<std::process::ChildStdout>, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_netem_proxy"))
+        .args(["--upstream", upstream])
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut addr = String::new();
+    out.read_line(&mut addr).unwrap();
+    (child, out, addr.trim().to_string())
+}
+
+#[test]
+fn the_netem_proxy_program_prints_its_address_relays_and_stops_on_stdin_eof_or_sigterm() {
+    let (_t, s, _, _) = serve_with_blob(1);
+    let (mut child, mut out, addr) = start_program(&s.addr, &["--rtt", "20ms", "--rate", "100mbit"]);
+    assert!(addr.starts_with("127.0.0.1:"), "{addr:?}");
+    let t0 = Instant::now();
+    let mut c = connect(&addr);
+    assert_eq!(get(&mut c, "/v2/"), "HTTP/1.1 200 OK");
+    assert!(t0.elapsed() >= 40 * MS, "handshake + 1 RTT of 20 ms: took {:?}", t0.elapsed());
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+    let mut summary = String::new();
+    out.read_to_string(&mut summary).unwrap();
+    let v: serde_json::Value = serde_json::from_str(summary.trim()).unwrap();
+    assert_eq!(v["connections"], 1, "{v}");
+    assert!(v["bytes_down"].as_u64().unwrap() > 0 && v["bytes_up"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(v["rate_bps"], 100_000_000u64, "{v}");
+
+    let (mut child, _out, _) = start_program(&s.addr, &[]);
+    // SAFETY: kill(2) on our own child's pid; no memory is involved.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success(), "SIGTERM stops it cleanly");
+
+    for bad in [&["--listen", "0.0.0.0:0"][..], &["--rate", "fast"], &["--rtt", "20"]] {
+        let r = run(Command::new(env!("CARGO_BIN_EXE_netem_proxy")).args(["--upstream", &s.addr]).args(bad).stdin(Stdio::null()));
+        assert_eq!(r.code, 2, "{bad:?}: {r:?}");
+        assert!(r.stdout.is_empty(), "{bad:?}: nothing on stdout: {r:?}");
+    }
+}
