@@ -11,5 +11,6 @@ mod pull;
 mod push;
 mod registry;
 mod runsc;
+mod slices;
 mod snapshot_registry;
 mod vectors;
