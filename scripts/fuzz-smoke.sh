@@ -15,7 +15,7 @@ set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 secs=${1:-${FUZZ_SECONDS:-20}}
-read -r -a targets <<<"${FUZZ_TARGETS:-chunk_index image_config manifest decompress reference image_open criu_pagemap}"
+read -r -a targets <<<"${FUZZ_TARGETS:-chunk_index outboard image_config manifest decompress reference image_open criu_pagemap}"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target-fuzz}
 export RUSTC_BOOTSTRAP=1
 
@@ -42,6 +42,8 @@ for b in "$root"/spec/vectors/*/blobs/sha256/*; do
   name=$(basename "$b")
   if [ "$(head -c 8 "$b" | tr -d '\0')" = SNAPCIDX ]; then
     seed chunk_index "$name" <"$b"
+  elif [ "$(head -c 8 "$b")" = SNAPCOBO ]; then
+    seed outboard "$name" <"$b"
   elif grep -q '"format": "snapctl.image.v1"' "$b"; then
     seed image_config "$name" <"$b"
     # image_open input: config ‖ NUL ‖ the index it names.

@@ -1,14 +1,20 @@
 //! An opened image: manifest, config and index read and checked against their OCI
 //! digests, the parent chain resolved into one flat table of chunk locations.
+//!
+//! Outboards (slice chaining values, optional) are found when the image opens but read
+//! only on request ([`Image::load_outboards`]): only a reader that fetches slices needs
+//! them, and a pull or an inspect should not pay a blob fetch for them.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::compress::Codec;
 use crate::config::{ImageConfig, Role, MAX_CHAIN_DEPTH, MAX_CONFIG_BYTES};
 use crate::digest::{ChunkDigest, OciDigest};
 use crate::index::{chunk_count, chunk_len, ChunkIndex, PackRef, RecordKind, MAX_INDEX_BYTES};
-use crate::manifest::{Manifest, MAX_MANIFEST_BYTES};
+use crate::manifest::{Descriptor, Manifest, MAX_MANIFEST_BYTES};
 use crate::media;
+use crate::outboard::{self, Outboard, SliceCvs, MAX_OUTBOARD_BYTES, MIN_SLICE_SHIFT};
 use crate::reference::Selector;
 use crate::source::{read_verified_blob, BlobSource};
 use crate::FormatError;
@@ -57,6 +63,58 @@ pub struct ChainLink {
     pub config: ImageConfig,
     pub index_digest: OciDigest,
     pub index: ChunkIndex,
+    /// The outboard blob covering this link's records, when the manifest lists one (media
+    /// type [`media::OUTBOARD`], owner `self` for the image, `parent…` for an ancestor).
+    pub outboard_blob: Option<Descriptor>,
+    /// That outboard, decoded, once [`Image::load_outboards`] read it.
+    pub outboard: Option<Arc<Outboard>>,
+}
+
+impl ChainLink {
+    /// The most bytes this link's outboard can need: an entry and a CV per smallest slice
+    /// for every raw record longer than one smallest slice. An outboard covers only its
+    /// own index's records, so a bigger one is a lie; refusing it before reading bounds
+    /// what a hostile store can make a reader fetch and allocate by the data it describes.
+    pub fn outboard_limit(&self) -> u64 {
+        let min_slice = 1u64 << MIN_SLICE_SHIFT;
+        let need: u64 = self
+            .index
+            .records
+            .iter()
+            .filter_map(|r| match r.kind {
+                RecordKind::Stored { codec: Codec::Raw, stored_len, .. } if u64::from(stored_len) > min_slice => {
+                    Some((outboard::ENTRY_LEN + outboard::CV_LEN * u64::from(stored_len).div_ceil(min_slice) as usize) as u64)
+                }
+                _ => None,
+            })
+            .sum();
+        (outboard::HEADER_LEN as u64 + need).min(MAX_OUTBOARD_BYTES)
+    }
+
+    /// Read, check (sha256, size, bounds) and decode this link's outboard, if it has one.
+    pub fn read_outboard(&self, src: &dyn BlobSource) -> Result<Option<Outboard>, FormatError> {
+        let Some(d) = &self.outboard_blob else { return Ok(None) };
+        let b = read_verified_blob(src, &d.digest, self.outboard_limit())?;
+        if b.len() as u64 != d.size {
+            return Err(FormatError::invalid("outboard", format!("{} is {} bytes, the manifest says {}", d.digest, b.len(), d.size)));
+        }
+        let ob = Outboard::decode(&b).map_err(|e| FormatError::invalid("outboard", format!("{}: {e}", d.digest)))?;
+        if ob.chunk_shift != self.index.chunk_shift {
+            return Err(FormatError::invalid(
+                "outboard",
+                format!("{}: chunk_shift {} but the index {} has {}", d.digest, ob.chunk_shift, self.index_digest, self.index.chunk_shift),
+            ));
+        }
+        Ok(Some(ob))
+    }
+}
+
+/// Chain depth an `dev.snapctl.owner` value names: `self` 0, `parent` 1, `parent.parent` 2, …
+fn owner_depth(owner: &str) -> Option<usize> {
+    if owner == "self" {
+        return Some(0);
+    }
+    owner.split('.').all(|p| p == "parent").then(|| owner.split('.').count())
 }
 
 /// An opened, structurally valid image. Chunk *content* is not checked here: see the
@@ -124,7 +182,7 @@ impl Image {
                     format!("{index_digest}: layer flag is {} but the config {} a parent", index.layer, if parent.is_some() { "names" } else { "names no" }),
                 ));
             }
-            chain.push(ChainLink { config_digest: config_digest.clone(), config, index_digest, index });
+            chain.push(ChainLink { config_digest: config_digest.clone(), config, index_digest, index, outboard_blob: None, outboard: None });
             // The parent's index digest named here is checked against the parent config's
             // own index once the chain is read (below).
             match parent {
@@ -160,7 +218,31 @@ impl Image {
                 return Err(FormatError::invalid("manifest", format!("{manifest_digest} does not list blob {d} that the image needs")));
             }
         }
+        find_outboards(&manifest, manifest_digest, &mut chain)?;
         Ok(Image { manifest_digest: manifest_digest.clone(), manifest_bytes, manifest, chain, packs, files })
+    }
+
+    /// Read and decode every outboard the manifest lists (see [`ChainLink::read_outboard`]).
+    /// After this, [`Image::slice_cvs`] answers. Idempotent.
+    pub fn load_outboards(&mut self, src: &dyn BlobSource) -> Result<(), FormatError> {
+        for link in &mut self.chain {
+            if link.outboard.is_none() {
+                link.outboard = link.read_outboard(src)?.map(Arc::new);
+            }
+        }
+        Ok(())
+    }
+
+    /// The recorded slice CVs of chunk `chunk` of file `file`, when it is stored raw (so a
+    /// slice of it can be fetched as a range) and the outboard of the chain link whose
+    /// index recorded it has an entry of its digest and length. `None` for anything else,
+    /// and before [`Image::load_outboards`]: the reader then fetches the whole chunk.
+    /// **Not checked** against the digest: `verify` does that before trusting a slice.
+    pub fn slice_cvs(&self, file: usize, chunk: u64) -> Option<SliceCvs<'_>> {
+        let c = self.files.get(file)?.chunks.get(usize::try_from(chunk).ok()?)?;
+        let StoredAt::Pack { codec: Codec::Raw, .. } = c.at else { return None };
+        let s = self.chain.get(c.depth as usize)?.outboard.as_deref()?.find(&c.digest)?;
+        (s.chunk_len == c.len).then_some(s)
     }
 
     /// Every pack this image points into, with which chain link owns it.
@@ -214,6 +296,30 @@ fn prefetch_ancestors(src: &dyn BlobSource, manifest: &Manifest) -> HashMap<OciD
         }
     });
     got.into_inner().expect("poisoned")
+}
+
+/// Attach to each chain link the outboard the manifest lists for it. An outboard whose
+/// owner is not a link of this chain is ignored, as any blob the image does not need (a
+/// later version may list others); two for one link, one for a SHA-256 image, or one over
+/// the size its link's records can need, are rejected.
+fn find_outboards(manifest: &Manifest, manifest_digest: &OciDigest, chain: &mut [ChainLink]) -> Result<(), FormatError> {
+    for d in manifest.layers.iter().filter(|d| d.media_type == media::OUTBOARD) {
+        let Some(k) = d.annotations.get(media::ANN_OWNER).and_then(|o| owner_depth(o)).filter(|&k| k < chain.len()) else { continue };
+        let link = &mut chain[k];
+        let bad = |detail: String| FormatError::invalid("manifest", format!("{manifest_digest}: outboard {}: {detail}", d.digest));
+        if link.config.hash != crate::HashAlgo::Blake3 {
+            return Err(bad(format!("the image it covers (config {}) is {}, and only BLAKE3 has slice CVs", link.config_digest, link.config.hash)));
+        }
+        if let Some(other) = &link.outboard_blob {
+            return Err(bad(format!("a second outboard for config {} (the first is {})", link.config_digest, other.digest)));
+        }
+        let limit = link.outboard_limit();
+        if d.size > limit {
+            return Err(FormatError::TooLarge { what: "outboard size (for the records it can cover)", got: d.size, limit });
+        }
+        link.outboard_blob = Some(d.clone());
+    }
+    Ok(())
 }
 
 fn check_config_matches_index(config: &ImageConfig, index: &ChunkIndex) -> Result<(), FormatError> {
@@ -389,7 +495,14 @@ mod tests {
 
     fn link(files: &[(&str, u64)], index: ChunkIndex) -> ChainLink {
         let config = config(files, &index, None);
-        ChainLink { config_digest: OciDigest::of(&config.encode()), index_digest: config.index.digest.clone(), config, index }
+        ChainLink {
+            config_digest: OciDigest::of(&config.encode()),
+            index_digest: config.index.digest.clone(),
+            config,
+            index,
+            outboard_blob: None,
+            outboard: None,
+        }
     }
 
     fn index(layer: bool, files: Vec<IndexFile>, packs: Vec<PackRef>, records: Vec<ChunkRecord>) -> ChunkIndex {

@@ -7,6 +7,7 @@
 //! manifest ──► config   (JSON: kind, files, chunk size, hash, roots, base/parent refs)
 //!          ├─► index    (binary: file table, pack table, chunk records)  ◄── this crate's codec
 //!          ├─► pack*    (concatenated stored chunks, each range-addressable)
+//!          ├─► outboard (optional, BLAKE3: slice chaining values, to verify part of a chunk)
 //!          └─► chain*   (configs and indexes of parents, packs inherited from base/parents)
 //! ```
 //!
@@ -30,6 +31,7 @@ pub mod index;
 pub mod layout;
 pub mod manifest;
 pub mod media;
+pub mod outboard;
 pub mod reference;
 pub mod size;
 pub mod source;
@@ -42,6 +44,7 @@ pub use image::{resolve_chain, ChainLink, Image, ResolvedChunk, ResolvedFile, St
 pub use index::{ChunkIndex, ChunkRecord, IndexFile, PackRef, RecordKind};
 pub use layout::OciLayout;
 pub use manifest::{Descriptor, Manifest};
+pub use outboard::{Outboard, SliceCvs};
 pub use source::BlobSource;
 
 /// Smallest chunk size: 64 KiB (a multiple of every page size a VMM uses for guest RAM

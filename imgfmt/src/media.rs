@@ -8,6 +8,9 @@ pub const CONFIG: &str = "application/vnd.snapctl.snapshot.config.v1+json";
 pub const INDEX: &str = "application/vnd.snapctl.snapshot.index.v1";
 /// A pack blob: stored chunks, concatenated.
 pub const PACK: &str = "application/vnd.snapctl.snapshot.pack.v1";
+/// An outboard blob: BLAKE3 slice chaining values of raw chunks ([`crate::outboard::Outboard`]).
+/// Optional; listed with the owner of the index whose records it covers.
+pub const OUTBOARD: &str = "application/vnd.snapctl.snapshot.outboard.v1";
 /// OCI image manifest.
 pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 /// OCI image index.

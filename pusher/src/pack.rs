@@ -12,6 +12,7 @@ use imgfmt::compress::Codec;
 use imgfmt::config::{BlobRef, ChainRef, FileEntry, CONFIG_FORMAT, MAX_CHAIN_DEPTH};
 use imgfmt::index::{chunk_count, chunk_len, IndexFile};
 use imgfmt::layout::BlobWriter;
+use imgfmt::outboard::{slice_count, Cv, Outboard, ENTRY_LEN, HEADER_LEN as OUTBOARD_HEADER_LEN, MAX_OUTBOARD_BYTES};
 use imgfmt::{
     media, BlobSource, ChunkDigest, ChunkIndex, ChunkRecord, Compression, Descriptor, FormatError, HashAlgo, Image, ImageConfig, Kind, Manifest, OciDigest,
     OciLayout, PackRef, RecordKind, Role, StoredAt,
@@ -61,6 +62,11 @@ pub struct PackOptions<'a> {
     pub compression: Compression,
     pub hash: HashAlgo,
     pub pack_size: u64,
+    /// log2 of the slice size of the outboard (`MIN_SLICE_SHIFT ..= chunk_shift - 1`), or
+    /// `None` for no outboard. Only BLAKE3 images have one (SHA-256 is not a tree): with
+    /// `hash` SHA-256 this is ignored. Should the outboard grow past its limit (over
+    /// 32 GiB of raw chunks at 4 KiB), slices are doubled until it fits.
+    pub slice_shift: Option<u8>,
     /// Chunks found anywhere in the base are referenced, not stored.
     pub base: Option<Related<'a>>,
     /// Make a layer over this parent: only differing chunks are recorded.
@@ -90,6 +96,7 @@ impl Default for PackOptions<'_> {
             compression: Compression::None,
             hash: HashAlgo::Blake3,
             pack_size: DEFAULT_PACK_SIZE,
+            slice_shift: Some(imgfmt::outboard::DEFAULT_SLICE_SHIFT),
             base: None,
             parent: None,
             diff: false,
@@ -125,8 +132,13 @@ pub struct PackReport {
     pub inherited_chunks: u64,
     /// Bytes written into new packs.
     pub pack_bytes: u64,
-    /// Manifest + config + index bytes.
+    /// Manifest + config + index (+ outboard) bytes.
     pub metadata_bytes: u64,
+    /// Slice size of the outboard written (0: none).
+    pub slice_size: u64,
+    /// Chunks the outboard has slice CVs for.
+    pub outboard_entries: u64,
+    pub outboard_bytes: u64,
     pub packs: usize,
     /// Ancestors of the written image: 0 for a full image (rebased ones included), the
     /// parent's plus one for a layer.
@@ -166,6 +178,62 @@ enum Slot {
 /// Per file, per chunk: `None` = inherited from the parent, `Some((digest, None))` = zero,
 /// `Some((digest, Some(loc)))` = stored.
 type Placed = Vec<Vec<Option<(ChunkDigest, Option<Loc>)>>>;
+
+/// Slice CVs of the raw chunks placed so far, by digest, kept under the outboard's size
+/// limit by doubling the slice size when they would pass it.
+struct SliceCvs {
+    /// Slice shift the CVs are computed at (as hashed).
+    hashed_shift: u8,
+    /// Slice shift they are kept at (`hashed_shift` unless coarsened).
+    shift: u8,
+    chunk_shift: u8,
+    by_digest: HashMap<ChunkDigest, (u32, Vec<Cv>)>,
+    /// Encoded size of an outboard of what `by_digest` holds.
+    bytes: u64,
+    /// Most bytes that outboard may have ([`MAX_OUTBOARD_BYTES`]; smaller in tests).
+    limit: u64,
+}
+
+impl SliceCvs {
+    fn new(chunk_shift: u8, shift: u8) -> Self {
+        SliceCvs { hashed_shift: shift, shift, chunk_shift, by_digest: HashMap::new(), bytes: OUTBOARD_HEADER_LEN as u64, limit: MAX_OUTBOARD_BYTES }
+    }
+
+    fn entry_bytes(n_cvs: usize) -> u64 {
+        (ENTRY_LEN + 32 * n_cvs) as u64
+    }
+
+    /// Keep `cvs` (computed at `hashed_shift`) for the raw chunk `digest` of `len` bytes.
+    fn insert(&mut self, digest: ChunkDigest, len: u32, mut cvs: Vec<Cv>) {
+        if self.by_digest.contains_key(&digest) || self.shift >= self.chunk_shift {
+            return;
+        }
+        for _ in self.hashed_shift..self.shift {
+            cvs = verify::hash::coarsen_slice_cvs(&cvs);
+        }
+        if cvs.len() < 2 {
+            return;
+        }
+        self.bytes += Self::entry_bytes(cvs.len());
+        self.by_digest.insert(digest, (len, cvs));
+        while self.bytes > self.limit && self.shift < self.chunk_shift {
+            self.coarsen();
+        }
+    }
+
+    /// Double the slice size: merge CV pairs, drop chunks now of one slice. At half a
+    /// chunk per slice and still too big, give up on an outboard (every entry gone).
+    fn coarsen(&mut self) {
+        self.shift += 1;
+        let shift = self.shift;
+        let last = shift >= self.chunk_shift;
+        self.by_digest.retain(|_, (len, cvs)| {
+            *cvs = verify::hash::coarsen_slice_cvs(cvs);
+            !last && slice_count(u64::from(*len), shift) >= 2
+        });
+        self.bytes = OUTBOARD_HEADER_LEN as u64 + self.by_digest.values().map(|(_, c)| Self::entry_bytes(c.len())).sum::<u64>();
+    }
+}
 
 /// A chunk's compressed form, when compression paid.
 type Compressed = (Codec, Vec<u8>);
@@ -260,6 +328,8 @@ struct Job {
     /// Inherit from the parent without looking at the data (diff-snapshot hole).
     inherit: bool,
     digest: ChunkDigest,
+    /// Slice CVs, when the image has an outboard and the chunk is longer than a slice.
+    cvs: Option<Vec<Cv>>,
     zero: bool,
 }
 
@@ -272,6 +342,11 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     }
     if opts.pack_size < (1u64 << opts.chunk_shift) {
         return Err(PackError::Invalid("pack size must be at least one chunk".into()));
+    }
+    if let Some(s) = opts.slice_shift {
+        if !(imgfmt::outboard::MIN_SLICE_SHIFT..opts.chunk_shift).contains(&s) {
+            return Err(PackError::Invalid(format!("slice size 2^{s} outside 4KiB..={}KiB (half a chunk)", (1u64 << opts.chunk_shift) >> 11)));
+        }
     }
     let shift = opts.chunk_shift;
     let algo = opts.hash;
@@ -338,7 +413,7 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     let on_pack = opts.on_pack;
     let mut report = PackReport { kind: kind.to_string(), files: sc.files.len(), skipped: sc.skipped.clone(), ..Default::default() };
 
-    let result: Result<(Placed, u64), PackError>;
+    let result: Result<(Placed, u64, Option<SliceCvs>), PackError>;
     let own_packs: Result<Vec<(OciDigest, u64)>, FormatError>;
     {
         let (r, w) = std::thread::scope(|s| {
@@ -368,7 +443,7 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
         (Err(_), Err(e)) => return Err(e.into()),
         (_, w) => w,
     };
-    let (per_file, own_bytes) = result?;
+    let (per_file, own_bytes, slices) = result?;
     let own_packs = own_packs?;
     report.pack_bytes = own_bytes;
     report.packs = own_packs.len();
@@ -451,6 +526,19 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
         });
     }
     index.validate()?;
+    let outboard = match slices {
+        Some(mut s) => {
+            if rebase {
+                // A rebased index lists the chain's chunks this packer did not hash: their
+                // CVs come from the outboards the chain already stored (an entry is
+                // trusted by a reader only once its CVs merge to the digest, §8.2).
+                let parent = opts.parent.as_ref().expect("rebase has a parent");
+                inherit_slice_cvs(&index, &parent.image, parent.source, &mut s)?;
+            }
+            outboard_of(&index, s, !rebase)?
+        }
+        None => None,
+    };
     let image_root = verify::image_root(algo, sc.files.iter().zip(&roots).map(|(f, r)| (f.name.as_str(), f.size, *r)));
     let index_bytes = index.encode();
     let index_digest = dest.put_blob(&index_bytes)?;
@@ -485,6 +573,14 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     for (d, size) in &own_packs {
         layers.push(Descriptor::new(media::PACK, d.clone(), *size).with_annotation(media::ANN_OWNER, "self"));
     }
+    if let Some(ob) = &outboard {
+        let bytes = ob.encode();
+        let d = dest.put_blob(&bytes)?;
+        layers.push(Descriptor::new(media::OUTBOARD, d, bytes.len() as u64).with_annotation(media::ANN_OWNER, "self"));
+        report.slice_size = 1 << ob.slice_shift;
+        report.outboard_entries = ob.entries.len() as u64;
+        report.outboard_bytes = bytes.len() as u64;
+    }
     if let Some(p) = opts.parent.as_ref().filter(|_| !rebase) {
         for (k, link) in p.image.chain.iter().enumerate() {
             let owner = vec!["parent"; k + 1].join(".");
@@ -494,7 +590,13 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
             // per ancestor, one after the other.
             let cs = dest.blob_size(&link.config_digest)?;
             layers.push(Descriptor::new(media::CONFIG, link.config_digest.clone(), cs).with_annotation(media::ANN_OWNER, owner.clone()));
-            layers.push(Descriptor::new(media::INDEX, link.index_digest.clone(), link.config.index.size).with_annotation(media::ANN_OWNER, owner));
+            layers.push(Descriptor::new(media::INDEX, link.index_digest.clone(), link.config.index.size).with_annotation(media::ANN_OWNER, owner.clone()));
+            // Its outboard too, so a lazy reader of this layer can verify slices of the
+            // chunks it inherits (an outboard covers only its own index's records).
+            if let Some(ob) = &link.outboard_blob {
+                ensure_blob(dest, p.source, &ob.digest)?;
+                layers.push(Descriptor::new(media::OUTBOARD, ob.digest.clone(), ob.size).with_annotation(media::ANN_OWNER, owner));
+            }
         }
     }
     let mut foreign: BTreeMap<OciDigest, (u64, &'static str, bool)> = BTreeMap::new();
@@ -553,12 +655,68 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
 
     report.manifest = manifest_digest.to_string();
     report.root = config.root;
-    report.metadata_bytes = (manifest_bytes.len() + config_bytes.len() + index_bytes.len()) as u64;
+    report.metadata_bytes = (manifest_bytes.len() + config_bytes.len() + index_bytes.len()) as u64 + report.outboard_bytes;
     report.seconds = t0.elapsed().as_secs_f64();
     Ok(report)
 }
 
-/// Read, digest and place every chunk; returns the placement and the bytes sent to packs.
+/// The outboard of `index`: an entry for every raw record longer than a slice, from the
+/// CVs computed while hashing. `None` when no record needs one (no blob is written).
+///
+/// `complete`: every raw record was hashed by this packer, so a missing entry is a bug; a
+/// rebased index may name chunks no stored outboard covers, which readers then fetch whole.
+fn outboard_of(index: &ChunkIndex, mut slices: SliceCvs, complete: bool) -> Result<Option<Outboard>, PackError> {
+    let slice = 1u64 << slices.shift;
+    let mut entries = Vec::new();
+    let mut done = std::collections::HashSet::new();
+    for r in &index.records {
+        let RecordKind::Stored { codec: Codec::Raw, stored_len, .. } = r.kind else { continue };
+        if u64::from(stored_len) <= slice || slices.shift >= index.chunk_shift {
+            continue;
+        }
+        if let Some((len, cvs)) = slices.by_digest.remove(&r.digest) {
+            entries.push((r.digest, len, cvs));
+            done.insert(r.digest);
+        } else if complete && !done.contains(&r.digest) {
+            // Every raw record was hashed by this packer, which kept its CVs.
+            return Err(PackError::Invalid(format!("internal: no slice CVs kept for raw chunk {}", r.digest)));
+        }
+    }
+    if entries.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(Outboard::from_entries(index.chunk_shift, slices.shift, entries)?))
+}
+
+/// Slice CVs, from the chain's outboards, of raw records of `index` this packer did not
+/// hash (a rebased index's inherited chunks). Only outboards at the slice size being
+/// written are used; a chunk none covers gets no entry.
+fn inherit_slice_cvs(index: &ChunkIndex, parent: &Image, source: &dyn BlobSource, slices: &mut SliceCvs) -> Result<(), PackError> {
+    let missing: std::collections::HashSet<ChunkDigest> = index
+        .records
+        .iter()
+        .filter(|r| matches!(r.kind, RecordKind::Stored { codec: Codec::Raw, .. }) && !slices.by_digest.contains_key(&r.digest))
+        .map(|r| r.digest)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    for link in &parent.chain {
+        let Some(ob) = link.read_outboard(source)? else { continue };
+        if ob.slice_shift != slices.hashed_shift {
+            continue;
+        }
+        for d in &missing {
+            if let Some(e) = ob.find(d) {
+                slices.insert(e.digest, e.chunk_len, e.cvs.to_vec());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Read, digest and place every chunk; returns the placement, the bytes sent to packs and
+/// the slice CVs of raw chunks (when the image has an outboard).
 #[allow(clippy::too_many_arguments)]
 fn chunk_all(
     files: &[scan::SourceFile],
@@ -569,10 +727,14 @@ fn chunk_all(
     foreign_slot: &mut HashMap<OciDigest, u32>,
     tx: &mpsc::SyncSender<ToWriter>,
     report: &mut PackReport,
-) -> Result<(Placed, u64), PackError> {
+) -> Result<(Placed, u64, Option<SliceCvs>), PackError> {
     let shift = opts.chunk_shift;
     let cs = 1u64 << shift;
     let algo = opts.hash;
+    // Slice CVs come from the same pass over the bytes as the digest (the digest is their
+    // merge), so an outboard costs no second read of any chunk.
+    let slice_shift = opts.slice_shift.filter(|_| algo == HashAlgo::Blake3);
+    let mut slices = slice_shift.map(|s| SliceCvs::new(shift, s));
     let batch = ((32u64 << 20) >> shift).max(opts.threads as u64 * 2) as usize;
     let mut own: HashMap<ChunkDigest, Loc> = HashMap::new();
     let mut own_count = 0usize;
@@ -612,7 +774,7 @@ fn chunk_all(
                 let len = chunk_len(size, shift, ci);
                 let start = ci * cs;
                 let cov = cursor.coverage(start, start + len);
-                let mut job = Job { chunk: ci, len: len as u32, data: None, inherit: false, digest: ChunkDigest::default(), zero: false };
+                let mut job = Job { chunk: ci, len: len as u32, data: None, inherit: false, digest: ChunkDigest::default(), cvs: None, zero: false };
                 match (cov, diff_file) {
                     (Coverage::Hole, true) => job.inherit = true,
                     (Coverage::Hole, false) => job.zero = true,
@@ -643,6 +805,8 @@ fn chunk_all(
                     if is_zero(d) {
                         j.zero = true;
                         j.data = None;
+                    } else if let Some(s) = slice_shift {
+                        (j.digest, j.cvs) = verify::hash::digest_with_slice_cvs(d, s);
                     } else {
                         j.digest = verify::chunk_digest(algo, d);
                     }
@@ -654,7 +818,7 @@ fn chunk_all(
             // Decide phase: inherit, zero, dedup or store.
             let mut to_store: Vec<usize> = Vec::new();
             let mut decided: Vec<Option<(ChunkDigest, Option<Loc>)>> = Vec::with_capacity(jobs.len());
-            for (k, j) in jobs.iter().enumerate() {
+            for (k, j) in jobs.iter_mut().enumerate() {
                 report.chunks += 1;
                 let pc = parent.and_then(|p| p.chunks.get(j.chunk as usize)).filter(|pc| pc.len == j.len);
                 if j.inherit || pc.is_some_and(|pc| pc.digest == j.digest) {
@@ -687,6 +851,9 @@ fn chunk_all(
                     });
                     let l = Loc { slot, offset: *offset, stored_len: *stored_len, codec: *codec };
                     own.insert(j.digest, l);
+                    if let (Codec::Raw, Some(s), Some(cvs)) = (codec, slices.as_mut(), j.cvs.take()) {
+                        s.insert(j.digest, j.len, cvs);
+                    }
                     report.deduplicated_chunks += 1;
                     decided.push(Some((j.digest, Some(l))));
                     continue;
@@ -726,6 +893,9 @@ fn chunk_all(
                 total += stored_len;
                 tx.send(ToWriter::Data(bytes)).map_err(|_| writer_gone())?;
                 own.insert(j.digest, l);
+                if let (Codec::Raw, Some(s), Some(cvs)) = (codec, slices.as_mut(), j.cvs.take()) {
+                    s.insert(j.digest, j.len, cvs);
+                }
                 decided[k] = Some((j.digest, Some(l)));
                 report.stored_chunks += 1;
             }
@@ -746,7 +916,7 @@ fn chunk_all(
         }
         out.push(slots_of_file);
     }
-    Ok((out, total))
+    Ok((out, total, slices))
 }
 
 /// Run `f` on every item using up to `threads` threads.
@@ -828,6 +998,46 @@ mod tests {
             std::fs::read_dir(dir.path().join("blobs/sha256")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
         names.sort();
         (done, announced.into_inner().unwrap(), names)
+    }
+
+    /// An outboard that would pass its limit doubles its slices (CV pairs merged, chunks
+    /// now of one slice dropped) until it fits, and what it keeps is what hashing at the
+    /// larger slice gives; past half a chunk per slice there is no outboard at all.
+    #[test]
+    fn slice_cvs_past_the_limit_are_coarsened_until_they_fit() {
+        let data: Vec<Vec<u8>> = (0..6u8).map(|k| (0..65536u32).map(|i| (i.wrapping_mul(2654435761) >> 7) as u8 ^ k).collect()).collect();
+        let lens = [65536usize, 65536, 65536, 40000, 9000, 5000];
+        let mut s = SliceCvs::new(16, 12);
+        // Room for the header and about 40 CVs: 4 KiB slices (16 per full chunk) do not fit.
+        s.limit = 32 + 6 * 48 + 40 * 32;
+        for (d, &len) in data.iter().zip(&lens) {
+            let (digest, cvs) = verify::hash::digest_with_slice_cvs(&d[..len], 12);
+            s.insert(digest, len as u32, cvs.unwrap());
+        }
+        assert!(s.bytes <= s.limit, "{} > {}", s.bytes, s.limit);
+        assert_eq!(s.shift, 13, "8 KiB slices: 8+8+8+5+2 CVs");
+        assert_eq!(s.bytes, 32 + 5 * 48 + 31 * 32);
+        assert_eq!(s.by_digest.len(), 5, "the 5000-byte chunk is one slice now");
+        for (d, &len) in data.iter().zip(&lens) {
+            let digest = verify::chunk_digest(HashAlgo::Blake3, &d[..len]);
+            if let Some((l, cvs)) = s.by_digest.get(&digest) {
+                assert_eq!(*l as usize, len);
+                assert_eq!(cvs, &verify::hash::slice_cvs(&d[..len], 13));
+                assert_eq!(verify::hash::merge_slice_cvs(cvs), digest);
+            }
+        }
+        // A chunk hashed later at 4 KiB is kept at the current size.
+        let late: Vec<u8> = (0..30000u32).map(|i| (i * 7) as u8).collect();
+        let (digest, cvs) = verify::hash::digest_with_slice_cvs(&late, 12);
+        s.insert(digest, 30000, cvs.unwrap());
+        assert_eq!(s.by_digest[&digest].1, verify::hash::slice_cvs(&late, s.shift));
+        // A limit nothing fits under leaves no outboard.
+        let mut none = SliceCvs::new(16, 12);
+        none.limit = 100;
+        let (digest, cvs) = verify::hash::digest_with_slice_cvs(&data[0], 12);
+        none.insert(digest, 65536, cvs.unwrap());
+        assert!(none.by_digest.is_empty());
+        assert_eq!(none.shift, 16);
     }
 
     #[test]
@@ -929,7 +1139,19 @@ mod tests {
             let differ: Vec<usize> = (0..want.len()).filter(|&k| want[k] != got[k]).collect();
             assert_eq!(differ, vec![i % 8], "only the changed chunk is elsewhere");
             let added: Vec<String> = blobs(layout.root()).difference(&before).cloned().collect();
-            assert_eq!(added.len(), 4, "new pack, index, config, manifest only: {added:?}");
+            // ... and its outboard: slice CVs of its records, most from the chain's outboards.
+            let outboards = img.manifest.layers.iter().filter(|d| d.media_type == media::OUTBOARD).count();
+            assert_eq!(outboards, 1, "a rebased image has an outboard of its own");
+            let raw: std::collections::HashSet<_> = img
+                .index()
+                .records
+                .iter()
+                .filter(|r| matches!(r.kind, RecordKind::Stored { codec: Codec::Raw, stored_len, .. } if stored_len > 4096))
+                .map(|r| r.digest)
+                .collect();
+            let ob = img.chain[0].read_outboard(&layout).unwrap().expect("an outboard");
+            assert!(raw.iter().all(|d| ob.find(d).is_some()), "every raw chunk of the rebased index has its slice CVs ({} of {})", ob.entries.len(), raw.len());
+            assert_eq!(added.len(), 5, "new pack, index, outboard, config, manifest only: {added:?}");
             let owned = |o: &str| img.manifest.layers.iter().filter(|d| d.media_type == media::PACK && d.annotations[media::ANN_OWNER] == o).count();
             assert_eq!((owned("self"), owned(media::OWNER_REBASED), r.chain_packs_referenced), (1, img.packs.len() - 1, img.packs.len() - 1));
             assert!(!img.manifest.layers.iter().any(|d| d.media_type == media::CONFIG), "no ancestor is listed");

@@ -11,11 +11,11 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use imgfmt::compress::Codec;
-use imgfmt::{media, resolve_chain, BlobSource, ChunkDigest, FormatError, HashAlgo, Image, OciDigest, PackRef, ResolvedFile, StoredAt};
+use imgfmt::{media, resolve_chain, BlobSource, ChainLink, ChunkDigest, FormatError, HashAlgo, Image, OciDigest, PackRef, RecordKind, ResolvedFile, StoredAt};
 use serde::Serialize;
 
 use crate::chunk::verify_stored;
-use crate::hash::{chunk_digest, is_zero, zero_digest};
+use crate::hash::{chunk_digest, is_zero, merge_slice_cvs, zero_digest};
 use crate::merkle::resolved_root;
 
 /// What kind of integrity failure.
@@ -40,6 +40,9 @@ pub enum FailureKind {
     ChainRoot,
     /// A file of the directory differs from the snapshot (`--against`).
     FileContent,
+    /// An outboard is unreadable or malformed, an entry's slice CVs do not merge to its
+    /// chunk digest, or a raw chunk longer than a slice has no entry.
+    Outboard,
     /// A file is missing, or its size or mode differs (`--against`).
     FileMetadata,
     /// A file in the directory is not part of the snapshot (`--against`).
@@ -115,6 +118,8 @@ pub struct AuditReport {
     pub zero_chunks: u64,
     pub packs: u64,
     /// The first [`MAX_LISTED_FAILURES`] failures.
+    /// Outboard entries whose slice CVs were merged and compared with their chunk digest.
+    pub outboard_entries_checked: u64,
     pub failures: Vec<Failure>,
     /// Failures beyond those listed.
     pub failures_unlisted: u64,
@@ -270,6 +275,7 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
                 report.push_failure(fail(FailureKind::ChainRoot, format!("{who}: root {} but its child names {named}", link.config.root)));
             }
         }
+        audit_outboard(src, link, &who, shift, report);
         for (fi, f) in files.iter().enumerate() {
             for (ci, c) in f.chunks.iter().enumerate() {
                 match c.at {
@@ -404,6 +410,57 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
     report.stored_chunks_checked += work.len() as u64;
     report.stored_bytes_checked += bytes.into_inner();
     Ok(())
+}
+
+/// A link's outboard, when the manifest lists one: readable and well-formed, every entry's
+/// CVs merging to its digest (so its slices can be trusted once the chunk digest is), and
+/// an entry for every raw chunk this link's index records that is longer than a slice (so
+/// a lazy reader never falls back to whole chunks where the packer promised slices).
+fn audit_outboard(src: &dyn BlobSource, link: &ChainLink, who: &str, shift: u8, report: &mut AuditReport) {
+    let Some(desc) = &link.outboard_blob else { return };
+    let blob = desc.digest.to_string();
+    let ob_fail = |message: String| Failure { blob: Some(blob.clone()), ..fail(FailureKind::Outboard, message) };
+    let ob = match &link.outboard {
+        Some(o) => o.clone(),
+        None => match link.read_outboard(src) {
+            Ok(Some(o)) => std::sync::Arc::new(o),
+            Ok(None) => return,
+            Err(e) => {
+                report.failures.push(ob_fail(format!("{who}: {e}")));
+                return;
+            }
+        },
+    };
+    for i in 0..ob.entries.len() {
+        let e = ob.entry(i);
+        report.outboard_entries_checked += 1;
+        let merged = merge_slice_cvs(e.cvs);
+        if merged != e.digest {
+            report.failures.push(ob_fail(format!(
+                "{who}: outboard entry {i}: the {} slice CVs of the {}-byte chunk {} merge to {merged}",
+                e.cvs.len(),
+                e.chunk_len,
+                e.digest
+            )));
+        }
+    }
+    let slice = 1u64 << ob.slice_shift;
+    for (fi, cf) in link.config.files.iter().enumerate() {
+        for r in link.index.file_records(fi) {
+            let RecordKind::Stored { codec: Codec::Raw, stored_len, .. } = r.kind else { continue };
+            if u64::from(stored_len) <= slice {
+                continue;
+            }
+            let problem = match ob.find(&r.digest) {
+                None => format!("{who}: no outboard entry for this raw {stored_len}-byte chunk (digest {})", r.digest),
+                Some(e) if e.chunk_len != stored_len => {
+                    format!("{who}: outboard entry for digest {} says {} bytes, the chunk has {stored_len}", r.digest, e.chunk_len)
+                }
+                Some(_) => continue,
+            };
+            report.failures.push(Failure { file: Some(cf.name.clone()), chunk: Some(r.chunk), offset: Some(r.chunk << shift), ..ob_fail(problem) });
+        }
+    }
 }
 
 /// Run `f(i, scratch)` for every `i < n` on `threads` threads, each thread taking the next

@@ -49,6 +49,14 @@ pub enum VerifyError {
     BadZeroRecord { file: String, chunk: u64, offset: u64, recorded: ChunkDigest },
     /// {file}: chunk {chunk} at offset {offset}: reading its pack failed: {source}
     Read { file: String, chunk: u64, offset: u64, source: FormatError },
+    /// {file}: chunk {chunk} slice {slice} at offset {offset}: slice CV mismatch: expected {expected}, got {actual}
+    SliceMismatch { file: String, chunk: u64, slice: u32, offset: u64, expected: String, actual: String },
+    /// {file}: chunk {chunk} at offset {offset}: the outboard's slice CVs do not merge to its digest {digest}
+    OutboardMismatch { file: String, chunk: u64, offset: u64, digest: ChunkDigest },
+    /// {file}: chunk {chunk} at offset {offset}: no slice CVs (not stored raw, or no outboard entry): read the whole chunk
+    NoSlices { file: String, chunk: u64, offset: u64 },
+    /// {file}: chunk {chunk} at offset {offset}: slices {start}..{end} asked of a chunk of {count}
+    SliceRange { file: String, chunk: u64, offset: u64, start: u32, end: u32, count: u32 },
 }
 
 impl VerifyError {

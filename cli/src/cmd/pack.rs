@@ -74,9 +74,50 @@ pub struct PackFlags {
     /// Largest pack blob.
     #[arg(long, default_value = "256MiB", value_parser = common::parse_size)]
     pub pack_size: u64,
+    /// Slice size of the outboard that lets a lazy restore fetch and verify part of a raw
+    /// chunk: a power of two from 4KiB to half the chunk size, or `none` for no outboard
+    /// (costs 32 bytes per slice of raw data, 0.78% at 4KiB). BLAKE3 images only.
+    /// [default: 4KiB with --hash blake3]
+    #[arg(long, value_name = "SIZE|none", value_parser = parse_slice_size)]
+    pub slice_size: Option<SliceSize>,
     /// Source annotation recorded in the config (repeatable).
     #[arg(long = "annotation", value_name = "KEY=VALUE")]
     pub annotations: Vec<String>,
+}
+
+/// `--slice-size`: a size, or no outboard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SliceSize {
+    None,
+    Bytes(u64),
+}
+
+fn parse_slice_size(s: &str) -> Result<SliceSize, String> {
+    if s.eq_ignore_ascii_case("none") {
+        return Ok(SliceSize::None);
+    }
+    common::parse_size(s).map(SliceSize::Bytes)
+}
+
+impl PackFlags {
+    /// The outboard slice shift `pusher` is asked for: the default for BLAKE3, none for
+    /// SHA-256 (not a tree), an explicit size checked against the chunk size.
+    fn slice_shift(&self) -> anyhow::Result<Option<u8>> {
+        match (self.slice_size, self.hash) {
+            (Some(SliceSize::None), _) => Ok(None),
+            (None, HashAlgo::Blake3) => Ok(Some(imgfmt::outboard::DEFAULT_SLICE_SHIFT)),
+            (None, HashAlgo::Sha256) => Ok(None),
+            (Some(SliceSize::Bytes(_)), HashAlgo::Sha256) => {
+                bail!("--slice-size needs --hash blake3: only BLAKE3 digests can be verified a slice at a time (or pass --slice-size none)")
+            }
+            (Some(SliceSize::Bytes(n)), HashAlgo::Blake3) => {
+                if !n.is_power_of_two() || n < 1 << imgfmt::outboard::MIN_SLICE_SHIFT || n > self.chunk_size / 2 {
+                    bail!("--slice-size {n}: must be a power of two from 4KiB to half the chunk size ({}), or none", self.chunk_size / 2);
+                }
+                Ok(Some(n.trailing_zeros() as u8))
+            }
+        }
+    }
 }
 
 pub fn run(a: PackArgs) -> anyhow::Result<ExitCode> {
@@ -110,6 +151,14 @@ pub fn run(a: PackArgs) -> anyhow::Result<ExitCode> {
             report.inherited_chunks,
             imgfmt::size::human(report.pack_bytes)
         );
+        if report.outboard_entries > 0 {
+            eprintln!(
+                "outboard: slice CVs of {} raw chunks at {} slices ({})",
+                report.outboard_entries,
+                imgfmt::size::human(report.slice_size),
+                imgfmt::size::human(report.outboard_bytes)
+            );
+        }
     }
     Ok(common::code(common::EXIT_OK))
 }
@@ -130,6 +179,7 @@ pub fn validate(src: &Path, f: &PackFlags) -> anyhow::Result<()> {
     if !f.chunk_size.is_power_of_two() || !(64 << 10..=16 << 20).contains(&f.chunk_size) {
         bail!("--chunk-size {}: must be a power of two from 64KiB to 16MiB", f.chunk_size);
     }
+    f.slice_shift()?;
     if !src.is_dir() {
         bail!("{}: not a directory", src.display());
     }
@@ -173,6 +223,7 @@ pub fn pack_into_with(src: &Path, layout: &OciLayout, tag: &str, f: &PackFlags, 
         compression: f.compression,
         hash: f.hash,
         pack_size: f.pack_size,
+        slice_shift: f.slice_shift()?,
         base,
         parent,
         diff: f.diff,

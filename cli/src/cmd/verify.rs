@@ -74,12 +74,13 @@ pub fn run(a: VerifyArgs) -> anyhow::Result<ExitCode> {
     }
     if report.ok() {
         eprintln!(
-            "verified {} ({}): {} stored chunks ({}), {} zero chunks, {} image(s){} in {:.2}s",
+            "verified {} ({}): {} stored chunks ({}), {} zero chunks, {}{} image(s){} in {:.2}s",
             a.image,
             common::printable(&image.config().root),
             report.stored_chunks_checked,
             imgfmt::size::human(report.stored_bytes_checked),
             report.zero_chunks,
+            if report.outboard_entries_checked > 0 { format!("{} outboard entries, ", report.outboard_entries_checked) } else { String::new() },
             report.images.len(),
             if against.is_some() { ", directory matches" } else { "" },
             secs

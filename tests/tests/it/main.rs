@@ -16,5 +16,6 @@ mod pull;
 mod push;
 mod registry;
 mod runsc;
+mod slices;
 mod snapshot_registry;
 mod vectors;
