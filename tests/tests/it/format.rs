@@ -76,12 +76,13 @@ fn open(layout: &OciLayout, tag: &str) -> Image {
     Image::open(layout, &d).unwrap()
 }
 
-/// Unpack and compare every file with the source, byte for byte and mode for mode.
-fn assert_round_trip(layout: &OciLayout, image: &Image, src: &Path) -> PathBuf {
+/// Unpack and compare every file with the source, byte for byte and mode for mode. The
+/// unpacked tree is returned with the temporary directory that removes it when dropped.
+fn assert_round_trip(layout: &OciLayout, image: &Image, src: &Path) -> (tempfile::TempDir, PathBuf) {
     let report = verify::audit(layout, image, &Default::default()).unwrap();
     assert!(report.ok(), "audit failed: {:?}", report.failures);
-    let out = tempfile::tempdir().unwrap().keep();
-    let dest = out.join("out");
+    let out = tempfile::tempdir().unwrap();
+    let dest = out.path().join("out");
     puller::unpack(layout, image, &dest, &Default::default(), None).unwrap();
     for f in &image.files {
         let a = fs::read(src.join(&f.name)).unwrap();
@@ -93,7 +94,7 @@ fn assert_round_trip(layout: &OciLayout, image: &Image, src: &Path) -> PathBuf {
     }
     let against = verify::audit_against(image, &dest, &Default::default());
     assert!(against.ok(), "{:?}", against.failures);
-    dest
+    (out, dest)
 }
 
 proptest! {
@@ -123,7 +124,7 @@ proptest! {
         let opts = PackOptions { chunk_shift: shift, compression: comp, hash, pack_size: 300_000, ..Default::default() };
         let rep = pack_dir(&src, &layout, "t", &opts);
         let image = open(&layout, "t");
-        let dest = assert_round_trip(&layout, &image, &src);
+        let (_out, dest) = assert_round_trip(&layout, &image, &src);
         // Zero chunks are never stored: packs hold at most the non-zero chunks' bytes.
         let nonzero: u64 = image.files.iter().flat_map(|f| &f.chunks)
             .filter(|c| !matches!(c.at, imgfmt::StoredAt::Zero)).map(|c| c.len as u64).sum();
