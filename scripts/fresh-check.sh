@@ -37,7 +37,11 @@ remove_all() {
   autos=" $(apt-mark showauto | tr '\n' ' ') "
   local purge=()
   for p in "${apt[@]}"; do
-    gone=$(apt-get -s purge "$p" 2>/dev/null | awk '$1 == "Purg" {print $2}')
+    # apt refuses some outright (openssl: removing it would break what the system needs).
+    if ! gone=$(apt-get -s purge "$p" 2>/dev/null | awk '$1 == "Purg" {print $2}'); then
+      keep+=("$p (apt will not remove it)")
+      continue
+    fi
     local other="" g
     for g in $gone; do
       g=${g%%:*}
