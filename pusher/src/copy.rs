@@ -14,7 +14,7 @@ use std::time::Instant;
 use imgfmt::manifest::MAX_MANIFEST_BYTES;
 use imgfmt::source::read_verified_blob;
 use imgfmt::{media, BlobSource, Descriptor, FormatError, Manifest, OciDigest, OciLayout};
-use registry::client::{ClientError, KnownBlobs, RegistrySource, UploadOptions};
+use regclient::{ClientError, KnownBlobs, RegistrySource, UploadOptions};
 use serde::Serialize;
 use sha2::Digest as _;
 

@@ -5,7 +5,7 @@
 //! ones in resumable pieces; then the manifest is PUT under the tag.
 
 use imgfmt::{BlobSource, OciDigest};
-use registry::client::RegistrySource;
+use regclient::RegistrySource;
 
 use crate::copy::{copy, CopyError, CopyOptions, PushReport, Target};
 

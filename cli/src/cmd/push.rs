@@ -11,7 +11,7 @@ use imgfmt::reference::{Reference, Selector};
 use imgfmt::{BlobSource, OciDigest, OciLayout};
 use pusher::copy::{Moved, PackStep};
 use pusher::{CopyOptions, PushReport};
-use registry::client::UploadOptions;
+use regclient::UploadOptions;
 
 use super::common::{self, outln, progress_bar, IntegrityError};
 use super::pack::PackFlags;
@@ -77,7 +77,7 @@ pub struct TransferFlags {
 
 impl TransferFlags {
     pub fn cache_dir(&self) -> PathBuf {
-        self.cache.clone().unwrap_or_else(registry::client::cache_dir)
+        self.cache.clone().unwrap_or_else(regclient::cache_dir)
     }
 }
 
@@ -152,7 +152,7 @@ fn copy_options(flags: &TransferFlags) -> CopyOptions<'static> {
     CopyOptions {
         jobs: flags.jobs as usize,
         mount_from: flags.mount_from.clone(),
-        upload: UploadOptions { piece: flags.upload_piece.min(registry::client::MAX_PIECE), cache_dir: Some(flags.cache_dir()), source_hashed: false },
+        upload: UploadOptions { piece: flags.upload_piece.min(regclient::MAX_PIECE), cache_dir: Some(flags.cache_dir()), source_hashed: false },
         progress: None,
     }
 }
@@ -212,7 +212,7 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
 fn pack_sending_ahead(
     dir: &Path,
     a: &PushArgs,
-    dest: &registry::client::RegistrySource,
+    dest: &regclient::RegistrySource,
 ) -> anyhow::Result<(OciLayout, OciDigest, Option<pusher::PackReport>, SentAhead)> {
     let cache = a.transfer.cache_dir();
     let root = layout_root(dir, &cache)?;

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use imgfmt::{BlobSource, OciDigest};
-use registry::client::RegistrySource;
+use regclient::RegistrySource;
 use snapctl_tests::registry_support::{htpasswd, Distribution, Serve};
 use snapctl_tests::{have, run, snapctl, Run};
 

@@ -574,15 +574,15 @@ mod tests {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let dir = tempfile::tempdir().unwrap();
         let h = bcrypt::hash("pw", 4).unwrap();
-        let auth = crate::auth::Auth::new(&format!("alice:{h}\n"), None, false, vec![7; 32]).unwrap();
-        let store = Arc::new(crate::store::FsStore::open(dir.path()).unwrap());
-        let server = crate::server::Server::new(store, crate::server::Config { auth: Some(auth), ..Default::default() });
+        let auth = registry::auth::Auth::new(&format!("alice:{h}\n"), None, false, vec![7; 32]).unwrap();
+        let store = Arc::new(registry::store::FsStore::open(dir.path()).unwrap());
+        let server = registry::server::Server::new(store, registry::server::Config { auth: Some(auth), ..Default::default() });
         let l = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
         let host = l.local_addr().unwrap().to_string();
         rt.spawn(async move {
             let _ = server.serve(l, std::future::pending::<()>()).await;
         });
-        let creds = super::super::Credentials::Password { username: "alice".into(), password: "pw".into() };
+        let creds = crate::Credentials::Password { username: "alice".into(), password: "pw".into() };
         let c = Arc::new(RegistrySource::new(&host, "vm/auth", true, Some(creds)).unwrap());
         let mut rng = 0x9e37_79b9_7f4a_7c15u64;
         for round in 0..150 {
@@ -609,8 +609,8 @@ mod tests {
     fn local_server() -> (tokio::runtime::Runtime, tempfile::TempDir, String) {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(crate::store::FsStore::open(dir.path()).unwrap());
-        let server = crate::server::Server::new(store, crate::server::Config::default());
+        let store = Arc::new(registry::store::FsStore::open(dir.path()).unwrap());
+        let server = registry::server::Server::new(store, registry::server::Config::default());
         let l = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
         let host = l.local_addr().unwrap().to_string();
         rt.spawn(async move {
