@@ -329,13 +329,9 @@ impl Stamp {
         (old.options == now.options && old.entries == now.entries).then(|| old.manifest.parse().ok()).flatten()
     }
 
-    /// Written to a temporary name and renamed, so a reader sees a whole stamp or none.
+    /// Written atomically (and synced), so a reader sees a whole stamp or none.
     fn save(&self, path: &Path) -> std::io::Result<()> {
-        let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-        std::fs::write(&tmp, serde_json::to_vec(self)?)?;
-        std::fs::rename(&tmp, path).inspect_err(|_| {
-            let _ = std::fs::remove_file(&tmp);
-        })
+        imgfmt::layout::write_atomic_mode(path, &serde_json::to_vec(self)?, 0o666)
     }
 }
 
