@@ -250,7 +250,7 @@ enum ToWriter {
 enum ToHasher {
     Data(Vec<u8>),
     /// All of this pack's bytes were sent before it.
-    Seal(BlobWriter),
+    Seal(Box<BlobWriter>),
 }
 
 /// Bytes a pack writer lets pile up before starting their writeback.
@@ -265,7 +265,7 @@ fn write_packs(layout: &OciLayout, rx: mpsc::Receiver<ToWriter>, to_hasher: mpsc
             // Rollover or End: the pack being written is complete.
             if let Some(mut w) = cur.take() {
                 w.start_writeback();
-                if to_hasher.send(ToHasher::Seal(w)).is_err() {
+                if to_hasher.send(ToHasher::Seal(Box::new(w))).is_err() {
                     return Ok(());
                 }
             }
@@ -297,7 +297,7 @@ fn hash_packs(rx: mpsc::Receiver<ToHasher>, to_sealer: mpsc::SyncSender<(BlobWri
             ToHasher::Data(b) => h.update(&b),
             ToHasher::Seal(w) => {
                 let d = std::mem::replace(&mut h, OciHasher::sha256()).finish();
-                if to_sealer.send((w, d)).is_err() {
+                if to_sealer.send((*w, d)).is_err() {
                     return Ok(());
                 }
             }

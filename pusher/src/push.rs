@@ -46,7 +46,7 @@ pub enum PushError {
     /// {what}
     Format { what: String, source: FormatError },
     /// packing {dir}
-    Pack { dir: String, source: PackError },
+    Pack { dir: String, source: Box<PackError> },
     /// {0}
     Copy(#[from] CopyError),
 }
@@ -224,7 +224,7 @@ fn layout_has_image(layout: &OciLayout, digest: &OciDigest) -> bool {
 /// last from this directory, that image's manifest; and the pack report.
 fn pack_and_reuse(dir: &Path, layout: &OciLayout, opts: &PackOptions<'_>) -> Result<(OciDigest, PackReport, Option<Reused>), PushError> {
     let previous = layout.resolve_tag("previous").ok();
-    let report = pack(dir, layout, "latest", opts).map_err(|source| PushError::Pack { dir: dir.display().to_string(), source })?;
+    let report = pack(dir, layout, "latest", opts).map_err(|source| PushError::Pack { dir: dir.display().to_string(), source: Box::new(source) })?;
     let format = |what: &str| {
         let what = what.to_string();
         move |source| PushError::Format { what, source }
