@@ -128,6 +128,48 @@ impl OciDigest {
     }
 }
 
+/// The one streaming hasher of OCI digests: SHA-256 or SHA-512, whichever a digest names.
+/// Blobs of any size go through it a piece at a time (uploads, layouts, audits).
+#[derive(Clone)]
+pub struct OciHasher(OciHasherInner);
+
+#[derive(Clone)]
+enum OciHasherInner {
+    Sha256(sha2::Sha256),
+    Sha512(sha2::Sha512),
+}
+
+impl OciHasher {
+    /// A SHA-256 hasher.
+    pub fn sha256() -> Self {
+        use sha2::Digest;
+        OciHasher(OciHasherInner::Sha256(sha2::Sha256::new()))
+    }
+    /// A hasher of `d`'s algorithm (SHA-512 for `sha512:`, else SHA-256).
+    pub fn for_digest(d: &OciDigest) -> Self {
+        use sha2::Digest;
+        if d.algorithm() == "sha512" {
+            OciHasher(OciHasherInner::Sha512(sha2::Sha512::new()))
+        } else {
+            Self::sha256()
+        }
+    }
+    pub fn update(&mut self, b: &[u8]) {
+        use sha2::Digest;
+        match &mut self.0 {
+            OciHasherInner::Sha256(h) => h.update(b),
+            OciHasherInner::Sha512(h) => h.update(b),
+        }
+    }
+    pub fn finish(self) -> OciDigest {
+        use sha2::Digest;
+        match self.0 {
+            OciHasherInner::Sha256(h) => OciDigest::sha256_from_bytes(h.finalize().into()),
+            OciHasherInner::Sha512(h) => OciDigest(format!("sha512:{}", hex::encode(h.finalize()))),
+        }
+    }
+}
+
 impl FromStr for OciDigest {
     type Err = FormatError;
     fn from_str(s: &str) -> Result<Self, FormatError> {

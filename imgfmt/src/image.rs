@@ -282,19 +282,18 @@ fn prefetch_ancestors(src: &dyn BlobSource, manifest: &Manifest) -> HashMap<OciD
     if wanted.is_empty() {
         return HashMap::new();
     }
-    let next = std::sync::atomic::AtomicUsize::new(0);
     let got = std::sync::Mutex::new(HashMap::new());
-    std::thread::scope(|s| {
-        for _ in 0..PREFETCH_THREADS.min(wanted.len()) {
-            s.spawn(|| {
-                while let Some((d, limit)) = wanted.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
-                    if let Ok(b) = read_verified_blob(src, d, *limit) {
-                        got.lock().expect("poisoned").insert((*d).clone(), b);
-                    }
-                }
-            });
-        }
-    });
+    crate::work::for_each_index(
+        wanted.len(),
+        PREFETCH_THREADS,
+        || (),
+        |_, i| {
+            let (d, limit) = wanted[i];
+            if let Ok(b) = read_verified_blob(src, d, limit) {
+                got.lock().expect("poisoned").insert(d.clone(), b);
+            }
+        },
+    );
     got.into_inner().expect("poisoned")
 }
 

@@ -11,7 +11,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use sha2::Digest as _;
+use crate::digest::OciHasher;
 
 use crate::digest::OciDigest;
 use crate::manifest::{Descriptor, ImageIndex};
@@ -144,7 +144,7 @@ impl OciLayout {
         let _ = file.try_lock();
         // Writes of at most 256 KiB reach the kernel: larger page-cache copies were several
         // times slower on the VMs we measured (BENCHMARKS.md).
-        Ok(BlobWriter { file: Some(io::BufWriter::with_capacity(WRITE_PIECE, file)), tmp, dir, hasher: Some(sha2::Sha256::new()), len: 0, hinted: 0 })
+        Ok(BlobWriter { file: Some(io::BufWriter::with_capacity(WRITE_PIECE, file)), tmp, dir, hasher: Some(OciHasher::sha256()), len: 0, hinted: 0 })
     }
 
     /// A streaming writer for a large blob whose digest the caller computes from the same
@@ -294,7 +294,7 @@ pub struct BlobWriter {
     tmp: PathBuf,
     dir: PathBuf,
     /// `None` for a writer whose digest the caller computes.
-    hasher: Option<sha2::Sha256>,
+    hasher: Option<OciHasher>,
     len: u64,
     /// Bytes up to here were handed to [`crate::file::start_writeback`].
     hinted: u64,
@@ -329,7 +329,7 @@ impl BlobWriter {
     /// Sync, rename to `blobs/sha256/<digest>`, sync the directory.
     pub fn finish(mut self) -> Result<(OciDigest, u64), FormatError> {
         let h = self.hasher.take().expect("finish() is for writers that hash; use finish_as");
-        let digest = OciDigest::sha256_from_bytes(h.finalize().into());
+        let digest = h.finish();
         self.finish_named(digest)
     }
 
@@ -339,7 +339,7 @@ impl BlobWriter {
     /// nothing is named).
     pub fn finish_as(mut self, digest: OciDigest) -> Result<(OciDigest, u64), FormatError> {
         if let Some(h) = self.hasher.take() {
-            let own = OciDigest::sha256_from_bytes(h.finalize().into());
+            let own = h.finish();
             if own != digest {
                 return Err(FormatError::BlobDigestMismatch { digest, actual: own });
             }
@@ -401,19 +401,29 @@ pub fn tempname(dir: &Path, prefix: &str) -> PathBuf {
 
 /// Write a whole small file atomically: temp, sync, rename, sync directory.
 pub fn write_atomic(path: &Path, data: &[u8]) -> Result<(), FormatError> {
-    let dir = path.parent().unwrap_or(Path::new("."));
+    write_atomic_mode(path, data, 0o666).map_err(|e| FormatError::io(format!("write {}", path.display()), e))
+}
+
+/// [`write_atomic`] for any small file that must be whole or absent (credentials, stamps,
+/// records), created with `mode` (before the umask) from the start, so a file of
+/// credentials (0o600) is never readable by others, not even between create and chmod.
+/// A reader sees the old content or the new, never a part; once this returns, the new
+/// content and its name survive a crash. The temporary file is removed on failure.
+pub fn write_atomic_mode(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let tmp = tempname(dir, ".tmp");
     let res = (|| {
-        let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        let mut f = OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp)?;
         f.write_all(data)?;
         f.sync_all()?;
         fs::rename(&tmp, path)
     })();
     if let Err(e) = res {
         let _ = fs::remove_file(&tmp);
-        return Err(FormatError::io(format!("write {}", path.display()), e));
+        return Err(e);
     }
-    sync_dir(dir)
+    File::open(dir)?.sync_all()
 }
 
 /// An exclusive `flock` on the layout, held while `index.json` is rewritten so two

@@ -35,6 +35,7 @@ pub mod outboard;
 pub mod reference;
 pub mod size;
 pub mod source;
+pub mod work;
 
 pub use compress::Compression;
 pub use config::{FileEntry, ImageConfig, Kind, Role};

@@ -54,13 +54,9 @@ pub fn stream_blob_unverified<E: From<FormatError>>(
 /// Read a small metadata blob and check its OCI digest: what comes back is verified.
 pub fn read_verified_blob(src: &dyn BlobSource, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
     let b = src.read_blob_unverified(digest, limit)?;
-    let actual = match digest.algorithm() {
-        "sha256" => OciDigest::of(&b),
-        _ => {
-            use sha2::Digest;
-            format!("sha512:{}", hex::encode(sha2::Sha512::digest(&b))).parse()?
-        }
-    };
+    let mut h = crate::digest::OciHasher::for_digest(digest);
+    h.update(&b);
+    let actual = h.finish();
     if &actual != digest {
         return Err(FormatError::BlobDigestMismatch { digest: digest.clone(), actual });
     }

@@ -12,7 +12,7 @@ pub mod lazy;
 mod pull;
 mod unpack;
 
-pub use registry::client::{Credentials, RegistrySource};
+pub use regclient::{Credentials, RegistrySource};
 
 pub use cache::{CacheError, CacheStats, ChunkCache, PreparedRefs};
 pub use pull::{pull, PullOptions, PullReport, DEFAULT_MAX_RANGE};

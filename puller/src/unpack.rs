@@ -11,7 +11,7 @@ use std::ffi::OsString;
 use std::fs;
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -168,52 +168,39 @@ pub fn unpack(
         // buffered writes to one inode anyway, and its waiters spin: one unpack of 2 GiB
         // took 5.4 s with 8.3 s of system time, the next ones 1.2 s).
         let turn = Mutex::new(());
-        let next = AtomicUsize::new(0);
         let written = AtomicU64::new(0);
         let zeros = AtomicU64::new(0);
-        let failed = AtomicBool::new(false);
-        let first_err: Mutex<Option<UnpackError>> = Mutex::new(None);
-        std::thread::scope(|s| {
-            for _ in 0..opts.threads.max(1) {
-                s.spawn(|| loop {
-                    if failed.load(Ordering::Relaxed) {
-                        break;
+        imgfmt::work::try_for_each_index(
+            f.chunks.len(),
+            opts.threads,
+            || (),
+            |_, ci| {
+                let c = &f.chunks[ci];
+                let res: Result<(), UnpackError> = (|| {
+                    if let StoredAt::Zero = c.at {
+                        // A hole: nothing to write, but the record must still be the
+                        // digest of zeros (checked without building a zero buffer).
+                        verify::check_zero_record(image, fi, ci as u64)?;
+                        zeros.fetch_add(1, Ordering::Relaxed);
+                        return Ok(());
                     }
-                    let ci = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(c) = f.chunks.get(ci) else { break };
-                    let res: Result<(), UnpackError> = (|| {
-                        if let StoredAt::Zero = c.at {
-                            // A hole: nothing to write, but the record must still be the
-                            // digest of zeros (checked without building a zero buffer).
-                            verify::check_zero_record(image, fi, ci as u64)?;
-                            zeros.fetch_add(1, Ordering::Relaxed);
-                            return Ok(());
-                        }
-                        let chunk = verify::read_chunk(src, image, fi, ci as u64)?;
-                        // Pieces of at most 256 KiB: on this kind of VM, 1 MiB page-cache
-                        // copies were several times slower (BENCHMARKS.md, "unpack").
-                        let at = (ci as u64) << shift;
-                        let _turn = turn.lock().unwrap_or_else(|p| p.into_inner());
-                        for (k, piece) in chunk.as_bytes().chunks(WRITE_PIECE).enumerate() {
-                            file.write_all_at(piece, at + (k * WRITE_PIECE) as u64).map_err(io(&tmp))?;
-                        }
-                        written.fetch_add(chunk.len() as u64, Ordering::Relaxed);
-                        Ok(())
-                    })();
-                    if let Some(p) = progress {
-                        p(c.len as u64);
+                    let chunk = verify::read_chunk(src, image, fi, ci as u64)?;
+                    // Pieces of at most 256 KiB: on this kind of VM, 1 MiB page-cache
+                    // copies were several times slower (BENCHMARKS.md, "unpack").
+                    let at = (ci as u64) << shift;
+                    let _turn = turn.lock().unwrap_or_else(|p| p.into_inner());
+                    for (k, piece) in chunk.as_bytes().chunks(WRITE_PIECE).enumerate() {
+                        file.write_all_at(piece, at + (k * WRITE_PIECE) as u64).map_err(io(&tmp))?;
                     }
-                    if let Err(e) = res {
-                        failed.store(true, Ordering::Relaxed);
-                        first_err.lock().expect("poisoned").get_or_insert(e);
-                        break;
-                    }
-                });
-            }
-        });
-        if let Some(e) = first_err.into_inner().expect("poisoned") {
-            return Err(e);
-        }
+                    written.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                    Ok(())
+                })();
+                if let Some(p) = progress {
+                    p(c.len as u64);
+                }
+                res
+            },
+        )?;
         file.set_permissions(fs::Permissions::from_mode(imgfmt::config::applied_mode(f.mode))).map_err(io(&tmp))?;
         file.sync_all().map_err(io(&tmp))?;
         drop(file);

@@ -7,16 +7,15 @@
 
 use std::collections::BTreeSet;
 use std::io::Write;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Instant;
 
 use imgfmt::manifest::MAX_MANIFEST_BYTES;
 use imgfmt::source::read_verified_blob;
 use imgfmt::{media, BlobSource, Descriptor, FormatError, Manifest, OciDigest, OciLayout};
-use registry::client::{ClientError, KnownBlobs, RegistrySource, UploadOptions};
+use regclient::{ClientError, KnownBlobs, RegistrySource, UploadOptions};
 use serde::Serialize;
-use sha2::Digest as _;
 
 /// Where an image goes.
 pub enum Target<'a> {
@@ -228,34 +227,18 @@ pub fn copy_after(
     };
     let known_map = known.as_ref().map(|k| k.load()).unwrap_or_default();
 
-    let next = AtomicUsize::new(0);
-    let stop = AtomicBool::new(false);
-    let first_err: Mutex<Option<CopyError>> = Mutex::new(None);
     let results: Mutex<Vec<(OciDigest, Moved)>> = Mutex::new(Vec::new());
-    let jobs = opts.jobs.clamp(1, 64).min(blobs.len().max(1));
-    std::thread::scope(|s| {
-        for _ in 0..jobs {
-            s.spawn(|| loop {
-                if stop.load(Relaxed) {
-                    return;
-                }
-                let i = next.fetch_add(1, Relaxed);
-                let Some(desc) = blobs.get(i) else { return };
-                let r = move_blob(&src, desc, target, opts, &known_map);
-                match r {
-                    Ok(m) => results.lock().expect("poisoned").push((desc.digest.clone(), m)),
-                    Err(e) => {
-                        stop.store(true, Relaxed);
-                        first_err.lock().expect("poisoned").get_or_insert(e);
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    if let Some(e) = first_err.into_inner().expect("poisoned") {
-        return Err(e);
-    }
+    imgfmt::work::try_for_each_index::<_, CopyError>(
+        blobs.len(),
+        opts.jobs.clamp(1, 64),
+        || (),
+        |_, i| {
+            let desc = &blobs[i];
+            let m = move_blob(&src, desc, target, opts, &known_map)?;
+            results.lock().expect("poisoned").push((desc.digest.clone(), m));
+            Ok(())
+        },
+    )?;
     // Blobs first, then the manifest: a registry may refuse a manifest whose blobs it
     // does not have, and a reader must never find a tag before its content.
     match target {
@@ -394,19 +377,15 @@ fn write_blob(src: &dyn BlobSource, d: &OciDigest, size: u64, l: &OciLayout, tic
     if d.algorithm() != "sha256" {
         return Err(CopyError::Unsupported(format!("{d}: layouts store sha256 blobs only")));
     }
+    // The layout's writer hashes what it writes; `finish_as` names the blob only when that
+    // digest is `d` (one SHA-256 pass over the bytes, not a second one here).
     let mut w = l.blob_writer()?;
-    let mut h = sha2::Sha256::new();
     imgfmt::source::stream_blob_unverified(src, d, size, |piece| {
-        h.update(piece);
         w.write_all(piece).map_err(|source| CopyError::Io { what: format!("writing {d} into {}", l.describe()), source })?;
         tick(piece.len() as u64);
         Ok::<(), CopyError>(())
     })?;
-    let actual = OciDigest::sha256_from_bytes(h.finalize().into());
-    if &actual != d {
-        return Err(FormatError::BlobDigestMismatch { digest: d.clone(), actual }.into());
-    }
-    w.finish()?;
+    w.finish_as(d.clone())?;
     Ok(())
 }
 

@@ -1,5 +1,7 @@
 //! Pusher: a checkpoint directory becomes an image ([`pack`]); an image goes to a
-//! registry ([`push()`]) or between any two stores ([`copy()`]).
+//! registry ([`push()`], or a directory packed on the way: [`push_dir`]) or between any
+//! two stores ([`copy()`]). Its one job is the sending side of the pipeline; the CLI only
+//! parses flags and prints.
 //!
 //! ```text
 //! scan (kind, roles, sparse extents) -> chunk (read, zero-check, digest, compress)
@@ -8,9 +10,9 @@
 
 pub mod copy;
 mod pack;
-mod push;
+pub mod push;
 pub mod scan;
 
 pub use copy::{copy, CopyError, CopyOptions, PushReport, Target};
 pub use pack::{ensure_blob, pack, OnPack, PackError, PackOptions, PackReport, Related, DEFAULT_PACK_SIZE};
-pub use push::push;
+pub use push::{push, push_dir, DirOptions, PushError};

@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use imgfmt::compress::Codec;
 use imgfmt::config::{BlobRef, ChainRef, FileEntry, CONFIG_FORMAT, MAX_CHAIN_DEPTH};
+use imgfmt::digest::OciHasher;
 use imgfmt::index::{chunk_count, chunk_len, IndexFile};
 use imgfmt::layout::BlobWriter;
 use imgfmt::outboard::{slice_count, Cv, Outboard, ENTRY_LEN, HEADER_LEN as OUTBOARD_HEADER_LEN, MAX_OUTBOARD_BYTES};
@@ -18,7 +19,6 @@ use imgfmt::{
     OciLayout, PackRef, RecordKind, Role, StoredAt,
 };
 use serde::Serialize;
-use sha2::Digest as _;
 use verify::hash::is_zero;
 
 use crate::scan::{self, Coverage, ExtentCursor};
@@ -250,7 +250,7 @@ enum ToWriter {
 enum ToHasher {
     Data(Vec<u8>),
     /// All of this pack's bytes were sent before it.
-    Seal(BlobWriter),
+    Seal(Box<BlobWriter>),
 }
 
 /// Bytes a pack writer lets pile up before starting their writeback.
@@ -265,7 +265,7 @@ fn write_packs(layout: &OciLayout, rx: mpsc::Receiver<ToWriter>, to_hasher: mpsc
             // Rollover or End: the pack being written is complete.
             if let Some(mut w) = cur.take() {
                 w.start_writeback();
-                if to_hasher.send(ToHasher::Seal(w)).is_err() {
+                if to_hasher.send(ToHasher::Seal(Box::new(w))).is_err() {
                     return Ok(());
                 }
             }
@@ -291,13 +291,13 @@ fn write_packs(layout: &OciLayout, rx: mpsc::Receiver<ToWriter>, to_hasher: mpsc
 
 /// Pipeline stage 2: the SHA-256 of each pack, from the same bytes the writer wrote.
 fn hash_packs(rx: mpsc::Receiver<ToHasher>, to_sealer: mpsc::SyncSender<(BlobWriter, OciDigest)>) -> Result<(), FormatError> {
-    let mut h = sha2::Sha256::new();
+    let mut h = OciHasher::sha256();
     for msg in rx {
         match msg {
             ToHasher::Data(b) => h.update(&b),
             ToHasher::Seal(w) => {
-                let d = OciDigest::sha256_from_bytes(std::mem::take(&mut h).finalize().into());
-                if to_sealer.send((w, d)).is_err() {
+                let d = std::mem::replace(&mut h, OciHasher::sha256()).finish();
+                if to_sealer.send((*w, d)).is_err() {
                     return Ok(());
                 }
             }

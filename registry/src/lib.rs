@@ -1,7 +1,7 @@
-//! The OCI Distribution (v1.1) protocol, both ends, in one place: a server that stores
-//! blobs content-addressed over a blob-store trait (local disk by default, object storage
-//! for scale-out), and the client that `push`, `pull`, `copy` and the lazy restore server
-//! use to talk to it or to any other OCI registry.
+//! The OCI Distribution (v1.1) server: one job, storing blobs content-addressed over a
+//! blob-store trait (local disk by default, object storage for scale-out) and serving
+//! them on the `/v2/` API. The client end, which `push`, `pull`, `copy` and lazy restore
+//! use to talk to this or any other OCI registry, is the `regclient` crate.
 //!
 //! Layers, bottom up:
 //! ```text
@@ -12,12 +12,10 @@
 //! server     axum routes for the /v2/ API, /token, /metrics
 //! gc         mark and sweep of unreachable blobs
 //! inuse      what live requests rely on, so a running gc keeps it
-//! client     the other end: a blocking HTTP client (auth, retries, ranges, uploads)
 //! ```
 //! The wire and storage formats are specified in `spec/registry.md`.
 
 pub mod auth;
-pub mod client;
 pub mod digest;
 pub mod error;
 pub mod gc;

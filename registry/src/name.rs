@@ -27,37 +27,11 @@ pub enum NameError {
     BadTag(String),
 }
 
-fn component_ok(c: &str) -> bool {
-    // [a-z0-9]+ ( (\.|_|__|-+) [a-z0-9]+ )*
-    let b = c.as_bytes();
-    let alnum = |x: u8| x.is_ascii_lowercase() || x.is_ascii_digit();
-    if b.is_empty() || !alnum(b[0]) || !alnum(b[b.len() - 1]) {
-        return false;
-    }
-    let mut i = 0;
-    while i < b.len() {
-        if alnum(b[i]) {
-            i += 1;
-            continue;
-        }
-        // A separator run: ".", "_", "__" or "-+".
-        let start = i;
-        while i < b.len() && !alnum(b[i]) {
-            i += 1;
-        }
-        let sep = &c[start..i];
-        let ok = sep == "." || sep == "_" || sep == "__" || sep.bytes().all(|x| x == b'-');
-        if !ok {
-            return false;
-        }
-    }
-    true
-}
-
 impl RepoName {
     /// Validate a repository name.
     pub fn parse(s: &str) -> Result<RepoName, NameError> {
-        if s.len() > MAX_NAME_LEN || !s.split('/').all(component_ok) {
+        // One grammar for names, shared with the references clients parse.
+        if s.len() > MAX_NAME_LEN || imgfmt::reference::check_repository(s).is_err() {
             return Err(NameError::BadName(s.to_owned()));
         }
         Ok(RepoName(s.to_owned()))
@@ -72,11 +46,7 @@ impl RepoName {
 impl Tag {
     /// Validate a tag.
     pub fn parse(s: &str) -> Result<Tag, NameError> {
-        let b = s.as_bytes();
-        let ok = !b.is_empty()
-            && b.len() <= MAX_TAG_LEN
-            && (b[0].is_ascii_alphanumeric() || b[0] == b'_')
-            && b.iter().all(|&x| x.is_ascii_alphanumeric() || matches!(x, b'_' | b'.' | b'-'));
+        let ok = s.len() <= MAX_TAG_LEN && imgfmt::layout::check_tag(s).is_ok();
         if !ok {
             return Err(NameError::BadTag(s.to_owned()));
         }

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use imgfmt::compress::Codec;
@@ -463,37 +463,22 @@ fn audit_outboard(src: &dyn BlobSource, link: &ChainLink, who: &str, shift: u8, 
     }
 }
 
-/// Run `f(i, scratch)` for every `i < n` on `threads` threads, each thread taking the next
-/// index as it finishes one (chunks differ in cost) and keeping its own scratch buffer.
 /// Pack sizes asked for at once (latency-bound: round trips, not CPU).
 const STAT_THREADS: usize = 8;
 
+/// Run `f(i, scratch)` for every `i < n` on `threads` threads, each thread taking the next
+/// index as it finishes one (chunks differ in cost) and keeping its own scratch buffer.
 fn for_each_index(n: usize, threads: usize, f: impl Fn(usize, &mut Vec<u8>) + Sync) {
-    let next = AtomicUsize::new(0);
-    std::thread::scope(|s| {
-        for _ in 0..threads.max(1) {
-            s.spawn(|| {
-                let mut buf = Vec::new();
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= n {
-                        break;
-                    }
-                    f(i, &mut buf);
-                }
-            });
-        }
-    });
+    imgfmt::work::for_each_index(n, threads, Vec::new, |buf, i| f(i, buf));
 }
 
 fn sha256_of_blob(src: &dyn BlobSource, d: &OciDigest, size: u64) -> Result<OciDigest, FormatError> {
-    use sha2::Digest;
-    let mut h = sha2::Sha256::new();
+    let mut h = imgfmt::digest::OciHasher::sha256();
     imgfmt::source::stream_blob_unverified::<FormatError>(src, d, size, |piece| {
         h.update(piece);
         Ok(())
     })?;
-    Ok(OciDigest::sha256_from_bytes(h.finalize().into()))
+    Ok(h.finish())
 }
 
 /// Prove that `dir` holds exactly the snapshot: the same files (no more, no fewer), the

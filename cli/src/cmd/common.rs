@@ -157,14 +157,13 @@ pub fn open_ref(reference: &str) -> anyhow::Result<Opened> {
 /// Whether to speak plain HTTP to `host`: when asked (`--plain-http`,
 /// `SNAPCTL_PLAIN_HTTP=1`) or for a loopback host.
 pub fn plain_http_for(host: &str, plain_http: bool) -> bool {
-    plain_http || std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || registry::client::is_loopback(host)
+    plain_http || std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || regclient::is_loopback(host)
 }
 
 /// A client for one repository of a registry ([`plain_http_for`]); credentials from the
 /// docker config and the credential helpers it names, when the registry asks.
-pub fn registry_client(host: &str, repository: &str, plain_http: bool) -> anyhow::Result<registry::client::RegistrySource> {
-    registry::client::RegistrySource::with_docker_credentials(host, repository, plain_http_for(host, plain_http))
-        .with_context(|| format!("connecting to {host}"))
+pub fn registry_client(host: &str, repository: &str, plain_http: bool) -> anyhow::Result<regclient::RegistrySource> {
+    regclient::RegistrySource::with_docker_credentials(host, repository, plain_http_for(host, plain_http)).with_context(|| format!("connecting to {host}"))
 }
 
 /// [`open_ref`], with `--plain-http` for registry references.

@@ -60,7 +60,7 @@ pub fn copy_refs(src: &str, dest: &str, flags: &TransferFlags) -> anyhow::Result
     // over this image to that registry can mount them instead of uploading.
     if let Ok(Reference::Registry { host, repository, .. }) = src.parse::<Reference>() {
         if let Ok((_, m)) = pusher::copy::manifest_blobs(opened.source.as_ref(), &digest) {
-            let known = registry::client::KnownBlobs::new(&flags.cache_dir(), &host);
+            let known = regclient::KnownBlobs::new(&flags.cache_dir(), &host);
             known.record(&repository, std::iter::once(&m.config.digest).chain(m.layers.iter().map(|l| &l.digest)));
         }
     }

@@ -111,7 +111,7 @@ pub struct LazyArgs {
 }
 
 /// A shared registry client as a boxed blob source.
-struct ArcSource(Arc<registry::client::RegistrySource>);
+struct ArcSource(Arc<regclient::RegistrySource>);
 
 impl imgfmt::BlobSource for ArcSource {
     fn describe(&self) -> String {

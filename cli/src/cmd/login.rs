@@ -4,7 +4,7 @@ use std::io::{BufRead, IsTerminal};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
-use registry::client::{docker_config_path, Credentials, RegistrySource, Stored};
+use regclient::{docker_config_path, Credentials, RegistrySource, Stored};
 
 use super::common;
 
@@ -87,7 +87,7 @@ pub fn run_login(a: LoginArgs) -> anyhow::Result<ExitCode> {
     let client = RegistrySource::new(&a.host, "", plain, Some(creds.clone())).with_context(|| format!("connecting to {}", a.host))?;
     client.check_login().with_context(|| format!("login to {} as {} failed", a.host, a.username))?;
     let path = docker_config_path().context("no home directory: set DOCKER_CONFIG")?;
-    let stored = registry::client::store_docker_credentials(&path, &a.host, &creds).with_context(|| format!("storing the credentials for {}", a.host))?;
+    let stored = regclient::store_docker_credentials(&path, &a.host, &creds).with_context(|| format!("storing the credentials for {}", a.host))?;
     match stored {
         Stored::Helper(name) => eprintln!("logged in to {} as {} (credentials stored by docker-credential-{name})", a.host, a.username),
         _ => {
@@ -101,7 +101,7 @@ pub fn run_login(a: LoginArgs) -> anyhow::Result<ExitCode> {
 pub fn run_logout(a: LogoutArgs) -> anyhow::Result<ExitCode> {
     check_host(&a.host)?;
     let path = docker_config_path().context("no home directory: set DOCKER_CONFIG")?;
-    if registry::client::remove_docker_credentials(&path, &a.host).with_context(|| format!("removing the credentials for {}", a.host))? {
+    if regclient::remove_docker_credentials(&path, &a.host).with_context(|| format!("removing the credentials for {}", a.host))? {
         eprintln!("removed credentials for {}", a.host);
     } else {
         eprintln!("not logged in to {}", a.host);

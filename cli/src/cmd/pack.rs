@@ -189,12 +189,13 @@ pub fn validate(src: &Path, f: &PackFlags) -> anyhow::Result<()> {
 /// Pack directory `src` into `layout` as `tag` with the given flags (progress bar on a
 /// terminal).
 pub fn pack_into(src: &Path, layout: &OciLayout, tag: &str, f: &PackFlags) -> anyhow::Result<pusher::PackReport> {
-    pack_into_with(src, layout, tag, f, None)
+    validate(src, f)?;
+    with_pack_options(src, f, |opts| pusher::pack(src, layout, tag, &opts).with_context(|| format!("packing {}", src.display())))
 }
 
-/// [`pack_into`], calling `on_pack` with each pack as soon as it is complete.
-pub fn pack_into_with(src: &Path, layout: &OciLayout, tag: &str, f: &PackFlags, on_pack: Option<pusher::OnPack<'_>>) -> anyhow::Result<pusher::PackReport> {
-    validate(src, f)?;
+/// Run `body` with the [`PackOptions`] the flags say (base and parent opened, a progress
+/// bar on a terminal, cleared when `body` returns).
+pub fn with_pack_options<R>(src: &Path, f: &PackFlags, body: impl FnOnce(PackOptions<'_>) -> anyhow::Result<R>) -> anyhow::Result<R> {
     let mut annotations = BTreeMap::new();
     for kv in &f.annotations {
         let (k, v) = kv.split_once('=').with_context(|| format!("--annotation {kv:?}: expected KEY=VALUE"))?;
@@ -230,12 +231,11 @@ pub fn pack_into_with(src: &Path, layout: &OciLayout, tag: &str, f: &PackFlags, 
         max_chain: f.max_chain as usize,
         annotations,
         progress: Some(&tick),
-        on_pack,
         ..Default::default()
     };
-    let report = pusher::pack(src, layout, tag, &opts).with_context(|| format!("packing {}", src.display()))?;
+    let out = body(opts);
     if let Some(pb) = pb {
         pb.finish_and_clear();
     }
-    Ok(report)
+    out
 }

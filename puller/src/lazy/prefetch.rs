@@ -176,7 +176,7 @@ fn read_trace_layer(src: &dyn imgfmt::BlobSource, m: &Manifest, image: &Image, f
 
 /// Traces in a registry: pushed as referrers of the image (the registry's referrers API,
 /// or the fallback tag the client maintains).
-pub struct RegistryTraces(pub Arc<registry::client::RegistrySource>);
+pub struct RegistryTraces(pub Arc<regclient::RegistrySource>);
 
 impl TraceStore for RegistryTraces {
     fn describe(&self) -> String {

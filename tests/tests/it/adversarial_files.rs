@@ -390,7 +390,7 @@ fn regression_issue_14_referrers_fallback_index_keeps_what_others_wrote() {
         .arg(format!("oci:{}:v1", lay.display()))
         .arg(format!("docker://{}/vm/refs:v1", reg.addr))));
     let subject: imgfmt::OciDigest = subject.parse().unwrap();
-    let c = registry::client::RegistrySource::new(&reg.addr, "vm/refs", true, None).unwrap();
+    let c = regclient::RegistrySource::new(&reg.addr, "vm/refs", true, None).unwrap();
     let subject_size = fs::metadata(lay.join("blobs/sha256").join(subject.hex())).unwrap().len();
     // Another client's fallback index: an entry with fields snapctl does not model.
     let tag = format!("sha256-{}", subject.hex());

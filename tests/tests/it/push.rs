@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use imgfmt::{BlobSource, OciDigest};
-use registry::client::RegistrySource;
+use regclient::RegistrySource;
 use snapctl_tests::registry_support::{htpasswd, Distribution, Serve};
 use snapctl_tests::{have, run, snapctl, Run};
 
@@ -186,6 +186,39 @@ fn push_directory_twice_sends_nothing_the_second_time() {
     let rep = w2.push(&format!("oci:{}:x", lay.display()), &format!("{}/vm/other:x", s.addr), &["--mount-from", "vm/dir"]);
     assert!(n(&rep, "blobs_mounted") >= 1, "{rep}");
     assert!(n(&rep, "bytes_sent") < MIB, "only the new config and index: {rep}");
+}
+
+/// Push is a library call (issue 15): `pusher::push_dir` packs a directory into the
+/// cache, sends its packs while packing and PUTs the manifest, with no binary involved;
+/// a second call on the unchanged directory sends nothing, and the image pulls back
+/// byte-identical.
+#[test]
+fn push_dir_is_a_library_call() {
+    let store = tempfile::tempdir().unwrap();
+    let s = Serve::start(store.path().to_str().unwrap(), &[], &[]);
+    let w = Work::new();
+    let snap = w.sample("snap", "8MiB");
+    let dest = RegistrySource::new(&s.addr, "vm/lib", true, None).unwrap();
+    let push = || {
+        let opts = pusher::DirOptions {
+            pack: pusher::PackOptions { pack_size: 2 * MIB, ..Default::default() },
+            options_key: "library test".into(),
+            cache_dir: w.path("cache"),
+        };
+        let copy = pusher::CopyOptions { upload: regclient::UploadOptions { cache_dir: Some(w.path("cache")), ..Default::default() }, ..Default::default() };
+        pusher::push_dir(&snap, &dest, "v1", opts, &copy).unwrap()
+    };
+    let first = push();
+    assert!(first.blobs_total >= 4, "several packs, index, config, outboard: {first:?}");
+    assert_eq!(first.blobs_uploaded, first.blobs_total, "{first:?}");
+    assert_eq!(first.pack.as_ref().map(|p| p.skipped), Some(false), "{first:?}");
+    assert_eq!(dest.resolve_tag("v1").unwrap().to_string(), first.manifest);
+    let second = push();
+    assert_eq!(second.manifest, first.manifest, "unchanged directory, same image");
+    assert_eq!((second.bytes_sent, second.blobs_uploaded), (0, 0), "{second:?}");
+    let out = w.path("pulled");
+    w.ok(&["pull", &format!("{}/vm/lib:v1", s.addr), out.to_str().unwrap()]);
+    same_files(&snap, &out);
 }
 
 /// Issue 4: re-pushing an unchanged directory re-packed all of it before finding nothing to

@@ -1,9 +1,11 @@
-//! The client end of the registry protocol: reading images straight from any OCI
-//! registry (distribution API) as a [`BlobSource`], and writing to it (blob uploads with
-//! resume, cross-repository mounts, manifests, referrers).
+//! A registry client, and only that: the client end of the OCI Distribution API, reading
+//! images straight from any OCI registry as a [`BlobSource`] and writing to it (blob
+//! uploads with resume, cross-repository mounts, manifests, referrers). It knows nothing
+//! of the server (`registry` crate), so `pusher` and `puller` build no HTTP server, TLS
+//! acceptor, object store or password hashing to talk to a registry.
 //!
 //! ```text
-//! mod.rs       RegistrySource: HTTP(S), auth challenges, retries; the read half (BlobSource)
+//! lib.rs       RegistrySource: HTTP(S), auth challenges, retries; the read half (BlobSource)
 //! upload.rs    write half: HEAD, mount, POST/PATCH/PUT uploads with resume, manifest PUT
 //! referrers.rs referrers API and the OCI 1.1 fallback tag `sha256-<hex>`
 //! state.rs     resume state files of chunked uploads

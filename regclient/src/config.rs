@@ -9,8 +9,6 @@
 //! helper; snapctl also reads the file when the helper has nothing, where logins made
 //! before a helper was configured left their entries.
 
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use super::helper::Helper;
@@ -213,18 +211,7 @@ pub fn remove_docker_credentials(path: &Path, host: &str) -> Result<bool, Creden
 pub(crate) fn write_private(path: &Path, data: &[u8]) -> std::io::Result<()> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
-    let tmp = imgfmt::layout::tempname(dir, ".tmp-snapctl");
-    let res = (|| {
-        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
-        f.write_all(data)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        std::fs::File::open(dir)?.sync_all()
-    })();
-    if res.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    res
+    imgfmt::layout::write_atomic_mode(path, data, 0o600)
 }
 
 #[cfg(test)]

@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
+use imgfmt::digest::OciHasher;
 use imgfmt::{media, BlobSource, FormatError, OciDigest};
-use sha2::Digest as _;
 
 use super::state::{self, UploadState};
 use super::{backoff, Attempt, ClientError, RegistrySource};
@@ -108,42 +108,13 @@ impl BlobSource for MemSource {
     }
 }
 
-/// sha256 or sha512, whichever the digest names.
-#[derive(Clone)]
-enum Hasher {
-    S256(sha2::Sha256),
-    S512(sha2::Sha512),
-}
-
-impl Hasher {
-    fn for_digest(d: &OciDigest) -> Self {
-        if d.algorithm() == "sha512" {
-            Hasher::S512(sha2::Sha512::new())
-        } else {
-            Hasher::S256(sha2::Sha256::new())
-        }
-    }
-    fn update(&mut self, b: &[u8]) {
-        match self {
-            Hasher::S256(h) => h.update(b),
-            Hasher::S512(h) => h.update(b),
-        }
-    }
-    fn finish(self) -> OciDigest {
-        match self {
-            Hasher::S256(h) => OciDigest::sha256_from_bytes(h.finalize().into()),
-            Hasher::S512(h) => format!("sha512:{}", hex::encode(h.finalize())).parse().expect("well-formed digest"),
-        }
-    }
-}
-
 /// The digest of a blob's first bytes, kept in step with what the registry holds
 /// (`hasher` is `None` when the source's bytes need no second hashing, see
 /// [`UploadOptions::source_hashed`]).
 struct Prefix<'a> {
     src: &'a dyn BlobSource,
     digest: &'a OciDigest,
-    hasher: Option<Hasher>,
+    hasher: Option<OciHasher>,
     upto: u64,
 }
 
@@ -156,7 +127,7 @@ impl Prefix<'_> {
             return Ok(());
         };
         if offset < self.upto {
-            *hasher = Hasher::for_digest(self.digest);
+            *hasher = OciHasher::for_digest(self.digest);
             self.upto = 0;
         }
         while self.upto < offset {
@@ -292,7 +263,7 @@ impl RegistrySource {
         let state_file = opts.cache_dir.as_ref().map(|c| state::state_path(c, &self.host, &self.repository, d));
         let mut piece = opts.piece.clamp(1, MAX_PIECE);
         let mut buf: Vec<u8> = Vec::new();
-        let mut prefix = Prefix { src, digest: d, hasher: (!opts.source_hashed).then(|| Hasher::for_digest(d)), upto: 0 };
+        let mut prefix = Prefix { src, digest: d, hasher: (!opts.source_hashed).then(|| OciHasher::for_digest(d)), upto: 0 };
         let mut session: Option<Session> = None;
         // A session saved by an earlier run: continue it if the registry still has it.
         if let Some(p) = &state_file {
@@ -556,7 +527,7 @@ mod tests {
         let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
         let m = MemSource::new(data.clone());
         let mut buf = Vec::new();
-        let mut p = Prefix { src: &m, digest: &m.digest, hasher: Some(Hasher::for_digest(&m.digest)), upto: 0 };
+        let mut p = Prefix { src: &m, digest: &m.digest, hasher: Some(OciHasher::for_digest(&m.digest)), upto: 0 };
         p.advance_to(7000, &mut buf).unwrap();
         // The registry says it holds less than we hashed: rehash from the start.
         p.advance_to(3000, &mut buf).unwrap();
@@ -574,15 +545,15 @@ mod tests {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let dir = tempfile::tempdir().unwrap();
         let h = bcrypt::hash("pw", 4).unwrap();
-        let auth = crate::auth::Auth::new(&format!("alice:{h}\n"), None, false, vec![7; 32]).unwrap();
-        let store = Arc::new(crate::store::FsStore::open(dir.path()).unwrap());
-        let server = crate::server::Server::new(store, crate::server::Config { auth: Some(auth), ..Default::default() });
+        let auth = registry::auth::Auth::new(&format!("alice:{h}\n"), None, false, vec![7; 32]).unwrap();
+        let store = Arc::new(registry::store::FsStore::open(dir.path()).unwrap());
+        let server = registry::server::Server::new(store, registry::server::Config { auth: Some(auth), ..Default::default() });
         let l = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
         let host = l.local_addr().unwrap().to_string();
         rt.spawn(async move {
             let _ = server.serve(l, std::future::pending::<()>()).await;
         });
-        let creds = super::super::Credentials::Password { username: "alice".into(), password: "pw".into() };
+        let creds = crate::Credentials::Password { username: "alice".into(), password: "pw".into() };
         let c = Arc::new(RegistrySource::new(&host, "vm/auth", true, Some(creds)).unwrap());
         let mut rng = 0x9e37_79b9_7f4a_7c15u64;
         for round in 0..150 {
@@ -609,8 +580,8 @@ mod tests {
     fn local_server() -> (tokio::runtime::Runtime, tempfile::TempDir, String) {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(crate::store::FsStore::open(dir.path()).unwrap());
-        let server = crate::server::Server::new(store, crate::server::Config::default());
+        let store = Arc::new(registry::store::FsStore::open(dir.path()).unwrap());
+        let server = registry::server::Server::new(store, registry::server::Config::default());
         let l = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
         let host = l.local_addr().unwrap().to_string();
         rt.spawn(async move {
