@@ -100,7 +100,8 @@ log "sample $SIZE (no holes), then $LAYERS layers, each one 1 MiB block changed"
 REBASES=() DEPTH=0 DEEP=1 DEEPEST=0 t0=$(now)
 for i in $(seq 1 "$LAYERS"); do
   "$SNAPCTL" sample "$W/snap" --size "$SIZE" --mutate 1 --seed "$i" >/dev/null 2>&1
-  rep=$("$SNAPCTL" pack "$W/snap" "oci:$W/layout:l$i" --parent "oci:$W/layout:l$((i - 1))" --json 2>/dev/null)
+  rep=$("$SNAPCTL" pack "$W/snap" "oci:$W/layout:l$i" --parent "oci:$W/layout:l$((i - 1))" --json 2>"$W/pack.log") \
+    || { echo "chain.sh: pack of layer $i failed: $(tail -5 "$W/pack.log")" >&2; exit 2; }
   DEPTH=$(jq .chain_depth <<<"$rep")
   if [ "$(jq .rebased <<<"$rep")" = true ]; then REBASES+=("$i"); fi
   if [ "$i" = 1 ]; then cp --sparse=always "$W/snap/vm.mem" "$W/mem-l1"; fi
@@ -166,13 +167,15 @@ for r in $(seq "$RUNS"); do
     rm -rf "$W/pulled" "$W/cache-pull"
     sync; warm_memory "$WARM_BYTES"
     t0=$(now)
-    "$SNAPCTL" pull "$REG:$tag" "$W/pulled" --cache "$W/cache-pull" >/dev/null 2>"$W/pull.log"
+    "$SNAPCTL" pull "$REG:$tag" "$W/pulled" --cache "$W/cache-pull" >/dev/null 2>"$W/pull.log" \
+      || { echo "chain.sh: pull of $tag failed: $(tail -5 "$W/pull.log")" >&2; exit 2; }
     T[pull,$tag]+="$(since "$t0") "
     cmp -s "$W/pulled/vm.mem" "$mem" || { echo "chain.sh: pulled $tag differs" >&2; exit 2; }
     rm -rf "$W/pulled" "$W/cache-pull"
     sync; warm_memory "$WARM_BYTES"
     t0=$(now)
-    "$SNAPCTL" verify "$REG:$tag" >/dev/null 2>&1
+    "$SNAPCTL" verify "$REG:$tag" >/dev/null 2>"$W/verify.log" \
+      || { echo "chain.sh: verify of $tag failed: $(tail -5 "$W/verify.log")" >&2; exit 2; }
     T[verify,$tag]+="$(since "$t0") "
     lazy_once "$tag" "$mem"
     T[lazy,$tag]+="$WALL "

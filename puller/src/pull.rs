@@ -70,8 +70,11 @@ const CACHE_BATCH_MAX: usize = 64;
 /// Threads recording cache references after a pull.
 const REF_WRITERS: usize = 4;
 /// Default bound on range requests in flight however long the round trip: each holds a
-/// thread and, over HTTP/1.1, a connection of its own.
-pub const DEFAULT_MAX_JOBS: usize = 64;
+/// thread and, over HTTP/1.1, a connection of its own. Half of what `snapctl serve` allows
+/// one client (64 connections, registry/src/server/listen.rs), so the idle connections a
+/// pull keeps beside them never meet that cap (at 64 a chain bench pull through a proxy
+/// failed once, 2026-12-01). 32 requests of 1 MiB cover 1 Gbit/s up to ~250 ms of RTT.
+pub const DEFAULT_MAX_JOBS: usize = 32;
 /// The link a pull is sized to fill, in bytes per second (10 Gbit/s). The bandwidth is not
 /// measured: a request in flight beyond what the link needs only waits its turn on the
 /// link, holding memory (bounded by [`IN_FLIGHT_BYTES`]) and a connection, while one too
@@ -88,9 +91,9 @@ const RTT_PROBES: usize = 2;
 pub struct PullOptions {
     /// Range requests in flight from the start (and threads reading the cache).
     pub jobs: usize,
-    /// Range requests in flight at most: once a round trip to the source is timed, more
-    /// than `jobs` are started if the link needs them (see [`in_flight_depth`]). `jobs` or
-    /// less: exactly `jobs`.
+    /// Range requests in flight at most ([`DEFAULT_MAX_JOBS`]): once a round trip to the
+    /// source is timed, more than `jobs` are started if the link needs them (see
+    /// [`in_flight_depth`]). `jobs` or less: exactly `jobs`.
     pub max_jobs: usize,
     /// Replace files that already exist under the destination.
     pub overwrite: bool,
