@@ -72,8 +72,10 @@ const REF_WRITERS: usize = 4;
 /// Default bound on range requests in flight however long the round trip: each holds a
 /// thread and, over HTTP/1.1, a connection of its own. Half of what `snapctl serve` allows
 /// one client (64 connections, registry/src/server/listen.rs), so the idle connections a
-/// pull keeps beside them never meet that cap (at 64 a chain bench pull through a proxy
-/// failed once, 2026-12-01). 32 requests of 1 MiB cover 1 Gbit/s up to ~250 ms of RTT.
+/// pull keeps beside them never meet that cap (at 64, one pull of the chain bench through
+/// a proxy failed, 2026-12-01; its message was not kept, and the proxy had counted 65
+/// connections open at once in another run). 32 requests of 1 MiB cover 1 Gbit/s up to
+/// ~250 ms of RTT.
 pub const DEFAULT_MAX_JOBS: usize = 32;
 /// The link a pull is sized to fill, in bytes per second (10 Gbit/s). The bandwidth is not
 /// measured: a request in flight beyond what the link needs only waits its turn on the
