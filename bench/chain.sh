@@ -12,6 +12,10 @@
 #   bash bench/chain.sh --quick    64 MiB, 70 layers, 1 run: a smoke test, not a result
 #
 # Options: --runs N  --size SIZE  --layers N  --keep
+#          --rtt MS  --rate RATE: time every command through tests/src/bin/netem_proxy (MS of
+#          round-trip time, RATE as tc writes it, default 1gbit; `--rtt 20` is issue 16's
+#          cross-host setting), one proxy for the whole run; pushes and inspect go straight
+#          to the server. Results then in bench/results/chain-DATE-rttMSms.md.
 #
 # Measures (medians of --runs; within a run the two images alternate, first one then the
 # other, so load from other processes hits both alike; before each timed command `sync`
@@ -34,7 +38,8 @@ set -euo pipefail
 trap 'echo "chain.sh: line $LINENO failed: $BASH_COMMAND" >&2' ERR
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-RUNS=5 SIZE=256MiB LAYERS=300 KEEP=0 QUICK=0
+ARGV=("$@")
+RUNS=5 SIZE=256MiB LAYERS=300 KEEP=0 QUICK=0 RTT="" RATE=1gbit
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1; RUNS=1; SIZE=64MiB; LAYERS=70 ;;
@@ -42,6 +47,8 @@ while [ $# -gt 0 ]; do
     --size) SIZE=$2; shift ;;
     --layers) LAYERS=$2; shift ;;
     --keep) KEEP=1 ;;
+    --rtt) RTT=$2; shift ;;
+    --rate) RATE=$2; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "chain.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -54,9 +61,10 @@ done
 TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
 SNAPCTL=${SNAPCTL:-$TARGET/release/snapctl}
 FAKE_VMM=${FAKE_VMM:-$TARGET/release/fake_vmm}
-if [ ! -x "$SNAPCTL" ] || [ ! -x "$FAKE_VMM" ]; then
+NETEM=${NETEM:-$TARGET/release/netem_proxy}
+if [ ! -x "$SNAPCTL" ] || [ ! -x "$FAKE_VMM" ] || { [ -n "$RTT" ] && [ ! -x "$NETEM" ]; }; then
   echo "building release binaries in $TARGET" >&2
-  (cd "$ROOT" && cargo build --release -q -p snapctl --bin snapctl -p snapctl-tests --bin fake_vmm)
+  (cd "$ROOT" && cargo build --release -q --workspace --bins)
 fi
 "$SNAPCTL" pack --help | grep -q -- --max-chain || { echo "chain.sh: $SNAPCTL cannot rebase (no --max-chain)" >&2; exit 2; }
 
@@ -81,7 +89,7 @@ source "$ROOT/bench/lib/servers.sh"
 WARM_BYTES=$(( $(to_bytes "$SIZE") * 2 ))
 
 DATE=$(date -u +%Y-%m-%d)
-OUT=$ROOT/bench/results/chain-$DATE.md
+OUT=$ROOT/bench/results/chain-$DATE${RTT:+-rtt${RTT}ms}.md
 if [ "$QUICK" = 1 ]; then OUT=$W/chain.md; fi
 exec > >(tee "$OUT")
 
@@ -92,7 +100,8 @@ log "sample $SIZE (no holes), then $LAYERS layers, each one 1 MiB block changed"
 REBASES=() DEPTH=0 DEEP=1 DEEPEST=0 t0=$(now)
 for i in $(seq 1 "$LAYERS"); do
   "$SNAPCTL" sample "$W/snap" --size "$SIZE" --mutate 1 --seed "$i" >/dev/null 2>&1
-  rep=$("$SNAPCTL" pack "$W/snap" "oci:$W/layout:l$i" --parent "oci:$W/layout:l$((i - 1))" --json 2>/dev/null)
+  rep=$("$SNAPCTL" pack "$W/snap" "oci:$W/layout:l$i" --parent "oci:$W/layout:l$((i - 1))" --json 2>"$W/pack.log") \
+    || { echo "chain.sh: pack of layer $i failed: $(tail -5 "$W/pack.log")" >&2; exit 2; }
   DEPTH=$(jq .chain_depth <<<"$rep")
   if [ "$(jq .rebased <<<"$rep")" = true ]; then REBASES+=("$i"); fi
   if [ "$i" = 1 ]; then cp --sparse=always "$W/snap/vm.mem" "$W/mem-l1"; fi
@@ -112,10 +121,22 @@ REG=127.0.0.1:$PORT/bench/chain
 "$SNAPCTL" push "oci:$W/layout:l$LAYERS" "$REG:d$LAYERS" >/dev/null 2>&1
 "$SNAPCTL" push "oci:$W/layout:l$DEEP" "$REG:d$DEEP" >/dev/null 2>&1
 TAGS=(d1 "d$DEEP" "d$LAYERS")
+NET_PID=""
+if [ -n "$RTT" ]; then
+  # One dialled network in front of the server for every timed command.
+  "$NETEM" --upstream "127.0.0.1:$PORT" --rtt "${RTT}ms" --rate "$RATE" >"$W/net.out" 2>"$W/net.log" &
+  NET_PID=$!
+  PIDS+=("$NET_PID")
+  for _ in $(seq 500); do [ -s "$W/net.out" ] && break; sleep 0.02; done
+  NET_ADDR=$(head -1 "$W/net.out")
+  case "$NET_ADDR" in 127.0.0.1:*) ;; *) echo "chain.sh: netem_proxy did not start: $(cat "$W/net.log")" >&2; exit 2 ;; esac
+  REG_DIRECT=$REG
+  REG=$NET_ADDR/bench/chain
+fi
 declare -A ANC PACKS
 for tag in "${TAGS[@]}"; do
-  ANC[$tag]=$("$SNAPCTL" inspect "$REG:$tag" --json | jq '.chain | length')
-  PACKS[$tag]=$("$SNAPCTL" inspect "$REG:$tag" --json | jq .packs)
+  ANC[$tag]=$("$SNAPCTL" inspect "${REG_DIRECT:-$REG}:$tag" --json | jq '.chain | length')
+  PACKS[$tag]=$("$SNAPCTL" inspect "${REG_DIRECT:-$REG}:$tag" --json | jq .packs)
 done
 
 # ---------------------------------------------------------------- timed
@@ -146,13 +167,15 @@ for r in $(seq "$RUNS"); do
     rm -rf "$W/pulled" "$W/cache-pull"
     sync; warm_memory "$WARM_BYTES"
     t0=$(now)
-    "$SNAPCTL" pull "$REG:$tag" "$W/pulled" --cache "$W/cache-pull" >/dev/null 2>"$W/pull.log"
+    "$SNAPCTL" pull "$REG:$tag" "$W/pulled" --cache "$W/cache-pull" >/dev/null 2>"$W/pull.log" \
+      || { echo "chain.sh: pull of $tag failed: $(tail -5 "$W/pull.log")" >&2; exit 2; }
     T[pull,$tag]+="$(since "$t0") "
     cmp -s "$W/pulled/vm.mem" "$mem" || { echo "chain.sh: pulled $tag differs" >&2; exit 2; }
     rm -rf "$W/pulled" "$W/cache-pull"
     sync; warm_memory "$WARM_BYTES"
     t0=$(now)
-    "$SNAPCTL" verify "$REG:$tag" >/dev/null 2>&1
+    "$SNAPCTL" verify "$REG:$tag" >/dev/null 2>"$W/verify.log" \
+      || { echo "chain.sh: verify of $tag failed: $(tail -5 "$W/verify.log")" >&2; exit 2; }
     T[verify,$tag]+="$(since "$t0") "
     lazy_once "$tag" "$mem"
     T[lazy,$tag]+="$WALL "
@@ -160,12 +183,21 @@ for r in $(seq "$RUNS"); do
   done
 done
 
-echo "### Run of $(date -u '+%Y-%m-%d %H:%M UTC'): $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), $RUNS runs, medians"
+NET_STATS=""
+if [ -n "$NET_PID" ]; then
+  kill -TERM "$NET_PID"; wait "$NET_PID" || true
+  NET_STATS=$(tail -1 "$W/net.out")
+fi
+echo "### Run of $(date -u '+%Y-%m-%d %H:%M UTC'): $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), $RUNS runs, medians, snapctl $(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- . 2>/dev/null || echo '+changes')"
 echo
-echo "\`bash bench/chain.sh$([ "$QUICK" = 1 ] && echo " --quick") --runs $RUNS --size $SIZE --layers $LAYERS\`: a $SIZE sample (no holes, half text), $LAYERS layers of one changed 1 MiB block each,"
+echo "\`bash bench/chain.sh ${ARGV[*]}\` (runs $RUNS, size $SIZE, layers $LAYERS): a $SIZE sample (no holes, half text), $LAYERS layers of one changed 1 MiB block each,"
 echo "packed with \`--parent\` (default \`--max-chain 64\`): rebased at layers ${REBASES[*]:-none}. Ancestors (packs used):"
 echo "layer 1: ${ANC[d1]} (${PACKS[d1]}); layer $DEEP, the deepest: ${ANC[d$DEEP]} (${PACKS[d$DEEP]}); layer $LAYERS: ${ANC[d$LAYERS]} (${PACKS[d$LAYERS]})."
-echo "All pushed to \`snapctl serve\` on loopback; fresh chunk cache for every pull and lazy restore."
+if [ -n "$RTT" ]; then
+  echo "All pushed to \`snapctl serve\`; every timed command through netem_proxy at RTT $RTT ms, cap $RATE (proxy totals: $NET_STATS); fresh chunk cache for every pull and lazy restore."
+else
+  echo "All pushed to \`snapctl serve\` on loopback; fresh chunk cache for every pull and lazy restore."
+fi
 echo
 echo "| command | layer 1 (s) | layer $DEEP (s) | ratio | layer $LAYERS (s) | ratio | runs: layer 1 / $DEEP / $LAYERS (s) |"
 echo "|---|---|---|---|---|---|---|"

@@ -11,7 +11,10 @@
 #
 # Options: --runs N  --size SIZE  --rtts "0 2 20 50" (ms)  --rates "0 1gbit 200mbit"
 #          --pct P (5)  --all (also --prefetch all --prefetch-rate 0, scattered)  --tag NAME
-#          --keep
+#          --keep  --only pull (pull and the curl calibration only, no lazy restores: what
+#          `pull` gets of the link)  --window SIZE (netem_proxy's per-connection window,
+#          its default 16MiB)  --pull-args "ARGS" (extra `snapctl pull` flags, e.g.
+#          "--jobs 16")
 #
 # For each setting (RTT x cap) and run, each against a fresh proxy (so its byte counts are
 # the command's own) and a fresh, empty chunk cache (cold):
@@ -49,7 +52,9 @@ set -euo pipefail
 trap 'echo "wan.sh: line $LINENO failed: $BASH_COMMAND" >&2' ERR
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ARGV=("$@")
 RUNS=3 SIZE=2GiB RTTS="0 2 20 50" RATES="0 1gbit 200mbit" PCT=5 ALL=0 TAG="" KEEP=0 QUICK=0
+ONLY="" WINDOW="" PULL_ARGS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1; RUNS=1; SIZE=256MiB; RTTS="0 20"; RATES="0 1gbit" ;;
@@ -61,6 +66,10 @@ while [ $# -gt 0 ]; do
     --all) ALL=1 ;;
     --tag) TAG=$2; shift ;;
     --keep) KEEP=1 ;;
+    --only) ONLY=$2; shift
+      [ "$ONLY" = pull ] || { echo "wan.sh: --only takes pull" >&2; exit 2; } ;;
+    --window) WINDOW=$2; shift ;;
+    --pull-args) PULL_ARGS=$2; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "wan.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -101,6 +110,7 @@ WARM_BYTES=$(to_bytes "$SIZE")
 DATE=$(date -u +%F)
 NAME=wan-$DATE${TAG:+-$TAG}
 [ "$QUICK" = 1 ] && NAME=$NAME-quick
+[ "$ONLY" = pull ] && NAME=$NAME-pull
 mkdir -p "$ROOT/bench/results"
 [ -e "$ROOT/bench/results/$NAME.md" ] && NAME=$NAME-$(date -u +%H%M)
 OUT=$ROOT/bench/results/$NAME.md
@@ -115,7 +125,7 @@ start_net() {
   local rtt=$1 rate=$2
   [ "$rtt" = 0 ] || rtt=${rtt}ms
   : > "$W/net.out"
-  "$NETEM" --upstream "127.0.0.1:$PORT" --rtt "$rtt" --rate "$rate" >"$W/net.out" 2>"$W/net.log" &
+  "$NETEM" --upstream "127.0.0.1:$PORT" --rtt "$rtt" --rate "$rate" ${WINDOW:+--window "$WINDOW"} >"$W/net.out" 2>"$W/net.log" &
   NET_PID=$!
   PIDS+=("$NET_PID")
   for _ in $(seq 500); do [ -s "$W/net.out" ] && break; sleep 0.02; done
@@ -156,14 +166,16 @@ pull_once() {
   rm -rf "$W/pulled" "$W/cache"
   sync; warm_memory "$WARM_BYTES"
   local t0; t0=$(now)
-  "$SNAPCTL" pull "$addr/bench/vm:v1" "$W/pulled" --cache "$W/cache" --json >"$W/pull.json" 2>"$W/pull.log" \
+  # shellcheck disable=SC2086
+  "$SNAPCTL" pull "$addr/bench/vm:v1" "$W/pulled" --cache "$W/cache" --json $PULL_ARGS >"$W/pull.json" 2>"$W/pull.log" \
     || { echo "wan.sh: pull failed: $(tail -5 "$W/pull.log")" >&2; exit 2; }
   local secs; secs=$(since "$t0")
   local down=0
   if [ -z "$direct" ]; then stop_net; down=$(jq .bytes_down <<<"$NET_STATS"); fi
   cmp -s "$MEM" "$W/pulled/vm.mem" || { echo "wan.sh: pulled vm.mem differs" >&2; exit 1; }
   record setting="$setting" rtt_ms="$rtt" rate="$rate" path=$path run="$run" seconds="$secs" bytes_down="$down" \
-    bytes_fetched="$(jq .bytes_fetched "$W/pull.json")" range_requests="$(jq .range_requests "$W/pull.json")"
+    bytes_fetched="$(jq .bytes_fetched "$W/pull.json")" range_requests="$(jq .range_requests "$W/pull.json")" \
+    ranges_in_flight="$(jq .ranges_in_flight "$W/pull.json")" pull_rtt_ms="$(jq .rtt_ms "$W/pull.json")" max_open="$(jq '.max_open // 0' <<<"$NET_STATS")"
   log "  $path: $secs s, $down B through the proxy"
   rm -rf "$W/pulled" "$W/cache"
 }
@@ -232,6 +244,7 @@ for rtt in $RTTS; do
       log "RTT $rtt ms, cap $rate: run $run/$RUNS"
       pull_once "$setting" "$run" "$rtt" "$rate"
       if [ "$rtt" = 0 ] && [ "$rate" = 0 ]; then pull_once "$setting" "$run" 0 0 direct; fi
+      [ "$ONLY" = pull ] && continue
       lazy_once "$setting" "$run" "$rtt" "$rate" clustered "$CLUSTER" "--prefetch none"
       lazy_once "$setting" "$run" "$rtt" "$rate" scattered "$SCATTER" "--prefetch none --record-trace" fill
       lazy_once "$setting" "$run" "$rtt" "$rate" warm "$SCATTER" "--prefetch none" warm
@@ -244,7 +257,7 @@ stop_server
 
 # ---------------------------------------------------------------- the table
 exec > >(tee "$OUT")
-echo "### $NAME: \`bash bench/wan.sh$([ "$QUICK" = 1 ] && echo ' --quick')\`, $(date -u '+%Y-%m-%d %H:%M UTC')"
+echo "### $NAME: \`bash bench/wan.sh ${ARGV[*]}\`, $(date -u '+%Y-%m-%d %H:%M UTC')"
 echo
 echo "$(nproc) cores, kernel $(uname -r), load average at the end $(cut -d' ' -f1-3 /proc/loadavg), snapctl $(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- . 2>/dev/null || echo '+changes'); medians of $RUNS run(s)."
 echo "Image: \`snapctl sample --size $SIZE --zero-fraction 0.5\`: $NONZERO B allocated in vm.mem, $STORED B in the registry's storage. Guest: fake_vmm, 2 vCPU threads, $PCT% of the pages."

@@ -10,7 +10,9 @@
 //! resume: in a taken-over file, each distinct chunk found whole and verified is kept
 //! rest:   in the cache? read it (re-hashed) : fetch it
 //! fetch:  misses grouped by pack, sorted by offset, neighbours coalesced into
-//!         range requests of <= 8 MiB, `jobs` requests in flight
+//!         range requests of <= 8 MiB; `jobs` requests in flight at once, and more once
+//!         one round trip is timed: enough to fill a 10 Gbit/s link at that RTT, at most
+//!         `max_jobs` and 256 MiB of ranges (see `in_flight_depth`)
 //! each:   verify_stored -> write at every position holding that digest
 //!         (--cache-copy: and queue it for `CACHE_WRITERS` threads that put copies in
 //!         the cache in batches, drained before pull returns)
@@ -67,11 +69,34 @@ const CACHE_QUEUE_BYTES: u64 = 32 << 20;
 const CACHE_BATCH_MAX: usize = 64;
 /// Threads recording cache references after a pull.
 const REF_WRITERS: usize = 4;
+/// Default bound on range requests in flight however long the round trip: each holds a
+/// thread and, over HTTP/1.1, a connection of its own. Half of what `snapctl serve` allows
+/// one client (64 connections, registry/src/server/listen.rs), so the idle connections a
+/// pull keeps beside them never meet that cap (at 64, one pull of the chain bench through
+/// a proxy failed, 2026-12-01; its message was not kept, and the proxy had counted 65
+/// connections open at once in another run). 32 requests of 1 MiB cover 1 Gbit/s up to
+/// ~250 ms of RTT.
+pub const DEFAULT_MAX_JOBS: usize = 32;
+/// The link a pull is sized to fill, in bytes per second (10 Gbit/s). The bandwidth is not
+/// measured: a request in flight beyond what the link needs only waits its turn on the
+/// link, holding memory (bounded by [`IN_FLIGHT_BYTES`]) and a connection, while one too
+/// few leaves the link idle for a round trip (issue 16: pull at 50 ms RTT).
+const LINK_BYTES_PER_SEC: f64 = 1.25e9;
+/// Stored bytes of range requests in flight at most, whatever the RTT asks for: each holds
+/// its range in memory until its chunks are written. `jobs` requests are always allowed.
+const IN_FLIGHT_BYTES: u64 = 256 << 20;
+/// Round trips timed to measure the RTT (the smallest counts: the first may pay for a
+/// fresh connection's handshake).
+const RTT_PROBES: usize = 2;
 
 #[derive(Debug, Clone)]
 pub struct PullOptions {
-    /// Range requests in flight (and threads reading the cache).
+    /// Range requests in flight from the start (and threads reading the cache).
     pub jobs: usize,
+    /// Range requests in flight at most ([`DEFAULT_MAX_JOBS`]): once a round trip to the
+    /// source is timed, more than `jobs` are started if the link needs them (see
+    /// [`in_flight_depth`]). `jobs` or less: exactly `jobs`.
+    pub max_jobs: usize,
     /// Replace files that already exist under the destination.
     pub overwrite: bool,
     /// Largest coalesced range request, in stored bytes (a single chunk larger than this
@@ -89,7 +114,7 @@ pub struct PullOptions {
 
 impl Default for PullOptions {
     fn default() -> Self {
-        PullOptions { jobs: 8, overwrite: false, max_range: DEFAULT_MAX_RANGE, request_delay: Duration::ZERO, cache_copies: false }
+        PullOptions { jobs: 8, max_jobs: DEFAULT_MAX_JOBS, overwrite: false, max_range: DEFAULT_MAX_RANGE, request_delay: Duration::ZERO, cache_copies: false }
     }
 }
 
@@ -103,6 +128,12 @@ pub struct PullReport {
     /// Bytes received in range requests (stored, possibly compressed, bytes).
     pub bytes_fetched: u64,
     pub range_requests: u64,
+    /// Most range requests that were allowed in flight at once (`jobs`, or more if the
+    /// round trip asked for them).
+    pub ranges_in_flight: usize,
+    /// The round trip timed to size that depth, in milliseconds (none if there was
+    /// nothing to fetch beyond `jobs` ranges, or `max_jobs` allowed no more).
+    pub rtt_ms: Option<f64>,
     /// Chunk positions in all files.
     pub chunks_total: u64,
     /// Positions that are holes (never fetched, never written).
@@ -440,7 +471,7 @@ pub fn pull(
         let to_cache = copies.then_some(to_cache);
         let ctx =
             Ctx { src, image, cache, to_cache, distinct, plan: &plan, outs: &outs, write_locks: &write_locks, shift, algo, progress, c: &c, landed: &landed };
-        run_workers(&ctx, &work, opts, &next, &failed, &first_err);
+        (report.ranges_in_flight, report.rtt_ms) = run_workers(&ctx, &work, opts, &next, &failed, &first_err);
         // Dropping the last sender ends the writers once the queue is drained; the outer
         // scope waits for them, so every queued chunk is put before pull returns.
         drop(ctx);
@@ -559,32 +590,103 @@ fn cache_writer(cache: &ChunkCache, algo: imgfmt::HashAlgo, rx: &Mutex<Receiver<
     }
 }
 
-/// The fetch pool: `jobs` threads taking work items in order until done or one fails.
-fn run_workers(ctx: &Ctx<'_>, work: &[Work], opts: &PullOptions, next: &AtomicUsize, failed: &AtomicBool, first_err: &Mutex<Option<UnpackError>>) {
-    std::thread::scope(|s| {
-        for _ in 0..opts.jobs.max(1) {
-            s.spawn(|| loop {
-                if failed.load(Ordering::Relaxed) {
-                    break;
-                }
-                let Some(w) = work.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
-                let res = match w {
-                    Work::Cached(i) => ctx.read_cached(*i),
-                    Work::Range { pack, start, end, members } => {
-                        if !opts.request_delay.is_zero() {
-                            std::thread::sleep(opts.request_delay);
-                        }
-                        ctx.fetch_range(*pack, *start, *end, members)
-                    }
-                };
-                if let Err(e) = res {
-                    failed.store(true, Ordering::Relaxed);
-                    first_err.lock().expect("poisoned").get_or_insert(e);
-                    break;
-                }
-            });
+/// The fetch pool: `jobs` threads taking work items in order until done or one fails,
+/// then, once a round trip to the source has been timed, as many more as
+/// [`in_flight_depth`] says the link needs. Returns (the depth, the RTT timed).
+fn run_workers(
+    ctx: &Ctx<'_>,
+    work: &[Work],
+    opts: &PullOptions,
+    next: &AtomicUsize,
+    failed: &AtomicBool,
+    first_err: &Mutex<Option<UnpackError>>,
+) -> (usize, Option<f64>) {
+    let jobs = opts.jobs.max(1);
+    // Only shared references: the closure is `Copy`, one per thread.
+    let worker = || loop {
+        if failed.load(Ordering::Relaxed) {
+            break;
         }
-    });
+        let Some(w) = work.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
+        let res = match w {
+            Work::Cached(i) => ctx.read_cached(*i),
+            Work::Range { pack, start, end, members } => {
+                if !opts.request_delay.is_zero() {
+                    std::thread::sleep(opts.request_delay);
+                }
+                ctx.fetch_range(*pack, *start, *end, members)
+            }
+        };
+        if let Err(e) = res {
+            failed.store(true, Ordering::Relaxed);
+            first_err.lock().expect("poisoned").get_or_insert(e);
+            break;
+        }
+    };
+    // Ranges come first in the work list.
+    let ranges: Vec<(u32, u64)> = work
+        .iter()
+        .map_while(|w| match w {
+            Work::Range { pack, start, end, .. } => Some((*pack, end - start)),
+            Work::Cached(_) => None,
+        })
+        .collect();
+    std::thread::scope(|s| {
+        for _ in 0..jobs {
+            s.spawn(worker);
+        }
+        // The first `jobs` ranges are on their way; time round trips beside them (a
+        // HEAD of the first pack). With no more ranges than that, there is nothing to size.
+        if opts.max_jobs <= jobs || ranges.len() <= jobs {
+            return (jobs, None);
+        }
+        let Some(rtt) = probe_rtt(ctx.src, &ctx.image.packs[ranges[0].0 as usize].digest) else { return (jobs, None) };
+        let mean = ranges.iter().map(|r| r.1).sum::<u64>() / ranges.len() as u64;
+        let largest = ranges.iter().map(|r| r.1).max().unwrap_or(0);
+        let depth = in_flight_depth(rtt, mean, largest, jobs, opts.max_jobs);
+        tracing::debug!(rtt_ms = rtt.as_secs_f64() * 1e3, mean_range = mean, depth, "range requests in flight");
+        for _ in jobs..depth {
+            // No more threads than ranges still to start.
+            if next.load(Ordering::Relaxed) >= ranges.len() || failed.load(Ordering::Relaxed) {
+                break;
+            }
+            if std::thread::Builder::new().name("pull-range".into()).spawn_scoped(s, worker).is_err() {
+                // Out of threads: the ones running finish the work.
+                break;
+            }
+        }
+        (depth, Some(rtt.as_secs_f64() * 1e3))
+    })
+}
+
+/// The smallest of [`RTT_PROBES`] timed round trips to `src` (a HEAD of `pack` for a
+/// registry); `None` if the source does not answer (the fetch will say why).
+fn probe_rtt(src: &dyn BlobSource, pack: &imgfmt::OciDigest) -> Option<Duration> {
+    let mut best: Option<Duration> = None;
+    for _ in 0..RTT_PROBES {
+        let t = Instant::now();
+        if let Err(e) = src.blob_size(pack) {
+            tracing::debug!("timing a round trip: {e}");
+            return best;
+        }
+        best = Some(best.map_or(t.elapsed(), |b| b.min(t.elapsed())));
+    }
+    best
+}
+
+/// Range requests to keep in flight so that a [`LINK_BYTES_PER_SEC`] link stays busy at
+/// round-trip time `rtt`, with ranges of `mean` stored bytes on average and `largest` at
+/// most: every request waits one RTT before its first byte, so the others must hold a
+/// bandwidth-delay product of bytes between them, plus the one transferring. Bounded by
+/// [`IN_FLIGHT_BYTES`] of ranges and by `max_jobs`, and never below `jobs`.
+///
+/// At 50 ms: 8 MiB ranges need 9, 1 MiB ranges (misses scattered between cached chunks)
+/// 61; at loopback's 0.1 ms, 1 MiB ranges need 2, so `jobs` (8) stays.
+fn in_flight_depth(rtt: Duration, mean: u64, largest: u64, jobs: usize, max_jobs: usize) -> usize {
+    let bdp = LINK_BYTES_PER_SEC * rtt.as_secs_f64();
+    let want = (bdp / mean.max(1) as f64).ceil().min(u32::MAX as f64) as usize + 1;
+    let by_memory = (IN_FLIGHT_BYTES / largest.max(1)).max(1) as usize;
+    want.min(by_memory).min(max_jobs).max(jobs)
 }
 
 /// The names of `<prefix>-<pid>-...` temp files in `dir` of pulls (or unpacks) that were
@@ -957,6 +1059,28 @@ mod tests {
                 Work::Cached(_) => panic!("no cached work here"),
             })
             .collect()
+    }
+
+    #[test]
+    fn ranges_in_flight_cover_the_bandwidth_delay_product_within_bounds() {
+        let mb = 1u64 << 20;
+        let ms = Duration::from_millis;
+        // 10 Gbit/s x 50 ms = 62.5 MB: 60 ranges of 1 MiB hold it, plus the one arriving.
+        assert_eq!(in_flight_depth(ms(50), mb, mb, 8, 64), 61);
+        // 8 MiB ranges: 8 hold it.
+        assert_eq!(in_flight_depth(ms(50), 8 * mb, 8 * mb, 8, 64), 9);
+        // Longer round trips ask for more, up to max_jobs...
+        assert_eq!(in_flight_depth(ms(200), mb, mb, 8, 64), 64);
+        // ... and 256 MiB of ranges.
+        assert_eq!(in_flight_depth(ms(500), 64 * mb, 64 * mb, 1, 64), 4);
+        // Loopback needs no more than `jobs`, and `jobs` is kept whatever memory says.
+        assert_eq!(in_flight_depth(Duration::from_micros(100), mb, mb, 8, 64), 8);
+        assert_eq!(in_flight_depth(ms(50), 256 * mb, 256 * mb, 8, 64), 8);
+        // max_jobs at or under jobs: exactly jobs.
+        assert_eq!(in_flight_depth(ms(50), mb, mb, 8, 8), 8);
+        // Degenerate sizes do not divide by zero or overflow.
+        assert_eq!(in_flight_depth(ms(50), 0, 0, 1, 64), 64);
+        assert_eq!(in_flight_depth(Duration::from_secs(60), 1, 1, 1, usize::MAX), (256 << 20) as usize);
     }
 
     #[test]

@@ -115,6 +115,12 @@ impl NetemConfig {
 pub struct NetemCounters {
     /// Client connections accepted.
     pub connections: AtomicU64,
+    /// Client connections open now.
+    pub open: AtomicU64,
+    /// Most client connections open at once. An HTTP/1.1 client opens a connection when
+    /// none of its open ones is idle, so this is how many requests it had in flight at
+    /// once, at least.
+    pub max_open: AtomicU64,
     /// Bytes delivered from clients to upstream.
     pub bytes_up: AtomicU64,
     /// Bytes delivered from upstream to clients.
@@ -210,6 +216,11 @@ impl Netem {
         self.shared.counters.connections.load(Ordering::Relaxed)
     }
 
+    /// Most client connections open at once so far.
+    pub fn max_open(&self) -> u64 {
+        self.shared.counters.max_open.load(Ordering::Relaxed)
+    }
+
     /// Bytes delivered to clients so far.
     pub fn bytes_down(&self) -> u64 {
         self.shared.counters.bytes_down.load(Ordering::Relaxed)
@@ -240,6 +251,16 @@ fn sleep_until(t: Instant) {
 /// have ended.
 fn serve(sh: &Shared, client: TcpStream, tracked: &Tracked) {
     sh.counters.connections.fetch_add(1, Ordering::Relaxed);
+    let open = sh.counters.open.fetch_add(1, Ordering::Relaxed) + 1;
+    sh.counters.max_open.fetch_max(open, Ordering::Relaxed);
+    // Closed whichever way this returns.
+    struct Open<'a>(&'a AtomicU64);
+    impl Drop for Open<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+    let _open = Open(&sh.counters.open);
     let Ok(upstream) = TcpStream::connect(sh.upstream) else {
         // As a refused connection looks from far away: the client's socket is reset.
         linger_zero(&client);

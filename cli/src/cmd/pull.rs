@@ -62,9 +62,14 @@ pub struct PullArgs {
     /// Bound on the cache's allocated size; least recently used chunks are evicted.
     #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "10GiB")]
     pub cache_size: u64,
-    /// Range requests in flight.
+    /// Range requests in flight from the start (and threads reading the cache).
     #[arg(long, short = 'j', default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub jobs: u16,
+    /// Range requests in flight at most: once a round trip to the registry is timed, pull
+    /// keeps as many in flight as a 10 Gbit/s link at that round-trip time needs (within
+    /// 256 MiB of ranges, and never fewer than --jobs).
+    #[arg(long, value_name = "N", default_value_t = puller::DEFAULT_MAX_JOBS as u16, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub max_jobs: u16,
     /// Largest coalesced range request (neighbouring chunks of a pack are fetched together
     /// up to this many stored bytes).
     #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "8MiB")]
@@ -112,7 +117,14 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
     };
     // A throttle for tests and demos that interrupt a pull; unset in real use.
     let delay = std::env::var("SNAPCTL_PULL_DELAY_MS").ok().and_then(|v| v.parse().ok()).map(Duration::from_millis).unwrap_or_default();
-    let opts = PullOptions { jobs: a.jobs as usize, overwrite: a.overwrite, max_range: a.max_range, request_delay: delay, cache_copies: a.cache_copy };
+    let opts = PullOptions {
+        jobs: a.jobs as usize,
+        max_jobs: a.max_jobs as usize,
+        overwrite: a.overwrite,
+        max_range: a.max_range,
+        request_delay: delay,
+        cache_copies: a.cache_copy,
+    };
     let report = puller::pull(o.source.as_ref(), &image, &dest, cache.as_ref(), &opts, Some(&tick))
         .with_context(|| format!("pulling {} into {}", a.image, dest.display()))?;
     if let Some(pb) = pb {

@@ -3,7 +3,7 @@
 //! ```text
 //! netem_proxy --upstream 127.0.0.1:5000 --rtt 20ms --rate 1gbit
 //! 127.0.0.1:41237                      <- stdout, first line, once it listens
-//! {"connections":3,"bytes_up":..,...}  <- stdout, last line, when it stops
+//! {"connections":3,"max_open":2,"bytes_up":..,...}  <- stdout, last line, when it stops
 //! ```
 //!
 //! It stops on SIGTERM or SIGINT, and when its stdin reaches end of file, unless stdin is
@@ -89,10 +89,11 @@ fn run() -> anyhow::Result<()> {
         std::thread::sleep(Duration::from_millis(20));
     }
     let seconds = started.elapsed().as_secs_f64();
-    let (connections, bytes_up, bytes_down) = (netem.connections(), netem.bytes_up(), netem.bytes_down());
+    let (connections, max_open, bytes_up, bytes_down) = (netem.connections(), netem.max_open(), netem.bytes_up(), netem.bytes_down());
     drop(netem);
     let summary = serde_json::json!({
         "connections": connections,
+        "max_open": max_open,
         "bytes_up": bytes_up,
         "bytes_down": bytes_down,
         "seconds": seconds,

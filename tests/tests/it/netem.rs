@@ -262,6 +262,39 @@ fn snapctl_pull_across_20ms_of_rtt_succeeds_and_verifies() {
     assert!(took >= 4 * 20 * MS, "a pull across 20 ms took {took:?}");
 }
 
+#[test]
+fn regression_issue_16_pull_keeps_enough_ranges_in_flight_to_cover_50ms_of_rtt() {
+    // 48 chunks of 1 MiB, none zero, fetched one range each (`--max-range 1MiB`: the shape
+    // of a layer whose parent is in the cache, its misses scattered between cached chunks).
+    // Every request waits 50 ms before its first byte, so a fixed pool of 8 moves at most
+    // 8 MiB per round trip (168 MB/s) whatever the link; filling a fast link takes dozens
+    // in flight. No timing here: the proxy counts the connections open at once (an HTTP/1.1
+    // client opens one only when all of its others are busy).
+    let w = tempfile::tempdir().unwrap();
+    let s = Serve::start(w.path().join("store").to_str().unwrap(), &[], &[]);
+    let snap = w.path().join("snap");
+    let ok = |r: &snapctl_tests::Run| assert_eq!(r.code, 0, "{r:?}");
+    ok(&run(snapctl().arg("sample").arg(&snap).args(["--size", "48MiB", "--zero-fraction", "0"])));
+    ok(&run(snapctl().arg("push").arg(&snap).arg(format!("{}/net/vm:v1", s.addr))));
+    let pull = |image: &str, dest: &str| -> serde_json::Value {
+        let r = run(snapctl().arg("pull").arg(image).arg(w.path().join(dest)).args(["--no-cache", "--json", "--max-range", "1MiB"]));
+        ok(&r);
+        let j: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+        assert!(std::fs::read(snap.join("vm.mem")).unwrap() == std::fs::read(w.path().join(dest).join("vm.mem")).unwrap(), "vm.mem differs");
+        j
+    };
+
+    let net = Netem::start(s.addr.as_str(), NetemConfig::new(50 * MS)).unwrap();
+    let j = pull(&format!("{}/net/vm:v1", net.addr), "far");
+    assert!(j["range_requests"].as_u64().unwrap() >= 48, "{j}");
+    // 10 Gbit/s x 50 ms over 1 MiB ranges asks for 61, bounded by --max-jobs (32); 48
+    // ranges, some done before the round trip is timed, may leave fewer to start.
+    assert!(net.max_open() >= 24, "at most {} connections open at once across 50 ms of RTT: {j}", net.max_open());
+    assert_eq!(j["ranges_in_flight"].as_u64(), Some(puller::DEFAULT_MAX_JOBS as u64), "{j}");
+    // The depth came from the round trip it timed (the proxy's RTT is a lower bound).
+    assert!(j["rtt_ms"].as_f64().unwrap() >= 50.0, "{j}");
+}
+
 /// `netem_proxy` with stdin as a pipe: (process, the address it printed).
 fn start_program(upstream: &str, args: &[&str]) -> (std::process::Child, BufReader<std::process::ChildStdout>, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_netem_proxy"))
