@@ -418,12 +418,15 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
 /// CVs merging to its digest (so its slices can be trusted once the chunk digest is), and
 /// an entry for every raw chunk this link's index records that is longer than a slice (so
 /// a lazy reader never falls back to whole chunks where the packer promised slices).
+/// A link's outboard as read for the audit: none, the outboard, or why it could not be read.
+type LinkOutboard = Option<Result<Arc<Outboard>, String>>;
+
 /// Each chain link's outboard, as [`audit_outboard`] takes it: `None` for a link without
 /// one, else the decoded outboard or why it could not be read. Links whose outboard is not
 /// loaded yet are read `STAT_THREADS` at a time: one after another they cost a round trip
 /// per link, 1.3 s for a 64-ancestor chain 20 ms away (bench/chain.sh --rtt 20).
-fn read_outboards(src: &dyn BlobSource, image: &Image) -> Vec<Option<Result<Arc<Outboard>, String>>> {
-    let got: Vec<Mutex<Option<Result<Arc<Outboard>, String>>>> = image.chain.iter().map(|_| Mutex::new(None)).collect();
+fn read_outboards(src: &dyn BlobSource, image: &Image) -> Vec<LinkOutboard> {
+    let got: Vec<Mutex<LinkOutboard>> = image.chain.iter().map(|_| Mutex::new(None)).collect();
     imgfmt::work::for_each_index(
         image.chain.len(),
         STAT_THREADS,
@@ -445,7 +448,7 @@ fn read_outboards(src: &dyn BlobSource, image: &Image) -> Vec<Option<Result<Arc<
     got.into_iter().map(|m| m.into_inner().expect("poisoned")).collect()
 }
 
-fn audit_outboard(link: &ChainLink, ob: Option<Result<Arc<Outboard>, String>>, who: &str, shift: u8, report: &mut AuditReport) {
+fn audit_outboard(link: &ChainLink, ob: LinkOutboard, who: &str, shift: u8, report: &mut AuditReport) {
     let Some(desc) = &link.outboard_blob else { return };
     let blob = desc.digest.to_string();
     let ob_fail = |message: String| Failure { blob: Some(blob.clone()), ..fail(FailureKind::Outboard, message) };
