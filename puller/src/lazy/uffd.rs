@@ -855,16 +855,18 @@ impl Conn {
     /// Poison `[start, end)` outside the parts the process removed (CRIU pages in a parent
     /// dump: no verified bytes exist for them here). Never reads events.
     pub fn poison_range(&self, start: u64, end: u64) -> Pushed {
-        let st = self.state.lock().expect("poisoned");
+        let mut st = self.state.lock().expect("poisoned");
         let page = self.sys_page;
         let mut poisoned = 0;
-        for (removed, a, b) in st.removed.split(start, end) {
+        let parts = st.removed.split(start, end);
+        for (removed, a, b) in parts {
             if removed {
                 continue;
             }
             match self.fill(Op::Poison, a, b - a, page) {
-                // Pages a fault already poisoned were counted then.
-                Ok(()) => poisoned += (b - a) / page - st.outside_poisoned.iter().filter(|&&p| p >= a && p < b).count() as u64,
+                // Each page counts once, whoever poisons it first: a fault on one of these
+                // pages may be served (and counted) before or after this push.
+                Ok(()) => poisoned += (a..b).step_by(page as usize).filter(|&p| st.outside_poisoned.insert(p)).count() as u64,
                 Err(Fill::Unmapped) => {}
                 Err(Fill::Again) => return Pushed::Again,
                 Err(Fill::Gone) => return Pushed::Gone,
