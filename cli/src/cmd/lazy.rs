@@ -188,7 +188,13 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
             (o, Some(Box::new(RegistryTraces(src))))
         }
     };
-    let image = Arc::new(open_image(&o)?);
+    let mut image = open_image(&o)?;
+    // Outboards let a fault fetch a verified slice instead of its whole chunk. Without
+    // them (an old image, a blob that will not load) every fault fetches whole chunks.
+    if let Err(e) = image.load_outboards(o.source.as_ref()) {
+        eprintln!("snapctl lazy: warning: {e}; faults fetch whole chunks");
+    }
+    let image = Arc::new(image);
     let store: Option<Arc<dyn puller::lazy::ChunkStore>> = if a.no_cache {
         None
     } else {

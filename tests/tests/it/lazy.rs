@@ -305,7 +305,9 @@ fn lazy_restore_every_page_zero_chunks_never_fetched() {
     let rep = &h.reports(1, Duration::from_secs(1))[0];
     let nonzero = nonzero_chunks(&mem);
     assert!(nonzero > 0 && nonzero < 64, "the sample mixes zero and data chunks: {nonzero}");
-    assert_eq!(n(rep, &["faults", "fetched"]), nonzero, "each data chunk fetched once: {rep}");
+    // A chunk's first misses may fetch slices (issue 16 §3); touching every page then
+    // fetches each data chunk whole exactly once.
+    assert_eq!(n(rep, &["faults", "fetched"]) - n(rep, &["slice_fetches"]), nonzero, "each data chunk fetched whole once: {rep}");
     assert!(n(rep, &["faults", "zero"]) > 0, "zero chunks served as zero pages: {rep}");
     assert_eq!(n(rep, &["faults", "cache_hit"]), 0, "cold cache: {rep}");
     assert!(n(rep, &["bytes_fetched"]) > 0, "{rep}");
@@ -368,10 +370,12 @@ fn four_concurrent_restores_share_the_cache() {
         assert_clean(&v.join().unwrap(), 32 * MIB / 4096);
     }
     let reps = h.reports(4, Duration::from_secs(30));
-    let fetched: u64 = reps.iter().map(|r| n(r, &["faults", "fetched"])).sum();
+    // Slice fetches (a chunk's first misses, issue 16 §3) are a connection's own; whole
+    // chunks are shared.
+    let fetched: u64 = reps.iter().map(|r| n(r, &["faults", "fetched"]) - n(r, &["slice_fetches"])).sum();
     let pids: std::collections::BTreeSet<u64> = reps.iter().map(|r| n(r, &["pid"])).collect();
     assert_eq!(pids.len(), 4, "four VMs, four peers: {reps:?}");
-    assert_eq!(fetched, nonzero_chunks(&mem), "each data chunk fetched once across the four restores: {reps:?}");
+    assert_eq!(fetched, nonzero_chunks(&mem), "each data chunk fetched whole once across the four restores: {reps:?}");
     assert!(reps.iter().all(|r| n(r, &["verify_failures"]) == 0), "{reps:?}");
 }
 
