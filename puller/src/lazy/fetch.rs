@@ -53,6 +53,8 @@ pub enum FetchFailure {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Work {
     pub bytes_fetched: u64,
+    /// The part of `bytes_fetched` that slice fetches moved.
+    pub slice_bytes: u64,
     pub retries: u64,
     pub verify_failures: u64,
 }
@@ -305,7 +307,8 @@ impl Fetcher {
         // damaged outboard) is not a failure: the whole chunk, checked against its digest,
         // serves the fault.
         let declined = |e: &VerifyError| matches!(e, VerifyError::NoSlices { .. } | VerifyError::OutboardMismatch { .. } | VerifyError::SliceRange { .. });
-        let (res, work) = self.retrying(chunk, bytes, || verify::read_slices(self.src.as_ref(), &self.image, self.file, chunk, slices.clone()), declined);
+        let (res, mut work) = self.retrying(chunk, bytes, || verify::read_slices(self.src.as_ref(), &self.image, self.file, chunk, slices.clone()), declined);
+        work.slice_bytes = work.bytes_fetched;
         match res {
             Ok(v) => (Ok(SliceFetch::Slices(v)), work),
             Err(Stop::Failed(f)) => (Err(f), work),

@@ -133,6 +133,8 @@ pub struct Counters {
     /// Faults served by a fetch of verified slices rather than the whole chunk (part of
     /// `fetched`; a slice fetch that another install overtook is not counted here).
     pub slice_fetches: AtomicU64,
+    /// Bytes slice fetches moved (part of `bytes_fetched`).
+    pub slice_bytes: AtomicU64,
     pub latency: Histogram,
 }
 
@@ -185,6 +187,8 @@ pub struct ConnReport {
     pub prefetched_bytes: u64,
     /// Faults served by a fetch of verified slices (part of `faults.fetched`).
     pub slice_fetches: u64,
+    /// Bytes slice fetches moved (part of `bytes_fetched`).
+    pub slice_bytes: u64,
     pub latency_us: Latency,
     pub seconds: f64,
     /// Why the connection ended.
@@ -209,6 +213,7 @@ impl ConnReport {
             prefetched_chunks: l(&c.prefetched_chunks),
             prefetched_bytes: l(&c.prefetched_bytes),
             slice_fetches: l(&c.slice_fetches),
+            slice_bytes: l(&c.slice_bytes),
             latency_us: c.latency.latency(),
             seconds,
             ended,

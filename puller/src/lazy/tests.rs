@@ -410,6 +410,7 @@ fn regression_issue_16_scattered_faults_fetch_slices_not_chunks() {
     drop(sock);
     let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
     assert_eq!(rep.slice_fetches, 6, "{rep:?}");
+    assert_eq!(rep.slice_bytes, (4 + 1 + 15) * 4096, "{rep:?}");
     // 4 single slices, chunk 12 in two pieces (1 + 15 slices), chunk 0 whole.
     assert_eq!(rep.bytes_fetched, 4 * 4096 + K64 as u64 + K64 as u64, "{rep:?}");
     assert_eq!((rep.verify_failures, rep.poisoned_pages), (0, 0));

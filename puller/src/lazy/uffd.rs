@@ -457,6 +457,7 @@ impl Conn {
 
     fn account(&self, w: &Work) {
         self.rec.add(|c| &c.bytes_fetched, w.bytes_fetched);
+        self.rec.add(|c| &c.slice_bytes, w.slice_bytes);
         self.rec.add(|c| &c.retries, w.retries);
         self.rec.add(|c| &c.verify_failures, w.verify_failures);
     }
