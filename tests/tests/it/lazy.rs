@@ -315,6 +315,32 @@ fn lazy_restore_every_page_zero_chunks_never_fetched() {
     assert_eq!(n(rep, &["poisoned_pages"]), 0, "{rep}");
 }
 
+/// `--slice-faults`: off (the default) fetches whole chunks only; on lets a chunk's first
+/// miss fetch a slice (issue 16 §3: at 20 ms RTT slices cost extra round trips, so they are
+/// opt-in).
+#[test]
+fn regression_issue_16_slice_faults_switch_defaults_off() {
+    if !uffd_usable() || !lazy_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (snap, image) = packed_sample(dir.path(), "16MiB", "5");
+    let mem = snap.join("vm.mem");
+    for (extra, slices) in [(&[][..], false), (&["--slice-faults", "off"][..], false), (&["--slice-faults", "on"][..], true)] {
+        let sock = dir.path().join("lazy.sock");
+        let mut args = vec!["--once", "--prefetch", "none", "--no-cache"];
+        args.extend_from_slice(extra);
+        let mut h = Handler::lazy(&image, &sock, &args);
+        let r = fake_vmm(&sock, &mem, &["--threads", "1", "--seed", "4", "--touch", "1%"]);
+        assert_eq!(r.code, 0, "{r:?}");
+        assert_eq!(n(&r.json, &["mismatches"]), 0, "{r:?}");
+        assert_eq!(h.wait_exit(Duration::from_secs(30)), 0, "{}", h.log_text());
+        let rep = &h.reports(1, Duration::from_secs(1))[0];
+        assert!(n(rep, &["faults", "fetched"]) > 0, "{extra:?}: {rep}");
+        assert_eq!(n(rep, &["slice_fetches"]) > 0, slices, "{extra:?}: {rep}");
+    }
+}
+
 /// The guest removes a range (balloon-style MADV_DONTNEED): the daemon gets the remove
 /// event and serves zeros there afterwards, not snapshot data.
 #[test]
