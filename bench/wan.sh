@@ -15,6 +15,7 @@
 #          `pull` gets of the link)  --window SIZE (netem_proxy's per-connection window,
 #          its default 16MiB)  --pull-args "ARGS" (extra `snapctl pull` flags, e.g.
 #          "--jobs 16")
+#          --slice-faults on|off (passed to every `snapctl lazy`; default: its own)
 #
 # For each setting (RTT x cap) and run, each against a fresh proxy (so its byte counts are
 # the command's own) and a fresh, empty chunk cache (cold):
@@ -55,6 +56,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ARGV=("$@")
 RUNS=3 SIZE=2GiB RTTS="0 2 20 50" RATES="0 1gbit 200mbit" PCT=5 ALL=0 TAG="" KEEP=0 QUICK=0
 ONLY="" WINDOW="" PULL_ARGS=""
+LAZY_EXTRA=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1; RUNS=1; SIZE=256MiB; RTTS="0 20"; RATES="0 1gbit" ;;
@@ -70,6 +72,7 @@ while [ $# -gt 0 ]; do
       [ "$ONLY" = pull ] || { echo "wan.sh: --only takes pull" >&2; exit 2; } ;;
     --window) WINDOW=$2; shift ;;
     --pull-args) PULL_ARGS=$2; shift ;;
+    --slice-faults) LAZY_EXTRA="--slice-faults $2"; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "wan.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -193,7 +196,7 @@ lazy_once() {
   sync; warm_memory "$WARM_BYTES"
   local t0; t0=$(now)
   # shellcheck disable=SC2086
-  "$SNAPCTL" lazy "$NET_ADDR/bench/vm:v1" --socket "$sock" --once --json --cache "$W/lcache" $largs >"$W/handler.json" 2>"$W/handler.log" &
+  "$SNAPCTL" lazy "$NET_ADDR/bench/vm:v1" --socket "$sock" --once --json --cache "$W/lcache" $largs $LAZY_EXTRA >"$W/handler.json" 2>"$W/handler.log" &
   local hp=$!
   PIDS+=("$hp")
   # shellcheck disable=SC2086

@@ -7,11 +7,12 @@
 //! through `verify::read_chunk`, the cache re-checks on every read.
 
 use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use imgfmt::{BlobSource, HashAlgo, Image, StoredAt};
-use verify::{VerifiedChunk, VerifyError};
+use verify::{VerifiedChunk, VerifiedSlice, VerifyError};
 
 /// Where verified chunks are kept between restores (the per-host chunk cache; the CLI
 /// adapts `puller::ChunkCache` to it). Errors are the store's to log: a store that cannot
@@ -52,6 +53,8 @@ pub enum FetchFailure {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Work {
     pub bytes_fetched: u64,
+    /// The part of `bytes_fetched` that slice fetches moved.
+    pub slice_bytes: u64,
     pub retries: u64,
     pub verify_failures: u64,
 }
@@ -208,6 +211,12 @@ impl Fetcher {
         self.recent.lock().expect("poisoned").map.contains_key(&chunk)
     }
 
+    /// Whether a whole-chunk fetch of `chunk` is under way (by any connection or the
+    /// prefetcher): waiting for it beats a slice fetch of its own.
+    pub fn in_flight(&self, chunk: u64) -> bool {
+        self.inflight.lock().expect("poisoned").contains_key(&chunk)
+    }
+
     /// The verified bytes of a stored chunk.
     pub fn get(&self, chunk: u64) -> (Outcome, Origin, Work) {
         if let Some(c) = self.recent.lock().expect("poisoned").map.get(&chunk) {
@@ -250,37 +259,96 @@ impl Fetcher {
     fn load(&self, chunk: u64) -> (Outcome, Origin, Work) {
         let c = self.image.files[self.file].chunks[chunk as usize];
         let algo = self.image.config().hash;
-        let mut work = Work::default();
         if let Some(store) = &self.store {
             if let Some(v) = store.get(algo, &c.digest, c.len) {
-                return (Ok(Arc::new(v)), Origin::Cache, work);
+                return (Ok(Arc::new(v)), Origin::Cache, Work::default());
             }
         }
         let stored_len = match c.at {
             StoredAt::Pack { stored_len, .. } => stored_len as u64,
             StoredAt::Zero => 0,
         };
+        let (res, work) = self.retrying(chunk, stored_len, || verify::read_chunk(self.src.as_ref(), &self.image, self.file, chunk), |_| false);
+        match res {
+            Ok(v) => {
+                let v = Arc::new(v);
+                if let Some(q) = &self.puts {
+                    // Never waits: a full queue (the disk behind) skips the put.
+                    let _ = q.try_send((algo, c.digest, v.clone()));
+                }
+                (Ok(v), Origin::Fetched, work)
+            }
+            Err(Stop::Failed(f)) => (Err(f), Origin::Fetched, work),
+            Err(Stop::Declined(e)) => unreachable!("nothing declined: {e}"),
+        }
+    }
+
+    /// Verified slices `slices` of chunk `chunk`, fetched with one range request, or the
+    /// whole chunk when recent memory or the chunk cache has it (cheaper than the network).
+    /// Slices never enter either: a partial chunk is not a cached chunk.
+    pub fn get_slices(&self, chunk: u64, slices: Range<u32>) -> (Result<SliceFetch, FetchFailure>, Work) {
+        if self.recent.lock().expect("poisoned").map.contains_key(&chunk) {
+            return (Ok(SliceFetch::Whole), Work::default());
+        }
+        let c = self.image.files[self.file].chunks[chunk as usize];
+        if let Some(store) = &self.store {
+            if let Some(v) = store.get(self.image.config().hash, &c.digest, c.len) {
+                self.recent.lock().expect("poisoned").insert(chunk, Arc::new(v));
+                return (Ok(SliceFetch::Whole), Work::default());
+            }
+        }
+        let bytes = match self.image.slice_cvs(self.file, chunk) {
+            Some(cvs) if slices.start < slices.end && slices.end <= cvs.slice_count() => {
+                cvs.slice_range(slices.end - 1).end - cvs.slice_range(slices.start).start
+            }
+            _ => 0,
+        };
+        // No usable outboard entry (or one that does not merge to the digest: a forged or
+        // damaged outboard) is not a failure: the whole chunk, checked against its digest,
+        // serves the fault.
+        let declined = |e: &VerifyError| matches!(e, VerifyError::NoSlices { .. } | VerifyError::OutboardMismatch { .. } | VerifyError::SliceRange { .. });
+        let (res, mut work) = self.retrying(chunk, bytes, || verify::read_slices(self.src.as_ref(), &self.image, self.file, chunk, slices.clone()), declined);
+        work.slice_bytes = work.bytes_fetched;
+        match res {
+            Ok(v) => (Ok(SliceFetch::Slices(v)), work),
+            Err(Stop::Failed(f)) => (Err(f), work),
+            Err(Stop::Declined(e)) => {
+                if matches!(e, VerifyError::OutboardMismatch { .. }) {
+                    eprintln!("snapctl lazy: VERIFY FAILURE: {e}; fetching the whole chunk instead");
+                }
+                (Ok(SliceFetch::Declined), work)
+            }
+        }
+    }
+
+    /// Run `attempt` (a verified read of `bytes` bytes of chunk `chunk`) until it answers:
+    /// source errors are retried with backoff inside the policy's budget, a verification
+    /// failure is fetched once more, then refused; errors `declined` accepts are handed back.
+    fn retrying<T>(
+        &self,
+        chunk: u64,
+        bytes: u64,
+        mut attempt: impl FnMut() -> Result<T, VerifyError>,
+        declined: impl Fn(&VerifyError) -> bool,
+    ) -> (Result<T, Stop>, Work) {
+        let mut work = Work::default();
         let t0 = Instant::now();
         let mut backoff = self.policy.first_backoff;
         let mut mismatch: Option<String> = None;
         loop {
-            match verify::read_chunk(self.src.as_ref(), &self.image, self.file, chunk) {
+            match attempt() {
                 Ok(v) => {
-                    work.bytes_fetched += stored_len;
-                    let v = Arc::new(v);
-                    if let Some(q) = &self.puts {
-                        // Never waits: a full queue (the disk behind) skips the put.
-                        let _ = q.try_send((algo, c.digest, v.clone()));
-                    }
-                    return (Ok(v), Origin::Fetched, work);
+                    work.bytes_fetched += bytes;
+                    return (Ok(v), work);
                 }
+                Err(e) if declined(&e) => return (Err(Stop::Declined(e)), work),
                 Err(e @ VerifyError::Read { .. }) => {
                     // Stalling is better than failing here: a faulting vCPU that waits
                     // recovers when the registry does; one that gets poison does not.
                     let spent = t0.elapsed();
                     if spent + backoff > self.policy.budget {
                         let f = FetchFailure::Exhausted { chunk, retries: work.retries, seconds: spent.as_secs_f64(), detail: e.to_string() };
-                        return (Err(f), Origin::Fetched, work);
+                        return (Err(Stop::Failed(f)), work);
                     }
                     work.retries += 1;
                     if work.retries == 1 || work.retries % 10 == 0 {
@@ -290,12 +358,12 @@ impl Fetcher {
                     backoff = (backoff * 2).min(self.policy.max_backoff);
                 }
                 Err(e) => {
-                    work.bytes_fetched += stored_len;
+                    work.bytes_fetched += bytes;
                     work.verify_failures += 1;
                     eprintln!("snapctl lazy: VERIFY FAILURE: {e}");
                     if let Some(first) = mismatch {
                         let f = FetchFailure::Integrity { chunk, detail: format!("{first}; then {e}") };
-                        return (Err(f), Origin::Fetched, work);
+                        return (Err(Stop::Failed(f)), work);
                     }
                     // Fetch once more: a corrupted transfer deserves a second chance, a
                     // corrupted pack does not get a third.
@@ -304,6 +372,24 @@ impl Fetcher {
             }
         }
     }
+}
+
+/// Why [`Fetcher::retrying`] stopped without bytes.
+enum Stop {
+    Failed(FetchFailure),
+    /// An error the caller asked back (it has another way to the bytes).
+    Declined(VerifyError),
+}
+
+/// What [`Fetcher::get_slices`] found.
+#[derive(Debug, Clone)]
+pub enum SliceFetch {
+    /// The asked slices, each verified against the chunk's checked outboard entry.
+    Slices(Vec<VerifiedSlice>),
+    /// The whole chunk is in recent memory (it was there, or the chunk cache had it).
+    Whole,
+    /// No verifiable slices for this chunk: fetch it whole.
+    Declined,
 }
 
 /// `d` scaled by a random factor in [0.5, 1.5), so many waiting handlers do not retry in step.

@@ -130,6 +130,11 @@ pub struct Counters {
     pub removed_ranges: AtomicU64,
     pub prefetched_chunks: AtomicU64,
     pub prefetched_bytes: AtomicU64,
+    /// Faults served by a fetch of verified slices rather than the whole chunk (part of
+    /// `fetched`; a slice fetch that another install overtook is not counted here).
+    pub slice_fetches: AtomicU64,
+    /// Bytes slice fetches moved (part of `bytes_fetched`).
+    pub slice_bytes: AtomicU64,
     pub latency: Histogram,
 }
 
@@ -180,6 +185,10 @@ pub struct ConnReport {
     pub removed_faults: u64,
     pub prefetched_chunks: u64,
     pub prefetched_bytes: u64,
+    /// Faults served by a fetch of verified slices (part of `faults.fetched`).
+    pub slice_fetches: u64,
+    /// Bytes slice fetches moved (part of `bytes_fetched`).
+    pub slice_bytes: u64,
     pub latency_us: Latency,
     pub seconds: f64,
     /// Why the connection ended.
@@ -203,6 +212,8 @@ impl ConnReport {
             removed_faults: l(&c.removed_zero),
             prefetched_chunks: l(&c.prefetched_chunks),
             prefetched_bytes: l(&c.prefetched_bytes),
+            slice_fetches: l(&c.slice_fetches),
+            slice_bytes: l(&c.slice_bytes),
             latency_us: c.latency.latency(),
             seconds,
             ended,
@@ -231,6 +242,7 @@ pub fn prometheus(c: &Counters, connections_active: u64, connections_total: u64)
         ("snapctl_lazy_poisoned_pages_total", "Pages poisoned because no verified bytes could be had.", &c.poisoned_pages),
         ("snapctl_lazy_removed_ranges_total", "UFFD_EVENT_REMOVE events applied.", &c.removed_ranges),
         ("snapctl_lazy_prefetched_chunks_total", "Chunks installed ahead of the guest.", &c.prefetched_chunks),
+        ("snapctl_lazy_slice_fetches_total", "Faults served by a fetch of verified slices rather than the whole chunk.", &c.slice_fetches),
     ] {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", l(v));
     }

@@ -366,3 +366,99 @@ fn peers_allowed_by_user_or_group() {
     assert!(peer_allowed(7, 456, 0, &o));
     assert!(!peer_allowed(7, 8, 0, &o));
 }
+
+/// The sample image with its outboards loaded, so data faults can fetch slices.
+fn with_outboards(image: Arc<Image>, layout: &imgfmt::OciLayout) -> Arc<Image> {
+    let Ok(mut img) = Arc::try_unwrap(image) else { panic!("the image is shared") };
+    img.load_outboards(layout).unwrap();
+    Arc::new(img)
+}
+
+/// Issue 16 §3: a fault in a raw BLAKE3 chunk fetches the 4 KiB slice it needs, not the
+/// chunk; a second miss right after the first grows into a readahead, any other second
+/// miss fetches the rest of the chunk whole. Every byte the guest reads is the snapshot's.
+#[test]
+fn regression_issue_16_scattered_faults_fetch_slices_not_chunks() {
+    let (dir, mem, image, layout) = sample_image(24);
+    let image = with_outboards(image, &layout);
+    let file = image.file("vm.mem").unwrap().0;
+    assert!(image.slice_cvs(file, 0).is_some(), "the sample is raw BLAKE3 with an outboard");
+    let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
+    let src = flaky(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap());
+    drop(layout);
+    let run = start(dir.path(), image, src.clone(), |o| o.prefetch = PrefetchMode::None, None);
+    let sock = guest.connect(&run.socket);
+    let r = guest.region(0);
+    let page = |c: usize, p: usize| c * K64 + p * 4096;
+    // One page in each of four data chunks (c % 3 == 1 are zero chunks).
+    for c in [0usize, 3, 6, 9] {
+        let at = page(c, 5);
+        assert_eq!(r[at..at + 4096], mem[at..at + 4096], "chunk {c}");
+    }
+    assert_eq!(src.reads.load(Ordering::SeqCst), 4, "one range request per fault");
+    // Pages beside them were not installed: touching them faults again.
+    // A walk through chunk 12: its first page is a slice, the next grows to the rest.
+    for p in 0..16 {
+        let at = page(12, p);
+        assert_eq!(r[at..at + 4096], mem[at..at + 4096], "chunk 12 page {p}");
+    }
+    assert_eq!(src.reads.load(Ordering::SeqCst), 6, "a sequential walk: one slice, then a readahead");
+    // A second, scattered miss in chunk 0 fetches it whole; all of it then reads right.
+    assert_eq!(r[page(0, 11)..page(1, 0)], mem[page(0, 11)..page(1, 0)]);
+    assert_eq!(r[page(0, 0)..page(0, 5)], mem[page(0, 0)..page(0, 5)]);
+    assert_eq!(src.reads.load(Ordering::SeqCst), 7, "chunk 0 whole, once");
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(rep.slice_fetches, 6, "{rep:?}");
+    assert_eq!(rep.slice_bytes, (4 + 1 + 15) * 4096, "{rep:?}");
+    // 4 single slices, chunk 12 in two pieces (1 + 15 slices), chunk 0 whole.
+    assert_eq!(rep.bytes_fetched, 4 * 4096 + K64 as u64 + K64 as u64, "{rep:?}");
+    assert_eq!((rep.verify_failures, rep.poisoned_pages), (0, 0));
+    assert_eq!(rep.faults.fetched, 4 + 2 + 1, "{rep:?}");
+}
+
+/// Issue 16 §3: a byte flipped inside one slice of a raw pack fails closed like a tampered
+/// chunk: the slice is fetched twice, then its span is poisoned; the guest never sees the
+/// byte. A slice fetched before it, verified, keeps its right bytes.
+#[test]
+fn regression_issue_16_tampered_slice_poisons_never_serves_wrong_bytes() {
+    use std::os::unix::fs::FileExt;
+    let (dir, mem, image, layout) = sample_image(6);
+    let image = with_outboards(image, &layout);
+    let file = image.file("vm.mem").unwrap().0;
+    // Flip a byte 100 bytes into slice 3 of chunk 2.
+    let imgfmt::StoredAt::Pack { pack, offset, .. } = image.files[file].chunks[2].at else { panic!("chunk 2 is stored") };
+    let at = offset + 3 * 4096 + 100;
+    let blob = std::fs::OpenOptions::new().read(true).write(true).open(layout.blob_path(&image.packs[pack as usize].digest)).unwrap();
+    let mut b = [0u8; 1];
+    blob.read_exact_at(&mut b, at).unwrap();
+    blob.write_all_at(&[b[0] ^ 0x01], at).unwrap();
+    drop(layout);
+    let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
+    let src = flaky(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap());
+    let run = start(dir.path(), image, src, |o| o.prefetch = PrefetchMode::None, None);
+    let sock = guest.connect(&run.socket);
+    let (p, _, _) = guest.regions[0];
+    // Slice 1 of chunk 2 is intact: served, verified.
+    let good = 2 * K64 + 4096;
+    assert_eq!(guest.region(0)[good..good + 4096], mem[good..good + 4096]);
+    // Slice 3 is not: through process_vm_readv a poisoned page is EFAULT, not a SIGBUS.
+    let bad = 2 * K64 + 3 * 4096;
+    let mut buf = vec![0u8; 4096];
+    let local = libc::iovec { iov_base: buf.as_mut_ptr() as *mut libc::c_void, iov_len: 4096 };
+    // SAFETY: inside the live guest mapping.
+    let remote = libc::iovec { iov_base: unsafe { p.add(bad) } as *mut libc::c_void, iov_len: 4096 };
+    // SAFETY: both iovecs describe live memory of this process.
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    assert_eq!(n, -1, "a slice that fails verification must not be readable");
+    assert!(buf.iter().all(|&b| b == 0));
+    // The verified slice installed before keeps its bytes; other chunks still work.
+    assert_eq!(guest.region(0)[good..good + 4096], mem[good..good + 4096]);
+    assert_eq!(guest.region(0)[..4096], mem[..4096]);
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(rep.verify_failures, 2, "{rep:?}");
+    // The span is poisoned except the page already installed.
+    assert_eq!(rep.poisoned_pages, (K64 / 4096) as u64 - 1, "{rep:?}");
+    assert!(rep.integrity_failed());
+}

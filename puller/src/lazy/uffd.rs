@@ -4,6 +4,8 @@
 //! poll(uffd, socket) -> read events -> REMOVE/UNMAP: remember the range (zeros from now on)
 //!                                   -> PAGEFAULT: span -> zero?  UFFDIO_ZEROPAGE
 //!                                                        data?  fetch (verified) -> UFFDIO_COPY
+//!                                                               slices of a raw BLAKE3 chunk
+//!                                                               (outboard) or the whole chunk
 //!                                                        none?  UFFDIO_POISON (never wrong bytes)
 //! ```
 //!
@@ -12,6 +14,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{Read, Write};
+use std::ops::Range;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -21,9 +24,9 @@ use std::time::{Duration, Instant};
 use nix::errno::Errno;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use userfaultfd::{Event, EventBuffer, Uffd};
-use verify::VerifiedChunk;
+use verify::{VerifiedChunk, VerifiedSlice};
 
-use super::fetch::{FetchFailure, Fetcher, Origin, Work};
+use super::fetch::{FetchFailure, Fetcher, Origin, SliceFetch, Work};
 use super::map::{MemoryMap, RemovedRanges, Span};
 use super::stats::{Counters, Rec};
 
@@ -107,6 +110,9 @@ pub(crate) struct ConnState {
     pub removed: RemovedRanges,
     /// (region, unit) installed whole since the last remove touching it.
     pub installed: HashSet<(usize, u64)>,
+    /// Host pages installed from verified slices (their unit is not whole), since the last
+    /// remove touching them.
+    pub slice_pages: HashSet<u64>,
     pub poisoned: HashSet<(usize, u64)>,
     /// Pages outside every region poisoned by a fault (counted once, not again by
     /// `poison_range`).
@@ -183,6 +189,14 @@ struct Fault {
     read_at: Instant,
 }
 
+/// The fault thread's queues.
+struct Queues<'a> {
+    pending: &'a mut VecDeque<Fault>,
+    parked: &'a mut HashMap<Key, Vec<Fault>>,
+    arrived: &'a mut Arrivals,
+    slicing: Slicing,
+}
+
 /// Fetches the pool finished for parked faults, consumed when those faults are served.
 #[derive(Default)]
 struct Arrivals {
@@ -192,6 +206,49 @@ struct Arrivals {
 
 /// Fetch threads per connection.
 const FETCHERS: usize = 4;
+
+/// What the fetch pool is asked for.
+enum Job {
+    Chunk(u64),
+    /// Slices of a chunk, one range request.
+    Slices(u64, Range<u32>),
+}
+
+/// What parked faults wait for: a chunk, or one slice fetch (numbered: two fetches of one
+/// chunk's slices may be in flight).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Key {
+    Chunk(u64),
+    Slices(u64, u64),
+}
+
+/// A finished job.
+enum Done {
+    Chunk(Result<(), FetchFailure>, Origin),
+    Slices(Result<SliceFetch, FetchFailure>),
+}
+
+type Finished = (Key, Done, Work);
+
+/// The first sequential miss in a chunk fetches this many slices (64 KiB at 4 KiB slices);
+/// the one after that fetches the whole chunk.
+const READAHEAD_SLICES: u32 = 16;
+/// Pending faults on slices at most this far from a fetch's range join it (one request
+/// for a few more KiB beats a round trip per fault).
+const COALESCE_GAP: u32 = 8;
+
+/// Per connection, on the fault thread: how each chunk's misses went, for deciding between
+/// a slice fetch and the whole chunk.
+#[derive(Default)]
+struct Slicing {
+    /// Slice fetches in flight: their ranges.
+    jobs: HashMap<Key, (u64, Range<u32>)>,
+    next: u64,
+    /// Per chunk: slice fetches made, and where the last one ended.
+    misses: HashMap<u64, (u32, u32)>,
+    /// Chunks with no verifiable slices (no entry, or one that does not merge): whole.
+    whole: HashSet<u64>,
+}
 
 fn fill_ioctl(fd: i32, op: Op, dst: u64, len: u64) -> (Result<(), Errno>, i64) {
     // SAFETY: each struct is the kernel's layout for its ioctl number and lives across the
@@ -400,6 +457,7 @@ impl Conn {
 
     fn account(&self, w: &Work) {
         self.rec.add(|c| &c.bytes_fetched, w.bytes_fetched);
+        self.rec.add(|c| &c.slice_bytes, w.slice_bytes);
         self.rec.add(|c| &c.retries, w.retries);
         self.rec.add(|c| &c.verify_failures, w.verify_failures);
     }
@@ -410,6 +468,9 @@ impl Conn {
         st.removed.insert(start, end);
         for u in self.map.units_touching(start, end) {
             st.installed.remove(&u);
+        }
+        if !st.slice_pages.is_empty() {
+            st.slice_pages.retain(|&p| p < start || p >= end);
         }
         self.rec.add(|c| &c.removed_ranges, 1);
     }
@@ -584,7 +645,9 @@ impl Conn {
                     break;
                 }
                 if !removed {
-                    poisoned += (b - a) / page;
+                    // Pages installed from verified slices keep their bytes (EEXIST).
+                    let kept = if st.slice_pages.is_empty() { 0 } else { st.slice_pages.iter().filter(|&&p| p >= a && p < b).count() as u64 };
+                    poisoned += (b - a) / page - kept;
                 }
             }
             match res {
@@ -611,7 +674,7 @@ impl Conn {
 
     /// The chunks a fault at `addr` needs from the cache or the source that are not in
     /// memory yet (empty: it can be served right away).
-    fn to_fetch(&self, addr: u64, parked: &HashMap<u64, Vec<Fault>>) -> Vec<u64> {
+    fn to_fetch(&self, addr: u64, parked: &HashMap<Key, Vec<Fault>>) -> Vec<u64> {
         let Some(span) = self.map.span_at(addr) else { return Vec::new() };
         let page = self.map.regions[span.region].page_size;
         {
@@ -623,7 +686,7 @@ impl Conn {
         // A chunk the pool is fetching for a parked fault may already be in memory: this
         // fault still waits behind that one, so the fetch is counted once, for the first.
         span.chunks(self.map.chunk_shift)
-            .filter(|&c| !matches!(self.fetcher.is_zero(c), Ok(true)) && (!self.fetcher.has_recent(c) || parked.contains_key(&c)))
+            .filter(|&c| !matches!(self.fetcher.is_zero(c), Ok(true)) && (!self.fetcher.has_recent(c) || parked.contains_key(&Key::Chunk(c))))
             .collect()
     }
 
@@ -634,7 +697,7 @@ impl Conn {
     /// on this thread, which alone reads the uffd's events.
     pub fn run(&self, mut sock: UnixStream, stop: &AtomicBool) -> String {
         let mut pending: VecDeque<Fault> = VecDeque::new();
-        let mut parked: HashMap<u64, Vec<Fault>> = HashMap::new();
+        let mut parked: HashMap<Key, Vec<Fault>> = HashMap::new();
         let mut arrived = Arrivals::default();
         let (wake_tx, wake_rx) = match UnixStream::pair() {
             Ok(p) => p,
@@ -642,45 +705,52 @@ impl Conn {
         };
         let _ = wake_rx.set_nonblocking(true);
         let _ = wake_tx.set_nonblocking(true);
-        let (job_tx, job_rx) = mpsc::channel::<u64>();
-        let (done_tx, done_rx) = mpsc::channel::<(u64, Result<(), FetchFailure>, Origin, Work)>();
+        let (job_tx, job_rx) = mpsc::channel::<(Key, Job)>();
+        let (done_tx, done_rx) = mpsc::channel::<Finished>();
         let job_rx = Arc::new(Mutex::new(job_rx));
         std::thread::scope(|scope| {
             for _ in 0..FETCHERS {
                 let (job_rx, done_tx, wake_tx) = (job_rx.clone(), done_tx.clone(), &wake_tx);
                 scope.spawn(move || loop {
-                    let Ok(c) = job_rx.lock().expect("poisoned").recv() else { return };
-                    let (o, origin, work) = self.fetcher.get(c);
-                    if done_tx.send((c, o.map(|_| ()), origin, work)).is_err() {
+                    let Ok((key, job)) = job_rx.lock().expect("poisoned").recv() else { return };
+                    let done = match job {
+                        Job::Chunk(c) => {
+                            let (o, origin, work) = self.fetcher.get(c);
+                            (key, Done::Chunk(o.map(|_| ()), origin), work)
+                        }
+                        Job::Slices(c, range) => {
+                            let (o, work) = self.fetcher.get_slices(c, range);
+                            (key, Done::Slices(o), work)
+                        }
+                    };
+                    if done_tx.send(done).is_err() {
                         return;
                     }
                     let _ = (&*wake_tx).write(&[1]);
                 });
             }
             drop(done_tx);
-            let ended = self.fault_loop(&mut sock, stop, &mut pending, &mut parked, &mut arrived, &job_tx, &done_rx, &wake_rx);
+            let mut q = Queues { pending: &mut pending, parked: &mut parked, arrived: &mut arrived, slicing: Slicing::default() };
+            let ended = self.fault_loop(&mut sock, stop, &mut q, &job_tx, &done_rx, &wake_rx);
             drop(job_tx);
             ended
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn fault_loop(
         &self,
         sock: &mut UnixStream,
         stop: &AtomicBool,
-        pending: &mut VecDeque<Fault>,
-        parked: &mut HashMap<u64, Vec<Fault>>,
-        arrived: &mut Arrivals,
-        job_tx: &mpsc::Sender<u64>,
-        done_rx: &mpsc::Receiver<(u64, Result<(), FetchFailure>, Origin, Work)>,
+        q: &mut Queues,
+        job_tx: &mpsc::Sender<(Key, Job)>,
+        done_rx: &mpsc::Receiver<Finished>,
         wake_rx: &UnixStream,
     ) -> String {
         loop {
             if stop.load(Ordering::Relaxed) {
                 return "daemon stopping".into();
             }
-            if pending.is_empty() {
+            if q.pending.is_empty() {
                 let mut fds = [
                     PollFd::new(self.uffd.as_fd(), PollFlags::POLLIN),
                     PollFd::new(sock.as_fd(), PollFlags::POLLIN),
@@ -710,26 +780,58 @@ impl Conn {
                 let mut b = [0u8; 64];
                 while matches!((&*wake_rx).read(&mut b), Ok(n) if n > 0) {}
             }
-            if let Err(e) = self.drain_events(pending) {
+            if let Err(e) = self.drain_events(q.pending) {
                 return e;
             }
             // Fetches that finished: their faults go first.
-            while let Ok((c, res, origin, work)) = done_rx.try_recv() {
+            while let Ok((key, done, work)) = done_rx.try_recv() {
                 self.account(&work);
-                match res {
-                    Ok(()) => {
-                        arrived.origin.insert(c, origin);
+                let faults = q.parked.remove(&key).unwrap_or_default();
+                let requeue = match (key, done) {
+                    (Key::Chunk(c), Done::Chunk(res, origin)) => {
+                        match res {
+                            Ok(()) => {
+                                q.arrived.origin.insert(c, origin);
+                            }
+                            Err(f) => {
+                                q.arrived.failed.insert(c, f);
+                            }
+                        }
+                        faults
                     }
-                    Err(f) => {
-                        arrived.failed.insert(c, f);
+                    (Key::Slices(c, _), Done::Slices(res)) => {
+                        q.slicing.jobs.remove(&key);
+                        match res {
+                            Ok(SliceFetch::Slices(v)) => {
+                                if let Err(e) = self.install_slices(c, &v, q.pending) {
+                                    return e;
+                                }
+                                self.wake_sliced(faults, true)
+                            }
+                            Ok(SliceFetch::Whole) => {
+                                // Never over this connection's own fetch of the chunk that
+                                // put it there: that one counts as the fetch.
+                                q.arrived.origin.entry(c).or_insert(Origin::Cache);
+                                faults
+                            }
+                            Ok(SliceFetch::Declined) => {
+                                q.slicing.whole.insert(c);
+                                faults
+                            }
+                            Err(f) => {
+                                q.arrived.failed.insert(c, f);
+                                faults
+                            }
+                        }
                     }
-                }
-                for f in parked.remove(&c).unwrap_or_default().into_iter().rev() {
-                    pending.push_front(f);
+                    (k, _) => unreachable!("job {k:?} answered with another kind"),
+                };
+                for f in requeue.into_iter().rev() {
+                    q.pending.push_front(f);
                 }
             }
-            self.parked_faults.store(parked.values().map(|v| v.len() as u64).sum(), Ordering::Relaxed);
-            let oldest = parked.values().flatten().chain(pending.iter()).min_by_key(|f| f.read_at).map(|f| (f.addr, f.read_at));
+            self.parked_faults.store(q.parked.values().map(|v| v.len() as u64).sum(), Ordering::Relaxed);
+            let oldest = q.parked.values().flatten().chain(q.pending.iter()).min_by_key(|f| f.read_at).map(|f| (f.addr, f.read_at));
             match oldest {
                 Some((addr, at)) => {
                     self.busy_addr.store(addr, Ordering::Relaxed);
@@ -737,21 +839,176 @@ impl Conn {
                 }
                 None => self.busy_since.store(0, Ordering::Relaxed),
             }
-            if let Some(f) = pending.pop_front() {
-                let need = self.to_fetch(f.addr, parked);
-                if let Some(&c) = need.iter().find(|c| !arrived.origin.contains_key(c) && !arrived.failed.contains_key(c)) {
-                    let first = !parked.contains_key(&c);
-                    parked.entry(c).or_default().push(f);
-                    if first && job_tx.send(c).is_err() {
+            if let Some(f) = q.pending.pop_front() {
+                if self.slice_installed(f.addr) {
+                    // Installed by a slice fetch since it was read: only a wake-up is needed.
+                    let _ = self.wake_sliced(vec![f], false);
+                    continue;
+                }
+                let need = self.to_fetch(f.addr, q.parked);
+                if let Some(&c) = need.iter().find(|c| !q.arrived.origin.contains_key(c) && !q.arrived.failed.contains_key(c)) {
+                    if need.len() == 1 {
+                        if let Some((key, job)) = self.plan_slices(&f, c, q) {
+                            q.parked.entry(key).or_default().push(f);
+                            if let Some(range) = job {
+                                if job_tx.send((key, Job::Slices(c, range))).is_err() {
+                                    return "fetch pool gone".into();
+                                }
+                            }
+                            continue;
+                        }
+                    }
+                    let key = Key::Chunk(c);
+                    let first = !q.parked.contains_key(&key);
+                    q.parked.entry(key).or_default().push(f);
+                    if first && job_tx.send((key, Job::Chunk(c))).is_err() {
                         return "fetch pool gone".into();
                     }
                     continue;
                 }
-                if let Err(e) = self.serve(&f, pending, arrived) {
+                if let Err(e) = self.serve(&f, q.pending, q.arrived) {
                     return e;
                 }
             }
         }
+    }
+
+    /// Whether a fault at `addr` needs only part of its chunk, and which: the slice fetch
+    /// in flight that covers its slice (no new job), or a new range. `None`: fetch the
+    /// whole chunk (no verifiable slices, huge pages, or a chunk that missed before).
+    ///
+    /// A chunk's first miss fetches its slice, with any pending faults on slices near it
+    /// in the same range. A second miss right past that range (the guest walking through
+    /// memory) fetches [`READAHEAD_SLICES`]; any other second miss, and any third, fetches
+    /// the whole chunk: past that point round trips cost more than the bytes they save, and
+    /// the whole chunk goes into memory and the chunk cache.
+    fn plan_slices(&self, f: &Fault, c: u64, q: &mut Queues) -> Option<(Key, Option<Range<u32>>)> {
+        if q.slicing.whole.contains(&c) || q.parked.contains_key(&Key::Chunk(c)) || self.fetcher.in_flight(c) {
+            return None;
+        }
+        let (region, _) = self.map.locate(f.addr)?;
+        let cvs = self.fetcher.image.slice_cvs(self.fetcher.file, c)?;
+        // A huge page needs more than a slice, and a unit larger than the chunk needs more
+        // than the chunk: both go whole.
+        if self.map.regions[region].page_size > cvs.slice_size() || self.map.unit_size(region) != self.map.chunk_size() {
+            return None;
+        }
+        let count = cvs.slice_count();
+        let shift = cvs.slice_shift;
+        let slice_of = |addr: u64| -> Option<u32> {
+            let (_, off) = self.map.locate(addr)?;
+            (off >> self.map.chunk_shift == c).then(|| ((off - (c << self.map.chunk_shift)) >> shift) as u32)
+        };
+        let s = slice_of(f.addr)?;
+        if let Some((k, _)) = q.slicing.jobs.iter().find(|(_, (jc, r))| *jc == c && r.contains(&s)) {
+            return Some((*k, None));
+        }
+        let (misses, end) = q.slicing.misses.get(&c).copied().unwrap_or((0, 0));
+        let mut range = match misses {
+            0 => s..s + 1,
+            1 if s >= end && s < end + 2 => s..(s + READAHEAD_SLICES).min(count),
+            _ => return None,
+        };
+        // Pending faults on this chunk near the range ride along.
+        let mut near: Vec<u32> = q.pending.iter().filter_map(|p| slice_of(p.addr)).collect();
+        near.sort_unstable();
+        loop {
+            let before = range.clone();
+            for &t in &near {
+                if t < range.start && t + COALESCE_GAP >= range.start {
+                    range.start = t;
+                } else if t >= range.end && t < range.end + COALESCE_GAP {
+                    range.end = t + 1;
+                }
+            }
+            if range == before {
+                break;
+            }
+        }
+        q.slicing.misses.insert(c, (misses + 1, range.end));
+        let key = Key::Slices(c, q.slicing.next);
+        q.slicing.next += 1;
+        q.slicing.jobs.insert(key, (c, range.clone()));
+        Some((key, Some(range)))
+    }
+
+    /// Whether the page of `addr` was installed from slices (and not removed since).
+    fn slice_installed(&self, addr: u64) -> bool {
+        let Some(span) = self.map.span_at(addr) else { return false };
+        let page = self.map.regions[span.region].page_size;
+        let st = self.state.lock().expect("poisoned");
+        !st.slice_pages.is_empty() && st.slice_pages.contains(&(addr & !(page - 1)))
+    }
+
+    /// Install verified slices of chunk `c` wherever the guest maps them, page by page
+    /// where pages are missing (pages already present are skipped by `fill`), never over
+    /// memory the guest removed (a fault there gets zeros).
+    fn install_slices(&self, c: u64, slices: &[VerifiedSlice], pending: &mut VecDeque<Fault>) -> Result<(), String> {
+        let base = c << self.map.chunk_shift;
+        for span in self.map.spans_of_chunk(c) {
+            let page = self.map.regions[span.region].page_size;
+            'again: loop {
+                let mut st = self.state.lock().expect("poisoned");
+                if st.installed.contains(&(span.region, span.unit)) || st.poisoned.contains(&(span.region, span.unit)) {
+                    break;
+                }
+                if self.record_trace && st.traced.insert(c) {
+                    st.trace.push(c);
+                }
+                for sl in slices {
+                    let (f0, f1) = (base + sl.offset_in_chunk(), base + sl.offset_in_chunk() + sl.len() as u64);
+                    let (a, b) = (f0.max(span.file_offset), f1.min(span.file_offset + span.len));
+                    if a >= b {
+                        continue;
+                    }
+                    let (ha, hb) = (span.host + (a - span.file_offset), span.host + (b - span.file_offset));
+                    for (removed, x, y) in st.removed.split(ha, hb) {
+                        if removed {
+                            continue;
+                        }
+                        let from = (a - f0 + (x - ha)) as usize;
+                        match self.fill(Op::Copy(&sl.as_bytes()[from..from + (y - x) as usize]), x, y - x, page) {
+                            Ok(()) => st.slice_pages.extend((x..y).step_by(page as usize)),
+                            Err(Fill::Unmapped) => {}
+                            Err(Fill::Again) => {
+                                drop(st);
+                                self.drain_events(pending)?;
+                                continue 'again;
+                            }
+                            Err(Fill::Gone) => return Err("the VMM's memory is gone".into()),
+                            Err(Fill::Failed(e)) => {
+                                eprintln!("snapctl lazy: pid {}: installing {x:#x}+{:#x} failed: {e}; faults there stay unresolved", self.pid, y - x)
+                            }
+                        }
+                    }
+                }
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Wake faults a slice install served and count them (with `fetched`, the first as the
+    /// fetch; the others as present); hand back those it did not serve (a remove in between).
+    fn wake_sliced(&self, faults: Vec<Fault>, fetched: bool) -> Vec<Fault> {
+        let mut left = Vec::new();
+        let mut first = fetched;
+        for f in faults {
+            if !self.slice_installed(f.addr) {
+                left.push(f);
+                continue;
+            }
+            let page = self.map.span_at(f.addr).map(|s| self.map.regions[s.region].page_size).unwrap_or(self.sys_page);
+            let _ = self.uffd.wake((f.addr & !(page - 1)) as *mut libc::c_void, page as usize);
+            if std::mem::take(&mut first) {
+                self.rec.add(|c| &c.fetched, 1);
+                self.rec.add(|c| &c.slice_fetches, 1);
+            } else {
+                self.rec.add(|c| &c.present, 1);
+            }
+            self.rec.latency(f.read_at.elapsed().as_micros() as u64);
+        }
+        left
     }
 
     /// A fault outside every region where the policy is zeros (CRIU: memory no pagemap
