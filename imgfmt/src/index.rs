@@ -118,15 +118,62 @@ pub fn chunk_len(size: u64, chunk_shift: u8, chunk: u64) -> u64 {
     size.saturating_sub(start).min(cs)
 }
 
-fn u16_at(b: &[u8], o: usize) -> u16 {
+pub(crate) fn u16_at(b: &[u8], o: usize) -> u16 {
     u16::from_le_bytes(b[o..o + 2].try_into().expect("2 bytes"))
 }
-fn u32_at(b: &[u8], o: usize) -> u32 {
+pub(crate) fn u32_at(b: &[u8], o: usize) -> u32 {
     u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"))
 }
-fn u64_at(b: &[u8], o: usize) -> u64 {
+pub(crate) fn u64_at(b: &[u8], o: usize) -> u64 {
     u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
 }
+
+/// The fixed start every binary blob of the format (index, outboard) shares: 8 magic
+/// bytes, then the major version at offset 8, in a header of `header_len` bytes, in a
+/// blob of at most `limit` bytes.
+pub(crate) struct BinaryBlob {
+    /// Names the blob in magic and version errors ("chunk index").
+    pub name: &'static str,
+    /// Names its size in the too-large error ("index blob size").
+    pub size_what: &'static str,
+    /// Names its header in the truncation error ("index header").
+    pub header_what: &'static str,
+    pub magic: [u8; 8],
+    pub major: u16,
+    pub limit: u64,
+    pub header_len: usize,
+}
+
+impl BinaryBlob {
+    /// Check size, header length, magic and major version, in that order, before a
+    /// decoder reads anything else.
+    pub(crate) fn check_header(&self, b: &[u8]) -> Result<(), FormatError> {
+        if b.len() as u64 > self.limit {
+            return Err(FormatError::TooLarge { what: self.size_what, got: b.len() as u64, limit: self.limit });
+        }
+        if b.len() < self.header_len {
+            return Err(FormatError::Truncated { what: self.header_what, got: b.len() as u64, expected: self.header_len as u64 });
+        }
+        if b[..8] != self.magic {
+            return Err(FormatError::BadMagic { what: self.name, found: b[..8].to_vec() });
+        }
+        let major = u16_at(b, 8);
+        if major != self.major {
+            return Err(FormatError::UnsupportedVersion { what: self.name, major, supported: self.major });
+        }
+        Ok(())
+    }
+}
+
+const INDEX_BLOB: BinaryBlob = BinaryBlob {
+    name: "chunk index",
+    size_what: "index blob size",
+    header_what: "index header",
+    magic: INDEX_MAGIC,
+    major: INDEX_MAJOR,
+    limit: MAX_INDEX_BYTES,
+    header_len: HEADER_LEN,
+};
 
 impl ChunkIndex {
     pub fn chunk_size(&self) -> u64 {
@@ -203,19 +250,7 @@ impl ChunkIndex {
     /// [`MAX_INDEX_BYTES`] before reading it) and, while validating, 4 bytes per stored
     /// record.
     pub fn decode(b: &[u8]) -> Result<Self, FormatError> {
-        if b.len() as u64 > MAX_INDEX_BYTES {
-            return Err(FormatError::TooLarge { what: "index blob size", got: b.len() as u64, limit: MAX_INDEX_BYTES });
-        }
-        if b.len() < HEADER_LEN {
-            return Err(FormatError::Truncated { what: "index header", got: b.len() as u64, expected: HEADER_LEN as u64 });
-        }
-        if b[..8] != INDEX_MAGIC {
-            return Err(FormatError::BadMagic { what: "chunk index", found: b[..8].to_vec() });
-        }
-        let major = u16_at(b, 8);
-        if major != INDEX_MAJOR {
-            return Err(FormatError::UnsupportedVersion { what: "chunk index", major, supported: INDEX_MAJOR });
-        }
+        INDEX_BLOB.check_header(b)?;
         let hash = HashAlgo::from_code(b[12]).ok_or_else(|| FormatError::invalid("index hash algorithm", format!("unknown code {}", b[12])))?;
         let chunk_shift = b[13];
         if !(MIN_CHUNK_SHIFT..=MAX_CHUNK_SHIFT).contains(&chunk_shift) {

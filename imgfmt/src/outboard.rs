@@ -23,6 +23,7 @@
 use std::sync::OnceLock;
 
 use crate::digest::{ChunkDigest, HashAlgo};
+use crate::index::{u32_at, u64_at, BinaryBlob};
 use crate::{FormatError, MAX_CHUNK_SHIFT, MIN_CHUNK_SHIFT};
 
 /// First 8 bytes of every outboard blob.
@@ -34,6 +35,16 @@ pub const OUTBOARD_MAJOR: u16 = 1;
 pub const OUTBOARD_MINOR: u16 = 0;
 
 pub const HEADER_LEN: usize = 32;
+
+const OUTBOARD_BLOB: BinaryBlob = BinaryBlob {
+    name: "outboard",
+    size_what: "outboard blob size",
+    header_what: "outboard header",
+    magic: OUTBOARD_MAGIC,
+    major: OUTBOARD_MAJOR,
+    limit: MAX_OUTBOARD_BYTES,
+    header_len: HEADER_LEN,
+};
 pub const ENTRY_LEN: usize = 48;
 pub const CV_LEN: usize = 32;
 
@@ -121,16 +132,6 @@ impl SliceCvs<'_> {
     }
 }
 
-fn u16_at(b: &[u8], o: usize) -> u16 {
-    u16::from_le_bytes(b[o..o + 2].try_into().expect("2 bytes"))
-}
-fn u32_at(b: &[u8], o: usize) -> u32 {
-    u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"))
-}
-fn u64_at(b: &[u8], o: usize) -> u64 {
-    u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
-}
-
 fn check_shifts(chunk_shift: u8, slice_shift: u8) -> Result<(), FormatError> {
     if !(MIN_CHUNK_SHIFT..=MAX_CHUNK_SHIFT).contains(&chunk_shift) {
         return Err(FormatError::invalid("outboard chunk_shift", format!("{chunk_shift} outside {MIN_CHUNK_SHIFT}..={MAX_CHUNK_SHIFT}")));
@@ -201,19 +202,7 @@ impl Outboard {
     /// checked before anything is allocated, so this never allocates more than the blob's
     /// own size (which callers bound by [`MAX_OUTBOARD_BYTES`] before reading it).
     pub fn decode(b: &[u8]) -> Result<Self, FormatError> {
-        if b.len() as u64 > MAX_OUTBOARD_BYTES {
-            return Err(FormatError::TooLarge { what: "outboard blob size", got: b.len() as u64, limit: MAX_OUTBOARD_BYTES });
-        }
-        if b.len() < HEADER_LEN {
-            return Err(FormatError::Truncated { what: "outboard header", got: b.len() as u64, expected: HEADER_LEN as u64 });
-        }
-        if b[..8] != OUTBOARD_MAGIC {
-            return Err(FormatError::BadMagic { what: "outboard", found: b[..8].to_vec() });
-        }
-        let major = u16_at(b, 8);
-        if major != OUTBOARD_MAJOR {
-            return Err(FormatError::UnsupportedVersion { what: "outboard", major, supported: OUTBOARD_MAJOR });
-        }
+        OUTBOARD_BLOB.check_header(b)?;
         // Only BLAKE3 is a tree whose slices' CVs merge into the chunk digest.
         if b[12] != HashAlgo::Blake3.code() {
             return Err(FormatError::invalid("outboard hash algorithm", format!("code {}: only 1 (BLAKE3) has slice CVs", b[12])));
