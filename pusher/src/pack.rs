@@ -701,8 +701,8 @@ fn inherit_slice_cvs(index: &ChunkIndex, parent: &Image, source: &dyn BlobSource
     if missing.is_empty() {
         return Ok(());
     }
-    for link in &parent.chain {
-        let Some(ob) = link.read_outboard(source)? else { continue };
+    for ob in parent.read_outboards(source) {
+        let Some(ob) = ob? else { continue };
         if ob.slice_shift != slices.hashed_shift {
             continue;
         }

@@ -244,7 +244,8 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
     // order, names it.
     let stored = image.files.iter().flat_map(|f| &f.chunks).filter(|c| matches!(c.at, StoredAt::Pack { .. })).count();
     let mut work: Vec<Work> = Vec::with_capacity(stored);
-    let mut outboards = read_outboards(src, image).into_iter();
+    // Read before the loop over links, several at a time (a round trip each).
+    let mut outboards = image.read_outboards(src).into_iter().map(|r| r.map_err(|e| e.to_string()).transpose());
     for k in 0..image.chain.len() {
         let listed = work.len();
         let link = &image.chain[k];
@@ -414,40 +415,13 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
     Ok(())
 }
 
+/// A link's outboard as read for the audit: none, the outboard, or why it could not be read.
+type LinkOutboard = Option<Result<Arc<Outboard>, String>>;
+
 /// A link's outboard, when the manifest lists one: readable and well-formed, every entry's
 /// CVs merging to its digest (so its slices can be trusted once the chunk digest is), and
 /// an entry for every raw chunk this link's index records that is longer than a slice (so
 /// a lazy reader never falls back to whole chunks where the packer promised slices).
-/// A link's outboard as read for the audit: none, the outboard, or why it could not be read.
-type LinkOutboard = Option<Result<Arc<Outboard>, String>>;
-
-/// Each chain link's outboard, as [`audit_outboard`] takes it: `None` for a link without
-/// one, else the decoded outboard or why it could not be read. Links whose outboard is not
-/// loaded yet are read `STAT_THREADS` at a time: one after another they cost a round trip
-/// per link, 1.3 s for a 64-ancestor chain 20 ms away (bench/chain.sh --rtt 20).
-fn read_outboards(src: &dyn BlobSource, image: &Image) -> Vec<LinkOutboard> {
-    let got: Vec<Mutex<LinkOutboard>> = image.chain.iter().map(|_| Mutex::new(None)).collect();
-    imgfmt::work::for_each_index(
-        image.chain.len(),
-        STAT_THREADS,
-        || (),
-        |_, k| {
-            let link = &image.chain[k];
-            let r = match (&link.outboard_blob, &link.outboard) {
-                (None, _) => None,
-                (Some(_), Some(o)) => Some(Ok(o.clone())),
-                (Some(_), None) => match link.read_outboard(src) {
-                    Ok(Some(o)) => Some(Ok(Arc::new(o))),
-                    Ok(None) => None,
-                    Err(e) => Some(Err(e.to_string())),
-                },
-            };
-            *got[k].lock().expect("poisoned") = r;
-        },
-    );
-    got.into_iter().map(|m| m.into_inner().expect("poisoned")).collect()
-}
-
 fn audit_outboard(link: &ChainLink, ob: LinkOutboard, who: &str, shift: u8, report: &mut AuditReport) {
     let Some(desc) = &link.outboard_blob else { return };
     let blob = desc.digest.to_string();
