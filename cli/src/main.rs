@@ -48,6 +48,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match &cli.command {
         Command::Serve(_) => cmd::common::init_logging(cmd::serve::DEFAULT_LOG, true),
+        // A daemon's people want its progress (listening, each VM, traces stored) as well.
+        Command::Lazy(_) => cmd::common::init_logging(cmd::lazy::DEFAULT_LOG, false),
         _ => cmd::common::init_logging("warn", false),
     }
     let result = match cli.command {

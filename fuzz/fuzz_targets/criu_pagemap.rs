@@ -1,11 +1,11 @@
-//! CRIU pagemap decoding (`puller::lazy::pagemap`, built here from its source file so the
-//! fuzz crate does not pull in the puller's network stack): never panics, never allocates
+//! CRIU pagemap decoding (`lazy::pagemap`, built here from its source file so the
+//! fuzz crate does not pull in the lazy crate's uffd and network stack): never panics, never allocates
 //! beyond the input; what decodes re-encodes to the same pagemap, and its pages runs are
 //! consistent (ascending, non-overlapping, offsets summing to `pages_bytes`).
 #![no_main]
 
 #[allow(dead_code)]
-#[path = "../../puller/src/lazy/pagemap.rs"]
+#[path = "../../lazy/src/pagemap.rs"]
 mod pagemap;
 
 use libfuzzer_sys::fuzz_target;

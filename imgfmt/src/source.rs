@@ -32,6 +32,30 @@ pub trait BlobSource: Send + Sync {
     }
 }
 
+/// A shared source is a source: a daemon hands one client to many threads (and to the
+/// image opener) without a wrapper type per caller. Every method forwards, the provided
+/// ones too, so a source's own `read_range_unverified` is never replaced by the default.
+impl<T: BlobSource + ?Sized> BlobSource for std::sync::Arc<T> {
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+    fn resolve_tag(&self, tag: &str) -> Result<OciDigest, FormatError> {
+        (**self).resolve_tag(tag)
+    }
+    fn read_blob_unverified(&self, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
+        (**self).read_blob_unverified(digest, limit)
+    }
+    fn blob_size(&self, digest: &OciDigest) -> Result<u64, FormatError> {
+        (**self).blob_size(digest)
+    }
+    fn read_at_unverified(&self, digest: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+        (**self).read_at_unverified(digest, offset, buf)
+    }
+    fn read_range_unverified(&self, digest: &OciDigest, offset: u64, len: usize) -> Result<bytes::Bytes, FormatError> {
+        (**self).read_range_unverified(digest, offset, len)
+    }
+}
+
 /// Stream blob `digest` (`size` bytes as stored) to `f` in pieces of at most 4 MiB, in
 /// order. The pieces are **unverified**: the caller hashes what it sees and decides.
 pub fn stream_blob_unverified<E: From<FormatError>>(
@@ -61,4 +85,51 @@ pub fn read_verified_blob(src: &dyn BlobSource, digest: &OciDigest, limit: u64) 
         return Err(FormatError::BlobDigestMismatch { digest: digest.clone(), actual });
     }
     Ok(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    /// A source whose own range read answers differently from the default, so a wrapper
+    /// that fell back to the default would be seen.
+    struct OwnRanges;
+    impl BlobSource for OwnRanges {
+        fn describe(&self) -> String {
+            "own".into()
+        }
+        fn resolve_tag(&self, _: &str) -> Result<OciDigest, FormatError> {
+            Err(FormatError::invalid("tag", "no tags"))
+        }
+        fn read_blob_unverified(&self, _: &OciDigest, _: u64) -> Result<Vec<u8>, FormatError> {
+            Ok(b"blob".to_vec())
+        }
+        fn blob_size(&self, _: &OciDigest) -> Result<u64, FormatError> {
+            Ok(7)
+        }
+        fn read_at_unverified(&self, _: &OciDigest, _: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+            buf.fill(b'a');
+            Ok(())
+        }
+        fn read_range_unverified(&self, _: &OciDigest, _: u64, len: usize) -> Result<bytes::Bytes, FormatError> {
+            Ok(vec![b'r'; len].into())
+        }
+    }
+
+    #[test]
+    fn a_shared_source_forwards_every_method_to_its_own() {
+        let d: OciDigest = format!("sha256:{}", "0".repeat(64)).parse().unwrap();
+        let shared: Arc<dyn BlobSource> = Arc::new(OwnRanges);
+        let outer = Arc::new(shared);
+        assert_eq!(outer.describe(), "own");
+        assert!(outer.resolve_tag("x").is_err());
+        assert_eq!(outer.blob_size(&d).unwrap(), 7);
+        assert_eq!(outer.read_blob_unverified(&d, 10).unwrap(), b"blob");
+        let mut buf = [0u8; 3];
+        outer.read_at_unverified(&d, 0, &mut buf).unwrap();
+        assert_eq!(&buf, b"aaa");
+        // The source's own range read, not the default built on read_at_unverified.
+        assert_eq!(&outer.read_range_unverified(&d, 0, 3).unwrap()[..], b"rrr");
+    }
 }

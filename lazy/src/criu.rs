@@ -180,9 +180,9 @@ pub struct CriuReport {
 }
 
 /// An error resolving or creating names beneath the work directory, its kind kept.
-fn dest_err(e: crate::unpack::UnpackError) -> LazyError {
+fn dest_err(e: puller::UnpackError) -> LazyError {
     match e {
-        crate::unpack::UnpackError::Io { path, source } => LazyError::Io { context: path.display().to_string(), source },
+        puller::UnpackError::Io { path, source } => LazyError::Io { context: path.display().to_string(), source },
         e => LazyError::Invalid(e.to_string()),
     }
 }
@@ -402,7 +402,7 @@ impl CriuDaemon {
         // overwrites a dump, and a refusal leaves the directory as it was. Names are
         // resolved beneath the work directory without following symlinks (a planted one
         // is refused, or counts as a file already there).
-        let mut dirs = crate::unpack::DestDirs::create(&self.workdir).map_err(dest_err)?;
+        let mut dirs = puller::DestDirs::create(&self.workdir).map_err(dest_err)?;
         let mut plan = Vec::with_capacity(self.image.files.len());
         for f in &self.image.files {
             let dest = self.workdir.join(&f.name);
@@ -498,7 +498,7 @@ impl CriuDaemon {
         for ((dir, name), p) in prepared.files.iter().zip(&prepared.paths) {
             if let Err(e) = dir.remove_file(name) {
                 if e.kind() != std::io::ErrorKind::NotFound {
-                    eprintln!("snapctl lazy: criu: could not remove {}: {e}", p.display());
+                    tracing::warn!("criu: could not remove {}: {e}", p.display());
                 }
             }
         }
@@ -549,15 +549,15 @@ impl CriuDaemon {
                     tasks.push(task);
                     loops.push(h);
                 }
-                Ok(Some(Message::Zombie(pid))) => eprintln!("snapctl lazy: criu: pid {pid} is a zombie: no memory to serve"),
+                Ok(Some(Message::Zombie(pid))) => tracing::warn!("criu: pid {pid} is a zombie: no memory to serve"),
                 Ok(Some(Message::Finished)) => break true,
                 Ok(None) => {
-                    eprintln!("snapctl lazy: criu: ERROR: the restore closed the connection before it finished; releasing its tasks");
+                    tracing::error!("criu: the restore closed the connection before it finished; releasing its tasks");
                     break false;
                 }
                 Err(CriuProtoError::Stopped) => break false,
                 Err(e) => {
-                    eprintln!("snapctl lazy: criu: ERROR: {e}; releasing the restore's tasks");
+                    tracing::error!("criu: {e}; releasing the restore's tasks");
                     break false;
                 }
             }
@@ -579,7 +579,7 @@ impl CriuDaemon {
             pushers.push(self.spawn_push(t));
         }
         if finished {
-            eprintln!("snapctl lazy: criu: restore finished ({} task(s)); pushing the remaining pages", tasks.len());
+            tracing::info!("criu: restore finished ({} task(s)); pushing the remaining pages", tasks.len());
         }
         for (t, h) in tasks.iter().zip(loops) {
             let ended = h.join().unwrap_or_else(|_| "fault loop panicked".into());
@@ -651,7 +651,7 @@ impl CriuDaemon {
     fn start_child(self: &Arc<Self>, parent: &Conn, uffd: userfaultfd::Uffd, layout: Option<TaskLayout>) {
         let counters = Arc::new(Counters::default());
         let conn = parent.child(uffd, counters.clone());
-        eprintln!("snapctl lazy: criu: pid {} forked a child: serving its memory too", parent.pid);
+        tracing::info!("criu: pid {} forked a child: serving its memory too", parent.pid);
         let (task, h) = self.launch(conn, counters, layout, None, Instant::now(), Some(parent.pid));
         let mut f = self.forks.lock().expect("poisoned");
         if f.finished {
@@ -680,7 +680,7 @@ impl CriuDaemon {
         let (ours, theirs) = match UnixStream::pair() {
             Ok(p) => (Some(p.0), Some(p.1)),
             Err(e) => {
-                eprintln!("snapctl lazy: criu: pid {pid}: socketpair: {e}");
+                tracing::warn!("criu: pid {pid}: socketpair: {e}");
                 (None, None)
             }
         };
@@ -711,13 +711,13 @@ impl CriuDaemon {
         let (layout, mut error) = match self.layout(pid) {
             Ok(l) => (Some(l), None),
             Err(e) => {
-                eprintln!("snapctl lazy: criu: ERROR: pid {pid}: {e}; every fault of this task gets poison (SIGBUS)");
+                tracing::error!("criu: pid {pid}: {e}; every fault of this task gets poison (SIGBUS)");
                 (None, Some(e))
             }
         };
         if let Some(l) = &layout {
-            eprintln!(
-                "snapctl lazy: criu: pid {pid}: {} present pages ({} lazy) in {} run(s) of {}, {} zero, {} in a parent dump",
+            tracing::info!(
+                "criu: pid {pid}: {} present pages ({} lazy) in {} run(s) of {}, {} zero, {} in a parent dump",
                 l.present_pages,
                 l.lazy_pages,
                 l.regions.len(),
@@ -730,13 +730,13 @@ impl CriuDaemon {
                     "{} pages are in a parent dump (PE_PARENT, --prev-images-dir), which snapctl lazy does not read: they are poisoned",
                     l.parent_pages
                 );
-                eprintln!("snapctl lazy: criu: ERROR: pid {pid}: {e}");
+                tracing::error!("criu: pid {pid}: {e}");
                 error = Some(e);
             }
         }
         // The fault loop reads without blocking; CRIU opens the uffd O_NONBLOCK already.
         if let Err(e) = nix::fcntl::fcntl(&uffd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK)) {
-            eprintln!("snapctl lazy: criu: pid {pid}: userfaultfd: {e}");
+            tracing::warn!("criu: pid {pid}: userfaultfd: {e}");
         }
         // SAFETY: received over SCM_RIGHTS and owned by nobody else; `Uffd` closes it.
         let uffd = unsafe { userfaultfd::Uffd::from_raw_fd(uffd.into_raw_fd()) };
@@ -815,10 +815,10 @@ impl CriuDaemon {
         if stuck && !self.stop.load(Ordering::Relaxed) {
             // Closing now would let the kernel zero-fill what we could neither install nor
             // poison: keep serving faults until the daemon is stopped.
-            eprintln!("snapctl lazy: criu: ERROR: pid {}: some pages could be neither installed nor poisoned; serving faults until stopped", t.pid);
+            tracing::error!("criu: pid {}: some pages could be neither installed nor poisoned; serving faults until stopped", t.pid);
             return;
         }
-        eprintln!("snapctl lazy: criu: pid {}: {outcome}; releasing its userfaultfd", t.pid);
+        tracing::info!("criu: pid {}: {outcome}; releasing its userfaultfd", t.pid);
         t.release(outcome);
     }
 }

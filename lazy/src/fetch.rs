@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use imgfmt::{BlobSource, HashAlgo, Image, StoredAt};
 use verify::{VerifiedChunk, VerifiedSlice, VerifyError};
 
-/// Where verified chunks are kept between restores (the per-host chunk cache; the CLI
-/// adapts `puller::ChunkCache` to it). Errors are the store's to log: a store that cannot
+/// Where verified chunks are kept between restores (the per-host `puller::ChunkCache`,
+/// below; tests use a map). Errors are the store's to log: a store that cannot
 /// answer is a miss, since the source still has the chunk.
 pub trait ChunkStore: Send + Sync {
     /// The chunk if present and still matching its digest.
@@ -26,6 +26,27 @@ pub trait ChunkStore: Send + Sync {
     fn put_many(&self, algo: HashAlgo, items: &[(imgfmt::ChunkDigest, &VerifiedChunk)]) {
         for (d, c) in items {
             self.put(algo, d, c);
+        }
+    }
+}
+
+/// The per-host chunk cache is the daemon's store. A cache that cannot be read or written
+/// is logged and treated as a miss: the source still has every chunk.
+impl ChunkStore for puller::ChunkCache {
+    fn get(&self, algo: HashAlgo, digest: &imgfmt::ChunkDigest, len: u32) -> Option<VerifiedChunk> {
+        puller::ChunkCache::get(self, algo, digest, len).unwrap_or_else(|e| {
+            tracing::warn!("chunk cache: {e}; fetching from the source");
+            None
+        })
+    }
+    fn put(&self, algo: HashAlgo, digest: &imgfmt::ChunkDigest, chunk: &VerifiedChunk) {
+        if let Err(e) = puller::ChunkCache::put(self, algo, digest, chunk) {
+            tracing::warn!("chunk not cached: {e}");
+        }
+    }
+    fn put_many(&self, algo: HashAlgo, items: &[(imgfmt::ChunkDigest, &VerifiedChunk)]) {
+        for e in self.put_batch(algo, items).into_iter().filter_map(Result::err) {
+            tracing::warn!("chunk not cached: {e}");
         }
     }
 }
@@ -314,7 +335,7 @@ impl Fetcher {
             Err(Stop::Failed(f)) => (Err(f), work),
             Err(Stop::Declined(e)) => {
                 if matches!(e, VerifyError::OutboardMismatch { .. }) {
-                    eprintln!("snapctl lazy: VERIFY FAILURE: {e}; fetching the whole chunk instead");
+                    tracing::error!("VERIFY FAILURE: {e}; fetching the whole chunk instead");
                 }
                 (Ok(SliceFetch::Declined), work)
             }
@@ -352,7 +373,7 @@ impl Fetcher {
                     }
                     work.retries += 1;
                     if work.retries == 1 || work.retries % 10 == 0 {
-                        eprintln!("snapctl lazy: chunk {chunk}: {e}; retrying (attempt {})", work.retries + 1);
+                        tracing::warn!("chunk {chunk}: {e}; retrying (attempt {})", work.retries + 1);
                     }
                     std::thread::sleep(jitter(backoff));
                     backoff = (backoff * 2).min(self.policy.max_backoff);
@@ -360,7 +381,7 @@ impl Fetcher {
                 Err(e) => {
                     work.bytes_fetched += bytes;
                     work.verify_failures += 1;
-                    eprintln!("snapctl lazy: VERIFY FAILURE: {e}");
+                    tracing::error!("VERIFY FAILURE: {e}");
                     if let Some(first) = mismatch {
                         let f = FetchFailure::Integrity { chunk, detail: format!("{first}; then {e}") };
                         return (Err(Stop::Failed(f)), work);

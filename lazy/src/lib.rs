@@ -1,4 +1,6 @@
-//! `snapctl lazy`: serve a restoring VM's page faults from verified chunks (userfaultfd).
+//! Lazy restore: serve a restoring VM's page faults from verified chunks (userfaultfd),
+//! so a sandbox runs before its memory has arrived. The last stage of the pipeline:
+//! image -> registry -> chunk cache (`puller`) -> page faults (here).
 //!
 //! ```text
 //! VMM --connect--> socket --handshake (regions JSON + uffd)--> connection thread
@@ -10,8 +12,10 @@
 //!   prefetcher:  trace (then all) chunks -> same install path, gaps only
 //! ```
 //!
-//! One daemon serves many connections over one image, one chunk cache and one in-flight
-//! map. The wire contract and the `--json` summary are in `spec/lazy.md`.
+//! Two front doors share that fault path: [`Daemon`] speaks Firecracker's UFFD handshake,
+//! [`criu::CriuDaemon`] takes the place of `criu lazy-pages`. One daemon serves many
+//! connections over one image, one chunk cache and one in-flight map. The wire contract
+//! and the `--json` summary are in `spec/lazy.md`.
 //!
 //! Whoever connects gets the snapshot's memory copied into their address space, so the
 //! socket is the daemon's user's alone: it is created mode 0600 whatever the umask
@@ -133,7 +137,7 @@ impl Daemon {
                 Ok(tr) => tr,
                 Err(e) => {
                     // A bad trace costs speed, not correctness: go on without it.
-                    eprintln!("snapctl lazy: warning: ignoring the trace in {}: {e}", t.describe());
+                    tracing::warn!("ignoring the trace in {}: {e}", t.describe());
                     None
                 }
             },
@@ -214,7 +218,7 @@ impl Daemon {
                     std::thread::sleep(Duration::from_millis(20));
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => eprintln!("snapctl lazy: accept: {e}"),
+                Err(e) => tracing::warn!("accept: {e}"),
             }
             let (done, running): (Vec<_>, Vec<_>) = workers.into_iter().partition(|h| h.is_finished());
             workers = running;
@@ -251,7 +255,7 @@ impl Daemon {
                         let key = (c.pid, addr);
                         let due = warned.get(&key).is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
                         if waited >= SLOW_FAULT && due {
-                            eprintln!("snapctl lazy: watchdog: pid {}: fault at {addr:#x} waiting {:.1}s", c.pid, waited.as_secs_f64());
+                            tracing::warn!("watchdog: pid {}: fault at {addr:#x} waiting {:.1}s", c.pid, waited.as_secs_f64());
                             warned.insert(key, Instant::now());
                         }
                     }
@@ -269,21 +273,21 @@ impl Daemon {
         let hs = match handshake::receive(&mut stream) {
             Ok(h) => h,
             Err(e) => {
-                eprintln!("snapctl lazy: connection refused: {e}");
+                tracing::warn!("connection refused: {e}");
                 return false;
             }
         };
         let regions = match handshake::parse_regions(&hs.json, file.size) {
             Ok(r) => r,
             Err(e) => {
-                eprintln!("snapctl lazy: pid {}: {e}; closing the connection", hs.pid);
+                tracing::warn!("pid {}: {e}; closing the connection", hs.pid);
                 return false;
             }
         };
         // Non-blocking, so reading events never stalls the loop (the VMM does not read
         // this fd: it only registers memory on it).
         if let Err(e) = nix::fcntl::fcntl(&hs.uffd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK)) {
-            eprintln!("snapctl lazy: pid {}: userfaultfd: {e}; closing the connection", hs.pid);
+            tracing::warn!("pid {}: userfaultfd: {e}; closing the connection", hs.pid);
             return false;
         }
         // SAFETY: the descriptor was received over SCM_RIGHTS and is owned by nobody else;
@@ -291,7 +295,7 @@ impl Daemon {
         let uffd = unsafe { userfaultfd::Uffd::from_raw_fd(hs.uffd.into_raw_fd()) };
         let _ = stream.set_nonblocking(true);
         let total_bytes: u64 = regions.iter().map(|r| r.size).sum();
-        eprintln!("snapctl lazy: pid {}: {} region(s), {} of {}", hs.pid, regions.len(), imgfmt::size::human(total_bytes), file.name);
+        tracing::info!("pid {}: {} region(s), {} of {}", hs.pid, regions.len(), imgfmt::size::human(total_bytes), file.name);
         let map = MemoryMap { regions, file_size: file.size, chunk_shift: image.chunk_shift() };
         let counters = Arc::new(Counters::default());
         let conn = Arc::new(Conn::new(hs.pid, uffd, map, self.fetcher.clone(), counters.clone(), self.counters.clone(), self.opts.record_trace));
@@ -323,14 +327,14 @@ impl Daemon {
             match &self.traces {
                 Some(store) if !t.chunks.is_empty() => match store.store(&image, &t) {
                     Ok(at) => {
-                        eprintln!("snapctl lazy: pid {}: trace of {} chunks stored at {at}", hs.pid, t.chunks.len());
+                        tracing::info!("pid {}: trace of {} chunks stored at {at}", hs.pid, t.chunks.len());
                         report.trace = Some(at);
                         *self.trace.lock().expect("poisoned") = Some(t);
                     }
-                    Err(e) => eprintln!("snapctl lazy: pid {}: storing the trace failed: {e}", hs.pid),
+                    Err(e) => tracing::warn!("pid {}: storing the trace failed: {e}", hs.pid),
                 },
-                Some(_) => eprintln!("snapctl lazy: pid {}: no chunk was fetched: no trace to store", hs.pid),
-                None => eprintln!("snapctl lazy: pid {}: nowhere to store the trace for this source", hs.pid),
+                Some(_) => tracing::info!("pid {}: no chunk was fetched: no trace to store", hs.pid),
+                None => tracing::warn!("pid {}: nowhere to store the trace for this source", hs.pid),
             }
         }
         on_report(&report);
@@ -427,7 +431,7 @@ fn listen(path: &std::path::Path, ready: Option<&std::path::Path>, who: &str, ta
     let listener = bind_private(path).map_err(io_err(format!("binding {}", path.display())))?;
     listener.set_nonblocking(true).map_err(io_err("socket"))?;
     let cleanup = RemoveOnDrop(path.to_path_buf());
-    eprintln!("snapctl lazy: {tag}listening on {}", path.display());
+    tracing::info!("{tag}listening on {}", path.display());
     if let Some(r) = ready {
         let mut tmp = r.to_path_buf().into_os_string();
         tmp.push(format!(".{}.tmp", std::process::id()));

@@ -263,7 +263,7 @@ mod tests {
 
     #[test]
     fn trace_round_trips_through_a_layout_and_is_checked() {
-        let (_d, _mem, image, layout) = crate::lazy::fetch::tests::sample_image(6);
+        let (_d, _mem, image, layout) = crate::fetch::tests::sample_image(6);
         let file = image.file("vm.mem").unwrap().0;
         let store = LayoutTraces(layout);
         assert_eq!(store.load(&image, file).unwrap(), None);

@@ -493,16 +493,16 @@ impl Conn {
                     Ok(Event::Pagefault { addr, .. }) => pending.push_back(Fault { addr: addr as u64, read_at: now }),
                     Ok(Event::Remove { start, end }) | Ok(Event::Unmap { start, end }) => self.removed(start as u64, end as u64),
                     Ok(Event::Remap { from, to, len }) => {
-                        eprintln!("snapctl lazy: pid {}: guest memory remapped {from:?} -> {to:?} ({len} bytes): not followed", self.pid)
+                        tracing::warn!("pid {}: guest memory remapped {from:?} -> {to:?} ({len} bytes): not followed", self.pid)
                     }
                     Ok(Event::Fork { uffd }) => match &self.on_fork {
                         Some(hook) => hook(self, uffd),
                         None => {
-                            eprintln!("snapctl lazy: pid {}: fork event not followed: the child's untouched memory will read as zeros", self.pid);
+                            tracing::warn!("pid {}: fork event not followed: the child's untouched memory will read as zeros", self.pid);
                             drop(uffd);
                         }
                     },
-                    Err(e) => eprintln!("snapctl lazy: pid {}: bad userfaultfd event: {e}", self.pid),
+                    Err(e) => tracing::warn!("pid {}: bad userfaultfd event: {e}", self.pid),
                 }
             }
         }
@@ -516,7 +516,7 @@ impl Conn {
             }
             // Registered memory the VMM did not describe: there is no right content for
             // it, so the vCPU gets a memory error rather than a hang or made-up bytes.
-            eprintln!("snapctl lazy: pid {}: fault at {:#x} outside every region; poisoning the page", self.pid, f.addr);
+            tracing::warn!("pid {}: fault at {:#x} outside every region; poisoning the page", self.pid, f.addr);
             let p = f.addr & !(self.sys_page - 1);
             let mut st = self.state.lock().expect("poisoned");
             if self.fill(Op::Poison, p, self.sys_page, self.sys_page).is_ok() && self.outside.count && st.outside_poisoned.insert(p) {
@@ -617,7 +617,7 @@ impl Conn {
             Err(Fill::Unmapped) => Ok(()),
             Err(Fill::Again) => unreachable!("retried above"),
             Err(Fill::Failed(e)) => {
-                eprintln!("snapctl lazy: pid {}: installing {:#x}+{:#x} failed: {e}; the fault stays unresolved", self.pid, span.host, span.len);
+                tracing::warn!("pid {}: installing {:#x}+{:#x} failed: {e}; the fault stays unresolved", self.pid, span.host, span.len);
                 Ok(())
             }
         }
@@ -626,10 +626,7 @@ impl Conn {
     /// No verified bytes for this span: poison it so the guest gets a memory error, never
     /// wrong data. Removed parts of the span still get zeros (they need no snapshot data).
     fn poison(&self, span: &Span, failure: &FetchFailure, pending: &mut VecDeque<Fault>) -> Result<(), String> {
-        eprintln!(
-            "snapctl lazy: ERROR: pid {}: {failure}: POISONING guest memory {:#x}+{:#x} (file offset {:#x})",
-            self.pid, span.host, span.len, span.file_offset
-        );
+        tracing::error!("pid {}: {failure}: POISONING guest memory {:#x}+{:#x} (file offset {:#x})", self.pid, span.host, span.len, span.file_offset);
         let page = self.map.regions[span.region].page_size;
         loop {
             let mut st = self.state.lock().expect("poisoned");
@@ -664,7 +661,7 @@ impl Conn {
                 Err(e) => {
                     // No poison on this kernel: leaving the fault unresolved stalls the
                     // vCPU, which is still better than handing it bytes we could not verify.
-                    eprintln!("snapctl lazy: ERROR: pid {}: UFFDIO_POISON failed ({e:?}); the faulting vCPU stays stalled", self.pid);
+                    tracing::error!("pid {}: UFFDIO_POISON failed ({e:?}); the faulting vCPU stays stalled", self.pid);
                     st.poisoned.insert((span.region, span.unit));
                     return Ok(());
                 }
@@ -977,7 +974,7 @@ impl Conn {
                             }
                             Err(Fill::Gone) => return Err("the VMM's memory is gone".into()),
                             Err(Fill::Failed(e)) => {
-                                eprintln!("snapctl lazy: pid {}: installing {x:#x}+{:#x} failed: {e}; faults there stay unresolved", self.pid, y - x)
+                                tracing::warn!("pid {}: installing {x:#x}+{:#x} failed: {e}; faults there stay unresolved", self.pid, y - x)
                             }
                         }
                     }
@@ -1026,7 +1023,7 @@ impl Conn {
                 Err(Fill::Gone) => return Err("the process's memory is gone".into()),
                 Err(Fill::Unmapped) => break,
                 Err(Fill::Failed(e)) => {
-                    eprintln!("snapctl lazy: pid {}: zero-filling {p:#x} failed: {e}; the fault stays unresolved", self.pid);
+                    tracing::warn!("pid {}: zero-filling {p:#x} failed: {e}; the fault stays unresolved", self.pid);
                     break;
                 }
             }
@@ -1057,10 +1054,7 @@ impl Conn {
                 if st.poisoned.contains(&(span.region, span.unit)) {
                     return Pushed::Done;
                 }
-                eprintln!(
-                    "snapctl lazy: ERROR: pid {}: {failure}: POISONING memory {:#x}+{:#x} (file offset {:#x})",
-                    self.pid, span.host, span.len, span.file_offset
-                );
+                tracing::error!("pid {}: {failure}: POISONING memory {:#x}+{:#x} (file offset {:#x})", self.pid, span.host, span.len, span.file_offset);
                 let mut poisoned = 0;
                 for (removed, a, b) in st.removed.split(span.host, span.host + span.len) {
                     if removed {
@@ -1072,7 +1066,7 @@ impl Conn {
                         Err(Fill::Again) => return Pushed::Again,
                         Err(Fill::Gone) => return Pushed::Gone,
                         Err(Fill::Failed(e)) => {
-                            eprintln!("snapctl lazy: ERROR: pid {}: UFFDIO_POISON failed ({e}); {:#x}+{:#x} stays unresolved", self.pid, a, b - a);
+                            tracing::error!("pid {}: UFFDIO_POISON failed ({e}); {:#x}+{:#x} stays unresolved", self.pid, a, b - a);
                             return Pushed::Stuck;
                         }
                     }
@@ -1098,7 +1092,7 @@ impl Conn {
                 Err(Fill::Again) => return Pushed::Again,
                 Err(Fill::Gone) => return Pushed::Gone,
                 Err(Fill::Failed(e)) => {
-                    eprintln!("snapctl lazy: ERROR: pid {}: installing {a:#x}+{:#x} failed: {e}; it stays unresolved", self.pid, b - a);
+                    tracing::error!("pid {}: installing {a:#x}+{:#x} failed: {e}; it stays unresolved", self.pid, b - a);
                     return Pushed::Stuck;
                 }
             }
@@ -1128,7 +1122,7 @@ impl Conn {
                 Err(Fill::Again) => return Pushed::Again,
                 Err(Fill::Gone) => return Pushed::Gone,
                 Err(Fill::Failed(e)) => {
-                    eprintln!("snapctl lazy: ERROR: pid {}: UFFDIO_POISON failed ({e}); {a:#x}+{:#x} stays unresolved", self.pid, b - a);
+                    tracing::error!("pid {}: UFFDIO_POISON failed ({e}); {a:#x}+{:#x} stays unresolved", self.pid, b - a);
                     return Pushed::Stuck;
                 }
             }

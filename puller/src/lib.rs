@@ -1,6 +1,7 @@
 //! Puller: an image becomes checkpoint files again: [`unpack`] from any source chunk by
 //! chunk, [`pull`] from a registry through the per-host [`ChunkCache`] (fetching only
-//! what the cache lacks, in coalesced parallel range requests), and the lazy UFFD server.
+//! what the cache lacks, in coalesced parallel range requests). Serving page faults from
+//! the same cache is the next stage's job (`lazy`).
 //!
 //! ```text
 //! source (layout | registry) -> verified chunk (verify) -> temp file -> fsync -> rename
@@ -8,7 +9,6 @@
 //! ```
 
 pub mod cache;
-pub mod lazy;
 mod pull;
 mod unpack;
 
@@ -16,4 +16,4 @@ pub use regclient::{Credentials, RegistrySource};
 
 pub use cache::{CacheError, CacheStats, ChunkCache, PreparedRefs};
 pub use pull::{pull, PullOptions, PullReport, DEFAULT_MAX_JOBS, DEFAULT_MAX_RANGE};
-pub use unpack::{unpack, UnpackError, UnpackOptions, UnpackReport};
+pub use unpack::{unpack, DestDirs, UnpackError, UnpackOptions, UnpackReport};

@@ -82,7 +82,7 @@ impl Drop for TempGuard {
 
 /// The directories of an image's files beneath a destination, each opened once (a
 /// symlink anywhere beneath the destination is refused, never followed).
-pub(crate) struct DestDirs<'a> {
+pub struct DestDirs<'a> {
     root: Dir,
     dest: &'a Path,
     open: HashMap<PathBuf, Arc<Dir>>,
@@ -91,14 +91,14 @@ pub(crate) struct DestDirs<'a> {
 impl<'a> DestDirs<'a> {
     /// Create `dest` if missing (symlinks in `dest` itself are the caller's to choose)
     /// and open it.
-    pub(crate) fn create(dest: &'a Path) -> Result<Self, UnpackError> {
+    pub fn create(dest: &'a Path) -> Result<Self, UnpackError> {
         let root = Dir::create_all(dest).map_err(|source| UnpackError::Io { path: dest.to_path_buf(), source })?;
         Ok(DestDirs { root, dest, open: HashMap::new() })
     }
 
     /// The directory holding the image file `name`, and the file's last component;
     /// `create`: make missing directories, else `None` when one is missing.
-    pub(crate) fn dir_of(&mut self, name: &str, create: bool) -> Result<Option<(Arc<Dir>, OsString)>, UnpackError> {
+    pub fn dir_of(&mut self, name: &str, create: bool) -> Result<Option<(Arc<Dir>, OsString)>, UnpackError> {
         // Names were checked when the config was decoded: relative, no traversal.
         let (rel, base) = split_name(name);
         if let Some(d) = self.open.get(rel) {
@@ -117,7 +117,7 @@ impl<'a> DestDirs<'a> {
     }
 
     /// Whether anything (a file, a symlink, a directory) is under the image file `name`.
-    pub(crate) fn exists(&mut self, name: &str) -> Result<bool, UnpackError> {
+    pub fn exists(&mut self, name: &str) -> Result<bool, UnpackError> {
         let Some((dir, base)) = self.dir_of(name, false)? else { return Ok(false) };
         dir.entry(&base).map(|e| e.is_some()).map_err(|source| UnpackError::Io { path: dir.display_path(&base), source })
     }

@@ -9,8 +9,8 @@ use std::time::Duration;
 use anyhow::{bail, Context as _};
 use imgfmt::reference::Reference;
 use imgfmt::{OciLayout, Role};
-use puller::lazy::criu::{CriuDaemon, CriuReport};
-use puller::lazy::{ConnReport, Daemon, LayoutTraces, LazyOptions, PrefetchMode, RegistryTraces, RetryPolicy, TraceStore};
+use lazy::criu::{CriuDaemon, CriuReport};
+use lazy::{ConnReport, Daemon, LayoutTraces, LazyOptions, PrefetchMode, RegistryTraces, RetryPolicy, TraceStore};
 
 use super::common::{self, open_image};
 
@@ -126,61 +126,15 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
     }
 }
 
-/// A shared registry client as a boxed blob source.
-struct ArcSource(Arc<regclient::RegistrySource>);
-
-impl imgfmt::BlobSource for ArcSource {
-    fn describe(&self) -> String {
-        self.0.describe()
-    }
-    fn resolve_tag(&self, tag: &str) -> Result<imgfmt::OciDigest, imgfmt::FormatError> {
-        self.0.resolve_tag(tag)
-    }
-    fn read_blob_unverified(&self, d: &imgfmt::OciDigest, limit: u64) -> Result<Vec<u8>, imgfmt::FormatError> {
-        self.0.read_blob_unverified(d, limit)
-    }
-    fn blob_size(&self, d: &imgfmt::OciDigest) -> Result<u64, imgfmt::FormatError> {
-        self.0.blob_size(d)
-    }
-    fn read_at_unverified(&self, d: &imgfmt::OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), imgfmt::FormatError> {
-        self.0.read_at_unverified(d, offset, buf)
-    }
-    fn read_range_unverified(&self, d: &imgfmt::OciDigest, offset: u64, len: usize) -> Result<bytes::Bytes, imgfmt::FormatError> {
-        self.0.read_range_unverified(d, offset, len)
-    }
-}
-
-/// The per-host chunk cache as the lazy server's chunk store.
-struct CacheStore(puller::ChunkCache);
-
-impl puller::lazy::ChunkStore for CacheStore {
-    fn get(&self, algo: imgfmt::HashAlgo, digest: &imgfmt::ChunkDigest, len: u32) -> Option<verify::VerifiedChunk> {
-        self.0.get(algo, digest, len).unwrap_or_else(|e| {
-            // A cache that cannot be read is a miss: the source still has the chunk.
-            eprintln!("snapctl lazy: warning: {e}");
-            None
-        })
-    }
-    fn put(&self, algo: imgfmt::HashAlgo, digest: &imgfmt::ChunkDigest, chunk: &verify::VerifiedChunk) {
-        if let Err(e) = self.0.put(algo, digest, chunk) {
-            eprintln!("snapctl lazy: warning: chunk not cached: {e}");
-        }
-    }
-    fn put_many(&self, algo: imgfmt::HashAlgo, items: &[(imgfmt::ChunkDigest, &verify::VerifiedChunk)]) {
-        for e in self.0.put_batch(algo, items).into_iter().filter_map(Result::err) {
-            eprintln!("snapctl lazy: warning: chunk not cached: {e}");
-        }
-    }
-}
-
 fn parse_prefetch(s: &str) -> Result<PrefetchMode, String> {
     s.parse()
 }
 
+/// The log filter unless SNAPCTL_LOG or RUST_LOG says otherwise: the daemon's progress
+/// (listening, each connection, traces stored) and every library's warnings.
+pub const DEFAULT_LOG: &str = "warn,lazy=info";
+
 pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
-    // The libraries' warnings (a refused peer, above all) on stderr; SNAPCTL_LOG to tune.
-    let filter = tracing_subscriber::EnvFilter::try_from_env("SNAPCTL_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false).try_init();
     // Registry references get a client of their own so traces can be pushed as referrers
     // through it; layouts keep traces under the fallback tag.
     let mut fault_source: Option<Arc<dyn imgfmt::BlobSource>> = None;
@@ -200,7 +154,7 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
             let mut faults = common::registry_client(&host, &repository, false)?;
             faults.set_retries(0);
             fault_source = Some(Arc::new(faults) as Arc<dyn imgfmt::BlobSource>);
-            let o = common::Opened { source: Box::new(ArcSource(src.clone())), selector, reference: a.image.clone() };
+            let o = common::Opened { source: Box::new(src.clone()), selector, reference: a.image.clone() };
             (o, Some(Box::new(RegistryTraces(src))))
         }
     };
@@ -213,12 +167,12 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
         eprintln!("snapctl lazy: warning: {e}; faults fetch whole chunks");
     }
     let image = Arc::new(image);
-    let store: Option<Arc<dyn puller::lazy::ChunkStore>> = if a.no_cache {
+    let store: Option<Arc<dyn lazy::ChunkStore>> = if a.no_cache {
         None
     } else {
         let dir = a.cache.clone().unwrap_or_else(puller::ChunkCache::default_dir);
         let limit = a.cache_size.unwrap_or(puller::cache::DEFAULT_LIMIT);
-        Some(Arc::new(CacheStore(puller::ChunkCache::open(&dir, limit).with_context(|| format!("opening the chunk cache {}", dir.display()))?)))
+        Some(Arc::new(puller::ChunkCache::open(&dir, limit).with_context(|| format!("opening the chunk cache {}", dir.display()))?))
     };
     let mut opts = LazyOptions::new(a.socket.clone().unwrap_or_default());
     opts.prefetch = a.prefetch;
@@ -306,7 +260,7 @@ fn run_criu(
     a: &LazyArgs,
     image: Arc<imgfmt::Image>,
     src: Arc<dyn imgfmt::BlobSource>,
-    store: Option<Arc<dyn puller::lazy::ChunkStore>>,
+    store: Option<Arc<dyn lazy::ChunkStore>>,
     workdir: PathBuf,
     opts: LazyOptions,
 ) -> anyhow::Result<ExitCode> {

@@ -39,8 +39,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context};
 use clap::{Parser, Subcommand};
+use lazy::pagemap::{decode_pagemap, encode_pagemap, Pagemap, PagemapEntry, PE_LAZY, PE_PARENT, PE_PRESENT};
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
-use puller::lazy::pagemap::{decode_pagemap, encode_pagemap, Pagemap, PagemapEntry, PE_LAZY, PE_PARENT, PE_PRESENT};
 use serde::{Deserialize, Serialize};
 use snapctl_tests::SplitMix64;
 use userfaultfd::{FeatureFlags, Uffd, UffdBuilder};

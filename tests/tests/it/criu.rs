@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use puller::lazy::pagemap::decode_pagemap;
+use lazy::pagemap::decode_pagemap;
 use snapctl_tests::counter::{self, sha256_file, ticks, Tick};
 use snapctl_tests::registry_support::Serve;
 use snapctl_tests::{require_peers, run, snapctl, uffd_usable};
