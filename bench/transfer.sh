@@ -27,7 +27,8 @@
 #                     a lower bound for the skopeo wake path)
 #   ... again         both pulls once more into fresh directories (fresh chunk cache):
 #                     on this VM first pulls were often slower than second ones, for
-#                     reasons not found (BENCHMARKS.md), so both are reported
+#                     reasons then not found (since explained by bench/lib/memory.sh), so both
+#                     are reported
 #   cp                `cp vm.mem DST` and `cp vm.mem DST && sync DST` of the raw file
 # Before each timed command: `sync`, so write-back of the last one is not billed to it,
 # and WARM bytes of memory touched and freed (bench/lib/memory.sh: on this VM, memory
@@ -35,7 +36,7 @@
 # command should not pay that). WARM defaults to twice the image's logical size: a pull
 # with its server on this machine touches more fresh memory than the image's size, and
 # with only 1x warmed, pulls of the 2 GiB image took 1.1-2.9 s, with 2x 0.9-1.5 s (both
-# sides get the same; BENCHMARKS.md, 23:44 run). --warm BYTES sets it, --warm 0 turns it
+# sides get the same; the 23:44 run in bench/results/BENCHMARKS-diary-*.md). --warm BYTES sets it, --warm 0 turns it
 # off.
 #
 # Output: markdown on stdout, progress on stderr; every timed run is also appended to
@@ -168,7 +169,7 @@ bench_size() {
     add "$size.pull" "$T"
     cmp "$snap/vm.mem" "$W/pulled/vm.mem" || { echo "transfer.sh: pulled vm.mem differs" >&2; exit 1; }
     # Again, fresh destination and cache: first pulls were often slower here than second
-    # ones, cause not found (BENCHMARKS.md), so both are reported.
+    # ones (cold memory: bench/lib/memory.sh), so both are reported.
     rm -rf "$W/pulled" "$W/ccache"
     time_it snapctl_pull_again "$size" "$run" -- "$SNAPCTL" pull "$ref" "$W/pulled" --cache "$W/ccache" --json
     add "$size.pull2" "$T"

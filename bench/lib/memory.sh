@@ -6,7 +6,8 @@
 # 3.5-5.8 s of system time here, against 1.1 s right after the same 2 GiB was touched and
 # freed. Whichever timed command first writes a large file after a pause (pull after push,
 # say) was billed seconds that belong to the hypervisor, not to the tool: the "first pull
-# is slower" mystery of BENCHMARKS.md. So before each timed command, on both sides alike,
+# is slower" mystery (bench/results/BENCHMARKS-diary-2026-11-29-to-12-01.md, "What the
+# 'first pull is slower' was"). So before each timed command, on both sides alike,
 # BYTES of memory are touched and freed again; the command then finds backed free pages
 # (they stay so for a few seconds). SNAPCTL_BENCH_WARM=0 turns it off, to see the effect.
 warm_memory() {

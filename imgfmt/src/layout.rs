@@ -143,7 +143,7 @@ impl OciLayout {
         // filesystem without flock leaves the pid and the age to tell.
         let _ = file.try_lock();
         // Writes of at most 256 KiB reach the kernel: larger page-cache copies were several
-        // times slower on the VMs we measured (BENCHMARKS.md).
+        // times slower on the VMs we measured (BENCHMARKS.md, "Machine and method").
         Ok(BlobWriter { file: Some(io::BufWriter::with_capacity(WRITE_PIECE, file)), tmp, dir, hasher: Some(OciHasher::sha256()), len: 0, hinted: 0 })
     }
 

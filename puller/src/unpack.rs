@@ -186,7 +186,7 @@ pub fn unpack(
                     }
                     let chunk = verify::read_chunk(src, image, fi, ci as u64)?;
                     // Pieces of at most 256 KiB: on this kind of VM, 1 MiB page-cache
-                    // copies were several times slower (BENCHMARKS.md, "unpack").
+                    // copies were several times slower (BENCHMARKS.md, "Machine and method").
                     let at = (ci as u64) << shift;
                     let _turn = turn.lock().unwrap_or_else(|p| p.into_inner());
                     for (k, piece) in chunk.as_bytes().chunks(WRITE_PIECE).enumerate() {

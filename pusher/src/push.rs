@@ -104,7 +104,8 @@ pub fn pack_dir(dir: &Path, dest: &RegistrySource, opts: DirOptions<'_>, copy: &
         mount_from: copy.mount_from.clone(),
         // The pack writer hashed every pack as it wrote it; the registry checks that
         // digest when it commits the blob. Hashing the bytes again on the way out was a
-        // quarter of the push's CPU (a 2 GiB image on 2 cores, BENCHMARKS.md).
+        // quarter of the push's CPU (a 2 GiB image on 2 cores: the 20:39 run of
+        // bench/results/BENCHMARKS-diary-2026-11-29-to-12-01.md, "What changed").
         upload: regclient::UploadOptions { source_hashed: true, ..copy.upload.clone() },
         progress: None,
     };

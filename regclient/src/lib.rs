@@ -634,7 +634,8 @@ impl BlobSource for RegistrySource {
         } else {
             // The body as the HTTP stack collected it: one copy out of the socket's
             // buffers, where reading into a zeroed buffer of our own cost a memset and a
-            // second copy (a quarter of a pull's CPU, BENCHMARKS.md).
+            // second copy (the 20:39 run of bench/results/BENCHMARKS-diary-2026-11-29-to-12-01.md,
+            // "What changed").
             match resp.bytes() {
                 Ok(b) if b.len() == len => return Ok(b),
                 Ok(b) => tracing::debug!("{what}: body of {} bytes, expected {len}; asking again", b.len()),

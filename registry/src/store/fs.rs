@@ -109,8 +109,9 @@ impl BlobStore for FsStore {
         // faulted in) on the blocking pool, so a cold disk read never stalls the runtime.
         // The HTTP stack sends straight from the page cache: reading into a buffer first
         // cost a copy per byte served and a hand-off per 256 KiB (a tenth of a pull's CPU
-        // on 2 cores, BENCHMARKS.md). Objects are never written in place (every write is a
-        // new file renamed over the name), which is what mapping them needs.
+        // on 2 cores: bench/results/BENCHMARKS-diary-2026-11-29-to-12-01.md, "What
+        // changed"). Objects are never written in place (every write is a new file renamed
+        // over the name), which is what mapping them needs.
         let file = std::sync::Arc::new(file);
         let owned = key.to_owned();
         let end = range.end;
