@@ -17,9 +17,11 @@
 //! unchanged layer costs a few hundred bytes of index. [`Image`] resolves a chain into
 //! one flat table of [`ResolvedChunk`]s.
 //!
-//! This crate never hashes content: digest computation and verification live in the
-//! `verify` crate. What it decodes is *structurally* valid (bounds, counts, overlaps);
-//! whether bytes match their digests is `verify`'s job. See `spec/format.md`.
+//! Chunk digests, Merkle roots and their checks live in the `verify` crate. The OCI blob
+//! digest ([`OciDigest`]) and its one streaming hasher ([`OciHasher`]) live here, because
+//! every crate names blobs with them. What this crate decodes is *structurally* valid
+//! (bounds, counts, overlaps); whether chunk bytes match their digests is `verify`'s job.
+//! See `spec/format.md`.
 
 pub mod compress;
 pub mod config;
@@ -39,7 +41,7 @@ pub mod work;
 
 pub use compress::Compression;
 pub use config::{FileEntry, ImageConfig, Kind, Role};
-pub use digest::{ChunkDigest, HashAlgo, OciDigest};
+pub use digest::{ChunkDigest, HashAlgo, OciDigest, OciHasher};
 pub use error::FormatError;
 pub use image::{resolve_chain, ChainLink, Image, ResolvedChunk, ResolvedFile, StoredAt};
 pub use index::{ChunkIndex, ChunkRecord, IndexFile, PackRef, RecordKind};

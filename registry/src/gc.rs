@@ -22,7 +22,8 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::digest::Digest;
+use imgfmt::OciDigest;
+
 use crate::inuse::{self, GC_STALE, LEASE_STALE};
 use crate::layout::{self, RepoKey};
 use crate::server::manifest_refs;
@@ -84,7 +85,7 @@ pub enum GcError {
     /// manifest {digest} is not a valid manifest ({reason}); refusing to sweep
     BadManifest {
         /// The manifest.
-        digest: Digest,
+        digest: OciDigest,
         /// What is wrong.
         reason: String,
     },
@@ -175,8 +176,8 @@ impl GcRun {
 /// What marking found.
 #[derive(Debug, Default)]
 pub(crate) struct Marked {
-    reachable: HashSet<Digest>,
-    layer_links: Vec<(String, Digest)>,
+    reachable: HashSet<OciDigest>,
+    layer_links: Vec<(String, OciDigest)>,
 }
 
 /// Run gc over `store`.
@@ -195,7 +196,7 @@ pub async fn run(store: &dyn BlobStore, opts: &GcOptions) -> Result<GcReport, Gc
 /// Mark every blob a manifest reaches.
 pub(crate) async fn mark(store: &dyn BlobStore, run: &mut GcRun, report: &mut GcReport) -> Result<Marked, GcError> {
     let repo_keys = store.list(layout::REPOS).await?;
-    let mut todo: Vec<Digest> = Vec::new();
+    let mut todo: Vec<OciDigest> = Vec::new();
     let mut out = Marked::default();
     for m in &repo_keys {
         match layout::parse_repo_key(&m.key) {
@@ -213,7 +214,7 @@ pub(crate) async fn mark(store: &dyn BlobStore, run: &mut GcRun, report: &mut Gc
             None => {}
         }
     }
-    let mut walked: HashSet<Digest> = HashSet::new();
+    let mut walked: HashSet<OciDigest> = HashSet::new();
     while let Some(d) = todo.pop() {
         out.reachable.insert(d.clone());
         if !walked.insert(d.clone()) {
@@ -253,7 +254,7 @@ pub(crate) async fn mark(store: &dyn BlobStore, run: &mut GcRun, report: &mut Gc
 pub(crate) async fn sweep(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOptions, marked: Marked, report: &mut GcReport) -> Result<(), GcError> {
     let keep_after = run.keep_after(opts.grace);
     let old = |t: SystemTime| keep_after.is_some_and(|k| t < k);
-    let mut candidates: Vec<(ObjectMeta, Digest)> = Vec::new();
+    let mut candidates: Vec<(ObjectMeta, OciDigest)> = Vec::new();
     for m in store.list(layout::BLOBS).await? {
         let Some(d) = layout::parse_blob_key(&m.key) else { continue };
         report.blobs += 1;
@@ -267,7 +268,7 @@ pub(crate) async fn sweep(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOptio
         candidates.push((m, d));
     }
     let dry = opts.dry_run;
-    let mut gone: HashSet<Digest> = HashSet::new();
+    let mut gone: HashSet<OciDigest> = HashSet::new();
     for batch in candidates.chunks(SWEEP_BATCH) {
         // Condemn first, then look for uses: a request that missed the mark has touched
         // its use mark already (crate::inuse).

@@ -45,8 +45,8 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
+use imgfmt::OciDigest;
 
-use crate::digest::Digest;
 use crate::layout;
 use crate::store::{BlobStore, StoreError};
 
@@ -65,7 +65,7 @@ pub enum InUseError {
     /// storage: {0}
     Store(#[from] StoreError),
     /// garbage collection has been deciding about {0} for more than 30 s; retry
-    Busy(Digest),
+    Busy(OciDigest),
     /// the request took more than {0:?} between checking its blobs and committing; retry
     TooSlow(Duration),
 }
@@ -73,17 +73,17 @@ pub enum InUseError {
 /// Record that the caller relies on blob `d`, then wait until no gc is deciding about it.
 /// After `Ok`, the caller must check that `d` exists and answer by what it finds: a
 /// running gc has either seen this use (and keeps `d`) or finished with `d`.
-pub async fn rely_on(store: &dyn BlobStore, d: &Digest) -> Result<(), InUseError> {
+pub async fn rely_on(store: &dyn BlobStore, d: &OciDigest) -> Result<(), InUseError> {
     store.touch(&layout::gc_used(d)).await?;
     settled(store, d).await
 }
 
 /// Wait until no gc is deciding about `d` (step 2 above).
-pub async fn settled(store: &dyn BlobStore, d: &Digest) -> Result<(), InUseError> {
+pub async fn settled(store: &dyn BlobStore, d: &OciDigest) -> Result<(), InUseError> {
     settled_within(store, d, CONDEMN_WAIT).await
 }
 
-async fn settled_within(store: &dyn BlobStore, d: &Digest, wait: Duration) -> Result<(), InUseError> {
+async fn settled_within(store: &dyn BlobStore, d: &OciDigest, wait: Duration) -> Result<(), InUseError> {
     let key = layout::gc_condemned(d);
     let start = tokio::time::Instant::now();
     let mut pause = Duration::from_millis(10);
@@ -123,14 +123,14 @@ pub async fn gc_running(store: &dyn BlobStore) -> Result<bool, StoreError> {
 #[must_use = "a lease protects blobs until it is released"]
 pub struct Lease {
     key: String,
-    digests: Vec<Digest>,
+    digests: Vec<OciDigest>,
     taken: Instant,
 }
 
 /// Take a lease on `digests` (step 1 of a manifest PUT).
-pub async fn lease(store: &dyn BlobStore, digests: Vec<Digest>) -> Result<Lease, StoreError> {
+pub async fn lease(store: &dyn BlobStore, digests: Vec<OciDigest>) -> Result<Lease, StoreError> {
     let key = layout::gc_inflight(&format!("{:032x}", rand::random::<u128>()));
-    let names: Vec<String> = digests.iter().map(Digest::to_string).collect();
+    let names: Vec<String> = digests.iter().map(OciDigest::to_string).collect();
     store.put(&key, Bytes::from(serde_json::to_vec(&names).expect("strings serialize"))).await?;
     Ok(Lease { key, digests, taken: Instant::now() })
 }
@@ -163,7 +163,7 @@ impl Lease {
 
 /// The digests of every live lease. Leases older than `stale_before` are dead requests':
 /// they are ignored, and removed unless `dry_run`.
-pub async fn leased(store: &dyn BlobStore, stale_before: Option<SystemTime>, dry_run: bool) -> Result<HashSet<Digest>, StoreError> {
+pub async fn leased(store: &dyn BlobStore, stale_before: Option<SystemTime>, dry_run: bool) -> Result<HashSet<OciDigest>, StoreError> {
     let mut out = HashSet::new();
     for m in store.list(layout::GC_INFLIGHT).await? {
         if stale_before.is_some_and(|t| m.modified < t) {
@@ -189,7 +189,6 @@ pub async fn leased(store: &dyn BlobStore, stale_before: Option<SystemTime>, dry
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::digest::Algorithm;
     use crate::store::FsStore;
 
     /// A request finding a condemned mark waits for gc to finish with the blob, and
@@ -198,7 +197,7 @@ mod tests {
     async fn a_condemned_blob_is_waited_for() {
         let dir = tempfile::tempdir().unwrap();
         let store: std::sync::Arc<dyn BlobStore> = std::sync::Arc::new(FsStore::open(dir.path()).unwrap());
-        let d = Digest::of(Algorithm::Sha256, b"x");
+        let d = OciDigest::of(b"x");
         store.touch(layout::GC_RUN).await.unwrap();
         store.touch(&layout::gc_condemned(&d)).await.unwrap();
         let s2 = store.clone();
@@ -220,7 +219,7 @@ mod tests {
     async fn a_dead_gcs_mark_is_void() {
         let dir = tempfile::tempdir().unwrap();
         let store = FsStore::open(dir.path()).unwrap();
-        let d = Digest::of(Algorithm::Sha256, b"x");
+        let d = OciDigest::of(b"x");
         store.touch(&layout::gc_condemned(&d)).await.unwrap();
         let wait = Duration::from_millis(200);
         settled_within(&store, &d, wait).await.unwrap();
@@ -232,7 +231,7 @@ mod tests {
     async fn leases_name_their_digests_until_released() {
         let dir = tempfile::tempdir().unwrap();
         let store = FsStore::open(dir.path()).unwrap();
-        let (a, b) = (Digest::of(Algorithm::Sha256, b"a"), Digest::of(Algorithm::Sha256, b"b"));
+        let (a, b) = (OciDigest::of(b"a"), OciDigest::of(b"b"));
         let l = lease(&store, vec![a.clone(), b.clone()]).await.unwrap();
         assert_eq!(leased(&store, None, false).await.unwrap(), [a.clone(), b.clone()].into_iter().collect());
         l.release_committed(&store).await.unwrap();

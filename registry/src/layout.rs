@@ -22,7 +22,8 @@
 //! Names and tags are validated ([`crate::name`]) and cannot start with `_`, so a
 //! repository component can never collide with `_layers`, `_tags`, ... .
 
-use crate::digest::Digest;
+use imgfmt::OciDigest;
+
 use crate::name::{RepoName, Tag};
 
 /// Prefix of all content-addressed bytes.
@@ -44,12 +45,12 @@ pub const GC_CONDEMNED: &str = "_gc/condemned/";
 pub const GC_INFLIGHT: &str = "_gc/inflight/";
 
 /// The mark a request leaves on blob `d` it relies on.
-pub fn gc_used(d: &Digest) -> String {
-    format!("{GC_USED}{}/{}/{}", d.algorithm().as_str(), &d.hex()[..2], d.hex())
+pub fn gc_used(d: &OciDigest) -> String {
+    format!("{GC_USED}{}/{}/{}", d.algorithm(), &d.hex()[..2], d.hex())
 }
 
 /// The digest of a [`gc_used`] key, if it is one.
-pub fn parse_gc_used(key: &str) -> Option<Digest> {
+pub fn parse_gc_used(key: &str) -> Option<OciDigest> {
     let mut it = key.strip_prefix(GC_USED)?.split('/');
     let (alg, _, hex) = (it.next()?, it.next()?, it.next()?);
     if it.next().is_some() {
@@ -59,8 +60,8 @@ pub fn parse_gc_used(key: &str) -> Option<Digest> {
 }
 
 /// The mark gc leaves on blob `d` while it decides whether to delete it.
-pub fn gc_condemned(d: &Digest) -> String {
-    format!("{GC_CONDEMNED}{}/{}", d.algorithm().as_str(), d.hex())
+pub fn gc_condemned(d: &OciDigest) -> String {
+    format!("{GC_CONDEMNED}{}/{}", d.algorithm(), d.hex())
 }
 
 /// The lease of manifest PUT `id` (32 hex).
@@ -69,12 +70,12 @@ pub fn gc_inflight(id: &str) -> String {
 }
 
 /// Key of a blob's (or manifest's) bytes.
-pub fn blob(d: &Digest) -> String {
-    format!("blobs/{}/{}/{}", d.algorithm().as_str(), &d.hex()[..2], d.hex())
+pub fn blob(d: &OciDigest) -> String {
+    format!("blobs/{}/{}/{}", d.algorithm(), &d.hex()[..2], d.hex())
 }
 
 /// The digest a `blobs/...` key stores, if it is one.
-pub fn parse_blob_key(key: &str) -> Option<Digest> {
+pub fn parse_blob_key(key: &str) -> Option<OciDigest> {
     let mut it = key.split('/');
     let (b, alg, _, hex) = (it.next()?, it.next()?, it.next()?, it.next()?);
     if b != "blobs" || it.next().is_some() {
@@ -84,13 +85,13 @@ pub fn parse_blob_key(key: &str) -> Option<Digest> {
 }
 
 /// Link saying blob `d` belongs to `repo`.
-pub fn layer_link(repo: &RepoName, d: &Digest) -> String {
-    format!("repositories/{repo}/_layers/{}/{}", d.algorithm().as_str(), d.hex())
+pub fn layer_link(repo: &RepoName, d: &OciDigest) -> String {
+    format!("repositories/{repo}/_layers/{}/{}", d.algorithm(), d.hex())
 }
 
 /// Link saying manifest `d` is in `repo` (content: the manifest's media type).
-pub fn manifest_link(repo: &RepoName, d: &Digest) -> String {
-    format!("repositories/{repo}/_manifests/{}/{}", d.algorithm().as_str(), d.hex())
+pub fn manifest_link(repo: &RepoName, d: &OciDigest) -> String {
+    format!("repositories/{repo}/_manifests/{}/{}", d.algorithm(), d.hex())
 }
 
 /// A tag (content: the digest it points at).
@@ -109,13 +110,13 @@ pub fn manifests_dir(repo: &RepoName) -> String {
 }
 
 /// Directory of the referrers of `subject` in `repo`.
-pub fn referrers_dir(repo: &RepoName, subject: &Digest) -> String {
-    format!("repositories/{repo}/_referrers/{}/{}/", subject.algorithm().as_str(), subject.hex())
+pub fn referrers_dir(repo: &RepoName, subject: &OciDigest) -> String {
+    format!("repositories/{repo}/_referrers/{}/{}/", subject.algorithm(), subject.hex())
 }
 
 /// One referrer descriptor of `subject` in `repo`.
-pub fn referrer(repo: &RepoName, subject: &Digest, d: &Digest) -> String {
-    format!("{}{}-{}", referrers_dir(repo, subject), d.algorithm().as_str(), d.hex())
+pub fn referrer(repo: &RepoName, subject: &OciDigest, d: &OciDigest) -> String {
+    format!("{}{}-{}", referrers_dir(repo, subject), d.algorithm(), d.hex())
 }
 
 /// An upload session's state object.
@@ -147,13 +148,13 @@ pub fn upload_part(id: &str, offset: u64) -> String {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RepoKey {
     /// `_layers` link.
-    Layer(RepoName, Digest),
+    Layer(RepoName, OciDigest),
     /// `_manifests` link.
-    Manifest(RepoName, Digest),
+    Manifest(RepoName, OciDigest),
     /// `_tags` entry.
     Tag(RepoName, Tag),
     /// `_referrers` entry: (repo, subject, referrer).
-    Referrer(RepoName, Digest, Digest),
+    Referrer(RepoName, OciDigest, OciDigest),
 }
 
 /// Classify a key under `repositories/`.
@@ -163,7 +164,7 @@ pub fn parse_repo_key(key: &str) -> Option<RepoKey> {
     let pos = parts.iter().position(|p| p.starts_with('_'))?;
     let repo = RepoName::parse(&parts[..pos].join("/")).ok()?;
     let tail = &parts[pos..];
-    let dig = |a: &str, h: &str| format!("{a}:{h}").parse::<Digest>().ok();
+    let dig = |a: &str, h: &str| format!("{a}:{h}").parse::<OciDigest>().ok();
     match tail {
         ["_layers", a, h] => Some(RepoKey::Layer(repo, dig(a, h)?)),
         ["_manifests", a, h] => Some(RepoKey::Manifest(repo, dig(a, h)?)),
@@ -179,12 +180,11 @@ pub fn parse_repo_key(key: &str) -> Option<RepoKey> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::digest::Algorithm;
 
     #[test]
     fn keys_round_trip() {
-        let d = Digest::of(Algorithm::Sha256, b"x");
-        let s = Digest::of(Algorithm::Sha512, b"s");
+        let d = OciDigest::of(b"x");
+        let s = imgfmt::OciHasher::sha512().finish_with(b"s");
         let r = RepoName::parse("a/b-c").unwrap();
         assert_eq!(parse_blob_key(&blob(&d)), Some(d.clone()));
         assert_eq!(parse_repo_key(&layer_link(&r, &d)), Some(RepoKey::Layer(r.clone(), d.clone())));
@@ -195,5 +195,21 @@ mod tests {
         assert_eq!(parse_repo_key("repositories/x/_bogus/1"), None);
         assert_eq!(parse_gc_used(&gc_used(&s)), Some(s.clone()));
         assert_eq!(parse_gc_used(&blob(&s)), None);
+    }
+
+    /// The keys, spelled out: an existing store is found only if they never move.
+    #[test]
+    fn keys_are_spelled_as_the_stored_data_expects() {
+        let d: OciDigest = "sha256:2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881".parse().unwrap();
+        let s = imgfmt::OciHasher::sha512().finish_with(b"s");
+        let (dh, sh) = (d.hex(), s.hex());
+        let r = RepoName::parse("a/b").unwrap();
+        assert_eq!(blob(&d), format!("blobs/sha256/2d/{dh}"));
+        assert_eq!(blob(&s), format!("blobs/sha512/{}/{sh}", &sh[..2]));
+        assert_eq!(layer_link(&r, &s), format!("repositories/a/b/_layers/sha512/{sh}"));
+        assert_eq!(manifest_link(&r, &d), format!("repositories/a/b/_manifests/sha256/{dh}"));
+        assert_eq!(referrer(&r, &d, &s), format!("repositories/a/b/_referrers/sha256/{dh}/sha512-{sh}"));
+        assert_eq!(gc_used(&d), format!("_gc/used/sha256/2d/{dh}"));
+        assert_eq!(gc_condemned(&s), format!("_gc/condemned/sha512/{sh}"));
     }
 }

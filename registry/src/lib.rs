@@ -16,7 +16,6 @@
 //! The wire and storage formats are specified in `spec/registry.md`.
 
 pub mod auth;
-pub mod digest;
 pub mod error;
 pub mod gc;
 pub mod inuse;
@@ -27,7 +26,6 @@ pub mod server;
 pub mod store;
 pub mod upload;
 
-pub use digest::{Algorithm, Digest};
 pub use name::{RepoName, Tag};
 pub use server::{Config, Server};
 pub use store::{BlobStore, StoreError};

@@ -22,9 +22,9 @@ use axum::routing::{any, get};
 use axum::Router;
 use bytes::Bytes;
 use futures::StreamExt;
+use imgfmt::{OciDigest, OciHasher};
 
 use crate::auth::{Action, Auth, Identity, Rejected};
-use crate::digest::{Algorithm, Digest};
 use crate::error::{ApiError, Code};
 use crate::inuse;
 use crate::layout;
@@ -195,7 +195,7 @@ fn param<'a>(q: &'a [(String, String)], k: &str) -> Option<&'a str> {
     q.iter().find(|(a, _)| a == k).map(|(_, v)| v.as_str())
 }
 
-fn parse_digest(s: &str) -> Result<Digest, ApiError> {
+fn parse_digest(s: &str) -> Result<OciDigest, ApiError> {
     s.parse().map_err(|e| ApiError::bad(Code::DigestInvalid, format!("{e}")))
 }
 
@@ -599,7 +599,7 @@ impl Server {
     }
 
     /// Cross-repository mount; `false` when the blob cannot (or may not) be mounted.
-    async fn try_mount(&self, repo: &RepoName, d: &Digest, from: Option<&str>, id: &Identity) -> Result<bool, ApiError> {
+    async fn try_mount(&self, repo: &RepoName, d: &OciDigest, from: Option<&str>, id: &Identity) -> Result<bool, ApiError> {
         let blob_there = exists(self.store.as_ref(), &layout::blob(d)).await?;
         if !blob_there {
             return Ok(false);
@@ -631,9 +631,14 @@ impl Server {
         Ok(true)
     }
 
-    async fn put_whole_blob(&self, repo: &RepoName, d: &Digest, body: impl futures::Stream<Item = Result<Bytes, axum::Error>> + Send) -> Result<(), ApiError> {
+    async fn put_whole_blob(
+        &self,
+        repo: &RepoName,
+        d: &OciDigest,
+        body: impl futures::Stream<Item = Result<Bytes, axum::Error>> + Send,
+    ) -> Result<(), ApiError> {
         let tmp = upload::staging_path(self.store.as_ref(), "mono");
-        let (_, h) = upload::stream_to_file(body, &tmp, Some(d.algorithm().hasher()), None).await?;
+        let (_, h) = upload::stream_to_file(body, &tmp, Some(OciHasher::for_digest(d)), None).await?;
         let got = h.expect("hasher").finish();
         if &got != d {
             let _ = tokio::fs::remove_file(&tmp).await;
@@ -658,7 +663,7 @@ impl Server {
     }
 
     /// Resolve a manifest reference to (digest, media type); `MANIFEST_UNKNOWN` if absent.
-    async fn resolve(&self, repo: &RepoName, reference: &str) -> Result<(Digest, String), ApiError> {
+    async fn resolve(&self, repo: &RepoName, reference: &str) -> Result<(OciDigest, String), ApiError> {
         let unknown = || ApiError::not_found(Code::ManifestUnknown, format!("manifest {reference} unknown to {repo}"));
         let d = if reference.contains(':') {
             parse_digest(reference)?
@@ -728,13 +733,13 @@ impl Server {
         let d = match &tag {
             None => {
                 let want = parse_digest(reference)?;
-                let got = Digest::of(want.algorithm(), &buf);
+                let got = OciHasher::for_digest(&want).finish_with(&buf);
                 if got != want {
                     return Err(ApiError::bad(Code::DigestInvalid, format!("manifest is {got}, not {want}")));
                 }
                 got
             }
-            Some(_) => Digest::of(Algorithm::Sha256, &buf),
+            Some(_) => OciDigest::of(&buf),
         };
         let json: serde_json::Value = serde_json::from_slice(&buf).map_err(|e| ApiError::bad(Code::ManifestInvalid, format!("manifest is not JSON: {e}")))?;
         let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(|s| s.split(';').next().unwrap_or(s).trim().to_owned());
@@ -749,7 +754,7 @@ impl Server {
         // Lease what this manifest relies on (its children and its own bytes) before
         // checking it: a gc whose listing misses this manifest then keeps them, or we
         // see them gone (crate::inuse).
-        let mut relied: Vec<Digest> = refs.children.iter().map(|(c, _)| c.clone()).collect();
+        let mut relied: Vec<OciDigest> = refs.children.iter().map(|(c, _)| c.clone()).collect();
         relied.push(d.clone());
         let lease = inuse::lease(self.store.as_ref(), relied).await?;
         let done = self.commit_manifest(repo, &d, tag.as_ref(), mt, buf, &json, &refs, &lease).await;
@@ -769,7 +774,7 @@ impl Server {
     async fn commit_manifest(
         &self,
         repo: &RepoName,
-        d: &Digest,
+        d: &OciDigest,
         tag: Option<&Tag>,
         mt: String,
         buf: Vec<u8>,
@@ -918,7 +923,7 @@ fn upload_headers(repo: &RepoName, uid: &str, size: u64) -> Vec<(HeaderName, Str
     vec![(header::LOCATION, upload_location(repo, uid)), (header::RANGE, range_header(size)), (HeaderName::from_static("docker-upload-uuid"), uid.to_owned())]
 }
 
-fn blob_created(repo: &RepoName, d: &Digest) -> Response {
+fn blob_created(repo: &RepoName, d: &OciDigest) -> Response {
     empty(StatusCode::CREATED, &[(header::LOCATION, format!("/v2/{repo}/blobs/{d}")), (HeaderName::from_static("docker-content-digest"), d.to_string())])
 }
 
@@ -942,14 +947,14 @@ fn accepts(h: &HeaderMap, mt: &str) -> bool {
 #[derive(Debug, Default)]
 pub struct ManifestRefs {
     /// (digest, is_manifest): config and layers are blobs; index entries are manifests.
-    pub children: Vec<(Digest, bool)>,
+    pub children: Vec<(OciDigest, bool)>,
     /// The `subject`, if any.
-    pub subject: Option<Digest>,
+    pub subject: Option<OciDigest>,
 }
 
 /// Descriptors referenced by an image manifest or index (docker v2 included).
 pub fn manifest_refs(json: &serde_json::Value) -> Result<ManifestRefs, ApiError> {
-    let desc = |v: &serde_json::Value| -> Result<Digest, ApiError> {
+    let desc = |v: &serde_json::Value| -> Result<OciDigest, ApiError> {
         let d = v.get("digest").and_then(|d| d.as_str()).ok_or_else(|| ApiError::bad(Code::ManifestInvalid, "descriptor without digest"))?;
         d.parse().map_err(|e| ApiError::bad(Code::ManifestInvalid, format!("descriptor: {e}")))
     };

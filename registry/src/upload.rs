@@ -32,8 +32,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use axum::http::{header, StatusCode};
 use bytes::Bytes;
 use futures::{Stream, StreamExt, TryStreamExt};
+use imgfmt::{OciDigest, OciHasher};
 
-use crate::digest::{Algorithm, Digest, Hasher};
 use crate::error::{ApiError, Code};
 use crate::layout;
 use crate::metrics::Metrics;
@@ -53,7 +53,7 @@ pub struct UploadState {
 #[derive(Debug, Clone)]
 struct HashAt {
     offset: u64,
-    hasher: Hasher,
+    hasher: OciHasher,
 }
 
 /// Upload sessions over a store.
@@ -117,7 +117,7 @@ enum Sink {
 /// Stream `body` into a new file at `dest`, feeding `hasher` (if any) on a blocking
 /// thread. At most `limit` bytes are accepted. Returns bytes written and the hasher.
 /// On error the file is removed.
-pub async fn stream_to_file<S, E>(body: S, dest: &Path, hasher: Option<Hasher>, limit: Option<u64>) -> Result<(u64, Option<Hasher>), ApiError>
+pub async fn stream_to_file<S, E>(body: S, dest: &Path, hasher: Option<OciHasher>, limit: Option<u64>) -> Result<(u64, Option<OciHasher>), ApiError>
 where
     S: Stream<Item = Result<Bytes, E>> + Send,
     E: std::fmt::Display,
@@ -125,14 +125,14 @@ where
     stream_into(body, Sink::New(dest.to_path_buf()), hasher, limit).await
 }
 
-async fn stream_into<S, E>(body: S, sink: Sink, mut hasher: Option<Hasher>, limit: Option<u64>) -> Result<(u64, Option<Hasher>), ApiError>
+async fn stream_into<S, E>(body: S, sink: Sink, mut hasher: Option<OciHasher>, limit: Option<u64>) -> Result<(u64, Option<OciHasher>), ApiError>
 where
     S: Stream<Item = Result<Bytes, E>> + Send,
     E: std::fmt::Display,
 {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(8);
     let target = sink.clone();
-    let writer = tokio::task::spawn_blocking(move || -> std::io::Result<(u64, Option<Hasher>)> {
+    let writer = tokio::task::spawn_blocking(move || -> std::io::Result<(u64, Option<OciHasher>)> {
         use std::io::{Seek, Write};
         let (f, base) = match &target {
             Sink::New(path) => (std::fs::File::create(path)?, 0),
@@ -357,9 +357,8 @@ impl Uploads {
         Ok(Self::end_of(&self.parts(id).await?))
     }
 
-    /// Hash of the committed parts, recomputed by reading them back.
-    async fn rehash(&self, parts: &[(u64, u64, String)], alg: Algorithm) -> Result<Hasher, ApiError> {
-        let mut h = alg.hasher();
+    /// Hash of the committed parts, recomputed by reading them back into `h` (fresh).
+    async fn rehash(&self, parts: &[(u64, u64, String)], mut h: OciHasher) -> Result<OciHasher, ApiError> {
         for (_, size, key) in parts {
             let (_, mut s) = self.store.get(key, Some(0..*size)).await?;
             while let Some(c) = s.try_next().await? {
@@ -397,7 +396,8 @@ impl Uploads {
         }
         let hasher = match cached.take() {
             Some(h) if h.offset == offset => h.hasher,
-            _ => self.rehash(&parts, Algorithm::Sha256).await?,
+            // The running hash is sha256 (the usual digest); `finish` rehashes for sha512.
+            _ => self.rehash(&parts, OciHasher::sha256()).await?,
         };
         if let Some(data) = self.local_data(id) {
             let res = stream_into(body, Sink::AppendAt(data, offset), Some(hasher.clone()), None).await;
@@ -460,7 +460,7 @@ impl Uploads {
     /// Finish session `id`: append `body` (if non-empty), check the whole content against
     /// `digest`, make the blob visible and link it into `repo`. A wrong digest ends the
     /// session and is `DIGEST_INVALID`.
-    pub async fn finish<S, E>(&self, repo: &RepoName, id: &str, digest: &Digest, body: S) -> Result<(), ApiError>
+    pub async fn finish<S, E>(&self, repo: &RepoName, id: &str, digest: &OciDigest, body: S) -> Result<(), ApiError>
     where
         S: Stream<Item = Result<Bytes, E>> + Send,
         E: std::fmt::Display,
@@ -473,7 +473,7 @@ impl Uploads {
         let total = Self::end_of(&parts);
         let hasher = match cached.take() {
             Some(h) if h.offset == total && h.hasher.algorithm() == digest.algorithm() => h.hasher,
-            _ => self.rehash(&parts, digest.algorithm()).await?,
+            _ => self.rehash(&parts, OciHasher::for_digest(digest)).await?,
         };
         let got = hasher.finish();
         if &got != digest {
@@ -568,7 +568,7 @@ mod tests {
     /// committed bytes, and the session leaves nothing behind.
     async fn resume_and_cut_tail(store: Arc<dyn BlobStore>) {
         let data: Vec<u8> = (0..300_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
-        let digest = Digest::of(Algorithm::Sha256, &data);
+        let digest = OciDigest::of(&data);
         let up = Uploads::new(store.clone(), Default::default());
         let id = up.start(&repo()).await.unwrap();
         assert_eq!(up.append(&repo(), &id, Some(0), ok_body(&data[..100_000])).await.unwrap(), 100_000);
@@ -626,7 +626,7 @@ mod tests {
         let keys: Vec<String> = store.list(&format!("{}{id}/", layout::UPLOADS)).await.unwrap().into_iter().map(|m| m.key).collect();
         assert!(!keys.iter().any(|k| k.contains("/parts/")), "{keys:?}");
         let ino = std::fs::metadata(store.local_file(&layout::upload_data(&id)).unwrap()).unwrap().ino();
-        let digest = Digest::of(Algorithm::Sha256, &data);
+        let digest = OciDigest::of(&data);
         up.finish(&repo(), &id, &digest, ok_body(&[])).await.unwrap();
         let blob = store.local_file(&layout::blob(&digest)).unwrap();
         assert_eq!(std::fs::metadata(blob).unwrap().ino(), ino);

@@ -65,8 +65,12 @@ impl Drop for TestServer {
     }
 }
 
-fn sha(data: &[u8]) -> Digest {
-    Digest::of(Algorithm::Sha256, data)
+fn sha(data: &[u8]) -> OciDigest {
+    OciDigest::of(data)
+}
+
+fn sha512(data: &[u8]) -> OciDigest {
+    imgfmt::OciHasher::sha512().finish_with(data)
 }
 
 fn code_of(body: &str) -> String {
@@ -74,14 +78,14 @@ fn code_of(body: &str) -> String {
     v["errors"][0]["code"].as_str().unwrap().to_owned()
 }
 
-async fn push_blob(c: &Client, s: &TestServer, repo: &str, data: &[u8]) -> Digest {
+async fn push_blob(c: &Client, s: &TestServer, repo: &str, data: &[u8]) -> OciDigest {
     let d = sha(data);
     let r = c.post(s.u(&format!("/v2/{repo}/blobs/uploads/?digest={d}"))).body(data.to_vec()).send().await.unwrap();
     assert_eq!(r.status(), StatusCode::CREATED, "{}", r.text().await.unwrap());
     d
 }
 
-fn image_manifest(config: &Digest, config_len: usize, layers: &[(Digest, usize)]) -> serde_json::Value {
+fn image_manifest(config: &OciDigest, config_len: usize, layers: &[(OciDigest, usize)]) -> serde_json::Value {
     json!({
         "schemaVersion": 2,
         "mediaType": OCI_MANIFEST,
@@ -100,7 +104,7 @@ async fn push_manifest(c: &Client, s: &TestServer, repo: &str, reference: &str, 
 }
 
 /// A repo with one config + one layer + a manifest tagged `t`; returns the manifest digest.
-async fn sample_image(c: &Client, s: &TestServer, repo: &str, tag: &str, salt: &str) -> Digest {
+async fn sample_image(c: &Client, s: &TestServer, repo: &str, tag: &str, salt: &str) -> OciDigest {
     let cfg = format!("{{\"salt\":\"{salt}\"}}");
     let cd = push_blob(c, s, repo, cfg.as_bytes()).await;
     let layer = format!("layer bytes {salt}");
@@ -194,14 +198,14 @@ async fn sha512_blobs_are_accepted_and_checked() {
     let s = TestServer::start(Config::default()).await;
     let c = Client::new();
     let data = b"sha512 content";
-    let d = Digest::of(Algorithm::Sha512, data);
+    let d = sha512(data);
     let r = c.post(s.u(&format!("/v2/r/blobs/uploads/?digest={d}"))).body(data.to_vec()).send().await.unwrap();
     assert_eq!(r.status(), StatusCode::CREATED);
     assert_eq!(c.get(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap().bytes().await.unwrap(), &data[..]);
     // Chunked + sha512 (the cached running hash is sha256; the server must rehash).
     let loc = c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap().headers()["location"].to_str().unwrap().to_owned();
     let data2 = b"more sha512";
-    let d2 = Digest::of(Algorithm::Sha512, data2);
+    let d2 = sha512(data2);
     assert_eq!(c.patch(s.u(&loc)).body(data2.to_vec()).send().await.unwrap().status(), StatusCode::ACCEPTED);
     let r = c.put(s.u(&format!("{loc}?digest={d2}"))).send().await.unwrap();
     assert_eq!(r.status(), StatusCode::CREATED);
@@ -211,8 +215,7 @@ async fn sha512_blobs_are_accepted_and_checked() {
 async fn wrong_digest_is_digest_invalid_and_never_visible() {
     let s = TestServer::start(Config::default()).await;
     let c = Client::new();
-    for alg in [Algorithm::Sha256, Algorithm::Sha512] {
-        let claimed = Digest::of(alg, b"what the client claims");
+    for claimed in [sha(b"what the client claims"), sha512(b"what the client claims")] {
         // Single POST.
         let r = c.post(s.u(&format!("/v2/r/blobs/uploads/?digest={claimed}"))).body("other bytes").send().await.unwrap();
         assert_eq!(r.status(), StatusCode::BAD_REQUEST);
@@ -229,6 +232,113 @@ async fn wrong_digest_is_digest_invalid_and_never_visible() {
     // A malformed digest is refused too.
     let r = c.post(s.u("/v2/r/blobs/uploads/?digest=sha256:nothex")).body("x").send().await.unwrap();
     assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn sha512_chunked_upload_and_manifest_with_a_wrong_digest_are_refused() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let data = b"patched bytes";
+    // PATCH first, so the server holds a running sha256 of the session; the PUT claims
+    // sha512 of other bytes. Only a sha512 over the session's bytes may decide.
+    for claimed in [sha512(b"other bytes"), sha512(b"patched bytes, and more")] {
+        let loc = c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap().headers()["location"].to_str().unwrap().to_owned();
+        assert_eq!(c.patch(s.u(&loc)).body(data.to_vec()).send().await.unwrap().status(), StatusCode::ACCEPTED);
+        let r = c.put(s.u(&format!("{loc}?digest={claimed}"))).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(code_of(&r.text().await.unwrap()), "DIGEST_INVALID");
+        assert_eq!(c.head(s.u(&format!("/v2/r/blobs/{claimed}"))).send().await.unwrap().status(), StatusCode::NOT_FOUND);
+        assert!(!s.dir.path().join(layout::blob(&claimed)).exists(), "refused blob reached storage");
+    }
+    // A sha256 digest of the bytes is not a sha512 one: the algorithm is part of the name.
+    let r = c.post(s.u(&format!("/v2/r/blobs/uploads/?digest=sha512:{}", sha(data).hex()))).body(data.to_vec()).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(code_of(&r.text().await.unwrap()), "DIGEST_INVALID");
+    // Manifests by sha512 digest: the right one is stored under it, a wrong one refused.
+    let cd = push_blob(&c, &s, "r", b"{}").await;
+    let m = image_manifest(&cd, 2, &[]);
+    let raw = serde_json::to_vec(&m).unwrap();
+    let r = push_manifest(&c, &s, "r", &sha512(b"not the manifest").to_string(), &m).await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(code_of(&r.text().await.unwrap()), "DIGEST_INVALID");
+    let md = sha512(&raw);
+    let r = push_manifest(&c, &s, "r", &md.to_string(), &m).await;
+    assert_eq!(r.status(), StatusCode::CREATED, "{}", r.text().await.unwrap());
+    let r = c.get(s.u(&format!("/v2/r/manifests/{md}"))).header("accept", OCI_MANIFEST).send().await.unwrap();
+    assert_eq!(r.headers()["docker-content-digest"], md.to_string().as_str());
+    assert_eq!(r.bytes().await.unwrap(), raw);
+}
+
+/// A store that an earlier registry wrote, laid out here key by key from literal paths
+/// (`spec/registry.md`, "Storage layout") with digests from `sha2` directly, is served
+/// and collected as it is: changing the digest type underneath must not move a key.
+#[tokio::test]
+async fn a_store_laid_out_by_an_earlier_registry_is_still_served() {
+    use sha2::Digest as _;
+    let dir = tempfile::tempdir().unwrap();
+    let put = |rel: &str, data: &[u8]| {
+        let p = dir.path().join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, data).unwrap();
+    };
+    let h256 = |b: &[u8]| hex::encode(sha2::Sha256::digest(b));
+    let (layer, big, config, orphan) = (&b"layer written by path"[..], &b"sha512 blob written by path"[..], &br#"{"old":true}"#[..], &b"nobody's"[..]);
+    let (lh, bh, ch, oh) = (h256(layer), hex::encode(sha2::Sha512::digest(big)), h256(config), h256(orphan));
+    put(&format!("blobs/sha256/{}/{lh}", &lh[..2]), layer);
+    put(&format!("blobs/sha512/{}/{bh}", &bh[..2]), big);
+    put(&format!("blobs/sha256/{}/{ch}", &ch[..2]), config);
+    put(&format!("blobs/sha256/{}/{oh}", &oh[..2]), orphan);
+    for (alg, h) in [("sha256", &lh), ("sha512", &bh), ("sha256", &ch)] {
+        put(&format!("repositories/old/img/_layers/{alg}/{h}"), b"");
+    }
+    let desc = |mt: &str, d: String, n: usize| json!({"mediaType": mt, "digest": d, "size": n});
+    let manifest = serde_json::to_vec(&json!({
+        "schemaVersion": 2, "mediaType": OCI_MANIFEST,
+        "config": desc("application/vnd.oci.image.config.v1+json", format!("sha256:{ch}"), config.len()),
+        "layers": [desc("application/vnd.oci.image.layer.v1.tar", format!("sha256:{lh}"), layer.len()),
+                   desc("application/vnd.oci.image.layer.v1.tar", format!("sha512:{bh}"), big.len())],
+    }))
+    .unwrap();
+    let mh = h256(&manifest);
+    put(&format!("blobs/sha256/{}/{mh}", &mh[..2]), &manifest);
+    put(&format!("repositories/old/img/_manifests/sha256/{mh}"), OCI_MANIFEST.as_bytes());
+    put("repositories/old/img/_tags/v1", format!("sha256:{mh}").as_bytes());
+    let referrer = serde_json::to_vec(&json!({
+        "schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": "application/vnd.example.sig",
+        "config": desc("application/vnd.oci.image.config.v1+json", format!("sha256:{ch}"), config.len()),
+        "layers": [], "subject": desc(OCI_MANIFEST, format!("sha256:{mh}"), manifest.len()),
+    }))
+    .unwrap();
+    let rh = h256(&referrer);
+    put(&format!("blobs/sha256/{}/{rh}", &rh[..2]), &referrer);
+    put(&format!("repositories/old/img/_manifests/sha256/{rh}"), OCI_MANIFEST.as_bytes());
+    let rdesc = json!({"mediaType": OCI_MANIFEST, "digest": format!("sha256:{rh}"), "size": referrer.len(), "artifactType": "application/vnd.example.sig"});
+    put(&format!("repositories/old/img/_referrers/sha256/{mh}/sha256-{rh}"), &serde_json::to_vec(&rdesc).unwrap());
+
+    let s = TestServer::start_in(dir, Config::default()).await;
+    let c = Client::new();
+    for (d, bytes) in [(format!("sha256:{lh}"), layer), (format!("sha512:{bh}"), big), (format!("sha256:{ch}"), config)] {
+        let r = c.get(s.u(&format!("/v2/old/img/blobs/{d}"))).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK, "{d}");
+        assert_eq!(r.headers()["docker-content-digest"], d.as_str());
+        assert_eq!(r.bytes().await.unwrap(), bytes, "{d}");
+    }
+    for reference in ["v1".to_owned(), format!("sha256:{mh}")] {
+        let r = c.get(s.u(&format!("/v2/old/img/manifests/{reference}"))).header("accept", OCI_MANIFEST).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK, "{reference}");
+        assert_eq!(r.headers()["docker-content-digest"], format!("sha256:{mh}").as_str());
+        assert_eq!(r.bytes().await.unwrap(), manifest);
+    }
+    let v: serde_json::Value = c.get(s.u("/v2/old/img/tags/list")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["tags"], json!(["v1"]));
+    let v: serde_json::Value = c.get(s.u(&format!("/v2/old/img/referrers/sha256:{mh}"))).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["manifests"][0]["digest"], format!("sha256:{rh}"));
+    assert_eq!(v["manifests"].as_array().unwrap().len(), 1);
+    // gc reads the same keys: everything reachable is marked, only the orphan would go.
+    let dir = s.stop().await;
+    let store = FsStore::open(dir.path()).unwrap();
+    let report = crate::gc::run(&store, &crate::gc::GcOptions { grace: std::time::Duration::ZERO, dry_run: true, ..Default::default() }).await.unwrap();
+    assert_eq!((report.manifests, report.blobs, report.marked, report.swept), (2, 6, 5, 1), "{report:?}");
 }
 
 #[tokio::test]
