@@ -175,9 +175,12 @@ enum Slot {
     },
 }
 
-/// Per file, per chunk: `None` = inherited from the parent, `Some((digest, None))` = zero,
-/// `Some((digest, Some(loc)))` = stored.
-type Placed = Vec<Vec<Option<(ChunkDigest, Option<Loc>)>>>;
+/// Where one chunk went: `None` = inherited from the parent, `Some((digest, None))` =
+/// zero, `Some((digest, Some(loc)))` = stored.
+type PlacedChunk = Option<(ChunkDigest, Option<Loc>)>;
+
+/// Per file, per chunk: where it went.
+type Placed = Vec<Vec<PlacedChunk>>;
 
 /// Slice CVs of the raw chunks placed so far, by digest, kept under the outboard's size
 /// limit by doubling the slice size when they would pass it.
@@ -895,7 +898,7 @@ impl<'a, 'i> Chunker<'a, 'i> {
     }
 
     /// One file, a batch of chunks at a time.
-    fn file(&mut self, f: &scan::SourceFile) -> Result<Vec<Option<(ChunkDigest, Option<Loc>)>>, PackError> {
+    fn file(&mut self, f: &scan::SourceFile) -> Result<Vec<PlacedChunk>, PackError> {
         let opts = self.input.opts;
         let shift = opts.chunk_shift;
         let cs = 1u64 << shift;
@@ -914,7 +917,7 @@ impl<'a, 'i> Chunker<'a, 'i> {
             return Err(PackError::Invalid(format!("--diff: {} has no same-size counterpart in the parent, so its holes cannot mean 'unchanged'", f.name)));
         }
         let batch = self.batch as u64;
-        let mut slots_of_file: Vec<Option<(ChunkDigest, Option<Loc>)>> = Vec::with_capacity(n as usize);
+        let mut slots_of_file: Vec<PlacedChunk> = Vec::with_capacity(n as usize);
         let mut c = 0u64;
         imgfmt::file::will_need(&file, 0, batch * cs);
         while c < n {
@@ -1015,15 +1018,10 @@ impl<'a, 'i> Chunker<'a, 'i> {
 
     /// Decide phase: inherit, zero, dedup or store, per chunk. Returns the placements
     /// (new chunks at a placeholder) and which jobs hold new content.
-    fn decide(
-        &mut self,
-        f: &scan::SourceFile,
-        parent: Option<&imgfmt::ResolvedFile>,
-        jobs: &mut [Job],
-    ) -> Result<(Vec<Option<(ChunkDigest, Option<Loc>)>>, Vec<usize>), PackError> {
+    fn decide(&mut self, f: &scan::SourceFile, parent: Option<&imgfmt::ResolvedFile>, jobs: &mut [Job]) -> Result<(Vec<PlacedChunk>, Vec<usize>), PackError> {
         let opts = self.input.opts;
         let mut to_store: Vec<usize> = Vec::new();
-        let mut decided: Vec<Option<(ChunkDigest, Option<Loc>)>> = Vec::with_capacity(jobs.len());
+        let mut decided: Vec<PlacedChunk> = Vec::with_capacity(jobs.len());
         for (k, j) in jobs.iter_mut().enumerate() {
             self.report.chunks += 1;
             let pc = parent.and_then(|p| p.chunks.get(j.chunk as usize)).filter(|pc| pc.len == j.len);
@@ -1086,12 +1084,7 @@ impl<'a, 'i> Chunker<'a, 'i> {
 
     /// Write phase: place each new chunk in the current own pack (a new one when it
     /// would pass the pack size), send its bytes to the writer, and record where it went.
-    fn store(
-        &mut self,
-        jobs: &mut [Job],
-        compressed: Vec<(usize, Option<Compressed>)>,
-        decided: &mut [Option<(ChunkDigest, Option<Loc>)>],
-    ) -> Result<(), PackError> {
+    fn store(&mut self, jobs: &mut [Job], compressed: Vec<(usize, Option<Compressed>)>, decided: &mut [PlacedChunk]) -> Result<(), PackError> {
         let writer_gone = || PackError::Invalid("pack writer stopped early".into());
         let pack_size = self.input.opts.pack_size;
         for (k, comp) in compressed {
