@@ -979,6 +979,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let c = Arc::new(ChunkCache::open(dir.path(), DEFAULT_LIMIT).unwrap());
         let (d, ch) = chunk(3, 256 << 10);
+        // Eight threads doing the same puts at once, to race them: not a worker pool.
         std::thread::scope(|s| {
             for _ in 0..8 {
                 s.spawn(|| {

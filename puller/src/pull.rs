@@ -36,7 +36,7 @@ use std::ffi::OsString;
 use std::fs::{self, File};
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -260,10 +260,6 @@ pub fn pull(
     progress: Option<&(dyn Fn(u64) + Sync)>,
 ) -> Result<PullReport, UnpackError> {
     let t0 = Instant::now();
-    let io = |p: &Path| {
-        let p = p.to_path_buf();
-        move |source| UnpackError::Io { path: p, source }
-    };
     let algo = image.config().hash;
     let shift = image.chunk_shift();
     let mut report = PullReport {
@@ -273,16 +269,80 @@ pub fn pull(
         ..Default::default()
     };
 
-    // Destination first: every name is resolved beneath `dest` without following a
-    // symlink (a planted one is refused, never written through). A file already under
-    // its final name is kept only if it holds exactly the image's content (a pull killed
-    // between its renames left it; its bytes are checked whoever did); anything else
-    // there fails the pull before anything is fetched, unless --overwrite.
+    let (mut dirs, in_place) = check_destination(image, dest, opts)?;
+    // Plan: distinct non-zero digests and their positions; zero records checked.
+    let zero_bytes = count_positions(image, &in_place, &mut report)?;
+    let plan = Plan::of(image, &in_place)?;
+    report.chunks_deduplicated = plan.more.len() as u64;
+    let distinct = &plan.distinct;
+    if let Some(p) = progress {
+        p(zero_bytes);
+    }
+    let (mut outs, adopted) = create_temp_files(image, &mut dirs, &in_place)?;
+
+    let write_locks: Vec<Mutex<()>> = outs.iter().map(|_| Mutex::new(())).collect();
+    let c = Counters::default();
+    // Distinct chunks that reached the destination from the source or a resumed file
+    // (not from the cache): the ones the cache gets references to.
+    let landed: Vec<AtomicBool> = distinct.iter().map(|_| AtomicBool::new(false)).collect();
+    let copies = cache.is_some() && opts.cache_copies;
+    let ctx =
+        Ctx { src, image, cache, to_cache: None, distinct, plan: &plan, outs: &outs, write_locks: &write_locks, shift, algo, progress, c: &c, landed: &landed };
+    let resolved = if adopted.iter().any(|&a| a) { ctx.resume(&adopted, opts.jobs.max(1))? } else { vec![false; distinct.len()] };
+    let WorkList { work, cached, landing } = work_list(cache, algo, distinct, &resolved, opts);
+    let refs = if cache.is_some() && !copies { RefTargets::of(image, distinct, &landing, &outs, shift) } else { RefTargets::none(image) };
+    let Fetched { result, ranges_in_flight, rtt_ms, prepared } = fetch(ctx, cache, &work, opts, copies, &refs);
+    (report.ranges_in_flight, report.rtt_ms) = (ranges_in_flight, rtt_ms);
+    if let (Some(cache), true) = (cache, copies) {
+        // The writers' passes may have overlapped; one more check, with nothing in flight,
+        // leaves the cache within its limit and the report's size exact if it was over.
+        if cache.maintain(false).is_err() {
+            c.put_errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    if let Err(e) = result {
+        if !matches!(e, UnpackError::Verify(_)) {
+            // The network or the disk failed, not the data: keep the temp files (hidden
+            // names, never the final ones) so that running the pull again resumes from
+            // them, as after a kill. Nothing unverified is in them.
+            for out in outs.iter_mut() {
+                let _ = out.guard.0.take();
+            }
+        }
+        // Otherwise the guards remove every temp file: nothing appears under a final name.
+        return Err(e);
+    }
+
+    rename_into_place(image, &mut outs, opts.overwrite)?;
+    if let (Some(cache), false) = (cache, copies) {
+        // Only now that the files are durable under their final names may the cache point
+        // into them: the prepared references become visible, for every chunk that landed.
+        let landed_digest = |d: &ChunkDigest| {
+            let r = plan.with_digest(d);
+            !r.is_empty() && r.into_iter().all(|i| landed[i].load(Ordering::Relaxed))
+        };
+        let late = late_refs(&cached, distinct, &landed, shift, image.files.len());
+        commit_refs(cache, algo, prepared, landed_digest, &late, &refs.final_paths, &c);
+    }
+    c.report_into(&mut report);
+    report.cache = cache.map(|c| c.stats());
+    report.seconds = t0.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+/// Destination first, so that a pull that cannot finish fails before anything is
+/// fetched: every name is resolved beneath `dest` without following a symlink (a planted
+/// one is refused, never written through). A file already under its final name is kept
+/// only if it holds exactly the image's content (a pull killed between its renames left
+/// it; its bytes are checked whoever did); anything else there fails the pull, unless
+/// --overwrite. Returns the directories and which files are in place.
+fn check_destination<'a>(image: &Image, dest: &'a Path, opts: &PullOptions) -> Result<(DestDirs<'a>, Vec<bool>), UnpackError> {
     let mut dirs = DestDirs::create(dest)?;
     let mut in_place = vec![false; image.files.len()];
     for (fi, f) in image.files.iter().enumerate() {
         let Some((dir, base)) = dirs.dir_of(&f.name, false)? else { continue };
-        if dir.entry(&base).map_err(io(&dir.display_path(&base)))?.is_none() {
+        let path = dir.display_path(&base);
+        if dir.entry(&base).map_err(|source| UnpackError::Io { path, source })?.is_none() {
             continue;
         }
         in_place[fi] = holds_in_place(image, fi, &dir, &base, opts.jobs.max(1))?;
@@ -290,8 +350,13 @@ pub fn pull(
             return Err(UnpackError::Exists(dest.join(&f.name)));
         }
     }
+    Ok((dirs, in_place))
+}
 
-    // Plan: distinct non-zero digests and their positions; zero records checked.
+/// Count every chunk position into `report` (total, zero, in place) and check every zero
+/// record, which no fetch will: returns the bytes that need no fetch (holes, files in
+/// place), for the progress count.
+fn count_positions(image: &Image, in_place: &[bool], report: &mut PullReport) -> Result<u64, UnpackError> {
     let mut zero_bytes = 0u64;
     for (fi, f) in image.files.iter().enumerate() {
         for (ci, c) in f.chunks.iter().enumerate() {
@@ -313,15 +378,13 @@ pub fn pull(
             zero_bytes += f.size;
         }
     }
-    let plan = Plan::of(image, &in_place)?;
-    report.chunks_deduplicated = plan.more.len() as u64;
-    let distinct = &plan.distinct;
-    if let Some(p) = progress {
-        p(zero_bytes);
-    }
+    Ok(zero_bytes)
+}
 
-    // Temp files (all of them before anything is fetched: a directory that cannot be
-    // made fails the pull first).
+/// Every file's temp file, all of them before anything is fetched (a directory that
+/// cannot be made fails the pull first), each of the final size with holes for zero
+/// chunks. Returns them and which were taken over from a killed pull.
+fn create_temp_files(image: &Image, dirs: &mut DestDirs, in_place: &[bool]) -> Result<(Vec<Out>, Vec<bool>), UnpackError> {
     let mut outs: Vec<Out> = Vec::with_capacity(image.files.len());
     let mut adopted = vec![false; image.files.len()];
     for (fi, f) in image.files.iter().enumerate() {
@@ -337,7 +400,7 @@ pub fn pull(
         // (rename is atomic, so two pulls never both get it), then check what was taken:
         // only a regular file with one link, of our own user, is kept (a symlink or a hard
         // link planted under such a name is dropped, its target untouched). Its bytes are
-        // checked chunk by chunk below.
+        // checked chunk by chunk (`Ctx::resume`).
         let mut file = None;
         for p in dead_partials(&dir, &prefix) {
             if file.is_none() && dir.rename(&p, &tmp, false).is_ok() {
@@ -355,51 +418,33 @@ pub fn pull(
         }
         adopted[fi] = file.is_some();
         let guard = TempGuard(Some((dir.clone(), tmp.clone())));
+        let io = |source| UnpackError::Io { path: tmp_path.clone(), source };
         let file = match file {
             Some(f) => f,
             // Created, never opened through whatever is under the name; 0600 until done.
-            None => dir.create_new(&tmp, 0o600).map_err(io(&tmp_path))?,
+            None => dir.create_new(&tmp, 0o600).map_err(io)?,
         };
         // A sparse file of the final size: zero chunks are never written.
-        file.set_len(f.size).map_err(io(&tmp_path))?;
+        file.set_len(f.size).map_err(io)?;
         outs.push(Out { file: Some(file), dir, tmp, base, path: tmp_path, guard });
     }
+    Ok((outs, adopted))
+}
 
-    let write_locks: Vec<Mutex<()>> = outs.iter().map(|_| Mutex::new(())).collect();
-    let next = AtomicUsize::new(0);
-    let failed = AtomicBool::new(false);
-    let first_err: Mutex<Option<UnpackError>> = Mutex::new(None);
-    let c = Counters::default();
-    // Distinct chunks that reached the destination from the source or a resumed file
-    // (not from the cache): the ones the cache gets references to.
-    let landed: Vec<AtomicBool> = distinct.iter().map(|_| AtomicBool::new(false)).collect();
-    let copies = cache.is_some() && opts.cache_copies;
-    let mut resolved = vec![false; distinct.len()];
-    if adopted.iter().any(|&a| a) {
-        for (fi, f) in image.files.iter().enumerate() {
-            if adopted[fi] {
-                punch_zero_runs(outs[fi].file(), f, shift).map_err(io(&outs[fi].path))?;
-            }
-        }
-        let ctx = Ctx {
-            src,
-            image,
-            cache,
-            to_cache: None,
-            distinct,
-            plan: &plan,
-            outs: &outs,
-            write_locks: &write_locks,
-            shift,
-            algo,
-            progress,
-            c: &c,
-            landed: &landed,
-        };
-        resolved = ctx.resume(&adopted, opts.jobs.max(1))?;
-    }
+/// What the fetch pool works through, and what the cache phases need to know of it.
+struct WorkList {
+    /// Ranges first (they wait on the network), then cache reads.
+    work: Vec<Work>,
+    /// Distinct chunks planned from the cache, in file order.
+    cached: Vec<usize>,
+    /// Distinct chunks that will land from the source or a resumed file (for the cache's
+    /// references).
+    landing: Vec<usize>,
+}
 
-    // Work list: ranges first (they wait on the network), then cache reads.
+/// Split the distinct chunks not `resolved` by a resumed file into cache reads and
+/// misses, and coalesce the misses into range requests.
+fn work_list(cache: Option<&ChunkCache>, algo: imgfmt::HashAlgo, distinct: &[Distinct], resolved: &[bool], opts: &PullOptions) -> WorkList {
     let mut cached: Vec<usize> = Vec::new();
     let mut misses: Vec<usize> = Vec::new();
     for (i, d) in distinct.iter().enumerate() {
@@ -413,52 +458,85 @@ pub fn pull(
     }
     // The plan is in digest order: read cached chunks in file order, for the disk.
     cached.sort_unstable_by_key(|&i| distinct[i].first);
-    // Chunks that will land from the source or a resumed file (for the cache's references).
     let landing: Vec<usize> = misses.iter().copied().chain((0..distinct.len()).filter(|&i| resolved[i])).collect();
     // Bounded whatever the caller asks: each request in flight holds its range in memory.
     let mut work = coalesce(distinct, misses, opts.max_range.min(MAX_RANGE_LIMIT));
     work.extend(cached.iter().map(|&i| Work::Cached(i)));
+    WorkList { work, cached, landing }
+}
 
-    // The cache queue: fetch workers hand verified chunks over and go on writing the
-    // destination; the writers make them durable in the cache behind them.
-    let per_chunk = 1u64 << shift;
-    let queue_len = (CACHE_QUEUE_BYTES / per_chunk).clamp(2, CACHE_BATCH_MAX as u64) as usize;
-    let (to_cache, from_fetch) = std::sync::mpsc::sync_channel::<(ChunkDigest, VerifiedChunk)>(queue_len);
-    let from_fetch = Mutex::new(from_fetch);
+/// References (the default cache mode): every chunk this pull lands from the source or a
+/// resumed file gets one, naming the file's final path and the chunk's first position.
+/// They are written under hidden names while the fetch runs and made visible only once
+/// the files are durable under those names.
+struct RefTargets {
+    /// Per file: (digest, length, offset) of each chunk landing there.
+    items: Vec<Vec<(ChunkDigest, u32, u64)>>,
+    /// Per file: its final path, absolute (`None`: none could be made; it gets no
+    /// references).
+    final_paths: Vec<Option<PathBuf>>,
+}
 
-    // References (the default cache mode): every chunk this pull lands from the source or
-    // a resumed file gets one, naming the file's final path and the chunk's first position.
-    // They are written under hidden names while the fetch runs and made visible only once
-    // the files are durable under those names (below).
-    let mut ref_items: Vec<Vec<(ChunkDigest, u32, u64)>> = vec![Vec::new(); image.files.len()];
-    let mut final_paths: Vec<Option<PathBuf>> = vec![None; image.files.len()];
-    if cache.is_some() && !copies {
-        for &i in &landing {
+impl RefTargets {
+    /// No references (no cache, or a cache of copies).
+    fn none(image: &Image) -> Self {
+        RefTargets { items: vec![Vec::new(); image.files.len()], final_paths: vec![None; image.files.len()] }
+    }
+
+    fn of(image: &Image, distinct: &[Distinct], landing: &[usize], outs: &[Out], shift: u8) -> Self {
+        let mut refs = Self::none(image);
+        for &i in landing {
             let d = &distinct[i];
             let (fi, ci) = d.first;
-            ref_items[fi as usize].push((d.digest, d.len, ci << shift));
+            refs.items[fi as usize].push((d.digest, d.len, ci << shift));
         }
         for (fi, out) in outs.iter().enumerate() {
             // The directory exists (created above, no symlink beneath `dest`); the file
             // is not there yet.
-            final_paths[fi] = fs::canonicalize(out.dir.path()).ok().map(|d| d.join(&out.base));
+            refs.final_paths[fi] = fs::canonicalize(out.dir.path()).ok().map(|d| d.join(&out.base));
         }
+        refs
     }
-    // (how many references, what preparing them gave), per part
-    let prepared: Vec<(usize, Result<PreparedRefs<'_>, CacheError>)> = std::thread::scope(|outer| {
+}
+
+/// What the fetch phase gave.
+struct Fetched<'a> {
+    /// The first error of the fetch pool.
+    result: Result<(), UnpackError>,
+    ranges_in_flight: usize,
+    rtt_ms: Option<f64>,
+    /// (how many references, what preparing them gave), per part.
+    prepared: Vec<(usize, Result<PreparedRefs<'a>, CacheError>)>,
+}
+
+/// Run the fetch pool over `work`, and beside it the threads that fill the cache: with
+/// `copies`, writers putting each fetched chunk in the cache; without, threads preparing
+/// the references of `refs` (made visible after the renames) in `cache`. Every queued
+/// copy is put before this returns.
+fn fetch<'c>(base: Ctx<'_>, cache: Option<&'c ChunkCache>, work: &[Work], opts: &PullOptions, copies: bool, refs: &'c RefTargets) -> Fetched<'c> {
+    // The cache queue: fetch workers hand verified chunks over and go on writing the
+    // destination; the writers make them durable in the cache behind them.
+    let per_chunk = 1u64 << base.shift;
+    let queue_len = (CACHE_QUEUE_BYTES / per_chunk).clamp(2, CACHE_BATCH_MAX as u64) as usize;
+    let (to_cache, from_fetch) = std::sync::mpsc::sync_channel::<(ChunkDigest, VerifiedChunk)>(queue_len);
+    let from_fetch = Mutex::new(from_fetch);
+    let (algo, c) = (base.algo, base.c);
+    // Not `imgfmt::work`: the cache writers drain a channel and the preparers each have
+    // one part, all beside the fetch pool, which runs in this scope.
+    std::thread::scope(|outer| {
         if let (Some(cache), true) = (cache, copies) {
             for _ in 0..CACHE_WRITERS {
-                outer.spawn(|| cache_writer(cache, algo, &from_fetch, queue_len, &c));
+                outer.spawn(|| cache_writer(cache, algo, &from_fetch, queue_len, c));
             }
         }
         let mut preparing = Vec::new();
         if let (Some(cache), false) = (cache, copies) {
             let threads = opts.jobs.clamp(1, REF_WRITERS);
-            for (fi, items) in ref_items.iter().enumerate() {
+            for (fi, items) in refs.items.iter().enumerate() {
                 if items.is_empty() {
                     continue;
                 }
-                let Some(path) = &final_paths[fi] else {
+                let Some(path) = &refs.final_paths[fi] else {
                     // No absolute name for the destination: the pull goes on, uncached.
                     c.put_errors.fetch_add(items.len() as u64, Ordering::Relaxed);
                     continue;
@@ -468,45 +546,28 @@ pub fn pull(
                 }
             }
         }
-        let to_cache = copies.then_some(to_cache);
-        let ctx =
-            Ctx { src, image, cache, to_cache, distinct, plan: &plan, outs: &outs, write_locks: &write_locks, shift, algo, progress, c: &c, landed: &landed };
-        (report.ranges_in_flight, report.rtt_ms) = run_workers(&ctx, &work, opts, &next, &failed, &first_err);
+        let ctx = Ctx { to_cache: copies.then_some(to_cache), ..base };
+        let (result, (ranges_in_flight, rtt_ms)) = run_workers(&ctx, work, opts);
         // Dropping the last sender ends the writers once the queue is drained; the outer
         // scope waits for them, so every queued chunk is put before pull returns.
         drop(ctx);
-        preparing.into_iter().map(|(n, h)| (n, h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))).collect()
-    });
-    if let (Some(cache), true) = (cache, copies) {
-        // The writers' passes may have overlapped; one more check, with nothing in flight,
-        // leaves the cache within its limit and the report's size exact if it was over.
-        if cache.maintain(false).is_err() {
-            c.put_errors.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-    if let Some(e) = first_err.into_inner().expect("poisoned") {
-        if !matches!(e, UnpackError::Verify(_)) {
-            // The network or the disk failed, not the data: keep the temp files (hidden
-            // names, never the final ones) so that running the pull again resumes from
-            // them, as after a kill. Nothing unverified is in them.
-            for out in outs.iter_mut() {
-                let _ = out.guard.0.take();
-            }
-        }
-        // Otherwise the guards remove every temp file: nothing appears under a final name.
-        return Err(e);
-    }
+        let prepared = preparing.into_iter().map(|(n, h)| (n, h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))).collect();
+        Fetched { result, ranges_in_flight, rtt_ms, prepared }
+    })
+}
 
-    // Every file is complete: sync and rename each, then sync its directory.
+/// Every file is complete: sync and rename each, then sync its directory.
+fn rename_into_place(image: &Image, outs: &mut [Out], overwrite: bool) -> Result<(), UnpackError> {
     for (f, out) in image.files.iter().zip(outs.iter_mut()) {
         let Some(file) = out.file.take() else { continue };
         let final_path = out.dir.display_path(&out.base);
-        file.set_permissions(fs::Permissions::from_mode(imgfmt::config::applied_mode(f.mode))).map_err(io(&out.path))?;
-        file.sync_all().map_err(io(&out.path))?;
+        let io = |source| UnpackError::Io { path: out.path.clone(), source };
+        file.set_permissions(fs::Permissions::from_mode(imgfmt::config::applied_mode(f.mode))).map_err(io)?;
+        file.sync_all().map_err(io)?;
         drop(file);
         // Without --overwrite, a name that appeared since the check is not replaced (the
         // verified temp file stays, for a rerun to take over).
-        if let Err(e) = out.dir.rename(&out.tmp, &out.base, opts.overwrite) {
+        if let Err(e) = out.dir.rename(&out.tmp, &out.base, overwrite) {
             if e.kind() == std::io::ErrorKind::AlreadyExists {
                 let _ = out.guard.0.take();
                 return Err(UnpackError::Exists(final_path));
@@ -515,56 +576,55 @@ pub fn pull(
         }
         // Renamed: nothing left for the guard to remove.
         let _ = out.guard.0.take();
-        out.dir.sync().map_err(io(out.dir.path()))?;
+        out.dir.sync().map_err(|source| UnpackError::Io { path: out.dir.path().to_path_buf(), source })?;
     }
-    if let (Some(cache), false) = (cache, copies) {
-        // Only now that the files are durable under their final names may the cache point
-        // into them: the prepared references become visible, for every chunk that landed.
-        let landed_digest = |d: &ChunkDigest| {
-            let r = plan.with_digest(d);
-            !r.is_empty() && r.into_iter().all(|i| landed[i].load(Ordering::Relaxed))
+    Ok(())
+}
+
+/// Chunks planned from the cache whose entry had gone meanwhile were fetched: they had no
+/// prepared reference. Per file: (digest, length, offset) of each.
+fn late_refs(cached: &[usize], distinct: &[Distinct], landed: &[AtomicBool], shift: u8, files: usize) -> Vec<Vec<(ChunkDigest, u32, u64)>> {
+    let mut late = vec![Vec::new(); files];
+    for &i in cached.iter().filter(|&&i| landed[i].load(Ordering::Relaxed)) {
+        let d = &distinct[i];
+        late[d.first.0 as usize].push((d.digest, d.len, d.first.1 << shift));
+    }
+    late
+}
+
+/// Make the references prepared during the fetch visible (those of chunks that landed)
+/// and write the `late` ones, once the files are durable under their final names. A
+/// reference that cannot be written is counted, never an error: the pull is complete,
+/// only the cache missed out.
+fn commit_refs(
+    cache: &ChunkCache,
+    algo: imgfmt::HashAlgo,
+    prepared: Vec<(usize, Result<PreparedRefs<'_>, CacheError>)>,
+    landed_digest: impl Fn(&ChunkDigest) -> bool,
+    late: &[Vec<(ChunkDigest, u32, u64)>],
+    final_paths: &[Option<PathBuf>],
+    c: &Counters,
+) {
+    for (n, p) in prepared {
+        match p {
+            Err(_) => c.put_errors.fetch_add(n as u64, Ordering::Relaxed),
+            Ok(p) => match p.commit(&landed_digest) {
+                Ok(_) => 0,
+                Err(_) => c.put_errors.fetch_add(1, Ordering::Relaxed),
+            },
         };
-        for (n, p) in prepared {
-            match p {
-                // The pull is complete; only the cache missed out.
-                Err(_) => c.put_errors.fetch_add(n as u64, Ordering::Relaxed),
-                Ok(p) => match p.commit(landed_digest) {
-                    Ok(_) => 0,
-                    Err(_) => c.put_errors.fetch_add(1, Ordering::Relaxed),
-                },
-            };
+    }
+    for (late, path) in late.iter().zip(final_paths) {
+        if late.is_empty() {
+            continue;
         }
-        // Chunks planned from the cache whose entry had gone meanwhile were fetched: they
-        // had no prepared reference. Few; written now.
-        for (fi, path) in final_paths.iter().enumerate() {
-            let late: Vec<(ChunkDigest, u32, u64)> = cached
-                .iter()
-                .filter(|&&i| landed[i].load(Ordering::Relaxed) && distinct[i].first.0 as usize == fi)
-                .map(|&i| (distinct[i].digest, distinct[i].len, distinct[i].first.1 << shift))
-                .collect();
-            if late.is_empty() {
-                continue;
-            }
-            match path {
-                Some(path) if cache.put_refs(algo, path, &late).is_ok() => {}
-                _ => {
-                    c.put_errors.fetch_add(late.len() as u64, Ordering::Relaxed);
-                }
+        match path {
+            Some(path) if cache.put_refs(algo, path, late).is_ok() => {}
+            _ => {
+                c.put_errors.fetch_add(late.len() as u64, Ordering::Relaxed);
             }
         }
     }
-    report.bytes_fetched = c.bytes_fetched.into_inner();
-    report.range_requests = c.range_requests.into_inner();
-    report.chunks_from_cache = c.from_cache.into_inner();
-    report.chunks_fetched = c.fetched.into_inner();
-    report.chunks_resumed = c.resumed.into_inner();
-    report.chunks_refetched = c.refetched.into_inner();
-    report.range_retries = c.range_retries.into_inner();
-    report.cache_put_errors = c.put_errors.into_inner();
-    report.bytes_written = c.written.into_inner();
-    report.cache = cache.map(|c| c.stats());
-    report.seconds = t0.elapsed().as_secs_f64();
-    Ok(report)
 }
 
 /// Put chunks from the queue in the cache until every sender is gone: block for one,
@@ -592,37 +652,10 @@ fn cache_writer(cache: &ChunkCache, algo: imgfmt::HashAlgo, rx: &Mutex<Receiver<
 
 /// The fetch pool: `jobs` threads taking work items in order until done or one fails,
 /// then, once a round trip to the source has been timed, as many more as
-/// [`in_flight_depth`] says the link needs. Returns (the depth, the RTT timed).
-fn run_workers(
-    ctx: &Ctx<'_>,
-    work: &[Work],
-    opts: &PullOptions,
-    next: &AtomicUsize,
-    failed: &AtomicBool,
-    first_err: &Mutex<Option<UnpackError>>,
-) -> (usize, Option<f64>) {
+/// [`in_flight_depth`] says the link needs. Returns the first error, and (the depth, the
+/// RTT timed).
+fn run_workers(ctx: &Ctx<'_>, work: &[Work], opts: &PullOptions) -> (Result<(), UnpackError>, (usize, Option<f64>)) {
     let jobs = opts.jobs.max(1);
-    // Only shared references: the closure is `Copy`, one per thread.
-    let worker = || loop {
-        if failed.load(Ordering::Relaxed) {
-            break;
-        }
-        let Some(w) = work.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
-        let res = match w {
-            Work::Cached(i) => ctx.read_cached(*i),
-            Work::Range { pack, start, end, members } => {
-                if !opts.request_delay.is_zero() {
-                    std::thread::sleep(opts.request_delay);
-                }
-                ctx.fetch_range(*pack, *start, *end, members)
-            }
-        };
-        if let Err(e) = res {
-            failed.store(true, Ordering::Relaxed);
-            first_err.lock().expect("poisoned").get_or_insert(e);
-            break;
-        }
-    };
     // Ranges come first in the work list.
     let ranges: Vec<(u32, u64)> = work
         .iter()
@@ -631,32 +664,41 @@ fn run_workers(
             Work::Cached(_) => None,
         })
         .collect();
-    std::thread::scope(|s| {
-        for _ in 0..jobs {
-            s.spawn(worker);
-        }
-        // The first `jobs` ranges are on their way; time round trips beside them (a
-        // HEAD of the first pack). With no more ranges than that, there is nothing to size.
-        if opts.max_jobs <= jobs || ranges.len() <= jobs {
-            return (jobs, None);
-        }
-        let Some(rtt) = probe_rtt(ctx.src, &ctx.image.packs[ranges[0].0 as usize].digest) else { return (jobs, None) };
-        let mean = ranges.iter().map(|r| r.1).sum::<u64>() / ranges.len() as u64;
-        let largest = ranges.iter().map(|r| r.1).max().unwrap_or(0);
-        let depth = in_flight_depth(rtt, mean, largest, jobs, opts.max_jobs);
-        tracing::debug!(rtt_ms = rtt.as_secs_f64() * 1e3, mean_range = mean, depth, "range requests in flight");
-        for _ in jobs..depth {
-            // No more threads than ranges still to start.
-            if next.load(Ordering::Relaxed) >= ranges.len() || failed.load(Ordering::Relaxed) {
-                break;
+    let item = |_: &mut (), i: usize| match &work[i] {
+        Work::Cached(i) => ctx.read_cached(*i),
+        Work::Range { pack, start, end, members } => {
+            if !opts.request_delay.is_zero() {
+                std::thread::sleep(opts.request_delay);
             }
-            if std::thread::Builder::new().name("pull-range".into()).spawn_scoped(s, worker).is_err() {
-                // Out of threads: the ones running finish the work.
-                break;
-            }
+            ctx.fetch_range(*pack, *start, *end, members)
         }
-        (depth, Some(rtt.as_secs_f64() * 1e3))
-    })
+    };
+    imgfmt::work::try_for_each_index_growing(
+        work.len(),
+        jobs,
+        || (),
+        item,
+        |pool| {
+            // The first `jobs` ranges are on their way; time round trips beside them (a
+            // HEAD of the first pack). With no more ranges than that, there is nothing to size.
+            if opts.max_jobs <= jobs || ranges.len() <= jobs {
+                return (jobs, None);
+            }
+            let Some(rtt) = probe_rtt(ctx.src, &ctx.image.packs[ranges[0].0 as usize].digest) else { return (jobs, None) };
+            let mean = ranges.iter().map(|r| r.1).sum::<u64>() / ranges.len() as u64;
+            let largest = ranges.iter().map(|r| r.1).max().unwrap_or(0);
+            let depth = in_flight_depth(rtt, mean, largest, jobs, opts.max_jobs);
+            tracing::debug!(rtt_ms = rtt.as_secs_f64() * 1e3, mean_range = mean, depth, "range requests in flight");
+            for _ in jobs..depth {
+                // No more threads than ranges still to start; out of threads, the ones
+                // running finish the work.
+                if pool.taken() >= ranges.len() || pool.stopped() || !pool.add_thread() {
+                    break;
+                }
+            }
+            (depth, Some(rtt.as_secs_f64() * 1e3))
+        },
+    )
 }
 
 /// The smallest of [`RTT_PROBES`] timed round trips to `src` (a HEAD of `pack` for a
@@ -831,6 +873,21 @@ struct Counters {
     resumed: AtomicU64,
 }
 
+impl Counters {
+    /// The counts of a finished pull, into its report.
+    fn report_into(self, report: &mut PullReport) {
+        report.bytes_fetched = self.bytes_fetched.into_inner();
+        report.range_requests = self.range_requests.into_inner();
+        report.chunks_from_cache = self.from_cache.into_inner();
+        report.chunks_fetched = self.fetched.into_inner();
+        report.chunks_resumed = self.resumed.into_inner();
+        report.chunks_refetched = self.refetched.into_inner();
+        report.range_retries = self.range_retries.into_inner();
+        report.cache_put_errors = self.put_errors.into_inner();
+        report.bytes_written = self.written.into_inner();
+    }
+}
+
 struct Ctx<'a> {
     src: &'a dyn BlobSource,
     image: &'a Image,
@@ -948,30 +1005,25 @@ impl Ctx<'_> {
     /// threads: a distinct chunk found whole and verified at one of its positions is
     /// written to its other positions and needs no fetch. Returns which are resolved.
     fn resume(&self, adopted: &[bool], jobs: usize) -> Result<Vec<bool>, UnpackError> {
+        for (fi, f) in self.image.files.iter().enumerate() {
+            if adopted[fi] {
+                punch_zero_runs(self.outs[fi].file(), f, self.shift).map_err(|source| UnpackError::Io { path: self.outs[fi].path.clone(), source })?;
+            }
+        }
         let mut todo: Vec<usize> = (0..self.distinct.len()).filter(|&i| self.plan.positions(i).any(|(fi, _)| adopted[fi])).collect();
         // In file order, for the disk (the plan is in digest order).
         todo.sort_unstable_by_key(|&i| self.distinct[i].first);
         let resolved: Vec<AtomicBool> = self.distinct.iter().map(|_| AtomicBool::new(false)).collect();
-        let next = AtomicUsize::new(0);
-        let first_err: Mutex<Option<UnpackError>> = Mutex::new(None);
-        std::thread::scope(|s| {
-            for _ in 0..jobs {
-                s.spawn(|| {
-                    while let Some(&i) = todo.get(next.fetch_add(1, Ordering::Relaxed)) {
-                        match self.resume_one(i, adopted) {
-                            Ok(r) => resolved[i].store(r, Ordering::Relaxed),
-                            Err(e) => {
-                                first_err.lock().expect("poisoned").get_or_insert(e);
-                                return;
-                            }
-                        }
-                    }
-                });
-            }
-        });
-        if let Some(e) = first_err.into_inner().expect("poisoned") {
-            return Err(e);
-        }
+        imgfmt::work::try_for_each_index::<_, UnpackError>(
+            todo.len(),
+            jobs,
+            || (),
+            |_, k| {
+                let i = todo[k];
+                resolved[i].store(self.resume_one(i, adopted)?, Ordering::Relaxed);
+                Ok(())
+            },
+        )?;
         Ok(resolved.into_iter().map(AtomicBool::into_inner).collect())
     }
 

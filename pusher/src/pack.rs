@@ -175,9 +175,12 @@ enum Slot {
     },
 }
 
-/// Per file, per chunk: `None` = inherited from the parent, `Some((digest, None))` = zero,
-/// `Some((digest, Some(loc)))` = stored.
-type Placed = Vec<Vec<Option<(ChunkDigest, Option<Loc>)>>>;
+/// Where one chunk went: `None` = inherited from the parent, `Some((digest, None))` =
+/// zero, `Some((digest, Some(loc)))` = stored.
+type PlacedChunk = Option<(ChunkDigest, Option<Loc>)>;
+
+/// Per file, per chunk: where it went.
+type Placed = Vec<Vec<PlacedChunk>>;
 
 /// Slice CVs of the raw chunks placed so far, by digest, kept under the outboard's size
 /// limit by doubling the slice size when they would pass it.
@@ -337,233 +340,47 @@ struct Job {
 pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> Result<PackReport, PackError> {
     let t0 = Instant::now();
     imgfmt::layout::check_tag(tag)?;
-    if !(imgfmt::MIN_CHUNK_SHIFT..=imgfmt::MAX_CHUNK_SHIFT).contains(&opts.chunk_shift) {
-        return Err(PackError::Invalid(format!("chunk size 2^{} outside 64KiB..=16MiB", opts.chunk_shift)));
-    }
-    if opts.pack_size < (1u64 << opts.chunk_shift) {
-        return Err(PackError::Invalid("pack size must be at least one chunk".into()));
-    }
-    if let Some(s) = opts.slice_shift {
-        if !(imgfmt::outboard::MIN_SLICE_SHIFT..opts.chunk_shift).contains(&s) {
-            return Err(PackError::Invalid(format!("slice size 2^{s} outside 4KiB..={}KiB (half a chunk)", (1u64 << opts.chunk_shift) >> 11)));
-        }
-    }
-    let shift = opts.chunk_shift;
+    check_options(opts)?;
     let algo = opts.hash;
-    for (what, rel) in [("base", &opts.base), ("parent", &opts.parent)] {
-        if let Some(r) = rel {
-            let c = r.image.config();
-            if c.hash != algo || c.chunk_shift() != shift {
-                return Err(PackError::Invalid(format!(
-                    "{what} {} uses {} with {} KiB chunks; this pack uses {algo} with {} KiB chunks (pass the same --hash and --chunk-size)",
-                    r.reference,
-                    c.hash,
-                    c.chunk_size >> 10,
-                    (1u64 << shift) >> 10
-                )));
-            }
-        }
-    }
-    if opts.diff && opts.parent.is_none() {
-        return Err(PackError::Invalid("--diff needs --parent: a diff snapshot's holes mean 'as in the parent'".into()));
-    }
-    if opts.max_chain > MAX_CHAIN_DEPTH {
-        return Err(PackError::Invalid(format!("--max-chain {}: readers open at most {MAX_CHAIN_DEPTH} ancestors", opts.max_chain)));
-    }
     // A layer has its parent's ancestors plus the parent. Past the limit, rebase: the
     // same records a full image would have, pointing where the chain stored the bytes.
     let rebase = opts.parent.as_ref().is_some_and(|p| p.image.chain.len() > opts.max_chain);
     // Packs of the chain a rebased image points into are no ancestor's any more.
     let chain_owner = if rebase { media::OWNER_REBASED } else { "parent" };
-
-    let mut sc = scan::scan_dir(src_dir).map_err(io_at(src_dir))?;
-    if sc.files.len() as u64 > imgfmt::index::MAX_FILES {
-        return Err(PackError::Invalid(format!("{} files, at most {}", sc.files.len(), imgfmt::index::MAX_FILES)));
-    }
-    let kind = opts.kind.unwrap_or_else(|| scan::detect_kind(&sc.files));
-    for f in &mut sc.files {
-        imgfmt::config::check_name(&f.name)?;
-        f.role = scan::role_of(kind, &f.name);
-    }
-
-    // Pack slots: own packs and foreign packs (base, parent chain) this index points into.
-    let mut slots: Vec<Slot> = Vec::new();
-    let mut foreign_slot: HashMap<OciDigest, u32> = HashMap::new();
-    // Digest -> location, for deduplication against base and parent chain.
-    let mut known: HashMap<ChunkDigest, (OciDigest, u64, u32, Codec, &'static str, bool)> = HashMap::new();
-    for (rel, owner, from_base) in [(&opts.base, "base", true), (&opts.parent, chain_owner, false)] {
-        if let Some(r) = rel {
-            for f in &r.image.files {
-                for c in &f.chunks {
-                    if let StoredAt::Pack { pack, offset, stored_len, codec } = c.at {
-                        known.entry(c.digest).or_insert((r.image.packs[pack as usize].digest.clone(), offset, stored_len, codec, owner, from_base));
-                    }
-                }
-            }
-        }
-    }
-    let parent_files: HashMap<&str, &imgfmt::ResolvedFile> = opts.parent.iter().flat_map(|r| r.image.files.iter().map(|f| (f.name.as_str(), f))).collect();
-
-    // Packs are written by a pipeline beside this thread (which reads and BLAKE3-hashes):
-    // a writer copies each chunk into the pack file and starts its writeback, a hasher
-    // runs the pack's SHA-256 (one stream, so one core: the slowest stage), and a sealer
-    // fsyncs and names each finished pack, so no stage waits on another's slow part
-    // (with one thread doing all three, a 2 GiB pack took 1.7 s, 0.6 s of it in fsyncs).
-    let (tx, rx) = mpsc::sync_channel::<ToWriter>(16);
-    let on_pack = opts.on_pack;
+    let (sc, kind) = scan_source(src_dir, opts)?;
     let mut report = PackReport { kind: kind.to_string(), files: sc.files.len(), skipped: sc.skipped.clone(), ..Default::default() };
 
-    let result: Result<(Placed, u64, Option<SliceCvs>), PackError>;
-    let own_packs: Result<Vec<(OciDigest, u64)>, FormatError>;
-    {
-        let (r, w) = std::thread::scope(|s| {
-            let (to_hasher, hasher_rx) = mpsc::sync_channel::<ToHasher>(32);
-            let (to_sealer, sealer_rx) = mpsc::sync_channel::<(BlobWriter, OciDigest)>(4);
-            let writer = s.spawn(move || write_packs(dest, rx, to_hasher));
-            let hasher = s.spawn(move || hash_packs(hasher_rx, to_sealer));
-            let sealer = s.spawn(move || seal_packs(sealer_rx, on_pack));
-            let mut r = chunk_all(&sc.files, opts, &parent_files, &known, &mut slots, &mut foreign_slot, &tx, &mut report);
-            if r.is_ok() && tx.send(ToWriter::End).is_err() {
-                r = Err(PackError::Invalid("pack writer stopped early".into()));
-            }
-            drop(tx);
-            // A stage that fails drops its receiver, and the stages before it stop
-            // quietly: the one error returned is the cause.
-            let stages = [writer.join(), hasher.join()].into_iter().map(|j| j.expect("pack writer thread panicked"));
-            let sealed = sealer.join().expect("pack sealer thread panicked");
-            let w = stages.fold(Ok(()), Result::and).and(sealed);
-            (r, w)
-        });
-        result = r;
-        own_packs = w;
-    }
-    // A writer that failed (a full disk, a file size limit) is the cause; the main thread
-    // only saw it stop taking data, so its own error would hide the reason.
-    let own_packs = match (&result, own_packs) {
-        (Err(_), Err(e)) => return Err(e.into()),
-        (_, w) => w,
-    };
-    let (per_file, own_bytes, slices) = result?;
-    let own_packs = own_packs?;
+    let known = known_chunks(opts, chain_owner);
+    let parent_files: HashMap<&str, &imgfmt::ResolvedFile> = opts.parent.iter().flat_map(|r| r.image.files.iter().map(|f| (f.name.as_str(), f))).collect();
+    let mut slots = Slots::default();
+    let input = ChunkInput { opts, parent_files: &parent_files, known: &known };
+    let (Chunked { placed, own_bytes, slices }, own_packs) = chunk_into_packs(dest, &sc.files, &input, &mut slots, &mut report)?;
     report.pack_bytes = own_bytes;
     report.packs = own_packs.len();
+    let placement = Placement { files: &sc.files, placed: &placed, parent_files: &parent_files };
 
     // Rebasing: every chunk the layer would have inherited gets a record where the chain
     // stores it, so those packs join the pack table (as foreign packs, like a base's).
     if rebase {
         let p = opts.parent.as_ref().expect("rebase has a parent");
-        for (fi, f) in sc.files.iter().enumerate() {
-            for (c, slot) in per_file[fi].iter().enumerate() {
-                if slot.is_some() {
-                    continue;
-                }
-                if let StoredAt::Pack { pack, .. } = parent_files[f.name.as_str()].chunks[c].at {
-                    let pr = &p.image.packs[pack as usize];
-                    foreign_slot.entry(pr.digest.clone()).or_insert_with(|| {
-                        slots.push(Slot::Foreign { pack: pr.clone(), owner: chain_owner, from_base: false });
-                        (slots.len() - 1) as u32
-                    });
-                }
+        for pc in placement.inherited() {
+            if let StoredAt::Pack { pack, .. } = pc.at {
+                let pr = &p.image.packs[pack as usize];
+                slots.foreign(&pr.digest, chain_owner, false, || pr.size);
             }
         }
     }
-
-    // Pack table: slots in order, own packs now named.
-    let mut pack_table = Vec::with_capacity(slots.len());
-    for s in &slots {
-        pack_table.push(match s {
-            Slot::Own(n) => {
-                let (d, size) = &own_packs[*n];
-                PackRef { digest: d.clone(), size: *size }
-            }
-            Slot::Foreign { pack, .. } => pack.clone(),
-        });
-    }
-
-    // Records, file roots, image root.
-    let layer = opts.parent.is_some() && !rebase;
-    let mut index = ChunkIndex { hash: algo, chunk_shift: shift, layer, files: Vec::new(), packs: pack_table, records: Vec::new() };
-    let mut entries = Vec::new();
-    let mut roots = Vec::new();
-    for (fi, f) in sc.files.iter().enumerate() {
-        let first = index.records.len() as u64;
-        let mut digests = Vec::with_capacity(per_file[fi].len());
-        for (c, slot) in per_file[fi].iter().enumerate() {
-            let (digest, kind) = match slot {
-                Some((digest, None)) => (*digest, RecordKind::Zero),
-                Some((digest, Some(l))) => (*digest, RecordKind::Stored { pack: l.slot, offset: l.offset, stored_len: l.stored_len, codec: l.codec }),
-                None => {
-                    let pc = parent_files[f.name.as_str()].chunks[c];
-                    digests.push(pc.digest);
-                    if !rebase {
-                        // Inherited from the parent: no record.
-                        continue;
-                    }
-                    let p = opts.parent.as_ref().expect("rebase has a parent");
-                    let kind = match pc.at {
-                        StoredAt::Zero => RecordKind::Zero,
-                        StoredAt::Pack { pack, offset, stored_len, codec } => {
-                            RecordKind::Stored { pack: foreign_slot[&p.image.packs[pack as usize].digest], offset, stored_len, codec }
-                        }
-                    };
-                    index.records.push(ChunkRecord { chunk: c as u64, kind, digest: pc.digest });
-                    continue;
-                }
-            };
-            digests.push(digest);
-            index.records.push(ChunkRecord { chunk: c as u64, kind, digest });
-        }
-        index.files.push(IndexFile { size: f.size, first_record: first, record_count: index.records.len() as u64 - first });
-        let root = verify::file_root(algo, &digests);
-        roots.push(root);
-        entries.push(FileEntry {
-            name: f.name.clone(),
-            size: f.size,
-            mode: f.mode,
-            role: f.role,
-            chunks: chunk_count(f.size, shift),
-            root: root.display_with(algo),
-        });
-    }
-    index.validate()?;
+    let (index, entries, roots) = placement.index(opts, rebase, &slots, &own_packs)?;
     let outboard = match slices {
-        Some(mut s) => {
-            if rebase {
-                // A rebased index lists the chain's chunks this packer did not hash: their
-                // CVs come from the outboards the chain already stored (an entry is
-                // trusted by a reader only once its CVs merge to the digest, §8.2).
-                let parent = opts.parent.as_ref().expect("rebase has a parent");
-                inherit_slice_cvs(&index, &parent.image, parent.source, &mut s)?;
-            }
-            outboard_of(&index, s, !rebase)?
-        }
+        Some(s) => outboard_of_pack(&index, s, opts, rebase)?,
         None => None,
     };
     let image_root = verify::image_root(algo, sc.files.iter().zip(&roots).map(|(f, r)| (f.name.as_str(), f.size, *r)));
     let index_bytes = index.encode();
     let index_digest = dest.put_blob(&index_bytes)?;
 
-    let chain_ref = |r: &Related| ChainRef {
-        manifest: r.image.manifest_digest.clone(),
-        config: r.image.chain[0].config_digest.clone(),
-        index: r.image.chain[0].index_digest.clone(),
-        root: r.image.config().root.clone(),
-        reference: Some(r.reference.clone()),
-    };
-    let config = ImageConfig {
-        format: CONFIG_FORMAT.into(),
-        kind,
-        created: created_now(),
-        chunk_size: 1 << shift,
-        hash: algo,
-        compression: opts.compression.to_string(),
-        files: entries,
-        root: image_root.display_with(algo),
-        index: BlobRef { digest: index_digest.clone(), size: index_bytes.len() as u64 },
-        parent: opts.parent.as_ref().filter(|_| !rebase).map(chain_ref),
-        base: opts.base.as_ref().map(chain_ref),
-        annotations: opts.annotations.clone(),
-    };
+    let index_ref = BlobRef { digest: index_digest.clone(), size: index_bytes.len() as u64 };
+    let config = image_config(opts, rebase, kind, entries, image_root.display_with(algo), index_ref);
     let config_bytes = config.encode();
     let config_digest = dest.put_blob(&config_bytes)?;
 
@@ -581,42 +398,11 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
         report.outboard_entries = ob.entries.len() as u64;
         report.outboard_bytes = bytes.len() as u64;
     }
-    if let Some(p) = opts.parent.as_ref().filter(|_| !rebase) {
-        for (k, link) in p.image.chain.iter().enumerate() {
-            let owner = vec!["parent"; k + 1].join(".");
-            ensure_blob(dest, p.source, &link.config_digest)?;
-            ensure_blob(dest, p.source, &link.index_digest)?;
-            // The copy just ensured is local: asking a registry instead cost a round trip
-            // per ancestor, one after the other.
-            let cs = dest.blob_size(&link.config_digest)?;
-            layers.push(Descriptor::new(media::CONFIG, link.config_digest.clone(), cs).with_annotation(media::ANN_OWNER, owner.clone()));
-            layers.push(Descriptor::new(media::INDEX, link.index_digest.clone(), link.config.index.size).with_annotation(media::ANN_OWNER, owner.clone()));
-            // Its outboard too, so a lazy reader of this layer can verify slices of the
-            // chunks it inherits (an outboard covers only its own index's records).
-            if let Some(ob) = &link.outboard_blob {
-                ensure_blob(dest, p.source, &ob.digest)?;
-                layers.push(Descriptor::new(media::OUTBOARD, ob.digest.clone(), ob.size).with_annotation(media::ANN_OWNER, owner));
-            }
-        }
+    let parent = opts.parent.as_ref().filter(|_| !rebase);
+    if let Some(p) = parent {
+        layers.extend(ancestor_layers(dest, p)?);
     }
-    let mut foreign: BTreeMap<OciDigest, (u64, &'static str, bool)> = BTreeMap::new();
-    for s in &slots {
-        if let Slot::Foreign { pack, owner, from_base } = s {
-            foreign.insert(pack.digest.clone(), (pack.size, owner, *from_base));
-        }
-    }
-    if let Some(p) = opts.parent.as_ref().filter(|_| !rebase) {
-        for (fi, f) in sc.files.iter().enumerate() {
-            for (c, slot) in per_file[fi].iter().enumerate() {
-                if slot.is_none() {
-                    if let StoredAt::Pack { pack, .. } = parent_files[f.name.as_str()].chunks[c].at {
-                        let pr = &p.image.packs[pack as usize];
-                        foreign.entry(pr.digest.clone()).or_insert((pr.size, "parent", false));
-                    }
-                }
-            }
-        }
-    }
+    let foreign = foreign_packs(&slots, parent.map(|p| (p, &placement)));
     for (d, (size, owner, from_base)) in &foreign {
         let src = if *from_base { opts.base.as_ref() } else { opts.parent.as_ref() }.expect("foreign pack has a source").source;
         ensure_blob(dest, src, d)?;
@@ -658,6 +444,333 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     report.metadata_bytes = (manifest_bytes.len() + config_bytes.len() + index_bytes.len()) as u64 + report.outboard_bytes;
     report.seconds = t0.elapsed().as_secs_f64();
     Ok(report)
+}
+
+/// Refuse options no image can be made with before anything is read: sizes out of range,
+/// a base or parent hashed or chunked differently, `--diff` without a parent, a chain
+/// longer than readers open.
+fn check_options(opts: &PackOptions) -> Result<(), PackError> {
+    if !(imgfmt::MIN_CHUNK_SHIFT..=imgfmt::MAX_CHUNK_SHIFT).contains(&opts.chunk_shift) {
+        return Err(PackError::Invalid(format!("chunk size 2^{} outside 64KiB..=16MiB", opts.chunk_shift)));
+    }
+    if opts.pack_size < (1u64 << opts.chunk_shift) {
+        return Err(PackError::Invalid("pack size must be at least one chunk".into()));
+    }
+    if let Some(s) = opts.slice_shift {
+        if !(imgfmt::outboard::MIN_SLICE_SHIFT..opts.chunk_shift).contains(&s) {
+            return Err(PackError::Invalid(format!("slice size 2^{s} outside 4KiB..={}KiB (half a chunk)", (1u64 << opts.chunk_shift) >> 11)));
+        }
+    }
+    let shift = opts.chunk_shift;
+    let algo = opts.hash;
+    for (what, rel) in [("base", &opts.base), ("parent", &opts.parent)] {
+        if let Some(r) = rel {
+            let c = r.image.config();
+            if c.hash != algo || c.chunk_shift() != shift {
+                return Err(PackError::Invalid(format!(
+                    "{what} {} uses {} with {} KiB chunks; this pack uses {algo} with {} KiB chunks (pass the same --hash and --chunk-size)",
+                    r.reference,
+                    c.hash,
+                    c.chunk_size >> 10,
+                    (1u64 << shift) >> 10
+                )));
+            }
+        }
+    }
+    if opts.diff && opts.parent.is_none() {
+        return Err(PackError::Invalid("--diff needs --parent: a diff snapshot's holes mean 'as in the parent'".into()));
+    }
+    if opts.max_chain > MAX_CHAIN_DEPTH {
+        return Err(PackError::Invalid(format!("--max-chain {}: readers open at most {MAX_CHAIN_DEPTH} ancestors", opts.max_chain)));
+    }
+    Ok(())
+}
+
+/// The source directory's files, named and given their roles, and the runtime kind.
+fn scan_source(src_dir: &Path, opts: &PackOptions) -> Result<(scan::Scan, Kind), PackError> {
+    let mut sc = scan::scan_dir(src_dir).map_err(io_at(src_dir))?;
+    if sc.files.len() as u64 > imgfmt::index::MAX_FILES {
+        return Err(PackError::Invalid(format!("{} files, at most {}", sc.files.len(), imgfmt::index::MAX_FILES)));
+    }
+    let kind = opts.kind.unwrap_or_else(|| scan::detect_kind(&sc.files));
+    for f in &mut sc.files {
+        imgfmt::config::check_name(&f.name)?;
+        f.role = scan::role_of(kind, &f.name);
+    }
+    Ok((sc, kind))
+}
+
+/// Where a chunk of the base or the parent chain is stored: a chunk of this image with
+/// its digest is recorded there instead of stored again.
+struct KnownChunk {
+    pack: OciDigest,
+    offset: u64,
+    stored_len: u32,
+    codec: Codec,
+    /// The manifest annotation `owner` of its pack.
+    owner: &'static str,
+    /// In the base (else in the parent chain): which source holds the pack.
+    from_base: bool,
+}
+
+/// Every stored chunk of the base and the parent chain, by digest (the base's first).
+fn known_chunks(opts: &PackOptions, chain_owner: &'static str) -> HashMap<ChunkDigest, KnownChunk> {
+    let mut known = HashMap::new();
+    for (rel, owner, from_base) in [(&opts.base, "base", true), (&opts.parent, chain_owner, false)] {
+        if let Some(r) = rel {
+            for f in &r.image.files {
+                for c in &f.chunks {
+                    if let StoredAt::Pack { pack, offset, stored_len, codec } = c.at {
+                        known.entry(c.digest).or_insert_with(|| KnownChunk {
+                            pack: r.image.packs[pack as usize].digest.clone(),
+                            offset,
+                            stored_len,
+                            codec,
+                            owner,
+                            from_base,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    known
+}
+
+/// The pack table being built: own packs (named once written) and the foreign packs
+/// (base, parent chain) this index points into, in the order chunks first used them.
+#[derive(Default)]
+struct Slots {
+    list: Vec<Slot>,
+    /// A foreign pack's slot.
+    foreign: HashMap<OciDigest, u32>,
+}
+
+impl Slots {
+    /// The slot of foreign pack `digest`, added if it has none yet (`size` is asked only
+    /// then).
+    fn foreign(&mut self, digest: &OciDigest, owner: &'static str, from_base: bool, size: impl FnOnce() -> u64) -> u32 {
+        *self.foreign.entry(digest.clone()).or_insert_with(|| {
+            self.list.push(Slot::Foreign { pack: PackRef { digest: digest.clone(), size: size() }, owner, from_base });
+            (self.list.len() - 1) as u32
+        })
+    }
+
+    /// The index's pack table: slots in order, own packs now named.
+    fn table(&self, own_packs: &[(OciDigest, u64)]) -> Vec<PackRef> {
+        self.list
+            .iter()
+            .map(|s| match s {
+                Slot::Own(n) => {
+                    let (d, size) = &own_packs[*n];
+                    PackRef { digest: d.clone(), size: *size }
+                }
+                Slot::Foreign { pack, .. } => pack.clone(),
+            })
+            .collect()
+    }
+}
+
+/// Chunk `files` while the pack pipeline (see [`write_packs`]) writes what is stored:
+/// returns what chunking placed and the own packs written (digest, size), in order.
+fn chunk_into_packs(
+    dest: &OciLayout,
+    files: &[scan::SourceFile],
+    input: &ChunkInput,
+    slots: &mut Slots,
+    report: &mut PackReport,
+) -> Result<(Chunked, Vec<(OciDigest, u64)>), PackError> {
+    // Packs are written by a pipeline beside this thread (which reads and BLAKE3-hashes):
+    // a writer copies each chunk into the pack file and starts its writeback, a hasher
+    // runs the pack's SHA-256 (one stream, so one core: the slowest stage), and a sealer
+    // fsyncs and names each finished pack, so no stage waits on another's slow part
+    // (with one thread doing all three, a 2 GiB pack took 1.7 s, 0.6 s of it in fsyncs).
+    // Not `imgfmt::work`: three stages joined by channels, not items shared out.
+    let (tx, rx) = mpsc::sync_channel::<ToWriter>(16);
+    let on_pack = input.opts.on_pack;
+    let (result, own_packs) = std::thread::scope(|s| {
+        let (to_hasher, hasher_rx) = mpsc::sync_channel::<ToHasher>(32);
+        let (to_sealer, sealer_rx) = mpsc::sync_channel::<(BlobWriter, OciDigest)>(4);
+        let writer = s.spawn(move || write_packs(dest, rx, to_hasher));
+        let hasher = s.spawn(move || hash_packs(hasher_rx, to_sealer));
+        let sealer = s.spawn(move || seal_packs(sealer_rx, on_pack));
+        let mut r = Chunker::new(input, slots, &tx, report).all(files);
+        if r.is_ok() && tx.send(ToWriter::End).is_err() {
+            r = Err(PackError::Invalid("pack writer stopped early".into()));
+        }
+        drop(tx);
+        // A stage that fails drops its receiver, and the stages before it stop
+        // quietly: the one error returned is the cause.
+        let stages = [writer.join(), hasher.join()].into_iter().map(|j| j.expect("pack writer thread panicked"));
+        let sealed = sealer.join().expect("pack sealer thread panicked");
+        let w = stages.fold(Ok(()), Result::and).and(sealed);
+        (r, w)
+    });
+    // A writer that failed (a full disk, a file size limit) is the cause; the main thread
+    // only saw it stop taking data, so its own error would hide the reason.
+    let own_packs = match (&result, own_packs) {
+        (Err(_), Err(e)) => return Err(e.into()),
+        (_, w) => w,
+    };
+    let chunked = result?;
+    Ok((chunked, own_packs?))
+}
+
+/// Where every chunk of the source files went ([`Placed`]), with what it builds on: what
+/// the index, the roots and the manifest are made from.
+struct Placement<'a> {
+    files: &'a [scan::SourceFile],
+    placed: &'a Placed,
+    parent_files: &'a HashMap<&'a str, &'a imgfmt::ResolvedFile>,
+}
+
+impl Placement<'_> {
+    /// The parent's chunk at every position inherited from it, in file order.
+    fn inherited(&self) -> impl Iterator<Item = &imgfmt::ResolvedChunk> + '_ {
+        self.files.iter().zip(self.placed).flat_map(move |(f, slots)| {
+            let parent = self.parent_files.get(f.name.as_str());
+            slots.iter().enumerate().filter(|(_, s)| s.is_none()).map(move |(c, _)| &parent.expect("an inherited chunk has a parent file").chunks[c])
+        })
+    }
+
+    /// The chunk index (records, file table, pack table), each file's config entry and
+    /// Merkle root. A layer has no record for an inherited chunk; a rebased image records
+    /// it where the chain stores it.
+    fn index(
+        &self,
+        opts: &PackOptions,
+        rebase: bool,
+        slots: &Slots,
+        own_packs: &[(OciDigest, u64)],
+    ) -> Result<(ChunkIndex, Vec<FileEntry>, Vec<ChunkDigest>), PackError> {
+        let (algo, shift) = (opts.hash, opts.chunk_shift);
+        let layer = opts.parent.is_some() && !rebase;
+        let mut index = ChunkIndex { hash: algo, chunk_shift: shift, layer, files: Vec::new(), packs: slots.table(own_packs), records: Vec::new() };
+        let mut entries = Vec::new();
+        let mut roots = Vec::new();
+        for (fi, f) in self.files.iter().enumerate() {
+            let first = index.records.len() as u64;
+            let mut digests = Vec::with_capacity(self.placed[fi].len());
+            for (c, slot) in self.placed[fi].iter().enumerate() {
+                let (digest, kind) = match slot {
+                    Some((digest, None)) => (*digest, RecordKind::Zero),
+                    Some((digest, Some(l))) => (*digest, RecordKind::Stored { pack: l.slot, offset: l.offset, stored_len: l.stored_len, codec: l.codec }),
+                    None => {
+                        let pc = self.parent_files[f.name.as_str()].chunks[c];
+                        digests.push(pc.digest);
+                        if !rebase {
+                            // Inherited from the parent: no record.
+                            continue;
+                        }
+                        let p = opts.parent.as_ref().expect("rebase has a parent");
+                        let kind = match pc.at {
+                            StoredAt::Zero => RecordKind::Zero,
+                            StoredAt::Pack { pack, offset, stored_len, codec } => {
+                                RecordKind::Stored { pack: slots.foreign[&p.image.packs[pack as usize].digest], offset, stored_len, codec }
+                            }
+                        };
+                        index.records.push(ChunkRecord { chunk: c as u64, kind, digest: pc.digest });
+                        continue;
+                    }
+                };
+                digests.push(digest);
+                index.records.push(ChunkRecord { chunk: c as u64, kind, digest });
+            }
+            index.files.push(IndexFile { size: f.size, first_record: first, record_count: index.records.len() as u64 - first });
+            let root = verify::file_root(algo, &digests);
+            roots.push(root);
+            entries.push(FileEntry {
+                name: f.name.clone(),
+                size: f.size,
+                mode: f.mode,
+                role: f.role,
+                chunks: chunk_count(f.size, shift),
+                root: root.display_with(algo),
+            });
+        }
+        index.validate()?;
+        Ok((index, entries, roots))
+    }
+}
+
+/// The manifest layers of a layer's ancestors, copied into `dest` when missing: each
+/// one's config, index and outboard (so a lazy reader of this layer can verify slices of
+/// the chunks it inherits: an outboard covers only its own index's records).
+fn ancestor_layers(dest: &OciLayout, p: &Related) -> Result<Vec<Descriptor>, PackError> {
+    let mut layers = Vec::new();
+    for (k, link) in p.image.chain.iter().enumerate() {
+        let owner = vec!["parent"; k + 1].join(".");
+        ensure_blob(dest, p.source, &link.config_digest)?;
+        ensure_blob(dest, p.source, &link.index_digest)?;
+        // The copy just ensured is local: asking a registry instead cost a round trip
+        // per ancestor, one after the other.
+        let cs = dest.blob_size(&link.config_digest)?;
+        layers.push(Descriptor::new(media::CONFIG, link.config_digest.clone(), cs).with_annotation(media::ANN_OWNER, owner.clone()));
+        layers.push(Descriptor::new(media::INDEX, link.index_digest.clone(), link.config.index.size).with_annotation(media::ANN_OWNER, owner.clone()));
+        if let Some(ob) = &link.outboard_blob {
+            ensure_blob(dest, p.source, &ob.digest)?;
+            layers.push(Descriptor::new(media::OUTBOARD, ob.digest.clone(), ob.size).with_annotation(media::ANN_OWNER, owner));
+        }
+    }
+    Ok(layers)
+}
+
+/// Every foreign pack a chunk of the resolved image points into, by digest: (size,
+/// owner, from the base): the index's foreign slots, and for a layer (`parent`) the
+/// packs of the chunks it inherits.
+fn foreign_packs(slots: &Slots, parent: Option<(&Related, &Placement)>) -> BTreeMap<OciDigest, (u64, &'static str, bool)> {
+    let mut foreign: BTreeMap<OciDigest, (u64, &'static str, bool)> = BTreeMap::new();
+    for s in &slots.list {
+        if let Slot::Foreign { pack, owner, from_base } = s {
+            foreign.insert(pack.digest.clone(), (pack.size, owner, *from_base));
+        }
+    }
+    if let Some((p, placement)) = parent {
+        for pc in placement.inherited() {
+            if let StoredAt::Pack { pack, .. } = pc.at {
+                let pr = &p.image.packs[pack as usize];
+                foreign.entry(pr.digest.clone()).or_insert((pr.size, "parent", false));
+            }
+        }
+    }
+    foreign
+}
+
+/// The config of the image being packed.
+fn image_config(opts: &PackOptions, rebase: bool, kind: Kind, files: Vec<FileEntry>, root: String, index: BlobRef) -> ImageConfig {
+    let chain_ref = |r: &Related| ChainRef {
+        manifest: r.image.manifest_digest.clone(),
+        config: r.image.chain[0].config_digest.clone(),
+        index: r.image.chain[0].index_digest.clone(),
+        root: r.image.config().root.clone(),
+        reference: Some(r.reference.clone()),
+    };
+    ImageConfig {
+        format: CONFIG_FORMAT.into(),
+        kind,
+        created: created_now(),
+        chunk_size: 1 << opts.chunk_shift,
+        hash: opts.hash,
+        compression: opts.compression.to_string(),
+        files,
+        root,
+        index,
+        parent: opts.parent.as_ref().filter(|_| !rebase).map(chain_ref),
+        base: opts.base.as_ref().map(chain_ref),
+        annotations: opts.annotations.clone(),
+    }
+}
+
+/// The outboard of the packed `index` from the slice CVs kept while hashing; a rebased
+/// index lists the chain's chunks this packer did not hash: their CVs come from the
+/// outboards the chain already stored (an entry is trusted by a reader only once its
+/// CVs merge to the digest, §8.2).
+fn outboard_of_pack(index: &ChunkIndex, mut slices: SliceCvs, opts: &PackOptions, rebase: bool) -> Result<Option<Outboard>, PackError> {
+    if rebase {
+        let parent = opts.parent.as_ref().expect("rebase has a parent");
+        inherit_slice_cvs(index, &parent.image, parent.source, &mut slices)?;
+    }
+    outboard_of(index, slices, !rebase)
 }
 
 /// The outboard of `index`: an entry for every raw record longer than a slice, from the
@@ -715,36 +828,80 @@ fn inherit_slice_cvs(index: &ChunkIndex, parent: &Image, source: &dyn BlobSource
     Ok(())
 }
 
-/// Read, digest and place every chunk; returns the placement, the bytes sent to packs and
-/// the slice CVs of raw chunks (when the image has an outboard).
-#[allow(clippy::too_many_arguments)]
-fn chunk_all(
-    files: &[scan::SourceFile],
-    opts: &PackOptions,
-    parent_files: &HashMap<&str, &imgfmt::ResolvedFile>,
-    known: &HashMap<ChunkDigest, (OciDigest, u64, u32, Codec, &'static str, bool)>,
-    slots: &mut Vec<Slot>,
-    foreign_slot: &mut HashMap<OciDigest, u32>,
-    tx: &mpsc::SyncSender<ToWriter>,
-    report: &mut PackReport,
-) -> Result<(Placed, u64, Option<SliceCvs>), PackError> {
-    let shift = opts.chunk_shift;
-    let cs = 1u64 << shift;
-    let algo = opts.hash;
-    // Slice CVs come from the same pass over the bytes as the digest (the digest is their
-    // merge), so an outboard costs no second read of any chunk.
-    let slice_shift = opts.slice_shift.filter(|_| algo == HashAlgo::Blake3);
-    let mut slices = slice_shift.map(|s| SliceCvs::new(shift, s));
-    let batch = ((32u64 << 20) >> shift).max(opts.threads as u64 * 2) as usize;
-    let mut own: HashMap<ChunkDigest, Loc> = HashMap::new();
-    let mut own_count = 0usize;
-    let mut cur_slot: Option<u32> = None;
-    let mut cur_off = 0u64;
-    let mut total = 0u64;
-    let mut out = Vec::with_capacity(files.len());
-    let writer_gone = || PackError::Invalid("pack writer stopped early".into());
+/// What chunking reads besides the files: the options, the parent's files by name and
+/// the chunks the base and the parent chain already store.
+struct ChunkInput<'a> {
+    opts: &'a PackOptions<'a>,
+    parent_files: &'a HashMap<&'a str, &'a imgfmt::ResolvedFile>,
+    known: &'a HashMap<ChunkDigest, KnownChunk>,
+}
 
-    for f in files {
+/// What chunking gives.
+struct Chunked {
+    /// Where every chunk went.
+    placed: Placed,
+    /// Stored bytes sent to own packs.
+    own_bytes: u64,
+    /// Slice CVs of the raw chunks (when the image has an outboard).
+    slices: Option<SliceCvs>,
+}
+
+/// Reads, digests and places every chunk, batch after batch, sending new chunks' bytes
+/// to the pack writer; what was placed so far is what the next chunk dedups against.
+struct Chunker<'a, 'i> {
+    input: &'i ChunkInput<'a>,
+    slots: &'i mut Slots,
+    tx: &'i mpsc::SyncSender<ToWriter>,
+    report: &'i mut PackReport,
+    /// Slice CVs come from the same pass over the bytes as the digest (the digest is
+    /// their merge), so an outboard costs no second read of any chunk.
+    slice_shift: Option<u8>,
+    slices: Option<SliceCvs>,
+    /// Chunks per batch.
+    batch: usize,
+    /// Every chunk placed so far (own packs, base, chain), by digest.
+    own: HashMap<ChunkDigest, Loc>,
+    own_count: usize,
+    /// The own pack being filled, and its size so far.
+    cur_slot: Option<u32>,
+    cur_off: u64,
+    total: u64,
+}
+
+impl<'a, 'i> Chunker<'a, 'i> {
+    fn new(input: &'i ChunkInput<'a>, slots: &'i mut Slots, tx: &'i mpsc::SyncSender<ToWriter>, report: &'i mut PackReport) -> Self {
+        let opts = input.opts;
+        let slice_shift = opts.slice_shift.filter(|_| opts.hash == HashAlgo::Blake3);
+        Chunker {
+            input,
+            slots,
+            tx,
+            report,
+            slice_shift,
+            slices: slice_shift.map(|s| SliceCvs::new(opts.chunk_shift, s)),
+            batch: ((32u64 << 20) >> opts.chunk_shift).max(opts.threads as u64 * 2) as usize,
+            own: HashMap::new(),
+            own_count: 0,
+            cur_slot: None,
+            cur_off: 0,
+            total: 0,
+        }
+    }
+
+    /// Every file, in order.
+    fn all(mut self, files: &[scan::SourceFile]) -> Result<Chunked, PackError> {
+        let mut placed = Vec::with_capacity(files.len());
+        for f in files {
+            placed.push(self.file(f)?);
+        }
+        Ok(Chunked { placed, own_bytes: self.total, slices: self.slices })
+    }
+
+    /// One file, a batch of chunks at a time.
+    fn file(&mut self, f: &scan::SourceFile) -> Result<Vec<PlacedChunk>, PackError> {
+        let opts = self.input.opts;
+        let shift = opts.chunk_shift;
+        let cs = 1u64 << shift;
         let file = File::open(&f.path).map_err(io_at(&f.path))?;
         // Re-stat through the open handle: the size the scan saw must still hold.
         let size = file.metadata().map_err(io_at(&f.path))?.len();
@@ -754,155 +911,30 @@ fn chunk_all(
         let extents = if size == 0 { vec![] } else { scan::data_extents(&file, size).map_err(io_at(&f.path))? };
         let mut cursor = ExtentCursor::new(&extents);
         let n = chunk_count(size, shift);
-        let parent = parent_files.get(f.name.as_str()).copied();
+        let parent = self.input.parent_files.get(f.name.as_str()).copied();
         let diff_file = opts.diff && f.role == Role::Memory;
         if diff_file && parent.is_none_or(|p| p.size != size) {
             return Err(PackError::Invalid(format!("--diff: {} has no same-size counterpart in the parent, so its holes cannot mean 'unchanged'", f.name)));
         }
-        let mut slots_of_file: Vec<Option<(ChunkDigest, Option<Loc>)>> = Vec::with_capacity(n as usize);
+        let batch = self.batch as u64;
+        let mut slots_of_file: Vec<PlacedChunk> = Vec::with_capacity(n as usize);
         let mut c = 0u64;
-        imgfmt::file::will_need(&file, 0, batch as u64 * cs);
+        imgfmt::file::will_need(&file, 0, batch * cs);
         while c < n {
-            let end_c = (c + batch as u64).min(n);
+            let end_c = (c + batch).min(n);
             // The batch after this one starts coming in from disk while this one is
             // hashed and written (a source not in the page cache cost a 2 GiB push 0.5 s
             // of waiting on synchronous 1 MiB reads).
-            imgfmt::file::will_need(&file, end_c * cs, batch as u64 * cs);
-            // Read phase (holes are not read).
-            let mut jobs = Vec::with_capacity((end_c - c) as usize);
-            for ci in c..end_c {
-                let len = chunk_len(size, shift, ci);
-                let start = ci * cs;
-                let cov = cursor.coverage(start, start + len);
-                let mut job = Job { chunk: ci, len: len as u32, data: None, inherit: false, digest: ChunkDigest::default(), cvs: None, zero: false };
-                match (cov, diff_file) {
-                    (Coverage::Hole, true) => job.inherit = true,
-                    (Coverage::Hole, false) => job.zero = true,
-                    (Coverage::Partial, true) => {
-                        // Dirty pages over the parent's chunk: merge here, per chunk,
-                        // without ever materialising the merged file.
-                        let p = opts.parent.as_ref().expect("diff has parent");
-                        let (pfi, _) = p.image.file(&f.name).expect("checked above");
-                        let mut buf = verify::read_chunk(p.source, &p.image, pfi, ci)?.into_vec();
-                        for (s, e) in cursor.pieces(start, start + len) {
-                            file.read_exact_at(&mut buf[(s - start) as usize..(e - start) as usize], s).map_err(io_at(&f.path))?;
-                            report.bytes_read += e - s;
-                        }
-                        job.data = Some(buf);
-                    }
-                    _ => {
-                        let mut buf = vec![0u8; len as usize];
-                        file.read_exact_at(&mut buf, start).map_err(io_at(&f.path))?;
-                        report.bytes_read += len;
-                        job.data = Some(buf);
-                    }
-                }
-                jobs.push(job);
-            }
-            // Digest phase, in parallel.
-            par_each(&mut jobs, opts.threads, |j| {
-                if let Some(d) = &j.data {
-                    if is_zero(d) {
-                        j.zero = true;
-                        j.data = None;
-                    } else if let Some(s) = slice_shift {
-                        (j.digest, j.cvs) = verify::hash::digest_with_slice_cvs(d, s);
-                    } else {
-                        j.digest = verify::chunk_digest(algo, d);
-                    }
-                }
-                if j.zero {
-                    j.digest = verify::zero_digest(algo, j.len);
-                }
-            });
-            // Decide phase: inherit, zero, dedup or store.
-            let mut to_store: Vec<usize> = Vec::new();
-            let mut decided: Vec<Option<(ChunkDigest, Option<Loc>)>> = Vec::with_capacity(jobs.len());
-            for (k, j) in jobs.iter_mut().enumerate() {
-                report.chunks += 1;
-                let pc = parent.and_then(|p| p.chunks.get(j.chunk as usize)).filter(|pc| pc.len == j.len);
-                if j.inherit || pc.is_some_and(|pc| pc.digest == j.digest) {
-                    if pc.is_none() {
-                        return Err(PackError::Invalid(format!("--diff: {} chunk {} is a hole but the parent has no such chunk", f.name, j.chunk)));
-                    }
-                    report.inherited_chunks += 1;
-                    decided.push(None);
-                    continue;
-                }
-                if j.zero {
-                    report.zero_chunks += 1;
-                    decided.push(Some((j.digest, None)));
-                    continue;
-                }
-                if let Some(l) = own.get(&j.digest) {
-                    report.deduplicated_chunks += 1;
-                    decided.push(Some((j.digest, Some(*l))));
-                    continue;
-                }
-                if let Some((pack, offset, stored_len, codec, owner, from_base)) = known.get(&j.digest) {
-                    let slot = *foreign_slot.entry(pack.clone()).or_insert_with(|| {
-                        let size = if *from_base { &opts.base } else { &opts.parent }
-                            .as_ref()
-                            .and_then(|r| r.image.packs.iter().find(|p| &p.digest == pack))
-                            .map(|p| p.size)
-                            .unwrap_or(0);
-                        slots.push(Slot::Foreign { pack: PackRef { digest: pack.clone(), size }, owner, from_base: *from_base });
-                        (slots.len() - 1) as u32
-                    });
-                    let l = Loc { slot, offset: *offset, stored_len: *stored_len, codec: *codec };
-                    own.insert(j.digest, l);
-                    if let (Codec::Raw, Some(s), Some(cvs)) = (codec, slices.as_mut(), j.cvs.take()) {
-                        s.insert(j.digest, j.len, cvs);
-                    }
-                    report.deduplicated_chunks += 1;
-                    decided.push(Some((j.digest, Some(l))));
-                    continue;
-                }
-                // New content: placeholder location, filled after compression. Mark it in
-                // `own` right away so a duplicate later in this batch dedups against it.
-                to_store.push(k);
-                own.insert(j.digest, Loc { slot: u32::MAX, offset: k as u64, stored_len: 0, codec: Codec::Raw });
-                decided.push(Some((j.digest, None)));
-            }
-            // Compress phase, in parallel, for new chunks only.
-            let mut compressed: Vec<(usize, Option<Compressed>)> = to_store.iter().map(|&k| (k, None)).collect();
-            if opts.compression != Compression::None {
-                par_each(&mut compressed, opts.threads, |(k, out)| {
-                    *out = opts.compression.compress(jobs[*k].data.as_deref().expect("stored chunk has data"));
-                });
-            }
-            // Write phase: place each new chunk in the current own pack.
-            for (k, comp) in compressed {
-                let j = &mut jobs[k];
-                let (codec, bytes) = match comp {
-                    Some((codec, b)) => (codec, b),
-                    None => (Codec::Raw, j.data.take().expect("stored chunk has data")),
-                };
-                let stored_len = bytes.len() as u64;
-                if cur_slot.is_none() || (cur_off > 0 && cur_off + stored_len > opts.pack_size) {
-                    if cur_slot.is_some() {
-                        tx.send(ToWriter::Rollover).map_err(|_| writer_gone())?;
-                    }
-                    slots.push(Slot::Own(own_count));
-                    own_count += 1;
-                    cur_slot = Some((slots.len() - 1) as u32);
-                    cur_off = 0;
-                }
-                let l = Loc { slot: cur_slot.expect("set"), offset: cur_off, stored_len: stored_len as u32, codec };
-                cur_off += stored_len;
-                total += stored_len;
-                tx.send(ToWriter::Data(bytes)).map_err(|_| writer_gone())?;
-                own.insert(j.digest, l);
-                if let (Codec::Raw, Some(s), Some(cvs)) = (codec, slices.as_mut(), j.cvs.take()) {
-                    s.insert(j.digest, j.len, cvs);
-                }
-                decided[k] = Some((j.digest, Some(l)));
-                report.stored_chunks += 1;
-            }
+            imgfmt::file::will_need(&file, end_c * cs, batch * cs);
+            let mut jobs = self.read(f, &file, &mut cursor, c..end_c, diff_file)?;
+            self.digest(&mut jobs);
+            let (mut decided, to_store) = self.decide(f, parent, &mut jobs)?;
+            let compressed = self.compress(&jobs, to_store);
+            self.store(&mut jobs, compressed, &mut decided)?;
             // Duplicates within the batch pointed at placeholders: resolve them now.
             for (digest, l) in decided.iter_mut().flatten().filter_map(|(d, l)| l.as_mut().map(|l| (d, l))) {
                 if l.slot == u32::MAX {
-                    *l = own[digest];
+                    *l = self.own[digest];
                 }
             }
             for j in &jobs {
@@ -910,29 +942,180 @@ fn chunk_all(
                     p(j.len as u64);
                 }
             }
-            report.logical_bytes += jobs.iter().map(|j| j.len as u64).sum::<u64>();
+            self.report.logical_bytes += jobs.iter().map(|j| j.len as u64).sum::<u64>();
             slots_of_file.extend(decided);
             c = end_c;
         }
-        out.push(slots_of_file);
+        Ok(slots_of_file)
     }
-    Ok((out, total, slices))
-}
 
-/// Run `f` on every item using up to `threads` threads.
-fn par_each<T: Send>(items: &mut [T], threads: usize, f: impl Fn(&mut T) + Sync) {
-    let threads = threads.clamp(1, items.len().max(1));
-    if threads == 1 {
-        items.iter_mut().for_each(f);
-        return;
-    }
-    let per = items.len().div_ceil(threads);
-    std::thread::scope(|s| {
-        for part in items.chunks_mut(per) {
-            let f = &f;
-            s.spawn(move || part.iter_mut().for_each(f));
+    /// Read phase: the bytes of chunks `range` of `f` (holes are not read; a diff
+    /// snapshot's partly written chunk is merged over the parent's).
+    fn read(
+        &mut self,
+        f: &scan::SourceFile,
+        file: &File,
+        cursor: &mut ExtentCursor,
+        range: std::ops::Range<u64>,
+        diff_file: bool,
+    ) -> Result<Vec<Job>, PackError> {
+        let opts = self.input.opts;
+        let shift = opts.chunk_shift;
+        let cs = 1u64 << shift;
+        let mut jobs = Vec::with_capacity((range.end - range.start) as usize);
+        for ci in range {
+            let len = chunk_len(f.size, shift, ci);
+            let start = ci * cs;
+            let cov = cursor.coverage(start, start + len);
+            let mut job = Job { chunk: ci, len: len as u32, data: None, inherit: false, digest: ChunkDigest::default(), cvs: None, zero: false };
+            match (cov, diff_file) {
+                (Coverage::Hole, true) => job.inherit = true,
+                (Coverage::Hole, false) => job.zero = true,
+                (Coverage::Partial, true) => {
+                    // Dirty pages over the parent's chunk: merge here, per chunk,
+                    // without ever materialising the merged file.
+                    let p = opts.parent.as_ref().expect("diff has parent");
+                    let (pfi, _) = p.image.file(&f.name).expect("checked above");
+                    let mut buf = verify::read_chunk(p.source, &p.image, pfi, ci)?.into_vec();
+                    for (s, e) in cursor.pieces(start, start + len) {
+                        file.read_exact_at(&mut buf[(s - start) as usize..(e - start) as usize], s).map_err(io_at(&f.path))?;
+                        self.report.bytes_read += e - s;
+                    }
+                    job.data = Some(buf);
+                }
+                _ => {
+                    let mut buf = vec![0u8; len as usize];
+                    file.read_exact_at(&mut buf, start).map_err(io_at(&f.path))?;
+                    self.report.bytes_read += len;
+                    job.data = Some(buf);
+                }
+            }
+            jobs.push(job);
         }
-    });
+        Ok(jobs)
+    }
+
+    /// Digest phase, in parallel: each chunk's digest (and slice CVs); chunks of zeros
+    /// found.
+    fn digest(&self, jobs: &mut [Job]) {
+        let (algo, slice_shift) = (self.input.opts.hash, self.slice_shift);
+        imgfmt::work::for_each_mut(jobs, self.input.opts.threads, |j| {
+            if let Some(d) = &j.data {
+                if is_zero(d) {
+                    j.zero = true;
+                    j.data = None;
+                } else if let Some(s) = slice_shift {
+                    (j.digest, j.cvs) = verify::hash::digest_with_slice_cvs(d, s);
+                } else {
+                    j.digest = verify::chunk_digest(algo, d);
+                }
+            }
+            if j.zero {
+                j.digest = verify::zero_digest(algo, j.len);
+            }
+        });
+    }
+
+    /// Decide phase: inherit, zero, dedup or store, per chunk. Returns the placements
+    /// (new chunks at a placeholder) and which jobs hold new content.
+    fn decide(&mut self, f: &scan::SourceFile, parent: Option<&imgfmt::ResolvedFile>, jobs: &mut [Job]) -> Result<(Vec<PlacedChunk>, Vec<usize>), PackError> {
+        let opts = self.input.opts;
+        let mut to_store: Vec<usize> = Vec::new();
+        let mut decided: Vec<PlacedChunk> = Vec::with_capacity(jobs.len());
+        for (k, j) in jobs.iter_mut().enumerate() {
+            self.report.chunks += 1;
+            let pc = parent.and_then(|p| p.chunks.get(j.chunk as usize)).filter(|pc| pc.len == j.len);
+            if j.inherit || pc.is_some_and(|pc| pc.digest == j.digest) {
+                if pc.is_none() {
+                    return Err(PackError::Invalid(format!("--diff: {} chunk {} is a hole but the parent has no such chunk", f.name, j.chunk)));
+                }
+                self.report.inherited_chunks += 1;
+                decided.push(None);
+                continue;
+            }
+            if j.zero {
+                self.report.zero_chunks += 1;
+                decided.push(Some((j.digest, None)));
+                continue;
+            }
+            if let Some(l) = self.own.get(&j.digest) {
+                self.report.deduplicated_chunks += 1;
+                decided.push(Some((j.digest, Some(*l))));
+                continue;
+            }
+            if let Some(kc) = self.input.known.get(&j.digest) {
+                let slot = self.slots.foreign(&kc.pack, kc.owner, kc.from_base, || {
+                    if kc.from_base { &opts.base } else { &opts.parent }
+                        .as_ref()
+                        .and_then(|r| r.image.packs.iter().find(|p| p.digest == kc.pack))
+                        .map(|p| p.size)
+                        .unwrap_or(0)
+                });
+                let l = Loc { slot, offset: kc.offset, stored_len: kc.stored_len, codec: kc.codec };
+                self.own.insert(j.digest, l);
+                if let (Codec::Raw, Some(s), Some(cvs)) = (kc.codec, self.slices.as_mut(), j.cvs.take()) {
+                    s.insert(j.digest, j.len, cvs);
+                }
+                self.report.deduplicated_chunks += 1;
+                decided.push(Some((j.digest, Some(l))));
+                continue;
+            }
+            // New content: placeholder location, filled after compression. Mark it in
+            // `own` right away so a duplicate later in this batch dedups against it.
+            to_store.push(k);
+            self.own.insert(j.digest, Loc { slot: u32::MAX, offset: k as u64, stored_len: 0, codec: Codec::Raw });
+            decided.push(Some((j.digest, None)));
+        }
+        Ok((decided, to_store))
+    }
+
+    /// Compress phase, in parallel, for new chunks only: (job, compressed form when
+    /// compression paid).
+    fn compress(&self, jobs: &[Job], to_store: Vec<usize>) -> Vec<(usize, Option<Compressed>)> {
+        let compression = self.input.opts.compression;
+        let mut compressed: Vec<(usize, Option<Compressed>)> = to_store.into_iter().map(|k| (k, None)).collect();
+        if compression != Compression::None {
+            imgfmt::work::for_each_mut(&mut compressed, self.input.opts.threads, |(k, out)| {
+                *out = compression.compress(jobs[*k].data.as_deref().expect("stored chunk has data"));
+            });
+        }
+        compressed
+    }
+
+    /// Write phase: place each new chunk in the current own pack (a new one when it
+    /// would pass the pack size), send its bytes to the writer, and record where it went.
+    fn store(&mut self, jobs: &mut [Job], compressed: Vec<(usize, Option<Compressed>)>, decided: &mut [PlacedChunk]) -> Result<(), PackError> {
+        let writer_gone = || PackError::Invalid("pack writer stopped early".into());
+        let pack_size = self.input.opts.pack_size;
+        for (k, comp) in compressed {
+            let j = &mut jobs[k];
+            let (codec, bytes) = match comp {
+                Some((codec, b)) => (codec, b),
+                None => (Codec::Raw, j.data.take().expect("stored chunk has data")),
+            };
+            let stored_len = bytes.len() as u64;
+            if self.cur_slot.is_none() || (self.cur_off > 0 && self.cur_off + stored_len > pack_size) {
+                if self.cur_slot.is_some() {
+                    self.tx.send(ToWriter::Rollover).map_err(|_| writer_gone())?;
+                }
+                self.slots.list.push(Slot::Own(self.own_count));
+                self.own_count += 1;
+                self.cur_slot = Some((self.slots.list.len() - 1) as u32);
+                self.cur_off = 0;
+            }
+            let l = Loc { slot: self.cur_slot.expect("set"), offset: self.cur_off, stored_len: stored_len as u32, codec };
+            self.cur_off += stored_len;
+            self.total += stored_len;
+            self.tx.send(ToWriter::Data(bytes)).map_err(|_| writer_gone())?;
+            self.own.insert(j.digest, l);
+            if let (Codec::Raw, Some(s), Some(cvs)) = (codec, self.slices.as_mut(), j.cvs.take()) {
+                s.insert(j.digest, j.len, cvs);
+            }
+            decided[k] = Some((j.digest, Some(l)));
+            self.report.stored_chunks += 1;
+        }
+        Ok(())
+    }
 }
 
 /// Make sure `dest` holds blob `d`, copying it from `src` (and checking its digest on
@@ -979,6 +1162,7 @@ mod tests {
         let layout = OciLayout::open_or_create(dir.path()).unwrap();
         let announced = Mutex::new(Vec::new());
         let on_pack = |d: &OciDigest, _: u64| announced.lock().unwrap().push(d.clone());
+        // The pack pipeline's three stages, as in `chunk_into_packs` (not a worker pool).
         let done = std::thread::scope(|s| {
             let (tx, rx) = mpsc::sync_channel(1);
             let (to_hasher, hasher_rx) = mpsc::sync_channel(1);

@@ -113,6 +113,8 @@ pub fn pack_dir(dir: &Path, dest: &RegistrySource, opts: DirOptions<'_>, copy: &
     let ahead = Mutex::new(Vec::new());
     let (tx, rx) = std::sync::mpsc::channel::<(OciDigest, u64)>();
     let rx = Mutex::new(rx);
+    // Not `imgfmt::work`: the senders take packs from a channel as the packer seals them,
+    // not from a list known up front.
     let packed = std::thread::scope(|s| {
         for _ in 0..copy.jobs.clamp(1, 4) {
             s.spawn(|| loop {

@@ -7,8 +7,10 @@
 //! sent when the bytes read hash to the digest being pushed. Large uploads save their
 //! session URL after every PATCH (see [`super::state`]) so a killed push resumes.
 
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use bytes::Bytes;
 use imgfmt::digest::OciHasher;
@@ -147,6 +149,224 @@ struct Session {
     offset: u64,
 }
 
+/// One blob's upload in progress: what it reads, where its resume state goes, and how
+/// it is going.
+struct Upload<'a> {
+    reg: &'a RegistrySource,
+    d: &'a OciDigest,
+    size: u64,
+    src: &'a dyn BlobSource,
+    progress: &'a (dyn Fn(u64) + Sync),
+    state_file: Option<PathBuf>,
+    /// Bytes per PATCH (raised to the registry's minimum).
+    piece: u64,
+    buf: Vec<u8>,
+    prefix: Prefix<'a>,
+    /// Names the upload in errors and logs.
+    what: String,
+    /// A save of the state failed and was said: said once per blob, as the state is saved
+    /// after every piece and a directory that refuses one write refuses them all.
+    save_failed: bool,
+    /// Consecutive transient failures (progress resets the count).
+    failures: u32,
+    out: Uploaded,
+}
+
+impl Upload<'_> {
+    /// A session saved by an earlier run, if the registry still has it (else the saved
+    /// state is dropped).
+    fn resume_saved(&mut self) -> Result<Option<Session>, ClientError> {
+        let (reg, d, size) = (self.reg, self.d, self.size);
+        let Some(p) = &self.state_file else { return Ok(None) };
+        let Some(saved) = state::load(p, &reg.host, &reg.repository, d) else { return Ok(None) };
+        match reqwest::Url::parse(&saved.location).ok().map(|u| reg.upload_status(&u)).transpose()? {
+            Some(Some(s)) if s.offset <= size => {
+                tracing::info!("{d}: resuming upload at {} of {size} bytes", s.offset);
+                self.out.resumed_from = s.offset;
+                (self.progress)(s.offset);
+                Ok(Some(s))
+            }
+            _ => {
+                state::remove(p);
+                Ok(None)
+            }
+        }
+    }
+
+    /// A new session (POST), the piece raised to the registry's minimum, saved.
+    fn start(&mut self) -> Result<Session, ClientError> {
+        let (s, min) = self.reg.start_upload(self.d)?;
+        if min > MAX_PIECE {
+            return Err(ClientError::TooLarge { what: format!("{}: OCI-Chunk-Min-Length {min}", self.what), limit: MAX_PIECE });
+        }
+        self.piece = self.piece.max(min);
+        self.save(&s);
+        Ok(s)
+    }
+
+    /// Save where the session is, for a rerun to resume (blobs of more than one piece).
+    fn save(&mut self, s: &Session) {
+        if let (Some(p), true) = (&self.state_file, self.size > self.piece) {
+            let st = UploadState {
+                host: self.reg.host.clone(),
+                repository: self.reg.repository.clone(),
+                digest: self.d.clone(),
+                location: s.location.to_string(),
+                offset: s.offset,
+            };
+            if let Err(e) = state::save(p, &st) {
+                if !std::mem::replace(&mut self.save_failed, true) {
+                    tracing::warn!("{}: cannot save upload state: {e} (if interrupted, this blob's upload starts over)", p.display());
+                }
+            }
+        }
+    }
+
+    /// The saved state names a session that will not be continued.
+    fn forget_state(&self) {
+        if let Some(p) = &self.state_file {
+            state::remove(p);
+        }
+    }
+
+    /// Count a transient failure; give up (keeping the state file) after the client's
+    /// retries.
+    fn failed(&mut self, message: String, retry_after: Option<Duration>) -> Result<(), ClientError> {
+        self.failures += 1;
+        if self.failures > self.reg.retries {
+            return Err(ClientError::RetriesExhausted { what: self.what.clone(), attempts: self.failures, last: message });
+        }
+        tracing::debug!("{}: {message}; retrying", self.what);
+        std::thread::sleep(backoff(self.failures, retry_after));
+        Ok(())
+    }
+
+    /// Whole pieces by PATCH while more than one piece is left (the rest, 1..=piece
+    /// bytes or 0, goes with the PUT), following the registry's offset after each.
+    /// `Break` when the session is gone.
+    fn send_pieces(&mut self, s: &mut Session) -> Result<ControlFlow<()>, ClientError> {
+        let (reg, d, size, piece) = (self.reg, self.d, self.size, self.piece);
+        while size - s.offset > piece {
+            let n = piece as usize;
+            let chunk = self.src.read_range_unverified(d, s.offset, n).map_err(|source| ClientError::Source { digest: d.clone(), source })?;
+            let range = format!("{}-{}", s.offset, s.offset + piece - 1);
+            let loc = s.location.clone();
+            let r = reg.attempt(&self.what, &|c| {
+                c.patch(loc.clone())
+                    .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+                    .header(reqwest::header::CONTENT_RANGE, range.clone())
+                    .header(reqwest::header::CONTENT_LENGTH, n.to_string())
+                    .body(chunk.clone())
+            })?;
+            match r {
+                Attempt::Done(resp) if resp.status().as_u16() == 202 => {
+                    self.out.bytes_sent += piece;
+                    let held = resp.headers().get(reqwest::header::RANGE).and_then(|v| v.to_str().ok()).and_then(state::parse_upload_range);
+                    let new_loc = reg.location(&resp, &self.what).unwrap_or(loc);
+                    let expect = s.offset + piece;
+                    if held.is_none_or(|h| h == expect) {
+                        if let Some(h) = &mut self.prefix.hasher {
+                            h.update(&chunk);
+                        }
+                        self.prefix.upto = expect;
+                        *s = Session { location: new_loc, offset: expect };
+                    } else {
+                        // The registry kept a different amount: believe it.
+                        *s = Session { location: new_loc, offset: held.expect("checked").min(size) };
+                        self.prefix.advance_to(s.offset, &mut self.buf)?;
+                    }
+                    (self.progress)(piece);
+                    self.failures = 0;
+                    self.save(s);
+                }
+                Attempt::Done(resp) if resp.status().as_u16() == 416 || resp.status().as_u16() == 404 => {
+                    // Out of step with the registry (416), or the session is gone.
+                    match reg.upload_status(&s.location)? {
+                        Some(st) if st.offset <= size => {
+                            *s = st;
+                            self.prefix.advance_to(s.offset, &mut self.buf)?;
+                            self.failed(format!("PATCH answered {}", resp.status()), None)?;
+                        }
+                        _ => {
+                            self.failed("upload session gone".into(), None)?;
+                            return Ok(ControlFlow::Break(()));
+                        }
+                    }
+                }
+                Attempt::Done(resp) => {
+                    self.forget_state();
+                    return Err(RegistrySource::refusal(&self.what, resp));
+                }
+                Attempt::Transient { message, retry_after } => {
+                    self.failed(message, retry_after)?;
+                    match reg.upload_status(&s.location)? {
+                        Some(st) if st.offset <= size => {
+                            *s = st;
+                            self.prefix.advance_to(s.offset, &mut self.buf)?;
+                        }
+                        _ => return Ok(ControlFlow::Break(())),
+                    }
+                }
+            }
+        }
+        Ok(ControlFlow::Continue(()))
+    }
+
+    /// The last piece, checked with the whole digest before it is sent: the PUT is what
+    /// makes the blob exist, so it never carries bytes that do not match. `Break` with
+    /// the upload's report once the blob is there; `Continue` with the session to go on
+    /// with (`None`: start over).
+    fn put_last(&mut self, s: Session) -> Result<ControlFlow<Uploaded, Option<Session>>, ClientError> {
+        let (reg, d, size) = (self.reg, self.d, self.size);
+        let n = (size - s.offset) as usize;
+        let last = self.src.read_range_unverified(d, s.offset, n).map_err(|source| ClientError::Source { digest: d.clone(), source })?;
+        let actual = self.prefix.hasher.clone().map(|mut whole| {
+            whole.update(&last);
+            whole.finish()
+        });
+        if let Some(actual) = actual.filter(|a| a != d) {
+            let loc = s.location.clone();
+            let _ = reg.attempt(&self.what, &|c| c.delete(loc.clone()));
+            self.forget_state();
+            return Err(ClientError::DigestMismatch { digest: d.clone(), actual });
+        }
+        let mut put_url = s.location.clone();
+        put_url.query_pairs_mut().append_pair("digest", d.as_str());
+        let r = reg.attempt(&self.what, &|c| {
+            c.put(put_url.clone())
+                .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+                .header(reqwest::header::CONTENT_LENGTH, n.to_string())
+                .body(last.clone())
+        })?;
+        match r {
+            Attempt::Done(resp) if resp.status().is_success() => {
+                self.out.bytes_sent += n as u64;
+                (self.progress)(n as u64);
+                self.forget_state();
+                Ok(ControlFlow::Break(self.out))
+            }
+            Attempt::Done(resp) if resp.status().as_u16() == 404 || resp.status().as_u16() == 416 => {
+                self.failed(format!("PUT answered {}", resp.status()), None)?;
+                Ok(ControlFlow::Continue(reg.upload_status(&s.location)?.filter(|st| st.offset <= size)))
+            }
+            Attempt::Done(resp) => {
+                self.forget_state();
+                Err(RegistrySource::refusal(&self.what, resp))
+            }
+            Attempt::Transient { message, retry_after } => {
+                self.failed(message, retry_after)?;
+                // The PUT may have committed before the connection broke.
+                if reg.blob_exists(d)? {
+                    self.out.bytes_sent += n as u64;
+                    self.forget_state();
+                    return Ok(ControlFlow::Break(self.out));
+                }
+                Ok(ControlFlow::Continue(reg.upload_status(&s.location)?.filter(|st| st.offset <= size)))
+            }
+        }
+    }
+}
+
 impl RegistrySource {
     fn mark_writing(&self) {
         if !self.writing.swap(true, Ordering::Relaxed) {
@@ -259,210 +479,40 @@ impl RegistrySource {
         progress: &(dyn Fn(u64) + Sync),
     ) -> Result<Uploaded, ClientError> {
         self.mark_writing();
-        let mut out = Uploaded::default();
-        let state_file = opts.cache_dir.as_ref().map(|c| state::state_path(c, &self.host, &self.repository, d));
-        let mut piece = opts.piece.clamp(1, MAX_PIECE);
-        let mut buf: Vec<u8> = Vec::new();
-        let mut prefix = Prefix { src, digest: d, hasher: (!opts.source_hashed).then(|| OciHasher::for_digest(d)), upto: 0 };
-        let mut session: Option<Session> = None;
-        // A session saved by an earlier run: continue it if the registry still has it.
-        if let Some(p) = &state_file {
-            if let Some(saved) = state::load(p, &self.host, &self.repository, d) {
-                match reqwest::Url::parse(&saved.location).ok().map(|u| self.upload_status(&u)).transpose()? {
-                    Some(Some(s)) if s.offset <= size => {
-                        tracing::info!("{d}: resuming upload at {} of {size} bytes", s.offset);
-                        out.resumed_from = s.offset;
-                        progress(s.offset);
-                        session = Some(s);
-                    }
-                    _ => state::remove(p),
-                }
-            }
-        }
-        // Said once per blob: the state is saved after every piece, and a directory that
-        // refuses one write refuses them all.
-        let save_failed = std::cell::Cell::new(false);
-        let save = |s: &Session, piece: u64| {
-            if let (Some(p), true) = (&state_file, size > piece) {
-                let st = UploadState {
-                    host: self.host.clone(),
-                    repository: self.repository.clone(),
-                    digest: d.clone(),
-                    location: s.location.to_string(),
-                    offset: s.offset,
-                };
-                if let Err(e) = state::save(p, &st) {
-                    if !save_failed.replace(true) {
-                        tracing::warn!("{}: cannot save upload state: {e} (if interrupted, this blob's upload starts over)", p.display());
-                    }
-                }
-            }
+        let mut up = Upload {
+            reg: self,
+            d,
+            size,
+            src,
+            progress,
+            state_file: opts.cache_dir.as_ref().map(|c| state::state_path(c, &self.host, &self.repository, d)),
+            piece: opts.piece.clamp(1, MAX_PIECE),
+            buf: Vec::new(),
+            prefix: Prefix { src, digest: d, hasher: (!opts.source_hashed).then(|| OciHasher::for_digest(d)), upto: 0 },
+            what: format!("uploading {d} to {}", self.describe()),
+            save_failed: false,
+            failures: 0,
+            out: Uploaded::default(),
         };
-        let what = format!("uploading {d} to {}", self.describe());
-        // Consecutive transient failures (progress resets the count).
-        let failures = std::cell::Cell::new(0u32);
-        // Count a transient failure; give up (keeping the state file) after `retries`.
-        let failed = |message: String, retry_after| -> Result<(), ClientError> {
-            failures.set(failures.get() + 1);
-            if failures.get() > self.retries {
-                return Err(ClientError::RetriesExhausted { what: what.clone(), attempts: failures.get(), last: message });
-            }
-            tracing::debug!("{what}: {message}; retrying");
-            std::thread::sleep(backoff(failures.get(), retry_after));
-            Ok(())
-        };
+        let mut session = up.resume_saved()?;
         loop {
             let mut s = match session.take() {
                 Some(s) => s,
-                None => {
-                    let (s, min) = self.start_upload(d)?;
-                    if min > MAX_PIECE {
-                        return Err(ClientError::TooLarge { what: format!("{what}: OCI-Chunk-Min-Length {min}"), limit: MAX_PIECE });
-                    }
-                    piece = piece.max(min);
-                    save(&s, piece);
-                    s
-                }
+                None => up.start()?,
             };
-            prefix.advance_to(s.offset, &mut buf)?;
-            // Whole pieces by PATCH; the rest (1..=piece bytes, or 0) goes with the PUT.
-            let mut gone = false;
-            while size - s.offset > piece {
-                let n = piece as usize;
-                let chunk = src.read_range_unverified(d, s.offset, n).map_err(|source| ClientError::Source { digest: d.clone(), source })?;
-                let range = format!("{}-{}", s.offset, s.offset + piece - 1);
-                let loc = s.location.clone();
-                let r = self.attempt(&what, &|c| {
-                    c.patch(loc.clone())
-                        .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-                        .header(reqwest::header::CONTENT_RANGE, range.clone())
-                        .header(reqwest::header::CONTENT_LENGTH, n.to_string())
-                        .body(chunk.clone())
-                })?;
-                match r {
-                    Attempt::Done(resp) if resp.status().as_u16() == 202 => {
-                        out.bytes_sent += piece;
-                        let held = resp.headers().get(reqwest::header::RANGE).and_then(|v| v.to_str().ok()).and_then(state::parse_upload_range);
-                        let new_loc = self.location(&resp, &what).unwrap_or(loc);
-                        let expect = s.offset + piece;
-                        if held.is_none_or(|h| h == expect) {
-                            if let Some(h) = &mut prefix.hasher {
-                                h.update(&chunk);
-                            }
-                            prefix.upto = expect;
-                            s = Session { location: new_loc, offset: expect };
-                        } else {
-                            // The registry kept a different amount: believe it.
-                            s = Session { location: new_loc, offset: held.expect("checked").min(size) };
-                            prefix.advance_to(s.offset, &mut buf)?;
-                        }
-                        progress(piece);
-                        failures.set(0);
-                        save(&s, piece);
-                    }
-                    Attempt::Done(resp) if resp.status().as_u16() == 416 || resp.status().as_u16() == 404 => {
-                        // Out of step with the registry (416), or the session is gone.
-                        match self.upload_status(&s.location)? {
-                            Some(st) if st.offset <= size => {
-                                s = st;
-                                prefix.advance_to(s.offset, &mut buf)?;
-                                failed(format!("PATCH answered {}", resp.status()), None)?;
-                            }
-                            _ => {
-                                gone = true;
-                                failed("upload session gone".into(), None)?;
-                                break;
-                            }
-                        }
-                    }
-                    Attempt::Done(resp) => {
-                        if let Some(p) = &state_file {
-                            state::remove(p);
-                        }
-                        return Err(Self::refusal(&what, resp));
-                    }
-                    Attempt::Transient { message, retry_after } => {
-                        failed(message, retry_after)?;
-                        match self.upload_status(&s.location)? {
-                            Some(st) if st.offset <= size => {
-                                s = st;
-                                prefix.advance_to(s.offset, &mut buf)?;
-                            }
-                            _ => {
-                                gone = true;
-                                break;
-                            }
-                        }
-                    }
-                }
-            }
-            if gone {
-                if let Some(p) = &state_file {
-                    state::remove(p);
-                }
-                prefix.advance_to(0, &mut buf)?;
+            up.prefix.advance_to(s.offset, &mut up.buf)?;
+            if up.send_pieces(&mut s)?.is_break() {
+                // The session is gone: start over.
+                up.forget_state();
+                up.prefix.advance_to(0, &mut up.buf)?;
                 continue;
             }
-            // The last piece, checked with the whole digest before it is sent: the PUT is
-            // what makes the blob exist, so it never carries bytes that do not match.
-            let n = (size - s.offset) as usize;
-            let last = src.read_range_unverified(d, s.offset, n).map_err(|source| ClientError::Source { digest: d.clone(), source })?;
-            let actual = prefix.hasher.clone().map(|mut whole| {
-                whole.update(&last);
-                whole.finish()
-            });
-            if let Some(actual) = actual.filter(|a| a != d) {
-                let loc = s.location.clone();
-                let _ = self.attempt(&what, &|c| c.delete(loc.clone()));
-                if let Some(p) = &state_file {
-                    state::remove(p);
-                }
-                return Err(ClientError::DigestMismatch { digest: d.clone(), actual });
-            }
-            let mut put_url = s.location.clone();
-            put_url.query_pairs_mut().append_pair("digest", d.as_str());
-            let r = self.attempt(&what, &|c| {
-                c.put(put_url.clone())
-                    .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-                    .header(reqwest::header::CONTENT_LENGTH, n.to_string())
-                    .body(last.clone())
-            })?;
-            match r {
-                Attempt::Done(resp) if resp.status().is_success() => {
-                    out.bytes_sent += n as u64;
-                    progress(n as u64);
-                    if let Some(p) = &state_file {
-                        state::remove(p);
-                    }
-                    return Ok(out);
-                }
-                Attempt::Done(resp) if resp.status().as_u16() == 404 || resp.status().as_u16() == 416 => {
-                    failed(format!("PUT answered {}", resp.status()), None)?;
-                    session = self.upload_status(&s.location)?.filter(|st| st.offset <= size);
-                }
-                Attempt::Done(resp) => {
-                    if let Some(p) = &state_file {
-                        state::remove(p);
-                    }
-                    return Err(Self::refusal(&what, resp));
-                }
-                Attempt::Transient { message, retry_after } => {
-                    failed(message, retry_after)?;
-                    // The PUT may have committed before the connection broke.
-                    if self.blob_exists(d)? {
-                        out.bytes_sent += n as u64;
-                        if let Some(p) = &state_file {
-                            state::remove(p);
-                        }
-                        return Ok(out);
-                    }
-                    session = self.upload_status(&s.location)?.filter(|st| st.offset <= size);
-                }
+            match up.put_last(s)? {
+                ControlFlow::Break(out) => return Ok(out),
+                ControlFlow::Continue(next) => session = next,
             }
             if session.is_none() {
-                if let Some(p) = &state_file {
-                    state::remove(p);
-                }
+                up.forget_state();
             }
         }
     }

@@ -225,12 +225,10 @@ pub fn audit(src: &dyn BlobSource, image: &Image, opts: &AuditOptions) -> Result
     Ok(report)
 }
 
+/// One image of [`audit`] (the image, or a base): its manifest annotation, then each
+/// phase below, into `report`.
 fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &mut AuditReport) -> Result<(), FormatError> {
     report.images.push(image.manifest_digest.to_string());
-    let algo = image.config().hash;
-    let shift = image.chunk_shift();
-
-    // Roots of every link of the chain, and the references between links.
     let ann = image.manifest.annotations.get(media::ANN_ROOT);
     if ann.is_some_and(|a| a != &image.config().root) {
         report.push_failure(fail(
@@ -238,6 +236,24 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
             format!("manifest annotation {} = {}, config root {}", media::ANN_ROOT, ann.map(String::as_str).unwrap_or(""), image.config().root),
         ));
     }
+    let mut work = audit_links(src, image, report)?;
+    let bad_packs = audit_pack_sizes(src, image, report);
+    work.retain(|w| !bad_packs.contains(&w.pack));
+    let (found, bytes) = audit_chunks(src, image, &work, &bad_packs, opts);
+    for f in found.list {
+        report.push_failure(f);
+    }
+    report.failures_unlisted += found.unlisted;
+    report.stored_chunks_checked += work.len() as u64;
+    report.stored_bytes_checked += bytes;
+    Ok(())
+}
+
+/// Roots of every link of the chain, the references between links and each link's
+/// outboard, checked into `report`; returns each distinct stored range to check once.
+fn audit_links(src: &dyn BlobSource, image: &Image, report: &mut AuditReport) -> Result<Vec<Work>, FormatError> {
+    let algo = image.config().hash;
+    let shift = image.chunk_shift();
     // Each distinct stored range once, kept sorted and deduplicated after each link: an
     // ancestor's range already listed is skipped (a binary search), so the list never
     // holds a link's duplicates at once. The first use of a range, in chain then file
@@ -257,27 +273,8 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
         };
         // Ancestors' packs in the image's table (or not part of the image: u32::MAX).
         let global: Vec<u32> = packs.iter().map(|p| image.pack_index(&p.digest).unwrap_or(u32::MAX)).collect();
-        let (roots, root) = resolved_root(algo, &files);
         let who = if k == 0 { "image".to_string() } else { format!("ancestor {k} (config {})", link.config_digest) };
-        for ((f, r), cf) in files.iter().zip(&roots).zip(&link.config.files) {
-            let want = r.display_with(algo);
-            if cf.root != want {
-                report.push_failure(Failure {
-                    file: Some(f.name.clone()),
-                    ..fail(FailureKind::FileRoot, format!("{who}: file root is {want}, config says {}", cf.root))
-                });
-            }
-        }
-        let want = root.display_with(algo);
-        if link.config.root != want {
-            report.push_failure(fail(FailureKind::ImageRoot, format!("{who}: content root is {want}, config says {}", link.config.root)));
-        }
-        if k > 0 {
-            let named = &image.chain[k - 1].config.parent.as_ref().expect("link has a parent").root;
-            if named != &link.config.root {
-                report.push_failure(fail(FailureKind::ChainRoot, format!("{who}: root {} but its child names {named}", link.config.root)));
-            }
-        }
+        audit_link_roots(image, k, &files, &who, report);
         audit_outboard(link, outboards.next().flatten(), &who, shift, report);
         for (fi, f) in files.iter().enumerate() {
             for (ci, c) in f.chunks.iter().enumerate() {
@@ -323,12 +320,42 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
         work.sort_unstable_by_key(|w| (w.key(), w.link, w.file, w.chunk));
         work.dedup_by_key(|w| w.key());
     }
-    let name = |w: &Work| image.chain[w.link as usize].config.files[w.file as usize].name.clone();
+    Ok(work)
+}
 
-    // Packs: present, of the recorded size, and (optionally) of the right sha256. A size
-    // is a round trip on a registry, and an image late in a chain points into a pack per
-    // layer that changed a chunk it still uses (41 after 70 one-chunk layers), so they are
-    // asked for several at a time, not one after another.
+/// Link `k`'s file roots and content root recomputed from `files` (its resolution) and
+/// compared with its config, and the root its child names for it.
+fn audit_link_roots(image: &Image, k: usize, files: &[ResolvedFile], who: &str, report: &mut AuditReport) {
+    let algo = image.config().hash;
+    let link = &image.chain[k];
+    let (roots, root) = resolved_root(algo, files);
+    for ((f, r), cf) in files.iter().zip(&roots).zip(&link.config.files) {
+        let want = r.display_with(algo);
+        if cf.root != want {
+            report.push_failure(Failure {
+                file: Some(f.name.clone()),
+                ..fail(FailureKind::FileRoot, format!("{who}: file root is {want}, config says {}", cf.root))
+            });
+        }
+    }
+    let want = root.display_with(algo);
+    if link.config.root != want {
+        report.push_failure(fail(FailureKind::ImageRoot, format!("{who}: content root is {want}, config says {}", link.config.root)));
+    }
+    if k > 0 {
+        let named = &image.chain[k - 1].config.parent.as_ref().expect("link has a parent").root;
+        if named != &link.config.root {
+            report.push_failure(fail(FailureKind::ChainRoot, format!("{who}: root {} but its child names {named}", link.config.root)));
+        }
+    }
+}
+
+/// Packs: present and of the recorded size. Returns the table indexes of those that are
+/// not (their chunks are not read). A size is a round trip on a registry, and an image
+/// late in a chain points into a pack per layer that changed a chunk it still uses (41
+/// after 70 one-chunk layers), so they are asked for several at a time, not one after
+/// another.
+fn audit_pack_sizes(src: &dyn BlobSource, image: &Image, report: &mut AuditReport) -> HashSet<u32> {
     let sizes: Vec<Mutex<Option<Result<u64, FormatError>>>> = image.packs.iter().map(|_| Mutex::new(None)).collect();
     for_each_index(image.packs.len(), STAT_THREADS.min(image.packs.len()), |i, _| {
         *sizes[i].lock().expect("poisoned") = Some(src.blob_size(&image.packs[i].digest));
@@ -351,10 +378,19 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
             }
         }
     }
+    bad_packs
+}
 
-    work.retain(|w| !bad_packs.contains(&w.pack));
+/// Every stored range of `work` read and checked against its digest on `opts.threads`
+/// threads (and with `--blob-digests`, every pack not in `bad_packs` re-hashed whole
+/// beside them). Returns the failures, sorted, and the stored bytes checked.
+fn audit_chunks(src: &dyn BlobSource, image: &Image, work: &[Work], bad_packs: &HashSet<u32>, opts: &AuditOptions) -> (Found, u64) {
+    let algo = image.config().hash;
+    let shift = image.chunk_shift();
+    let name = |w: &Work| image.chain[w.link as usize].config.files[w.file as usize].name.clone();
     let bytes = AtomicU64::new(0);
     let failures = Mutex::new(Found::default());
+    // Not `imgfmt::work` alone: one thread walks the packs in order beside the pool.
     std::thread::scope(|s| {
         if opts.blob_digests {
             // One thread re-hashes whole packs while the others check chunks.
@@ -406,13 +442,7 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
     });
     let mut found = failures.into_inner().expect("poisoned");
     found.list.sort_by(|a, b| (&a.file, a.chunk, &a.blob).cmp(&(&b.file, b.chunk, &b.blob)));
-    for f in found.list {
-        report.push_failure(f);
-    }
-    report.failures_unlisted += found.unlisted;
-    report.stored_chunks_checked += work.len() as u64;
-    report.stored_bytes_checked += bytes.into_inner();
-    Ok(())
+    (found, bytes.into_inner())
 }
 
 /// A link's outboard as read for the audit: none, the outboard, or why it could not be read.
