@@ -60,7 +60,7 @@ fuzz_target!(|data: &[u8]| {
             }
         }
     }
-    let opts = verify::AuditOptions { threads: 1, blob_digests: true };
+    let opts = verify::AuditOptions { threads: 1, blob_digests: true, ..Default::default() };
     let _ = verify::audit(&src, &img, &opts);
     for (fi, f) in img.files.iter().enumerate() {
         for c in 0..f.chunks.len().min(4) {

@@ -1339,7 +1339,7 @@ mod tests {
             let owned = |o: &str| img.manifest.layers.iter().filter(|d| d.media_type == media::PACK && d.annotations[media::ANN_OWNER] == o).count();
             assert_eq!((owned("self"), owned(media::OWNER_REBASED), r.chain_packs_referenced), (1, img.packs.len() - 1, img.packs.len() - 1));
             assert!(!img.manifest.layers.iter().any(|d| d.media_type == media::CONFIG), "no ancestor is listed");
-            let audit = verify::audit(&layout, &img, &verify::AuditOptions { threads: 2, blob_digests: true }).unwrap();
+            let audit = verify::audit(&layout, &img, &verify::AuditOptions { threads: 2, blob_digests: true, ..Default::default() }).unwrap();
             assert!(audit.ok(), "{:?}", audit.failures);
             assert_eq!(audit.stored_chunks_checked, 9, "every stored chunk verified (by now all 8 of mem, and state)");
         }

@@ -166,7 +166,7 @@ fn vectors_regenerate_and_audit_clean() {
             assert_eq!(opened.chain[0].config_digest.as_str(), s(&exp["config"]), "{ctx}: config digest");
             assert_eq!(opened.chain[0].index_digest.as_str(), s(&exp["index"]), "{ctx}: index digest");
             assert_eq!(opened.config().root, s(&exp["root"]), "{ctx}: config root");
-            let report = verify::audit(&layout, &opened, &verify::AuditOptions { threads: 2, blob_digests: true }).unwrap();
+            let report = verify::audit(&layout, &opened, &verify::AuditOptions { threads: 2, blob_digests: true, ..Default::default() }).unwrap();
             assert!(report.ok(), "{ctx}: committed layout fails its audit: {:?}", report.failures);
 
             // Pack the inputs again, into a layout of the same name (parent and base
@@ -282,7 +282,7 @@ fn vector_consistent_lies_open_but_fail_verify() {
         // Every digest is consistent: the image opens.
         let (layout, img) = open(&path, tag);
         assert_eq!(img.manifest_digest.as_str(), s(&lie["manifest"]), "{ctx}");
-        let report = verify::audit(&layout, &img, &verify::AuditOptions { threads: 2, blob_digests: false }).unwrap();
+        let report = verify::audit(&layout, &img, &verify::AuditOptions { threads: 2, blob_digests: false, ..Default::default() }).unwrap();
         let want = &lie["expect"];
         let kind = serde_json::to_value(report.failures.iter().map(|f| f.kind).collect::<Vec<_>>()).unwrap();
         assert!(kind.as_array().unwrap().contains(&want["kind"]), "{ctx}: expected a {} failure, got {:?}", want["kind"], report.failures);
