@@ -15,7 +15,7 @@ use imgfmt::digest::OciHasher;
 use imgfmt::{media, BlobSource, FormatError, OciDigest};
 
 use super::state::{self, UploadState};
-use super::{backoff, Attempt, ClientError, RegistrySource};
+use super::{Attempt, ClientError, RegistrySource};
 
 /// Default upload piece: blobs up to this size go up in one PUT, larger ones in PATCHes of
 /// this size (raised to the registry's `OCI-Chunk-Min-Length` when it asks for more).
@@ -301,14 +301,15 @@ impl RegistrySource {
         let what = format!("uploading {d} to {}", self.describe());
         // Consecutive transient failures (progress resets the count).
         let failures = std::cell::Cell::new(0u32);
-        // Count a transient failure; give up (keeping the state file) after `retries`.
+        let started = std::time::Instant::now();
+        // Count a transient failure; give up (keeping the state file) when the policy says.
         let failed = |message: String, retry_after| -> Result<(), ClientError> {
             failures.set(failures.get() + 1);
-            if failures.get() > self.retries {
+            let Some(wait) = self.retry.next_wait(failures.get(), started.elapsed(), retry_after) else {
                 return Err(ClientError::RetriesExhausted { what: what.clone(), attempts: failures.get(), last: message });
-            }
+            };
             tracing::debug!("{what}: {message}; retrying");
-            std::thread::sleep(backoff(failures.get(), retry_after));
+            std::thread::sleep(wait);
             Ok(())
         };
         loop {
