@@ -35,6 +35,7 @@ pub mod manifest;
 pub mod media;
 pub mod outboard;
 pub mod reference;
+pub mod retry;
 pub mod size;
 pub mod source;
 pub mod work;
@@ -42,12 +43,13 @@ pub mod work;
 pub use compress::Compression;
 pub use config::{FileEntry, ImageConfig, Kind, Role};
 pub use digest::{ChunkDigest, HashAlgo, OciDigest, OciHasher};
-pub use error::FormatError;
+pub use error::{BoxError, ErrorKind, FormatError};
 pub use image::{resolve_chain, ChainLink, Image, ResolvedChunk, ResolvedFile, StoredAt};
 pub use index::{ChunkIndex, ChunkRecord, IndexFile, PackRef, RecordKind};
 pub use layout::OciLayout;
 pub use manifest::{Descriptor, Manifest};
 pub use outboard::{Outboard, SliceCvs};
+pub use retry::RetryPolicy;
 pub use source::BlobSource;
 
 /// Smallest chunk size: 64 KiB (a multiple of every page size a VMM uses for guest RAM

@@ -9,7 +9,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use imgfmt::{BlobSource, HashAlgo, Image, StoredAt};
 use verify::{VerifiedChunk, VerifiedSlice, VerifyError};
@@ -67,6 +67,8 @@ pub enum FetchFailure {
     Integrity { chunk: u64, detail: String },
     /// chunk {chunk}: source still failing after {retries} retries over {seconds:.0}s: {detail}
     Exhausted { chunk: u64, retries: u64, seconds: f64, detail: String },
+    /// chunk {chunk}: {detail} (not retried: waiting does not change this answer)
+    Source { chunk: u64, detail: String },
 }
 
 /// Side effects of one `get` the caller accounts for (only the caller that did the work
@@ -116,20 +118,12 @@ impl Recent {
 /// Least memory kept for recent chunks.
 pub const MIN_RECENT: u64 = 16 << 20;
 
-/// Retry policy for transient source failures.
-#[derive(Debug, Clone, Copy)]
-pub struct RetryPolicy {
-    /// Give up (and poison) once retrying has taken this long.
-    pub budget: Duration,
-    pub first_backoff: Duration,
-    pub max_backoff: Duration,
-}
+/// Retry policy for transient source failures: the daemon's default stalls a fault for up
+/// to 120 s (`snapctl lazy --retry-budget`) before poisoning it.
+pub use imgfmt::RetryPolicy;
 
-impl Default for RetryPolicy {
-    fn default() -> Self {
-        RetryPolicy { budget: Duration::from_secs(120), first_backoff: Duration::from_millis(50), max_backoff: Duration::from_secs(5) }
-    }
-}
+/// The lazy server's default policy: stall, never fail, for 120 s.
+pub const DEFAULT_RETRY: RetryPolicy = RetryPolicy::stall(Duration::from_secs(120));
 
 /// Chunks waiting to be put in the store, at most: a slow disk then costs cache entries
 /// (the chunk is fetched again by a later restore), never fault latency.
@@ -353,8 +347,7 @@ impl Fetcher {
         declined: impl Fn(&VerifyError) -> bool,
     ) -> (Result<T, Stop>, Work) {
         let mut work = Work::default();
-        let t0 = Instant::now();
-        let mut backoff = self.policy.first_backoff;
+        let mut retry = self.policy.start();
         let mut mismatch: Option<String> = None;
         loop {
             match attempt() {
@@ -363,20 +356,22 @@ impl Fetcher {
                     return (Ok(v), work);
                 }
                 Err(e) if declined(&e) => return (Err(Stop::Declined(e)), work),
-                Err(e @ VerifyError::Read { .. }) => {
+                Err(e @ VerifyError::Read { .. }) if e.kind().is_transient() => {
                     // Stalling is better than failing here: a faulting vCPU that waits
                     // recovers when the registry does; one that gets poison does not.
-                    let spent = t0.elapsed();
-                    if spent + backoff > self.policy.budget {
-                        let f = FetchFailure::Exhausted { chunk, retries: work.retries, seconds: spent.as_secs_f64(), detail: e.to_string() };
+                    let Some(wait) = retry.failed(None) else {
+                        let f = FetchFailure::Exhausted { chunk, retries: work.retries, seconds: retry.elapsed().as_secs_f64(), detail: e.to_string() };
                         return (Err(Stop::Failed(f)), work);
-                    }
+                    };
                     work.retries += 1;
                     if work.retries == 1 || work.retries % 10 == 0 {
                         tracing::warn!("chunk {chunk}: {e}; retrying (attempt {})", work.retries + 1);
                     }
-                    std::thread::sleep(jitter(backoff));
-                    backoff = (backoff * 2).min(self.policy.max_backoff);
+                    std::thread::sleep(wait);
+                }
+                // Not found, not authorized, a local disk error: no wait changes the answer.
+                Err(e @ VerifyError::Read { .. }) if !e.kind().is_integrity() => {
+                    return (Err(Stop::Failed(FetchFailure::Source { chunk, detail: e.to_string() })), work);
                 }
                 Err(e) => {
                     work.bytes_fetched += bytes;
@@ -413,11 +408,6 @@ pub enum SliceFetch {
     Declined,
 }
 
-/// `d` scaled by a random factor in [0.5, 1.5), so many waiting handlers do not retry in step.
-fn jitter(d: Duration) -> Duration {
-    d.mul_f64(0.5 + rand::random::<f64>())
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -450,7 +440,7 @@ pub(crate) mod tests {
             std::thread::sleep(self.delay);
             if self.fail.load(Ordering::SeqCst) > 0 {
                 self.fail.fetch_sub(1, Ordering::SeqCst);
-                return Err(FormatError::Io { context: "injected".into(), source: std::io::Error::other("connection reset") });
+                return Err(FormatError::Transient { what: "injected".into(), source: "connection reset".into() });
             }
             self.inner.read_at_unverified(d, o, buf)?;
             if self.corrupt.load(Ordering::SeqCst) {
@@ -486,7 +476,7 @@ pub(crate) mod tests {
 
     fn fetcher(flaky: Arc<Flaky>, image: Arc<Image>, budget: Duration) -> Fetcher {
         let file = image.file("vm.mem").unwrap().0;
-        let policy = RetryPolicy { budget, first_backoff: Duration::from_millis(1), max_backoff: Duration::from_millis(5) };
+        let policy = RetryPolicy { first_backoff: Duration::from_millis(1), max_backoff: Duration::from_millis(5), ..RetryPolicy::stall(budget) };
         Fetcher::new(image, file, flaky, None, policy, 0)
     }
 
@@ -531,6 +521,58 @@ pub(crate) mod tests {
         assert!(work.retries >= 3);
     }
 
+    /// A source that answers every read with `err`, counting the reads.
+    struct Answers {
+        inner: imgfmt::OciLayout,
+        err: fn() -> FormatError,
+        reads: AtomicU64,
+    }
+    impl BlobSource for Answers {
+        fn describe(&self) -> String {
+            "answers".into()
+        }
+        fn resolve_tag(&self, t: &str) -> Result<OciDigest, FormatError> {
+            self.inner.resolve_tag(t)
+        }
+        fn read_blob_unverified(&self, d: &OciDigest, l: u64) -> Result<Vec<u8>, FormatError> {
+            self.inner.read_blob_unverified(d, l)
+        }
+        fn blob_size(&self, d: &OciDigest) -> Result<u64, FormatError> {
+            self.inner.blob_size(d)
+        }
+        fn read_at_unverified(&self, _: &OciDigest, _: u64, _: &mut [u8]) -> Result<(), FormatError> {
+            self.reads.fetch_add(1, Ordering::SeqCst);
+            Err((self.err)())
+        }
+    }
+
+    /// Issue 15: every read error was retried for the whole budget (a fault stalled 120 s
+    /// on a blob the registry does not have, or a login it refuses). Only a transient one
+    /// is; a missing blob or a refused login is the answer at once, and a pack shorter than
+    /// the index says is fetched once more like a digest mismatch, then refused.
+    #[test]
+    fn regression_issue_15_only_transient_read_errors_are_retried() {
+        let (d, _mem, image, _) = sample_image(3);
+        let layout = || imgfmt::OciLayout::open(d.path().join("layout")).unwrap();
+        let file = image.file("vm.mem").unwrap().0;
+        let src = Arc::new(Answers { inner: layout(), err: || FormatError::BlobNotFound(OciDigest::of(b"pack")), reads: 0.into() });
+        let f = Fetcher::new(image.clone(), file, src.clone(), None, RetryPolicy::stall(Duration::from_secs(5)), 0);
+        let (o, _, work) = f.get(0);
+        assert!(matches!(o, Err(FetchFailure::Source { .. })), "{o:?}");
+        assert_eq!((work.retries, src.reads.load(Ordering::SeqCst)), (0, 1));
+
+        let src = Arc::new(Answers { inner: layout(), err: || FormatError::Unauthorized { registry: "r".into(), source: "HTTP 401".into() }, reads: 0.into() });
+        let f = Fetcher::new(image.clone(), file, src.clone(), None, RetryPolicy::stall(Duration::from_secs(5)), 0);
+        assert!(matches!(f.get(0).0, Err(FetchFailure::Source { .. })));
+        assert_eq!(src.reads.load(Ordering::SeqCst), 1);
+
+        let src = Arc::new(Answers { inner: layout(), err: || FormatError::Truncated { what: "pack", got: 1, expected: 2 }, reads: 0.into() });
+        let f = Fetcher::new(image, file, src.clone(), None, RetryPolicy::stall(Duration::from_secs(5)), 0);
+        let (o, _, work) = f.get(0);
+        assert!(matches!(o, Err(FetchFailure::Integrity { .. })), "{o:?}");
+        assert_eq!((work.verify_failures, src.reads.load(Ordering::SeqCst)), (2, 2));
+    }
+
     /// A store whose puts block until released, and which counts them and the batches
     /// they came in.
     struct StuckStore {
@@ -567,7 +609,7 @@ pub(crate) mod tests {
         let (_d, mem, image, layout) = sample_image(n * 3 / 2 + 3);
         let store = Arc::new(StuckStore { released: Mutex::new(false), cv: Condvar::new(), puts: AtomicU64::new(0), batches: Mutex::new(Vec::new()) });
         let file = image.file("vm.mem").unwrap().0;
-        let f = Fetcher::new(image, file, flaky(layout, Duration::ZERO), Some(store.clone()), RetryPolicy::default(), 0);
+        let f = Fetcher::new(image, file, flaky(layout, Duration::ZERO), Some(store.clone()), DEFAULT_RETRY, 0);
         let data: Vec<u64> = (0..(n * 3 / 2 + 3) as u64).filter(|&c| !f.is_zero(c).unwrap()).take(n).collect();
         assert_eq!(data.len(), n);
         let (tx, rx) = std::sync::mpsc::channel();

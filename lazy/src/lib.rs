@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use imgfmt::{BlobSource, Image};
 
-pub use fetch::{ChunkStore, FetchFailure, RetryPolicy};
+pub use fetch::{ChunkStore, FetchFailure, RetryPolicy, DEFAULT_RETRY};
 pub use prefetch::{LayoutTraces, PrefetchMode, RegistryTraces, Trace, TraceStore, TRACE_MEDIA_TYPE};
 pub use stats::{ConnReport, Counters};
 
@@ -93,7 +93,7 @@ impl LazyOptions {
             prefetch: PrefetchMode::Trace,
             prefetch_rate: 256 << 20,
             record_trace: false,
-            retry: RetryPolicy::default(),
+            retry: fetch::DEFAULT_RETRY,
             memory_bytes: 256 << 20,
             once: false,
             ready_file: None,

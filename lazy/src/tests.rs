@@ -99,7 +99,7 @@ impl Drop for Running {
 fn start(dir: &std::path::Path, image: Arc<Image>, src: Arc<Flaky>, opts: impl FnOnce(&mut LazyOptions), traces: Option<Box<dyn TraceStore>>) -> Running {
     let socket = dir.join(format!("uffd-{}.sock", rand::random::<u32>()));
     let mut o = LazyOptions::new(socket.clone());
-    o.retry = RetryPolicy { budget: Duration::from_secs(2), first_backoff: Duration::from_millis(1), max_backoff: Duration::from_millis(20) };
+    o.retry = RetryPolicy { first_backoff: Duration::from_millis(1), max_backoff: Duration::from_millis(20), ..RetryPolicy::stall(Duration::from_secs(2)) };
     o.ready_file = Some(dir.join("ready"));
     let _ = std::fs::remove_file(dir.join("ready"));
     opts(&mut o);

@@ -57,8 +57,9 @@ const MAX_RANGE_LIMIT: u64 = 256 << 20;
 /// Stored bytes of other chunks a range may read through to join two needed neighbours:
 /// one round trip costs more than this many bytes on any link worth pulling over.
 const MAX_GAP: u64 = 256 << 10;
-/// Times a range request is repeated after an I/O failure before the pull gives up.
-const RANGE_RETRIES: u32 = 4;
+/// When a range request is repeated after a transient failure (4 times, beyond the
+/// registry client's own retries of each request) before the pull gives up.
+const RANGE_RETRY: imgfmt::RetryPolicy = imgfmt::RetryPolicy::attempts(4);
 /// Threads putting fetched chunks in the cache: two, so one gathers the next batch while
 /// the other waits on the disk.
 const CACHE_WRITERS: usize = 2;
@@ -955,23 +956,19 @@ impl Ctx<'_> {
         Ok(())
     }
 
-    /// One range request, tried again on an I/O failure (a connection reset or a body cut
-    /// short mid-transfer, which the HTTP client's own retries do not cover because the
-    /// status line had already arrived). Other errors (a missing blob, a range past the
-    /// end) are answers and are not retried.
+    /// One range request, tried again under [`RANGE_RETRY`] while the source says its
+    /// failure is transient (the registry still failing once its client's own retries are
+    /// spent). Other errors (a missing blob, a refused login, a range past the end) are
+    /// answers and are not retried.
     fn read_range(&self, pack: &imgfmt::OciDigest, offset: u64, len: usize) -> Result<bytes::Bytes, imgfmt::FormatError> {
-        let mut attempt = 0u32;
+        let mut retry = RANGE_RETRY.start();
         loop {
             self.c.range_requests.fetch_add(1, Ordering::Relaxed);
             match self.src.read_range_unverified(pack, offset, len) {
-                Err(imgfmt::FormatError::Io { .. }) if attempt < RANGE_RETRIES => {
-                    attempt += 1;
+                Err(e) if e.is_transient() => {
+                    let Some(wait) = retry.failed(None) else { return Err(e) };
                     self.c.range_retries.fetch_add(1, Ordering::Relaxed);
-                    // Exponential backoff with jitter, so parallel requests that failed
-                    // together do not retry together.
-                    let base = 100u64 << attempt.min(6);
-                    let jitter = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos() as u64) % base;
-                    std::thread::sleep(Duration::from_millis(base + jitter));
+                    std::thread::sleep(wait);
                 }
                 other => return other,
             }

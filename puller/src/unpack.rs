@@ -42,7 +42,17 @@ pub enum UnpackError {
 impl UnpackError {
     /// Whether the image's content failed verification (as opposed to an I/O problem).
     pub fn is_integrity(&self) -> bool {
-        matches!(self, UnpackError::Verify(e) if !e.is_read_error())
+        self.kind().is_integrity()
+    }
+
+    /// What a caller can do about this error (a source's error keeps its kind).
+    pub fn kind(&self) -> imgfmt::ErrorKind {
+        match self {
+            UnpackError::Verify(e) => e.kind(),
+            UnpackError::Format(e) => e.kind(),
+            UnpackError::Io { .. } | UnpackError::Cache(_) => imgfmt::ErrorKind::Io,
+            UnpackError::Exists(_) => imgfmt::ErrorKind::Refused,
+        }
     }
 }
 

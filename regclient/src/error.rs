@@ -1,7 +1,7 @@
 //! What can go wrong talking to a registry, and the registry's own words for it (the OCI
 //! error body `{"errors":[{"code":…,"message":…}]}`).
 
-use imgfmt::{FormatError, OciDigest};
+use imgfmt::{ErrorKind, FormatError, OciDigest};
 
 /// An error of the registry client. The doc comment of each variant is its message.
 #[derive(Debug, thiserror::Error, displaydoc::Display)]
@@ -52,15 +52,51 @@ impl ClientError {
             _ => None,
         }
     }
+
+    /// What a caller can do about this error (see [`ErrorKind`]): 401 and 403 want a
+    /// login, 404 is not found, retries spent on 5xx, 429 or a broken connection are
+    /// transient; any other answer of the registry is a refusal.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            ClientError::Registry { status: 401 | 403, .. } | ClientError::NeedsCredentials { .. } => ErrorKind::Unauthorized,
+            ClientError::Registry { status: 404, .. } => ErrorKind::NotFound,
+            ClientError::Registry { .. } | ClientError::Http { .. } | ClientError::Credentials { .. } | ClientError::TooLarge { .. } => ErrorKind::Refused,
+            ClientError::RetriesExhausted { .. } => ErrorKind::Transient,
+            ClientError::Source { source, .. } => source.kind(),
+            ClientError::DigestMismatch { .. } => ErrorKind::Integrity,
+            ClientError::State { .. } => ErrorKind::Io,
+        }
+    }
+
+    /// This error as a source's error, its kind kept: a registry's refusal stays a
+    /// [`FormatError`] variant of the same [`ErrorKind`] with this error as its source.
+    /// `registry` is the host the client talks to (named by an unauthorized error).
+    pub fn into_source_error(self, registry: &str) -> FormatError {
+        let what = match &self {
+            ClientError::Registry { what, .. }
+            | ClientError::Http { what, .. }
+            | ClientError::RetriesExhausted { what, .. }
+            | ClientError::TooLarge { what, .. } => what.clone(),
+            _ => registry.to_string(),
+        };
+        match (self.kind(), self) {
+            (_, ClientError::Source { source, .. }) => source,
+            (_, ClientError::DigestMismatch { digest, actual }) => FormatError::BlobDigestMismatch { digest, actual },
+            (_, ClientError::State { path, source }) => FormatError::Io { context: path.display().to_string(), source },
+            (ErrorKind::Unauthorized, e) => FormatError::Unauthorized { registry: registry.to_string(), source: Box::new(e) },
+            (ErrorKind::Transient, e) => FormatError::Transient { what, source: Box::new(e) },
+            (_, e) => FormatError::Refused { what, source: Box::new(e) },
+        }
+    }
 }
 
 impl From<ClientError> for FormatError {
     fn from(e: ClientError) -> FormatError {
-        match e {
-            ClientError::Source { source, .. } => source,
-            ClientError::DigestMismatch { digest, actual } => FormatError::BlobDigestMismatch { digest, actual },
-            other => FormatError::Io { context: "registry".into(), source: std::io::Error::other(other.to_string()) },
-        }
+        let registry = match &e {
+            ClientError::NeedsCredentials { host } | ClientError::Credentials { host, .. } => host.clone(),
+            _ => "the registry".to_string(),
+        };
+        e.into_source_error(&registry)
     }
 }
 
@@ -68,6 +104,11 @@ impl From<ClientError> for FormatError {
 /// with the first code on its own. Bodies that are not OCI error JSON are quoted (cut to
 /// 300 characters) so a proxy's HTML error page still says something.
 pub fn explain(status: u16, body: &[u8]) -> (Option<String>, String) {
+    explain_for(status, body, "HOST")
+}
+
+/// [`explain`], with the hint to log in naming `host` (the registry's `HOST[:PORT]`).
+pub(crate) fn explain_for(status: u16, body: &[u8], host: &str) -> (Option<String>, String) {
     #[derive(serde::Deserialize)]
     struct Body {
         #[serde(default)]
@@ -89,19 +130,19 @@ pub fn explain(status: u16, body: &[u8]) -> (Option<String>, String) {
                 .collect::<Vec<_>>()
                 .join("; ");
             let first = Some(b.errors[0].code.clone()).filter(|c| !c.is_empty());
-            return (first, with_hint(status, text));
+            return (first, with_hint(status, text, host));
         }
     }
     let text = String::from_utf8_lossy(body);
     let text: String = text.trim().chars().take(300).collect();
     let text = if text.is_empty() { reason(status).to_string() } else { text };
-    (None, with_hint(status, text))
+    (None, with_hint(status, text, host))
 }
 
-fn with_hint(status: u16, text: String) -> String {
+fn with_hint(status: u16, text: String, host: &str) -> String {
     match status {
-        401 => format!("{text} (hint: snapctl login HOST)"),
-        403 => format!("{text} (hint: the account lacks access to this repository)"),
+        401 => format!("{text} (hint: run `snapctl login {host}`)"),
+        403 => format!("{text} (hint: the account lacks access to this repository; `snapctl login {host}` as one that has it)"),
         _ => text,
     }
 }

@@ -45,7 +45,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use bytes::Bytes;
-use imgfmt::{media, BlobSource, FormatError, OciDigest};
+use imgfmt::{media, BlobSource, FormatError, OciDigest, RetryPolicy};
 
 /// Credentials for one registry.
 #[derive(Clone)]
@@ -145,14 +145,18 @@ pub struct RegistrySource {
     writing: AtomicBool,
     /// Digests known to name manifests (they are fetched from `/manifests/`).
     manifests: Mutex<HashSet<OciDigest>>,
-    retries: u32,
+    /// When a transient failure is tried again (every request, and the rest of a body
+    /// cut short).
+    retry: RetryPolicy,
 }
 
 /// Registry client under the name the write half reads best with.
 pub type RegistryClient = RegistrySource;
 
-fn http_err(what: &str, e: impl std::fmt::Display) -> FormatError {
-    FormatError::Io { context: what.to_string(), source: std::io::Error::other(e.to_string()) }
+/// A registry's answer that no retry or login changes (no `Content-Length`, a `Range`
+/// ignored, a client that cannot be built).
+fn refused(what: &str, e: impl std::fmt::Display) -> FormatError {
+    FormatError::Refused { what: what.to_string(), source: e.to_string().into() }
 }
 
 /// One try of a request: a response to look at, or a failure worth retrying.
@@ -161,21 +165,11 @@ enum Attempt {
     Transient { message: String, retry_after: Option<Duration> },
 }
 
-/// Longest `Retry-After` honoured; a registry asking for more is treated as down.
-const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
-
-/// `Retry-After` in seconds (the HTTP-date form is rare from registries and ignored).
+/// `Retry-After` in seconds (the HTTP-date form is rare from registries and ignored); the
+/// retry policy caps how long of it is honoured.
 fn retry_after(resp: &reqwest::blocking::Response) -> Option<Duration> {
     let s: u64 = resp.headers().get(reqwest::header::RETRY_AFTER)?.to_str().ok()?.trim().parse().ok()?;
-    Some(Duration::from_secs(s).min(MAX_RETRY_AFTER))
-}
-
-/// Exponential backoff with jitter: 200 ms, 400 ms, … capped at 5 s, plus up to 50 % more
-/// at random so parallel streams that failed together do not retry together.
-pub(crate) fn backoff(attempt: u32, retry_after: Option<Duration>) -> Duration {
-    let base = Duration::from_millis((100u64 << attempt.clamp(1, 6)).min(5000));
-    let jitter = Duration::from_millis(rand::random::<u64>() % (base.as_millis() as u64 / 2 + 1));
-    retry_after.map_or(base + jitter, |r| r.max(base))
+    Some(Duration::from_secs(s))
 }
 
 impl RegistrySource {
@@ -188,10 +182,10 @@ impl RegistrySource {
             // credentials go along (reqwest's policy has its own rule for that).
             .redirect(reqwest::redirect::Policy::none())
             .build()
-            .map_err(|e| http_err("building HTTP client", e))?;
+            .map_err(|e| refused("building HTTP client", e))?;
         let scheme = if plain_http { "http" } else { "https" };
         let base = format!("{scheme}://{host}");
-        let origin = reqwest::Url::parse(&base).map_err(|e| http_err(&format!("registry address {base}"), e))?;
+        let origin = reqwest::Url::parse(&base).map_err(|e| refused(&format!("registry address {base}"), e))?;
         Ok(RegistrySource {
             client,
             base,
@@ -203,7 +197,7 @@ impl RegistrySource {
             scopes: Mutex::new(BTreeSet::new()),
             writing: AtomicBool::new(false),
             manifests: Mutex::new(HashSet::new()),
-            retries: 5,
+            retry: RetryPolicy::default(),
         })
     }
 
@@ -240,9 +234,14 @@ impl RegistrySource {
         &self.repository
     }
 
-    /// How many times a transient failure is retried (default 5).
-    pub fn set_retries(&mut self, n: u32) {
-        self.retries = n;
+    /// When a transient failure is retried (default: 5 times, [`RetryPolicy::default`]).
+    pub fn set_retry_policy(&mut self, policy: RetryPolicy) {
+        self.retry = policy;
+    }
+
+    /// A client error as this source's error, naming this registry when it wants a login.
+    fn source_err(&self, e: ClientError) -> FormatError {
+        e.into_source_error(&self.host)
     }
 
     /// One try: send, answer one auth challenge, classify the outcome.
@@ -336,17 +335,16 @@ impl RegistrySource {
         what: &str,
         build: &dyn Fn(&reqwest::blocking::Client) -> reqwest::blocking::RequestBuilder,
     ) -> Result<reqwest::blocking::Response, ClientError> {
-        let mut attempt = 0u32;
+        let mut retry = self.retry.start();
         loop {
             match self.attempt(what, build)? {
                 Attempt::Done(r) => return Ok(r),
                 Attempt::Transient { message, retry_after } => {
-                    attempt += 1;
-                    if attempt > self.retries {
-                        return Err(ClientError::RetriesExhausted { what: what.into(), attempts: attempt, last: message });
-                    }
+                    let Some(wait) = retry.failed(retry_after) else {
+                        return Err(ClientError::RetriesExhausted { what: what.into(), attempts: retry.failures(), last: message });
+                    };
                     tracing::debug!("{what}: {message}; retrying");
-                    std::thread::sleep(backoff(attempt, retry_after));
+                    std::thread::sleep(wait);
                 }
             }
         }
@@ -354,10 +352,20 @@ impl RegistrySource {
 
     /// Turn a non-success response into the registry's error (its OCI error message).
     fn refusal(what: &str, resp: reqwest::blocking::Response) -> ClientError {
+        let host = match (resp.url().host_str(), resp.url().port()) {
+            (Some(h), Some(p)) => format!("{h}:{p}"),
+            (h, None) => h.unwrap_or("HOST").to_string(),
+            (None, Some(_)) => "HOST".to_string(),
+        };
+        Self::refusal_for(&host, what, resp)
+    }
+
+    /// [`Self::refusal`], a hint to log in naming registry `host`.
+    fn refusal_for(host: &str, what: &str, resp: reqwest::blocking::Response) -> ClientError {
         let status = resp.status().as_u16();
         let mut body = Vec::new();
         let _ = resp.take(64 << 10).read_to_end(&mut body);
-        let (code, message) = explain(status, &body);
+        let (code, message) = error::explain_for(status, &body, host);
         ClientError::Registry { what: what.into(), status, code, message }
     }
 
@@ -460,7 +468,8 @@ impl RegistrySource {
             if (status == 401 || status == 403) && creds.is_none() {
                 return Err(ClientError::NeedsCredentials { host: self.host.clone() });
             }
-            return Err(Self::refusal(&what, resp));
+            // The token service refused the registry's credentials: log in to the registry.
+            return Err(Self::refusal_for(&self.host, &what, resp));
         }
         let v: serde_json::Value = resp.json().map_err(|e| ClientError::Http { what: what.clone(), message: e.to_string() })?;
         let token = v
@@ -499,7 +508,7 @@ impl RegistrySource {
     fn not_found_or(&self, resp: reqwest::blocking::Response, what: &str, d: Option<&OciDigest>) -> FormatError {
         match (resp.status().as_u16(), d) {
             (404, Some(d)) => FormatError::BlobNotFound(d.clone()),
-            _ => Self::refusal(what, resp).into(),
+            _ => self.source_err(Self::refusal(what, resp)),
         }
     }
 }
@@ -545,7 +554,7 @@ impl BlobSource for RegistrySource {
     fn resolve_tag(&self, tag: &str) -> Result<OciDigest, FormatError> {
         let url = self.url("manifests", tag);
         let what = format!("resolving {}:{tag}", self.describe());
-        let resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::ACCEPT, Self::accept())).map_err(FormatError::from)?;
+        let resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::ACCEPT, Self::accept())).map_err(|e| self.source_err(e))?;
         if resp.status().as_u16() == 404 {
             return Err(FormatError::TagNotFound { layout: self.describe(), tag: tag.into() });
         }
@@ -571,7 +580,7 @@ impl BlobSource for RegistrySource {
         for kind in order {
             let url = self.url(kind, d.as_str());
             let what = format!("fetching {d} from {}", self.describe());
-            let resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::ACCEPT, Self::accept())).map_err(FormatError::from)?;
+            let resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::ACCEPT, Self::accept())).map_err(|e| self.source_err(e))?;
             if resp.status().as_u16() == 404 {
                 continue;
             }
@@ -595,7 +604,7 @@ impl BlobSource for RegistrySource {
         for kind in ["blobs", "manifests"] {
             let url = self.url(kind, d.as_str());
             let what = format!("HEAD {d} on {}", self.describe());
-            let resp = self.send(&what, &|c| c.head(&url).header(reqwest::header::ACCEPT, Self::accept())).map_err(FormatError::from)?;
+            let resp = self.send(&what, &|c| c.head(&url).header(reqwest::header::ACCEPT, Self::accept())).map_err(|e| self.source_err(e))?;
             if resp.status().as_u16() == 404 {
                 continue;
             }
@@ -607,7 +616,7 @@ impl BlobSource for RegistrySource {
                 .get(reqwest::header::CONTENT_LENGTH)
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.parse().ok())
-                .ok_or_else(|| http_err(&what, "no Content-Length"));
+                .ok_or_else(|| refused(&what, "no Content-Length"));
         }
         Err(FormatError::BlobNotFound(d.clone()))
     }
@@ -626,7 +635,7 @@ impl BlobSource for RegistrySource {
         let url = self.url("blobs", d.as_str());
         let range = format!("bytes={offset}-{last}");
         let what = format!("range {range} of {d} from {}", self.describe());
-        let resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone())).map_err(FormatError::from)?;
+        let resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone())).map_err(|e| self.source_err(e))?;
         let first = if resp.status().as_u16() != 206 || resp.content_length() != Some(len as u64) {
             // Not the plain answer (a registry ignoring Range, an error status): the
             // general path reads this response and says what went wrong.
@@ -659,20 +668,20 @@ impl RegistrySource {
         // 503: ask again for the bytes still missing, within the same retry budget
         // (`send` retries what happens before the status line).
         let mut got = 0usize;
-        let mut body_failures = 0u32;
+        let mut retry = self.retry.start();
         while got < buf.len() {
             let at = offset + got as u64;
             let range = format!("bytes={}-{}", at, offset + buf.len() as u64 - 1);
             let what = format!("range {range} of {d} from {}", self.describe());
             let mut resp = match first.take() {
                 Some(r) => r,
-                None => self.send(&what, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone())).map_err(FormatError::from)?,
+                None => self.send(&what, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone())).map_err(|e| self.source_err(e))?,
             };
             match resp.status().as_u16() {
                 206 => {}
                 // A registry that ignores Range sends the whole blob: usable only from offset 0.
                 200 if at == 0 => {}
-                200 => return Err(http_err(&what, "registry ignored the Range header")),
+                200 => return Err(refused(&what, "registry ignored the Range header")),
                 416 => return Err(FormatError::Truncated { what: "pack blob (range past its end)", got: at, expected: offset + buf.len() as u64 }),
                 _ => return Err(self.not_found_or(resp, &what, Some(d))),
             }
@@ -692,14 +701,15 @@ impl RegistrySource {
             };
             // Progress made on this attempt earns a fresh budget only for the rest: a server
             // that keeps cutting without progress still runs out.
-            if got == before {
-                body_failures += 1;
+            if got > before {
+                retry.progressed();
             }
-            if body_failures > self.retries {
-                return Err(http_err(&what, format!("{err} (gave up after {body_failures} attempts)")));
-            }
+            let Some(wait) = retry.failed(None) else {
+                let e = ClientError::RetriesExhausted { what: what.clone(), attempts: retry.failures(), last: err.to_string() };
+                return Err(self.source_err(e));
+            };
             tracing::debug!("{what}: {err}; asking again for the rest");
-            std::thread::sleep(backoff(body_failures.max(1), None));
+            std::thread::sleep(wait);
         }
         Ok(())
     }
@@ -707,7 +717,12 @@ impl RegistrySource {
 
 fn read_limited(resp: reqwest::blocking::Response, limit: u64, what: &str) -> Result<Vec<u8>, FormatError> {
     let mut out = Vec::new();
-    resp.take(limit + 1).read_to_end(&mut out).map_err(|e| http_err(what, e))?;
+    // A body that breaks off is as transient as a 503 (not retried here: small blobs,
+    // the caller decides).
+    resp.take(limit + 1).read_to_end(&mut out).map_err(|e| FormatError::Transient {
+        what: what.to_string(),
+        source: Box::new(ClientError::Http { what: what.to_string(), message: error_chain(&e) }),
+    })?;
     if out.len() as u64 > limit {
         return Err(FormatError::TooLarge { what: "blob size", got: out.len() as u64, limit });
     }
@@ -717,18 +732,6 @@ fn read_limited(resp: reqwest::blocking::Response, limit: u64, what: &str) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn backoff_grows_caps_and_honours_retry_after() {
-        for attempt in 1..20 {
-            let b = backoff(attempt, None);
-            let base = Duration::from_millis((100u64 << attempt.clamp(1, 6)).min(5000));
-            assert!(b >= base && b <= base + base / 2, "attempt {attempt}: {b:?}");
-        }
-        assert_eq!(backoff(1, Some(Duration::from_secs(3))), Duration::from_secs(3));
-        // A Retry-After shorter than the backoff does not make retries faster.
-        assert!(backoff(6, Some(Duration::from_millis(1))) >= Duration::from_secs(5));
-    }
 
     /// A tiny HTTP/1.1 server on 127.0.0.1 for tests: one request per connection
     /// (`Connection: close`), answered by `answer(method, target, authorization)` with
@@ -840,6 +843,56 @@ mod tests {
         *reg.lock().unwrap() = registry.clone();
         RegistrySource::new(&registry, "vm/x", true, creds()).unwrap().check_login().unwrap();
         assert!(seen.lock().unwrap().iter().any(|(_, t, a)| t.starts_with("/token") && a.as_deref() == Some(BASIC)));
+    }
+
+    /// Issue 15: a registry's 401 became `FormatError::Io { context: "registry" }`, the
+    /// same as a dead network, and its hint said `snapctl login HOST`. Now it is an
+    /// unauthorized error naming the registry to log in to; so is a 403, and a challenge
+    /// with no credentials at all.
+    #[test]
+    fn regression_issue_15_a_401_is_unauthorized_and_says_how_to_log_in() {
+        let (registry, _) =
+            canned(|_, _, _| (401, "WWW-Authenticate: Basic realm=\"r\"\r\n".into(), r#"{"errors":[{"code":"UNAUTHORIZED","message":"no"}]}"#.into()));
+        for creds in [creds(), None] {
+            let c = RegistrySource::new(&registry, "vm/x", true, creds.clone()).unwrap();
+            let e = c.resolve_tag("v1").unwrap_err();
+            assert_eq!(e.kind(), imgfmt::ErrorKind::Unauthorized, "{e}");
+            assert!(matches!(&e, FormatError::Unauthorized { registry: r, .. } if *r == registry), "{e:?}");
+            assert!(e.to_string().contains(&format!("snapctl login {registry}")), "with {creds:?}: {e}");
+            let d = OciDigest::of(b"x");
+            assert_eq!(c.read_range_unverified(&d, 0, 10).unwrap_err().kind(), imgfmt::ErrorKind::Unauthorized);
+        }
+        let (forbidden, _) = canned(|_, _, _| (403, String::new(), r#"{"errors":[{"code":"DENIED","message":"not yours"}]}"#.into()));
+        let c = RegistrySource::new(&forbidden, "vm/x", true, creds()).unwrap();
+        assert_eq!(c.blob_size(&OciDigest::of(b"x")).unwrap_err().kind(), imgfmt::ErrorKind::Unauthorized);
+        let e = c.resolve_tag("v1").unwrap_err();
+        assert_eq!(e.kind(), imgfmt::ErrorKind::Unauthorized, "{e}");
+        assert!(e.to_string().contains("DENIED: not yours") && e.to_string().contains(&format!("snapctl login {forbidden}")), "{e}");
+    }
+
+    /// Issue 15: a 503 storm is a transient error once the client's policy has made its
+    /// attempts (and no more); a 404 is "not found" at once, and a 400 a refusal at once.
+    #[test]
+    fn regression_issue_15_a_503_storm_is_transient_after_the_policys_attempts() {
+        let (registry, seen) = canned(|_, t, _| match t {
+            t if t.contains("missing") => (404, String::new(), String::new()),
+            t if t.contains("bad") => (400, String::new(), r#"{"errors":[{"code":"NAME_INVALID","message":"bad"}]}"#.into()),
+            _ => (503, "Retry-After: 0\r\n".into(), String::new()),
+        });
+        let mut c = RegistrySource::new(&registry, "vm/x", true, None).unwrap();
+        c.set_retry_policy(RetryPolicy { first_backoff: Duration::from_millis(1), max_backoff: Duration::from_millis(2), ..RetryPolicy::attempts(3) });
+        let d = OciDigest::of(b"storm");
+        let e = c.read_range_unverified(&d, 0, 10).unwrap_err();
+        assert!(e.is_transient(), "{e:?}");
+        assert!(e.to_string().contains("gave up after 4 attempts") && e.to_string().contains("503"), "{e}");
+        assert_eq!(seen.lock().unwrap().len(), 4, "1 try and 3 retries");
+
+        seen.lock().unwrap().clear();
+        let e = c.resolve_tag("missing").unwrap_err();
+        assert_eq!((e.kind(), seen.lock().unwrap().len()), (imgfmt::ErrorKind::NotFound, 1), "{e}");
+        seen.lock().unwrap().clear();
+        let e = c.resolve_tag("bad").unwrap_err();
+        assert_eq!((e.kind(), seen.lock().unwrap().len()), (imgfmt::ErrorKind::Refused, 1), "{e}");
     }
 
     #[test]

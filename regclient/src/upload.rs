@@ -17,7 +17,7 @@ use imgfmt::digest::OciHasher;
 use imgfmt::{media, BlobSource, FormatError, OciDigest};
 
 use super::state::{self, UploadState};
-use super::{backoff, Attempt, ClientError, RegistrySource};
+use super::{Attempt, ClientError, RegistrySource};
 
 /// Default upload piece: blobs up to this size go up in one PUT, larger ones in PATCHes of
 /// this size (raised to the registry's `OCI-Chunk-Min-Length` when it asks for more).
@@ -169,6 +169,8 @@ struct Upload<'a> {
     save_failed: bool,
     /// Consecutive transient failures (progress resets the count).
     failures: u32,
+    /// When the upload began: the retry policy's budget, if it has one, runs from here.
+    started: std::time::Instant,
     out: Uploaded,
 }
 
@@ -233,11 +235,11 @@ impl Upload<'_> {
     /// retries.
     fn failed(&mut self, message: String, retry_after: Option<Duration>) -> Result<(), ClientError> {
         self.failures += 1;
-        if self.failures > self.reg.retries {
+        let Some(wait) = self.reg.retry.next_wait(self.failures, self.started.elapsed(), retry_after) else {
             return Err(ClientError::RetriesExhausted { what: self.what.clone(), attempts: self.failures, last: message });
-        }
+        };
         tracing::debug!("{}: {message}; retrying", self.what);
-        std::thread::sleep(backoff(self.failures, retry_after));
+        std::thread::sleep(wait);
         Ok(())
     }
 
@@ -492,6 +494,7 @@ impl RegistrySource {
             what: format!("uploading {d} to {}", self.describe()),
             save_failed: false,
             failures: 0,
+            started: std::time::Instant::now(),
             out: Uploaded::default(),
         };
         let mut session = up.resume_saved()?;

@@ -2,7 +2,7 @@
 
 use bytes::Bytes;
 use imgfmt::compress::{decompress, Codec};
-use imgfmt::{BlobSource, ChunkDigest, FormatError, HashAlgo, Image, StoredAt};
+use imgfmt::{BlobSource, ChunkDigest, ErrorKind, FormatError, HashAlgo, Image, StoredAt};
 
 use crate::hash::{chunk_digest, zero_digest};
 
@@ -64,6 +64,21 @@ impl VerifyError {
     /// that failed its check.
     pub fn is_read_error(&self) -> bool {
         matches!(self, VerifyError::Read { .. })
+    }
+
+    /// What a caller can do about this error: a read keeps its source's kind (a transient
+    /// one is worth retrying; a pack shorter than the index says is an integrity failure
+    /// like a digest mismatch); a chunk that asked for slices it cannot have is refused.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            VerifyError::Read { source, .. } => source.kind(),
+            VerifyError::NoSlices { .. } | VerifyError::SliceRange { .. } => ErrorKind::Refused,
+            VerifyError::DigestMismatch { .. }
+            | VerifyError::Corrupt { .. }
+            | VerifyError::BadZeroRecord { .. }
+            | VerifyError::SliceMismatch { .. }
+            | VerifyError::OutboardMismatch { .. } => ErrorKind::Integrity,
+        }
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use imgfmt::reference::{Reference, Selector};
-use imgfmt::{BlobSource, FormatError, Image, OciLayout};
+use imgfmt::{BlobSource, ErrorKind, FormatError, Image, OciLayout};
 
 /// 0 ok · 1 verification said no · 2 could not answer.
 pub const EXIT_OK: u8 = 0;
@@ -25,9 +25,11 @@ impl std::fmt::Display for IntegrityError {
 }
 impl std::error::Error for IntegrityError {}
 
-/// Whether a format error means the stored image is wrong (rather than unreachable).
+/// Whether an error opening an image means the stored image is wrong (rather than
+/// unreachable): its content failed a check, or a blob its manifest names is missing (the
+/// image is incomplete; a missing manifest or tag is found out before, exit 2).
 pub fn is_integrity(e: &FormatError) -> bool {
-    !matches!(e, FormatError::Io { .. } | FormatError::TagNotFound { .. } | FormatError::BadReference { .. })
+    e.is_integrity() || matches!(e, FormatError::BlobNotFound(_))
 }
 
 /// `s` made safe to print on a terminal: every control character (C0, DEL, C1) and every
@@ -53,18 +55,29 @@ pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
-/// Exit code for an error that reached `main`.
+/// Exit code for an error that reached `main`, from the kind of the error's outermost
+/// verdict ([`error_kind`]): 1 when the content failed its check, 2 for anything else.
 pub fn exit_code_for(e: &anyhow::Error) -> u8 {
-    if e.chain().any(|c| c.downcast_ref::<IntegrityError>().is_some()) {
-        return EXIT_FAILED;
+    match error_kind(e) {
+        Some(k) if k.is_integrity() => EXIT_FAILED,
+        _ => EXIT_ERROR,
     }
-    if let Some(v) = e.chain().find_map(|c| c.downcast_ref::<verify::VerifyError>()) {
-        return if v.is_read_error() { EXIT_ERROR } else { EXIT_FAILED };
-    }
-    if let Some(u) = e.chain().find_map(|c| c.downcast_ref::<puller::UnpackError>()) {
-        return if u.is_integrity() { EXIT_FAILED } else { EXIT_ERROR };
-    }
-    EXIT_ERROR
+}
+
+/// The [`ErrorKind`] of the outermost error in `e`'s chain that renders a verdict on
+/// content: a check of this binary ([`IntegrityError`]), a chunk's verification, an unpack
+/// or a pull. A library error that reaches `main` outside of those (a push's, a gc's) is
+/// an error (exit 2), whatever its kind: it is not a verification's answer.
+pub fn error_kind(e: &anyhow::Error) -> Option<ErrorKind> {
+    e.chain().find_map(|c| {
+        if c.is::<IntegrityError>() {
+            Some(ErrorKind::Integrity)
+        } else if let Some(v) = c.downcast_ref::<verify::VerifyError>() {
+            Some(v.kind())
+        } else {
+            c.downcast_ref::<puller::UnpackError>().map(puller::UnpackError::kind)
+        }
+    })
 }
 
 /// Writing to stdout failed. When the reader has gone (`snapctl inspect REF | head -n 3`:
@@ -253,6 +266,27 @@ mod tests {
         for bad in ["", "soon", "-1s", "1x", "h", "99999999999999999999", "99999999999999999999d"] {
             assert!(parse_duration(bad).is_err(), "{bad:?}");
         }
+    }
+
+    /// One classification: a read that failed for want of a login, or for a registry still
+    /// down, is "could not answer" (2); content that failed its check is 1.
+    #[test]
+    fn exit_codes_come_from_the_error_kind() {
+        let read = |source| anyhow::Error::new(verify::VerifyError::Read { file: "vm.mem".into(), chunk: 3, offset: 0, source }).context("pulling");
+        let unauthorized = FormatError::Unauthorized { registry: "r".into(), source: "HTTP 401".into() };
+        assert_eq!(exit_code_for(&read(unauthorized)), EXIT_ERROR);
+        assert_eq!(exit_code_for(&read(FormatError::Transient { what: "range".into(), source: "HTTP 503".into() })), EXIT_ERROR);
+        assert_eq!(exit_code_for(&read(FormatError::BlobNotFound(imgfmt::OciDigest::of(b"p")))), EXIT_ERROR);
+        let d = imgfmt::ChunkDigest::default();
+        let mismatch = verify::VerifyError::DigestMismatch { file: "vm.mem".into(), chunk: 3, offset: 0, expected: d, actual: d };
+        assert_eq!(exit_code_for(&anyhow::Error::new(puller::UnpackError::Verify(mismatch)).context("pulling")), EXIT_FAILED);
+        assert_eq!(exit_code_for(&anyhow::Error::new(IntegrityError("manifest".into()))), EXIT_FAILED);
+        assert_eq!(exit_code_for(&anyhow::Error::new(puller::UnpackError::Exists("/x".into()))), EXIT_ERROR);
+        // A library error outside a verdict is an error whatever its kind.
+        assert_eq!(
+            exit_code_for(&anyhow::Error::new(FormatError::BlobDigestMismatch { digest: imgfmt::OciDigest::of(b"a"), actual: imgfmt::OciDigest::of(b"b") })),
+            EXIT_ERROR
+        );
     }
 
     #[test]

@@ -152,7 +152,7 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
             // Chunk reads get a client that does not retry on its own: the daemon retries
             // them with backoff inside --retry-budget and counts every retry.
             let mut faults = common::registry_client(&host, &repository, false)?;
-            faults.set_retries(0);
+            faults.set_retry_policy(lazy::RetryPolicy::never());
             fault_source = Some(Arc::new(faults) as Arc<dyn imgfmt::BlobSource>);
             let o = common::Opened { source: Box::new(src.clone()), selector, reference: a.image.clone() };
             (o, Some(Box::new(RegistryTraces(src))))
@@ -178,7 +178,7 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     opts.prefetch = a.prefetch;
     opts.prefetch_rate = a.prefetch_rate;
     opts.record_trace = a.record_trace;
-    opts.retry = RetryPolicy { budget: a.retry_budget, ..RetryPolicy::default() };
+    opts.retry = RetryPolicy { budget: Some(a.retry_budget), ..lazy::DEFAULT_RETRY };
     opts.memory_bytes = a.memory;
     opts.once = a.once;
     opts.ready_file = a.ready_file.clone();

@@ -430,6 +430,28 @@ fn tampered_pack_on_the_registry_fails_with_exit_1() {
     }
 }
 
+/// Issue 15: a registry that refuses the packs (403) was retried as if it were down
+/// (pull retried every `FormatError::Io`, and a refusal was one), and its message did not
+/// say how to log in. A refusal is the answer: one request per range in flight, exit 2,
+/// a hint naming the registry to `snapctl login` to.
+#[test]
+fn regression_issue_15_pull_does_not_retry_a_refusal() {
+    use snapctl_tests::fault_proxy::{Fault, FaultProxy, Match, Rule};
+    if !have("skopeo") {
+        return;
+    }
+    let (_storage, serve, fx) = Fixture::served("8MiB");
+    let proxy = FaultProxy::start(serve.addr.as_str()).unwrap();
+    // Blob GETs 1 and 2 are config and index; every pack range after them is refused.
+    proxy.add(Rule::new(Fault::Status { code: 403 }).on(Match::blob_gets()).nth(3).times(u64::MAX));
+    let dest = fx.path("out-refused");
+    let (r, _) = pull(&format!("{}/sandboxes/vm:v1", proxy.addr), &dest, None, &["--jobs", "1", "--max-jobs", "1", "--max-range", "1MiB"]);
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains(&format!("snapctl login {}", proxy.addr)), "says how to log in: {}", r.stderr);
+    // Before: the refused range was asked 5 times (4 range retries).
+    assert_eq!(proxy.faults(), 1, "a refusal was retried: {}", r.stderr);
+}
+
 /// `--cache-size` bounds the cache's allocated bytes; pulls stay right when it churns.
 #[test]
 fn cache_size_limit_is_honoured() {
