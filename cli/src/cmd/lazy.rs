@@ -79,10 +79,11 @@ pub struct LazyArgs {
     pub prefetch: PrefetchMode,
     /// Requests the prefetcher keeps in flight at most (1-64). It times a round trip to the
     /// source and keeps enough requests in flight to fill a 10 Gbit/s link at that delay
-    /// (at least 4), up to this bound; while faults wait for fetches it drops to what the
-    /// link was measured to carry in a round trip, minus the faults' own requests (at least
-    /// 1), so a fault's request never queues behind the stream's. Raise it for long, fast
-    /// paths (32 x 1 MiB covers 1 Gbit/s at 250 ms); lower it to spare a shared registry.
+    /// (at least 4), up to this bound; while faults wait for fetches it drops to twice what
+    /// the link was measured to carry (bandwidth x the shortest fetch), minus the faults'
+    /// own requests (at least 1), so a fault's request waits behind about one round trip of
+    /// the stream's bytes, not its whole queue. Raise it for long, fast paths (32 x 1 MiB
+    /// covers 1 Gbit/s at 250 ms); lower it to spare a shared registry.
     #[arg(long, default_value_t = lazy::prefetch::DEFAULT_STREAM_JOBS, value_name = "N", value_parser = parse_jobs)]
     pub stream_jobs: usize,
     /// With --prefetch trace: stream the rest of the image once faults have waited for this
