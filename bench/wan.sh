@@ -16,15 +16,22 @@
 #          its default 16MiB)  --pull-args "ARGS" (extra `snapctl pull` flags, e.g.
 #          "--jobs 16")
 #          --slice-faults on|off (passed to every `snapctl lazy`; default: its own)
+#          --lazy-args "ARGS" (extra flags for every `snapctl lazy`, e.g. "--stream-after 10%")
+#          --prefetch MODE (the clustered and scattered restores' --prefetch; default: the
+#          daemon's own, `trace`, which with no trace streams the rest once misses look
+#          scattered; `none` gives faults alone, the rows before issue 16's stream)
 #
 # For each setting (RTT x cap) and run, each against a fresh proxy (so its byte counts are
 # the command's own) and a fresh, empty chunk cache (cold):
 #   pull        `snapctl pull REF DIR --cache FRESH`: wall time; % of the cap achieved
 #               (bytes through the proxy x 8 / time / cap)
-#   clustered   `snapctl lazy REF --once --prefetch none`, fake_vmm touching P% of the
-#               pages in runs of 64 contiguous pages (256 KiB) at random offsets
+#   clustered   `snapctl lazy REF --once` (--prefetch: see above), fake_vmm touching P% of
+#               the pages in runs of 64 contiguous pages (256 KiB) at random offsets
 #   scattered   the same with P% of the pages scattered singly, and --record-trace (the
 #               trace is stored after the guest is done, outside the timed part)
+#   Each run's lazy restores read the image from a repository of their own (the image
+#   pushed again as bench/runN:v1, untimed), so clustered and scattered restores never
+#   find a trace an earlier run recorded: they are cold and have no trace.
 #   warm        the scattered restore again with the chunk cache the scattered restore
 #               left (faults served from the cache; the image's metadata still comes
 #               through the proxy)
@@ -56,7 +63,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ARGV=("$@")
 RUNS=3 SIZE=2GiB RTTS="0 2 20 50" RATES="0 1gbit 200mbit" PCT=5 ALL=0 TAG="" KEEP=0 QUICK=0
 ONLY="" WINDOW="" PULL_ARGS=""
-LAZY_EXTRA=""
+LAZY_EXTRA="" PREFETCH=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1; RUNS=1; SIZE=256MiB; RTTS="0 20"; RATES="0 1gbit" ;;
@@ -72,7 +79,9 @@ while [ $# -gt 0 ]; do
       [ "$ONLY" = pull ] || { echo "wan.sh: --only takes pull" >&2; exit 2; } ;;
     --window) WINDOW=$2; shift ;;
     --pull-args) PULL_ARGS=$2; shift ;;
-    --slice-faults) LAZY_EXTRA="--slice-faults $2"; shift ;;
+    --slice-faults) LAZY_EXTRA="$LAZY_EXTRA --slice-faults $2"; shift ;;
+    --lazy-args) LAZY_EXTRA="$LAZY_EXTRA $2"; shift ;;
+    --prefetch) PREFETCH="--prefetch $2"; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "wan.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -188,7 +197,7 @@ pull_once() {
 # chunk cache, removed after; the default), fill (empty, kept for the next), warm (the one
 # kept, removed after).
 lazy_once() {
-  local setting=$1 run=$2 rtt=$3 rate=$4 path=$5 touch=$6 largs=$7 cache=${8:-cold}
+  local setting=$1 run=$2 rtt=$3 rate=$4 path=$5 touch=$6 largs=$7 cache=${8:-cold} repo=${9:-bench/vm}
   start_net "$rtt" "$rate"
   local sock=$W/h.sock
   rm -f "$sock"
@@ -196,7 +205,7 @@ lazy_once() {
   sync; warm_memory "$WARM_BYTES"
   local t0; t0=$(now)
   # shellcheck disable=SC2086
-  "$SNAPCTL" lazy "$NET_ADDR/bench/vm:v1" --socket "$sock" --once --json --cache "$W/lcache" $largs $LAZY_EXTRA >"$W/handler.json" 2>"$W/handler.log" &
+  "$SNAPCTL" lazy "$NET_ADDR/$repo:v1" --socket "$sock" --once --json --cache "$W/lcache" $largs $LAZY_EXTRA >"$W/handler.json" 2>"$W/handler.log" &
   local hp=$!
   PIDS+=("$hp")
   # shellcheck disable=SC2086
@@ -215,8 +224,10 @@ lazy_once() {
     cache_faults="$(jq .faults.cache_hit "$h")" zero_faults="$(jq .faults.zero "$h")" \
     fault_p50_us="$(jq .latency_us.p50 "$h")" fault_p99_us="$(jq .latency_us.p99 "$h")" \
     faults="$(jq .faults.total "$h")" fetched_faults="$(jq .faults.fetched "$h")" present_faults="$(jq .faults.present "$h")" \
-    bytes_fetched="$(jq .bytes_fetched "$h")" prefetched_bytes="$(jq .prefetched_bytes "$h")"
-  log "  $path: $secs s, $(jq -c '{faults, bytes_fetched, prefetched_bytes, latency_us}' "$h"), $(jq -c .bytes_down <<<"$NET_STATS") B through the proxy"
+    bytes_fetched="$(jq .bytes_fetched "$h")" prefetched_bytes="$(jq .prefetched_bytes "$h")" \
+    streamed_bytes="$(jq '.streamed_bytes // 0' "$h")" stream_started_s="$(jq '.stream_started_s // null' "$h")" \
+    stream_depth="$(jq '.stream_depth // 0' "$h")"
+  log "  $path: $secs s, $(jq -c '{faults, bytes_fetched, prefetched_bytes, streamed_bytes, stream_started_s, stream_depth, latency_us}' "$h"), $(jq -c .bytes_down <<<"$NET_STATS") B through the proxy"
   [ "$cache" = fill ] || rm -rf "$W/lcache"
 }
 
@@ -237,6 +248,7 @@ calibrate() {
   log "  curl of the largest pack: $secs s, $(jq .bytes_down <<<"$NET_STATS") B"
 }
 
+REPOS=0
 CLUSTER="--touch $PCT% --run-pages 64"
 SCATTER="--touch $PCT% --run-pages 1"
 for rtt in $RTTS; do
@@ -248,11 +260,15 @@ for rtt in $RTTS; do
       pull_once "$setting" "$run" "$rtt" "$rate"
       if [ "$rtt" = 0 ] && [ "$rate" = 0 ]; then pull_once "$setting" "$run" 0 0 direct; fi
       [ "$ONLY" = pull ] && continue
-      lazy_once "$setting" "$run" "$rtt" "$rate" clustered "$CLUSTER" "--prefetch none"
-      lazy_once "$setting" "$run" "$rtt" "$rate" scattered "$SCATTER" "--prefetch none --record-trace" fill
-      lazy_once "$setting" "$run" "$rtt" "$rate" warm "$SCATTER" "--prefetch none" warm
-      lazy_once "$setting" "$run" "$rtt" "$rate" replay "$SCATTER" "--prefetch trace"
-      if [ "$ALL" = 1 ]; then lazy_once "$setting" "$run" "$rtt" "$rate" all "$SCATTER" "--prefetch all --prefetch-rate 0"; fi
+      # A repository of this run's own: no trace from an earlier run (untimed push).
+      repo=bench/r$((++REPOS))
+      "$SNAPCTL" push "$W/snap" "127.0.0.1:$PORT/$repo:v1" --cache "$W/pushcache" >/dev/null
+      rm -rf "$W/pushcache"
+      lazy_once "$setting" "$run" "$rtt" "$rate" clustered "$CLUSTER" "$PREFETCH" cold "$repo"
+      lazy_once "$setting" "$run" "$rtt" "$rate" scattered "$SCATTER" "$PREFETCH --record-trace" fill "$repo"
+      lazy_once "$setting" "$run" "$rtt" "$rate" warm "$SCATTER" "--prefetch none" warm "$repo"
+      lazy_once "$setting" "$run" "$rtt" "$rate" replay "$SCATTER" "--prefetch trace" cold "$repo"
+      if [ "$ALL" = 1 ]; then lazy_once "$setting" "$run" "$rtt" "$rate" all "$SCATTER" "--prefetch all --prefetch-rate 0" cold "$repo"; fi
     done
   done
 done
@@ -321,7 +337,12 @@ if lz:
                          f"({med([r['missing'] for r in pr]):.0f} missing, {med([r['vcpu_faults'] for r in pr]):.0f} of them data pages); "
                          f"{med([r['faults'] for r in pr]):.0f} faults reached the daemon ({med([r['zero_faults'] for r in pr]):.0f} zero, "
                          f"{med([r['cache_faults'] for r in pr]):.0f} from the cache or a fetch in flight, {med([r['fetched_faults'] for r in pr]):.0f} fetched); "
-                         f"{med([r['prefetched_bytes'] for r in pr]) / 1e6:.0f} MB prefetched")
+                         f"{med([r['prefetched_bytes'] for r in pr]) / 1e6:.0f} MB prefetched, "
+                         f"{med([r.get('streamed_bytes', 0) for r in pr]) / 1e6:.0f} MB of it streamed; stream started in "
+                         f"{sum(1 for r in pr if r.get('stream_started_s') is not None)} of {len(pr)} runs"
+                         + (f" (median {med([r['stream_started_s'] for r in pr if r.get('stream_started_s') is not None]):.2f} s after connect)"
+                            if any(r.get('stream_started_s') is not None for r in pr) else "")
+                         + f", at most {med([r.get('stream_depth', 0) for r in pr]):.0f} requests in flight")
     print(f"Per restore, medians: {pages} pages touched ({pages * 4096} B).\n")
     for part in parts:
         print(f"- {part}")

@@ -232,6 +232,25 @@ impl Fetcher {
         self.inflight.lock().expect("poisoned").contains_key(&chunk)
     }
 
+    /// The shorter of two timed round trips to the source (a size query of the pack that
+    /// holds `chunk`, as `puller::pull` times its own), or `None` for a zero chunk or a
+    /// source that does not answer (its fetches will say why). The first query may pay for
+    /// a fresh connection; the second, on a kept-alive one, is the round trip.
+    pub fn round_trip(&self, chunk: u64) -> Option<Duration> {
+        let StoredAt::Pack { pack, .. } = self.image.files[self.file].chunks.get(chunk as usize)?.at else { return None };
+        let digest = &self.image.packs.get(pack as usize)?.digest;
+        let mut best: Option<Duration> = None;
+        for _ in 0..2 {
+            let t = Instant::now();
+            if let Err(e) = self.src.blob_size(digest) {
+                tracing::debug!("timing a round trip: {e}");
+                return best;
+            }
+            best = Some(best.map_or(t.elapsed(), |b| b.min(t.elapsed())));
+        }
+        best
+    }
+
     /// The verified bytes of a stored chunk.
     pub fn get(&self, chunk: u64) -> (Outcome, Origin, Work) {
         if let Some(c) = self.recent.lock().expect("poisoned").map.get(&chunk) {

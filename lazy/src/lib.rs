@@ -9,7 +9,9 @@
 //!                -> recent memory -> chunk cache -> source (single-flight, retried,
 //!                   verified) -> UFFDIO_COPY
 //!                -> still no verified bytes: UFFDIO_POISON
-//!   prefetcher:  trace (then all) chunks -> same install path, gaps only
+//!   prefetcher:  trace chunks, then the rest (at once with `all`, or once the misses
+//!                look scattered) -> up to 32 requests in flight, fewer while faults
+//!                wait -> same fetch and install path, gaps only
 //! ```
 //!
 //! Two front doors share that fault path: [`Daemon`] speaks Firecracker's UFFD handshake,
@@ -72,6 +74,13 @@ pub struct LazyOptions {
     pub prefetch: PrefetchMode,
     /// Prefetch at most this many bytes per second (0: unbounded).
     pub prefetch_rate: u64,
+    /// Requests the prefetcher keeps in flight at most (it sizes its depth from a timed
+    /// round trip up to this).
+    pub stream_jobs: usize,
+    /// With `PrefetchMode::Trace`: stream the rest of the image once faults have waited
+    /// for this fraction of the file's data chunks (see [`prefetch::Detector`]); `None`:
+    /// never.
+    pub stream_after: Option<f64>,
     pub record_trace: bool,
     pub retry: RetryPolicy,
     /// Recently used chunks kept in memory, in bytes.
@@ -92,6 +101,8 @@ impl LazyOptions {
             socket,
             prefetch: PrefetchMode::Trace,
             prefetch_rate: 256 << 20,
+            stream_jobs: prefetch::DEFAULT_STREAM_JOBS,
+            stream_after: Some(prefetch::DEFAULT_STREAM_AFTER),
             record_trace: false,
             retry: fetch::DEFAULT_RETRY,
             memory_bytes: 256 << 20,
@@ -307,20 +318,33 @@ impl Daemon {
         self.active.fetch_add(1, Ordering::Relaxed);
         self.total.fetch_add(1, Ordering::Relaxed);
 
-        let order = prefetch::prefetch_order(self.opts.prefetch, self.trace.lock().expect("poisoned").as_ref(), &image, self.fetcher.file);
+        let (mut order, traced) = prefetch::stream_order(self.opts.prefetch, self.trace.lock().expect("poisoned").as_ref(), &image, self.fetcher.file);
+        match (self.opts.prefetch, self.opts.stream_after) {
+            (PrefetchMode::All, _) => conn.start_stream(),
+            (PrefetchMode::Trace, Some(f)) => *conn.detector.lock().expect("poisoned") = Some(prefetch::Detector::new(&image, self.fetcher.file, f)),
+            // Nothing will let the rest go.
+            _ => order.truncate(traced),
+        }
         let stop_prefetch = Arc::new(AtomicBool::new(false));
         let prefetcher = (!order.is_empty()).then(|| {
-            let (c, s, rate) = (conn.clone(), stop_prefetch.clone(), self.opts.prefetch_rate);
-            std::thread::Builder::new().name("lazy-prefetch".into()).spawn(move || prefetch::run(c, order, rate, s))
+            let (c, s, rate, jobs) = (conn.clone(), stop_prefetch.clone(), self.opts.prefetch_rate, self.opts.stream_jobs);
+            std::thread::Builder::new().name("lazy-prefetch".into()).spawn(move || prefetch::run(c, order, traced, jobs, rate, s))
         });
         let ended = conn.run(stream, &self.stop);
         conn.gone.store(true, Ordering::Relaxed);
         stop_prefetch.store(true, Ordering::Relaxed);
+        let mut stream_run = prefetch::StreamRun::default();
         if let Some(Ok(h)) = prefetcher {
-            let _ = h.join();
+            stream_run = h.join().unwrap_or_default();
         }
         self.active.fetch_sub(1, Ordering::Relaxed);
         let mut report = ConnReport::from_counters(hs.pid, &counters, t0.elapsed().as_secs_f64(), ended);
+        report.stream_depth = stream_run.depth as u64;
+        report.stream_rtt_ms = stream_run.rtt.map(|d| d.as_secs_f64() * 1e3);
+        report.stream_started_s = match conn.stream_started_us.load(Ordering::Relaxed) {
+            0 => None,
+            us => Some((us - 1) as f64 / 1e6),
+        };
         if self.opts.record_trace {
             let chunks = std::mem::take(&mut conn.state.lock().expect("poisoned").trace);
             let t = Trace::new(&file.name, 1 << image.chunk_shift(), chunks);

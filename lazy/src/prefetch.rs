@@ -1,6 +1,15 @@
 //! Prefetch: the order a previous restore faulted chunks in (the *trace*), stored with the
 //! image as an OCI artifact whose subject is the image's manifest, and replayed ahead of
-//! the guest on later restores.
+//! the guest on later restores; then the *stream* of the rest of the image, at once
+//! (`--prefetch all`) or once the misses look scattered ([`Detector`]).
+//!
+//! ```text
+//! order = trace chunks, then every other non-zero chunk (file order)
+//!   dispatcher ──(chunk)──► depth workers: Fetcher::get (single-flight, verified, cached)
+//!       │                                  -> Conn::prefetch_span (gaps only)
+//!       └─ in flight ≤ Pacer::limit: depth while no fault waits, else the link's measured
+//!          bandwidth-delay product + 1 minus the faults' fetches (faults first)
+//! ```
 //!
 //! ```text
 //! trace manifest (artifactType application/vnd.snapctl.trace.v1+json)
@@ -10,8 +19,9 @@
 //! found by: referrers API (registry) | tag `sha256-<image manifest hex>` (layout, fallback)
 //! ```
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use imgfmt::manifest::{Descriptor, Manifest};
@@ -229,32 +239,308 @@ pub fn prefetch_order(mode: PrefetchMode, trace: Option<&Trace>, image: &Image, 
     out
 }
 
-/// Install `order`'s chunks ahead of the guest at no more than `rate` bytes per second,
-/// until done, the connection ends or `stop` is set.
-pub(crate) fn run(conn: Arc<Conn>, order: Vec<u64>, rate: u64, stop: Arc<AtomicBool>) {
-    let t0 = Instant::now();
-    let mut bytes = 0u64;
-    for c in order {
-        for span in conn.map.spans_of_chunk(c) {
-            if stop.load(Ordering::Relaxed) || conn.gone.load(Ordering::Relaxed) {
-                return;
-            }
-            // Faults waiting for fetches come first: the prefetcher's own fetch would
-            // compete with theirs for the link and the CPU.
-            while conn.parked_faults.load(Ordering::Relaxed) > 0 && !stop.load(Ordering::Relaxed) && !conn.gone.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            bytes += conn.prefetch_span(&span);
-            if rate > 0 {
-                // Stay under the rate: a prefetcher that saturates the link would slow the
-                // very faults it is meant to spare.
-                let due = Duration::from_secs_f64(bytes as f64 / rate as f64);
-                if let Some(wait) = due.checked_sub(t0.elapsed()) {
-                    std::thread::sleep(wait.min(Duration::from_millis(500)));
-                }
+/// A restore's chunks to install ahead of the guest: the trace's first (`order[..trace]`),
+/// then, with `All` or once the misses look scattered (`Trace`), the rest of the file's
+/// non-zero chunks in file order.
+pub fn stream_order(mode: PrefetchMode, trace: Option<&Trace>, image: &Image, file: usize) -> (Vec<u64>, usize) {
+    if mode == PrefetchMode::None {
+        return (Vec::new(), 0);
+    }
+    let traced = prefetch_order(PrefetchMode::Trace, trace, image, file).len();
+    (prefetch_order(PrefetchMode::All, trace, image, file), traced)
+}
+
+/// Distinct data chunks missed before the detector may fire, whatever the fraction: a
+/// handful of misses says nothing about a pattern.
+pub const MIN_MISSES: u64 = 8;
+/// Default of `--stream-after`: the fraction of the file's data chunks that faults must
+/// have waited for before the rest is streamed. Above what a clustered guest touches in
+/// all (bench/wan.sh's 5 % of pages in runs of 64: 23 % of the data chunks, 232 of 1003
+/// at 2 GiB, 57 of 246 at 512 MiB), far below what a scattered one does (all of them).
+pub const DEFAULT_STREAM_AFTER: f64 = 0.3;
+
+/// When a restore's misses look scattered enough that streaming the rest of the image
+/// beats faulting it in: once the distinct data chunks that faults had to wait for reach
+/// a fraction of the file's data chunks (and at least [`MIN_MISSES`]).
+///
+/// Why a count and not a pattern: with whole-chunk faults a chunk faults once, wherever
+/// in it the guest lands, so a clustered guest (runs of pages in a few chunks, touched in
+/// any order) and a scattered one (single pages everywhere) look the same until the
+/// clustered one has covered its working set and stops missing. What tells them apart is
+/// how much of the image they end up needing: a guest that has needed more than the
+/// fraction is likely to need the rest, and then a stream at the link's speed is faster
+/// than a round trip per chunk per vCPU. Below it, faults alone win (a guest needing a
+/// quarter of the chunks, one round trip each, is done before a pull of the whole).
+#[derive(Debug, Clone)]
+pub struct Detector {
+    /// Distinct misses at which it fires (`u64::MAX`: never).
+    need: u64,
+    seen: Vec<bool>,
+    count: u64,
+    fired: bool,
+}
+
+impl Detector {
+    /// A detector for file `file` of `image`, firing after `fraction` (0..=1; above 1:
+    /// never) of its data chunks missed.
+    pub fn new(image: &Image, file: usize, fraction: f64) -> Detector {
+        let chunks = &image.files[file].chunks;
+        let data = chunks.iter().filter(|c| !matches!(c.at, imgfmt::StoredAt::Zero)).count() as u64;
+        Detector::with_counts(chunks.len() as u64, data, fraction)
+    }
+
+    /// A detector for a file of `chunks` chunks of which `data` are not zero.
+    pub fn with_counts(chunks: u64, data: u64, fraction: f64) -> Detector {
+        let need =
+            if fraction.is_nan() || fraction > 1.0 { u64::MAX } else { ((fraction.max(0.0) * data as f64).ceil() as u64).max(MIN_MISSES).min(data.max(1)) };
+        Detector { need, seen: vec![false; chunks as usize], count: 0, fired: false }
+    }
+
+    /// A fault had to wait for (data) chunk `chunk`. True exactly once: when the misses
+    /// first reach the threshold.
+    pub fn miss(&mut self, chunk: u64) -> bool {
+        if let Some(s) = self.seen.get_mut(chunk as usize) {
+            if !*s {
+                *s = true;
+                self.count += 1;
             }
         }
+        if !self.fired && self.count >= self.need {
+            self.fired = true;
+            return true;
+        }
+        false
     }
+
+    /// Distinct chunks missed so far.
+    pub fn missed(&self) -> u64 {
+        self.count
+    }
+}
+
+/// The link the stream's depth is sized for while no fault waits, in bytes per second
+/// (10 Gbit/s, as `puller::pull`): a request beyond what the link needs only waits its turn.
+const LINK_BYTES_PER_SEC: f64 = 1.25e9;
+/// Requests in flight at least: on loopback the round trip is nothing but verifying and
+/// installing are work, which a few threads spread over the cores.
+const MIN_DEPTH: usize = 4;
+/// Default of `--stream-jobs`: the stream's requests in flight at most. 32 requests of
+/// 1 MiB cover 1 Gbit/s at ~250 ms of RTT and 10 Gbit/s at ~25 ms; `snapctl serve` allows
+/// one client 64 connections, and faults need some.
+pub const DEFAULT_STREAM_JOBS: usize = 32;
+
+/// Requests to keep in flight to fill a [`LINK_BYTES_PER_SEC`] link at round trip `rtt`
+/// with requests of `chunk` bytes: a bandwidth-delay product of them, plus the one
+/// arriving; at least [`MIN_DEPTH`], at most `max_jobs`.
+pub fn stream_depth(rtt: Duration, chunk: u64, max_jobs: usize) -> usize {
+    let want = (LINK_BYTES_PER_SEC * rtt.as_secs_f64() / chunk.max(1) as f64).ceil().min(1e6) as usize + 1;
+    want.max(MIN_DEPTH).min(max_jobs.max(1))
+}
+
+/// How many requests the stream may have in flight now: the faults-first rule.
+///
+/// While no fault waits for a fetch, the stream keeps `depth` (sized from the timed round
+/// trip for a fast link). While faults wait, what the link holds counts for both: the
+/// stream keeps twice what the link was measured to carry (Little's law: the measured
+/// bandwidth times the shortest time a whole-chunk fetch took, in chunks; doubled, see
+/// [`LINK_GAIN`]; rounded up, plus one),
+/// minus the faults' fetches, and at least one. Requests beyond what the link carries would
+/// only queue in front of a fault's; with the link just full, a fault's request costs about
+/// what it costs on an idle link, and the stream still moves whatever the faults leave.
+/// Measured, not assumed: the bandwidth is the bytes this daemon fetched over the last few
+/// round trips; the fetch time is the shortest of the stream's recent fetches (a round
+/// trip, the chunk's bytes, the server's and our own work: the timed round trip alone is
+/// half of it on a loaded host), never below the timed round trip. Too low an estimate
+/// corrects itself: while the link is not full the bandwidth measured grows with each
+/// request added, and the "+1" puts one more on the link than it was measured to carry;
+/// once it is full, more requests only add waiting, and the estimate stays.
+pub(crate) struct Pacer {
+    rtt: Duration,
+    chunk: u64,
+    depth: usize,
+    samples: VecDeque<(Instant, u64)>,
+    /// How long the stream's recent fetches took.
+    took: VecDeque<Duration>,
+}
+
+/// What the link was measured to carry is doubled, as BBR sizes its congestion window at
+/// twice the bandwidth-delay product: a fetch's time on a busy host varies with more than
+/// the link (at 20 ms on this 2-core machine faults' fetches took 1.5-2x the shortest),
+/// and with exactly the product in flight the link idles whenever one runs late. Measured
+/// with bench/wan.sh at 20 ms, 1 Gbit/s: `--prefetch all` took 3.2 s with a gain of 1, a
+/// pull of the same image 2.3 s (BENCHMARKS.md, "Dialled network").
+const LINK_GAIN: f64 = 2.0;
+
+/// Fetch times remembered for the shortest.
+const FETCH_TIMES: usize = 32;
+
+impl Pacer {
+    pub fn new(rtt: Duration, chunk: u64, max_jobs: usize) -> Pacer {
+        Pacer { rtt, chunk, depth: stream_depth(rtt, chunk, max_jobs), samples: VecDeque::new(), took: VecDeque::new() }
+    }
+
+    /// A fetch of the stream's that installed bytes took `d`.
+    pub fn fetched(&mut self, d: Duration) {
+        if self.took.len() == FETCH_TIMES {
+            self.took.pop_front();
+        }
+        self.took.push_back(d);
+    }
+
+    /// The shortest recent fetch that took at least the round trip (a shorter one found
+    /// its chunk brought by another fetch); the round trip if none did.
+    fn fetch_time(&self) -> Duration {
+        self.took.iter().filter(|&&d| d >= self.rtt).min().copied().unwrap_or(self.rtt)
+    }
+
+    pub fn depth(&self) -> usize {
+        self.depth
+    }
+
+    /// The bandwidth is measured over this long; a fault seen this recently counts as
+    /// waiting still.
+    pub fn window(&self) -> Duration {
+        (self.rtt * 4).max(Duration::from_millis(100))
+    }
+
+    /// Note that `bytes` had been fetched in all by `now`.
+    pub fn sample(&mut self, now: Instant, bytes: u64) {
+        let w = self.window();
+        while self.samples.len() > 1 && self.samples.get(1).is_some_and(|&(t, _)| now.duration_since(t) >= w) {
+            self.samples.pop_front();
+        }
+        self.samples.push_back((now, bytes));
+    }
+
+    /// Bytes per second over the window, once it spans at least half of it.
+    fn rate(&self) -> Option<f64> {
+        let (&(t0, b0), &(t1, b1)) = (self.samples.front()?, self.samples.back()?);
+        let span = t1.duration_since(t0);
+        (span >= self.window() / 2).then(|| b1.saturating_sub(b0) as f64 / span.as_secs_f64())
+    }
+
+    /// Requests the stream may have in flight while faults wait for `fault_fetches` fetches.
+    pub fn limit(&self, fault_fetches: u64) -> usize {
+        if fault_fetches == 0 {
+            return self.depth;
+        }
+        let link = match self.rate() {
+            Some(r) => (LINK_GAIN * r * self.fetch_time().as_secs_f64() / self.chunk.max(1) as f64).ceil().min(1e6) as usize + 1,
+            None => 2,
+        };
+        link.saturating_sub(fault_fetches as usize).clamp(1, self.depth)
+    }
+}
+
+/// What the prefetcher did, for the connection's report.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct StreamRun {
+    /// Most requests it kept in flight (0: it had nothing to do).
+    pub depth: usize,
+    pub rtt: Option<Duration>,
+}
+
+/// Install `order`'s chunks ahead of the guest with up to [`stream_depth`] requests in
+/// flight (the faults-first rule of [`Pacer`]), each through the fetcher's single-flight
+/// path (a fault on a chunk being streamed waits for that fetch; every chunk is verified
+/// before it is installed and goes into the chunk cache), at no more than `rate` bytes per
+/// second (0: unbounded). The first `traced` are the trace's; the rest wait for
+/// `conn.stream_go`. Until done, the connection ends or `stop` is set.
+pub(crate) fn run(conn: Arc<Conn>, order: Vec<u64>, traced: usize, max_jobs: usize, rate: u64, stop: Arc<AtomicBool>) -> StreamRun {
+    let Some(&first) = order.first() else { return StreamRun::default() };
+    let rtt = conn.fetcher.round_trip(first);
+    let mut pacer = Pacer::new(rtt.unwrap_or_default(), conn.map.chunk_size(), max_jobs);
+    let depth = pacer.depth();
+    let (job_tx, job_rx) = mpsc::channel::<(u64, bool)>();
+    let job_rx = Mutex::new(job_rx);
+    let (done_tx, done_rx) = mpsc::channel::<(u64, Duration)>();
+    let ended = || stop.load(Ordering::Relaxed) || conn.gone.load(Ordering::Relaxed);
+    std::thread::scope(|s| {
+        for _ in 0..depth {
+            let (conn, job_rx, done_tx) = (&conn, &job_rx, done_tx.clone());
+            let spawned = std::thread::Builder::new().name("lazy-stream".into()).spawn_scoped(s, move || loop {
+                let Ok((c, rest)) = job_rx.lock().expect("poisoned").recv() else { return };
+                let t = Instant::now();
+                let mut bytes = 0;
+                for span in conn.map.spans_of_chunk(c) {
+                    if conn.gone.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    bytes += conn.prefetch_span(&span);
+                }
+                if rest && bytes > 0 {
+                    conn.rec.add(|k| &k.streamed_chunks, 1);
+                    conn.rec.add(|k| &k.streamed_bytes, bytes);
+                }
+                if done_tx.send((bytes, t.elapsed())).is_err() {
+                    return;
+                }
+            });
+            if spawned.is_err() {
+                // Out of threads: those running do the work.
+                break;
+            }
+        }
+        drop(done_tx);
+        let t0 = Instant::now();
+        let (mut next, mut in_flight, mut installed, mut most) = (0usize, 0usize, 0u64, 0usize);
+        let mut fault_seen: Option<Instant> = None;
+        'dispatch: while !ended() {
+            let now = Instant::now();
+            pacer.sample(now, conn.rec.1.bytes_fetched.load(Ordering::Relaxed));
+            // A guest that faulted a moment ago is between two faults, not done: the whole
+            // depth then would put its next fault's request behind a burst of the stream's.
+            let mut faults = conn.fault_fetches.load(Ordering::Relaxed);
+            if faults > 0 {
+                fault_seen = Some(now);
+            } else if fault_seen.is_some_and(|t| now.duration_since(t) < pacer.window()) {
+                faults = 1;
+            }
+            let limit = pacer.limit(faults);
+            let mut waiting_for_go = false;
+            while in_flight < limit && next < order.len() {
+                if next >= traced && !conn.stream_go.load(Ordering::Relaxed) {
+                    waiting_for_go = true;
+                    break;
+                }
+                // Stay under the rate: the bytes installed so far were due by now.
+                if rate > 0 && Duration::from_secs_f64(installed as f64 / rate as f64) > t0.elapsed() {
+                    break;
+                }
+                if job_tx.send((order[next], next >= traced)).is_err() {
+                    break 'dispatch;
+                }
+                next += 1;
+                in_flight += 1;
+                most = most.max(in_flight);
+            }
+            if next == order.len() && in_flight == 0 {
+                break;
+            }
+            // Woken by a finished request; otherwise look again soon (faults may have
+            // come or gone, the detector may have fired, the rate may allow more).
+            let nap = if waiting_for_go && in_flight == 0 { Duration::from_millis(20) } else { Duration::from_millis(2) };
+            let mut done = |(b, took): (u64, Duration)| {
+                in_flight -= 1;
+                installed += b;
+                if b > 0 {
+                    pacer.fetched(took);
+                }
+            };
+            match done_rx.recv_timeout(nap) {
+                Ok(d) => {
+                    done(d);
+                    while let Ok(d) = done_rx.try_recv() {
+                        done(d);
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        drop(job_tx);
+        StreamRun { depth: most, rtt }
+    })
 }
 
 #[cfg(test)]
@@ -288,5 +574,122 @@ mod tests {
         assert_eq!(prefetch_order(PrefetchMode::All, None, &image, file), vec![0, 2, 3, 5]);
         assert!(prefetch_order(PrefetchMode::None, Some(&t), &image, file).is_empty());
         assert_eq!(now_rfc3339().len(), 20);
+        // The stream's order: the trace's chunks first, then the rest; none: nothing.
+        assert_eq!(stream_order(PrefetchMode::Trace, Some(&t), &image, file), (vec![5, 0, 2, 3], 2));
+        assert_eq!(stream_order(PrefetchMode::All, None, &image, file), (vec![0, 2, 3, 5], 0));
+        assert_eq!(stream_order(PrefetchMode::None, Some(&t), &image, file), (vec![], 0));
+    }
+
+    /// The chunks whose first fault must wait for a fetch, in order, for a guest touching
+    /// `pct` % of the pages of a `chunks` x 256-page file (every other chunk zero, as
+    /// bench/wan.sh's half-zero image), singly at random or in runs of `run` contiguous pages
+    /// touched in random order (fake_vmm's two patterns): a chunk faults once, on its first
+    /// touch, and then is installed whole.
+    fn data_misses(chunks: u64, pct: u64, run: u64, seed: u64) -> Vec<u64> {
+        let pages = chunks * 256;
+        let mut x = seed;
+        let mut rnd = move || {
+            // SplitMix64.
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        let want = pages * pct / 100;
+        let mut picked = vec![false; pages as usize];
+        let mut touches = Vec::new();
+        while (touches.len() as u64) < want {
+            let start = rnd() % (pages - run + 1);
+            for p in start..start + run {
+                if !picked[p as usize] && (touches.len() as u64) < want {
+                    picked[p as usize] = true;
+                    touches.push(p);
+                }
+            }
+        }
+        for i in (1..touches.len()).rev() {
+            touches.swap(i, (rnd() % (i as u64 + 1)) as usize);
+        }
+        let mut installed = vec![false; chunks as usize];
+        let mut out = Vec::new();
+        for p in touches {
+            let c = p / 256;
+            if !std::mem::replace(&mut installed[c as usize], true) && c % 2 == 0 {
+                out.push(c);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn detector_streams_for_scattered_misses_not_for_clustered_ones() {
+        let (chunks, data) = (2048, 1024);
+        for seed in 1..=5 {
+            // Scattered 5 %: nearly every data chunk misses; the detector fires at 30 % of
+            // them, early in the restore.
+            let scattered = data_misses(chunks, 5, 1, seed);
+            assert!(scattered.len() as u64 > data * 9 / 10, "{}", scattered.len());
+            let mut d = Detector::with_counts(chunks, data, DEFAULT_STREAM_AFTER);
+            let fired: Vec<usize> = scattered.iter().enumerate().filter(|(_, &c)| d.miss(c)).map(|(i, _)| i).collect();
+            assert_eq!(fired, vec![(data as f64 * DEFAULT_STREAM_AFTER).ceil() as usize - 1], "fires once, at the threshold");
+            // Clustered 5 % (runs of 64 pages): about a quarter of the data chunks, never
+            // enough to stream.
+            let clustered = data_misses(chunks, 5, 64, seed);
+            assert!((data / 8..data * 3 / 10).contains(&(clustered.len() as u64)), "{}", clustered.len());
+            let mut d = Detector::with_counts(chunks, data, DEFAULT_STREAM_AFTER);
+            assert!(!clustered.iter().any(|&c| d.miss(c)), "seed {seed}: {} of {data} data chunks", clustered.len());
+            assert_eq!(d.missed(), clustered.len() as u64);
+        }
+        // Repeats count once; a tiny file still needs MIN_MISSES (or all its data chunks);
+        // a share above 1 never fires; 0 fires at the MIN_MISSES-th miss.
+        let mut d = Detector::with_counts(100, 100, 0.0);
+        assert!(!(0..MIN_MISSES - 1).chain([0, 0, 1]).any(|c| d.miss(c)));
+        assert!(d.miss(MIN_MISSES - 1));
+        assert!(!d.miss(99), "only once");
+        let mut d = Detector::with_counts(6, 3, 0.3);
+        assert_eq!((d.miss(0), d.miss(2), d.miss(4)), (false, false, true));
+        let mut d = Detector::with_counts(100, 100, f64::INFINITY);
+        assert!(!(0..100).any(|c| d.miss(c)));
+        assert!(!d.miss(1000), "chunks beyond the file are ignored");
+    }
+
+    #[test]
+    fn stream_depth_fills_the_link_and_yields_to_faults() {
+        const MIB: u64 = 1 << 20;
+        let ms = Duration::from_millis;
+        // 10 Gbit/s x 20 ms = 25 MB: 24 requests of 1 MiB hold it, plus the one arriving.
+        assert_eq!(stream_depth(ms(20), MIB, 32), 25);
+        assert_eq!(stream_depth(ms(50), MIB, 32), 32, "bounded by --stream-jobs");
+        assert_eq!(stream_depth(Duration::ZERO, MIB, 32), MIN_DEPTH, "loopback: a few, for the CPU");
+        assert_eq!(stream_depth(ms(50), MIB, 2), 2);
+        // No fault waiting: the whole depth.
+        let mut p = Pacer::new(ms(20), MIB, 32);
+        assert_eq!(p.limit(0), 25);
+        // Faults waiting before the link was measured: room for one more than the faults.
+        assert_eq!(p.limit(1), 1);
+        // The link measured at 1 Gbit/s (125 MB/s over the window), no fetch timed yet:
+        // a round trip holds 2.4 MiB, twice that 4.8, so 6 requests in all, of which the
+        // faults' 2 leave the stream 4; 9 faults' fetches leave it 1, never none.
+        let t0 = Instant::now();
+        for i in 0..=20u64 {
+            p.sample(t0 + ms(10 * i), 1_250_000 * i);
+        }
+        assert_eq!(p.limit(2), 4);
+        assert_eq!(p.limit(9), 1);
+        assert_eq!(p.limit(0), 25);
+        // Whole-chunk fetches timed at 36 ms at best (round trip, bytes, work): the link
+        // carries 4.3 MiB in that time, twice that 8.6, so 10 requests in all, 8 of them
+        // the stream's. A
+        // fetch shorter than the round trip (a chunk another fetch brought) does not count.
+        for d in [40, 36, 50, 3] {
+            p.fetched(ms(d));
+        }
+        assert_eq!(p.limit(2), 8);
+        // A faster link measured: more, up to the depth.
+        for i in 21..=40u64 {
+            p.sample(t0 + ms(10 * i), 1_250_000 * 20 + 12_500_000 * (i - 20));
+        }
+        assert_eq!(p.limit(2), 25);
     }
 }

@@ -130,6 +130,10 @@ pub struct Counters {
     pub removed_ranges: AtomicU64,
     pub prefetched_chunks: AtomicU64,
     pub prefetched_bytes: AtomicU64,
+    /// The part of `prefetched_*` the background stream of the rest of the image installed
+    /// (beyond the trace).
+    pub streamed_chunks: AtomicU64,
+    pub streamed_bytes: AtomicU64,
     /// Faults served by a fetch of verified slices rather than the whole chunk (part of
     /// `fetched`; a slice fetch that another install overtook is not counted here).
     pub slice_fetches: AtomicU64,
@@ -185,6 +189,18 @@ pub struct ConnReport {
     pub removed_faults: u64,
     pub prefetched_chunks: u64,
     pub prefetched_bytes: u64,
+    /// Units the stream of the rest of the image installed, and their bytes (part of
+    /// `prefetched_*`).
+    pub streamed_chunks: u64,
+    pub streamed_bytes: u64,
+    /// Seconds after the connection started at which the stream of the rest began
+    /// (`null`: it never did).
+    pub stream_started_s: Option<f64>,
+    /// Most requests the stream kept in flight (sized from the timed round trip; 0: no
+    /// stream ran).
+    pub stream_depth: u64,
+    /// The round trip the stream was sized from, in milliseconds (`null`: not timed).
+    pub stream_rtt_ms: Option<f64>,
     /// Faults served by a fetch of verified slices (part of `faults.fetched`).
     pub slice_fetches: u64,
     /// Bytes slice fetches moved (part of `bytes_fetched`).
@@ -212,6 +228,11 @@ impl ConnReport {
             removed_faults: l(&c.removed_zero),
             prefetched_chunks: l(&c.prefetched_chunks),
             prefetched_bytes: l(&c.prefetched_bytes),
+            streamed_chunks: l(&c.streamed_chunks),
+            streamed_bytes: l(&c.streamed_bytes),
+            stream_started_s: None,
+            stream_depth: 0,
+            stream_rtt_ms: None,
             slice_fetches: l(&c.slice_fetches),
             slice_bytes: l(&c.slice_bytes),
             latency_us: c.latency.latency(),
@@ -242,6 +263,7 @@ pub fn prometheus(c: &Counters, connections_active: u64, connections_total: u64)
         ("snapctl_lazy_poisoned_pages_total", "Pages poisoned because no verified bytes could be had.", &c.poisoned_pages),
         ("snapctl_lazy_removed_ranges_total", "UFFD_EVENT_REMOVE events applied.", &c.removed_ranges),
         ("snapctl_lazy_prefetched_chunks_total", "Chunks installed ahead of the guest.", &c.prefetched_chunks),
+        ("snapctl_lazy_streamed_chunks_total", "Chunks the background stream of the rest of the image installed.", &c.streamed_chunks),
         ("snapctl_lazy_slice_fetches_total", "Faults served by a fetch of verified slices rather than the whole chunk.", &c.slice_fetches),
     ] {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", l(v));

@@ -96,7 +96,13 @@ impl Drop for Running {
     }
 }
 
-fn start(dir: &std::path::Path, image: Arc<Image>, src: Arc<Flaky>, opts: impl FnOnce(&mut LazyOptions), traces: Option<Box<dyn TraceStore>>) -> Running {
+fn start(
+    dir: &std::path::Path,
+    image: Arc<Image>,
+    src: Arc<dyn imgfmt::BlobSource>,
+    opts: impl FnOnce(&mut LazyOptions),
+    traces: Option<Box<dyn TraceStore>>,
+) -> Running {
     let socket = dir.join(format!("uffd-{}.sock", rand::random::<u32>()));
     let mut o = LazyOptions::new(socket.clone());
     o.retry = RetryPolicy { first_backoff: Duration::from_millis(1), max_backoff: Duration::from_millis(20), ..RetryPolicy::stall(Duration::from_secs(2)) };
@@ -279,7 +285,18 @@ fn recorded_trace_is_replayed_by_the_next_restore_and_metrics_are_served() {
     // Second restore: the daemon installs the traced chunks before the guest asks.
     let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
     let src = flaky(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap());
-    let run = start(dir.path(), image.clone(), src.clone(), |o| o.prefetch = PrefetchMode::Trace, traces());
+    let run = start(
+        dir.path(),
+        image.clone(),
+        src.clone(),
+        |o| {
+            o.prefetch = PrefetchMode::Trace;
+            // The trace alone: the guest below touches everything, which would start the
+            // stream of the rest.
+            o.stream_after = None;
+        },
+        traces(),
+    );
     assert!(run.daemon.has_trace());
     let addr = run.daemon.serve_metrics("127.0.0.1:0").unwrap();
     let sock = guest.connect(&run.socket);
@@ -461,4 +478,251 @@ fn regression_issue_16_tampered_slice_poisons_never_serves_wrong_bytes() {
     // The span is poisoned except the page already installed.
     assert_eq!(rep.poisoned_pages, (K64 / 4096) as u64 - 1, "{rep:?}");
     assert!(rep.integrity_failed());
+}
+
+/// A source that counts the reads in flight at once and the most there ever were, each
+/// read taking `delay` (as does a size query: the round trip the stream is sized from),
+/// a read at pack offset `slow.0` taking `slow.1`.
+struct Gauge {
+    inner: imgfmt::OciLayout,
+    delay: Duration,
+    slow: Option<(u64, Duration)>,
+    reads: AtomicU64,
+    now: AtomicU64,
+    most: AtomicU64,
+}
+use std::sync::atomic::AtomicU64;
+
+impl Gauge {
+    fn new(inner: imgfmt::OciLayout, delay: Duration) -> Arc<Gauge> {
+        Arc::new(Gauge { inner, delay, slow: None, reads: 0.into(), now: 0.into(), most: 0.into() })
+    }
+}
+
+impl imgfmt::BlobSource for Gauge {
+    fn describe(&self) -> String {
+        "gauge".into()
+    }
+    fn resolve_tag(&self, t: &str) -> Result<imgfmt::OciDigest, imgfmt::FormatError> {
+        self.inner.resolve_tag(t)
+    }
+    fn read_blob_unverified(&self, d: &imgfmt::OciDigest, l: u64) -> Result<Vec<u8>, imgfmt::FormatError> {
+        self.inner.read_blob_unverified(d, l)
+    }
+    fn blob_size(&self, d: &imgfmt::OciDigest) -> Result<u64, imgfmt::FormatError> {
+        std::thread::sleep(self.delay);
+        self.inner.blob_size(d)
+    }
+    fn read_at_unverified(&self, d: &imgfmt::OciDigest, o: u64, buf: &mut [u8]) -> Result<(), imgfmt::FormatError> {
+        let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(n, Ordering::SeqCst);
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        std::thread::sleep(match self.slow {
+            Some((at, d)) if at == o => d,
+            _ => self.delay,
+        });
+        let r = self.inner.read_at_unverified(d, o, buf);
+        self.now.fetch_sub(1, Ordering::SeqCst);
+        r
+    }
+}
+
+/// Which pages of `[p, p + len)` are present (installed), by mincore(2): looking does not
+/// fault them in.
+fn resident(p: *mut u8, len: usize) -> Vec<bool> {
+    let mut v = vec![0u8; len.div_ceil(4096)];
+    // SAFETY: `p` is page-aligned and `[p, p + len)` a live mapping; `v` has a byte per page.
+    let rc = unsafe { libc::mincore(p as *mut libc::c_void, len, v.as_mut_ptr()) };
+    assert_eq!(rc, 0, "mincore");
+    v.iter().map(|b| b & 1 == 1).collect()
+}
+
+/// Poll `cond` until it holds (a generous bound: this is about hanging, not speed).
+fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !cond() {
+        assert!(t0.elapsed() < Duration::from_secs(30), "{what}: never happened");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A daemon-wide counter from the metrics text.
+fn metric(d: &Daemon, name: &str) -> u64 {
+    let t = d.metrics_text();
+    let line = t.lines().find(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with(' '))).expect("metric");
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+/// The daemon-wide count of chunks the stream installed.
+fn streamed(d: &Daemon) -> u64 {
+    metric(d, "snapctl_lazy_streamed_chunks_total")
+}
+
+/// Issue 16 §3: `--prefetch all` streams every data chunk into guest memory before the
+/// guest touches a page, each verified, with several requests in flight: a chunk tampered
+/// in the pack is never installed (its pages stay missing), and the guest's fault there
+/// is poisoned; every other page is present and right.
+#[test]
+fn regression_issue_16_stream_installs_every_data_chunk_verified() {
+    use std::os::unix::fs::FileExt;
+    let (dir, mem, image, layout) = sample_image(48);
+    let file = image.file("vm.mem").unwrap().0;
+    let imgfmt::StoredAt::Pack { pack, offset, .. } = image.files[file].chunks[5].at else { panic!("chunk 5 is stored") };
+    let blob = std::fs::OpenOptions::new().read(true).write(true).open(layout.blob_path(&image.packs[pack as usize].digest)).unwrap();
+    let mut b = [0u8; 1];
+    blob.read_exact_at(&mut b, offset + 10).unwrap();
+    blob.write_all_at(&[b[0] ^ 0x01], offset + 10).unwrap();
+    let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
+    let src = Gauge::new(layout, Duration::from_millis(20));
+    let run = start(dir.path(), image, src.clone(), |o| o.prefetch = PrefetchMode::All, None);
+    let sock = guest.connect(&run.socket);
+    let data: Vec<usize> = (0..48).filter(|c| c % 3 != 1).collect();
+    // 31 good data chunks; chunk 5 is read twice and refused (counted once its fetch is over).
+    wait_for("the stream", || streamed(&run.daemon) == data.len() as u64 - 1 && metric(&run.daemon, "snapctl_lazy_verify_failures_total") == 2);
+    assert_eq!(src.reads.load(Ordering::SeqCst), data.len() as u64 + 1);
+    let (p, _, _) = guest.regions[0];
+    let present = resident(p, mem.len());
+    for &c in &data {
+        let pages = &present[c * 16..(c + 1) * 16];
+        if c == 5 {
+            assert!(pages.iter().all(|&r| !r), "the tampered chunk was installed");
+        } else {
+            assert!(pages.iter().all(|&r| r), "chunk {c} not installed by the stream");
+        }
+    }
+    let most = src.most.load(Ordering::SeqCst);
+    assert!(most >= 4, "the stream kept {most} requests in flight");
+    // The tampered chunk, touched: poisoned (EFAULT through process_vm_readv), never wrong.
+    let mut buf = vec![0u8; 4096];
+    let local = libc::iovec { iov_base: buf.as_mut_ptr() as *mut libc::c_void, iov_len: 4096 };
+    // SAFETY: inside the live guest mapping.
+    let remote = libc::iovec { iov_base: unsafe { p.add(5 * K64) } as *mut libc::c_void, iov_len: 4096 };
+    // SAFETY: both iovecs describe live memory of this process.
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    assert_eq!(n, -1, "a chunk that fails verification must not be readable");
+    for &c in &data {
+        if c != 5 {
+            assert!(guest.region(0)[c * K64..(c + 1) * K64] == mem[c * K64..(c + 1) * K64], "chunk {c}");
+        }
+    }
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(rep.streamed_chunks, data.len() as u64 - 1, "{rep:?}");
+    assert_eq!(rep.streamed_bytes, (data.len() as u64 - 1) * K64 as u64, "{rep:?}");
+    assert!(rep.stream_started_s.is_some_and(|s| s < 1.0), "{rep:?}");
+    assert!(rep.stream_depth >= 4 && rep.stream_rtt_ms.is_some(), "{rep:?}");
+    // Two refusals by the stream, two by the fault; the fault's span poisoned.
+    assert_eq!(rep.verify_failures, 4, "{rep:?}");
+    assert_eq!(rep.poisoned_pages, (K64 / 4096) as u64, "{rep:?}");
+    assert_eq!((rep.faults.fetched, rep.faults.cache_hit), (0, 0), "every good chunk was streamed before the guest touched it: {rep:?}");
+}
+
+/// Issue 16 §3: the stream keeps as many requests in flight as the timed round trip asks
+/// for, up to --stream-jobs, while no fault waits.
+#[test]
+fn regression_issue_16_stream_keeps_its_depth_in_flight() {
+    let (dir, mem, image, layout) = sample_image(96);
+    let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
+    // 50 ms per request: a 10 Gbit/s link would hold hundreds of 64 KiB chunks; the
+    // bound is --stream-jobs 8.
+    let src = Gauge::new(layout, Duration::from_millis(50));
+    let run = start(
+        dir.path(),
+        image,
+        src.clone(),
+        |o| {
+            o.prefetch = PrefetchMode::All;
+            o.stream_jobs = 8;
+        },
+        None,
+    );
+    let sock = guest.connect(&run.socket);
+    let data = (0..96).filter(|c| c % 3 != 1).count() as u64;
+    wait_for("the stream", || streamed(&run.daemon) == data);
+    assert_eq!(src.most.load(Ordering::SeqCst), 8, "requests in flight at once");
+    assert_eq!(src.reads.load(Ordering::SeqCst), data, "each chunk once");
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!((rep.stream_depth, rep.streamed_chunks), (8, data), "{rep:?}");
+    assert!(rep.stream_rtt_ms.is_some_and(|ms| ms >= 50.0), "{rep:?}");
+}
+
+/// Issue 16 §3: faults come first. While the stream works through the image in file order,
+/// the guest touches the last data chunk: its fault does not wait for the stream to get
+/// there (nor behind its queue), and the stream does not stop for the waiting fault (it
+/// did: the prefetcher paused while any fault waited).
+#[test]
+fn regression_issue_16_faults_are_served_while_the_stream_runs() {
+    let (dir, mem, image, layout) = sample_image(96);
+    let file = image.file("vm.mem").unwrap().0;
+    let imgfmt::StoredAt::Pack { offset, .. } = image.files[file].chunks[95].at else { panic!("chunk 95 is stored") };
+    let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
+    let mut g = Gauge::new(layout, Duration::from_millis(50));
+    // The fault's own fetch takes 600 ms: the stream goes on meanwhile.
+    Arc::get_mut(&mut g).unwrap().slow = Some((offset, Duration::from_millis(600)));
+    let src = g;
+    let run = start(
+        dir.path(),
+        image,
+        src.clone(),
+        |o| {
+            o.prefetch = PrefetchMode::All;
+            o.stream_jobs = 2;
+        },
+        None,
+    );
+    let sock = guest.connect(&run.socket);
+    let data = (0..96).filter(|c| c % 3 != 1).count() as u64;
+    // 64 chunks at most 2 at a time, 50 ms each: the stream needs 1.6 s or more.
+    wait_for("the stream to start", || streamed(&run.daemon) > 0);
+    let last = 95 * K64;
+    let before = streamed(&run.daemon);
+    let t = Instant::now();
+    assert!(guest.region(0)[last..last + K64] == mem[last..last + K64]);
+    let waited = t.elapsed();
+    let by_then = streamed(&run.daemon);
+    assert!(by_then < data - 1, "the fault waited for the stream to reach its chunk ({by_then} of {data} streamed, {waited:?})");
+    assert!(by_then >= before + 4, "the stream stopped while the fault waited {waited:?}: {before} streamed before, {by_then} after");
+    wait_for("the rest of the stream", || streamed(&run.daemon) == data - 1);
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(rep.faults.fetched, 1, "{rep:?}");
+    assert_eq!(src.reads.load(Ordering::SeqCst), data, "the stream skipped what the fault fetched");
+}
+
+/// Issue 16 §3: with --prefetch trace and no trace, the rest of the image is streamed once
+/// faults have waited for --stream-after of the data chunks, not before.
+#[test]
+fn regression_issue_16_scattered_misses_start_the_stream() {
+    let (dir, mem, image, layout) = sample_image(96);
+    let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
+    let src = Gauge::new(layout, Duration::ZERO);
+    let run = start(
+        dir.path(),
+        image,
+        src.clone(),
+        |o| {
+            o.prefetch = PrefetchMode::Trace;
+            o.stream_after = Some(0.25);
+        },
+        None,
+    );
+    let sock = guest.connect(&run.socket);
+    // 64 data chunks: the 16th distinct miss starts the stream.
+    let data: Vec<usize> = (0..96).filter(|c| c % 3 != 1).collect();
+    let r = guest.region(0);
+    for &c in data.iter().rev().take(15) {
+        assert_eq!(r[c * K64 + 4096 * 3], mem[c * K64 + 4096 * 3]);
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(streamed(&run.daemon), 0, "15 misses of 64: no stream yet");
+    let c = data[0];
+    assert_eq!(r[c * K64], mem[c * K64]);
+    wait_for("the stream", || streamed(&run.daemon) == data.len() as u64 - 16);
+    assert!(r == &mem[..]);
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert!(rep.stream_started_s.is_some(), "{rep:?}");
+    assert_eq!((rep.faults.fetched, rep.streamed_chunks), (16, data.len() as u64 - 16), "{rep:?}");
+    assert_eq!(src.reads.load(Ordering::SeqCst), data.len() as u64);
 }

@@ -28,6 +28,7 @@ use verify::{VerifiedChunk, VerifiedSlice};
 
 use super::fetch::{FetchFailure, Fetcher, Origin, SliceFetch, Work};
 use super::map::{MemoryMap, RemovedRanges, Span};
+use super::prefetch::Detector;
 use super::stats::{Counters, Rec};
 
 // The three filling ioctls, called directly: the `userfaultfd` crate folds the byte
@@ -172,6 +173,16 @@ pub(crate) struct Conn {
     pub gone: AtomicBool,
     /// Faults waiting for the fetch pool: the prefetcher yields to them.
     pub parked_faults: AtomicU64,
+    /// Fetches those faults wait for (distinct chunks or slice ranges): the stream keeps
+    /// its own requests in flight to what the link holds beside these.
+    pub fault_fetches: AtomicU64,
+    /// Decides, from this connection's misses, when to stream the rest of the image
+    /// (`--prefetch trace`); `None`: never from misses (`all` streams at once, `none` not).
+    pub detector: Mutex<Option<Detector>>,
+    /// Set once the rest of the image is to be streamed (the detector fired, or `all`).
+    pub stream_go: AtomicBool,
+    /// Microseconds since `started` (+1) at which `stream_go` was set; 0 not yet.
+    pub stream_started_us: AtomicU64,
     /// Faults outside every region: poison (the default) or zeros.
     pub outside: Outside,
     /// Who takes the userfaultfd of a child the process forked (UFFD_EVENT_FORK). Without
@@ -293,6 +304,10 @@ impl Conn {
             busy_addr: AtomicU64::new(0),
             gone: AtomicBool::new(false),
             parked_faults: AtomicU64::new(0),
+            fault_fetches: AtomicU64::new(0),
+            detector: Mutex::new(None),
+            stream_go: AtomicBool::new(false),
+            stream_started_us: AtomicU64::new(0),
             outside: Outside::default(),
             on_fork: None,
             sys_page,
@@ -747,6 +762,9 @@ impl Conn {
             if stop.load(Ordering::Relaxed) {
                 return "daemon stopping".into();
             }
+            // Before waiting: a fault parked just now waits from now on, and the prefetcher
+            // must yield to it now, not after the poll below.
+            self.publish_parked(q.parked);
             if q.pending.is_empty() {
                 let mut fds = [
                     PollFd::new(self.uffd.as_fd(), PollFlags::POLLIN),
@@ -827,7 +845,7 @@ impl Conn {
                     q.pending.push_front(f);
                 }
             }
-            self.parked_faults.store(q.parked.values().map(|v| v.len() as u64).sum(), Ordering::Relaxed);
+            self.publish_parked(q.parked);
             let oldest = q.parked.values().flatten().chain(q.pending.iter()).min_by_key(|f| f.read_at).map(|f| (f.addr, f.read_at));
             match oldest {
                 Some((addr, at)) => {
@@ -848,6 +866,7 @@ impl Conn {
                         if let Some((key, job)) = self.plan_slices(&f, c, q) {
                             q.parked.entry(key).or_default().push(f);
                             if let Some(range) = job {
+                                self.missed(c);
                                 if job_tx.send((key, Job::Slices(c, range))).is_err() {
                                     return "fetch pool gone".into();
                                 }
@@ -858,8 +877,11 @@ impl Conn {
                     let key = Key::Chunk(c);
                     let first = !q.parked.contains_key(&key);
                     q.parked.entry(key).or_default().push(f);
-                    if first && job_tx.send((key, Job::Chunk(c))).is_err() {
-                        return "fetch pool gone".into();
+                    if first {
+                        self.missed(c);
+                        if job_tx.send((key, Job::Chunk(c))).is_err() {
+                            return "fetch pool gone".into();
+                        }
                     }
                     continue;
                 }
@@ -867,6 +889,28 @@ impl Conn {
                     return e;
                 }
             }
+        }
+    }
+
+    /// Tell the prefetcher how many faults wait, and for how many fetches.
+    fn publish_parked(&self, parked: &HashMap<Key, Vec<Fault>>) {
+        self.parked_faults.store(parked.values().map(|v| v.len() as u64).sum(), Ordering::Relaxed);
+        self.fault_fetches.store(parked.len() as u64, Ordering::Relaxed);
+    }
+
+    /// A fault had to wait for chunk `c` to be fetched: tell the detector, and start the
+    /// stream of the rest once it says the misses look scattered.
+    fn missed(&self, c: u64) {
+        let fire = self.detector.lock().expect("poisoned").as_mut().is_some_and(|d| d.miss(c));
+        if fire {
+            self.start_stream();
+        }
+    }
+
+    /// Let the stream of the rest of the image go (once; later calls do nothing).
+    pub fn start_stream(&self) {
+        if !self.stream_go.swap(true, Ordering::Relaxed) {
+            self.stream_started_us.store(self.started.elapsed().as_micros() as u64 + 1, Ordering::Relaxed);
         }
     }
 

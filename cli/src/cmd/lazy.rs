@@ -72,9 +72,29 @@ pub struct LazyArgs {
     #[arg(long, conflicts_with = "cache")]
     pub no_cache: bool,
     /// Install chunks ahead of the guest: `trace` replays the image's recorded trace if it
-    /// has one, `all` then every other non-zero chunk, `none` only serves faults.
+    /// has one, then streams the rest of the image once the guest's misses look scattered
+    /// (see --stream-after); `all` replays the trace and streams the rest at once; `none`
+    /// only serves faults. Faults always come first: see --stream-jobs.
     #[arg(long, default_value = "trace", value_parser = parse_prefetch)]
     pub prefetch: PrefetchMode,
+    /// Requests the prefetcher keeps in flight at most (1-64). It times a round trip to the
+    /// source and keeps enough requests in flight to fill a 10 Gbit/s link at that delay
+    /// (at least 4), up to this bound; while faults wait for fetches it drops to twice what
+    /// the link was measured to carry (bandwidth x the shortest fetch), minus the faults'
+    /// own requests (at least 1), so a fault's request waits behind about one round trip of
+    /// the stream's bytes, not its whole queue. Raise it for long, fast paths (32 x 1 MiB
+    /// covers 1 Gbit/s at 250 ms); lower it to spare a shared registry.
+    #[arg(long, default_value_t = lazy::prefetch::DEFAULT_STREAM_JOBS, value_name = "N", value_parser = parse_jobs)]
+    pub stream_jobs: usize,
+    /// With --prefetch trace: stream the rest of the image once faults have waited for this
+    /// share of the memory file's non-zero chunks (e.g. 30%, 0.3), or `never`. A guest
+    /// touching pages scattered over its memory needs nearly every chunk, and streaming
+    /// them at the link's speed beats a round trip per chunk; one whose working set is
+    /// clustered needs few and is done sooner without the stream. Lower values stream
+    /// sooner (a scattered restore gets closer to a pull's time; a clustered one that passes
+    /// the mark shares the link with the stream); higher ones later.
+    #[arg(long, default_value = "30%", value_name = "SHARE", value_parser = parse_share)]
+    pub stream_after: f64,
     /// Prefetch at most this many bytes per second (0: no bound).
     #[arg(long, default_value = "256MiB", value_name = "SIZE", value_parser = common::parse_size)]
     pub prefetch_rate: u64,
@@ -130,6 +150,30 @@ fn parse_prefetch(s: &str) -> Result<PrefetchMode, String> {
     s.parse()
 }
 
+/// 1 to 64.
+fn parse_jobs(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=64).contains(&n) => Ok(n),
+        _ => Err(format!("expected 1 to 64 requests, not {s:?}")),
+    }
+}
+
+/// `N%` (0-100), a fraction in 0..=1, or `never` (infinity).
+fn parse_share(s: &str) -> Result<f64, String> {
+    let bad = || format!("expected a share such as 30% or 0.3, or never; not {s:?}");
+    if s == "never" {
+        return Ok(f64::INFINITY);
+    }
+    let v = match s.strip_suffix('%') {
+        Some(p) => p.trim().parse::<f64>().map_err(|_| bad())? / 100.0,
+        None => s.trim().parse::<f64>().map_err(|_| bad())?,
+    };
+    if !(0.0..=1.0).contains(&v) {
+        return Err(bad());
+    }
+    Ok(v)
+}
+
 /// The log filter unless SNAPCTL_LOG or RUST_LOG says otherwise: the daemon's progress
 /// (listening, each connection, traces stored) and every library's warnings.
 pub const DEFAULT_LOG: &str = "warn,lazy=info";
@@ -177,6 +221,8 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     let mut opts = LazyOptions::new(a.socket.clone().unwrap_or_default());
     opts.prefetch = a.prefetch;
     opts.prefetch_rate = a.prefetch_rate;
+    opts.stream_jobs = a.stream_jobs;
+    opts.stream_after = a.stream_after.is_finite().then_some(a.stream_after);
     opts.record_trace = a.record_trace;
     opts.retry = RetryPolicy { budget: Some(a.retry_budget), ..lazy::DEFAULT_RETRY };
     opts.memory_bytes = a.memory;
