@@ -56,6 +56,22 @@ impl<T: BlobSource + ?Sized> BlobSource for std::sync::Arc<T> {
     }
 }
 
+/// The shorter of two timed round trips to `src`: size queries of `blob` (a HEAD, for a
+/// registry). The first may pay for a fresh connection; the second, on a kept-alive one,
+/// is the round trip. `None` if the source does not answer (its reads will say why).
+/// Pull and the lazy stream size their requests in flight from it.
+pub fn round_trip(src: &dyn BlobSource, blob: &OciDigest) -> Option<std::time::Duration> {
+    let mut best: Option<std::time::Duration> = None;
+    for _ in 0..2 {
+        let t = std::time::Instant::now();
+        if src.blob_size(blob).is_err() {
+            return best;
+        }
+        best = Some(best.map_or(t.elapsed(), |b| b.min(t.elapsed())));
+    }
+    best
+}
+
 /// Stream blob `digest` (`size` bytes as stored) to `f` in pieces of at most 4 MiB, in
 /// order. The pieces are **unverified**: the caller hashes what it sees and decides.
 pub fn stream_blob_unverified<E: From<FormatError>>(

@@ -232,23 +232,11 @@ impl Fetcher {
         self.inflight.lock().expect("poisoned").contains_key(&chunk)
     }
 
-    /// The shorter of two timed round trips to the source (a size query of the pack that
-    /// holds `chunk`, as `puller::pull` times its own), or `None` for a zero chunk or a
-    /// source that does not answer (its fetches will say why). The first query may pay for
-    /// a fresh connection; the second, on a kept-alive one, is the round trip.
+    /// A timed round trip to the source ([`imgfmt::source::round_trip`] on the pack that
+    /// holds `chunk`), or `None` for a zero chunk or a source that does not answer.
     pub fn round_trip(&self, chunk: u64) -> Option<Duration> {
         let StoredAt::Pack { pack, .. } = self.image.files[self.file].chunks.get(chunk as usize)?.at else { return None };
-        let digest = &self.image.packs.get(pack as usize)?.digest;
-        let mut best: Option<Duration> = None;
-        for _ in 0..2 {
-            let t = Instant::now();
-            if let Err(e) = self.src.blob_size(digest) {
-                tracing::debug!("timing a round trip: {e}");
-                return best;
-            }
-            best = Some(best.map_or(t.elapsed(), |b| b.min(t.elapsed())));
-        }
-        best
+        imgfmt::source::round_trip(self.src.as_ref(), &self.image.packs.get(pack as usize)?.digest)
     }
 
     /// The verified bytes of a stored chunk.

@@ -86,9 +86,6 @@ const LINK_BYTES_PER_SEC: f64 = 1.25e9;
 /// Stored bytes of range requests in flight at most, whatever the RTT asks for: each holds
 /// its range in memory until its chunks are written. `jobs` requests are always allowed.
 const IN_FLIGHT_BYTES: u64 = 256 << 20;
-/// Round trips timed to measure the RTT (the smallest counts: the first may pay for a
-/// fresh connection's handshake).
-const RTT_PROBES: usize = 2;
 
 #[derive(Debug, Clone)]
 pub struct PullOptions {
@@ -685,7 +682,7 @@ fn run_workers(ctx: &Ctx<'_>, work: &[Work], opts: &PullOptions) -> (Result<(), 
             if opts.max_jobs <= jobs || ranges.len() <= jobs {
                 return (jobs, None);
             }
-            let Some(rtt) = probe_rtt(ctx.src, &ctx.image.packs[ranges[0].0 as usize].digest) else { return (jobs, None) };
+            let Some(rtt) = imgfmt::source::round_trip(ctx.src, &ctx.image.packs[ranges[0].0 as usize].digest) else { return (jobs, None) };
             let mean = ranges.iter().map(|r| r.1).sum::<u64>() / ranges.len() as u64;
             let largest = ranges.iter().map(|r| r.1).max().unwrap_or(0);
             let depth = in_flight_depth(rtt, mean, largest, jobs, opts.max_jobs);
@@ -700,21 +697,6 @@ fn run_workers(ctx: &Ctx<'_>, work: &[Work], opts: &PullOptions) -> (Result<(), 
             (depth, Some(rtt.as_secs_f64() * 1e3))
         },
     )
-}
-
-/// The smallest of [`RTT_PROBES`] timed round trips to `src` (a HEAD of `pack` for a
-/// registry); `None` if the source does not answer (the fetch will say why).
-fn probe_rtt(src: &dyn BlobSource, pack: &imgfmt::OciDigest) -> Option<Duration> {
-    let mut best: Option<Duration> = None;
-    for _ in 0..RTT_PROBES {
-        let t = Instant::now();
-        if let Err(e) = src.blob_size(pack) {
-            tracing::debug!("timing a round trip: {e}");
-            return best;
-        }
-        best = Some(best.map_or(t.elapsed(), |b| b.min(t.elapsed())));
-    }
-    best
 }
 
 /// Range requests to keep in flight so that a [`LINK_BYTES_PER_SEC`] link stays busy at
