@@ -11,8 +11,8 @@
 #
 # Options: --runs N  --size SIZE  --rtts "0 2 20 50" (ms)  --rates "0 1gbit 200mbit"
 #          --pct P (5)  --all (also --prefetch all --prefetch-rate 0, scattered)  --tag NAME
-#          --keep  --only pull (pull and the curl calibration only, no lazy restores: what
-#          `pull` gets of the link)  --window SIZE (netem_proxy's per-connection window,
+#          --keep  --only pull (pull, verify and the curl calibration only, no lazy
+#          restores: what `pull` and `verify` get of the link)  --window SIZE (netem_proxy's per-connection window,
 #          its default 16MiB)  --pull-args "ARGS" (extra `snapctl pull` flags, e.g.
 #          "--jobs 16")
 #          --slice-faults on|off (passed to every `snapctl lazy`; default: its own)
@@ -25,6 +25,7 @@
 # the command's own) and a fresh, empty chunk cache (cold):
 #   pull        `snapctl pull REF DIR --cache FRESH`: wall time; % of the cap achieved
 #               (bytes through the proxy x 8 / time / cap)
+#   verify      `snapctl verify REF`: every stored chunk read and hashed; the same % of cap
 #   clustered   `snapctl lazy REF --once` (--prefetch: see above), fake_vmm touching P% of
 #               the pages in runs of 64 contiguous pages (256 KiB) at random offsets
 #   scattered   the same with P% of the pages scattered singly, and --record-trace (the
@@ -192,6 +193,21 @@ pull_once() {
   rm -rf "$W/pulled" "$W/cache"
 }
 
+# verify_once SETTING RUN RTT RATE: `snapctl verify REF` (every stored chunk read and
+# hashed, nothing written) through a fresh proxy: how much of the link an audit uses.
+verify_once() {
+  local setting=$1 run=$2 rtt=$3 rate=$4
+  start_net "$rtt" "$rate"
+  sync; warm_memory "$WARM_BYTES"
+  local t0; t0=$(now)
+  "$SNAPCTL" verify "$NET_ADDR/bench/vm:v1" --json >"$W/verify.json" 2>"$W/verify.log" \
+    || { echo "wan.sh: verify failed: $(tail -5 "$W/verify.log")" >&2; exit 2; }
+  local secs; secs=$(since "$t0")
+  stop_net
+  record setting="$setting" rtt_ms="$rtt" rate="$rate" path=verify run="$run" seconds="$secs" bytes_down="$(jq .bytes_down <<<"$NET_STATS")"
+  log "  verify: $secs s, $(jq .bytes_down <<<"$NET_STATS") B through the proxy"
+}
+
 # lazy_once SETTING RUN RTT RATE PATH TOUCH_ARGS LAZY_ARGS [CACHE]: one restore through a
 # fresh proxy. TOUCH_ARGS / LAZY_ARGS are space-separated word lists. CACHE: cold (an empty
 # chunk cache, removed after; the default), fill (empty, kept for the next), warm (the one
@@ -259,6 +275,7 @@ for rtt in $RTTS; do
       log "RTT $rtt ms, cap $rate: run $run/$RUNS"
       pull_once "$setting" "$run" "$rtt" "$rate"
       if [ "$rtt" = 0 ] && [ "$rate" = 0 ]; then pull_once "$setting" "$run" 0 0 direct; fi
+      verify_once "$setting" "$run" "$rtt" "$rate"
       [ "$ONLY" = pull ] && continue
       # A repository of this run's own: no trace from an earlier run (untimed push).
       repo=bench/r$((++REPOS))
@@ -291,8 +308,8 @@ def rate_bps(r):
         if r.endswith(s):
             return float(r[: -len(s)]) * m
     return float(r) or None
-order = ["calibration", "pull", "pull_direct", "clustered", "scattered", "warm", "replay", "all"]
-label = {"calibration": "`curl` of the largest pack (the proxy's ceiling)", "pull": "`snapctl pull`", "pull_direct": "`snapctl pull`, no proxy",
+order = ["calibration", "pull", "pull_direct", "verify", "clustered", "scattered", "warm", "replay", "all"]
+label = {"calibration": "`curl` of the largest pack (the proxy's ceiling)", "pull": "`snapctl pull`", "pull_direct": "`snapctl pull`, no proxy", "verify": "`snapctl verify` (reads every stored chunk)",
          "clustered": "lazy, clustered (runs of 64 pages)", "scattered": "lazy, scattered (records a trace)",
          "warm": "lazy, scattered again, warm chunk cache", "replay": "lazy, scattered again, cold, `--prefetch trace`",
          "all": "lazy, scattered, `--prefetch all --prefetch-rate 0`"}
@@ -316,9 +333,9 @@ for s in settings:
         cap = rate_bps(rate)
         ratio = f(t / pull_t) + "x" if pull_t and p not in ("pull", "calibration") else ""
         pct = ""
-        if p in ("pull", "calibration") and cap:
+        if p in ("pull", "calibration", "verify") and cap:
             pct = f(100 * med([r["bytes_down"] * 8 / r["seconds"] / cap for r in pr]), 0) + "%"
-        if p.startswith("pull") or p == "calibration":
+        if p.startswith("pull") or p in ("calibration", "verify"):
             touch = fault = per = ""
         else:
             touch = f"{ms(med([r['touch_p50_us'] for r in pr]))} / {ms(med([r['touch_p99_us'] for r in pr]))}"
@@ -326,7 +343,7 @@ for s in settings:
             per = f(med([r["bytes_down"] / (r["pages"] * 4096) for r in pr]), 1)
         print(f"| {rtt} ms | {'none' if not cap else rate} | {label[p]} | **{f(t)}** | {ratio} | {pct} | {touch} | {fault} | {per} | {', '.join(f(r['seconds']) for r in pr)} |")
 print()
-lz = [r for r in runs if r["path"] not in ("pull", "pull_direct", "calibration")]
+lz = [r for r in runs if r["path"] not in ("pull", "pull_direct", "calibration", "verify")]
 if lz:
     pages = lz[0]["pages"]
     parts = []

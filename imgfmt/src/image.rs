@@ -279,8 +279,8 @@ impl Image {
 /// A chain link's outboard as read: none listed, the outboard, or why it could not be read.
 pub type LinkOutboard = Result<Option<Arc<Outboard>>, FormatError>;
 
-/// Threads fetching a chain's configs and indexes at once.
-const PREFETCH_THREADS: usize = 8;
+/// Threads fetching a chain's configs, indexes and outboards at once.
+const PREFETCH_THREADS: usize = crate::source::SMALL_READS_IN_FLIGHT;
 
 /// The configs and indexes a layer's manifest lists as its ancestors' (owner `parent`,
 /// `parent.parent`, …), fetched in parallel and checked against their digests. Reading a

@@ -56,6 +56,12 @@ impl<T: BlobSource + ?Sized> BlobSource for std::sync::Arc<T> {
     }
 }
 
+/// Small reads (configs, indexes, outboards, pack sizes) a reader keeps in flight at once.
+/// Each costs a round trip and few bytes, so what bounds them is latency: at 8 a chain of
+/// 64 ancestors at 20 ms RTT paid ~0.75 s of round trips in a verify (bench/chain.sh
+/// --rtt 20); at 32 it pays 2 per kind of blob.
+pub const SMALL_READS_IN_FLIGHT: usize = 32;
+
 /// The shorter of two timed round trips to `src`: size queries of `blob` (a HEAD, for a
 /// registry). The first may pay for a fresh connection; the second, on a kept-alive one,
 /// is the round trip. `None` if the source does not answer (its reads will say why).

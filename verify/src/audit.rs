@@ -553,7 +553,7 @@ fn audit_outboard(link: &ChainLink, ob: LinkOutboard, who: &str, shift: u8, repo
 }
 
 /// Pack sizes asked for at once (latency-bound: round trips, not CPU).
-const STAT_THREADS: usize = 8;
+const STAT_THREADS: usize = imgfmt::source::SMALL_READS_IN_FLIGHT;
 
 /// Run `f(i, scratch)` for every `i < n` on `threads` threads, each thread taking the next
 /// index as it finishes one (chunks differ in cost) and keeping its own scratch buffer.
