@@ -623,22 +623,13 @@ mod tests {
         reads: Mutex<BTreeMap<OciDigest, usize>>,
     }
 
-    impl BlobSource for Counting<'_> {
-        fn describe(&self) -> String {
-            self.inner.describe()
-        }
-        fn resolve_tag(&self, tag: &str) -> Result<OciDigest, FormatError> {
-            self.inner.resolve_tag(tag)
+    impl crate::source::Forward for Counting<'_> {
+        fn inner(&self) -> &dyn BlobSource {
+            self.inner
         }
         fn read_blob_unverified(&self, d: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
             *self.reads.lock().unwrap().entry(d.clone()).or_default() += 1;
             self.inner.read_blob_unverified(d, limit)
-        }
-        fn blob_size(&self, d: &OciDigest) -> Result<u64, FormatError> {
-            self.inner.blob_size(d)
-        }
-        fn read_at_unverified(&self, d: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
-            self.inner.read_at_unverified(d, offset, buf)
         }
     }
 

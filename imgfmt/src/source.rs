@@ -56,6 +56,57 @@ impl<T: BlobSource + ?Sized> BlobSource for std::sync::Arc<T> {
     }
 }
 
+/// A source that wraps another and changes only some of its calls: counting, delaying,
+/// failing or corrupting reads (fault injection in tests, byte counts in copies). Every
+/// method not written forwards to [`Forward::inner`], except `read_range_unverified`,
+/// which by default goes through the wrapper's own `read_at_unverified`, so a wrapper that
+/// intercepts that sees every ranged read. Implementing `Forward` makes a `BlobSource`.
+pub trait Forward: Send + Sync {
+    /// The wrapped source.
+    fn inner(&self) -> &dyn BlobSource;
+    fn describe(&self) -> String {
+        self.inner().describe()
+    }
+    fn resolve_tag(&self, tag: &str) -> Result<OciDigest, FormatError> {
+        self.inner().resolve_tag(tag)
+    }
+    fn read_blob_unverified(&self, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
+        self.inner().read_blob_unverified(digest, limit)
+    }
+    fn blob_size(&self, digest: &OciDigest) -> Result<u64, FormatError> {
+        self.inner().blob_size(digest)
+    }
+    fn read_at_unverified(&self, digest: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+        self.inner().read_at_unverified(digest, offset, buf)
+    }
+    fn read_range_unverified(&self, digest: &OciDigest, offset: u64, len: usize) -> Result<bytes::Bytes, FormatError> {
+        let mut buf = vec![0u8; len];
+        Forward::read_at_unverified(self, digest, offset, &mut buf)?;
+        Ok(buf.into())
+    }
+}
+
+impl<T: Forward> BlobSource for T {
+    fn describe(&self) -> String {
+        Forward::describe(self)
+    }
+    fn resolve_tag(&self, tag: &str) -> Result<OciDigest, FormatError> {
+        Forward::resolve_tag(self, tag)
+    }
+    fn read_blob_unverified(&self, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
+        Forward::read_blob_unverified(self, digest, limit)
+    }
+    fn blob_size(&self, digest: &OciDigest) -> Result<u64, FormatError> {
+        Forward::blob_size(self, digest)
+    }
+    fn read_at_unverified(&self, digest: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+        Forward::read_at_unverified(self, digest, offset, buf)
+    }
+    fn read_range_unverified(&self, digest: &OciDigest, offset: u64, len: usize) -> Result<bytes::Bytes, FormatError> {
+        Forward::read_range_unverified(self, digest, offset, len)
+    }
+}
+
 /// Small reads (configs, indexes, outboards, pack sizes) a reader keeps in flight at once.
 /// Each costs a round trip and few bytes, so what bounds them is latency: at 8 a chain of
 /// 64 ancestors at 20 ms RTT paid ~0.75 s of round trips in a verify (bench/chain.sh

@@ -429,18 +429,12 @@ pub(crate) mod tests {
         pub corrupt: std::sync::atomic::AtomicBool,
         pub delay: Duration,
     }
-    impl BlobSource for Flaky {
+    impl imgfmt::source::Forward for Flaky {
+        fn inner(&self) -> &dyn BlobSource {
+            self.inner.as_ref()
+        }
         fn describe(&self) -> String {
             "flaky".into()
-        }
-        fn resolve_tag(&self, t: &str) -> Result<OciDigest, FormatError> {
-            self.inner.resolve_tag(t)
-        }
-        fn read_blob_unverified(&self, d: &OciDigest, l: u64) -> Result<Vec<u8>, FormatError> {
-            self.inner.read_blob_unverified(d, l)
-        }
-        fn blob_size(&self, d: &OciDigest) -> Result<u64, FormatError> {
-            self.inner.blob_size(d)
         }
         fn read_at_unverified(&self, d: &OciDigest, o: u64, buf: &mut [u8]) -> Result<(), FormatError> {
             self.reads.fetch_add(1, Ordering::SeqCst);
@@ -534,18 +528,12 @@ pub(crate) mod tests {
         err: fn() -> FormatError,
         reads: AtomicU64,
     }
-    impl BlobSource for Answers {
+    impl imgfmt::source::Forward for Answers {
+        fn inner(&self) -> &dyn BlobSource {
+            &self.inner
+        }
         fn describe(&self) -> String {
             "answers".into()
-        }
-        fn resolve_tag(&self, t: &str) -> Result<OciDigest, FormatError> {
-            self.inner.resolve_tag(t)
-        }
-        fn read_blob_unverified(&self, d: &OciDigest, l: u64) -> Result<Vec<u8>, FormatError> {
-            self.inner.read_blob_unverified(d, l)
-        }
-        fn blob_size(&self, d: &OciDigest) -> Result<u64, FormatError> {
-            self.inner.blob_size(d)
         }
         fn read_at_unverified(&self, _: &OciDigest, _: u64, _: &mut [u8]) -> Result<(), FormatError> {
             self.reads.fetch_add(1, Ordering::SeqCst);

@@ -499,15 +499,12 @@ impl Gauge {
     }
 }
 
-impl imgfmt::BlobSource for Gauge {
+impl imgfmt::source::Forward for Gauge {
+    fn inner(&self) -> &dyn imgfmt::BlobSource {
+        &self.inner
+    }
     fn describe(&self) -> String {
         "gauge".into()
-    }
-    fn resolve_tag(&self, t: &str) -> Result<imgfmt::OciDigest, imgfmt::FormatError> {
-        self.inner.resolve_tag(t)
-    }
-    fn read_blob_unverified(&self, d: &imgfmt::OciDigest, l: u64) -> Result<Vec<u8>, imgfmt::FormatError> {
-        self.inner.read_blob_unverified(d, l)
     }
     fn blob_size(&self, d: &imgfmt::OciDigest) -> Result<u64, imgfmt::FormatError> {
         std::thread::sleep(self.delay);

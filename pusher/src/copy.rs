@@ -135,20 +135,14 @@ struct Counting<'a> {
     n: AtomicU64,
 }
 
-impl BlobSource for Counting<'_> {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    fn resolve_tag(&self, tag: &str) -> Result<OciDigest, FormatError> {
-        self.inner.resolve_tag(tag)
+impl imgfmt::source::Forward for Counting<'_> {
+    fn inner(&self) -> &dyn BlobSource {
+        self.inner
     }
     fn read_blob_unverified(&self, d: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
         let b = self.inner.read_blob_unverified(d, limit)?;
         self.n.fetch_add(b.len() as u64, Relaxed);
         Ok(b)
-    }
-    fn blob_size(&self, d: &OciDigest) -> Result<u64, FormatError> {
-        self.inner.blob_size(d)
     }
     fn read_at_unverified(&self, d: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
         self.inner.read_at_unverified(d, offset, buf)?;
@@ -398,18 +392,12 @@ mod tests {
         inner: OciLayout,
         bad: OciDigest,
     }
-    impl BlobSource for Lying {
+    impl imgfmt::source::Forward for Lying {
+        fn inner(&self) -> &dyn BlobSource {
+            &self.inner
+        }
         fn describe(&self) -> String {
             "lying".into()
-        }
-        fn resolve_tag(&self, t: &str) -> Result<OciDigest, FormatError> {
-            self.inner.resolve_tag(t)
-        }
-        fn read_blob_unverified(&self, d: &OciDigest, l: u64) -> Result<Vec<u8>, FormatError> {
-            self.inner.read_blob_unverified(d, l)
-        }
-        fn blob_size(&self, d: &OciDigest) -> Result<u64, FormatError> {
-            self.inner.blob_size(d)
         }
         fn read_at_unverified(&self, d: &OciDigest, o: u64, b: &mut [u8]) -> Result<(), FormatError> {
             self.inner.read_at_unverified(d, o, b)?;

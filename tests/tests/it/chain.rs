@@ -279,19 +279,13 @@ impl<'a> SlowReads<'a> {
     }
 }
 
-impl BlobSource for SlowReads<'_> {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    fn resolve_tag(&self, tag: &str) -> Result<imgfmt::OciDigest, imgfmt::FormatError> {
-        self.inner.resolve_tag(tag)
+impl imgfmt::source::Forward for SlowReads<'_> {
+    fn inner(&self) -> &dyn BlobSource {
+        self.inner
     }
     fn read_blob_unverified(&self, digest: &imgfmt::OciDigest, limit: u64) -> Result<Vec<u8>, imgfmt::FormatError> {
         self.wait(digest);
         self.inner.read_blob_unverified(digest, limit)
-    }
-    fn blob_size(&self, digest: &imgfmt::OciDigest) -> Result<u64, imgfmt::FormatError> {
-        self.inner.blob_size(digest)
     }
     fn read_at_unverified(&self, digest: &imgfmt::OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), imgfmt::FormatError> {
         self.wait(digest);
