@@ -145,6 +145,10 @@ pub struct RegistrySource {
     writing: AtomicBool,
     /// Digests known to name manifests (they are fetched from `/manifests/`).
     manifests: Mutex<HashSet<OciDigest>>,
+    /// The manifest the last tag resolved to, as it arrived: opening the image reads it
+    /// next, and a second GET of the same bytes cost a round trip (of the ~6 an open
+    /// takes before the first chunk). Content-addressed, so it can never be stale.
+    resolved: Mutex<Option<(OciDigest, Vec<u8>)>>,
     /// When a transient failure is tried again (every request, and the rest of a body
     /// cut short).
     retry: RetryPolicy,
@@ -197,6 +201,7 @@ impl RegistrySource {
             scopes: Mutex::new(BTreeSet::new()),
             writing: AtomicBool::new(false),
             manifests: Mutex::new(HashSet::new()),
+            resolved: Mutex::new(None),
             retry: RetryPolicy::default(),
         })
     }
@@ -571,10 +576,17 @@ impl BlobSource for RegistrySource {
             }
         }
         self.manifests.lock().expect("poisoned").insert(d.clone());
+        *self.resolved.lock().expect("poisoned") = Some((d.clone(), body));
         Ok(d)
     }
 
     fn read_blob_unverified(&self, d: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
+        if let Some((_, b)) = self.resolved.lock().expect("poisoned").as_ref().filter(|(r, _)| r == d) {
+            if b.len() as u64 > limit {
+                return Err(FormatError::TooLarge { what: "blob size", got: b.len() as u64, limit });
+            }
+            return Ok(b.clone());
+        }
         let as_manifest = self.manifests.lock().expect("poisoned").contains(d);
         let order: [&str; 2] = if as_manifest { ["manifests", "blobs"] } else { ["blobs", "manifests"] };
         for kind in order {
@@ -893,6 +905,30 @@ mod tests {
         seen.lock().unwrap().clear();
         let e = c.resolve_tag("bad").unwrap_err();
         assert_eq!((e.kind(), seen.lock().unwrap().len()), (imgfmt::ErrorKind::Refused, 1), "{e}");
+    }
+
+    /// Opening an image by tag read its manifest twice: once to resolve the tag, once by
+    /// digest, a round trip each (issue 16: ~6 sequential round trips before the first
+    /// chunk). The bytes the tag resolved to now serve the read by digest.
+    #[test]
+    fn regression_issue_16_a_resolved_manifest_is_not_fetched_again() {
+        let manifest = r#"{"schemaVersion":2}"#;
+        let (registry, seen) = canned(move |_, t, _| {
+            if t.ends_with("/manifests/v1") {
+                (200, "Content-Type: application/vnd.oci.image.manifest.v1+json\r\n".into(), manifest.into())
+            } else {
+                (404, String::new(), String::new())
+            }
+        });
+        let c = RegistrySource::new(&registry, "vm/x", true, None).unwrap();
+        let d = c.resolve_tag("v1").unwrap();
+        assert_eq!(d, OciDigest::of(manifest.as_bytes()));
+        assert_eq!(c.read_blob_unverified(&d, 1 << 20).unwrap(), manifest.as_bytes());
+        assert_eq!(seen.lock().unwrap().len(), 1, "one GET: {:?}", seen.lock().unwrap());
+        // The limit still holds, and another digest still goes to the registry.
+        assert_eq!(c.read_blob_unverified(&d, 4).unwrap_err().kind(), imgfmt::ErrorKind::Integrity);
+        assert!(c.read_blob_unverified(&OciDigest::of(b"other"), 1 << 20).is_err());
+        assert!(seen.lock().unwrap().len() > 1);
     }
 
     #[test]

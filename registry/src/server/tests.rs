@@ -136,6 +136,15 @@ async fn regression_issue_13_accepted_connections_have_tcp_nodelay() {
     let c = Client::new();
     let d = push_blob(&c, &s, "r", br#"{"a small config": true}"#).await;
     assert_eq!(c.get(s.u(&format!("/v2/r/blobs/{d}"))).send().await.unwrap().status(), StatusCode::OK);
+    // A connection of our own, held open while we look: the client's pooled ones may
+    // already be closed (about one run in eight found none).
+    let mut held = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        held.write_all(b"GET /v2/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").await.unwrap();
+        let mut buf = [0u8; 512];
+        assert!(held.read(&mut buf).await.unwrap() > 0, "an answer on the held connection");
+    }
     // The server runs in this process: find its accepted sockets among our descriptors
     // (local port = the server's, with a peer; the listener has none).
     let mut accepted = Vec::new();
@@ -165,6 +174,7 @@ async fn regression_issue_13_accepted_connections_have_tcp_nodelay() {
     }
     assert!(!accepted.is_empty(), "found no accepted connection on port {port}");
     assert!(accepted.iter().all(|v| *v != 0), "TCP_NODELAY per accepted connection: {accepted:?}");
+    drop(held);
 }
 
 #[tokio::test]
