@@ -107,6 +107,32 @@ impl<T: Forward> BlobSource for T {
     }
 }
 
+/// Stored pieces, sorted by blob and offset, cut into runs each read with one range
+/// request. A run grows while the next piece is in the same blob, starts at most `max_gap`
+/// bytes past the run's end (a gap small enough to read through), and keeps the run within
+/// `max_range` bytes; a piece longer than that is a run of its own. `span` gives a piece's
+/// blob number and byte range. Pull (gaps allowed) and verify's audit (none) share it.
+pub fn coalesce_ranges<T>(items: &[T], span: impl Fn(&T) -> (u32, u64, u64), max_gap: u64, max_range: u64) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut run: Option<(usize, u32, u64, u64)> = None; // first item, blob, start, end
+    for (i, item) in items.iter().enumerate() {
+        let (blob, s, e) = span(item);
+        if let Some((first, rblob, start, end)) = &mut run {
+            // Sorted by offset, so `s >= start`.
+            if *rblob == blob && s <= end.saturating_add(max_gap) && e.max(*end) - *start <= max_range {
+                *end = e.max(*end);
+                continue;
+            }
+            out.push(*first..i);
+        }
+        run = Some((i, blob, s, e));
+    }
+    if let Some((first, ..)) = run {
+        out.push(first..items.len());
+    }
+    out
+}
+
 /// Small reads (configs, indexes, outboards, pack sizes) a reader keeps in flight at once.
 /// Each costs a round trip and few bytes, so what bounds them is latency: at 8 a chain of
 /// 64 ancestors at 20 ms RTT paid ~0.75 s of round trips in a verify (bench/chain.sh
@@ -188,6 +214,20 @@ mod tests {
         fn read_range_unverified(&self, _: &OciDigest, _: u64, len: usize) -> Result<bytes::Bytes, FormatError> {
             Ok(vec![b'r'; len].into())
         }
+    }
+
+    #[test]
+    fn pieces_coalesce_into_runs_within_their_blob_gap_and_bound() {
+        // (blob, start, end)
+        let p = [(0u32, 0u64, 10u64), (0, 10, 20), (0, 25, 30), (0, 30, 100), (1, 100, 110), (1, 110, 300), (1, 300, 310)];
+        let span = |x: &(u32, u64, u64)| *x;
+        // No gap: 0..2 back to back; 25 is past 20; 30..100 would pass 40 from 25; blob 1:
+        // 110..300 alone is longer than the bound.
+        assert_eq!(coalesce_ranges(&p, span, 0, 40), vec![0..2, 2..3, 3..4, 4..5, 5..6, 6..7]);
+        // A gap of 5 is read through; the bound still cuts.
+        assert_eq!(coalesce_ranges(&p, span, 5, 40), vec![0..3, 3..4, 4..5, 5..6, 6..7]);
+        assert_eq!(coalesce_ranges(&p, span, 5, 1000), vec![0..4, 4..7]);
+        assert!(coalesce_ranges(&[] as &[(u32, u64, u64)], span, 0, 1).is_empty());
     }
 
     #[test]

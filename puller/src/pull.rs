@@ -819,28 +819,16 @@ fn has_data(file: &File, start: u64, end: u64) -> std::io::Result<bool> {
 /// `max_range` stored bytes, joining neighbours separated by at most [`MAX_GAP`].
 fn coalesce(distinct: &[Distinct], mut misses: Vec<usize>, max_range: u64) -> Vec<Work> {
     misses.sort_by_key(|&i| (distinct[i].pack, distinct[i].offset));
-    let mut out = Vec::new();
-    let mut cur: Option<(u32, u64, u64, Vec<usize>)> = None;
-    for i in misses {
-        let d = &distinct[i];
-        let (s, e) = (d.offset, d.offset + d.stored_len as u64);
-        if let Some((pack, start, end, members)) = &mut cur {
-            // Sorted by offset, so `s >= start`; a range only grows while it stays within
-            // the bound, and only across a gap small enough to be worth reading through.
-            if *pack == d.pack && s <= *end + MAX_GAP && e.max(*end) - *start <= max_range {
-                *end = e.max(*end);
-                members.push(i);
-                continue;
-            }
-            let (pack, start, end, members) = cur.take().expect("some");
-            out.push(Work::Range { pack, start, end, members });
-        }
-        cur = Some((d.pack, s, e, vec![i]));
-    }
-    if let Some((pack, start, end, members)) = cur {
-        out.push(Work::Range { pack, start, end, members });
-    }
-    out
+    let span = |&i: &usize| (distinct[i].pack, distinct[i].offset, distinct[i].offset + distinct[i].stored_len as u64);
+    imgfmt::source::coalesce_ranges(&misses, span, MAX_GAP, max_range)
+        .into_iter()
+        .map(|r| {
+            let members = misses[r].to_vec();
+            let (pack, start, _) = span(&members[0]);
+            let end = members.iter().map(|i| span(i).2).max().expect("a run has members");
+            Work::Range { pack, start, end, members }
+        })
+        .collect()
 }
 
 #[derive(Default)]

@@ -124,24 +124,6 @@ impl Default for AuditOptions {
     }
 }
 
-/// `work` (sorted by pack and offset) cut into runs of chunks that lie back to back in
-/// one pack, each at most `max_range` stored bytes (a longer chunk is a run of its own).
-fn ranges_of(work: &[Work], max_range: u64) -> Vec<std::ops::Range<usize>> {
-    let mut out = Vec::new();
-    let mut start = 0;
-    for i in 1..=work.len() {
-        let split = i == work.len() || {
-            let (first, prev, w) = (&work[start], &work[i - 1], &work[i]);
-            w.pack != prev.pack || w.at != prev.at + prev.stored_len as u64 || w.at + w.stored_len as u64 - first.at > max_range
-        };
-        if split {
-            out.push(start..i);
-            start = i;
-        }
-    }
-    out
-}
-
 /// Failures an audit lists; more are counted in [`AuditReport::failures_unlisted`]. A
 /// hostile image can make every one of its 4 M chunks fail, and a listed failure costs a
 /// few hundred bytes (issue 14): the first thousand say what is wrong as well.
@@ -447,7 +429,9 @@ fn audit_chunks(src: &dyn BlobSource, image: &Image, work: &[Work], bad_packs: &
                 }
             });
         }
-        let ranges = ranges_of(work, opts.max_range);
+        // Back to back only (no gap read through): a pack's bytes no chunk uses are not
+        // the audit's to fetch.
+        let ranges = imgfmt::source::coalesce_ranges(work, |w| (w.pack, w.at, w.at + w.stored_len as u64), 0, opts.max_range);
         for_each_index(ranges.len(), opts.threads.max(opts.in_flight).min(ranges.len()).max(1), |r, _| {
             let run = &work[ranges[r].clone()];
             let (first, last) = (&run[0], &run[run.len() - 1]);
