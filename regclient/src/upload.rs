@@ -167,10 +167,9 @@ struct Upload<'a> {
     /// A save of the state failed and was said: said once per blob, as the state is saved
     /// after every piece and a directory that refuses one write refuses them all.
     save_failed: bool,
-    /// Consecutive transient failures (progress resets the count).
-    failures: u32,
-    /// When the upload began: the retry policy's budget, if it has one, runs from here.
-    started: std::time::Instant,
+    /// Consecutive transient failures under the client's policy (progress resets the
+    /// count; a budget, if the policy has one, runs from the upload's start).
+    retry: imgfmt::retry::Retry,
     out: Uploaded,
 }
 
@@ -234,9 +233,8 @@ impl Upload<'_> {
     /// Count a transient failure; give up (keeping the state file) after the client's
     /// retries.
     fn failed(&mut self, message: String, retry_after: Option<Duration>) -> Result<(), ClientError> {
-        self.failures += 1;
-        let Some(wait) = self.reg.retry.next_wait(self.failures, self.started.elapsed(), retry_after) else {
-            return Err(ClientError::RetriesExhausted { what: self.what.clone(), attempts: self.failures, last: message });
+        let Some(wait) = self.retry.failed(retry_after) else {
+            return Err(ClientError::RetriesExhausted { what: self.what.clone(), attempts: self.retry.failures(), last: message });
         };
         tracing::debug!("{}: {message}; retrying", self.what);
         std::thread::sleep(wait);
@@ -278,7 +276,7 @@ impl Upload<'_> {
                         self.prefix.advance_to(s.offset, &mut self.buf)?;
                     }
                     (self.progress)(piece);
-                    self.failures = 0;
+                    self.retry.progressed();
                     self.save(s);
                 }
                 Attempt::Done(resp) if resp.status().as_u16() == 416 || resp.status().as_u16() == 404 => {
@@ -493,8 +491,7 @@ impl RegistrySource {
             prefix: Prefix { src, digest: d, hasher: (!opts.source_hashed).then(|| OciHasher::for_digest(d)), upto: 0 },
             what: format!("uploading {d} to {}", self.describe()),
             save_failed: false,
-            failures: 0,
-            started: std::time::Instant::now(),
+            retry: self.retry.start(),
             out: Uploaded::default(),
         };
         let mut session = up.resume_saved()?;
