@@ -749,6 +749,7 @@ impl CriuDaemon {
         let counters = Arc::new(Counters::default());
         let mut conn = Conn::new(pid, uffd, map, fetcher, counters.clone(), self.counters.clone(), false);
         conn.outside = outside;
+        conn.slice_faults = self.opts.slice_faults;
         self.launch(conn, counters, layout, error, t0, None)
     }
 

@@ -221,6 +221,11 @@ impl Fetcher {
         }
     }
 
+    /// Where chunks are read from (the working-set replay reads its blob there too).
+    pub fn source(&self) -> Arc<dyn BlobSource> {
+        self.src.clone()
+    }
+
     /// Whether a chunk is in recent memory (a `get` would not wait).
     pub fn has_recent(&self, chunk: u64) -> bool {
         self.recent.lock().expect("poisoned").map.contains_key(&chunk)

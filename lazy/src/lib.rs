@@ -32,6 +32,7 @@ pub mod pagemap;
 pub mod prefetch;
 pub mod stats;
 mod uffd;
+pub mod workingset;
 
 use std::os::fd::{FromRawFd, IntoRawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -82,6 +83,10 @@ pub struct LazyOptions {
     /// never.
     pub stream_after: Option<f64>,
     pub record_trace: bool,
+    /// Serve a chunk's first misses by verified slice where its outboard allows
+    /// (spec/lazy.md "Slice faults"); off: whole chunks. The outboards must be loaded
+    /// either way for working sets to be recorded and replayed.
+    pub slice_faults: bool,
     pub retry: RetryPolicy,
     /// Recently used chunks kept in memory, in bytes.
     pub memory_bytes: u64,
@@ -104,6 +109,7 @@ impl LazyOptions {
             stream_jobs: prefetch::DEFAULT_STREAM_JOBS,
             stream_after: Some(prefetch::DEFAULT_STREAM_AFTER),
             record_trace: false,
+            slice_faults: false,
             retry: fetch::DEFAULT_RETRY,
             memory_bytes: 256 << 20,
             once: false,
@@ -154,7 +160,13 @@ impl Daemon {
             },
             _ => None,
         };
-        let fetcher = Arc::new(fetch::Fetcher::new(image, file, src, store, opts.retry, opts.memory_bytes));
+        let mut memory = opts.memory_bytes;
+        if opts.record_trace {
+            // Recording installs the guest's pages one fault at a time, each from its chunk
+            // in recent memory: every data chunk the guest touches must stay there.
+            memory = memory.max(image.files[file].chunks.iter().filter(|c| !matches!(c.at, imgfmt::StoredAt::Zero)).map(|c| u64::from(c.len)).sum());
+        }
+        let fetcher = Arc::new(fetch::Fetcher::new(image, file, src, store, opts.retry, memory));
         Ok(Arc::new(Daemon {
             fetcher,
             opts,
@@ -309,7 +321,9 @@ impl Daemon {
         tracing::info!("pid {}: {} region(s), {} of {}", hs.pid, regions.len(), imgfmt::size::human(total_bytes), file.name);
         let map = MemoryMap { regions, file_size: file.size, chunk_shift: image.chunk_shift() };
         let counters = Arc::new(Counters::default());
-        let conn = Arc::new(Conn::new(hs.pid, uffd, map, self.fetcher.clone(), counters.clone(), self.counters.clone(), self.opts.record_trace));
+        let mut conn = Conn::new(hs.pid, uffd, map, self.fetcher.clone(), counters.clone(), self.counters.clone(), self.opts.record_trace);
+        conn.slice_faults = self.opts.slice_faults;
+        let conn = Arc::new(conn);
         {
             let mut cs = self.conns.lock().expect("poisoned");
             cs.retain(|w| w.strong_count() > 0);
@@ -318,7 +332,18 @@ impl Daemon {
         self.active.fetch_add(1, Ordering::Relaxed);
         self.total.fetch_add(1, Ordering::Relaxed);
 
-        let (mut order, traced) = prefetch::stream_order(self.opts.prefetch, self.trace.lock().expect("poisoned").as_ref(), &image, self.fetcher.file);
+        let trace = self.trace.lock().expect("poisoned").clone();
+        // A recorded working set replaces the trace's chunk order: it holds what the guest
+        // touched, by slice, where the chunk order of a scattered guest is nearly every chunk.
+        let plan = match (self.opts.prefetch, &trace) {
+            (PrefetchMode::Trace | PrefetchMode::All, Some(t)) => workingset::Plan::new(&image, self.fetcher.file, t).unwrap_or_else(|e| {
+                tracing::warn!("pid {}: ignoring the trace's working set: {e}", hs.pid);
+                None
+            }),
+            _ => None,
+        };
+        let chunk_trace = if plan.is_some() { None } else { trace.as_ref() };
+        let (mut order, traced) = prefetch::stream_order(self.opts.prefetch, chunk_trace, &image, self.fetcher.file);
         match (self.opts.prefetch, self.opts.stream_after) {
             (PrefetchMode::All, _) => conn.start_stream(),
             (PrefetchMode::Trace, Some(f)) => *conn.detector.lock().expect("poisoned") = Some(prefetch::Detector::new(&image, self.fetcher.file, f)),
@@ -330,6 +355,11 @@ impl Daemon {
             let (c, s, rate, jobs) = (conn.clone(), stop_prefetch.clone(), self.opts.prefetch_rate, self.opts.stream_jobs);
             std::thread::Builder::new().name("lazy-prefetch".into()).spawn(move || prefetch::run(c, order, traced, jobs, rate, s))
         });
+        let replayer = plan.map(|p| {
+            tracing::info!("pid {}: replaying a working set of {} slices", hs.pid, p.slices());
+            let (c, s, src) = (conn.clone(), stop_prefetch.clone(), self.fetcher.source());
+            std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || workingset::replay(c, p, src, s))
+        });
         let ended = conn.run(stream, &self.stop);
         conn.gone.store(true, Ordering::Relaxed);
         stop_prefetch.store(true, Ordering::Relaxed);
@@ -337,21 +367,40 @@ impl Daemon {
         if let Some(Ok(h)) = prefetcher {
             stream_run = h.join().unwrap_or_default();
         }
+        let mut replayed = None;
+        if let Some(Ok(h)) = replayer {
+            replayed = h.join().ok().flatten();
+        }
         self.active.fetch_sub(1, Ordering::Relaxed);
         let mut report = ConnReport::from_counters(hs.pid, &counters, t0.elapsed().as_secs_f64(), ended);
         report.stream_depth = stream_run.depth as u64;
         report.stream_rtt_ms = stream_run.rtt.map(|d| d.as_secs_f64() * 1e3);
+        report.working_set_s = replayed.map(|d| d.as_secs_f64());
         report.stream_started_s = match conn.stream_started_us.load(Ordering::Relaxed) {
             0 => None,
             us => Some((us - 1) as f64 / 1e6),
         };
         if self.opts.record_trace {
-            let chunks = std::mem::take(&mut conn.state.lock().expect("poisoned").trace);
-            let t = Trace::new(&file.name, 1 << image.chunk_shift(), chunks);
+            let (chunks, working_set, ws_bytes) = {
+                let mut st = conn.state.lock().expect("poisoned");
+                (std::mem::take(&mut st.trace), std::mem::take(&mut st.working_set), std::mem::take(&mut st.working_set_bytes))
+            };
+            let mut t = Trace::new(&file.name, 1 << image.chunk_shift(), chunks);
+            t.working_set = working_set;
+            if !ws_bytes.is_empty() {
+                t.working_set_blob = Some(imgfmt::Descriptor::new(prefetch::WORKING_SET_MEDIA_TYPE, imgfmt::OciDigest::of(&ws_bytes), ws_bytes.len() as u64));
+            }
+            report.working_set_recorded = t.working_set.len() as u64;
             match &self.traces {
-                Some(store) if !t.chunks.is_empty() => match store.store(&image, &t) {
+                Some(store) if !t.chunks.is_empty() => match store.store(&image, &t, &ws_bytes) {
                     Ok(at) => {
-                        tracing::info!("pid {}: trace of {} chunks stored at {at}", hs.pid, t.chunks.len());
+                        tracing::info!(
+                            "pid {}: trace of {} chunks and a working set of {} slices ({}) stored at {at}",
+                            hs.pid,
+                            t.chunks.len(),
+                            t.working_set.len(),
+                            imgfmt::size::human(ws_bytes.len() as u64)
+                        );
                         report.trace = Some(at);
                         *self.trace.lock().expect("poisoned") = Some(t);
                     }

@@ -14,7 +14,8 @@
 //! ```text
 //! trace manifest (artifactType application/vnd.snapctl.trace.v1+json)
 //!   config  = the OCI empty descriptor ({})
-//!   layers  = [trace JSON: {"format","file","chunkSize","chunks":[...]}]
+//!   layers  = [trace JSON: {"format","file","chunkSize","chunks":[...],"workingSet":[...]},
+//!              working-set blob: the bytes of the `workingSet` slices, in that order]
 //!   subject = the image manifest
 //! found by: referrers API (registry) | tag `sha256-<image manifest hex>` (layout, fallback)
 //! ```
@@ -39,6 +40,9 @@ pub const EMPTY_MEDIA_TYPE: &str = "application/vnd.oci.empty.v1+json";
 const EMPTY: &[u8] = b"{}";
 /// A trace blob is at most 64 MiB (8 M chunk numbers).
 pub const MAX_TRACE_BYTES: u64 = 64 << 20;
+/// Media type of a trace's working-set blob (its second layer): the bytes of the slices
+/// the recorded restore touched, in the order the trace lists them.
+pub const WORKING_SET_MEDIA_TYPE: &str = "application/vnd.snapctl.workingset.v1";
 
 /// How to prefetch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,11 +77,19 @@ pub struct Trace {
     pub chunk_size: u64,
     /// Chunk indices, each once, first fault first.
     pub chunks: Vec<u64>,
+    /// File offsets of the slices (of the outboard's slice size) whose pages the restore
+    /// touched, each once, first touch first; their bytes are the working-set blob. Empty:
+    /// no working set (an image without an outboard, or a trace recorded before them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub working_set: Vec<u64>,
+    /// The working-set blob's descriptor (the trace manifest's second layer), as loaded.
+    #[serde(skip)]
+    pub working_set_blob: Option<Descriptor>,
 }
 
 impl Trace {
     pub fn new(file: &str, chunk_size: u64, chunks: Vec<u64>) -> Self {
-        Trace { format: TRACE_FORMAT.into(), file: file.into(), chunk_size, chunks }
+        Trace { format: TRACE_FORMAT.into(), file: file.into(), chunk_size, chunks, working_set: Vec::new(), working_set_blob: None }
     }
 
     /// Parse and check a trace against the image it is for.
@@ -94,6 +106,9 @@ impl Trace {
         if let Some(c) = t.chunks.iter().find(|&&c| c >= n) {
             return Err(invalid("trace", format!("chunk {c} beyond the file's {n} chunks")));
         }
+        if let Some(o) = t.working_set.iter().find(|&&o| o >= f.size) {
+            return Err(invalid("trace", format!("working-set offset {o} beyond the file's {} bytes", f.size)));
+        }
         Ok(t)
     }
 }
@@ -106,8 +121,9 @@ fn invalid(what: &'static str, detail: impl Into<String>) -> FormatError {
 pub trait TraceStore: Send + Sync {
     fn describe(&self) -> String;
     fn load(&self, image: &Image, file: usize) -> Result<Option<Trace>, FormatError>;
-    /// Store a trace; returns where it went.
-    fn store(&self, image: &Image, trace: &Trace) -> Result<String, FormatError>;
+    /// Store a trace, with its working-set blob when `working_set` is not empty; returns
+    /// where it went.
+    fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<String, FormatError>;
 }
 
 /// The tag under which an OCI layout keeps the trace of `image` (the referrers API's
@@ -116,14 +132,19 @@ pub fn fallback_tag(image: &Image) -> String {
     format!("{}-{}", image.manifest_digest.algorithm(), image.manifest_digest.hex())
 }
 
-/// The trace artifact's manifest (blobs: the empty config and the trace JSON).
-pub fn trace_manifest(image: &Image, trace_blob: &[u8]) -> Manifest {
+/// The trace artifact's manifest (blobs: the empty config, the trace JSON and, when not
+/// empty, the working-set blob).
+pub fn trace_manifest(image: &Image, trace_blob: &[u8], working_set: &[u8]) -> Manifest {
+    let mut layers = vec![Descriptor::new(TRACE_MEDIA_TYPE, imgfmt::OciDigest::of(trace_blob), trace_blob.len() as u64)];
+    if !working_set.is_empty() {
+        layers.push(Descriptor::new(WORKING_SET_MEDIA_TYPE, imgfmt::OciDigest::of(working_set), working_set.len() as u64));
+    }
     Manifest {
         schema_version: 2,
         media_type: Some(media::OCI_MANIFEST.into()),
         artifact_type: Some(TRACE_MEDIA_TYPE.into()),
         config: Descriptor::new(EMPTY_MEDIA_TYPE, imgfmt::OciDigest::of(EMPTY), EMPTY.len() as u64),
-        layers: vec![Descriptor::new(TRACE_MEDIA_TYPE, imgfmt::OciDigest::of(trace_blob), trace_blob.len() as u64)],
+        layers,
         subject: Some(Descriptor::new(media::OCI_MANIFEST, image.manifest_digest.clone(), image.manifest_bytes.len() as u64)),
         annotations: [(media::ANN_CREATED.to_string(), now_rfc3339())].into_iter().collect(),
     }
@@ -163,11 +184,14 @@ impl TraceStore for LayoutTraces {
         read_trace_layer(&self.0, &m, image, file).map(Some)
     }
 
-    fn store(&self, image: &Image, trace: &Trace) -> Result<String, FormatError> {
+    fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<String, FormatError> {
         let blob = serde_json::to_vec(trace).expect("trace serializes");
         self.0.put_blob(&blob)?;
         self.0.put_blob(EMPTY)?;
-        let m = trace_manifest(image, &blob).encode();
+        if !working_set.is_empty() {
+            self.0.put_blob(working_set)?;
+        }
+        let m = trace_manifest(image, &blob, working_set).encode();
         let d = self.0.put_blob(&m)?;
         let mut desc = Descriptor::new(media::OCI_MANIFEST, d.clone(), m.len() as u64);
         desc.artifact_type = Some(TRACE_MEDIA_TYPE.into());
@@ -181,7 +205,15 @@ impl TraceStore for LayoutTraces {
 fn read_trace_layer(src: &dyn imgfmt::BlobSource, m: &Manifest, image: &Image, file: usize) -> Result<Trace, FormatError> {
     let layer = m.layers.first().ok_or_else(|| invalid("trace manifest", "no layer"))?;
     let b = imgfmt::source::read_verified_blob(src, &layer.digest, MAX_TRACE_BYTES)?;
-    Trace::decode(&b, image, file)
+    let mut t = Trace::decode(&b, image, file)?;
+    if !t.working_set.is_empty() {
+        // Without its blob the list is of no use: replay the chunk order alone.
+        t.working_set_blob = m.layers.get(1).filter(|d| d.media_type == WORKING_SET_MEDIA_TYPE).cloned();
+        if t.working_set_blob.is_none() {
+            t.working_set.clear();
+        }
+    }
+    Ok(t)
 }
 
 /// Traces in a registry: pushed as referrers of the image (the registry's referrers API,
@@ -204,10 +236,14 @@ impl TraceStore for RegistryTraces {
         read_trace_layer(self.0.as_ref(), &m, image, file).map(Some)
     }
 
-    fn store(&self, image: &Image, trace: &Trace) -> Result<String, FormatError> {
+    fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<String, FormatError> {
         let blob = serde_json::to_vec(trace).expect("trace serializes");
         let ann = [(media::ANN_CREATED.to_string(), now_rfc3339())].into_iter().collect();
-        let d = self.0.push_referrer(&image.manifest_digest, TRACE_MEDIA_TYPE, &blob, ann).map_err(|e| invalid("trace push", e.to_string()))?;
+        let mut layers = vec![(regclient::PAYLOAD_TYPE, blob.as_slice())];
+        if !working_set.is_empty() {
+            layers.push((WORKING_SET_MEDIA_TYPE, working_set));
+        }
+        let d = self.0.push_referrer_layers(&image.manifest_digest, TRACE_MEDIA_TYPE, &layers, ann).map_err(|e| invalid("trace push", e.to_string()))?;
         Ok(format!("{} referrer {d}", self.describe()))
     }
 }
@@ -554,7 +590,7 @@ mod tests {
         let store = LayoutTraces(layout);
         assert_eq!(store.load(&image, file).unwrap(), None);
         let t = Trace::new("vm.mem", 1 << 16, vec![4, 0, 2]);
-        let at = store.store(&image, &t).unwrap();
+        let at = store.store(&image, &t, &[]).unwrap();
         assert!(at.contains(&fallback_tag(&image)), "{at}");
         assert_eq!(store.load(&image, file).unwrap(), Some(t.clone()));
         // The image itself is untouched and still opens.

@@ -139,6 +139,12 @@ pub struct Counters {
     pub slice_fetches: AtomicU64,
     /// Bytes slice fetches moved (part of `bytes_fetched`).
     pub slice_bytes: AtomicU64,
+    /// Faults on a slice the working-set replay was fetching: they waited for it (part of
+    /// `present`).
+    pub ws_waits: AtomicU64,
+    /// Slices the working-set replay installed, and the bytes it read for them.
+    pub ws_slices: AtomicU64,
+    pub ws_bytes: AtomicU64,
     pub latency: Histogram,
 }
 
@@ -205,6 +211,17 @@ pub struct ConnReport {
     pub slice_fetches: u64,
     /// Bytes slice fetches moved (part of `bytes_fetched`).
     pub slice_bytes: u64,
+    /// Slices the replay of a recorded working set installed (issue 16 §3), and the bytes
+    /// of the working-set blob it read (not part of `bytes_fetched`).
+    pub working_set_slices: u64,
+    pub working_set_bytes: u64,
+    /// Faults on a slice the replay was still fetching: they waited for it, not for a
+    /// fetch of their own (part of `faults.present`).
+    pub working_set_waits: u64,
+    /// Seconds after the connection started at which the replay was done (`null`: none ran).
+    pub working_set_s: Option<f64>,
+    /// Slices recorded into the working set stored with the trace (with --record-trace).
+    pub working_set_recorded: u64,
     pub latency_us: Latency,
     pub seconds: f64,
     /// Why the connection ended.
@@ -235,6 +252,11 @@ impl ConnReport {
             stream_rtt_ms: None,
             slice_fetches: l(&c.slice_fetches),
             slice_bytes: l(&c.slice_bytes),
+            working_set_slices: l(&c.ws_slices),
+            working_set_bytes: l(&c.ws_bytes),
+            working_set_waits: l(&c.ws_waits),
+            working_set_s: None,
+            working_set_recorded: 0,
             latency_us: c.latency.latency(),
             seconds,
             ended,
@@ -265,6 +287,8 @@ pub fn prometheus(c: &Counters, connections_active: u64, connections_total: u64)
         ("snapctl_lazy_prefetched_chunks_total", "Chunks installed ahead of the guest.", &c.prefetched_chunks),
         ("snapctl_lazy_streamed_chunks_total", "Chunks the background stream of the rest of the image installed.", &c.streamed_chunks),
         ("snapctl_lazy_slice_fetches_total", "Faults served by a fetch of verified slices rather than the whole chunk.", &c.slice_fetches),
+        ("snapctl_lazy_working_set_slices_total", "Slices the replay of a recorded working set installed.", &c.ws_slices),
+        ("snapctl_lazy_working_set_waits_total", "Faults that waited for the working-set replay instead of fetching.", &c.ws_waits),
     ] {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", l(v));
     }

@@ -403,7 +403,16 @@ fn regression_issue_16_scattered_faults_fetch_slices_not_chunks() {
     let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
     let src = flaky(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap());
     drop(layout);
-    let run = start(dir.path(), image, src.clone(), |o| o.prefetch = PrefetchMode::None, None);
+    let run = start(
+        dir.path(),
+        image,
+        src.clone(),
+        |o| {
+            o.prefetch = PrefetchMode::None;
+            o.slice_faults = true;
+        },
+        None,
+    );
     let sock = guest.connect(&run.socket);
     let r = guest.region(0);
     let page = |c: usize, p: usize| c * K64 + p * 4096;
@@ -453,7 +462,16 @@ fn regression_issue_16_tampered_slice_poisons_never_serves_wrong_bytes() {
     drop(layout);
     let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
     let src = flaky(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap());
-    let run = start(dir.path(), image, src, |o| o.prefetch = PrefetchMode::None, None);
+    let run = start(
+        dir.path(),
+        image,
+        src,
+        |o| {
+            o.prefetch = PrefetchMode::None;
+            o.slice_faults = true;
+        },
+        None,
+    );
     let sock = guest.connect(&run.socket);
     let (p, _, _) = guest.regions[0];
     // Slice 1 of chunk 2 is intact: served, verified.
@@ -722,4 +740,163 @@ fn regression_issue_16_scattered_misses_start_the_stream() {
     assert!(rep.stream_started_s.is_some(), "{rep:?}");
     assert_eq!((rep.faults.fetched, rep.streamed_chunks), (16, data.len() as u64 - 16), "{rep:?}");
     assert_eq!(src.reads.load(Ordering::SeqCst), data.len() as u64);
+}
+
+/// Like `sample_image`, but every 4 KiB page of a data chunk is different (its page number
+/// leads it), so a page installed at the wrong place reads wrong; loaded with outboards.
+fn distinct_image(chunks: usize) -> (tempfile::TempDir, Vec<u8>, Arc<Image>) {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let mut mem = vec![0u8; chunks * K64];
+    for (p, page) in mem.chunks_mut(4096).enumerate() {
+        if (p * 4096 / K64) % 3 != 1 {
+            for (j, b) in page.iter_mut().enumerate() {
+                *b = (j as u8).wrapping_mul(13).wrapping_add(p as u8) | 1;
+            }
+            page[..8].copy_from_slice(&(p as u64).to_le_bytes());
+        }
+    }
+    std::fs::write(src.join("vm.mem"), &mem).unwrap();
+    std::fs::write(src.join("vm.state"), b"state").unwrap();
+    let layout = imgfmt::OciLayout::open_or_create(dir.path().join("layout")).unwrap();
+    let opts = pusher::PackOptions { chunk_shift: 16, kind: Some(imgfmt::Kind::Firecracker), ..Default::default() };
+    pusher::pack(&src, &layout, "t", &opts).unwrap();
+    let mut image = Image::open(&layout, &layout.resolve_tag("t").unwrap()).unwrap();
+    image.load_outboards(&layout).unwrap();
+    (dir, mem, Arc::new(image))
+}
+
+/// Record a working set: a restore with --record-trace whose guest reads `pages` (page
+/// numbers of the file), in that order; returns the stored trace.
+fn record_working_set(dir: &std::path::Path, mem: &[u8], image: &Arc<Image>, pages: &[usize]) -> Trace {
+    let traces = || -> Option<Box<dyn TraceStore>> { Some(Box::new(LayoutTraces(imgfmt::OciLayout::open(dir.join("layout")).unwrap()))) };
+    let guest = Guest::new(&[(mem.len(), 0)]).expect("userfaultfd");
+    let src = flaky(imgfmt::OciLayout::open(dir.join("layout")).unwrap());
+    let run = start(
+        dir,
+        image.clone(),
+        src.clone(),
+        |o| {
+            o.record_trace = true;
+            o.prefetch = PrefetchMode::None;
+        },
+        traces(),
+    );
+    let sock = guest.connect(&run.socket);
+    for &p in pages {
+        assert_eq!(guest.region(0)[p * 4096..(p + 1) * 4096], mem[p * 4096..(p + 1) * 4096], "page {p}");
+    }
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+    let data: Vec<usize> = pages.iter().copied().filter(|p| (p * 4096 / K64) % 3 != 1).collect();
+    assert_eq!(rep.working_set_recorded, data.len() as u64, "{rep:?}");
+    // Each data chunk was fetched once; every page of it the guest read faulted once.
+    let chunks: std::collections::HashSet<usize> = data.iter().map(|p| p * 4096 / K64).collect();
+    assert_eq!(src.reads.load(Ordering::SeqCst), chunks.len() as u64);
+    assert_eq!(rep.faults.fetched + rep.faults.cache_hit, data.len() as u64, "{rep:?}");
+    traces().unwrap().load(image, image.file("vm.mem").unwrap().0).unwrap().expect("a trace")
+}
+
+/// Pages the working-set tests touch: scattered over the data chunks of a 24-chunk sample,
+/// three per chunk, in an order that is neither file order nor chunk by chunk, plus a page
+/// of a zero chunk (never recorded).
+fn scattered_pages() -> Vec<usize> {
+    let mut v: Vec<usize> = Vec::new();
+    for k in [13usize, 2, 7] {
+        for c in [9usize, 0, 20, 5, 17, 3] {
+            v.push(c * 16 + k);
+        }
+    }
+    v.push(16 + 4); // chunk 1: zero
+    v
+}
+
+/// Issue 16 §3 (REAP's working set): a recording restore stores, beside the trace, the
+/// slices whose pages the guest touched, in first-touch order; the next restore fetches
+/// them in bulk at connect, checks each against the outboard and installs it before the
+/// guest asks, and fetches nothing else for those pages. Pages next to them stay missing.
+#[test]
+fn regression_issue_16_working_set_is_recorded_by_slice_and_replayed_before_the_guest_asks() {
+    let (dir, mem, image) = distinct_image(24);
+    if Guest::new(&[(4096, 0)]).is_none() {
+        return;
+    }
+    let pages = scattered_pages();
+    let t = record_working_set(dir.path(), &mem, &image, &pages);
+    let data: Vec<u64> = pages.iter().filter(|&&p| (p * 4096 / K64) % 3 != 1).map(|&p| (p * 4096) as u64).collect();
+    assert_eq!(t.working_set, data, "slices in first-touch order, zero pages left out");
+    let blob = t.working_set_blob.clone().expect("a working-set blob");
+    assert_eq!(blob.size, data.len() as u64 * 4096);
+
+    let guest = Guest::new(&[(mem.len(), 0)]).unwrap();
+    let src = flaky(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap());
+    let traces: Option<Box<dyn TraceStore>> = Some(Box::new(LayoutTraces(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap())));
+    let run = start(dir.path(), image.clone(), src.clone(), |o| o.stream_after = None, traces);
+    let sock = guest.connect(&run.socket);
+    wait_for("the working set installed", || metric(&run.daemon, "snapctl_lazy_working_set_slices_total") == data.len() as u64);
+    let (p0, _, _) = guest.regions[0];
+    let present = resident(p0, mem.len());
+    for &p in &pages {
+        let data_page = (p * 4096 / K64) % 3 != 1;
+        assert_eq!(present[p], data_page, "page {p} installed ahead exactly when it holds data");
+        if data_page {
+            assert!(!present[p + 1] || pages.contains(&(p + 1)), "page {} beside it was not", p + 1);
+        }
+    }
+    assert_eq!(src.reads.load(Ordering::SeqCst), 1, "one range of the blob, no chunk");
+    for &p in &pages {
+        assert_eq!(guest.region(0)[p * 4096..(p + 1) * 4096], mem[p * 4096..(p + 1) * 4096], "page {p}");
+    }
+    // A page the working set did not hold is still served, whole chunk, verified.
+    let other = 9 * 16 + 4;
+    assert_eq!(guest.region(0)[other * 4096..(other + 1) * 4096], mem[other * 4096..(other + 1) * 4096]);
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(rep.working_set_slices, data.len() as u64, "{rep:?}");
+    assert_eq!(rep.working_set_bytes, data.len() as u64 * 4096, "{rep:?}");
+    assert_eq!(rep.faults.fetched, 1, "only the page outside the working set: {rep:?}");
+    assert!(rep.working_set_s.is_some(), "{rep:?}");
+    assert_eq!((rep.verify_failures, rep.poisoned_pages), (0, 0));
+}
+
+/// Issue 16 §3: the working-set blob is not trusted. A slice whose bytes were changed in
+/// the stored blob fails its check against the outboard and is not installed; the guest's
+/// fault there fetches the chunk, verified, and reads the snapshot's bytes. Faults that
+/// come while the blob is still on its way wait for it instead of fetching.
+#[test]
+fn regression_issue_16_tampered_working_set_slice_is_never_installed() {
+    use std::os::unix::fs::FileExt;
+    let (dir, mem, image) = distinct_image(24);
+    if Guest::new(&[(4096, 0)]).is_none() {
+        return;
+    }
+    let pages = scattered_pages();
+    let t = record_working_set(dir.path(), &mem, &image, &pages);
+    let blob = t.working_set_blob.clone().unwrap();
+    // Flip a byte of the 4th slice in the blob (page `pages[3]`).
+    let layout = imgfmt::OciLayout::open(dir.path().join("layout")).unwrap();
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(layout.blob_path(&blob.digest)).unwrap();
+    let at = 3 * 4096 + 99;
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 0x40], at).unwrap();
+
+    let guest = Guest::new(&[(mem.len(), 0)]).unwrap();
+    // Every read takes 150 ms: the guest's first touches come while the blob is in flight.
+    let src = Arc::new(Flaky { delay: Duration::from_millis(150), ..Arc::try_unwrap(flaky(layout)).ok().unwrap() });
+    let traces: Option<Box<dyn TraceStore>> = Some(Box::new(LayoutTraces(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap())));
+    let run = start(dir.path(), image.clone(), src.clone(), |o| o.stream_after = None, traces);
+    let sock = guest.connect(&run.socket);
+    for &p in &pages {
+        assert_eq!(guest.region(0)[p * 4096..(p + 1) * 4096], mem[p * 4096..(p + 1) * 4096], "page {p}");
+    }
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+    let data = pages.iter().filter(|&&p| (p * 4096 / K64) % 3 != 1).count() as u64;
+    assert_eq!(rep.verify_failures, 1, "{rep:?}");
+    assert_eq!(rep.working_set_slices, data - 1, "{rep:?}");
+    assert_eq!(rep.faults.fetched, 1, "the tampered slice's page, fetched whole: {rep:?}");
+    assert!(rep.working_set_waits >= 1, "the first touch waited for the blob: {rep:?}");
+    assert_eq!(rep.poisoned_pages, 0);
 }

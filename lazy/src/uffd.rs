@@ -121,6 +121,11 @@ pub(crate) struct ConnState {
     /// File chunks in the order first faulted (with --record-trace).
     pub trace: Vec<u64>,
     traced: HashSet<u64>,
+    /// The working set (with --record-trace): file offsets of the slices whose pages the
+    /// guest touched, first touch first, and their bytes in that order.
+    pub working_set: Vec<u64>,
+    pub working_set_bytes: Vec<u8>,
+    working_set_seen: HashSet<u64>,
 }
 
 /// What a fault outside every region gets.
@@ -183,6 +188,13 @@ pub(crate) struct Conn {
     pub stream_go: AtomicBool,
     /// Microseconds since `started` (+1) at which `stream_go` was set; 0 not yet.
     pub stream_started_us: AtomicU64,
+    /// Working-set slices (file offsets) being fetched by the replay of a recorded working
+    /// set: a fault on one waits for that replay instead of fetching (`crate::workingset`).
+    pub ws_pending: Mutex<HashSet<u64>>,
+    /// Set while the replay runs (a fault then looks its slice up in `ws_pending`).
+    pub ws_active: AtomicBool,
+    /// Fetch a chunk's first misses by slice (`LazyOptions::slice_faults`).
+    pub slice_faults: bool,
     /// Faults outside every region: poison (the default) or zeros.
     pub outside: Outside,
     /// Who takes the userfaultfd of a child the process forked (UFFD_EVENT_FORK). Without
@@ -204,6 +216,8 @@ struct Fault {
 struct Queues<'a> {
     pending: &'a mut VecDeque<Fault>,
     parked: &'a mut HashMap<Key, Vec<Fault>>,
+    /// Faults on slices the working-set replay is fetching: its install wakes them.
+    ws_parked: Vec<Fault>,
     arrived: &'a mut Arrivals,
     slicing: Slicing,
 }
@@ -308,6 +322,9 @@ impl Conn {
             detector: Mutex::new(None),
             stream_go: AtomicBool::new(false),
             stream_started_us: AtomicU64::new(0),
+            ws_pending: Mutex::new(HashSet::new()),
+            ws_active: AtomicBool::new(false),
+            slice_faults: false,
             outside: Outside::default(),
             on_fork: None,
             sys_page,
@@ -322,6 +339,7 @@ impl Conn {
     pub fn child(&self, uffd: Uffd, conn: Arc<Counters>) -> Conn {
         let mut c = Conn::new(self.pid, uffd, self.map.clone(), self.fetcher.clone(), conn, self.rec.1.clone(), false);
         c.outside = self.outside.clone();
+        c.slice_faults = self.slice_faults;
         c.state.lock().expect("poisoned").removed = self.state.lock().expect("poisoned").removed.clone();
         c
     }
@@ -595,6 +613,23 @@ impl Conn {
                     }
                 }
             }
+            if let Some(b) = self.record_working_set(&mut st, &span, &data.0, fault_page, page) {
+                // Recording a working set: only the faulting page is installed, so every
+                // page the guest touches faults once and is recorded (the chunk stays in
+                // recent memory for the next one).
+                match self.fill(Op::Copy(b), fault_page, page, page) {
+                    Ok(()) => {
+                        st.slice_pages.insert(fault_page);
+                        break Ok(if data.1 == Some(Origin::Fetched) { Kind::Fetched } else { Kind::CacheHit });
+                    }
+                    Err(Fill::Again) => {
+                        drop(st);
+                        self.drain_events(pending)?;
+                        continue;
+                    }
+                    Err(e) => break Err(e),
+                }
+            }
             match self.install(&mut st, &span, &data.0) {
                 Ok(()) => {
                     break Ok(match data.1 {
@@ -742,7 +777,7 @@ impl Conn {
                 });
             }
             drop(done_tx);
-            let mut q = Queues { pending: &mut pending, parked: &mut parked, arrived: &mut arrived, slicing: Slicing::default() };
+            let mut q = Queues { pending: &mut pending, parked: &mut parked, ws_parked: Vec::new(), arrived: &mut arrived, slicing: Slicing::default() };
             let ended = self.fault_loop(&mut sock, stop, &mut q, &job_tx, &done_rx, &wake_rx);
             drop(job_tx);
             ended
@@ -771,7 +806,10 @@ impl Conn {
                     PollFd::new(sock.as_fd(), PollFlags::POLLIN),
                     PollFd::new(wake_rx.as_fd(), PollFlags::POLLIN),
                 ];
-                match poll(&mut fds, PollTimeout::from(200u16)) {
+                // Faults parked on the working-set replay are woken by its installs; a slice
+                // it could not install goes back to the fault path at the next look.
+                let timeout = if q.ws_parked.is_empty() { 200u16 } else { 2 };
+                match poll(&mut fds, PollTimeout::from(timeout)) {
                     Ok(_) | Err(Errno::EINTR) => {}
                     Err(e) => return format!("poll failed: {e}"),
                 }
@@ -845,6 +883,7 @@ impl Conn {
                     q.pending.push_front(f);
                 }
             }
+            self.recheck_ws_parked(q);
             self.publish_parked(q.parked);
             let oldest = q.parked.values().flatten().chain(q.pending.iter()).min_by_key(|f| f.read_at).map(|f| (f.addr, f.read_at));
             match oldest {
@@ -858,6 +897,11 @@ impl Conn {
                 if self.slice_installed(f.addr) {
                     // Installed by a slice fetch since it was read: only a wake-up is needed.
                     let _ = self.wake_sliced(vec![f], false);
+                    continue;
+                }
+                if self.ws_waiting(f.addr) {
+                    self.rec.add(|c| &c.ws_waits, 1);
+                    q.ws_parked.push(f);
                     continue;
                 }
                 let need = self.to_fetch(f.addr, q.parked);
@@ -889,6 +933,69 @@ impl Conn {
                     return e;
                 }
             }
+        }
+    }
+
+    /// With --record-trace, where the working set can be recorded by slice (a raw chunk
+    /// with an outboard entry, pages no larger than a slice, one chunk per unit): record
+    /// the slice the fault's page lies in (once) and return that page's bytes, the only
+    /// ones to install. `None`: install the whole unit as usual.
+    fn record_working_set<'d>(&self, st: &mut ConnState, span: &Span, data: &'d SpanData, fault_page: u64, page: u64) -> Option<&'d [u8]> {
+        if !self.record_trace || self.map.unit_size(span.region) != self.map.chunk_size() {
+            return None;
+        }
+        let SpanData::Chunk(chunk, off) = data else { return None };
+        let fo = span.file_offset + (fault_page - span.host);
+        let c = fo >> self.map.chunk_shift;
+        let cvs = self.fetcher.image.slice_cvs(self.fetcher.file, c)?;
+        if page > cvs.slice_size() {
+            return None;
+        }
+        let r = cvs.slice_range(((fo - (c << self.map.chunk_shift)) >> cvs.slice_shift) as u32);
+        let bytes = chunk.as_bytes();
+        let o = off + (fault_page - span.host) as usize;
+        let here = bytes.get(o..o + page as usize)?;
+        let slice = bytes.get(r.start as usize..r.end as usize)?;
+        let at = (c << self.map.chunk_shift) + r.start;
+        if st.working_set_seen.insert(at) {
+            st.working_set.push(at);
+            st.working_set_bytes.extend_from_slice(slice);
+        }
+        Some(here)
+    }
+
+    /// File offset of the outboard slice holding `addr` (`None`: no slices there).
+    fn slice_at(&self, addr: u64) -> Option<u64> {
+        let (_, off) = self.map.locate(addr)?;
+        let cvs = self.fetcher.image.slice_cvs(self.fetcher.file, off >> self.map.chunk_shift)?;
+        Some(off & !(cvs.slice_size() - 1))
+    }
+
+    /// Whether the page of `addr` lies in a slice the working-set replay is fetching.
+    fn ws_waiting(&self, addr: u64) -> bool {
+        if !self.ws_active.load(Ordering::Relaxed) {
+            return false;
+        }
+        self.slice_at(addr).is_some_and(|at| self.ws_pending.lock().expect("poisoned").contains(&at))
+    }
+
+    /// Faults parked on the working-set replay whose slice it is done with: woken and
+    /// counted where it installed their page, back to the fault path where it did not (a
+    /// slice that failed its check, a remove in between).
+    fn recheck_ws_parked(&self, q: &mut Queues) {
+        if q.ws_parked.is_empty() {
+            return;
+        }
+        let active = self.ws_active.load(Ordering::Relaxed);
+        let done: Vec<Fault> = {
+            let pending = self.ws_pending.lock().expect("poisoned");
+            let (done, wait) =
+                std::mem::take(&mut q.ws_parked).into_iter().partition(|f| !active || self.slice_at(f.addr).is_none_or(|at| !pending.contains(&at)));
+            q.ws_parked = wait;
+            done
+        };
+        for f in self.wake_sliced(done, false).into_iter().rev() {
+            q.pending.push_front(f);
         }
     }
 
@@ -924,7 +1031,7 @@ impl Conn {
     /// the whole chunk: past that point round trips cost more than the bytes they save, and
     /// the whole chunk goes into memory and the chunk cache.
     fn plan_slices(&self, f: &Fault, c: u64, q: &mut Queues) -> Option<(Key, Option<Range<u32>>)> {
-        if q.slicing.whole.contains(&c) || q.parked.contains_key(&Key::Chunk(c)) || self.fetcher.in_flight(c) {
+        if !self.slice_faults || q.slicing.whole.contains(&c) || q.parked.contains_key(&Key::Chunk(c)) || self.fetcher.in_flight(c) {
             return None;
         }
         let (region, _) = self.map.locate(f.addr)?;
@@ -985,6 +1092,13 @@ impl Conn {
     /// where pages are missing (pages already present are skipped by `fill`), never over
     /// memory the guest removed (a fault there gets zeros).
     fn install_slices(&self, c: u64, slices: &[VerifiedSlice], pending: &mut VecDeque<Fault>) -> Result<(), String> {
+        self.install_slices_with(c, slices, &mut || self.drain_events(pending))
+    }
+
+    /// [`install_slices`](Self::install_slices) with what to do when the address space is
+    /// changing (`again`: the fault thread reads the pending events; another thread waits
+    /// for the fault thread to). `Err` ends the connection (or, from `again`, the install).
+    pub fn install_slices_with(&self, c: u64, slices: &[VerifiedSlice], again: &mut dyn FnMut() -> Result<(), String>) -> Result<(), String> {
         let base = c << self.map.chunk_shift;
         for span in self.map.spans_of_chunk(c) {
             let page = self.map.regions[span.region].page_size;
@@ -1013,7 +1127,7 @@ impl Conn {
                             Err(Fill::Unmapped) => {}
                             Err(Fill::Again) => {
                                 drop(st);
-                                self.drain_events(pending)?;
+                                again()?;
                                 continue 'again;
                             }
                             Err(Fill::Gone) => return Err("the VMM's memory is gone".into()),
@@ -1199,6 +1313,11 @@ impl Conn {
         let Ok((data, _)) = data else { return 0 };
         if data.bytes(0).is_none() {
             return 0;
+        }
+        if self.record_trace {
+            // Recording a working set: the chunk is in recent memory now, and the guest's
+            // own faults install it page by page (installing it here would hide them).
+            return span.len;
         }
         let mut st = self.state.lock().expect("poisoned");
         if st.installed.contains(&(span.region, span.unit)) {

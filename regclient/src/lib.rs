@@ -30,6 +30,7 @@ mod error;
 mod helper;
 mod known;
 mod referrers;
+pub use referrers::{EMPTY_CONFIG_TYPE, PAYLOAD_TYPE};
 pub mod state;
 mod upload;
 

@@ -78,6 +78,18 @@ impl RegistrySource {
         payload: &[u8],
         annotations: BTreeMap<String, String>,
     ) -> Result<OciDigest, ClientError> {
+        self.push_referrer_layers(subject, artifact_type, &[(PAYLOAD_TYPE, payload)], annotations)
+    }
+
+    /// [`push_referrer`](Self::push_referrer) with several layers, each `(media type,
+    /// bytes)`, in that order (a prefetch trace and its working-set blob).
+    pub fn push_referrer_layers(
+        &self,
+        subject: &OciDigest,
+        artifact_type: &str,
+        payloads: &[(&str, &[u8])],
+        annotations: BTreeMap<String, String>,
+    ) -> Result<OciDigest, ClientError> {
         let what = format!("subject {subject} in {}", self.describe());
         let url = self.url("manifests", subject.as_str());
         let resp = self.send(&what, &|c| c.head(&url).header(reqwest::header::ACCEPT, Self::accept()))?;
@@ -92,13 +104,16 @@ impl RegistrySource {
             .and_then(|v| v.parse().ok())
             .ok_or_else(|| ClientError::Http { what: what.clone(), message: "HEAD without Content-Length".into() })?;
         let config = self.push_small_blob(b"{}")?;
-        let layer = self.push_small_blob(payload)?;
+        let mut layers = Vec::with_capacity(payloads.len());
+        for (media_type, payload) in payloads {
+            layers.push(Descriptor::new(media_type, self.push_small_blob(payload)?, payload.len() as u64));
+        }
         let manifest = Manifest {
             schema_version: 2,
             media_type: Some(media::OCI_MANIFEST.into()),
             artifact_type: Some(artifact_type.into()),
             config: Descriptor::new(EMPTY_CONFIG_TYPE, config, 2),
-            layers: vec![Descriptor::new(PAYLOAD_TYPE, layer, payload.len() as u64)],
+            layers,
             subject: Some(Descriptor::new(&subject_type, subject.clone(), subject_size)),
             annotations: annotations.clone(),
         };

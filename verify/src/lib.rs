@@ -16,4 +16,4 @@ pub use audit::{audit, audit_against, file_holds, AuditOptions, AuditReport, Fai
 pub use chunk::{check_zero_record, read_chunk, verify_stored, VerifiedChunk, VerifyError};
 pub use hash::{chunk_digest, zero_digest};
 pub use merkle::{file_root, image_root, resolved_root};
-pub use slice::{read_slices, VerifiedSlice};
+pub use slice::{check_slice, read_slices, VerifiedSlice};

@@ -72,47 +72,79 @@ impl VerifiedSlice {
 /// range request, verified. Needs [`Image::load_outboards`] first; a chunk without a usable
 /// entry (not raw, no outboard, no entry) is [`VerifyError::NoSlices`]: fetch it whole.
 pub fn read_slices(src: &dyn BlobSource, image: &Image, file: usize, chunk: u64, slices: Range<u32>) -> Result<Vec<VerifiedSlice>, VerifyError> {
+    let cvs = checked_entry(image, file, chunk)?;
     let f = &image.files[file];
-    let c = &f.chunks[chunk as usize];
     let chunk_offset = chunk << image.chunk_shift();
-    let name = || f.name.clone();
-    let Some(cvs) = image.slice_cvs(file, chunk) else {
-        return Err(VerifyError::NoSlices { file: name(), chunk, offset: chunk_offset });
-    };
     let count = cvs.slice_count();
     if slices.start >= slices.end || slices.end > count {
-        return Err(VerifyError::SliceRange { file: name(), chunk, offset: chunk_offset, start: slices.start, end: slices.end, count });
+        return Err(VerifyError::SliceRange { file: f.name.clone(), chunk, offset: chunk_offset, start: slices.start, end: slices.end, count });
     }
-    // The entry must merge to the digest the index records (and the roots cover) before a
-    // single CV of it is trusted. Once per entry: the memo lives as long as the outboard.
-    if !cvs.merged_or(|| merge_slice_cvs(cvs.cvs) == c.digest) {
-        return Err(VerifyError::OutboardMismatch { file: name(), chunk, offset: chunk_offset, digest: c.digest });
-    }
-    let StoredAt::Pack { pack, offset: at, .. } = c.at else { unreachable!("slice_cvs answers only for stored raw chunks") };
+    let StoredAt::Pack { pack, offset: at, .. } = f.chunks[chunk as usize].at else { unreachable!("slice_cvs answers only for stored raw chunks") };
     let start = cvs.slice_range(slices.start).start;
     let end = cvs.slice_range(slices.end - 1).end;
     let len = (end - start) as usize;
-    let read = |source| VerifyError::Read { file: name(), chunk, offset: chunk_offset, source };
+    let read = |source| VerifyError::Read { file: f.name.clone(), chunk, offset: chunk_offset, source };
     let bytes = src.read_range_unverified(&image.packs[pack as usize].digest, at + start, len).map_err(read)?;
     if bytes.len() != len {
         return Err(read(imgfmt::FormatError::Truncated { what: "slice range", got: bytes.len() as u64, expected: len as u64 }));
     }
-    let mut out = Vec::with_capacity((slices.end - slices.start) as usize);
-    for i in slices {
-        let r = cvs.slice_range(i);
-        let piece = bytes.slice((r.start - start) as usize..(r.end - start) as usize);
-        let actual = slice_cv(&piece, r.start);
-        if actual != cvs.cvs[i as usize] {
-            return Err(VerifyError::SliceMismatch {
-                file: name(),
-                chunk,
-                slice: i,
-                offset: chunk_offset + r.start,
-                expected: hex::encode(cvs.cvs[i as usize]),
-                actual: hex::encode(actual),
-            });
-        }
-        out.push(VerifiedSlice { bytes: piece, file, chunk, slice: i, offset_in_chunk: r.start });
+    slices
+        .map(|i| {
+            let r = cvs.slice_range(i);
+            check_one(image, file, chunk, &cvs, i, bytes.slice((r.start - start) as usize..(r.end - start) as usize))
+        })
+        .collect()
+}
+
+/// Check `bytes`, read from anywhere (a restore's working-set blob), as slice `slice` of
+/// chunk `chunk` of file `file`: the chunk's outboard entry must merge to its digest, and
+/// the bytes must have the entry's length and CV for that slice. Needs
+/// [`Image::load_outboards`] first, as [`read_slices`].
+pub fn check_slice(image: &Image, file: usize, chunk: u64, slice: u32, bytes: Bytes) -> Result<VerifiedSlice, VerifyError> {
+    let cvs = checked_entry(image, file, chunk)?;
+    let count = cvs.slice_count();
+    if slice >= count {
+        let f = &image.files[file];
+        return Err(VerifyError::SliceRange { file: f.name.clone(), chunk, offset: chunk << image.chunk_shift(), start: slice, end: slice + 1, count });
     }
-    Ok(out)
+    check_one(image, file, chunk, &cvs, slice, bytes)
+}
+
+/// The outboard entry of a chunk, once it merged to the chunk's digest.
+fn checked_entry(image: &Image, file: usize, chunk: u64) -> Result<imgfmt::SliceCvs<'_>, VerifyError> {
+    let f = &image.files[file];
+    let chunk_offset = chunk << image.chunk_shift();
+    let Some(cvs) = image.slice_cvs(file, chunk) else {
+        return Err(VerifyError::NoSlices { file: f.name.clone(), chunk, offset: chunk_offset });
+    };
+    // The entry must merge to the digest the index records (and the roots cover) before a
+    // single CV of it is trusted. Once per entry: the memo lives as long as the outboard.
+    let digest = f.chunks[chunk as usize].digest;
+    if !cvs.merged_or(|| merge_slice_cvs(cvs.cvs) == digest) {
+        return Err(VerifyError::OutboardMismatch { file: f.name.clone(), chunk, offset: chunk_offset, digest });
+    }
+    Ok(cvs)
+}
+
+/// Slice `i` of a checked entry: `bytes` must be its length and match its CV.
+fn check_one(image: &Image, file: usize, chunk: u64, cvs: &imgfmt::SliceCvs<'_>, i: u32, bytes: Bytes) -> Result<VerifiedSlice, VerifyError> {
+    let r = cvs.slice_range(i);
+    let chunk_offset = chunk << image.chunk_shift();
+    let name = || image.files[file].name.clone();
+    if bytes.len() as u64 != r.end - r.start {
+        let source = imgfmt::FormatError::Truncated { what: "slice", got: bytes.len() as u64, expected: r.end - r.start };
+        return Err(VerifyError::Read { file: name(), chunk, offset: chunk_offset + r.start, source });
+    }
+    let actual = slice_cv(&bytes, r.start);
+    if actual != cvs.cvs[i as usize] {
+        return Err(VerifyError::SliceMismatch {
+            file: name(),
+            chunk,
+            slice: i,
+            offset: chunk_offset + r.start,
+            expected: hex::encode(cvs.cvs[i as usize]),
+            actual: hex::encode(actual),
+        });
+    }
+    Ok(VerifiedSlice { bytes, file, chunk, slice: i, offset_in_chunk: r.start })
 }

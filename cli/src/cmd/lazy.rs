@@ -203,12 +203,14 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
         }
     };
     let mut image = open_image(&o)?;
-    // Outboards let a fault fetch a verified slice instead of its whole chunk. Without
-    // them (an old image, a blob that will not load) every fault fetches whole chunks.
-    if !a.slice_faults {
-        // Outboards unloaded: every fault fetches its whole chunk.
-    } else if let Err(e) = image.load_outboards(o.source.as_ref()) {
-        eprintln!("snapctl lazy: warning: {e}; faults fetch whole chunks");
+    // Outboards let a fault fetch a verified slice instead of its whole chunk, a recording
+    // restore keep the guest's working set by slice, and a later restore check that
+    // working set slice by slice before installing it. Without them (an old image, a blob
+    // that will not load) faults fetch whole chunks and traces are chunk orders only.
+    if a.slice_faults || a.record_trace || a.prefetch != PrefetchMode::None {
+        if let Err(e) = image.load_outboards(o.source.as_ref()) {
+            eprintln!("snapctl lazy: warning: {e}; faults fetch whole chunks, and no working set is recorded or replayed");
+        }
     }
     let image = Arc::new(image);
     let store: Option<Arc<dyn lazy::ChunkStore>> = if a.no_cache {
@@ -224,6 +226,7 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     opts.stream_jobs = a.stream_jobs;
     opts.stream_after = a.stream_after.is_finite().then_some(a.stream_after);
     opts.record_trace = a.record_trace;
+    opts.slice_faults = a.slice_faults;
     opts.retry = RetryPolicy { budget: Some(a.retry_budget), ..lazy::DEFAULT_RETRY };
     opts.memory_bytes = a.memory;
     opts.once = a.once;

@@ -1,0 +1,230 @@
+//! Working-set replay (issue 16 §3, as REAP does): the slices a recorded restore touched,
+//! stored beside its trace as one blob, fetched in bulk when a later restore connects and
+//! installed before the guest asks, each checked against the chunk's outboard first.
+//!
+//! ```text
+//! trace.working_set = [file offsets of touched slices, first touch first]
+//! working-set blob   = their bytes, in that order (the trace manifest's second layer)
+//!   plan: offset -> (chunk, slice, length from the outboard), blob offsets summed
+//!   RANGES_IN_FLIGHT readers: ranges of <= RANGE_BYTES of the blob, in order
+//!     -> verify::check_slice (entry merged to the chunk digest, slice CV) per slice
+//!     -> Conn::install_slices_with (pages still missing, never over removed memory)
+//!     -> off `ws_pending`: a fault parked on the slice is woken by the install
+//! ```
+//! The blob is not trusted: a slice that fails its check is not installed, and a fault
+//! on it takes the fault path (a verified fetch of its own). Nothing here holds a fault up
+//! longer than its range's fetch.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use imgfmt::{BlobSource, Descriptor, ErrorKind, Image, RetryPolicy};
+
+use crate::prefetch::Trace;
+use crate::uffd::Conn;
+
+/// Bytes of the blob one request reads at most: small enough that the first ranges (the
+/// first pages the guest touched) arrive early, large enough that a range costs much more
+/// link time than its round trip.
+pub const RANGE_BYTES: u64 = 1 << 20;
+/// Requests in flight: 16 ranges of 1 MiB fill 1 Gbit/s at up to ~130 ms of round trip.
+pub const RANGES_IN_FLIGHT: usize = 16;
+/// A range that fails transiently is tried again this many times.
+const RANGE_RETRY: RetryPolicy = RetryPolicy::attempts(3);
+
+/// One slice of the working set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    chunk: u64,
+    slice: u32,
+    /// Its file offset (the key of `Conn::ws_pending`).
+    at: u64,
+    /// Where its bytes are in the blob, and how many.
+    blob_at: u64,
+    len: u64,
+}
+
+/// Where each listed slice's bytes are in the blob, checked against the image.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    entries: Vec<Entry>,
+    blob: Descriptor,
+}
+
+impl Plan {
+    /// Plan the replay of `trace`'s working set for file `file` of `image` (outboards
+    /// loaded). `Ok(None)`: the trace has none. An offset that is not the start of a slice
+    /// the outboard describes, one listed twice, or a blob whose size is not the sum of the
+    /// slices': an error (the whole working set is refused; the restore goes on without).
+    pub fn new(image: &Image, file: usize, trace: &Trace) -> Result<Option<Plan>, String> {
+        let Some(blob) = trace.working_set_blob.clone() else { return Ok(None) };
+        if trace.working_set.is_empty() {
+            return Ok(None);
+        }
+        let shift = image.chunk_shift();
+        let n = image.files[file].chunks.len() as u64;
+        let mut seen = HashSet::with_capacity(trace.working_set.len());
+        let mut entries = Vec::with_capacity(trace.working_set.len());
+        let mut blob_at = 0u64;
+        for &at in &trace.working_set {
+            let chunk = at >> shift;
+            if chunk >= n {
+                return Err(format!("working-set offset {at:#x} beyond the file"));
+            }
+            let cvs = image.slice_cvs(file, chunk).ok_or_else(|| format!("working-set offset {at:#x}: chunk {chunk} has no outboard entry"))?;
+            let rel = at - (chunk << shift);
+            if rel & (cvs.slice_size() - 1) != 0 || rel >= u64::from(cvs.chunk_len) {
+                return Err(format!("working-set offset {at:#x} is not the start of a slice"));
+            }
+            if !seen.insert(at) {
+                return Err(format!("working-set offset {at:#x} listed twice"));
+            }
+            let slice = (rel >> cvs.slice_shift) as u32;
+            let r = cvs.slice_range(slice);
+            entries.push(Entry { chunk, slice, at, blob_at, len: r.end - r.start });
+            blob_at += r.end - r.start;
+        }
+        if blob_at != blob.size {
+            return Err(format!("working-set blob {} is {} bytes, its slices {blob_at}", blob.digest, blob.size));
+        }
+        Ok(Some(Plan { entries, blob }))
+    }
+
+    pub fn slices(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// The entries in ranges of consecutive blob bytes of at most [`RANGE_BYTES`] (a slice
+    /// larger than that is a range of its own).
+    fn ranges(&self) -> Vec<std::ops::Range<usize>> {
+        let mut out = Vec::new();
+        let mut start = 0;
+        for i in 0..self.entries.len() {
+            let e = &self.entries[i];
+            if i > start && e.blob_at + e.len - self.entries[start].blob_at > RANGE_BYTES {
+                out.push(start..i);
+                start = i;
+            }
+        }
+        if start < self.entries.len() {
+            out.push(start..self.entries.len());
+        }
+        out
+    }
+}
+
+/// Replay `plan` into `conn`: every slice is in `conn.ws_pending` until it is installed
+/// or given up, so faults on it wait for this instead of fetching. Returns when every
+/// range is done, the connection ends or `stop` is set; the pending set is cleared on the
+/// way out whatever happened.
+pub(crate) fn replay(conn: Arc<Conn>, plan: Plan, src: Arc<dyn BlobSource>, stop: Arc<AtomicBool>) -> Option<Duration> {
+    struct Clear<'a>(&'a Conn);
+    impl Drop for Clear<'_> {
+        fn drop(&mut self) {
+            self.0.ws_active.store(false, Ordering::Relaxed);
+            self.0.ws_pending.lock().expect("poisoned").clear();
+        }
+    }
+    conn.ws_pending.lock().expect("poisoned").extend(plan.entries.iter().map(|e| e.at));
+    conn.ws_active.store(true, Ordering::Relaxed);
+    let _clear = Clear(&conn);
+    let ranges = plan.ranges();
+    let next = AtomicUsize::new(0);
+    let ended = || stop.load(Ordering::Relaxed) || conn.gone.load(Ordering::Relaxed);
+    std::thread::scope(|s| {
+        for _ in 0..RANGES_IN_FLIGHT.min(ranges.len()) {
+            let spawned = std::thread::Builder::new().name("lazy-workingset".into()).spawn_scoped(s, || loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= ranges.len() || ended() {
+                    return;
+                }
+                replay_range(&conn, &plan, &plan.entries[ranges[i].clone()], src.as_ref());
+            });
+            if spawned.is_err() {
+                break;
+            }
+        }
+    });
+    (!ended()).then(|| conn.started.elapsed())
+}
+
+/// Fetch one range of the blob, check each slice, install those that pass.
+fn replay_range(conn: &Conn, plan: &Plan, entries: &[Entry], src: &dyn BlobSource) {
+    let (first, last) = (entries[0], entries[entries.len() - 1]);
+    let len = (last.blob_at + last.len - first.blob_at) as usize;
+    let mut retry = RANGE_RETRY.start();
+    let bytes = loop {
+        match src.read_range_unverified(&plan.blob.digest, first.blob_at, len) {
+            Ok(b) if b.len() == len => break Some(b),
+            Ok(b) => {
+                tracing::warn!(
+                    "pid {}: working-set blob {}: {} bytes at {} instead of {len}; its slices take the fault path",
+                    conn.pid,
+                    plan.blob.digest,
+                    b.len(),
+                    first.blob_at
+                );
+                break None;
+            }
+            Err(e) if e.kind() == ErrorKind::Transient => match retry.failed(None) {
+                Some(wait) => std::thread::sleep(wait),
+                None => {
+                    tracing::warn!("pid {}: working-set blob {}: {e}; its slices take the fault path", conn.pid, plan.blob.digest);
+                    break None;
+                }
+            },
+            Err(e) => {
+                tracing::warn!("pid {}: working-set blob {}: {e}; its slices take the fault path", conn.pid, plan.blob.digest);
+                break None;
+            }
+        }
+    };
+    if let Some(bytes) = bytes {
+        conn.rec.add(|c| &c.ws_bytes, len as u64);
+        let image = &conn.fetcher.image;
+        let mut i = 0;
+        // Slices of one chunk go in together (one install pass over its spans).
+        while i < entries.len() {
+            let chunk = entries[i].chunk;
+            let mut verified = Vec::new();
+            while i < entries.len() && entries[i].chunk == chunk {
+                let e = entries[i];
+                let piece = bytes.slice((e.blob_at - first.blob_at) as usize..(e.blob_at - first.blob_at + e.len) as usize);
+                match verify::check_slice(image, conn.fetcher.file, chunk, e.slice, piece) {
+                    Ok(v) => verified.push(v),
+                    Err(err) => {
+                        conn.rec.add(|c| &c.verify_failures, 1);
+                        tracing::error!("pid {}: working-set blob {}: {err}; that slice takes the fault path", conn.pid, plan.blob.digest);
+                    }
+                }
+                i += 1;
+            }
+            if !verified.is_empty() {
+                install(conn, chunk, &verified);
+            }
+        }
+    }
+    let mut pending = conn.ws_pending.lock().expect("poisoned");
+    for e in entries {
+        pending.remove(&e.at);
+    }
+}
+
+/// Install verified slices from this (non-fault) thread: while the address space is
+/// changing, wait for the fault thread to read the events, a while at most.
+fn install(conn: &Conn, chunk: u64, slices: &[verify::VerifiedSlice]) {
+    let t0 = Instant::now();
+    let mut again = || {
+        if t0.elapsed() > Duration::from_secs(1) || conn.gone.load(Ordering::Relaxed) {
+            return Err("the address space kept changing".to_string());
+        }
+        std::thread::sleep(Duration::from_millis(1));
+        Ok(())
+    };
+    match conn.install_slices_with(chunk, slices, &mut again) {
+        Ok(()) => conn.rec.add(|c| &c.ws_slices, slices.len() as u64),
+        Err(e) => tracing::debug!("pid {}: working-set slices of chunk {chunk} not installed: {e}", conn.pid),
+    }
+}
