@@ -11,7 +11,7 @@
 #
 # Options: --runs N  --size SIZE  --rtts "0 2 20 50" (ms)  --rates "0 1gbit 200mbit"
 #          --pct P (5)  --all (also --prefetch all --prefetch-rate 0, scattered)  --tag NAME
-#          --keep  --only pull (pull, verify and the curl calibration only, no lazy
+#          --keep  --no-verify (no `snapctl verify` rows)  --only pull (pull, verify and the curl calibration only, no lazy
 #          restores: what `pull` and `verify` get of the link)  --window SIZE (netem_proxy's per-connection window,
 #          its default 16MiB)  --pull-args "ARGS" (extra `snapctl pull` flags, e.g.
 #          "--jobs 16")
@@ -37,8 +37,11 @@
 #               left (faults served from the cache; the image's metadata still comes
 #               through the proxy)
 #   replay      the scattered restore again, cold, --prefetch trace: replays the trace the
-#               scattered restore of this run just recorded (the newest trace wins)
-#   all         (with --all) scattered, --prefetch all --prefetch-rate 0
+#               scattered restore of this run just recorded (the newest trace wins): its
+#               working set (the touched slices, one blob fetched in ranges at connect) and
+#               its zero chunks
+#   all         (with --all) scattered, --prefetch all --prefetch-rate 0, cold and before
+#               the scattered restore records a trace (so no trace either)
 # And once per setting with a cap, the proxy's own ceiling: `curl` of the largest pack
 # through it (% of the cap a plain single download gets).
 # Lazy time = daemon start (it opens the image through the proxy) to fake_vmm's exit
@@ -63,7 +66,7 @@ trap 'echo "wan.sh: line $LINENO failed: $BASH_COMMAND" >&2' ERR
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ARGV=("$@")
 RUNS=3 SIZE=2GiB RTTS="0 2 20 50" RATES="0 1gbit 200mbit" PCT=5 ALL=0 TAG="" KEEP=0 QUICK=0
-ONLY="" WINDOW="" PULL_ARGS=""
+ONLY="" WINDOW="" PULL_ARGS="" NO_VERIFY=0
 LAZY_EXTRA="" PREFETCH=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -76,6 +79,7 @@ while [ $# -gt 0 ]; do
     --all) ALL=1 ;;
     --tag) TAG=$2; shift ;;
     --keep) KEEP=1 ;;
+    --no-verify) NO_VERIFY=1 ;;
     --only) ONLY=$2; shift
       [ "$ONLY" = pull ] || { echo "wan.sh: --only takes pull" >&2; exit 2; } ;;
     --window) WINDOW=$2; shift ;;
@@ -242,8 +246,11 @@ lazy_once() {
     faults="$(jq .faults.total "$h")" fetched_faults="$(jq .faults.fetched "$h")" present_faults="$(jq .faults.present "$h")" \
     bytes_fetched="$(jq .bytes_fetched "$h")" prefetched_bytes="$(jq .prefetched_bytes "$h")" \
     streamed_bytes="$(jq '.streamed_bytes // 0' "$h")" stream_started_s="$(jq '.stream_started_s // null' "$h")" \
-    stream_depth="$(jq '.stream_depth // 0' "$h")"
-  log "  $path: $secs s, $(jq -c '{faults, bytes_fetched, prefetched_bytes, streamed_bytes, stream_started_s, stream_depth, latency_us}' "$h"), $(jq -c .bytes_down <<<"$NET_STATS") B through the proxy"
+    stream_depth="$(jq '.stream_depth // 0' "$h")" \
+    ws_slices="$(jq '.working_set_slices // 0' "$h")" ws_waits="$(jq '.working_set_waits // 0' "$h")" \
+    ws_bytes="$(jq '.working_set_bytes // 0' "$h")" ws_s="$(jq '.working_set_s // null' "$h")" \
+    ws_recorded="$(jq '.working_set_recorded // 0' "$h")"
+  log "  $path: $secs s, $(jq -c '{faults, bytes_fetched, prefetched_bytes, streamed_bytes, stream_started_s, stream_depth, working_set_slices, working_set_waits, working_set_s, working_set_recorded, latency_us}' "$h"), $(jq -c .bytes_down <<<"$NET_STATS") B through the proxy"
   [ "$cache" = fill ] || rm -rf "$W/lcache"
 }
 
@@ -275,17 +282,18 @@ for rtt in $RTTS; do
       log "RTT $rtt ms, cap $rate: run $run/$RUNS"
       pull_once "$setting" "$run" "$rtt" "$rate"
       if [ "$rtt" = 0 ] && [ "$rate" = 0 ]; then pull_once "$setting" "$run" 0 0 direct; fi
-      verify_once "$setting" "$run" "$rtt" "$rate"
+      [ "$NO_VERIFY" = 1 ] || verify_once "$setting" "$run" "$rtt" "$rate"
       [ "$ONLY" = pull ] && continue
       # A repository of this run's own: no trace from an earlier run (untimed push).
       repo=bench/r$((++REPOS))
       "$SNAPCTL" push "$W/snap" "127.0.0.1:$PORT/$repo:v1" --cache "$W/pushcache" >/dev/null
       rm -rf "$W/pushcache"
       lazy_once "$setting" "$run" "$rtt" "$rate" clustered "$CLUSTER" "$PREFETCH" cold "$repo"
+      # Before the scattered restore records a trace: cold, no trace.
+      if [ "$ALL" = 1 ]; then lazy_once "$setting" "$run" "$rtt" "$rate" all "$SCATTER" "--prefetch all --prefetch-rate 0" cold "$repo"; fi
       lazy_once "$setting" "$run" "$rtt" "$rate" scattered "$SCATTER" "$PREFETCH --record-trace" fill "$repo"
       lazy_once "$setting" "$run" "$rtt" "$rate" warm "$SCATTER" "--prefetch none" warm "$repo"
       lazy_once "$setting" "$run" "$rtt" "$rate" replay "$SCATTER" "--prefetch trace" cold "$repo"
-      if [ "$ALL" = 1 ]; then lazy_once "$setting" "$run" "$rtt" "$rate" all "$SCATTER" "--prefetch all --prefetch-rate 0" cold "$repo"; fi
     done
   done
 done
@@ -312,15 +320,19 @@ order = ["calibration", "pull", "pull_direct", "verify", "clustered", "scattered
 label = {"calibration": "`curl` of the largest pack (the proxy's ceiling)", "pull": "`snapctl pull`", "pull_direct": "`snapctl pull`, no proxy", "verify": "`snapctl verify` (reads every stored chunk)",
          "clustered": "lazy, clustered (runs of 64 pages)", "scattered": "lazy, scattered (records a trace)",
          "warm": "lazy, scattered again, warm chunk cache", "replay": "lazy, scattered again, cold, `--prefetch trace`",
-         "all": "lazy, scattered, `--prefetch all --prefetch-rate 0`"}
+         "all": "lazy, scattered, cold, no trace, `--prefetch all --prefetch-rate 0`"}
 settings = []
 for r in runs:
     if r["setting"] not in settings:
         settings.append(r["setting"])
 f = lambda x, d=2: "-" if x is None else f"{x:.{d}f}"
 ms = lambda us: f(us / 1000, 2 if us >= 1000 else 3)
-print("| RTT | cap | what | time s | / pull | % of cap | vCPU data-page fault p50 / p99 ms | daemon fault p50 / p99 ms | bytes fetched per byte touched | runs s |")
-print("|---:|---|---|---:|---:|---:|---:|---:|---:|---|")
+print("| RTT | cap | what | time s | / pull | % of cap | vCPU data-page fault p50 / p99 ms | daemon fault p50 / p99 ms | bytes fetched per byte touched | touches installed or in flight | runs s |")
+print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+# A touch finds its page installed (mincore before it), or faults; a fault on a slice the
+# working-set replay is fetching waits for it (in flight, not a fetch of its own).
+ready = lambda r: 1 - max(0, r["missing"] - r.get("ws_waits", 0)) / r["pages"]
+goals = []
 for s in settings:
     rs = [r for r in runs if r["setting"] == s]
     pull_t = med([r["seconds"] for r in rs if r["path"] == "pull"])
@@ -336,13 +348,37 @@ for s in settings:
         if p in ("pull", "calibration", "verify") and cap:
             pct = f(100 * med([r["bytes_down"] * 8 / r["seconds"] / cap for r in pr]), 0) + "%"
         if p.startswith("pull") or p in ("calibration", "verify"):
-            touch = fault = per = ""
+            touch = fault = per = inst = ""
         else:
             touch = f"{ms(med([r['touch_p50_us'] for r in pr]))} / {ms(med([r['touch_p99_us'] for r in pr]))}"
             fault = f"{ms(med([r['fault_p50_us'] for r in pr]))} / {ms(med([r['fault_p99_us'] for r in pr]))}"
             per = f(med([r["bytes_down"] / (r["pages"] * 4096) for r in pr]), 1)
-        print(f"| {rtt} ms | {'none' if not cap else rate} | {label[p]} | **{f(t)}** | {ratio} | {pct} | {touch} | {fault} | {per} | {', '.join(f(r['seconds']) for r in pr)} |")
+            inst = f(100 * med([ready(r) for r in pr]), 1) + "%"
+        print(f"| {rtt} ms | {'none' if not cap else rate} | {label[p]} | **{f(t)}** | {ratio} | {pct} | {touch} | {fault} | {per} | {inst} | {', '.join(f(r['seconds']) for r in pr)} |")
+    # Issue 16 §4's goals, per setting.
+    t = lambda p: med([r["seconds"] for r in rs if r["path"] == p])
+    where = f"{rs[0]['rtt_ms']} ms, {rs[0]['rate'] if rate_bps(rs[0]['rate']) else 'no cap'}"
+    mark = lambda ok: "met" if ok else "**not met**"
+    if pull_t and t("clustered"):
+        goals.append(f"{where}: clustered {pull_t / t('clustered'):.2f}x faster than pull (goal >= 5x cross-host): {mark(pull_t / t('clustered') >= 5)}")
+    if pull_t and t("scattered"):
+        goals.append(f"{where}: scattered {t('scattered') / pull_t:.2f}x pull's time (goal <= 1.1x): {mark(t('scattered') / pull_t <= 1.1)}")
+    if pull_t and t("replay") and t("scattered"):
+        share = med([ready(r) for r in rs if r["path"] == "replay"])
+        ok = pull_t / t("replay") >= 3.7 and t("scattered") / t("replay") >= 3.7 and share >= 0.95
+        goals.append(f"{where}: replay {pull_t / t('replay'):.2f}x faster than pull, {t('scattered') / t('replay'):.2f}x than the first restore, "
+                     f"{100 * share:.1f}% of touches installed or in flight (goal >= 3.7x both, >= 95%): {mark(ok)}")
+    cap = rate_bps(rs[0]["rate"])
+    pr = [r for r in rs if r["path"] == "pull"]
+    if cap and pr:
+        share = med([r["bytes_down"] * 8 / r["seconds"] / cap for r in pr])
+        goals.append(f"{where}: pull at {100 * share:.0f}% of the cap (goal >= 80%): {mark(share >= 0.8)}")
 print()
+if goals:
+    print("Goals (issue 16 §4; the cross-host setting is 20 ms, 1gbit):\n")
+    for g in goals:
+        print(f"- {g}")
+    print()
 lz = [r for r in runs if r["path"] not in ("pull", "pull_direct", "calibration", "verify")]
 if lz:
     pages = lz[0]["pages"]
@@ -359,7 +395,12 @@ if lz:
                          f"{sum(1 for r in pr if r.get('stream_started_s') is not None)} of {len(pr)} runs"
                          + (f" (median {med([r['stream_started_s'] for r in pr if r.get('stream_started_s') is not None]):.2f} s after connect)"
                             if any(r.get('stream_started_s') is not None for r in pr) else "")
-                         + f", at most {med([r.get('stream_depth', 0) for r in pr]):.0f} requests in flight")
+                         + f", at most {med([r.get('stream_depth', 0) for r in pr]):.0f} requests in flight"
+                         + (f"; working set: {med([r.get('ws_slices', 0) for r in pr]):.0f} slices installed "
+                            f"({med([r.get('ws_bytes', 0) for r in pr]) / 1e6:.1f} MB read), {med([r.get('ws_waits', 0) for r in pr]):.0f} faults waited for it"
+                            + (f", done {med([r['ws_s'] for r in pr if r.get('ws_s') is not None]):.2f} s after connect" if any(r.get('ws_s') is not None for r in pr) else "")
+                            if any(r.get('ws_slices', 0) for r in pr) else "")
+                         + (f"; recorded a working set of {med([r.get('ws_recorded', 0) for r in pr]):.0f} slices" if any(r.get('ws_recorded', 0) for r in pr) else ""))
     print(f"Per restore, medians: {pages} pages touched ({pages * 4096} B).\n")
     for part in parts:
         print(f"- {part}")

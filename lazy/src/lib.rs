@@ -356,7 +356,7 @@ impl Daemon {
             std::thread::Builder::new().name("lazy-prefetch".into()).spawn(move || prefetch::run(c, order, traced, jobs, rate, s))
         });
         let replayer = plan.map(|p| {
-            tracing::info!("pid {}: replaying a working set of {} slices", hs.pid, p.slices());
+            tracing::info!("pid {}: replaying a working set of {} slices and {} zero chunks", hs.pid, p.slices(), p.zero_chunks());
             let (c, s, src) = (conn.clone(), stop_prefetch.clone(), self.fetcher.source());
             std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || workingset::replay(c, p, src, s))
         });
@@ -381,12 +381,18 @@ impl Daemon {
             us => Some((us - 1) as f64 / 1e6),
         };
         if self.opts.record_trace {
-            let (chunks, working_set, ws_bytes) = {
+            let (chunks, working_set, ws_bytes, zero_chunks) = {
                 let mut st = conn.state.lock().expect("poisoned");
-                (std::mem::take(&mut st.trace), std::mem::take(&mut st.working_set), std::mem::take(&mut st.working_set_bytes))
+                (
+                    std::mem::take(&mut st.trace),
+                    std::mem::take(&mut st.working_set),
+                    std::mem::take(&mut st.working_set_bytes),
+                    std::mem::take(&mut st.zero_touched),
+                )
             };
             let mut t = Trace::new(&file.name, 1 << image.chunk_shift(), chunks);
             t.working_set = working_set;
+            t.zero_chunks = zero_chunks;
             if !ws_bytes.is_empty() {
                 t.working_set_blob = Some(imgfmt::Descriptor::new(prefetch::WORKING_SET_MEDIA_TYPE, imgfmt::OciDigest::of(&ws_bytes), ws_bytes.len() as u64));
             }

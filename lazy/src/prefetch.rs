@@ -82,6 +82,10 @@ pub struct Trace {
     /// no working set (an image without an outboard, or a trace recorded before them).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub working_set: Vec<u64>,
+    /// Zero chunks the restore touched, first touch first: installed (as zeros, nothing
+    /// fetched) before the guest asks, as the working set is.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub zero_chunks: Vec<u64>,
     /// The working-set blob's descriptor (the trace manifest's second layer), as loaded.
     #[serde(skip)]
     pub working_set_blob: Option<Descriptor>,
@@ -89,7 +93,7 @@ pub struct Trace {
 
 impl Trace {
     pub fn new(file: &str, chunk_size: u64, chunks: Vec<u64>) -> Self {
-        Trace { format: TRACE_FORMAT.into(), file: file.into(), chunk_size, chunks, working_set: Vec::new(), working_set_blob: None }
+        Trace { format: TRACE_FORMAT.into(), file: file.into(), chunk_size, chunks, working_set: Vec::new(), zero_chunks: Vec::new(), working_set_blob: None }
     }
 
     /// Parse and check a trace against the image it is for.
@@ -103,7 +107,7 @@ impl Trace {
         if t.format != TRACE_FORMAT || t.file != f.name || t.chunk_size != 1 << image.chunk_shift() {
             return Err(invalid("trace", format!("for {:?} at chunk size {}, not this image's {:?}", t.file, t.chunk_size, f.name)));
         }
-        if let Some(c) = t.chunks.iter().find(|&&c| c >= n) {
+        if let Some(c) = t.chunks.iter().chain(&t.zero_chunks).find(|&&c| c >= n) {
             return Err(invalid("trace", format!("chunk {c} beyond the file's {n} chunks")));
         }
         if let Some(o) = t.working_set.iter().find(|&&o| o >= f.size) {

@@ -126,6 +126,9 @@ pub(crate) struct ConnState {
     pub working_set: Vec<u64>,
     pub working_set_bytes: Vec<u8>,
     working_set_seen: HashSet<u64>,
+    /// Zero chunks the guest touched (with --record-trace), first touch first.
+    pub zero_touched: Vec<u64>,
+    zero_seen: HashSet<u64>,
 }
 
 /// What a fault outside every region gets.
@@ -610,6 +613,12 @@ impl Conn {
                 for c in span.chunks(self.map.chunk_shift) {
                     if st.traced.insert(c) {
                         st.trace.push(c);
+                    }
+                }
+            } else if self.record_trace {
+                for c in span.chunks(self.map.chunk_shift) {
+                    if st.zero_seen.insert(c) {
+                        st.zero_touched.push(c);
                     }
                 }
             }
@@ -1296,6 +1305,31 @@ impl Conn {
             let at = Duration::from_micros(since - 1);
             (self.busy_addr.load(Ordering::Relaxed), self.started.elapsed().saturating_sub(at))
         })
+    }
+
+    /// Install a span of a zero chunk ahead of the guest (a recorded working set's zero
+    /// chunks: no fetch, and a fault saved per page the guest touches there). Skips spans
+    /// already installed or being changed, never fills removed memory (it reads as zeros
+    /// anyway).
+    pub fn prefetch_zero_span(&self, span: &Span) {
+        let mut st = self.state.lock().expect("poisoned");
+        if st.installed.contains(&(span.region, span.unit)) || st.poisoned.contains(&(span.region, span.unit)) {
+            return;
+        }
+        let page = self.map.regions[span.region].page_size;
+        for (removed, a, b) in st.removed.split(span.host, span.host + span.len) {
+            if removed {
+                continue;
+            }
+            let done = match self.zero_op(page) {
+                Op::Copy(z) => (a..b).step_by(page as usize).try_for_each(|p| self.fill(Op::Copy(z), p, page, page)),
+                op => self.fill(op, a, b - a, page),
+            };
+            if done.is_err() {
+                return;
+            }
+        }
+        st.installed.insert((span.region, span.unit));
     }
 
     /// Install one span ahead of the guest (prefetch). Returns the bytes installed; skips

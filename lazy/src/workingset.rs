@@ -50,7 +50,10 @@ struct Entry {
 #[derive(Debug, Clone)]
 pub struct Plan {
     entries: Vec<Entry>,
-    blob: Descriptor,
+    /// `None` when the trace lists zero chunks but no working set.
+    blob: Option<Descriptor>,
+    /// Zero chunks the recorded restore touched: installed as zeros, nothing fetched.
+    zero_chunks: Vec<u64>,
 }
 
 impl Plan {
@@ -59,12 +62,17 @@ impl Plan {
     /// the outboard describes, one listed twice, or a blob whose size is not the sum of the
     /// slices': an error (the whole working set is refused; the restore goes on without).
     pub fn new(image: &Image, file: usize, trace: &Trace) -> Result<Option<Plan>, String> {
-        let Some(blob) = trace.working_set_blob.clone() else { return Ok(None) };
-        if trace.working_set.is_empty() {
-            return Ok(None);
-        }
+        let chunks = &image.files[file].chunks;
+        // Chunks the trace says are zero and the image agrees are (anything else is left to
+        // the fault path: a trace is a hint, never a source of bytes).
+        let zero_chunks: Vec<u64> =
+            trace.zero_chunks.iter().copied().filter(|&c| chunks.get(c as usize).is_some_and(|ch| matches!(ch.at, imgfmt::StoredAt::Zero))).collect();
+        let blob = trace.working_set_blob.clone().filter(|_| !trace.working_set.is_empty());
+        let Some(blob) = blob else {
+            return Ok((!zero_chunks.is_empty()).then(|| Plan { entries: Vec::new(), blob: None, zero_chunks }));
+        };
         let shift = image.chunk_shift();
-        let n = image.files[file].chunks.len() as u64;
+        let n = chunks.len() as u64;
         let mut seen = HashSet::with_capacity(trace.working_set.len());
         let mut entries = Vec::with_capacity(trace.working_set.len());
         let mut blob_at = 0u64;
@@ -89,11 +97,15 @@ impl Plan {
         if blob_at != blob.size {
             return Err(format!("working-set blob {} is {} bytes, its slices {blob_at}", blob.digest, blob.size));
         }
-        Ok(Some(Plan { entries, blob }))
+        Ok(Some(Plan { entries, blob: Some(blob), zero_chunks }))
     }
 
     pub fn slices(&self) -> usize {
         self.entries.len()
+    }
+
+    pub fn zero_chunks(&self) -> usize {
+        self.zero_chunks.len()
     }
 
     /// The entries in ranges of consecutive blob bytes of at most [`RANGE_BYTES`] (a slice
@@ -134,16 +146,27 @@ pub(crate) fn replay(conn: Arc<Conn>, plan: Plan, src: Arc<dyn BlobSource>, stop
     let next = AtomicUsize::new(0);
     let ended = || stop.load(Ordering::Relaxed) || conn.gone.load(Ordering::Relaxed);
     std::thread::scope(|s| {
-        for _ in 0..RANGES_IN_FLIGHT.min(ranges.len()) {
-            let spawned = std::thread::Builder::new().name("lazy-workingset".into()).spawn_scoped(s, || loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= ranges.len() || ended() {
-                    return;
+        if let Some(blob) = &plan.blob {
+            for _ in 0..RANGES_IN_FLIGHT.min(ranges.len()) {
+                let spawned = std::thread::Builder::new().name("lazy-workingset".into()).spawn_scoped(s, || loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= ranges.len() || ended() {
+                        return;
+                    }
+                    replay_range(&conn, blob, &plan.entries[ranges[i].clone()], src.as_ref());
+                });
+                if spawned.is_err() {
+                    break;
                 }
-                replay_range(&conn, &plan, &plan.entries[ranges[i].clone()], src.as_ref());
-            });
-            if spawned.is_err() {
+            }
+        }
+        // While the ranges are on their way: the zero chunks, from here (no fetch).
+        for &c in &plan.zero_chunks {
+            if ended() {
                 break;
+            }
+            for span in conn.map.spans_of_chunk(c) {
+                conn.prefetch_zero_span(&span);
             }
         }
     });
@@ -151,18 +174,18 @@ pub(crate) fn replay(conn: Arc<Conn>, plan: Plan, src: Arc<dyn BlobSource>, stop
 }
 
 /// Fetch one range of the blob, check each slice, install those that pass.
-fn replay_range(conn: &Conn, plan: &Plan, entries: &[Entry], src: &dyn BlobSource) {
+fn replay_range(conn: &Conn, blob: &Descriptor, entries: &[Entry], src: &dyn BlobSource) {
     let (first, last) = (entries[0], entries[entries.len() - 1]);
     let len = (last.blob_at + last.len - first.blob_at) as usize;
     let mut retry = RANGE_RETRY.start();
     let bytes = loop {
-        match src.read_range_unverified(&plan.blob.digest, first.blob_at, len) {
+        match src.read_range_unverified(&blob.digest, first.blob_at, len) {
             Ok(b) if b.len() == len => break Some(b),
             Ok(b) => {
                 tracing::warn!(
                     "pid {}: working-set blob {}: {} bytes at {} instead of {len}; its slices take the fault path",
                     conn.pid,
-                    plan.blob.digest,
+                    blob.digest,
                     b.len(),
                     first.blob_at
                 );
@@ -171,12 +194,12 @@ fn replay_range(conn: &Conn, plan: &Plan, entries: &[Entry], src: &dyn BlobSourc
             Err(e) if e.kind() == ErrorKind::Transient => match retry.failed(None) {
                 Some(wait) => std::thread::sleep(wait),
                 None => {
-                    tracing::warn!("pid {}: working-set blob {}: {e}; its slices take the fault path", conn.pid, plan.blob.digest);
+                    tracing::warn!("pid {}: working-set blob {}: {e}; its slices take the fault path", conn.pid, blob.digest);
                     break None;
                 }
             },
             Err(e) => {
-                tracing::warn!("pid {}: working-set blob {}: {e}; its slices take the fault path", conn.pid, plan.blob.digest);
+                tracing::warn!("pid {}: working-set blob {}: {e}; its slices take the fault path", conn.pid, blob.digest);
                 break None;
             }
         }
@@ -196,7 +219,7 @@ fn replay_range(conn: &Conn, plan: &Plan, entries: &[Entry], src: &dyn BlobSourc
                     Ok(v) => verified.push(v),
                     Err(err) => {
                         conn.rec.add(|c| &c.verify_failures, 1);
-                        tracing::error!("pid {}: working-set blob {}: {err}; that slice takes the fault path", conn.pid, plan.blob.digest);
+                        tracing::error!("pid {}: working-set blob {}: {err}; that slice takes the fault path", conn.pid, blob.digest);
                     }
                 }
                 i += 1;
