@@ -109,7 +109,7 @@ impl LazyOptions {
             stream_jobs: prefetch::DEFAULT_STREAM_JOBS,
             stream_after: Some(prefetch::DEFAULT_STREAM_AFTER),
             record_trace: false,
-            slice_faults: false,
+            slice_faults: true,
             retry: fetch::DEFAULT_RETRY,
             memory_bytes: 256 << 20,
             once: false,
@@ -346,7 +346,10 @@ impl Daemon {
         let (mut order, traced) = prefetch::stream_order(self.opts.prefetch, chunk_trace, &image, self.fetcher.file);
         match (self.opts.prefetch, self.opts.stream_after) {
             (PrefetchMode::All, _) => conn.start_stream(),
-            (PrefetchMode::Trace, Some(f)) => *conn.detector.lock().expect("poisoned") = Some(prefetch::Detector::new(&image, self.fetcher.file, f)),
+            (PrefetchMode::Trace, Some(f)) => {
+                let f = if plan.is_some() { f.max(prefetch::REPLAY_STREAM_AFTER) } else { f };
+                *conn.detector.lock().expect("poisoned") = Some(prefetch::Detector::new(&image, self.fetcher.file, f))
+            }
             // Nothing will let the rest go.
             _ => order.truncate(traced),
         }
@@ -357,9 +360,15 @@ impl Daemon {
         });
         let replayer = plan.map(|p| {
             tracing::info!("pid {}: replaying a working set of {} slices and {} zero chunks", hs.pid, p.slices(), p.zero_chunks());
+            workingset::arm(&conn, &p);
             let (c, s, src) = (conn.clone(), stop_prefetch.clone(), self.fetcher.source());
             std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || workingset::replay(c, p, src, s))
         });
+        if let Some(Err(e)) = &replayer {
+            // No replay will install them: the faults fetch for themselves.
+            tracing::warn!("pid {}: no working-set replay: {e}", hs.pid);
+            workingset::disarm(&conn);
+        }
         let ended = conn.run(stream, &self.stop);
         conn.gone.store(true, Ordering::Relaxed);
         stop_prefetch.store(true, Ordering::Relaxed);

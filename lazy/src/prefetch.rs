@@ -293,11 +293,22 @@ pub fn stream_order(mode: PrefetchMode, trace: Option<&Trace>, image: &Image, fi
 /// Distinct data chunks missed before the detector may fire, whatever the fraction: a
 /// handful of misses says nothing about a pattern.
 pub const MIN_MISSES: u64 = 8;
-/// Default of `--stream-after`: the fraction of the file's data chunks that faults must
-/// have waited for before the rest is streamed. Above what a clustered guest touches in
-/// all (bench/wan.sh's 5 % of pages in runs of 64: 23 % of the data chunks, 232 of 1003
-/// at 2 GiB, 57 of 246 at 512 MiB), far below what a scattered one does (all of them).
-pub const DEFAULT_STREAM_AFTER: f64 = 0.3;
+/// Default of `--stream-after` for a restore with no working set to replay: 0, so the
+/// rest is streamed once [`MIN_MISSES`] data chunks missed. A guest's misses do not tell a
+/// scattered working set from a clustered one touched in random order until the clustered
+/// one has covered its set (bench/wan.sh's clustered guest: 23 % of the data chunks), and
+/// every miss before the stream costs a scattered guest a round trip per vCPU; streaming at
+/// once keeps any pattern within a pull's time plus a few round trips. Measured with
+/// bench/wan.sh, 512 MiB, 20 ms, 1 Gbit/s, slice faults on (BENCHMARKS.md "Dialled
+/// network"): 0 gave scattered 1.09x a pull and clustered 0.72x; 15 % 1.12x and 0.59x;
+/// 30 % 1.18x and 0.44x. What it costs: a clustered guest's restore shares the link with
+/// the stream and ends with the whole image in guest memory.
+pub const DEFAULT_STREAM_AFTER: f64 = 0.0;
+/// With a recorded working set replayed, the share is at least this: the working set
+/// covers what the guest is expected to touch, a few misses beyond it are a guest doing
+/// a little more, and only a guest that departs from it widely (30 % of the data chunks:
+/// above the clustered guest's 23 %) gets the rest streamed.
+pub const REPLAY_STREAM_AFTER: f64 = 0.3;
 
 /// When a restore's misses look scattered enough that streaming the rest of the image
 /// beats faulting it in: once the distinct data chunks that faults had to wait for reach
@@ -670,14 +681,18 @@ mod tests {
             // them, early in the restore.
             let scattered = data_misses(chunks, 5, 1, seed);
             assert!(scattered.len() as u64 > data * 9 / 10, "{}", scattered.len());
+            let mut d = Detector::with_counts(chunks, data, REPLAY_STREAM_AFTER);
+            let fired: Vec<usize> = scattered.iter().enumerate().filter(|(_, &c)| d.miss(c)).map(|(i, _)| i).collect();
+            assert_eq!(fired, vec![(data as f64 * REPLAY_STREAM_AFTER).ceil() as usize - 1], "fires once, at the threshold");
+            // The default for a cold restore fires at the MIN_MISSES-th miss.
             let mut d = Detector::with_counts(chunks, data, DEFAULT_STREAM_AFTER);
             let fired: Vec<usize> = scattered.iter().enumerate().filter(|(_, &c)| d.miss(c)).map(|(i, _)| i).collect();
-            assert_eq!(fired, vec![(data as f64 * DEFAULT_STREAM_AFTER).ceil() as usize - 1], "fires once, at the threshold");
+            assert_eq!(fired, vec![MIN_MISSES as usize - 1]);
             // Clustered 5 % (runs of 64 pages): about a quarter of the data chunks, never
             // enough to stream.
             let clustered = data_misses(chunks, 5, 64, seed);
             assert!((data / 8..data * 3 / 10).contains(&(clustered.len() as u64)), "{}", clustered.len());
-            let mut d = Detector::with_counts(chunks, data, DEFAULT_STREAM_AFTER);
+            let mut d = Detector::with_counts(chunks, data, REPLAY_STREAM_AFTER);
             assert!(!clustered.iter().any(|&c| d.miss(c)), "seed {seed}: {} of {data} data chunks", clustered.len());
             assert_eq!(d.missed(), clustered.len() as u64);
         }

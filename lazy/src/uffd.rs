@@ -232,8 +232,8 @@ struct Arrivals {
     failed: HashMap<u64, FetchFailure>,
 }
 
-/// Fetch threads per connection.
-const FETCHERS: usize = 4;
+/// Fetch threads per connection: a slice and its chunk for each of a few vCPUs' faults.
+const FETCHERS: usize = 8;
 
 /// What the fetch pool is asked for.
 enum Job {
@@ -852,9 +852,18 @@ impl Conn {
                 let requeue = match (key, done) {
                     (Key::Chunk(c), Done::Chunk(res, origin)) => {
                         match res {
+                            // Fetched beside a slice, and no fault waits for it: install it
+                            // now, so the guest's next touches there do not fault.
+                            Ok(()) if faults.is_empty() => {
+                                for span in self.map.spans_of_chunk(c) {
+                                    self.prefetch_span(&span);
+                                }
+                            }
                             Ok(()) => {
                                 q.arrived.origin.insert(c, origin);
                             }
+                            // No fault waits: the next one on this chunk fetches it again.
+                            Err(_) if faults.is_empty() => {}
                             Err(f) => {
                                 q.arrived.failed.insert(c, f);
                             }
@@ -922,6 +931,16 @@ impl Conn {
                                 self.missed(c);
                                 if job_tx.send((key, Job::Slices(c, range))).is_err() {
                                     return "fetch pool gone".into();
+                                }
+                                // The whole chunk at once, beside the slice: the slice serves
+                                // this fault in a round trip, the chunk the guest's next
+                                // touches there without another (installed when it arrives).
+                                let whole = Key::Chunk(c);
+                                if let std::collections::hash_map::Entry::Vacant(e) = q.parked.entry(whole) {
+                                    e.insert(Vec::new());
+                                    if job_tx.send((whole, Job::Chunk(c))).is_err() {
+                                        return "fetch pool gone".into();
+                                    }
                                 }
                             }
                             continue;
@@ -1118,6 +1137,17 @@ impl Conn {
                 }
                 if self.record_trace && st.traced.insert(c) {
                     st.trace.push(c);
+                }
+                if self.record_trace {
+                    // Slices a fault fetched are pages the guest touched (or pending faults
+                    // near them): part of the working set.
+                    for sl in slices {
+                        let at = base + sl.offset_in_chunk();
+                        if st.working_set_seen.insert(at) {
+                            st.working_set.push(at);
+                            st.working_set_bytes.extend_from_slice(sl.as_bytes());
+                        }
+                    }
                 }
                 for sl in slices {
                     let (f0, f1) = (base + sl.offset_in_chunk(), base + sl.offset_in_chunk() + sl.len() as u64);

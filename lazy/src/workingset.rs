@@ -127,20 +127,29 @@ impl Plan {
     }
 }
 
-/// Replay `plan` into `conn`: every slice is in `conn.ws_pending` until it is installed
-/// or given up, so faults on it wait for this instead of fetching. Returns when every
-/// range is done, the connection ends or `stop` is set; the pending set is cleared on the
-/// way out whatever happened.
+/// Put every slice of `plan` in `conn.ws_pending`, so that faults on it wait for the
+/// replay instead of fetching: before the connection's fault loop reads its first fault.
+pub(crate) fn arm(conn: &Conn, plan: &Plan) {
+    conn.ws_pending.lock().expect("poisoned").extend(plan.entries.iter().map(|e| e.at));
+    conn.ws_active.store(true, Ordering::Relaxed);
+}
+
+/// Undo [`arm`]: faults on the working set fetch for themselves.
+pub(crate) fn disarm(conn: &Conn) {
+    conn.ws_active.store(false, Ordering::Relaxed);
+    conn.ws_pending.lock().expect("poisoned").clear();
+}
+
+/// Replay `plan` into `conn` (armed with [`arm`]): every slice stays in `conn.ws_pending`
+/// until it is installed or given up. Returns when every range is done, the connection
+/// ends or `stop` is set; the pending set is cleared on the way out whatever happened.
 pub(crate) fn replay(conn: Arc<Conn>, plan: Plan, src: Arc<dyn BlobSource>, stop: Arc<AtomicBool>) -> Option<Duration> {
     struct Clear<'a>(&'a Conn);
     impl Drop for Clear<'_> {
         fn drop(&mut self) {
-            self.0.ws_active.store(false, Ordering::Relaxed);
-            self.0.ws_pending.lock().expect("poisoned").clear();
+            disarm(self.0);
         }
     }
-    conn.ws_pending.lock().expect("poisoned").extend(plan.entries.iter().map(|e| e.at));
-    conn.ws_active.store(true, Ordering::Relaxed);
     let _clear = Clear(&conn);
     let ranges = plan.ranges();
     let next = AtomicUsize::new(0);

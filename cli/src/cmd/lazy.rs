@@ -87,13 +87,14 @@ pub struct LazyArgs {
     #[arg(long, default_value_t = lazy::prefetch::DEFAULT_STREAM_JOBS, value_name = "N", value_parser = parse_jobs)]
     pub stream_jobs: usize,
     /// With --prefetch trace: stream the rest of the image once faults have waited for this
-    /// share of the memory file's non-zero chunks (e.g. 30%, 0.3), or `never`. A guest
-    /// touching pages scattered over its memory needs nearly every chunk, and streaming
-    /// them at the link's speed beats a round trip per chunk; one whose working set is
-    /// clustered needs few and is done sooner without the stream. Lower values stream
-    /// sooner (a scattered restore gets closer to a pull's time; a clustered one that passes
-    /// the mark shares the link with the stream); higher ones later.
-    #[arg(long, default_value = "30%", value_name = "SHARE", value_parser = parse_share)]
+    /// share of the memory file's non-zero chunks (e.g. 30%, 0.3), and at least 8 of them,
+    /// or `never`. The default, 0, streams after the first 8 misses: any guest then takes
+    /// at most about a pull's time plus a few round trips. Higher values keep a guest with
+    /// a small, clustered working set from sharing the link with the stream and from
+    /// ending with the whole image in memory, at the price of a round trip per chunk for a
+    /// scattered one until the mark. A restore replaying a recorded working set uses at
+    /// least 30%.
+    #[arg(long, default_value = "0", value_name = "SHARE", value_parser = parse_share)]
     pub stream_after: f64,
     /// Prefetch at most this many bytes per second (0: no bound).
     #[arg(long, default_value = "256MiB", value_name = "SIZE", value_parser = common::parse_size)]
@@ -128,12 +129,11 @@ pub struct LazyArgs {
     /// Print one JSON summary per finished connection on stdout (one line each).
     #[arg(long)]
     pub json: bool,
-    /// `on`: a chunk's first miss (raw chunk with an outboard entry) fetches only the
-    /// faulting 4 KiB slice, verified against the outboard, and later misses a readahead or
-    /// the whole chunk; `off`: every fault fetches its whole chunk. Off by default: at 20 ms
-    /// RTT slices cost extra round trips and made scattered and clustered restores slower
-    /// (spec/lazy.md "Slice faults").
-    #[arg(long, default_value = "off", value_name = "on|off", value_parser = parse_on_off, action = clap::ArgAction::Set)]
+    /// `on` (the default): a chunk's first miss (a raw chunk with an outboard entry) fetches
+    /// the faulting 4 KiB slice, verified against the outboard, and the whole chunk beside
+    /// it: the slice serves the fault without waiting for the chunk's bytes. `off`: every
+    /// fault waits for its whole chunk (spec/lazy.md "Slice faults").
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     pub slice_faults: bool,
 }
 
