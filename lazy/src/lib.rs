@@ -335,8 +335,10 @@ impl Daemon {
         let trace = self.trace.lock().expect("poisoned").clone();
         // A recorded working set replaces the trace's chunk order: it holds what the guest
         // touched, by slice, where the chunk order of a scattered guest is nearly every chunk.
+        // A recording restore replays none: pages installed ahead would never fault, and
+        // the working set it records would be only what the guest touched beyond the last.
         let plan = match (self.opts.prefetch, &trace) {
-            (PrefetchMode::Trace | PrefetchMode::All, Some(t)) => workingset::Plan::new(&image, self.fetcher.file, t).unwrap_or_else(|e| {
+            (PrefetchMode::Trace | PrefetchMode::All, Some(t)) if !self.opts.record_trace => workingset::Plan::new(&image, self.fetcher.file, t).unwrap_or_else(|e| {
                 tracing::warn!("pid {}: ignoring the trace's working set: {e}", hs.pid);
                 None
             }),

@@ -908,3 +908,27 @@ fn regression_issue_16_tampered_working_set_slice_is_never_installed() {
     assert!(rep.working_set_waits >= 1, "the first touch waited for the blob: {rep:?}");
     assert_eq!(rep.poisoned_pages, 0);
 }
+
+/// The worked example of spec/lazy.md "Prefetch and traces": the trace JSON and the
+/// working-set blob a recording restore stores for a guest touching pages 157, 13, 333 (data)
+/// and 20 (zero chunk 1) of the 64 KiB-chunk sample, byte for byte.
+#[test]
+fn working_set_trace_matches_the_spec_worked_example() {
+    let (dir, mem, image) = distinct_image(24);
+    if Guest::new(&[(4096, 0)]).is_none() {
+        return;
+    }
+    let t = record_working_set(dir.path(), &mem, &image, &[157, 13, 333, 20], false);
+    let json = serde_json::to_string(&t).unwrap();
+    assert_eq!(
+        json,
+        r#"{"format":"snapctl.trace.v1","file":"vm.mem","chunkSize":65536,"chunks":[9,0,20],"workingSet":[643072,53248,1363968],"zeroChunks":[1]}"#
+    );
+    let blob = t.working_set_blob.expect("a blob");
+    let layout = imgfmt::OciLayout::open(dir.path().join("layout")).unwrap();
+    let bytes = std::fs::read(layout.blob_path(&blob.digest)).unwrap();
+    assert_eq!(bytes.len(), 12288);
+    assert_eq!(bytes[..4096], mem[0x9d000..0x9e000]);
+    assert_eq!(bytes[4096..8192], mem[0xd000..0xe000]);
+    assert_eq!(bytes[8192..], mem[0x14d000..0x14e000]);
+}
