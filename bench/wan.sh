@@ -129,7 +129,9 @@ NAME=wan-$DATE${TAG:+-$TAG}
 [ "$QUICK" = 1 ] && NAME=$NAME-quick
 [ "$ONLY" = pull ] && NAME=$NAME-pull
 mkdir -p "$ROOT/bench/results"
-[ -e "$ROOT/bench/results/$NAME.md" ] && NAME=$NAME-$(date -u +%H%M)
+# A name taken by an earlier run (its table, or the JSON lines of one that was interrupted)
+# gets the time: nothing in bench/results/ is overwritten.
+if [ -e "$ROOT/bench/results/$NAME.md" ] || [ -e "$ROOT/bench/results/$NAME.jsonl" ]; then NAME=$NAME-$(date -u +%H%M); fi
 OUT=$ROOT/bench/results/$NAME.md
 RUNLOG=$ROOT/bench/results/$NAME.jsonl
 : > "$RUNLOG"

@@ -105,7 +105,10 @@ impl LazyOptions {
         LazyOptions {
             socket,
             prefetch: PrefetchMode::Trace,
-            prefetch_rate: 256 << 20,
+            // Unbounded: the stream paces itself beside the faults (prefetch::Pacer); a bound
+            // of 256 MiB/s held a scattered restore at 4.5 s against a 2.0 s pull on an
+            // uncapped 20 ms path (BENCHMARKS.md, "Lazy restore across a network").
+            prefetch_rate: 0,
             stream_jobs: prefetch::DEFAULT_STREAM_JOBS,
             stream_after: Some(prefetch::DEFAULT_STREAM_AFTER),
             record_trace: false,

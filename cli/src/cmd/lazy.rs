@@ -96,8 +96,9 @@ pub struct LazyArgs {
     /// least 30%.
     #[arg(long, default_value = "0", value_name = "SHARE", value_parser = parse_share)]
     pub stream_after: f64,
-    /// Prefetch at most this many bytes per second (0: no bound).
-    #[arg(long, default_value = "256MiB", value_name = "SIZE", value_parser = common::parse_size)]
+    /// Prefetch at most this many bytes per second (0, the default: no bound beyond the
+    /// stream's own pacing, which yields to the guest's faults).
+    #[arg(long, default_value = "0", value_name = "SIZE", value_parser = common::parse_size)]
     pub prefetch_rate: u64,
     /// Record the order chunks are first faulted and store it with the image (an artifact
     /// whose subject is the image) when the connection ends.
