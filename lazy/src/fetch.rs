@@ -244,8 +244,24 @@ impl Fetcher {
         imgfmt::source::round_trip(self.src.as_ref(), &self.image.packs.get(pack as usize)?.digest)
     }
 
-    /// The verified bytes of a stored chunk.
+    /// The verified bytes of a stored chunk. A chunk fetched from the source is queued
+    /// for the chunk cache without waiting: a full queue (the disk behind) skips the put,
+    /// as a fault must not wait for the disk.
     pub fn get(&self, chunk: u64) -> (Outcome, Origin, Work) {
+        self.get_with(chunk, false)
+    }
+
+    /// [`get`](Self::get) for the stream of the rest of the image: a chunk it fetched
+    /// waits for room in the cache's queue (after the faults waiting on the same fetch
+    /// have their bytes), so a restore that streamed the image leaves all of it in the
+    /// cache. Skipping those puts left ~300 MB of a 1 GiB image to fetch again on the next
+    /// restore from the cache once the stream ran unbounded (BENCHMARKS.md, "Lazy restore
+    /// across a network").
+    pub fn get_waiting_for_cache(&self, chunk: u64) -> (Outcome, Origin, Work) {
+        self.get_with(chunk, true)
+    }
+
+    fn get_with(&self, chunk: u64, wait_for_cache: bool) -> (Outcome, Origin, Work) {
         if let Some(c) = self.recent.lock().expect("poisoned").map.get(&chunk) {
             return (Ok(c.clone()), Origin::Cache, Work::default());
         }
@@ -280,6 +296,11 @@ impl Fetcher {
         *flight.done.lock().expect("poisoned") = Some(outcome.clone());
         flight.cv.notify_all();
         self.inflight.lock().expect("poisoned").remove(&chunk);
+        if let (Ok(v), Some(q), Origin::Fetched) = (&outcome, &self.puts, origin) {
+            let c = self.image.files[self.file].chunks[chunk as usize];
+            let item = (self.image.config().hash, c.digest, v.clone());
+            let _ = if wait_for_cache { q.send(item).map_err(|_| ()) } else { q.try_send(item).map_err(|_| ()) };
+        }
         (outcome, origin, work)
     }
 
@@ -297,14 +318,8 @@ impl Fetcher {
         };
         let (res, work) = self.retrying(chunk, stored_len, || verify::read_chunk(self.src.as_ref(), &self.image, self.file, chunk), |_| false);
         match res {
-            Ok(v) => {
-                let v = Arc::new(v);
-                if let Some(q) = &self.puts {
-                    // Never waits: a full queue (the disk behind) skips the put.
-                    let _ = q.try_send((algo, c.digest, v.clone()));
-                }
-                (Ok(v), Origin::Fetched, work)
-            }
+            // Queued for the cache by `get_with`, once the flight's waiters have it.
+            Ok(v) => (Ok(Arc::new(v)), Origin::Fetched, work),
             Err(Stop::Failed(f)) => (Err(f), Origin::Fetched, work),
             Err(Stop::Declined(e)) => unreachable!("nothing declined: {e}"),
         }
@@ -602,6 +617,31 @@ pub(crate) mod tests {
     /// answer), more chunks than the put queue holds are still served, and the puts that
     /// fit in the queue happen once the store answers (the rest are skipped, not lost
     /// faults). Before, each put (an fdatasync) ran between the fetch and the install.
+    /// Issue 16: the stream's fetches wait for room in the cache's queue instead of
+    /// skipping the put, so a restore that streamed the image leaves every chunk in the
+    /// cache (the same stuck store as above loses all but a queue's worth to `get`).
+    #[test]
+    fn regression_issue_16_streamed_chunks_all_reach_the_cache() {
+        let n = PUT_QUEUE + PUT_BATCH + 24;
+        let (_d, _mem, image, layout) = sample_image(n * 3 / 2 + 3);
+        let store = Arc::new(StuckStore { released: Mutex::new(false), cv: Condvar::new(), puts: AtomicU64::new(0), batches: Mutex::new(Vec::new()) });
+        let file = image.file("vm.mem").unwrap().0;
+        let f = Fetcher::new(image, file, flaky(layout, Duration::ZERO), Some(store.clone()), DEFAULT_RETRY, 0);
+        let data: Vec<u64> = (0..(n * 3 / 2 + 3) as u64).filter(|&c| !f.is_zero(c).unwrap()).take(n).collect();
+        let worker = std::thread::spawn(move || {
+            for &c in &data {
+                assert!(f.get_waiting_for_cache(c).0.is_ok());
+            }
+            f
+        });
+        // The disk comes back after a while; the stream waited for it.
+        std::thread::sleep(Duration::from_millis(300));
+        *store.released.lock().unwrap() = true;
+        store.cv.notify_all();
+        drop(worker.join().unwrap()); // drains the queue
+        assert_eq!(store.puts.load(Ordering::SeqCst), n as u64, "every streamed chunk was put");
+    }
+
     #[test]
     fn regression_issue_5_faults_do_not_wait_for_cache_puts() {
         let n = PUT_QUEUE + PUT_BATCH + 24;

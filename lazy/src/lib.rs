@@ -341,10 +341,11 @@ impl Daemon {
         // A recording restore replays none: pages installed ahead would never fault, and
         // the working set it records would be only what the guest touched beyond the last.
         let plan = match (self.opts.prefetch, &trace) {
-            (PrefetchMode::Trace | PrefetchMode::All, Some(t)) if !self.opts.record_trace => workingset::Plan::new(&image, self.fetcher.file, t).unwrap_or_else(|e| {
-                tracing::warn!("pid {}: ignoring the trace's working set: {e}", hs.pid);
-                None
-            }),
+            (PrefetchMode::Trace | PrefetchMode::All, Some(t)) if !self.opts.record_trace => workingset::Plan::new(&image, self.fetcher.file, t)
+                .unwrap_or_else(|e| {
+                    tracing::warn!("pid {}: ignoring the trace's working set: {e}", hs.pid);
+                    None
+                }),
             _ => None,
         };
         let chunk_trace = if plan.is_some() { None } else { trace.as_ref() };

@@ -449,7 +449,8 @@ impl Conn {
     }
 
     /// The verified bytes of a span (assembled from several chunks for huge pages).
-    fn span_data(&self, span: &Span, work: &mut Work, arrived: &mut Arrivals) -> Result<(SpanData, Option<Origin>), FetchFailure> {
+    /// `stream`: the stream asks (its fetches wait for room in the cache's queue).
+    fn span_data(&self, span: &Span, work: &mut Work, arrived: &mut Arrivals, stream: bool) -> Result<(SpanData, Option<Origin>), FetchFailure> {
         let shift = self.map.chunk_shift;
         let chunks = span.chunks(shift);
         let mut origin = None;
@@ -462,7 +463,7 @@ impl Conn {
             if let Some(f) = arrived.failed.remove(&c) {
                 return Err(f);
             }
-            let (o, mut from, w) = self.fetcher.get(c);
+            let (o, mut from, w) = if stream { self.fetcher.get_waiting_for_cache(c) } else { self.fetcher.get(c) };
             if let Some(o) = arrived.origin.remove(&c) {
                 // Fetched by the pool for this fault: it counts as this fault's fetch.
                 from = o;
@@ -580,7 +581,7 @@ impl Conn {
                     break Ok(Kind::Poisoned);
                 }
             }
-            let data = match self.span_data(&span, &mut work, arrived) {
+            let data = match self.span_data(&span, &mut work, arrived, false) {
                 Ok(d) => d,
                 Err(failure) => {
                     self.account(&work);
@@ -1241,7 +1242,7 @@ impl Conn {
             }
         }
         let mut work = Work::default();
-        let data = self.span_data(span, &mut work, &mut Arrivals::default());
+        let data = self.span_data(span, &mut work, &mut Arrivals::default(), true);
         self.account(&work);
         let page = self.map.regions[span.region].page_size;
         let data = match data {
@@ -1372,7 +1373,7 @@ impl Conn {
             }
         }
         let mut work = Work::default();
-        let data = self.span_data(span, &mut work, &mut Arrivals::default());
+        let data = self.span_data(span, &mut work, &mut Arrivals::default(), true);
         self.account(&work);
         let Ok((data, _)) = data else { return 0 };
         if data.bytes(0).is_none() {
