@@ -8,9 +8,13 @@
 //!                -> zero chunk / removed range: UFFDIO_ZEROPAGE
 //!                -> recent memory -> chunk cache -> source (single-flight, retried,
 //!                   verified) -> UFFDIO_COPY
+//!                -> first miss of a chunk: its 4 KiB slice (checked against the
+//!                   outboard) serves the fault, the whole chunk comes beside it
 //!                -> still no verified bytes: UFFDIO_POISON
-//!   prefetcher:  trace chunks, then the rest (at once with `all`, or once the misses
-//!                look scattered) -> up to 32 requests in flight, fewer while faults
+//!   working set: a recorded trace's touched slices, one blob read in ranges at
+//!                connect, each checked, installed before the guest asks ([`workingset`])
+//!   prefetcher:  trace chunks, then the rest (at once with `all`, or after a few
+//!                misses) -> up to 32 requests in flight, fewer while faults
 //!                wait -> same fetch and install path, gaps only
 //! ```
 //!
