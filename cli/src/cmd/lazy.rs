@@ -111,7 +111,9 @@ pub struct LazyArgs {
     /// (500ms, 120s, 2m, 1h30m; a plain number is seconds).
     #[arg(long, default_value = "120s", value_parser = common::parse_duration)]
     pub retry_budget: Duration,
-    /// Recently used chunks kept in memory (shared by all connections).
+    /// Recently used chunks kept in memory (shared by all connections). With
+    /// --record-trace at least the memory file's non-zero bytes: a recording restore
+    /// installs one page per fault and serves the next page of a chunk from here.
     #[arg(long, default_value = "256MiB", value_name = "SIZE", value_parser = common::parse_size)]
     pub memory: u64,
     /// Exit after the first connection (with a valid handshake) ends.
