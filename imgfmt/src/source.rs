@@ -155,6 +155,34 @@ pub fn round_trip(src: &dyn BlobSource, blob: &OciDigest) -> Option<std::time::D
     best
 }
 
+/// One range read of `digest`, tried again under `policy` while the source says its
+/// failure is transient (a registry still failing once its client's own retries are
+/// spent). Other errors (a missing blob, a refused login, a range past the end) are
+/// answers and are not retried. `on_try(again)` runs before each attempt, `again` true for
+/// a retry (callers count requests and retries). The bytes are **unverified**.
+pub fn read_range_retrying(
+    src: &dyn BlobSource,
+    digest: &OciDigest,
+    offset: u64,
+    len: usize,
+    policy: crate::RetryPolicy,
+    mut on_try: impl FnMut(bool),
+) -> Result<bytes::Bytes, FormatError> {
+    let mut retry = policy.start();
+    let mut again = false;
+    loop {
+        on_try(again);
+        match src.read_range_unverified(digest, offset, len) {
+            Err(e) if e.is_transient() => {
+                let Some(wait) = retry.failed(None) else { return Err(e) };
+                std::thread::sleep(wait);
+                again = true;
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Stream blob `digest` (`size` bytes as stored) to `f` in pieces of at most 4 MiB, in
 /// order. The pieces are **unverified**: the caller hashes what it sees and decides.
 pub fn stream_blob_unverified<E: From<FormatError>>(

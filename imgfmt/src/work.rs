@@ -120,6 +120,20 @@ pub fn for_each_mut<T: Send>(items: &mut [T], threads: usize, f: impl Fn(&mut T)
     );
 }
 
+/// `first`, then whatever `rx` already holds, up to `max` items in all, without waiting:
+/// a batch for a writer that blocks for one item, so batches grow only while the writer
+/// (the disk) is the bottleneck and a slow trickle goes down at once.
+pub fn batch_after<T>(first: T, rx: &std::sync::mpsc::Receiver<T>, max: usize) -> Vec<T> {
+    let mut batch = vec![first];
+    while batch.len() < max {
+        match rx.try_recv() {
+            Ok(x) => batch.push(x),
+            Err(_) => break,
+        }
+    }
+    batch
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

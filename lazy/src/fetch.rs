@@ -186,16 +186,7 @@ impl Fetcher {
                         // when the queue is empty, and before the thread ends.
                         loop {
                             let batch: Vec<PutItem> = match rx.recv_timeout(OVERFLOW_LOOK) {
-                                Ok(first) => {
-                                    let mut batch = vec![first];
-                                    while batch.len() < PUT_BATCH {
-                                        match rx.try_recv() {
-                                            Ok(x) => batch.push(x),
-                                            Err(_) => break,
-                                        }
-                                    }
-                                    batch
-                                }
+                                Ok(first) => imgfmt::work::batch_after(first, &rx, PUT_BATCH),
                                 Err(e) => {
                                     let mut o = overflow.lock().expect("poisoned");
                                     let n = o.len().min(PUT_BATCH);
@@ -632,6 +623,20 @@ pub(crate) mod tests {
         puts: AtomicU64,
         batches: Mutex<Vec<usize>>,
     }
+
+    /// More data chunks than the put queue and a batch hold (`PUT_QUEUE + PUT_BATCH + 24`),
+    /// a fetcher whose cache is a [`StuckStore`], and the data chunks' numbers.
+    fn stuck_fetcher() -> (tempfile::TempDir, Vec<u8>, Arc<StuckStore>, Fetcher, Vec<u64>) {
+        let n = PUT_QUEUE + PUT_BATCH + 24;
+        // Every third chunk of the sample is zero: make enough data chunks.
+        let (d, mem, image, layout) = sample_image(n * 3 / 2 + 3);
+        let store = Arc::new(StuckStore { released: Mutex::new(false), cv: Condvar::new(), puts: AtomicU64::new(0), batches: Mutex::new(Vec::new()) });
+        let file = image.file("vm.mem").unwrap().0;
+        let f = Fetcher::new(image, file, flaky(layout, Duration::ZERO), Some(store.clone()), DEFAULT_RETRY, 0);
+        let data: Vec<u64> = (0..(n * 3 / 2 + 3) as u64).filter(|&c| !f.is_zero(c).unwrap()).take(n).collect();
+        assert_eq!(data.len(), n);
+        (d, mem, store, f, data)
+    }
     impl ChunkStore for StuckStore {
         fn get(&self, _: HashAlgo, _: &imgfmt::ChunkDigest, _: u32) -> Option<VerifiedChunk> {
             None
@@ -658,12 +663,8 @@ pub(crate) mod tests {
     /// cache (the same stuck store as above loses all but a queue's worth to `get`).
     #[test]
     fn regression_issue_16_streamed_chunks_all_reach_the_cache() {
-        let n = PUT_QUEUE + PUT_BATCH + 24;
-        let (_d, _mem, image, layout) = sample_image(n * 3 / 2 + 3);
-        let store = Arc::new(StuckStore { released: Mutex::new(false), cv: Condvar::new(), puts: AtomicU64::new(0), batches: Mutex::new(Vec::new()) });
-        let file = image.file("vm.mem").unwrap().0;
-        let f = Fetcher::new(image, file, flaky(layout, Duration::ZERO), Some(store.clone()), DEFAULT_RETRY, 0);
-        let data: Vec<u64> = (0..(n * 3 / 2 + 3) as u64).filter(|&c| !f.is_zero(c).unwrap()).take(n).collect();
+        let (_d, _mem, store, f, data) = stuck_fetcher();
+        let n = data.len();
         let worker = std::thread::spawn(move || {
             for &c in &data {
                 assert!(f.get_waiting_for_cache(c).0.is_ok());
@@ -680,14 +681,8 @@ pub(crate) mod tests {
 
     #[test]
     fn regression_issue_5_faults_do_not_wait_for_cache_puts() {
-        let n = PUT_QUEUE + PUT_BATCH + 24;
-        // Every third chunk of the sample is zero: make enough data chunks.
-        let (_d, mem, image, layout) = sample_image(n * 3 / 2 + 3);
-        let store = Arc::new(StuckStore { released: Mutex::new(false), cv: Condvar::new(), puts: AtomicU64::new(0), batches: Mutex::new(Vec::new()) });
-        let file = image.file("vm.mem").unwrap().0;
-        let f = Fetcher::new(image, file, flaky(layout, Duration::ZERO), Some(store.clone()), DEFAULT_RETRY, 0);
-        let data: Vec<u64> = (0..(n * 3 / 2 + 3) as u64).filter(|&c| !f.is_zero(c).unwrap()).take(n).collect();
-        assert_eq!(data.len(), n);
+        let (_d, mem, store, f, data) = stuck_fetcher();
+        let n = data.len();
         let (tx, rx) = std::sync::mpsc::channel();
         let worker = std::thread::spawn(move || {
             for &c in &data {

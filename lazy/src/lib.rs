@@ -402,12 +402,7 @@ impl Daemon {
         if self.opts.record_trace {
             let (chunks, working_set, ws_bytes, zero_chunks) = {
                 let mut st = conn.state.lock().expect("poisoned");
-                (
-                    std::mem::take(&mut st.trace),
-                    std::mem::take(&mut st.working_set),
-                    std::mem::take(&mut st.working_set_bytes),
-                    std::mem::take(&mut st.zero_touched),
-                )
+                (st.trace.take(), st.working_set.take(), std::mem::take(&mut st.working_set_bytes), st.zero_touched.take())
             };
             let mut t = Trace::new(&file.name, 1 << image.chunk_shift(), chunks);
             t.working_set = working_set;

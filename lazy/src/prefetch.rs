@@ -136,13 +136,11 @@ pub fn fallback_tag(image: &Image) -> String {
     format!("{}-{}", image.manifest_digest.algorithm(), image.manifest_digest.hex())
 }
 
-/// The trace artifact's manifest (blobs: the empty config, the trace JSON and, when not
-/// empty, the working-set blob).
-pub fn trace_manifest(image: &Image, trace_blob: &[u8], working_set: &[u8]) -> Manifest {
+/// The trace artifact's manifest (blobs: the empty config, the trace JSON and, when there
+/// is one, the working-set blob, whose descriptor its store made while storing it).
+pub fn trace_manifest(image: &Image, trace_blob: &[u8], working_set: Option<Descriptor>) -> Manifest {
     let mut layers = vec![Descriptor::new(TRACE_MEDIA_TYPE, imgfmt::OciDigest::of(trace_blob), trace_blob.len() as u64)];
-    if !working_set.is_empty() {
-        layers.push(Descriptor::new(WORKING_SET_MEDIA_TYPE, imgfmt::OciDigest::of(working_set), working_set.len() as u64));
-    }
+    layers.extend(working_set);
     Manifest {
         schema_version: 2,
         media_type: Some(media::OCI_MANIFEST.into()),
@@ -192,10 +190,11 @@ impl TraceStore for LayoutTraces {
         let blob = serde_json::to_vec(trace).expect("trace serializes");
         self.0.put_blob(&blob)?;
         self.0.put_blob(EMPTY)?;
-        if !working_set.is_empty() {
-            self.0.put_blob(working_set)?;
-        }
-        let m = trace_manifest(image, &blob, working_set).encode();
+        let ws = match working_set {
+            [] => None,
+            b => Some(Descriptor::new(WORKING_SET_MEDIA_TYPE, self.0.put_blob(b)?, b.len() as u64)),
+        };
+        let m = trace_manifest(image, &blob, ws).encode();
         let d = self.0.put_blob(&m)?;
         let mut desc = Descriptor::new(media::OCI_MANIFEST, d.clone(), m.len() as u64);
         desc.artifact_type = Some(TRACE_MEDIA_TYPE.into());

@@ -404,10 +404,7 @@ fn regression_issue_16_scattered_faults_fetch_slices_not_chunks() {
     let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
     // Every read takes 30 ms, as across a network: the slice and the chunk are both asked
     // for before either arrives.
-    let src = Arc::new(Flaky {
-        delay: Duration::from_millis(30),
-        ..Arc::try_unwrap(flaky(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap())).ok().unwrap()
-    });
+    let src = slow(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap(), Duration::from_millis(30));
     drop(layout);
     let run = start(
         dir.path(),
@@ -769,11 +766,26 @@ fn distinct_image(chunks: usize) -> (tempfile::TempDir, Vec<u8>, Arc<Image>) {
     (dir, mem, Arc::new(image))
 }
 
+/// Traces kept in the sample's layout (under the fallback tag).
+fn layout_traces(dir: &std::path::Path) -> Option<Box<dyn TraceStore>> {
+    Some(Box::new(LayoutTraces(imgfmt::OciLayout::open(dir.join("layout")).unwrap())))
+}
+
+/// A source over the sample's layout whose every read takes `delay`, as across a network.
+fn slow(layout: imgfmt::OciLayout, delay: Duration) -> Arc<Flaky> {
+    Arc::new(Flaky { delay, ..Arc::try_unwrap(flaky(layout)).ok().unwrap() })
+}
+
+/// Whether page `p` of the 64 KiB-chunk samples holds data (chunks `c % 3 == 1` are zero).
+fn data_page(p: usize) -> bool {
+    (p * 4096 / K64) % 3 != 1
+}
+
 /// Record a working set: a restore with --record-trace whose guest reads `pages` (page
 /// numbers of the file), in that order; returns the stored trace. With `slices`, first
 /// misses are served by slice (the default), else every page from its whole chunk.
 fn record_working_set(dir: &std::path::Path, mem: &[u8], image: &Arc<Image>, pages: &[usize], slices: bool) -> Trace {
-    let traces = || -> Option<Box<dyn TraceStore>> { Some(Box::new(LayoutTraces(imgfmt::OciLayout::open(dir.join("layout")).unwrap()))) };
+    let traces = || layout_traces(dir);
     let guest = Guest::new(&[(mem.len(), 0)]).expect("userfaultfd");
     let src = flaky(imgfmt::OciLayout::open(dir.join("layout")).unwrap());
     let run = start(
@@ -793,7 +805,7 @@ fn record_working_set(dir: &std::path::Path, mem: &[u8], image: &Arc<Image>, pag
     }
     drop(sock);
     let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
-    let data: Vec<usize> = pages.iter().copied().filter(|p| (p * 4096 / K64) % 3 != 1).collect();
+    let data: Vec<usize> = pages.iter().copied().filter(|&p| data_page(p)).collect();
     assert_eq!(rep.working_set_recorded, data.len() as u64, "{rep:?}");
     if !slices {
         // Each data chunk was fetched once; every page of it the guest read faulted once.
@@ -830,7 +842,7 @@ fn regression_issue_16_working_set_is_recorded_by_slice_and_replayed_before_the_
     }
     let pages = scattered_pages();
     let t = record_working_set(dir.path(), &mem, &image, &pages, true);
-    let data: Vec<u64> = pages.iter().filter(|&&p| (p * 4096 / K64) % 3 != 1).map(|&p| (p * 4096) as u64).collect();
+    let data: Vec<u64> = pages.iter().filter(|&&p| data_page(p)).map(|&p| (p * 4096) as u64).collect();
     assert_eq!(t.working_set, data, "slices in first-touch order, zero pages left out");
     assert_eq!(t.zero_chunks, vec![1], "the zero chunk touched is listed apart");
     let blob = t.working_set_blob.clone().expect("a working-set blob");
@@ -838,15 +850,14 @@ fn regression_issue_16_working_set_is_recorded_by_slice_and_replayed_before_the_
 
     let guest = Guest::new(&[(mem.len(), 0)]).unwrap();
     let src = flaky(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap());
-    let traces: Option<Box<dyn TraceStore>> = Some(Box::new(LayoutTraces(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap())));
-    let run = start(dir.path(), image.clone(), src.clone(), |o| o.stream_after = None, traces);
+    let run = start(dir.path(), image.clone(), src.clone(), |o| o.stream_after = None, layout_traces(dir.path()));
     let sock = guest.connect(&run.socket);
     wait_for("the working set installed", || metric(&run.daemon, "snapctl_lazy_working_set_slices_total") == data.len() as u64);
     let (p0, _, _) = guest.regions[0];
     let present = resident(p0, mem.len());
     for &p in &pages {
         assert!(present[p], "page {p} installed before the guest touched it");
-        if (p * 4096 / K64) % 3 != 1 {
+        if data_page(p) {
             assert!(!present[p + 1] || pages.contains(&(p + 1)), "page {} beside it was not", p + 1);
         }
     }
@@ -892,16 +903,15 @@ fn regression_issue_16_tampered_working_set_slice_is_never_installed() {
 
     let guest = Guest::new(&[(mem.len(), 0)]).unwrap();
     // Every read takes 150 ms: the guest's first touches come while the blob is in flight.
-    let src = Arc::new(Flaky { delay: Duration::from_millis(150), ..Arc::try_unwrap(flaky(layout)).ok().unwrap() });
-    let traces: Option<Box<dyn TraceStore>> = Some(Box::new(LayoutTraces(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap())));
-    let run = start(dir.path(), image.clone(), src.clone(), |o| o.stream_after = None, traces);
+    let src = slow(layout, Duration::from_millis(150));
+    let run = start(dir.path(), image.clone(), src.clone(), |o| o.stream_after = None, layout_traces(dir.path()));
     let sock = guest.connect(&run.socket);
     for &p in &pages {
         assert_eq!(guest.region(0)[p * 4096..(p + 1) * 4096], mem[p * 4096..(p + 1) * 4096], "page {p}");
     }
     drop(sock);
     let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
-    let data = pages.iter().filter(|&&p| (p * 4096 / K64) % 3 != 1).count() as u64;
+    let data = pages.iter().filter(|&&p| data_page(p)).count() as u64;
     assert_eq!(rep.verify_failures, 1, "{rep:?}");
     assert_eq!(rep.working_set_slices, data - 1, "{rep:?}");
     assert!(rep.bytes_fetched > 0, "the tampered slice's page was fetched on its own: {rep:?}");

@@ -119,16 +119,46 @@ pub(crate) struct ConnState {
     /// `poison_range`).
     pub outside_poisoned: HashSet<u64>,
     /// File chunks in the order first faulted (with --record-trace).
-    pub trace: Vec<u64>,
-    traced: HashSet<u64>,
+    pub trace: FirstSeen,
     /// The working set (with --record-trace): file offsets of the slices whose pages the
     /// guest touched, first touch first, and their bytes in that order.
-    pub working_set: Vec<u64>,
+    pub working_set: FirstSeen,
     pub working_set_bytes: Vec<u8>,
-    working_set_seen: HashSet<u64>,
     /// Zero chunks the guest touched (with --record-trace), first touch first.
-    pub zero_touched: Vec<u64>,
-    zero_seen: HashSet<u64>,
+    pub zero_touched: FirstSeen,
+}
+
+impl ConnState {
+    /// Record the slice at file offset `at` (its bytes `bytes`) in the working set, once.
+    fn record_slice(&mut self, at: u64, bytes: &[u8]) {
+        if self.working_set.add(at) {
+            self.working_set_bytes.extend_from_slice(bytes);
+        }
+    }
+}
+
+/// Numbers in the order first added, each once: what a recording restore keeps.
+#[derive(Default)]
+pub(crate) struct FirstSeen {
+    seen: HashSet<u64>,
+    order: Vec<u64>,
+}
+
+impl FirstSeen {
+    /// Add `x`; true if it was not there yet.
+    pub fn add(&mut self, x: u64) -> bool {
+        let new = self.seen.insert(x);
+        if new {
+            self.order.push(x);
+        }
+        new
+    }
+
+    /// The numbers in first-added order, leaving this empty.
+    pub fn take(&mut self) -> Vec<u64> {
+        self.seen.clear();
+        std::mem::take(&mut self.order)
+    }
 }
 
 /// What a fault outside every region gets.
@@ -396,6 +426,15 @@ impl Conn {
         }
     }
 
+    /// Fill `[a, b)` with zeros: one UFFDIO_ZEROPAGE, or a copy of zeros page by page for
+    /// huge pages (which have no zero page).
+    fn fill_zeros(&self, a: u64, b: u64, page: u64) -> Result<(), Fill> {
+        match self.zero_op(page) {
+            Op::Copy(z) => (a..b).step_by(page as usize).try_for_each(|p| self.fill(Op::Copy(z), p, page, page)),
+            op => self.fill(op, a, b - a, page),
+        }
+    }
+
     fn zero_op(&self, page: u64) -> Op<'static> {
         // UFFDIO_ZEROPAGE maps the shared zero page; it does not exist for huge pages.
         if page <= self.sys_page {
@@ -413,14 +452,7 @@ impl Conn {
             let bytes = data.bytes(span.len as usize).map(|d| &d[(a - span.host) as usize..(b - span.host) as usize]);
             match (removed, bytes) {
                 (false, Some(d)) => self.fill(Op::Copy(d), a, b - a, page)?,
-                _ => match self.zero_op(page) {
-                    Op::Copy(z) => {
-                        for p in (a..b).step_by(page as usize) {
-                            self.fill(Op::Copy(z), p, page, page)?;
-                        }
-                    }
-                    op => self.fill(op, a, b - a, page)?,
-                },
+                _ => self.fill_zeros(a, b, page)?,
             }
         }
         st.installed.insert((span.region, span.unit));
@@ -433,16 +465,8 @@ impl Conn {
     fn install_removed(&self, st: &ConnState, span: &Span) -> Result<(), Fill> {
         let page = self.map.regions[span.region].page_size;
         for (removed, a, b) in st.removed.split(span.host, span.host + span.len) {
-            if !removed {
-                continue;
-            }
-            match self.zero_op(page) {
-                Op::Copy(z) => {
-                    for p in (a..b).step_by(page as usize) {
-                        self.fill(Op::Copy(z), p, page, page)?;
-                    }
-                }
-                op => self.fill(op, a, b - a, page)?,
+            if removed {
+                self.fill_zeros(a, b, page)?;
             }
         }
         Ok(())
@@ -610,16 +634,13 @@ impl Conn {
                     _ => {}
                 }
             }
-            if self.record_trace && data.0.bytes(0).is_some() {
+            if self.record_trace {
+                let zero = data.0.bytes(0).is_none();
                 for c in span.chunks(self.map.chunk_shift) {
-                    if st.traced.insert(c) {
-                        st.trace.push(c);
-                    }
-                }
-            } else if self.record_trace {
-                for c in span.chunks(self.map.chunk_shift) {
-                    if st.zero_seen.insert(c) {
-                        st.zero_touched.push(c);
+                    if zero {
+                        st.zero_touched.add(c);
+                    } else {
+                        st.trace.add(c);
                     }
                 }
             }
@@ -693,11 +714,7 @@ impl Conn {
             let mut poisoned = 0;
             let mut res = Ok(());
             for (removed, a, b) in st.removed.split(span.host, span.host + span.len) {
-                let op = if removed { self.zero_op(page) } else { Op::Poison };
-                res = match op {
-                    Op::Copy(z) => (a..b).step_by(page as usize).try_for_each(|p| self.fill(Op::Copy(z), p, page, page)),
-                    op => self.fill(op, a, b - a, page),
-                };
+                res = if removed { self.fill_zeros(a, b, page) } else { self.fill(Op::Poison, a, b - a, page) };
                 if res.is_err() {
                     break;
                 }
@@ -985,11 +1002,7 @@ impl Conn {
         let o = off + (fault_page - span.host) as usize;
         let here = bytes.get(o..o + page as usize)?;
         let slice = bytes.get(r.start as usize..r.end as usize)?;
-        let at = (c << self.map.chunk_shift) + r.start;
-        if st.working_set_seen.insert(at) {
-            st.working_set.push(at);
-            st.working_set_bytes.extend_from_slice(slice);
-        }
+        st.record_slice((c << self.map.chunk_shift) + r.start, slice);
         Some(here)
     }
 
@@ -1136,18 +1149,12 @@ impl Conn {
                 if st.installed.contains(&(span.region, span.unit)) || st.poisoned.contains(&(span.region, span.unit)) {
                     break;
                 }
-                if self.record_trace && st.traced.insert(c) {
-                    st.trace.push(c);
-                }
                 if self.record_trace {
+                    st.trace.add(c);
                     // Slices a fault fetched are pages the guest touched (or pending faults
                     // near them): part of the working set.
                     for sl in slices {
-                        let at = base + sl.offset_in_chunk();
-                        if st.working_set_seen.insert(at) {
-                            st.working_set.push(at);
-                            st.working_set_bytes.extend_from_slice(sl.as_bytes());
-                        }
+                        st.record_slice(base + sl.offset_in_chunk(), sl.as_bytes());
                     }
                 }
                 for sl in slices {
@@ -1349,14 +1356,7 @@ impl Conn {
         }
         let page = self.map.regions[span.region].page_size;
         for (removed, a, b) in st.removed.split(span.host, span.host + span.len) {
-            if removed {
-                continue;
-            }
-            let done = match self.zero_op(page) {
-                Op::Copy(z) => (a..b).step_by(page as usize).try_for_each(|p| self.fill(Op::Copy(z), p, page, page)),
-                op => self.fill(op, a, b - a, page),
-            };
-            if done.is_err() {
+            if !removed && self.fill_zeros(a, b, page).is_err() {
                 return;
             }
         }

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use imgfmt::{BlobSource, Descriptor, ErrorKind, Image, RetryPolicy};
+use imgfmt::{BlobSource, Descriptor, Image, RetryPolicy};
 
 use crate::prefetch::Trace;
 use crate::uffd::Conn;
@@ -186,31 +186,21 @@ pub(crate) fn replay(conn: Arc<Conn>, plan: Plan, src: Arc<dyn BlobSource>, stop
 fn replay_range(conn: &Conn, blob: &Descriptor, entries: &[Entry], src: &dyn BlobSource) {
     let (first, last) = (entries[0], entries[entries.len() - 1]);
     let len = (last.blob_at + last.len - first.blob_at) as usize;
-    let mut retry = RANGE_RETRY.start();
-    let bytes = loop {
-        match src.read_range_unverified(&blob.digest, first.blob_at, len) {
-            Ok(b) if b.len() == len => break Some(b),
-            Ok(b) => {
-                tracing::warn!(
-                    "pid {}: working-set blob {}: {} bytes at {} instead of {len}; its slices take the fault path",
-                    conn.pid,
-                    blob.digest,
-                    b.len(),
-                    first.blob_at
-                );
-                break None;
-            }
-            Err(e) if e.kind() == ErrorKind::Transient => match retry.failed(None) {
-                Some(wait) => std::thread::sleep(wait),
-                None => {
-                    tracing::warn!("pid {}: working-set blob {}: {e}; its slices take the fault path", conn.pid, blob.digest);
-                    break None;
-                }
-            },
-            Err(e) => {
-                tracing::warn!("pid {}: working-set blob {}: {e}; its slices take the fault path", conn.pid, blob.digest);
-                break None;
-            }
+    let bytes = match imgfmt::source::read_range_retrying(src, &blob.digest, first.blob_at, len, RANGE_RETRY, |_| {}) {
+        Ok(b) if b.len() == len => Some(b),
+        Ok(b) => {
+            tracing::warn!(
+                "pid {}: working-set blob {}: {} bytes at {} instead of {len}; its slices take the fault path",
+                conn.pid,
+                blob.digest,
+                b.len(),
+                first.blob_at
+            );
+            None
+        }
+        Err(e) => {
+            tracing::warn!("pid {}: working-set blob {}: {e}; its slices take the fault path", conn.pid, blob.digest);
+            None
         }
     };
     if let Some(bytes) = bytes {

@@ -633,14 +633,7 @@ fn cache_writer(cache: &ChunkCache, algo: imgfmt::HashAlgo, rx: &Mutex<Receiver<
         let batch: Vec<(ChunkDigest, VerifiedChunk)> = {
             let rx = rx.lock().expect("poisoned");
             let Ok(first) = rx.recv() else { return };
-            let mut batch = vec![first];
-            while batch.len() < batch_max {
-                match rx.try_recv() {
-                    Ok(item) => batch.push(item),
-                    Err(_) => break,
-                }
-            }
-            batch
+            imgfmt::work::batch_after(first, &rx, batch_max)
         };
         let items: Vec<(ChunkDigest, &VerifiedChunk)> = batch.iter().map(|(d, ch)| (*d, ch)).collect();
         let failed = cache.put_batch(algo, &items).iter().filter(|r| r.is_err()).count();
@@ -931,18 +924,12 @@ impl Ctx<'_> {
     /// spent). Other errors (a missing blob, a refused login, a range past the end) are
     /// answers and are not retried.
     fn read_range(&self, pack: &imgfmt::OciDigest, offset: u64, len: usize) -> Result<bytes::Bytes, imgfmt::FormatError> {
-        let mut retry = RANGE_RETRY.start();
-        loop {
+        imgfmt::source::read_range_retrying(self.src, pack, offset, len, RANGE_RETRY, |again| {
             self.c.range_requests.fetch_add(1, Ordering::Relaxed);
-            match self.src.read_range_unverified(pack, offset, len) {
-                Err(e) if e.is_transient() => {
-                    let Some(wait) = retry.failed(None) else { return Err(e) };
-                    self.c.range_retries.fetch_add(1, Ordering::Relaxed);
-                    std::thread::sleep(wait);
-                }
-                other => return other,
+            if again {
+                self.c.range_retries.fetch_add(1, Ordering::Relaxed);
             }
-        }
+        })
     }
 
     /// Fetch one chunk alone after its bytes failed verification; a second failure is the
