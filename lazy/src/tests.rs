@@ -942,3 +942,42 @@ fn working_set_trace_matches_the_spec_worked_example() {
     assert_eq!(bytes[4096..8192], mem[0xd000..0xe000]);
     assert_eq!(bytes[8192..], mem[0x14d000..0x14e000]);
 }
+
+/// Issue 16: a trace's zero chunks are installed as zeros only where the image's record is
+/// the digest of zeros (the fault path's own test). A zero record carrying another digest
+/// (a lying index) gets no zeros ahead of the guest: the guest's touch is poisoned, as a
+/// fault there always was.
+#[test]
+fn regression_issue_16_replayed_zero_chunks_need_a_true_zero_record() {
+    let (dir, mem, image) = distinct_image(24);
+    if Guest::new(&[(4096, 0)]).is_none() {
+        return;
+    }
+    let pages = [157, 20, 13];
+    let t = record_working_set(dir.path(), &mem, &image, &pages, false);
+    assert_eq!(t.zero_chunks, vec![1]);
+    // The same image, but zero chunk 1's record now carries a data chunk's digest.
+    let Ok(mut lying) = Arc::try_unwrap(image) else { panic!("the image is shared") };
+    let file = lying.file("vm.mem").unwrap().0;
+    lying.files[file].chunks[1].digest = lying.files[file].chunks[0].digest;
+    let guest = Guest::new(&[(mem.len(), 0)]).unwrap();
+    let src = flaky(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap());
+    let run = start(dir.path(), Arc::new(lying), src, |o| o.stream_after = None, layout_traces(dir.path()));
+    let sock = guest.connect(&run.socket);
+    wait_for("the working set installed", || metric(&run.daemon, "snapctl_lazy_working_set_slices_total") == 2);
+    let (p0, _, _) = guest.regions[0];
+    let present = resident(p0, mem.len());
+    assert!(present[157] && present[13], "the data slices were replayed");
+    assert!(!present[16..32].iter().any(|&x| x), "no zeros installed for a zero record that is not zero");
+    // Through process_vm_readv a poisoned page is EFAULT, not a SIGBUS.
+    let mut buf = vec![0u8; 4096];
+    let local = libc::iovec { iov_base: buf.as_mut_ptr() as *mut libc::c_void, iov_len: 4096 };
+    // SAFETY: inside the live guest mapping.
+    let remote = libc::iovec { iov_base: unsafe { p0.add(20 * 4096) } as *mut libc::c_void, iov_len: 4096 };
+    // SAFETY: both iovecs describe live memory of this process.
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    assert_eq!(n, -1, "the lying zero chunk is poisoned when touched");
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert!(rep.poisoned_pages > 0, "{rep:?}");
+}

@@ -63,10 +63,8 @@ impl Plan {
     /// slices': an error (the whole working set is refused; the restore goes on without).
     pub fn new(image: &Image, file: usize, trace: &Trace) -> Result<Option<Plan>, String> {
         let chunks = &image.files[file].chunks;
-        // Chunks the trace says are zero and the image agrees are (anything else is left to
-        // the fault path: a trace is a hint, never a source of bytes).
-        let zero_chunks: Vec<u64> =
-            trace.zero_chunks.iter().copied().filter(|&c| chunks.get(c as usize).is_some_and(|ch| matches!(ch.at, imgfmt::StoredAt::Zero))).collect();
+        // Checked when replayed, by the fault path's own test (`Fetcher::is_zero`).
+        let zero_chunks = trace.zero_chunks.clone();
         let blob = trace.working_set_blob.clone().filter(|_| !trace.working_set.is_empty());
         let Some(blob) = blob else {
             return Ok((!zero_chunks.is_empty()).then(|| Plan { entries: Vec::new(), blob: None, zero_chunks }));
@@ -173,6 +171,11 @@ pub(crate) fn replay(conn: Arc<Conn>, plan: Plan, src: Arc<dyn BlobSource>, stop
         for &c in &plan.zero_chunks {
             if ended() {
                 break;
+            }
+            // Only where the image agrees the chunk is zero (a zero record with the digest
+            // of zeros): a trace is a hint, never a source of bytes.
+            if !matches!(conn.fetcher.is_zero(c), Ok(true)) {
+                continue;
             }
             for span in conn.map.spans_of_chunk(c) {
                 conn.prefetch_zero_span(&span);
