@@ -4,6 +4,8 @@
 #
 #   bash scripts/install-trixie.sh criu    # criu 4.x -> /opt/snapctl-criu/criu
 #   bash scripts/install-trixie.sh runsc   # runsc 0.0~2024 (static) -> /opt/snapctl-runsc/runsc
+#   bash scripts/install-trixie.sh cosign  # cosign 2.x (Go, static) -> /opt/snapctl-cosign/cosign
+#   bash scripts/install-trixie.sh oras    # the Go oras CLI -> /opt/snapctl-oras/oras
 #
 # Why a private prefix: bookworm's criu 3.17 cannot dump on this kernel, and bookworm's runsc
 # (2022) writes one `checkpoint.img` where the gVisor posts describe the split
@@ -28,16 +30,22 @@
 # Needs root (criu and runsc need root to checkpoint and restore anyway).
 set -euo pipefail
 
-tool=${1:?usage: install-trixie.sh criu|runsc}
+tool=${1:?usage: install-trixie.sh criu|runsc|cosign|oras}
 SUITE=${SNAPCTL_TRIXIE_SUITE:-trixie}
 case "$tool" in
   criu)  PKG=criu;  BIN=usr/sbin/criu; PREFIX=${SNAPCTL_CRIU_PREFIX:-/opt/snapctl-criu} ;;
   runsc) PKG=runsc; BIN=usr/bin/runsc; PREFIX=${SNAPCTL_RUNSC_PREFIX:-/opt/snapctl-runsc} ;;
-  *) echo "install-trixie: unknown tool $tool (criu or runsc)" >&2; exit 2 ;;
+  # Bookworm has neither: cosign (signature interop, spec/sign.md) and the Go oras CLI
+  # (PyPI's oras is a library; `oras repo ls` and `oras cp -r` are the Go tool's).
+  cosign) PKG=cosign; BIN=usr/bin/cosign; PREFIX=${SNAPCTL_COSIGN_PREFIX:-/opt/snapctl-cosign} ;;
+  oras)  PKG=oras;  BIN=usr/bin/oras;  PREFIX=${SNAPCTL_ORAS_PREFIX:-/opt/snapctl-oras} ;;
+  *) echo "install-trixie: unknown tool $tool (criu, runsc, cosign or oras)" >&2; exit 2 ;;
 esac
 say() { echo "install-trixie($tool): $*" >&2; }
+# How each tool prints its version (the Go CLIs take a subcommand, not a flag).
+case "$tool" in cosign|oras) VERSION_ARG=version ;; *) VERSION_ARG=--version ;; esac
 
-if [ -x "$PREFIX/$tool" ] && "$PREFIX/$tool" --version >/dev/null 2>&1 && [ "${SNAPCTL_TRIXIE_REINSTALL:-0}" != 1 ]; then
+if [ -x "$PREFIX/$tool" ] && "$PREFIX/$tool" "$VERSION_ARG" >/dev/null 2>&1 && [ "${SNAPCTL_TRIXIE_REINSTALL:-0}" != 1 ]; then
   exit 0
 fi
 if [ "$(id -u)" != 0 ]; then
@@ -135,7 +143,7 @@ EOF
     exit 1
   fi
 fi
-if ! out=$("$PREFIX/$tool" --version 2>&1); then
+if ! out=$("$PREFIX/$tool" "$VERSION_ARG" 2>&1); then
   echo "$out" >&2
   say "$PREFIX/$tool does not run"
   exit 1

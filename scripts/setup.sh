@@ -37,11 +37,13 @@ TEST_APT=(
   openssl bc                         # registry TLS test (self-signed cert), bench arithmetic
   hyperfine jq python3-pip
   runsc                              # gVisor 2022 (one checkpoint.img), tests/tests/it/runsc.rs
+  chromium                           # headless browser for the registry's web view test
 )
 PIP_PKGS=(oras "moto[server]")       # OCI artifact client; S3 server
 # Installed by tools, not here, listed for fresh-check: the trixie prefixes
 # (install-trixie.sh), cargo binaries (s3s-fs below, cargo-fuzz by fuzz-smoke.sh).
-PREFIXES=("${SNAPCTL_CRIU_PREFIX:-/opt/snapctl-criu}" "${SNAPCTL_RUNSC_PREFIX:-/opt/snapctl-runsc}")
+PREFIXES=("${SNAPCTL_CRIU_PREFIX:-/opt/snapctl-criu}" "${SNAPCTL_RUNSC_PREFIX:-/opt/snapctl-runsc}"
+  "${SNAPCTL_COSIGN_PREFIX:-/opt/snapctl-cosign}" "${SNAPCTL_ORAS_PREFIX:-/opt/snapctl-oras}")
 CARGO_BINS=(s3s-fs cargo-fuzz)
 if [ "$list" = 1 ]; then
   printf 'build-apt %s\n' "${BUILD_APT[@]}"
@@ -70,10 +72,10 @@ if command -v systemctl >/dev/null 2>&1; then $SUDO systemctl disable --now dock
 pkill -f '^/usr/bin/docker-registry serve /etc/docker/registry/config.yml' 2>/dev/null || true
 
 # From Debian trixie, each in a private prefix with its dependency closure resolved from
-# trixie's lists: criu 4.x (bookworm's 3.17 cannot dump on this kernel) and runsc 2024 (the
-# split checkpoint.img + pages_meta.img + pages.img format).
-$SUDO bash ./install-trixie.sh criu
-$SUDO bash ./install-trixie.sh runsc
+# trixie's lists: criu 4.x (bookworm's 3.17 cannot dump on this kernel), runsc 2024 (the
+# split checkpoint.img + pages_meta.img + pages.img format), cosign 2.x (signature interop)
+# and the Go oras CLI (bookworm has neither).
+for t in criu runsc cosign oras; do $SUDO bash ./install-trixie.sh "$t"; done
 
 python3 -m pip install -q --disable-pip-version-check "${PIP_PKGS[@]}" >/dev/null 2>&1 || \
   python3 -m pip install -q --disable-pip-version-check --break-system-packages "${PIP_PKGS[@]}"
