@@ -23,19 +23,46 @@
 //! connections over one image, one chunk cache and one in-flight map. The wire contract
 //! and the `--json` summary are in `spec/lazy.md`.
 //!
+//! | module | its one job |
+//! | --- | --- |
+//! | this file | the Firecracker front door: socket, admission, a thread per connection, metrics |
+//! | [`criu`] | the CRIU front door (`criu lazy-pages`): protocol, per-task setup, the push after restore |
+//! | `fault` | one connection's fault loop: reads the userfaultfd, parks faults on a fetch pool |
+//! | `slicing` | which part of a chunk a miss fetches (slice, readahead, whole) |
+//! | `install` | fetch -> verify -> install of chunks, slices, zeros and poison, for every caller |
+//! | `uffdio` | the three filling ioctls and their partial results |
+//! | `fetch` | verified chunks: recent memory -> chunk cache -> source, single-flight, retried |
+//! | [`prefetch`] | what goes ahead of the guest and when: the stream, its pacing, the detector |
+//! | [`workingset`] | replay of a recorded working set |
+//! | [`trace`] | the trace format and where traces are kept (layout tag, registry referrers) |
+//! | `record` | what a recording restore keeps until its trace is stored |
+//! | [`map`], [`handshake`], [`pagemap`], [`stats`] | address arithmetic, the handshake, CRIU's pagemap, counters |
+//!
+//! Who calls whom (no module calls back into one that calls it): the front doors make a
+//! `fault::Conn` per process; the fault loop, the stream ([`prefetch`]), the working-set
+//! replay and the CRIU push each fill memory only through `install::Installer`, which
+//! fetches through `fetch` and fills through `uffdio`. The fault loop tells the stream what
+//! it waits for through `prefetch::Demand` and looks up slices still on their way in
+//! `workingset::Pending`; neither of those knows the fault loop.
+//!
 //! Whoever connects gets the snapshot's memory copied into their address space, so the
 //! socket is the daemon's user's alone: it is created mode 0600 whatever the umask
 //! ([`listen`]), and every peer's credentials (`SO_PEERCRED`) are checked before a byte
 //! or a descriptor of theirs is read ([`admit`]).
 
 pub mod criu;
+mod fault;
 mod fetch;
 pub mod handshake;
+mod install;
 pub mod map;
 pub mod pagemap;
 pub mod prefetch;
+mod record;
+mod slicing;
 pub mod stats;
-mod uffd;
+pub mod trace;
+mod uffdio;
 pub mod workingset;
 
 use std::os::fd::{FromRawFd, IntoRawFd};
@@ -48,11 +75,13 @@ use std::time::{Duration, Instant};
 use imgfmt::{BlobSource, Image};
 
 pub use fetch::{ChunkStore, FetchFailure, RetryPolicy, DEFAULT_RETRY};
-pub use prefetch::{LayoutTraces, PrefetchMode, RegistryTraces, Trace, TraceStore, TRACE_MEDIA_TYPE};
-pub use stats::{ConnReport, Counters};
+pub use prefetch::PrefetchMode;
+pub use stats::{ConnReport, Counters, End};
+pub use trace::{LayoutTraces, RegistryTraces, Trace, TraceStore, TRACE_MEDIA_TYPE};
 
+use fault::Conn;
+use install::Installer;
 use map::MemoryMap;
-use uffd::Conn;
 
 /// A fault waiting longer than this is logged by the watchdog.
 pub const SLOW_FAULT: Duration = Duration::from_secs(1);
@@ -282,10 +311,10 @@ impl Daemon {
                 for c in conns {
                     if let Some((addr, waited)) = c.waiting() {
                         // Once a second per stuck fault: loud enough to see, not a flood.
-                        let key = (c.pid, addr);
+                        let key = (c.pid(), addr);
                         let due = warned.get(&key).is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
                         if waited >= SLOW_FAULT && due {
-                            tracing::warn!("watchdog: pid {}: fault at {addr:#x} waiting {:.1}s", c.pid, waited.as_secs_f64());
+                            tracing::warn!("watchdog: pid {}: fault at {addr:#x} waiting {:.1}s", c.pid(), waited.as_secs_f64());
                             warned.insert(key, Instant::now());
                         }
                     }
@@ -328,14 +357,9 @@ impl Daemon {
         tracing::info!("pid {}: {} region(s), {} of {}", hs.pid, regions.len(), imgfmt::size::human(total_bytes), file.name);
         let map = MemoryMap { regions, file_size: file.size, chunk_shift: image.chunk_shift() };
         let counters = Arc::new(Counters::default());
-        let mut conn = Conn::new(hs.pid, uffd, map, self.fetcher.clone(), counters.clone(), self.counters.clone(), self.opts.record_trace);
-        conn.slice_faults = self.opts.slice_faults;
-        let conn = Arc::new(conn);
-        {
-            let mut cs = self.conns.lock().expect("poisoned");
-            cs.retain(|w| w.strong_count() > 0);
-            cs.push(Arc::downgrade(&conn));
-        }
+        let started = Instant::now();
+        let inst =
+            Arc::new(Installer::new(hs.pid, uffd, map, self.fetcher.clone(), stats::Rec(counters.clone(), self.counters.clone()), self.opts.record_trace));
         self.active.fetch_add(1, Ordering::Relaxed);
         self.total.fetch_add(1, Ordering::Relaxed);
 
@@ -354,33 +378,46 @@ impl Daemon {
         };
         let chunk_trace = if plan.is_some() { None } else { trace.as_ref() };
         let (mut order, traced) = prefetch::stream_order(self.opts.prefetch, chunk_trace, &image, self.fetcher.file);
+        let mut detector = None;
         match (self.opts.prefetch, self.opts.stream_after) {
-            (PrefetchMode::All, _) => conn.start_stream(),
+            (PrefetchMode::All, _) => {}
             (PrefetchMode::Trace, Some(f)) => {
                 let f = if plan.is_some() { f.max(prefetch::REPLAY_STREAM_AFTER) } else { f };
-                *conn.detector.lock().expect("poisoned") = Some(prefetch::Detector::new(&image, self.fetcher.file, f))
+                detector = Some(prefetch::Detector::new(&image, self.fetcher.file, f));
             }
             // Nothing will let the rest go.
             _ => order.truncate(traced),
         }
+        let demand = Arc::new(prefetch::Demand::new(started, detector));
+        if self.opts.prefetch == PrefetchMode::All {
+            demand.go();
+        }
+        let mut conn = Conn::new(inst.clone(), demand.clone(), Arc::default(), started);
+        conn.slice_faults = self.opts.slice_faults;
+        let conn = Arc::new(conn);
+        {
+            let mut cs = self.conns.lock().expect("poisoned");
+            cs.retain(|w| w.strong_count() > 0);
+            cs.push(Arc::downgrade(&conn));
+        }
         let stop_prefetch = Arc::new(AtomicBool::new(false));
         let prefetcher = (!order.is_empty()).then(|| {
-            let (c, s, rate, jobs) = (conn.clone(), stop_prefetch.clone(), self.opts.prefetch_rate, self.opts.stream_jobs);
-            std::thread::Builder::new().name("lazy-prefetch".into()).spawn(move || prefetch::run(c, order, traced, jobs, rate, s))
+            let (i, d, s, rate, jobs) = (inst.clone(), demand.clone(), stop_prefetch.clone(), self.opts.prefetch_rate, self.opts.stream_jobs);
+            std::thread::Builder::new().name("lazy-prefetch".into()).spawn(move || prefetch::run(i, d, order, traced, jobs, rate, s))
         });
         let replayer = plan.map(|p| {
             tracing::info!("pid {}: replaying a working set of {} slices and {} zero chunks", hs.pid, p.slices(), p.zero_chunks());
-            workingset::arm(&conn, &p);
-            let (c, s, src) = (conn.clone(), stop_prefetch.clone(), self.fetcher.source());
-            std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || workingset::replay(c, p, src, s))
+            conn.ws.arm(&p);
+            let (i, ws, s, src) = (inst.clone(), conn.ws.clone(), stop_prefetch.clone(), self.fetcher.source());
+            std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || workingset::replay(i, ws, p, src, s))
         });
         if let Some(Err(e)) = &replayer {
             // No replay will install them: the faults fetch for themselves.
             tracing::warn!("pid {}: no working-set replay: {e}", hs.pid);
-            workingset::disarm(&conn);
+            conn.ws.disarm();
         }
         let ended = conn.run(stream, &self.stop);
-        conn.gone.store(true, Ordering::Relaxed);
+        inst.set_gone();
         stop_prefetch.store(true, Ordering::Relaxed);
         let mut stream_run = prefetch::StreamRun::default();
         if let Some(Ok(h)) = prefetcher {
@@ -394,22 +431,10 @@ impl Daemon {
         let mut report = ConnReport::from_counters(hs.pid, &counters, t0.elapsed().as_secs_f64(), ended);
         report.stream_depth = stream_run.depth as u64;
         report.stream_rtt_ms = stream_run.rtt.map(|d| d.as_secs_f64() * 1e3);
-        report.working_set_s = replayed.map(|d| d.as_secs_f64());
-        report.stream_started_s = match conn.stream_started_us.load(Ordering::Relaxed) {
-            0 => None,
-            us => Some((us - 1) as f64 / 1e6),
-        };
+        report.working_set_s = replayed.map(|at: Instant| at.duration_since(started).as_secs_f64());
+        report.stream_started_s = demand.went_after().map(|d| d.as_secs_f64());
         if self.opts.record_trace {
-            let (chunks, working_set, ws_bytes, zero_chunks) = {
-                let mut st = conn.state.lock().expect("poisoned");
-                (st.trace.take(), st.working_set.take(), std::mem::take(&mut st.working_set_bytes), st.zero_touched.take())
-            };
-            let mut t = Trace::new(&file.name, 1 << image.chunk_shift(), chunks);
-            t.working_set = working_set;
-            t.zero_chunks = zero_chunks;
-            if !ws_bytes.is_empty() {
-                t.working_set_blob = Some(imgfmt::Descriptor::new(prefetch::WORKING_SET_MEDIA_TYPE, imgfmt::OciDigest::of(&ws_bytes), ws_bytes.len() as u64));
-            }
+            let (t, ws_bytes) = inst.take_recording().take_trace(&file.name, 1 << image.chunk_shift());
             report.working_set_recorded = t.working_set.len() as u64;
             match &self.traces {
                 Some(store) if !t.chunks.is_empty() => match store.store(&image, &t, &ws_bytes) {

@@ -181,6 +181,37 @@ pub struct FaultCounts {
     pub total: u64,
 }
 
+/// Why a connection (or a CRIU task) ended: the `ended` field of its report, which is
+/// this message.
+#[derive(Debug, Clone, PartialEq, Eq, displaydoc::Display)]
+#[non_exhaustive]
+pub enum End {
+    /// peer closed the socket
+    PeerClosed,
+    /// userfaultfd closed
+    UffdClosed,
+    /// daemon stopping
+    Stopping,
+    /// the VMM's memory is gone
+    VmmGone,
+    /// the process's memory is gone
+    ProcessGone,
+    /// all pages installed
+    AllInstalled,
+    /// the task's memory is gone
+    TaskGone,
+    /// the restore failed or was stopped
+    RestoreFailed,
+    /// {0}
+    Failed(String),
+}
+
+impl Serialize for End {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 /// The `--json` line printed when a connection ends (see spec/lazy.md).
 #[derive(Debug, Clone, Serialize)]
 pub struct ConnReport {
@@ -225,14 +256,14 @@ pub struct ConnReport {
     pub latency_us: Latency,
     pub seconds: f64,
     /// Why the connection ended.
-    pub ended: String,
+    pub ended: End,
     /// Where the recorded trace went (with --record-trace).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub trace: Option<String>,
 }
 
 impl ConnReport {
-    pub fn from_counters(pid: i32, c: &Counters, seconds: f64, ended: String) -> Self {
+    pub fn from_counters(pid: i32, c: &Counters, seconds: f64, ended: End) -> Self {
         let l = |a: &AtomicU64| a.load(Relaxed);
         ConnReport {
             pid,
@@ -337,6 +368,18 @@ mod tests {
         h.record(2_000_000);
         let l = h.latency();
         assert_eq!((l.p50, l.p99, l.max), (10, 10, 2_000_000));
+    }
+
+    /// A connection's end is a type in the code and the same sentence as before in
+    /// `--json` (spec/lazy.md lists them).
+    #[test]
+    fn an_end_reads_as_its_sentence_in_json() {
+        assert_eq!(serde_json::to_string(&End::PeerClosed).unwrap(), r#""peer closed the socket""#);
+        assert_eq!(serde_json::to_string(&End::AllInstalled).unwrap(), r#""all pages installed""#);
+        assert_eq!(End::Failed("poll failed: EBADF".into()).to_string(), "poll failed: EBADF");
+        let r = ConnReport::from_counters(1, &Counters::default(), 0.5, End::TaskGone);
+        let v: serde_json::Value = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["ended"], "the task's memory is gone");
     }
 
     #[test]

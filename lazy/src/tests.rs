@@ -16,9 +16,9 @@ use super::*;
 const K64: usize = 64 << 10;
 
 /// Anonymous memory registered on a userfaultfd, like a VMM's guest RAM.
-struct Guest {
-    uffd: Uffd,
-    regions: Vec<(*mut u8, usize, u64)>, // (address, size, file offset)
+pub(crate) struct Guest {
+    pub(crate) uffd: Uffd,
+    pub(crate) regions: Vec<(*mut u8, usize, u64)>, // (address, size, file offset)
 }
 // SAFETY: the raw pointers are only dereferenced inside the mappings, which live as long
 // as the Guest; threads only read them.
@@ -27,7 +27,7 @@ unsafe impl Send for Guest {}
 unsafe impl Sync for Guest {}
 
 impl Guest {
-    fn new(layout: &[(usize, u64)]) -> Option<Guest> {
+    pub(crate) fn new(layout: &[(usize, u64)]) -> Option<Guest> {
         let uffd = match UffdBuilder::new().close_on_exec(true).user_mode_only(false).require_features(FeatureFlags::EVENT_REMOVE).create() {
             Ok(u) => u,
             Err(e) => {
@@ -64,7 +64,7 @@ impl Guest {
         s
     }
 
-    fn region(&self, i: usize) -> &[u8] {
+    pub(crate) fn region(&self, i: usize) -> &[u8] {
         let (p, s, _) = self.regions[i];
         // SAFETY: a live mapping of `s` bytes; reading it faults pages in through the daemon.
         unsafe { std::slice::from_raw_parts(p, s) }
@@ -123,7 +123,7 @@ fn start(
     Running { daemon, socket, reports: rx, thread: Some(thread) }
 }
 
-fn flaky(layout: imgfmt::OciLayout) -> Arc<Flaky> {
+pub(crate) fn flaky(layout: imgfmt::OciLayout) -> Arc<Flaky> {
     Arc::new(Flaky { inner: Box::new(layout), reads: 0.into(), fail: 0.into(), corrupt: false.into(), delay: Duration::ZERO })
 }
 
@@ -385,7 +385,7 @@ fn peers_allowed_by_user_or_group() {
 }
 
 /// The sample image with its outboards loaded, so data faults can fetch slices.
-fn with_outboards(image: Arc<Image>, layout: &imgfmt::OciLayout) -> Arc<Image> {
+pub(crate) fn with_outboards(image: Arc<Image>, layout: &imgfmt::OciLayout) -> Arc<Image> {
     let Ok(mut img) = Arc::try_unwrap(image) else { panic!("the image is shared") };
     img.load_outboards(layout).unwrap();
     Arc::new(img)
@@ -543,7 +543,7 @@ impl imgfmt::source::Forward for Gauge {
 
 /// Which pages of `[p, p + len)` are present (installed), by mincore(2): looking does not
 /// fault them in.
-fn resident(p: *mut u8, len: usize) -> Vec<bool> {
+pub(crate) fn resident(p: *mut u8, len: usize) -> Vec<bool> {
     let mut v = vec![0u8; len.div_ceil(4096)];
     // SAFETY: `p` is page-aligned and `[p, p + len)` a live mapping; `v` has a byte per page.
     let rc = unsafe { libc::mincore(p as *mut libc::c_void, len, v.as_mut_ptr()) };
