@@ -164,11 +164,37 @@ pub struct Daemon {
     conns: Mutex<Vec<Weak<Conn>>>,
     active: AtomicU64,
     total: AtomicU64,
-    trace: Mutex<Option<Trace>>,
+    /// The trace replayed, shared (never copied) by every connection.
+    replay: Mutex<Option<Replay>>,
     traces: Option<Box<dyn TraceStore>>,
     stop: Arc<AtomicBool>,
     /// Accept no more connections; return once those being served have ended.
     draining: AtomicBool,
+}
+
+/// A trace to replay and its working set's plan, made once and shared by every connection.
+struct Replay {
+    trace: Arc<Trace>,
+    /// `None`: no working set to replay (none recorded, or one that does not fit the image),
+    /// or a recording daemon (pages installed ahead would never fault, and the working set
+    /// it records would be only what the guest touched beyond the last).
+    plan: Option<Arc<workingset::Plan>>,
+}
+
+impl Replay {
+    fn new(image: &Image, file: usize, opts: &LazyOptions, trace: Trace) -> Replay {
+        let trace = Arc::new(trace);
+        // A recorded working set replaces the trace's chunk order: it holds what the guest
+        // touched, by slice, where the chunk order of a scattered guest is nearly every chunk.
+        let plan = match opts.prefetch {
+            PrefetchMode::Trace | PrefetchMode::All if !opts.record_trace => workingset::Plan::new(image, file, &trace).unwrap_or_else(|e| {
+                tracing::warn!("ignoring the trace's working set: {e}");
+                None
+            }),
+            _ => None,
+        };
+        Replay { trace, plan: plan.map(Arc::new) }
+    }
 }
 
 impl Daemon {
@@ -196,6 +222,17 @@ impl Daemon {
             },
             _ => None,
         };
+        if let Some(t) = &trace {
+            tracing::info!(
+                "using the trace {} (created {}): {} chunks, a working set of {} slices, {} zero chunks",
+                t.manifest.as_ref().map_or_else(|| "?".to_string(), |d| d.to_string()),
+                t.created.as_deref().unwrap_or("?"),
+                t.chunks.len(),
+                t.working_set.len(),
+                t.zero_chunks.len()
+            );
+        }
+        let replay = trace.map(|t| Replay::new(&image, file, &opts, t));
         let mut memory = opts.memory_bytes;
         if opts.record_trace {
             // Recording installs the guest's pages one fault at a time, each from its chunk
@@ -210,7 +247,7 @@ impl Daemon {
             conns: Mutex::new(Vec::new()),
             active: AtomicU64::new(0),
             total: AtomicU64::new(0),
-            trace: Mutex::new(trace),
+            replay: Mutex::new(replay),
             traces,
             stop: Arc::new(AtomicBool::new(false)),
             draining: AtomicBool::new(false),
@@ -218,7 +255,7 @@ impl Daemon {
     }
 
     pub fn has_trace(&self) -> bool {
-        self.trace.lock().expect("poisoned").is_some()
+        self.replay.lock().expect("poisoned").is_some()
     }
 
     /// Daemon-wide counters as Prometheus text.
@@ -363,20 +400,13 @@ impl Daemon {
         self.active.fetch_add(1, Ordering::Relaxed);
         self.total.fetch_add(1, Ordering::Relaxed);
 
-        let trace = self.trace.lock().expect("poisoned").clone();
-        // A recorded working set replaces the trace's chunk order: it holds what the guest
-        // touched, by slice, where the chunk order of a scattered guest is nearly every chunk.
-        // A recording restore replays none: pages installed ahead would never fault, and
-        // the working set it records would be only what the guest touched beyond the last.
-        let plan = match (self.opts.prefetch, &trace) {
-            (PrefetchMode::Trace | PrefetchMode::All, Some(t)) if !self.opts.record_trace => workingset::Plan::new(&image, self.fetcher.file, t)
-                .unwrap_or_else(|e| {
-                    tracing::warn!("pid {}: ignoring the trace's working set: {e}", hs.pid);
-                    None
-                }),
-            _ => None,
+        // Shared, not copied: what a connection holds of a trace is a reference to it, and
+        // what it makes of it (the stream's order, the pending slices) is sized by the image.
+        let (trace, plan) = match &*self.replay.lock().expect("poisoned") {
+            Some(r) => (Some(r.trace.clone()), r.plan.clone()),
+            None => (None, None),
         };
-        let chunk_trace = if plan.is_some() { None } else { trace.as_ref() };
+        let chunk_trace = if plan.is_some() { None } else { trace.as_deref() };
         let (mut order, traced) = prefetch::stream_order(self.opts.prefetch, chunk_trace, &image, self.fetcher.file);
         let mut detector = None;
         match (self.opts.prefetch, self.opts.stream_after) {
@@ -429,16 +459,19 @@ impl Daemon {
         }
         self.active.fetch_sub(1, Ordering::Relaxed);
         let mut report = ConnReport::from_counters(hs.pid, &counters, t0.elapsed().as_secs_f64(), ended);
+        if self.opts.prefetch != PrefetchMode::None {
+            report.trace_digest = trace.as_ref().and_then(|t| t.manifest.as_ref()).map(|d| d.to_string());
+        }
         report.stream_depth = stream_run.depth as u64;
         report.stream_rtt_ms = stream_run.rtt.map(|d| d.as_secs_f64() * 1e3);
         report.working_set_s = replayed.map(|at: Instant| at.duration_since(started).as_secs_f64());
         report.stream_started_s = demand.went_after().map(|d| d.as_secs_f64());
         if self.opts.record_trace {
-            let (t, ws_bytes) = inst.take_recording().take_trace(&file.name, 1 << image.chunk_shift());
+            let (mut t, ws_bytes) = inst.take_recording().take_trace(&file.name, 1 << image.chunk_shift());
             report.working_set_recorded = t.working_set.len() as u64;
             match &self.traces {
                 Some(store) if !t.chunks.is_empty() => match store.store(&image, &t, &ws_bytes) {
-                    Ok(at) => {
+                    Ok((at, digest)) => {
                         tracing::info!(
                             "pid {}: trace of {} chunks and a working set of {} slices ({}) stored at {at}",
                             hs.pid,
@@ -447,7 +480,8 @@ impl Daemon {
                             imgfmt::size::human(ws_bytes.len() as u64)
                         );
                         report.trace = Some(at);
-                        *self.trace.lock().expect("poisoned") = Some(t);
+                        t.manifest = Some(digest);
+                        *self.replay.lock().expect("poisoned") = Some(Replay::new(&image, self.fetcher.file, &self.opts, t));
                     }
                     Err(e) => tracing::warn!("pid {}: storing the trace failed: {e}", hs.pid),
                 },

@@ -2,6 +2,7 @@
 
 mod adversarial_client;
 mod adversarial_files;
+mod adversarial_lazy;
 mod adversarial_registry;
 mod chain;
 mod cli;
