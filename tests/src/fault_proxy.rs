@@ -18,6 +18,7 @@
 //! | [`Fault::FlipByte`] | the full, well-framed response with one body byte XOR 0xFF |
 //! | [`Fault::Redirect`] | an injected redirect to the same target on another origin; the request never reaches upstream |
 //! | [`Fault::MoveLocation`] | the response with its `Location` header moved to another origin (a registry handing uploads elsewhere) |
+//! | [`Fault::Drip`] | the head at once, then the body one byte at a time, a pause after each (a slow-drip registry) |
 //!
 //! [`FaultProxy::require_basic`] makes the proxy a registry that wants HTTP Basic
 //! credentials, and [`Seen::authorization`] records what each request carried: together
@@ -83,6 +84,13 @@ pub enum Fault {
     MoveLocation {
         /// Origin the `Location` moves to.
         to: String,
+    },
+    /// Forward the head at once, then the body one byte at a time with a pause of `every`
+    /// after each: every read of the client gets a byte long before a per-read timeout,
+    /// and the whole body takes its length times `every`.
+    Drip {
+        /// Pause after each body byte.
+        every: Duration,
     },
 }
 
@@ -515,6 +523,14 @@ impl Sink<'_> {
 
     /// Write body payload bytes.
     fn body(&mut self, data: &[u8]) -> Step {
+        if let Some(Fault::Drip { every }) = self.fault {
+            for b in data {
+                self.body_pos += 1;
+                self.emit(std::slice::from_ref(b))?;
+                std::thread::sleep(every);
+            }
+            return Ok(());
+        }
         match self.fault {
             Some(Fault::Truncate { after }) => {
                 let room = after.saturating_sub(self.body_pos);
