@@ -593,6 +593,15 @@ fn listen(path: &std::path::Path, ready: Option<&std::path::Path>, who: &str, ta
     Ok((listener, cleanup))
 }
 
+/// Metrics connections served at once, at most; one more is closed unanswered. Each is
+/// served on a thread of its own, so a client that dawdles holds its own slot, never the
+/// listener: a scraper is answered beside up to this many slow clients.
+pub const MAX_METRICS_CONNECTIONS: usize = 8;
+/// A metrics client has this long, in all, to send its request line and take the answer
+/// (a deadline for the whole exchange, not per read: a client sending a byte now and then
+/// is cut off all the same).
+pub const METRICS_DEADLINE: Duration = Duration::from_secs(2);
+
 /// Serve `GET /metrics` on `addr` from a background thread, answering with `text(owner)`
 /// while `owner` lives (the Firecracker and the CRIU daemons both); returns the bound
 /// address.
@@ -600,13 +609,26 @@ fn serve_metrics<T: Send + Sync + 'static>(owner: &Arc<T>, addr: &str, text: fn(
     let l = std::net::TcpListener::bind(addr).map_err(io_err(format!("binding metrics address {addr}")))?;
     let bound = l.local_addr().map_err(io_err("metrics address"))?;
     let me = Arc::downgrade(owner);
+    let busy = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("lazy-metrics".into())
         .spawn(move || {
             for s in l.incoming() {
                 let Some(d) = me.upgrade() else { return };
-                if let Ok(s) = s {
-                    let _ = answer_metrics_text(s, &text(&d));
+                let Ok(s) = s else { continue };
+                if busy.fetch_add(1, Ordering::Relaxed) >= MAX_METRICS_CONNECTIONS {
+                    busy.fetch_sub(1, Ordering::Relaxed);
+                    tracing::debug!("metrics: {MAX_METRICS_CONNECTIONS} connections being served; closing another");
+                    continue;
+                }
+                let (body, slot) = (text(&d), busy.clone());
+                drop(d);
+                let spawned = std::thread::Builder::new().name("lazy-metrics-conn".into()).spawn(move || {
+                    let _ = answer_metrics_text(s, &body, Instant::now() + METRICS_DEADLINE);
+                    slot.fetch_sub(1, Ordering::Relaxed);
+                });
+                if spawned.is_err() {
+                    busy.fetch_sub(1, Ordering::Relaxed);
                 }
             }
         })
@@ -614,30 +636,28 @@ fn serve_metrics<T: Send + Sync + 'static>(owner: &Arc<T>, addr: &str, text: fn(
     Ok(bound)
 }
 
-/// Answer one HTTP request: `text` for `GET /metrics`, 404 otherwise.
-fn answer_metrics_text(mut s: std::net::TcpStream, text: &str) -> std::io::Result<()> {
-    use std::io::Write;
-    s.set_read_timeout(Some(Duration::from_secs(2)))?;
-    let mut line = String::new();
-    std::io::BufReader::new(s.try_clone()?).take_line(&mut line)?;
-    let (status, body) = if line.starts_with("GET /metrics ") || line.starts_with("GET /metrics\r") {
-        ("200 OK", text.to_string())
+/// Answer one HTTP request before `deadline`: `text` for `GET /metrics`, 404 otherwise.
+fn answer_metrics_text(mut s: std::net::TcpStream, text: &str, deadline: Instant) -> std::io::Result<()> {
+    use std::io::{Read, Write};
+    let left = || deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()).ok_or(std::io::ErrorKind::TimedOut);
+    // The request line, at most 8 KiB, before the deadline however it trickles in.
+    let mut line = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !line.contains(&b'\n') && line.len() < 8192 {
+        s.set_read_timeout(Some(left()?))?;
+        match s.read(&mut buf)? {
+            0 => break,
+            n => line.extend_from_slice(&buf[..n]),
+        }
+    }
+    let (status, body) = if line.starts_with(b"GET /metrics ") || line.starts_with(b"GET /metrics\r") {
+        ("200 OK", text)
     } else {
-        ("404 Not Found", "not found; try /metrics\n".to_string())
+        ("404 Not Found", "not found; try /metrics\n")
     };
+    s.set_write_timeout(Some(left()?))?;
     write!(s, "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())?;
     Ok(())
-}
-
-trait TakeLine {
-    fn take_line(&mut self, out: &mut String) -> std::io::Result<()>;
-}
-impl<R: std::io::BufRead> TakeLine for R {
-    /// One request line, at most 8 KiB.
-    fn take_line(&mut self, out: &mut String) -> std::io::Result<()> {
-        let mut limited = std::io::Read::take(self, 8192);
-        std::io::BufRead::read_line(&mut limited, out).map(|_| ())
-    }
 }
 
 struct RemoveOnDrop(PathBuf);
