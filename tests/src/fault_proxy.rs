@@ -16,9 +16,9 @@
 //! | [`Fault::Status`] | an injected status (503 by default) with a small JSON body; the request never reaches upstream |
 //! | [`Fault::Truncate`] | the full head (with the original `Content-Length`), N body bytes, then FIN |
 //! | [`Fault::FlipByte`] | the full, well-framed response with one body byte XOR 0xFF |
+//! | [`Fault::Drip`] | the full head at once, then the body one byte at a time, slowly |
 //! | [`Fault::Redirect`] | an injected redirect to the same target on another origin; the request never reaches upstream |
 //! | [`Fault::MoveLocation`] | the response with its `Location` header moved to another origin (a registry handing uploads elsewhere) |
-//! | [`Fault::Drip`] | the head at once, then the body one byte at a time, a pause after each (a slow-drip registry) |
 //!
 //! [`FaultProxy::require_basic`] makes the proxy a registry that wants HTTP Basic
 //! credentials, and [`Seen::authorization`] records what each request carried: together
@@ -71,6 +71,13 @@ pub enum Fault {
         /// Offset in the body.
         at: u64,
     },
+    /// Forward the head at once, then the body one byte every `every`: a registry whose
+    /// link barely moves. Every read sees progress, so only a deadline on the whole
+    /// request ends it.
+    Drip {
+        /// Wait before each body byte.
+        every: Duration,
+    },
     /// Do not forward the request; answer `code` (301, 302, 303, 307, 308) with
     /// `Location: {to}{target}` (`to` an origin such as `http://127.0.0.1:PORT`).
     Redirect {
@@ -84,13 +91,6 @@ pub enum Fault {
     MoveLocation {
         /// Origin the `Location` moves to.
         to: String,
-    },
-    /// Forward the head at once, then the body one byte at a time with a pause of `every`
-    /// after each: every read of the client gets a byte long before a per-read timeout,
-    /// and the whole body takes its length times `every`.
-    Drip {
-        /// Pause after each body byte.
-        every: Duration,
     },
 }
 
@@ -523,14 +523,6 @@ impl Sink<'_> {
 
     /// Write body payload bytes.
     fn body(&mut self, data: &[u8]) -> Step {
-        if let Some(Fault::Drip { every }) = self.fault {
-            for b in data {
-                self.body_pos += 1;
-                self.emit(std::slice::from_ref(b))?;
-                std::thread::sleep(every);
-            }
-            return Ok(());
-        }
         match self.fault {
             Some(Fault::Truncate { after }) => {
                 let room = after.saturating_sub(self.body_pos);
@@ -539,6 +531,14 @@ impl Sink<'_> {
                     self.body_pos += room;
                     return Err(Ok(Cut::Close));
                 }
+            }
+            Some(Fault::Drip { every }) => {
+                for b in data {
+                    std::thread::sleep(every);
+                    self.emit(std::slice::from_ref(b))?;
+                    self.body_pos += 1;
+                }
+                return Ok(());
             }
             Some(Fault::FlipByte { at }) if !self.flipped => {
                 let at = match self.body_len {
