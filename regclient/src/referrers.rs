@@ -69,8 +69,8 @@ fn next_link(h: &reqwest::header::HeaderMap) -> Option<String> {
                 let p = p.trim().replace(' ', "");
                 p == "rel=\"next\"" || p == "rel=next"
             });
-            if is_next && target.starts_with('<') && target.ends_with('>') {
-                return Some(target[1..target.len() - 1].to_string());
+            if let (true, Some(t)) = (is_next, target.strip_prefix('<').and_then(|t| t.strip_suffix('>'))) {
+                return Some(t.to_string());
             }
         }
     }
