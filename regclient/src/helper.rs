@@ -110,26 +110,25 @@ fn run_bounded(mut cmd: Command, input: &[u8], timeout: Duration) -> Result<Outp
         }
     };
     let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
-    let grace_until = Instant::now() + EXIT_GRACE;
-    let mut killed = false;
-    for _ in 0..2 {
-        let left = grace_until.saturating_duration_since(Instant::now());
-        let got = match rx.recv_timeout(left) {
-            Ok(got) => got,
-            Err(_) if !killed => {
+    let mut until = Instant::now() + EXIT_GRACE;
+    let (mut killed, mut done) = (false, 0);
+    while done < 2 {
+        match rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
+            Ok((i, b)) => {
+                done += 1;
+                if i == 0 {
+                    stdout = b;
+                } else {
+                    stderr = b;
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) if !killed => {
                 // Something the helper started still holds its output: the answer is in.
                 kill_group(pgid);
                 killed = true;
-                match rx.recv_timeout(Duration::from_secs(1)) {
-                    Ok(got) => got,
-                    Err(_) => break,
-                }
+                until = Instant::now() + Duration::from_secs(1);
             }
             Err(_) => break,
-        };
-        match got {
-            (0, b) => stdout = b,
-            (_, b) => stderr = b,
         }
     }
     Ok(Output { status, stdout, stderr })
