@@ -402,8 +402,9 @@ impl ChunkCache {
         if rc != 0 {
             return Err(std::io::Error::last_os_error());
         }
+        // f_type's C type differs between architectures.
+        #[allow(clippy::unnecessary_cast)]
         // SAFETY: fstatfs returned 0, so it filled the struct.
-        #[allow(clippy::unnecessary_cast)] // f_type's C type differs between architectures
         let kind = unsafe { st.assume_init() }.f_type as i64;
         if PSEUDO.contains(&kind) {
             return refuse(format!("the file is on a pseudo filesystem (type {kind:#x})"));
