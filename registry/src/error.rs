@@ -36,6 +36,8 @@ pub enum Code {
     Denied,
     /// The operation is unsupported.
     Unsupported,
+    /// The client sent too many requests (or failed logins): try again after `Retry-After`.
+    TooManyRequests,
     /// Server-side failure (not an OCI code; clients treat it as unknown).
     Unknown,
 }
@@ -48,6 +50,7 @@ impl Code {
             Code::BlobUploadInvalid => "BLOB_UPLOAD_INVALID",
             Code::BlobUploadUnknown => "BLOB_UPLOAD_UNKNOWN",
             Code::DigestInvalid => "DIGEST_INVALID",
+            Code::TooManyRequests => "TOOMANYREQUESTS",
             Code::ManifestBlobUnknown => "MANIFEST_BLOB_UNKNOWN",
             Code::ManifestInvalid => "MANIFEST_INVALID",
             Code::ManifestUnknown => "MANIFEST_UNKNOWN",

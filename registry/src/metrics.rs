@@ -13,6 +13,13 @@
 //! - `snapctl_storage_seconds{op}` histogram, `snapctl_storage_errors_total{op}` counter
 //! - `snapctl_http_connections` gauge; `snapctl_http_connections_refused_total` (over the
 //!   per-address cap) and `snapctl_http_connections_timed_out_total` counters
+//! - `snapctl_http_responses_open` gauge (requests in progress: handler or body);
+//!   `snapctl_http_requests_refused_total` (429: over the per-client request cap) and
+//!   `snapctl_http_responses_stalled_total` (connections closed because a response body
+//!   did not move) counters
+//! - with authentication: `snapctl_auth_password_checks_total`,
+//!   `snapctl_auth_cache_hits_total`, `snapctl_auth_refused_total{reason}` (`backoff` or
+//!   `busy`) counters
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -69,6 +76,13 @@ pub struct Metrics {
     /// Connections closed because a request head, a request body or the connection
     /// itself stalled past its timeout.
     pub connections_timed_out: AtomicU64,
+    /// Requests in progress now (a handler running or a response body not finished).
+    pub responses_open: AtomicI64,
+    /// Requests answered 429 at once: their client had too many in progress.
+    pub requests_refused: AtomicU64,
+    /// Connections closed because one of their response bodies had not moved for the idle
+    /// timeout (also counted in `connections_timed_out`).
+    pub responses_stalled: AtomicU64,
 }
 
 impl Metrics {
@@ -126,6 +140,16 @@ impl Metrics {
                 "Connections closed because a request head, a body or the connection stalled.",
                 self.connections_timed_out.load(Relaxed),
             ),
+            (
+                "snapctl_http_requests_refused_total",
+                "Requests answered 429 at once: their client had too many in progress.",
+                self.requests_refused.load(Relaxed),
+            ),
+            (
+                "snapctl_http_responses_stalled_total",
+                "Connections closed because a response body had not moved for the idle timeout.",
+                self.responses_stalled.load(Relaxed),
+            ),
         ];
         for (name, help, v) in counters {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
@@ -139,6 +163,11 @@ impl Metrics {
             o,
             "# HELP snapctl_http_connections Open client connections.\n# TYPE snapctl_http_connections gauge\nsnapctl_http_connections {}",
             self.connections.load(Relaxed)
+        );
+        let _ = writeln!(
+            o,
+            "# HELP snapctl_http_responses_open Requests in progress (handler running or response body not finished).\n# TYPE snapctl_http_responses_open gauge\nsnapctl_http_responses_open {}",
+            self.responses_open.load(Relaxed)
         );
         o.push_str("# HELP snapctl_storage_seconds Latency of storage calls by operation.\n");
         o.push_str("# TYPE snapctl_storage_seconds histogram\n");
@@ -158,6 +187,22 @@ impl Metrics {
         }
         o
     }
+}
+
+/// The password-checking counters (with authentication on).
+pub fn render_auth(a: &crate::auth::AuthStats) -> String {
+    let mut o = String::new();
+    let counters = [
+        ("snapctl_auth_password_checks_total", "bcrypt verifications run.", a.password_checks),
+        ("snapctl_auth_cache_hits_total", "Basic credentials taken from the verified cache, without bcrypt.", a.cache_hits),
+    ];
+    for (name, help, v) in counters {
+        let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+    }
+    let name = "snapctl_auth_refused_total";
+    let _ = writeln!(o, "# HELP {name} Requests with Basic credentials refused without a check (client backing off, or every check slot busy).");
+    let _ = writeln!(o, "# TYPE {name} counter\n{name}{{reason=\"backoff\"}} {}\n{name}{{reason=\"busy\"}} {}", a.refused_backoff, a.refused_busy);
+    o
 }
 
 #[cfg(test)]

@@ -43,7 +43,19 @@ pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 const API_VERSION: (&str, &str) = ("docker-distribution-api-version", "registry/2.0");
 
 mod listen;
-pub use listen::Limits;
+pub use listen::{Limits, DEFAULT_MAX_CONNS_PER_CLIENT, DEFAULT_MAX_REQUESTS_PER_CLIENT, DEFAULT_MAX_STREAMS_PER_CONN};
+
+/// Most bytes a referrer's annotations may take (as JSON) in the referrers index: a
+/// manifest with a `subject` and more is refused (each listing repeats them, and a client
+/// reads a page of them at once).
+pub const MAX_REFERRER_ANNOTATIONS: usize = 16 << 10;
+/// Referrers per page of a referrers listing when the client asks for no `n` (and the
+/// most it may ask for): with [`MAX_REFERRER_ANNOTATIONS`], a page stays under 2 MiB,
+/// within the 4 MiB a client reads of an index.
+pub const REFERRERS_PAGE: usize = 100;
+/// Largest stored referrers-index descriptor served; a larger one (stored before the
+/// annotation bound) is skipped.
+const MAX_REFERRER_DESCRIPTOR: u64 = MAX_REFERRER_ANNOTATIONS as u64 + 4096;
 
 /// Default idle time after which an upload session is removed.
 pub const DEFAULT_UPLOAD_TTL: Duration = Duration::from_secs(24 * 3600);
@@ -372,7 +384,7 @@ impl Server {
         c
     }
 
-    async fn identify(&self, uri: &Uri, headers: &HeaderMap) -> Result<Identity, ApiError> {
+    async fn identify(&self, uri: &Uri, headers: &HeaderMap, client: Option<std::net::IpAddr>) -> Result<Identity, ApiError> {
         let Some(auth) = &self.cfg.auth else { return Ok(Identity::Anonymous) };
         let is_basic = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).is_some_and(|v| v.len() > 6 && v[..6].eq_ignore_ascii_case("basic "));
         let r = if is_basic {
@@ -380,15 +392,19 @@ impl Server {
             // multi-thread runtime, let the other tasks of this worker move elsewhere.
             let h = headers.clone();
             match tokio::runtime::Handle::current().runtime_flavor() {
-                tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(|| auth.identify(&h)),
-                _ => auth.identify(&h),
+                tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(|| auth.identify_client(&h, client)),
+                _ => auth.identify_client(&h, client),
             }
         } else {
             auth.identify(headers)
         };
-        r.map_err(|e: Rejected| {
-            ApiError::new(StatusCode::UNAUTHORIZED, Code::Unauthorized, e.to_string())
-                .with_header(header::WWW_AUTHENTICATE, self.challenge(uri, headers, None, false))
+        r.map_err(|e: Rejected| match e {
+            // Answered at once, without a check: the client waits and asks again.
+            Rejected::Backoff { retry_after } => ApiError::new(StatusCode::TOO_MANY_REQUESTS, Code::TooManyRequests, e.to_string())
+                .with_header(header::RETRY_AFTER, retry_after.as_secs().max(1).to_string()),
+            Rejected::Busy => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, Code::TooManyRequests, e.to_string()).with_header(header::RETRY_AFTER, "1"),
+            _ => ApiError::new(StatusCode::UNAUTHORIZED, Code::Unauthorized, e.to_string())
+                .with_header(header::WWW_AUTHENTICATE, self.challenge(uri, headers, None, false)),
         })
     }
 
@@ -420,12 +436,12 @@ impl Server {
         self.cfg.auth.as_ref().is_none_or(|a| a.allows(id, repo.as_str(), action))
     }
 
-    async fn handle(&self, method: Method, uri: Uri, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    async fn handle(&self, method: Method, uri: Uri, headers: HeaderMap, body: Body, client: Option<std::net::IpAddr>) -> Result<Response, ApiError> {
         let route = match parse_route(uri.path()) {
             Some(r) => r?,
             None => return Err(ApiError::not_found(Code::Unsupported, format!("no such endpoint {}", uri.path()))),
         };
-        let id = self.identify(&uri, &headers).await?;
+        let id = self.identify(&uri, &headers, client).await?;
         use Route as R;
         let need = match (&route, &method) {
             (R::Base, _) => None,
@@ -805,6 +821,13 @@ impl Server {
                 desc["artifactType"] = at.into();
             }
             if let Some(a) = json.get("annotations").filter(|a| a.is_object()) {
+                let size = serde_json::to_vec(a).map_or(usize::MAX, |v| v.len());
+                if size > MAX_REFERRER_ANNOTATIONS {
+                    return Err(ApiError::bad(
+                        Code::ManifestInvalid,
+                        format!("a manifest with a subject may carry at most {MAX_REFERRER_ANNOTATIONS} bytes of annotations into the referrers index, this one has {size}"),
+                    ));
+                }
                 desc["annotations"] = a.clone();
             }
             let raw = serde_json::to_vec(&desc).expect("descriptor serializes");
@@ -871,11 +894,31 @@ impl Server {
         Ok(respond(StatusCode::OK, &hs, Body::from(body)))
     }
 
+    /// `GET /v2/<name>/referrers/<digest>[?artifactType=T][&n=N][&last=DIGEST]`: a page of
+    /// at most `n` (default and most [`REFERRERS_PAGE`]) referrer descriptors in digest
+    /// order after `last`, with a `Link: <…>; rel="next"` to the next page when there is one.
     async fn referrers(&self, repo: &RepoName, d: &str, q: &[(String, String)]) -> Result<Response, ApiError> {
         let subject = parse_digest(d)?;
         let filter = param(q, "artifactType");
+        let n = match param(q, "n") {
+            None => REFERRERS_PAGE,
+            Some(v) => v.parse::<usize>().map_err(|_| ApiError::bad(Code::Unsupported, format!("bad n={v:?}")))?.clamp(1, REFERRERS_PAGE),
+        };
+        let last = param(q, "last");
+        let mut entries: Vec<_> = self.store.list(&layout::referrers_dir(repo, &subject)).await?;
+        entries.sort_by(|a, b| a.key.cmp(&b.key));
         let mut manifests = Vec::new();
-        for m in self.store.list(&layout::referrers_dir(repo, &subject)).await? {
+        let mut more = false;
+        for m in entries {
+            // Keys end in the referrer's digest (`…/<alg>-<hex>`): the order and the cursor.
+            let name = m.key.rsplit('/').next().unwrap_or("").replacen('-', ":", 1);
+            if last.is_some_and(|l| name.as_str() <= l) {
+                continue;
+            }
+            if m.size > MAX_REFERRER_DESCRIPTOR {
+                tracing::warn!(key = %m.key, size = m.size, "skipping an oversized referrers-index entry");
+                continue;
+            }
             let b = match self.store.get_bytes(&m.key).await {
                 Ok(b) => b,
                 Err(e) if e.is_not_found() => continue,
@@ -887,13 +930,24 @@ impl Server {
                     continue;
                 }
             }
+            if manifests.len() == n {
+                more = true;
+                break;
+            }
             manifests.push(desc);
         }
-        manifests.sort_by(|a, b| a["digest"].as_str().cmp(&b["digest"].as_str()));
         let body = serde_json::json!({ "schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": manifests });
         let mut hs = vec![(header::CONTENT_TYPE, OCI_INDEX.to_owned())];
         if filter.is_some() {
             hs.push((HeaderName::from_static("oci-filters-applied"), "artifactType".to_owned()));
+        }
+        if let (true, Some(last)) = (more, manifests.last().and_then(|m| m["digest"].as_str())) {
+            let mut next = form_urlencoded::Serializer::new(String::new());
+            if let Some(f) = filter {
+                next.append_pair("artifactType", f);
+            }
+            next.append_pair("n", &n.to_string()).append_pair("last", last);
+            hs.push((header::LINK, format!("</v2/{repo}/referrers/{subject}?{}>; rel=\"next\"", next.finish())));
         }
         Ok(respond(StatusCode::OK, &hs, Body::from(serde_json::to_vec(&body).expect("json"))))
     }
@@ -987,8 +1041,16 @@ pub fn manifest_refs(json: &serde_json::Value) -> Result<ManifestRefs, ApiError>
     Ok(r)
 }
 
-async fn v2(State(s): State<Arc<Server>>, method: Method, uri: Uri, headers: HeaderMap, body: Body) -> Response {
-    match s.handle(method, uri, headers, body).await {
+/// The client key the listener put in a request's extensions (none when the router is
+/// served some other way).
+type Client = Option<axum::Extension<listen::ClientAddr>>;
+
+fn client_ip(c: Client) -> Option<std::net::IpAddr> {
+    c.map(|axum::Extension(listen::ClientAddr(ip))| ip)
+}
+
+async fn v2(State(s): State<Arc<Server>>, client: Client, method: Method, uri: Uri, headers: HeaderMap, body: Body) -> Response {
+    match s.handle(method, uri, headers, body, client_ip(client)).await {
         Ok(r) => r,
         Err(e) => {
             s.metrics.error(e.code.as_str());
@@ -999,13 +1061,14 @@ async fn v2(State(s): State<Arc<Server>>, method: Method, uri: Uri, headers: Hea
     }
 }
 
-async fn token(State(s): State<Arc<Server>>, uri: Uri, headers: HeaderMap) -> Response {
+async fn token(State(s): State<Arc<Server>>, client: Client, uri: Uri, headers: HeaderMap) -> Response {
     let Some(auth) = &s.cfg.auth else {
         return ApiError::not_found(Code::Unsupported, "authentication is not enabled").into_response();
     };
-    let sub = match s.identify(&uri, &headers).await {
+    let sub = match s.identify(&uri, &headers, client_ip(client)).await {
         Ok(Identity::User(u)) => Some(u),
         Ok(Identity::Anonymous) => None,
+        Err(e) if e.status != StatusCode::UNAUTHORIZED => return e.into_response(),
         Ok(Identity::Token { .. }) | Err(_) => {
             return ApiError::new(StatusCode::UNAUTHORIZED, Code::Unauthorized, "invalid credentials")
                 .with_header(header::WWW_AUTHENTICATE, "Basic realm=\"snapctl\"")
@@ -1025,9 +1088,9 @@ async fn token(State(s): State<Arc<Server>>, uri: Uri, headers: HeaderMap) -> Re
 
 /// `/metrics` on the API listener: with auth enabled, for users only (a scraper sends
 /// Basic credentials).
-async fn metrics(State(s): State<Arc<Server>>, uri: Uri, headers: HeaderMap) -> Response {
+async fn metrics(State(s): State<Arc<Server>>, client: Client, uri: Uri, headers: HeaderMap) -> Response {
     if s.cfg.auth.is_some() {
-        let user = match s.identify(&uri, &headers).await {
+        let user = match s.identify(&uri, &headers, client_ip(client)).await {
             Ok(Identity::User(_)) => true,
             Ok(Identity::Token { sub, .. }) => !sub.is_empty(),
             _ => false,
@@ -1043,7 +1106,11 @@ async fn metrics(State(s): State<Arc<Server>>, uri: Uri, headers: HeaderMap) -> 
 
 /// `/metrics` for anyone who can reach it (the metrics listener).
 async fn open_metrics(State(s): State<Arc<Server>>) -> Response {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], s.metrics.render()).into_response()
+    let mut text = s.metrics.render();
+    if let Some(a) = &s.cfg.auth {
+        text.push_str(&crate::metrics::render_auth(&a.stats()));
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
 /// Middleware: count requests by method and status, and log them.

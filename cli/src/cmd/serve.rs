@@ -16,8 +16,11 @@ use anyhow::Context as _;
 ///
 /// Against hostile clients: a request head must arrive within --header-timeout, a
 /// connection with nothing in flight and nothing moving (or a request body that stops)
-/// is closed after --idle-timeout, a client (IPv4 address, IPv6 /64) may hold
-/// --max-conns-per-client connections, idle upload sessions are removed after
+/// is closed after --idle-timeout, so is a connection one of whose responses has not moved
+/// for --idle-timeout (an HTTP/2 stream whose window stays shut), a client (IPv4 address,
+/// IPv6 /64) may hold --max-conns-per-client connections and --max-requests-per-client
+/// requests in progress (more get 429 at once), an HTTP/2 connection
+/// --max-streams-per-conn streams, idle upload sessions are removed after
 /// --upload-ttl, and /metrics has fixed label sets (and, with --htpasswd, needs
 /// credentials unless it has its own --metrics-listen address). See spec/registry.md.
 #[derive(Debug, clap::Args)]
@@ -44,6 +47,13 @@ pub struct ServeArgs {
     /// Default: a random secret per process.
     #[arg(long, requires = "htpasswd")]
     pub token_secret_file: Option<PathBuf>,
+    /// Most bcrypt password checks running at once (default: half the cores, at least 1).
+    /// A request with Basic credentials that finds every slot busy is answered 503 with
+    /// Retry-After at once; verified credentials are remembered for 5 minutes (no check),
+    /// and a client (address) sending a sixth wrong password waits 1 s, doubling to 60 s,
+    /// before its next is checked (429 with Retry-After meanwhile).
+    #[arg(long, requires = "htpasswd", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_password_checks: Option<u64>,
     /// Token realm URL for the WWW-Authenticate challenge (default: this server's /token).
     #[arg(long, requires = "htpasswd")]
     pub token_realm: Option<String>,
@@ -68,9 +78,20 @@ pub struct ServeArgs {
     #[arg(long, default_value = "120s", value_parser = super::common::parse_duration)]
     pub idle_timeout: Duration,
     /// Most connections one client (IPv4 address, IPv6 /64) may hold open; more are
-    /// closed at once (0: no cap).
-    #[arg(long, default_value_t = 64)]
+    /// closed at once (0: no cap). Generous: moving connections are cheap, and one host
+    /// pulling for many sandboxes at once opens hundreds; what a client can hold still
+    /// is bounded by --max-requests-per-client and --idle-timeout.
+    #[arg(long, default_value_t = registry::server::DEFAULT_MAX_CONNS_PER_CLIENT)]
     pub max_conns_per_client: usize,
+    /// Most requests one client may have in progress across its connections (a handler
+    /// running or a response still being sent, each possibly holding a file open); more
+    /// are answered 429 with Retry-After at once (0: no cap).
+    #[arg(long, default_value_t = registry::server::DEFAULT_MAX_REQUESTS_PER_CLIENT)]
+    pub max_requests_per_client: usize,
+    /// Most HTTP/2 streams one connection may have open at once (announced to the client
+    /// in SETTINGS_MAX_CONCURRENT_STREAMS).
+    #[arg(long, default_value_t = registry::server::DEFAULT_MAX_STREAMS_PER_CONN, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_streams_per_conn: u32,
     /// Remove upload sessions idle for this long (checked every quarter of it).
     #[arg(long, default_value = "24h", value_parser = super::common::parse_duration)]
     pub upload_ttl: Duration,
@@ -99,12 +120,20 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             };
             let mut a = registry::auth::Auth::new(&users, acl.as_deref(), args.anonymous_read, secret).context("loading authentication config")?;
             a.realm = args.token_realm.clone();
+            if let Some(n) = args.max_password_checks {
+                a.max_checks = usize::try_from(n).unwrap_or(usize::MAX);
+            }
             Some(a)
         }
     };
     let tls = args.tls_cert.is_some();
-    let limits =
-        registry::server::Limits { header_read_timeout: args.header_timeout, idle_timeout: args.idle_timeout, max_conns_per_client: args.max_conns_per_client };
+    let limits = registry::server::Limits {
+        header_read_timeout: args.header_timeout,
+        idle_timeout: args.idle_timeout,
+        max_conns_per_client: args.max_conns_per_client,
+        max_requests_per_client: args.max_requests_per_client,
+        max_streams_per_conn: args.max_streams_per_conn,
+    };
     if limits.header_read_timeout.is_zero() || limits.idle_timeout.is_zero() {
         anyhow::bail!("--header-timeout and --idle-timeout must be more than 0");
     }

@@ -989,7 +989,7 @@ mod hostile {
     use tokio::net::{TcpSocket, TcpStream};
 
     fn limits(header: u64, idle: u64, cap: usize) -> Limits {
-        Limits { header_read_timeout: Duration::from_secs(header), idle_timeout: Duration::from_secs(idle), max_conns_per_client: cap }
+        Limits { header_read_timeout: Duration::from_secs(header), idle_timeout: Duration::from_secs(idle), max_conns_per_client: cap, ..Limits::default() }
     }
 
     /// A connection to the server from source address `from` (any 127/8 address).
