@@ -99,16 +99,32 @@ pub fn signature_layer(payload: &[u8], signature: &[u8]) -> Descriptor {
 /// writes it for cosign: an OCI image config whose rootfs lists the layers (they are
 /// uncompressed, so each diff ID is the layer's digest), one history entry each.
 pub fn tag_config(layers: &[Descriptor]) -> Vec<u8> {
+    // Fields in go-containerregistry's order, so the bytes equal cosign's for the same layers.
+    #[derive(serde::Serialize)]
+    struct Config<'a> {
+        architecture: &'a str,
+        created: &'a str,
+        history: Vec<serde_json::Value>,
+        os: &'a str,
+        rootfs: RootFs,
+        config: serde_json::Value,
+    }
+    #[derive(serde::Serialize)]
+    struct RootFs {
+        #[serde(rename = "type")]
+        kind: &'static str,
+        diff_ids: Vec<String>,
+    }
     let zero = "0001-01-01T00:00:00Z";
-    let config = serde_json::json!({
-        "architecture": "",
-        "created": zero,
-        "history": layers.iter().map(|_| serde_json::json!({"created": zero})).collect::<Vec<_>>(),
-        "os": "",
-        "rootfs": {"type": "layers", "diff_ids": layers.iter().map(|l| l.digest.to_string()).collect::<Vec<_>>()},
-        "config": {},
-    });
-    serde_json::to_vec(&config).expect("serializes")
+    let c = Config {
+        architecture: "",
+        created: zero,
+        history: layers.iter().map(|_| serde_json::json!({"created": zero})).collect(),
+        os: "",
+        rootfs: RootFs { kind: "layers", diff_ids: layers.iter().map(|l| l.digest.to_string()).collect() },
+        config: serde_json::json!({}),
+    };
+    serde_json::to_vec(&c).expect("serializes")
 }
 
 /// A tag-scheme manifest: `existing` (if any) with `layer` appended, and its config.
@@ -158,6 +174,12 @@ mod tests {
         assert_eq!(m2.layers.len(), 2);
         assert_eq!(m2.layers[0], a);
         assert_eq!(m2.config.digest, OciDigest::of(&config));
+        // The bytes go-containerregistry writes for cosign over the same two layers.
+        let want = format!(
+            r#"{{"architecture":"","created":"0001-01-01T00:00:00Z","history":[{{"created":"0001-01-01T00:00:00Z"}},{{"created":"0001-01-01T00:00:00Z"}}],"os":"","rootfs":{{"type":"layers","diff_ids":["{}","{}"]}},"config":{{}}}}"#,
+            m2.layers[0].digest, m2.layers[1].digest
+        );
+        assert_eq!(String::from_utf8(config).unwrap(), want);
         assert_eq!(signature_tag(&OciDigest::of(b"x")), format!("sha256-{}.sig", OciDigest::of(b"x").hex()));
     }
 
