@@ -99,7 +99,8 @@ MEM=$W/snap/vm.mem
 
 # Each timed command reaches the server through a fresh proxy at RTT.
 policy_for() { # ADDR -> policy file accepting only images signed by k.pub under ADDR/bench
-  echo "{\"default\":[{\"type\":\"reject\"}],\"transports\":{\"docker\":{\"$1/bench\":[{\"type\":\"sigstoreSigned\",\"keyPath\":\"$W/k.pub\"}]}}}" >"$W/policy.json"
+  # Signed as the server's own name; read through the proxy's address: exactRepository.
+  echo "{\"default\":[{\"type\":\"reject\"}],\"transports\":{\"docker\":{\"$1/bench\":[{\"type\":\"sigstoreSigned\",\"keyPath\":\"$W/k.pub\",\"signedIdentity\":{\"type\":\"exactRepository\",\"dockerRepository\":\"127.0.0.1:$PORT/bench/vm\"}}]}}}" >"$W/policy.json"
 }
 pol_args() { if [ "$1" = policy ]; then echo "--policy $W/policy.json"; else echo "--insecure-policy"; fi; }
 
