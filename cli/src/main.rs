@@ -42,6 +42,8 @@ enum Command {
     Login(cmd::login::LoginArgs),
     Logout(cmd::login::LogoutArgs),
     Lazy(cmd::lazy::LazyArgs),
+    Sign(cmd::sign::SignArgs),
+    Key(cmd::sign::KeyArgs),
 }
 
 fn main() -> ExitCode {
@@ -67,6 +69,8 @@ fn main() -> ExitCode {
         Command::Login(a) => cmd::login::run_login(a),
         Command::Logout(a) => cmd::login::run_logout(a),
         Command::Lazy(a) => cmd::lazy::run(a),
+        Command::Sign(a) => cmd::sign::run_sign(a),
+        Command::Key(a) => cmd::sign::run_key(a),
     };
     match result {
         Ok(code) => code,

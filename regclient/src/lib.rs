@@ -8,6 +8,7 @@
 //! lib.rs       RegistrySource: HTTP(S), auth challenges, retries; the read half (BlobSource)
 //! upload.rs    write half: HEAD, mount, POST/PATCH/PUT uploads with resume, manifest PUT
 //! referrers.rs referrers API and the OCI 1.1 fallback tag `sha256-<hex>`
+//! artifacts.rs manifests read beside an image (signatures) without the tag cache
 //! state.rs     resume state files of chunked uploads
 //! known.rs     which repositories of a host hold which blobs (for mounts)
 //! config.rs    Docker's config.json (credentials) and snapctl's cache directory
@@ -29,6 +30,7 @@
 //! Everything the read half returns is unverified; callers check digests (see
 //! `imgfmt::source`). The wire behaviour is specified in `spec/transfer.md`.
 
+mod artifacts;
 mod config;
 mod error;
 mod helper;

@@ -70,7 +70,7 @@ pub fn exit_code_for(e: &anyhow::Error) -> u8 {
 /// an error (exit 2), whatever its kind: it is not a verification's answer.
 pub fn error_kind(e: &anyhow::Error) -> Option<ErrorKind> {
     e.chain().find_map(|c| {
-        if c.is::<IntegrityError>() {
+        if c.is::<IntegrityError>() || c.is::<super::policy::PolicyRefused>() {
             Some(ErrorKind::Integrity)
         } else if let Some(v) = c.downcast_ref::<verify::VerifyError>() {
             Some(v.kind())

@@ -17,6 +17,7 @@ mod pull;
 mod push;
 mod registry;
 mod runsc;
+mod sign;
 mod slices;
 mod snapshot_registry;
 mod vectors;
