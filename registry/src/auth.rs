@@ -18,7 +18,7 @@
 //! A request is allowed if any rule grants the action.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::http::{header, HeaderMap};
@@ -72,6 +72,16 @@ pub struct Rule {
     pub repos: Vec<String>,
     /// What.
     pub actions: Vec<Action>,
+}
+
+impl Rule {
+    /// Whether the rule speaks of `user` (None = anonymous).
+    fn covers(&self, user: Option<&str>) -> bool {
+        self.users.iter().any(|u| match user {
+            None => u == "anonymous",
+            Some(name) => u == "*" || u == name,
+        })
+    }
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -149,22 +159,40 @@ struct Claims {
     access: Vec<Access>,
 }
 
-/// The auth configuration of a server.
+/// The users of one htpasswd file, and what checking passwords against it has learnt.
+/// Replaced whole when the file changes ([`Auth::reload_users`]), so a password checked
+/// against the old file can never be remembered as valid for the new one.
 #[derive(Debug)]
-pub struct Auth {
-    users: HashMap<String, String>,
-    rules: Vec<Rule>,
-    secret: Vec<u8>,
-    /// `service` of the token flow.
-    pub service: String,
-    /// Token realm URL; `None` derives `http(s)://<Host>/token` from each request.
-    pub realm: Option<String>,
+struct Users {
+    hashes: HashMap<String, String>,
     /// Successful (user, sha256(password)) checks, so bcrypt runs once per credential.
     verified: Mutex<HashSet<(String, [u8; 32])>>,
     /// A bcrypt hash of no one's password, at the highest cost among the users: an
     /// unknown user's password is checked against it, so a wrong user name costs the same
     /// time as a wrong password (0.5 ms against 60 ms told an attacker which names exist).
     dummy: String,
+}
+
+impl Users {
+    fn load(htpasswd: &str) -> Result<Users, AuthConfigError> {
+        let hashes = parse_htpasswd(htpasswd)?;
+        // With no users there is no name to hide: the cheapest cost will do.
+        let cost = hashes.values().filter_map(|h| bcrypt_cost(h)).max().unwrap_or(4).clamp(4, 31);
+        let dummy = bcrypt::hash(hex::encode(random_secret()), cost).map_err(|e| AuthConfigError::Bcrypt(e.to_string()))?;
+        Ok(Users { hashes, verified: Mutex::new(HashSet::new()), dummy })
+    }
+}
+
+/// The auth configuration of a server.
+#[derive(Debug)]
+pub struct Auth {
+    users: RwLock<Arc<Users>>,
+    rules: Vec<Rule>,
+    secret: Vec<u8>,
+    /// `service` of the token flow.
+    pub service: String,
+    /// Token realm URL; `None` derives `http(s)://<Host>/token` from each request.
+    pub realm: Option<String>,
     /// bcrypt verifications run (tests observe that every path runs one).
     bcrypt_runs: std::sync::atomic::AtomicU64,
 }
@@ -217,7 +245,7 @@ impl Auth {
         if secret.len() < 32 {
             return Err(AuthConfigError::ShortSecret(secret.len()));
         }
-        let users = parse_htpasswd(htpasswd)?;
+        let users = Users::load(htpasswd)?;
         let mut rules = match acl {
             Some(t) => toml::from_str::<AclFile>(t).map_err(|e| AuthConfigError::Acl(e.to_string()))?.rule,
             None => vec![Rule { users: vec!["*".into()], repos: vec!["*".into()], actions: vec![Action::Pull, Action::Push, Action::Delete] }],
@@ -225,21 +253,32 @@ impl Auth {
         if anonymous_read {
             rules.push(Rule { users: vec!["anonymous".into()], repos: vec!["*".into()], actions: vec![Action::Pull] });
         }
-        // With no users there is no name to hide: the cheapest cost will do.
-        let cost = users.values().filter_map(|h| bcrypt_cost(h)).max().unwrap_or(4).clamp(4, 31);
-        let dummy = bcrypt::hash(hex::encode(random_secret()), cost).map_err(|e| AuthConfigError::Bcrypt(e.to_string()))?;
-        Ok(Auth { users, rules, secret, service: "snapctl".into(), realm: None, verified: Mutex::new(HashSet::new()), dummy, bcrypt_runs: Default::default() })
+        Ok(Auth { users: RwLock::new(Arc::new(users)), rules, secret, service: "snapctl".into(), realm: None, bcrypt_runs: Default::default() })
+    }
+
+    /// Replace the users with those of `htpasswd` (the file changed). Passwords verified
+    /// before are forgotten. On an error the users stay as they were. Returns how many
+    /// users there are now.
+    pub fn reload_users(&self, htpasswd: &str) -> Result<usize, AuthConfigError> {
+        let users = Users::load(htpasswd)?;
+        let n = users.hashes.len();
+        *self.users.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(users);
+        Ok(n)
+    }
+
+    fn users(&self) -> Arc<Users> {
+        self.users.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Whether a user (None = anonymous) has `action` on `repo` per the ACL.
     pub fn acl_allows(&self, user: Option<&str>, repo: &str, action: Action) -> bool {
-        self.rules.iter().any(|r| {
-            let who = r.users.iter().any(|u| match user {
-                None => u == "anonymous",
-                Some(name) => u == "*" || u == name,
-            });
-            who && r.actions.contains(&action) && r.repos.iter().any(|p| repo_matches(p, repo))
-        })
+        self.rules.iter().any(|r| r.covers(user) && r.actions.contains(&action) && r.repos.iter().any(|p| repo_matches(p, repo)))
+    }
+
+    /// The repository patterns of the rules that give a user (None = anonymous) `action`:
+    /// the repositories the catalog may show them.
+    pub fn acl_patterns(&self, user: Option<&str>, action: Action) -> Vec<String> {
+        self.rules.iter().filter(|r| r.covers(user) && r.actions.contains(&action)).flat_map(|r| r.repos.iter().cloned()).collect()
     }
 
     /// Whether `id` may do `action` on `repo`.
@@ -254,18 +293,19 @@ impl Auth {
     /// Check a password (bcrypt, cached on success).
     pub fn check_password(&self, user: &str, password: &str) -> bool {
         let key = (user.to_owned(), <[u8; 32]>::from(Sha256::digest(password.as_bytes())));
-        if self.verified.lock().unwrap_or_else(|p| p.into_inner()).contains(&key) {
+        let users = self.users();
+        if users.verified.lock().unwrap_or_else(|p| p.into_inner()).contains(&key) {
             return true;
         }
         // Unknown users are checked against the dummy hash (same cost), and fail.
-        let (hash, known) = match self.users.get(user) {
+        let (hash, known) = match users.hashes.get(user) {
             Some(h) => (h.as_str(), true),
-            None => (self.dummy.as_str(), false),
+            None => (users.dummy.as_str(), false),
         };
         self.bcrypt_runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let ok = bcrypt::verify(password, hash).unwrap_or(false) && known;
         if ok {
-            self.verified.lock().unwrap_or_else(|p| p.into_inner()).insert(key);
+            users.verified.lock().unwrap_or_else(|p| p.into_inner()).insert(key);
         }
         ok
     }
@@ -428,7 +468,7 @@ mod tests {
     fn regression_issue_14_unknown_users_cost_one_bcrypt_verification_too() {
         let h = bcrypt::hash("secret", 5).unwrap();
         let a = Auth::new(&format!("alice:{h}\n"), None, false, vec![7; 32]).unwrap();
-        assert_eq!(bcrypt_cost(&a.dummy), Some(5), "dummy hash has the users' cost: {}", a.dummy);
+        assert_eq!(bcrypt_cost(&a.users().dummy), Some(5), "dummy hash has the users' cost: {}", a.users().dummy);
         let runs = || a.bcrypt_runs.load(std::sync::atomic::Ordering::Relaxed);
         assert!(!a.check_password("alice", "wrong"));
         assert_eq!(runs(), 1);
@@ -439,6 +479,20 @@ mod tests {
         assert_eq!(runs(), 4);
         assert!(a.check_password("alice", "secret"));
         assert_eq!(runs(), 4, "a verified credential is cached");
+    }
+
+    #[test]
+    fn regression_issue_25_reloaded_users_replace_the_old_ones_and_their_cached_passwords() {
+        let a = auth(None, false);
+        assert!(a.check_password("alice", "secret"), "cached from now on");
+        let h = bcrypt::hash("new", 4).unwrap();
+        assert_eq!(a.reload_users(&format!("alice:{h}\ncarol:{h}\n")).unwrap(), 2);
+        assert!(!a.check_password("alice", "secret"), "the old password, cached before, is refused");
+        assert!(a.check_password("alice", "new"));
+        assert!(a.check_password("carol", "new"));
+        assert!(!a.check_password("bob", "secret"), "a user removed from the file is refused");
+        assert!(a.reload_users("eve:{SHA}abc").is_err());
+        assert!(a.check_password("alice", "new"), "a bad file leaves the users as they were");
     }
 
     #[test]

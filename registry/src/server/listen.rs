@@ -206,6 +206,8 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Tracked<I> {
 struct Counted {
     inner: TowerToHyperService<Router>,
     state: Arc<ConnState>,
+    /// The client, for handlers and the request log (`ConnectInfo`).
+    peer: SocketAddr,
 }
 
 impl hyper::service::Service<hyper::Request<Incoming>> for Counted {
@@ -213,7 +215,8 @@ impl hyper::service::Service<hyper::Request<Incoming>> for Counted {
     type Error = Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
 
-    fn call(&self, req: hyper::Request<Incoming>) -> Self::Future {
+    fn call(&self, mut req: hyper::Request<Incoming>) -> Self::Future {
+        req.extensions_mut().insert(axum::extract::ConnectInfo(self.peer));
         self.state.requests.fetch_add(1, Relaxed);
         self.state.in_flight.fetch_add(1, Relaxed);
         let guard = InFlight(self.state.clone());
@@ -297,7 +300,7 @@ impl Conn {
         let mut http = auto::Builder::new(TokioExecutor::new());
         http.http1().timer(TokioTimer::new()).header_read_timeout(self.limits.header_read_timeout);
         http.http2().timer(TokioTimer::new());
-        let svc = Counted { inner: TowerToHyperService::new(self.router.clone()), state: state.clone() };
+        let svc = Counted { inner: TowerToHyperService::new(self.router.clone()), state: state.clone(), peer: self.peer };
         let conn = http.serve_connection(TokioIo::new(Tracked { inner: io, state: state.clone() }), svc);
         let mut conn = std::pin::pin!(conn);
         let mut stopping = false;
