@@ -45,6 +45,7 @@ const API_VERSION: (&str, &str) = ("docker-distribution-api-version", "registry/
 
 mod listen;
 pub use listen::Limits;
+mod web;
 
 /// Default idle time after which an upload session is removed.
 pub const DEFAULT_UPLOAD_TTL: Duration = Duration::from_secs(24 * 3600);
@@ -336,7 +337,14 @@ impl Server {
 
     /// The axum router of this server.
     pub fn router(self: &Arc<Self>) -> Router {
-        let mut r = Router::new().route("/v2", any(v2)).route("/v2/", any(v2)).route("/v2/{*rest}", any(v2)).route("/token", get(token));
+        let mut r = Router::new()
+            .route("/v2", any(v2))
+            .route("/v2/", any(v2))
+            .route("/v2/{*rest}", any(v2))
+            .route("/token", get(token))
+            .route("/ui", get(web::root))
+            .route("/ui/", get(web::ui))
+            .route("/ui/{*rest}", get(web::ui));
         if self.cfg.api_metrics {
             r = r.route("/metrics", get(metrics));
         }
