@@ -62,7 +62,8 @@ fn regression_issue_25_oras_repo_ls_and_repo_tags() {
     assert!(out.status.success(), "oras repo ls: {}\n{}", String::from_utf8_lossy(&out.stderr), s.log_text());
     let listed: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect();
     assert_eq!(listed, names, "oras repo ls");
-    assert!(s.log_text().contains("last=old%2Fr099"), "oras did not follow the Link header: {}", s.log_text());
+    // 152 repositories, pages of 100: oras must have followed the Link header once.
+    assert_eq!(s.log_text().matches("path=\"/v2/_catalog\" status=200").count(), 2, "oras did not page: {}", s.log_text());
     let out = oras().unwrap().args(["repo", "ls", "--plain-http", &format!("{}/team", s.addr)]).output().unwrap();
     assert!(out.status.success(), "oras repo ls NS: {}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "app", "oras repo ls of a namespace");
@@ -258,7 +259,8 @@ fn regression_issue_25_web_view_in_headless_chromium() {
     for p in &seen {
         let path = p.split('?').next().unwrap();
         let st = chromium_statuses(&log, path);
-        assert!(!st.is_empty() && st.iter().all(|s| *s == 200), "{p}: Chromium got {st:?}\n{log}");
+        // Chromium asks without credentials first and answers the 401 with the URL's.
+        assert!(st.last() == Some(&200) && st.iter().all(|s| *s == 200 || *s == 401), "{p}: Chromium got {st:?}\n{log}");
     }
     assert!(seen.len() >= 5, "only {} pages reached: {seen:?}", seen.len());
     for want in ["snaps/vm", "v1", "v2", "dedup ratio", "chain depth", "dir", "logical bytes", "stored bytes"] {
