@@ -31,7 +31,7 @@
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::http::{header, HeaderMap};
@@ -106,6 +106,16 @@ pub struct Rule {
     pub repos: Vec<String>,
     /// What.
     pub actions: Vec<Action>,
+}
+
+impl Rule {
+    /// Whether the rule speaks of `user` (None = anonymous).
+    fn covers(&self, user: Option<&str>) -> bool {
+        self.users.iter().any(|u| match user {
+            None => u == "anonymous",
+            Some(name) => u == "*" || u == name,
+        })
+    }
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -211,21 +221,43 @@ struct Claims {
     access: Vec<Access>,
 }
 
+/// The users of one htpasswd file, and the passwords verified against it. Replaced whole
+/// when the file changes ([`Auth::reload_users`]), so a password verified against the old
+/// file can never be remembered as valid for the new one.
+#[derive(Debug)]
+struct Users {
+    hashes: HashMap<String, String>,
+    /// Verified credentials, keyed by HMAC(`cache_key`, user NUL password) (the password
+    /// itself is not kept, nor a hash of it that could be tried offline), with when each
+    /// stops counting. At most [`VERIFIED_ENTRIES`].
+    verified: Mutex<HashMap<[u8; 32], (String, Instant)>>,
+    /// A bcrypt hash of no one's password, at the highest cost among the users: an
+    /// unknown user's password is checked against it, so a wrong user name costs the same
+    /// time as a wrong password (0.5 ms against 60 ms told an attacker which names exist).
+    dummy: String,
+}
+
+impl Users {
+    fn load(htpasswd: &str) -> Result<Users, AuthConfigError> {
+        let hashes = parse_htpasswd(htpasswd)?;
+        // With no users there is no name to hide: the cheapest cost will do.
+        let cost = hashes.values().filter_map(|h| bcrypt_cost(h)).max().unwrap_or(4).clamp(4, 31);
+        let dummy = bcrypt::hash(hex::encode(random_secret()), cost).map_err(|e| AuthConfigError::Bcrypt(e.to_string()))?;
+        Ok(Users { hashes, verified: Mutex::new(HashMap::new()), dummy })
+    }
+}
+
 /// The auth configuration of a server.
 #[derive(Debug)]
 pub struct Auth {
-    users: HashMap<String, String>,
+    users: RwLock<Arc<Users>>,
     rules: Vec<Rule>,
     secret: Vec<u8>,
     /// `service` of the token flow.
     pub service: String,
     /// Token realm URL; `None` derives `http(s)://<Host>/token` from each request.
     pub realm: Option<String>,
-    /// Verified credentials, keyed by HMAC(`cache_key`, user NUL password) (the password
-    /// itself is not kept, nor a hash of it that could be tried offline), with when each
-    /// stops counting. At most [`VERIFIED_ENTRIES`].
-    verified: Mutex<HashMap<[u8; 32], (String, Instant)>>,
-    /// A per-process random key for `verified`.
+    /// A per-process random key for [`Users::verified`].
     cache_key: [u8; 32],
     /// Failing clients, at most [`TRACKED_CLIENTS`].
     failures: Mutex<HashMap<IpAddr, Failures>>,
@@ -236,10 +268,6 @@ pub struct Auth {
     cache_hits: AtomicU64,
     refused_backoff: AtomicU64,
     refused_busy: AtomicU64,
-    /// A bcrypt hash of no one's password, at the highest cost among the users: an
-    /// unknown user's password is checked against it, so a wrong user name costs the same
-    /// time as a wrong password (0.5 ms against 60 ms told an attacker which names exist).
-    dummy: String,
     /// bcrypt verifications run (tests observe that every path runs one).
     bcrypt_runs: std::sync::atomic::AtomicU64,
 }
@@ -292,7 +320,7 @@ impl Auth {
         if secret.len() < 32 {
             return Err(AuthConfigError::ShortSecret(secret.len()));
         }
-        let users = parse_htpasswd(htpasswd)?;
+        let users = Users::load(htpasswd)?;
         let mut rules = match acl {
             Some(t) => toml::from_str::<AclFile>(t).map_err(|e| AuthConfigError::Acl(e.to_string()))?.rule,
             None => vec![Rule { users: vec!["*".into()], repos: vec!["*".into()], actions: vec![Action::Pull, Action::Push, Action::Delete] }],
@@ -300,16 +328,12 @@ impl Auth {
         if anonymous_read {
             rules.push(Rule { users: vec!["anonymous".into()], repos: vec!["*".into()], actions: vec![Action::Pull] });
         }
-        // With no users there is no name to hide: the cheapest cost will do.
-        let cost = users.values().filter_map(|h| bcrypt_cost(h)).max().unwrap_or(4).clamp(4, 31);
-        let dummy = bcrypt::hash(hex::encode(random_secret()), cost).map_err(|e| AuthConfigError::Bcrypt(e.to_string()))?;
         Ok(Auth {
-            users,
+            users: RwLock::new(Arc::new(users)),
             rules,
             secret,
             service: "snapctl".into(),
             realm: None,
-            verified: Mutex::new(HashMap::new()),
             cache_key: rand::random(),
             failures: Mutex::new(HashMap::new()),
             checking: AtomicUsize::new(0),
@@ -317,20 +341,33 @@ impl Auth {
             cache_hits: AtomicU64::new(0),
             refused_backoff: AtomicU64::new(0),
             refused_busy: AtomicU64::new(0),
-            dummy,
             bcrypt_runs: Default::default(),
         })
     }
 
+    /// Replace the users with those of `htpasswd` (the file changed). Passwords verified
+    /// before are forgotten with the old users. On an error the users stay as they were.
+    /// Returns how many users there are now.
+    pub fn reload_users(&self, htpasswd: &str) -> Result<usize, AuthConfigError> {
+        let users = Users::load(htpasswd)?;
+        let n = users.hashes.len();
+        *self.users.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(users);
+        Ok(n)
+    }
+
+    fn users(&self) -> Arc<Users> {
+        self.users.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     /// Whether a user (None = anonymous) has `action` on `repo` per the ACL.
     pub fn acl_allows(&self, user: Option<&str>, repo: &str, action: Action) -> bool {
-        self.rules.iter().any(|r| {
-            let who = r.users.iter().any(|u| match user {
-                None => u == "anonymous",
-                Some(name) => u == "*" || u == name,
-            });
-            who && r.actions.contains(&action) && r.repos.iter().any(|p| repo_matches(p, repo))
-        })
+        self.rules.iter().any(|r| r.covers(user) && r.actions.contains(&action) && r.repos.iter().any(|p| repo_matches(p, repo)))
+    }
+
+    /// The repository patterns of the rules that give a user (None = anonymous) `action`:
+    /// the repositories the catalog may show them.
+    pub fn acl_patterns(&self, user: Option<&str>, action: Action) -> Vec<String> {
+        self.rules.iter().filter(|r| r.covers(user) && r.actions.contains(&action)).flat_map(|r| r.repos.iter().cloned()).collect()
     }
 
     /// Whether `id` may do `action` on `repo`.
@@ -345,8 +382,9 @@ impl Auth {
     /// Check a password (bcrypt, cached on success), with no client to back off and no
     /// bound on checks at once.
     pub fn check_password(&self, user: &str, password: &str) -> bool {
+        let users = self.users();
         let key = self.verified_key(user, password);
-        self.cached(&key) || self.bcrypt(user, password, &key)
+        self.cached(&users, &key) || self.bcrypt(&users, user, password, &key)
     }
 
     /// Where a verified `user`/`password` pair is remembered.
@@ -359,8 +397,8 @@ impl Auth {
     }
 
     /// Whether `key` was verified within [`VERIFIED_TTL`].
-    fn cached(&self, key: &[u8; 32]) -> bool {
-        let v = self.verified.lock().unwrap_or_else(|p| p.into_inner());
+    fn cached(&self, users: &Users, key: &[u8; 32]) -> bool {
+        let v = users.verified.lock().unwrap_or_else(|p| p.into_inner());
         let hit = v.get(key).is_some_and(|(_, until)| *until > Instant::now());
         if hit {
             self.cache_hits.fetch_add(1, Relaxed);
@@ -369,17 +407,17 @@ impl Auth {
     }
 
     /// One bcrypt verification; remembers a success under `key`.
-    fn bcrypt(&self, user: &str, password: &str, key: &[u8; 32]) -> bool {
+    fn bcrypt(&self, users: &Users, user: &str, password: &str, key: &[u8; 32]) -> bool {
         // Unknown users are checked against the dummy hash (same cost), and fail.
-        let (hash, known) = match self.users.get(user) {
+        let (hash, known) = match users.hashes.get(user) {
             Some(h) => (h.as_str(), true),
-            None => (self.dummy.as_str(), false),
+            None => (users.dummy.as_str(), false),
         };
         self.bcrypt_runs.fetch_add(1, Relaxed);
         let ok = bcrypt::verify(password, hash).unwrap_or(false) && known;
         if ok {
             let now = Instant::now();
-            let mut v = self.verified.lock().unwrap_or_else(|p| p.into_inner());
+            let mut v = users.verified.lock().unwrap_or_else(|p| p.into_inner());
             if v.len() >= VERIFIED_ENTRIES {
                 v.retain(|_, (_, until)| *until > now);
             }
@@ -428,8 +466,9 @@ impl Auth {
     /// verified cache, else by bcrypt if the client is not backing off and a check slot is
     /// free. Runs bcrypt: call off the reactor.
     pub fn check_basic(&self, user: &str, password: &str, client: Option<IpAddr>) -> Result<(), Rejected> {
+        let users = self.users();
         let key = self.verified_key(user, password);
-        if self.cached(&key) {
+        if self.cached(&users, &key) {
             return Ok(());
         }
         if let Some(retry_after) = client.and_then(|c| self.backing_off(c, Instant::now())) {
@@ -448,7 +487,7 @@ impl Auth {
             }
         }
         let _slot = Slot(&self.checking);
-        if self.bcrypt(user, password, &key) {
+        if self.bcrypt(&users, user, password, &key) {
             if let Some(c) = client {
                 self.failures.lock().unwrap_or_else(|p| p.into_inner()).remove(&c);
             }
@@ -632,7 +671,7 @@ mod tests {
     fn regression_issue_14_unknown_users_cost_one_bcrypt_verification_too() {
         let h = bcrypt::hash("secret", 5).unwrap();
         let a = Auth::new(&format!("alice:{h}\n"), None, false, vec![7; 32]).unwrap();
-        assert_eq!(bcrypt_cost(&a.dummy), Some(5), "dummy hash has the users' cost: {}", a.dummy);
+        assert_eq!(bcrypt_cost(&a.users().dummy), Some(5), "dummy hash has the users' cost: {}", a.users().dummy);
         let runs = || a.bcrypt_runs.load(std::sync::atomic::Ordering::Relaxed);
         assert!(!a.check_password("alice", "wrong"));
         assert_eq!(runs(), 1);
@@ -688,21 +727,36 @@ mod tests {
     fn the_verified_cache_and_the_failure_table_are_bounded() {
         let a = auth(None, false);
         let key = |i: usize| a.verified_key("alice", &format!("{i}"));
+        let users = a.users();
         {
-            let mut v = a.verified.lock().unwrap();
+            let mut v = users.verified.lock().unwrap();
             for i in 0..VERIFIED_ENTRIES {
                 v.insert(key(i), ("alice".into(), Instant::now() + VERIFIED_TTL));
             }
             v.insert(key(0), ("alice".into(), Instant::now() - Duration::from_secs(1)));
         }
-        assert!(!a.cached(&key(0)), "an expired entry counts");
+        assert!(!a.cached(&users, &key(0)), "an expired entry counts");
         assert!(a.check_password("alice", "secret"));
-        assert_eq!(a.verified.lock().unwrap().len(), VERIFIED_ENTRIES, "bounded");
+        assert_eq!(users.verified.lock().unwrap().len(), VERIFIED_ENTRIES, "bounded");
         for i in 0..TRACKED_CLIENTS as u32 + 10 {
             a.failed(IpAddr::V4(i.into()));
         }
         assert_eq!(a.failures.lock().unwrap().len(), TRACKED_CLIENTS);
         assert_ne!(a.verified_key("alice", "x"), Auth::new("", None, false, vec![7; 32]).unwrap().verified_key("alice", "x"), "keyed per process");
+    }
+
+    #[test]
+    fn regression_issue_25_reloaded_users_replace_the_old_ones_and_their_cached_passwords() {
+        let a = auth(None, false);
+        assert!(a.check_password("alice", "secret"), "cached from now on");
+        let h = bcrypt::hash("new", 4).unwrap();
+        assert_eq!(a.reload_users(&format!("alice:{h}\ncarol:{h}\n")).unwrap(), 2);
+        assert!(!a.check_password("alice", "secret"), "the old password, cached before, is refused");
+        assert!(a.check_password("alice", "new"));
+        assert!(a.check_password("carol", "new"));
+        assert!(!a.check_password("bob", "secret"), "a user removed from the file is refused");
+        assert!(a.reload_users("eve:{SHA}abc").is_err());
+        assert!(a.check_password("alice", "new"), "a bad file leaves the users as they were");
     }
 
     #[test]

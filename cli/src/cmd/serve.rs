@@ -10,9 +10,16 @@ use anyhow::Context as _;
 ///
 /// Storage is a directory (default) or s3://BUCKET/PREFIX (configured from AWS_* env:
 /// AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ALLOW_HTTP).
-/// Logs go to stderr, one line per request (filter with SNAPCTL_LOG or RUST_LOG, e.g.
-/// `SNAPCTL_LOG=debug`). SIGTERM or SIGINT stops accepting connections and finishes
-/// in-flight requests.
+/// Logs go to stderr, one line per request naming the client, user, method, path, status,
+/// bytes in and out, time and user agent, and a 5xx's cause (--log-format json: one JSON
+/// object per line; filter with SNAPCTL_LOG or RUST_LOG, e.g. `SNAPCTL_LOG=debug`).
+/// SIGTERM or SIGINT stops accepting connections and finishes in-flight requests; SIGHUP
+/// reloads the --htpasswd file (it is also reloaded when it changes, see --htpasswd-poll).
+///
+/// For operators: GET /v2/_catalog lists repositories (paged, only those the caller may
+/// pull; `snapctl`-independent clients such as `oras repo ls` use it); /metrics has the
+/// store's totals (bytes, blobs, manifests, repositories, dedup ratio, taken every
+/// --stats-interval), request latency histograms and build info.
 ///
 /// Against hostile clients: a request head must arrive within --header-timeout, a
 /// connection with nothing in flight and nothing moving (or a request body that stops)
@@ -80,7 +87,9 @@ pub struct ServeArgs {
     /// Most connections one client (IPv4 address, IPv6 /64) may hold open; more are
     /// closed at once (0: no cap). Generous: moving connections are cheap, and one host
     /// pulling for many sandboxes at once opens hundreds; what a client can hold still
-    /// is bounded by --max-requests-per-client and --idle-timeout.
+    /// is bounded by --max-requests-per-client and --idle-timeout. Both caps are lowered
+    /// to a quarter of the descriptor limit (`ulimit -n`, whose soft limit serve raises
+    /// to the hard one) when that is smaller, so one client cannot use every descriptor.
     #[arg(long, default_value_t = registry::server::DEFAULT_MAX_CONNS_PER_CLIENT)]
     pub max_conns_per_client: usize,
     /// Most requests one client may have in progress across its connections (a handler
@@ -99,6 +108,30 @@ pub struct ServeArgs {
     /// on --listen. Default: on --listen, needing credentials when --htpasswd is set.
     #[arg(long)]
     pub metrics_listen: Option<String>,
+    /// Most repositories one GET /v2/_catalog page may ask for (?n=); more is refused with
+    /// 400 PAGINATION_NUMBER_INVALID, as distribution does.
+    #[arg(long, default_value_t = registry::catalog::DEFAULT_MAX_ENTRIES)]
+    pub catalog_max_entries: usize,
+    /// Check the --htpasswd file for changes this often and load them (0: only on SIGHUP).
+    #[arg(long, default_value = "2s", value_parser = super::common::parse_duration)]
+    pub htpasswd_poll: Duration,
+    /// Take the store's totals for /metrics (snapctl_store_*) by a scan of the store this
+    /// often; a scrape never scans (0: never).
+    #[arg(long, default_value = "5m", value_parser = super::common::parse_duration)]
+    pub stats_interval: Duration,
+    /// How log lines are written: `text` (one line per event) or `json` (one JSON object
+    /// per line, fields at the top level, for log shippers).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// `serve --log-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// The server's log filter when neither SNAPCTL_LOG nor RUST_LOG sets one: warnings, and
@@ -145,6 +178,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         limits,
         upload_ttl: args.upload_ttl,
         api_metrics: args.metrics_listen.is_none(),
+        catalog_max_entries: args.catalog_max_entries,
+        htpasswd_file: args.htpasswd.clone(),
+        htpasswd_poll: args.htpasswd_poll,
+        stats_interval: args.stats_interval,
+        build: registry::metrics::BuildInfo { version: env!("CARGO_PKG_VERSION").to_owned(), commit: env!("SNAPCTL_COMMIT").to_owned() },
     };
     let store = registry::store::open(&args.storage, args.staging_dir.as_deref()).with_context(|| format!("opening storage {}", args.storage))?;
 
@@ -156,6 +194,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             tracing::warn!("{w}");
         }
         let server = registry::Server::new(store, cfg);
+        if args.htpasswd.is_some() {
+            let s = server.clone();
+            tokio::spawn(async move {
+                let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else { return };
+                while hup.recv().await.is_some() {
+                    s.reload_htpasswd().await;
+                }
+            });
+        }
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(());
         tokio::spawn(async move {
             shutdown_signal().await;

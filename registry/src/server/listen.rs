@@ -80,6 +80,52 @@ pub const DEFAULT_MAX_REQUESTS_PER_CLIENT: usize = 512;
 /// Default [`Limits::max_streams_per_conn`] (hyper's own default is 200).
 pub const DEFAULT_MAX_STREAMS_PER_CONN: u32 = 64;
 
+impl Limits {
+    /// These limits with the per-client caps lowered, where needed, to a quarter of the
+    /// process's descriptor limit (`RLIMIT_NOFILE`, after raising the soft limit to the
+    /// hard one): every connection and every request in progress holds a descriptor,
+    /// so a cap above that would let one client use them all and leave other clients
+    /// unanswered. 0 (no cap) stays 0 only when the descriptors are unlimited.
+    pub fn within_descriptors(mut self, nofile: u64) -> Limits {
+        if nofile == u64::MAX {
+            return self;
+        }
+        let share = usize::try_from(nofile / 4).unwrap_or(usize::MAX).max(8);
+        for cap in [&mut self.max_conns_per_client, &mut self.max_requests_per_client] {
+            if *cap == 0 || *cap > share {
+                tracing::info!(nofile, from = *cap, to = share, "per-client cap lowered to a quarter of the descriptor limit");
+                *cap = share;
+            }
+        }
+        self
+    }
+}
+
+/// The process's descriptor limit, with the soft limit raised to the hard one first (as
+/// Go's runtime and most servers do: the soft default of 1024 is far below what a
+/// registry serving hundreds of pulls holds). `u64::MAX` = unlimited.
+pub fn descriptor_limit() -> u64 {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit with a valid resource and a pointer to an initialised
+    // struct we own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
+            return 1024;
+        }
+        if r.rlim_cur < r.rlim_max {
+            let raised = libc::rlimit { rlim_cur: r.rlim_max, rlim_max: r.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                r.rlim_cur = r.rlim_max;
+            }
+        }
+    }
+    if r.rlim_cur == libc::RLIM_INFINITY {
+        u64::MAX
+    } else {
+        r.rlim_cur as u64
+    }
+}
+
 impl Default for Limits {
     fn default() -> Limits {
         Limits {
@@ -365,6 +411,8 @@ struct Counted {
     client: IpAddr,
     cap: usize,
     metrics: Arc<Metrics>,
+    /// The client, for handlers and the request log (`ConnectInfo`).
+    peer: SocketAddr,
 }
 
 /// The answer to a request over its client's cap: at once, with no body (so it needs no
@@ -387,6 +435,7 @@ impl hyper::service::Service<hyper::Request<Incoming>> for Counted {
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
 
     fn call(&self, mut req: hyper::Request<Incoming>) -> Self::Future {
+        req.extensions_mut().insert(axum::extract::ConnectInfo(self.peer));
         self.state.requests.fetch_add(1, Relaxed);
         req.extensions_mut().insert(ClientAddr(self.client));
         let Some(slot) = self.clients.begin(self.client, self.cap, &self.metrics) else {
@@ -417,6 +466,7 @@ pub(crate) async fn serve(
     metrics: Arc<Metrics>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
+    let limits = limits.within_descriptors(descriptor_limit());
     let (stop_tx, stop_rx) = watch::channel(());
     let clients = Arc::new(Clients::default());
     let mut shutdown = std::pin::pin!(shutdown);
@@ -486,6 +536,7 @@ impl Conn {
             client: client_of(self.peer.ip()),
             cap: self.limits.max_requests_per_client,
             metrics: self.metrics.clone(),
+            peer: self.peer,
         };
         let conn = http.serve_connection(TokioIo::new(Tracked { inner: io, state: state.clone() }), svc);
         let mut conn = std::pin::pin!(conn);
@@ -536,6 +587,15 @@ mod tests {
         assert_ne!(client_of(a), client_of(c));
         let mapped: IpAddr = "::ffff:192.0.2.7".parse().unwrap();
         assert_eq!(client_of(mapped), "192.0.2.7".parse::<IpAddr>().unwrap());
+    }
+
+    #[test]
+    fn per_client_caps_stay_within_a_quarter_of_the_descriptors() {
+        let l = Limits::default().within_descriptors(256);
+        assert_eq!((l.max_conns_per_client, l.max_requests_per_client), (64, 64));
+        let l = Limits { max_conns_per_client: 0, ..Limits::default() }.within_descriptors(1 << 20);
+        assert_eq!((l.max_conns_per_client, l.max_requests_per_client), (1 << 18, DEFAULT_MAX_REQUESTS_PER_CLIENT));
+        assert_eq!(Limits::default().within_descriptors(u64::MAX), Limits::default());
     }
 
     #[test]

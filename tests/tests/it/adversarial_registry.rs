@@ -233,10 +233,13 @@ fn regression_issue_14_made_up_methods_do_not_grow_the_registry() {
         }
     };
     flood(0, 100);
+    // The first scrape adds its own latency histogram; from the second on, only digits
+    // of counts may grow (one more per line from 100 to 1000).
+    c.get(s.url("/metrics")).send().unwrap();
     let before = (rss_kib(s.child.id()), c.get(s.url("/metrics")).send().unwrap().text().unwrap().len());
     flood(100, 1000);
     let after = (rss_kib(s.child.id()), c.get(s.url("/metrics")).send().unwrap().text().unwrap().len());
-    assert!(after.1 < before.1 + 64, "/metrics grew from {} to {} bytes", before.1, after.1);
+    assert!(after.1 < before.1 + 256, "/metrics grew from {} to {} bytes", before.1, after.1);
     assert!(after.0 < before.0 + 8 * 1024, "RSS grew from {} to {} KiB", before.0, after.0);
 }
 

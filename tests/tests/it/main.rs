@@ -13,6 +13,7 @@ mod format;
 mod lazy;
 mod lazy_criu;
 mod netem;
+mod operator;
 mod pull;
 mod push;
 mod registry;
