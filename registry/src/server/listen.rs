@@ -122,7 +122,7 @@ pub fn descriptor_limit() -> u64 {
     if r.rlim_cur == libc::RLIM_INFINITY {
         u64::MAX
     } else {
-        r.rlim_cur as u64
+        r.rlim_cur
     }
 }
 

@@ -344,7 +344,7 @@ async fn manifest_page(s: &Server, repo: &RepoName, d: &OciDigest) -> Result<Opt
                     b.push_str("none");
                 }
                 for p in &parents {
-                    let here = matches!(store.head(&layout::manifest_link(repo, p)).await, Ok(_));
+                    let here = store.head(&layout::manifest_link(repo, p)).await.is_ok();
                     if here {
                         let _ = write!(b, "<a href=\"/ui/repo/{r}/_manifest/{p}\"><code>{p}</code></a><br>");
                     } else {

@@ -57,7 +57,7 @@ fn regression_issue_25_oras_repo_ls_and_repo_tags() {
         assert!(out.status.success(), "oras push: {}\n{}", String::from_utf8_lossy(&out.stderr), s.log_text());
     }
     names.extend(["team/app".to_owned(), "team-b".to_owned()]);
-    names.sort_by(|a, b| a.replace('/', "\0").cmp(&b.replace('/', "\0")));
+    names.sort_by_key(|a| a.replace('/', "\0"));
     let out = oras().unwrap().args(["repo", "ls", "--plain-http", &s.addr]).output().unwrap();
     assert!(out.status.success(), "oras repo ls: {}\n{}", String::from_utf8_lossy(&out.stderr), s.log_text());
     let listed: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect();
