@@ -45,8 +45,11 @@ const API_VERSION: (&str, &str) = ("docker-distribution-api-version", "registry/
 mod listen;
 pub use listen::Limits;
 
-/// Default idle time after which an upload session is removed.
-pub const DEFAULT_UPLOAD_TTL: Duration = Duration::from_secs(24 * 3600);
+/// Default idle time after which an upload session is removed: long enough for a client
+/// to come back after a network failure or a crash and resume, short enough that an
+/// abandoned upload does not hold its bytes for a day (`snapctl push` deletes a session it
+/// gives up on, when no rerun could take it over; a killed one cannot).
+pub const DEFAULT_UPLOAD_TTL: Duration = Duration::from_secs(15 * 60);
 
 /// Server configuration.
 #[derive(Debug)]
