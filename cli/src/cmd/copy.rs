@@ -42,7 +42,7 @@ pub fn run(a: CopyArgs) -> anyhow::Result<ExitCode> {
 /// Copy the image `src` names to `dest` (both references as the CLI takes them). Also
 /// what `snapctl pull REF oci:PATH:TAG` does.
 pub fn copy_refs(src: &str, dest: &str, flags: &TransferFlags) -> anyhow::Result<pusher::PushReport> {
-    let opened = open_ref_plain(src, flags.plain_http)?;
+    let opened = open_ref_plain(src, flags.registry.plain_http)?;
     let digest = match &opened.selector {
         Selector::Tag(t) => opened.source.resolve_tag(t).with_context(|| format!("resolving {src}"))?,
         Selector::Digest(d) => d.clone(),
@@ -70,7 +70,7 @@ pub fn copy_refs(src: &str, dest: &str, flags: &TransferFlags) -> anyhow::Result
             transfer(opened.source.as_ref(), &digest, &pusher::Target::Layout(&layout), tag.as_deref(), flags, "copy")
         }
         Reference::Registry { host, repository, .. } => {
-            let client = registry_client(&host, &repository, flags.plain_http)?;
+            let client = registry_client(&host, &repository, flags.registry.plain_http)?;
             let report = transfer(opened.source.as_ref(), &digest, &pusher::Target::Registry(&client), tag.as_deref(), flags, "copy")?;
             Ok(report)
         }
