@@ -36,6 +36,7 @@ TEST_APT=(
   skopeo docker-registry             # registry peers
   openssl bc                         # registry TLS test (self-signed cert), bench arithmetic
   hyperfine jq python3-pip
+  gnuplot-nox                        # bench/plots.sh: BENCHMARKS.md's plots (SVG)
   runsc                              # gVisor 2022 (one checkpoint.img), tests/tests/it/runsc.rs
   chromium                           # headless browser for the registry's web view test
 )

@@ -14,9 +14,10 @@
 //! config.rs    Docker's config.json (credentials) and snapctl's cache directory
 //! helper.rs    Docker credential helpers (docker-credential-NAME get/store/erase)
 //! error.rs     ClientError, CredentialsError and the registry's OCI error bodies
+//! transport.rs HTTP or HTTPS, TLS trust (--ca-file, --insecure), failures no retry fixes
 //! ```
 //!
-//! It speaks plain HTTP to loopback addresses and HTTPS elsewhere, answers
+//! It speaks plain HTTP to loopback addresses and HTTPS elsewhere ([`Transport`]), answers
 //! `WWW-Authenticate` challenges (Basic, and the Bearer token flow, with a password or an
 //! identity token) with credentials from the caller or, looked up at the first challenge,
 //! from Docker's config and its credential helpers, and retries transient failures (connection
@@ -25,6 +26,10 @@
 //! the whole of it, answer body included ([`RequestDeadline`]; a caller with its own retry
 //! loop, like the lazy server's, sets it with [`RegistrySource::set_request_deadline`]),
 //! because a registry dripping bytes moves on every read and a per-read timeout never fires.
+//! A registry that cannot be reached in a way no retry fixes (nothing listening or no such
+//! host before it ever answered, a certificate not trusted, HTTP spoken to HTTPS) fails at
+//! once ([`Unreachable`]). With `debug` logging every request is one line (method, URL,
+//! range, status, time to the response head), and every retry another.
 //! Credentials go only to the registry's own origin: every request, redirect hop and
 //! upload `Location` passes through [`may_send_credentials`] (`RegistrySource::execute`).
 //! Everything the read half returns is unverified; callers check digests (see
@@ -36,7 +41,9 @@ mod error;
 mod helper;
 mod known;
 mod referrers;
+mod transport;
 pub use referrers::{Referrers, ReferrersQuery, EMPTY_CONFIG_TYPE, MAX_REFERRERS, MAX_REFERRER_PAGES, PAYLOAD_TYPE};
+pub use transport::{Transport, Unreachable};
 pub mod state;
 mod upload;
 
@@ -49,7 +56,7 @@ use std::collections::{BTreeSet, HashSet};
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use imgfmt::{media, BlobSource, FormatError, OciDigest, RetryPolicy};
@@ -130,6 +137,20 @@ pub fn realm_may_get_credentials(registry: &reqwest::Url, realm: &reqwest::Url) 
         u.host_str().and_then(|h| h.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>().ok()).is_some_and(|a| a.is_loopback())
     };
     may_send_credentials(registry, realm) || realm.scheme() == "https" || (on_this_machine(registry) && on_this_machine(realm))
+}
+
+/// Body bytes this process received from registries and sent to them (blobs, ranges,
+/// upload pieces; not headers): what a progress bar shows as the network's rate, where a
+/// count of work done would include zero chunks and cache hits.
+static TRANSFERRED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Body bytes moved to and from registries by this process so far ([`TRANSFERRED`]).
+pub fn bytes_transferred() -> u64 {
+    TRANSFERRED.load(Ordering::Relaxed)
+}
+
+pub(crate) fn count_transferred(n: u64) {
+    TRANSFERRED.fetch_add(n, Ordering::Relaxed);
 }
 
 /// Redirects followed per request (reqwest's own default).
@@ -241,16 +262,34 @@ fn retry_after(resp: &reqwest::blocking::Response) -> Option<Duration> {
 }
 
 impl RegistrySource {
+    /// A client that speaks plain HTTP (`plain_http`) or HTTPS with the default trust
+    /// roots, whatever the host; [`RegistrySource::connect`] applies a [`Transport`].
     pub fn new(host: &str, repository: &str, plain_http: bool, creds: Option<Credentials>) -> Result<Self, FormatError> {
-        let client = reqwest::blocking::Client::builder()
+        Self::build(host, repository, plain_http, &Transport::default(), creds)
+    }
+
+    /// A client reaching `host` as `transport` says (scheme and TLS trust).
+    pub fn connect(host: &str, repository: &str, transport: &Transport, creds: Option<Credentials>) -> Result<Self, FormatError> {
+        Self::build(host, repository, transport.plain_http_for(host), transport, creds)
+    }
+
+    /// [`RegistrySource::connect`], credentials from Docker's config as
+    /// [`RegistrySource::with_docker_credentials`] takes them.
+    pub fn connect_with_docker_credentials(host: &str, repository: &str, transport: &Transport) -> Result<Self, FormatError> {
+        let c = Self::connect(host, repository, transport, None)?;
+        *c.creds.lock().expect("poisoned") = CredentialSource::DockerConfig;
+        Ok(c)
+    }
+
+    fn build(host: &str, repository: &str, plain_http: bool, transport: &Transport, creds: Option<Credentials>) -> Result<Self, FormatError> {
+        let builder = reqwest::blocking::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .timeout(Duration::from_secs(300))
             .user_agent(concat!("snapctl/", env!("CARGO_PKG_VERSION")))
             // Redirects are followed by `execute`, which decides at each hop whether the
             // credentials go along (reqwest's policy has its own rule for that).
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .map_err(|e| refused("building HTTP client", e))?;
+            .redirect(reqwest::redirect::Policy::none());
+        let client = transport.apply(builder).map_err(|e| refused("TLS settings", e))?.build().map_err(|e| refused("building HTTP client", e))?;
         let scheme = if plain_http { "http" } else { "https" };
         let base = format!("{scheme}://{host}");
         let origin = reqwest::Url::parse(&base).map_err(|e| refused(&format!("registry address {base}"), e))?;
@@ -350,6 +389,7 @@ impl RegistrySource {
             let sent = self.auth.lock().expect("poisoned").clone();
             match self.execute(req, sent.as_deref().map(|a| (&self.origin, a))) {
                 Ok(resp) => {
+                    transport::reached(&self.origin);
                     let st = resp.status();
                     let stale = sent.is_none() || *self.auth.lock().expect("poisoned") != sent;
                     // Only the registry's own challenges are answered: another origin
@@ -372,18 +412,31 @@ impl RegistrySource {
                     }
                     let code = st.as_u16();
                     if code == 408 || code == 429 || st.is_server_error() {
-                        return Ok(Attempt::Transient { message: format!("HTTP {st}"), retry_after: retry_after(&resp) });
+                        let retry_after = retry_after(&resp);
+                        return Ok(Attempt::Transient { message: Self::status_message(resp, &self.host), retry_after });
                     }
                     return Ok(Attempt::Done(resp));
                 }
-                Err(e) if e.is_timeout() => {
-                    return Ok(Attempt::Transient {
-                        message: format!("no complete answer within the request deadline of {} s: {}", deadline.as_secs_f64(), error_chain(&e)),
-                        retry_after: None,
-                    })
+                Err(e) => {
+                    if let Some((why, detail)) = transport::unreachable(&e, &self.origin) {
+                        // A redirect's server is named by its own address.
+                        let host = match e.url().filter(|u| u.origin() != self.origin.origin()) {
+                            Some(u) => u.host_str().map_or_else(|| u.to_string(), |h| u.port().map_or_else(|| h.to_string(), |p| format!("{h}:{p}"))),
+                            None => self.host.clone(),
+                        };
+                        return Err(ClientError::Unreachable { hint: why.hint(&host), host, why, detail });
+                    }
+                    if e.is_timeout() {
+                        return Ok(Attempt::Transient {
+                            message: format!("no complete answer within the request deadline of {} s: {}", deadline.as_secs_f64(), error_chain(&e)),
+                            retry_after: None,
+                        });
+                    }
+                    if e.is_connect() || e.is_request() || e.is_body() {
+                        return Ok(Attempt::Transient { message: error_chain(&e), retry_after: None });
+                    }
+                    return Err(ClientError::Http { what: what.into(), message: error_chain(&e) });
                 }
-                Err(e) if e.is_connect() || e.is_request() || e.is_body() => return Ok(Attempt::Transient { message: error_chain(&e), retry_after: None }),
-                Err(e) => return Err(ClientError::Http { what: what.into(), message: error_chain(&e) }),
             }
         }
     }
@@ -412,7 +465,7 @@ impl RegistrySource {
             }
             let again = req.try_clone();
             let method = req.method().clone();
-            let resp = self.client.execute(req)?;
+            let resp = log_request(&self.client, req)?;
             let follow = match resp.status().as_u16() {
                 301..=303 => method == reqwest::Method::GET || method == reqwest::Method::HEAD,
                 307 | 308 => true,
@@ -463,7 +516,7 @@ impl RegistrySource {
                     let Some(wait) = retry.failed(retry_after) else {
                         return Err(ClientError::RetriesExhausted { what: what.into(), attempts: retry.failures(), last: message });
                     };
-                    tracing::debug!("{what}: {message}; retrying");
+                    log_retry(what, &message, retry.failures(), wait);
                     std::thread::sleep(wait);
                 }
             }
@@ -483,10 +536,30 @@ impl RegistrySource {
     /// [`Self::refusal`], a hint to log in naming registry `host`.
     fn refusal_for(host: &str, what: &str, resp: reqwest::blocking::Response) -> ClientError {
         let status = resp.status().as_u16();
-        let mut body = Vec::new();
-        let _ = resp.take(64 << 10).read_to_end(&mut body);
+        let plain = resp.url().scheme() == "http";
+        let body = error_body(resp);
+        if plain && transport::is_http_to_https_answer(status, &body) {
+            let why = Unreachable::ExpectsTls;
+            return ClientError::Unreachable {
+                hint: why.hint(host),
+                host: host.into(),
+                why,
+                detail: "it speaks HTTPS, and was spoken to in plain HTTP".into(),
+            };
+        }
         let (code, message) = error::explain_for(status, &body, host);
         ClientError::Registry { what: what.into(), status, code, message }
+    }
+
+    /// A retried status with the registry's words, if it gave any: `HTTP 500 Internal
+    /// Server Error: No space left on device`.
+    fn status_message(resp: reqwest::blocking::Response, host: &str) -> String {
+        let status = resp.status();
+        let body = error_body(resp);
+        if body.iter().all(u8::is_ascii_whitespace) {
+            return format!("HTTP {status}");
+        }
+        format!("HTTP {status}: {}", error::explain_for(status.as_u16(), &body, host).1)
     }
 
     /// Answer a `WWW-Authenticate` challenge: Basic with the credentials, or the Bearer
@@ -610,11 +683,17 @@ impl RegistrySource {
     pub fn check_login(&self) -> Result<(), ClientError> {
         let url = format!("{}/v2/", self.base);
         let what = format!("logging in to {}", self.host);
-        let resp = self.send(&what, &|c| c.get(&url))?;
+        // A 401 here, from the registry or its token service, is the answer to these
+        // credentials: not a hint to log in, which is what is being done.
+        let wrong = |e: ClientError| match e.status() {
+            Some(401) => ClientError::WrongCredentials { host: self.host.clone() },
+            _ => e,
+        };
+        let resp = self.send(&what, &|c| c.get(&url)).map_err(wrong)?;
         if resp.status().is_success() {
             return Ok(());
         }
-        Err(Self::refusal(&what, resp))
+        Err(wrong(Self::refusal(&what, resp)))
     }
 
     fn url(&self, kind: &str, reference: &str) -> String {
@@ -631,6 +710,41 @@ impl RegistrySource {
             _ => self.source_err(Self::refusal(what, resp)),
         }
     }
+}
+
+/// Most of an error body read: enough for any registry's explanation, and a bound on
+/// what a hostile one can make the client hold.
+const MAX_ERROR_BODY: u64 = 8 << 10;
+
+/// The first [`MAX_ERROR_BODY`] bytes of an error answer's body (what arrives before the
+/// connection fails, if it does).
+fn error_body(resp: reqwest::blocking::Response) -> Vec<u8> {
+    let mut body = Vec::new();
+    let _ = resp.take(MAX_ERROR_BODY).read_to_end(&mut body);
+    body
+}
+
+/// Send one request (one hop), logged at `debug` as one line: method, URL, range, status
+/// and the time to the response head (or the failure).
+fn log_request(client: &reqwest::blocking::Client, req: reqwest::blocking::Request) -> reqwest::Result<reqwest::blocking::Response> {
+    if !tracing::enabled!(tracing::Level::DEBUG) {
+        return client.execute(req);
+    }
+    let (method, url) = (req.method().clone(), req.url().clone());
+    let range = req.headers().get(reqwest::header::RANGE).and_then(|v| v.to_str().ok()).map(|r| format!(" {r}")).unwrap_or_default();
+    let t0 = Instant::now();
+    let r = client.execute(req);
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    match &r {
+        Ok(resp) => tracing::debug!("{method} {url}{range} -> {} in {ms:.1} ms", resp.status().as_u16()),
+        Err(e) => tracing::debug!("{method} {url}{range} -> failed in {ms:.1} ms: {}", error_chain(e)),
+    }
+    r
+}
+
+/// One line at `debug` for every retry: what, why, which retry and after how long.
+pub(crate) fn log_retry(what: &str, why: &str, failures: u32, wait: Duration) {
+    tracing::debug!("{what}: {why}; retry {failures} in {} ms", wait.as_millis());
 }
 
 /// An error and its causes on one line (reqwest hides the useful part in `source()`).
@@ -773,7 +887,10 @@ impl BlobSource for RegistrySource {
             // second copy (the 20:39 run of bench/results/BENCHMARKS-diary-2026-11-29-to-12-01.md,
             // "What changed").
             match resp.bytes() {
-                Ok(b) if b.len() == len => return Ok(b),
+                Ok(b) if b.len() == len => {
+                    count_transferred(len as u64);
+                    return Ok(b);
+                }
                 Ok(b) => tracing::debug!("{what}: body of {} bytes, expected {len}; asking again", b.len()),
                 Err(e) => tracing::debug!("{what}: {e}; asking again"),
             }
@@ -820,6 +937,7 @@ impl RegistrySource {
                     Ok(0) => break std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "body ended early"),
                     Ok(n) => {
                         got += n;
+                        count_transferred(n as u64);
                         if got == buf.len() {
                             return Ok(());
                         }
@@ -841,7 +959,7 @@ impl RegistrySource {
                 let e = ClientError::RetriesExhausted { what: what.clone(), attempts: retry.failures(), last };
                 return Err(self.source_err(e));
             };
-            tracing::debug!("{what}: {err}; asking again for the rest");
+            log_retry(&what, &format!("{err}; asking again for the rest"), retry.failures(), wait);
             std::thread::sleep(wait);
         }
         Ok(())
@@ -859,6 +977,7 @@ fn read_limited(resp: reqwest::blocking::Response, limit: u64, what: &str) -> Re
         }
         FormatError::Transient { what: what.to_string(), source: Box::new(ClientError::Http { what: what.to_string(), message }) }
     })?;
+    count_transferred(out.len() as u64);
     if out.len() as u64 > limit {
         return Err(FormatError::TooLarge { what: "blob size", got: out.len() as u64, limit });
     }
@@ -1053,6 +1172,68 @@ mod tests {
         assert_eq!(c.read_blob_unverified(&d, 4).unwrap_err().kind(), imgfmt::ErrorKind::Integrity);
         assert!(c.read_blob_unverified(&OciDigest::of(b"other"), 1 << 20).is_err());
         assert!(seen.lock().unwrap().len() > 1);
+    }
+
+    /// Issue 25: a registry's 500 said only "HTTP 500 Internal Server Error" once the
+    /// retries were spent; its body ("No space left on device") now travels with it,
+    /// bounded and on one line.
+    #[test]
+    fn regression_issue_25_a_5xx_body_reaches_the_caller() {
+        let (registry, seen) = canned(|_, t, _| match t {
+            t if t.contains("json") => {
+                (500, "Retry-After: 0\r\n".into(), r#"{"errors":[{"code":"UNKNOWN","message":"write /srv/x: no space left on device"}]}"#.into())
+            }
+            t if t.contains("huge") => (503, String::new(), format!("overloaded\x1b[2J{}", "x".repeat(100_000))),
+            _ => (500, String::new(), "No space left on device\n".into()),
+        });
+        let mut c = RegistrySource::new(&registry, "vm/x", true, None).unwrap();
+        c.set_retry_policy(RetryPolicy { first_backoff: Duration::from_millis(1), max_backoff: Duration::from_millis(2), ..RetryPolicy::attempts(2) });
+        let e = c.resolve_tag("text").unwrap_err();
+        assert!(e.is_transient(), "{e:?}");
+        assert!(e.to_string().ends_with("HTTP 500 Internal Server Error: No space left on device"), "{e}");
+        let e = c.resolve_tag("json").unwrap_err();
+        assert!(e.to_string().contains("HTTP 500 Internal Server Error: UNKNOWN: write /srv/x: no space left on device"), "{e}");
+        let e = c.resolve_tag("huge").unwrap_err().to_string();
+        assert!(e.contains("overloaded [2Jxxx") && e.len() < 1000 && !e.contains('\x1b'), "{e}");
+        assert_eq!(seen.lock().unwrap().len(), 9, "three requests, each tried three times");
+    }
+
+    /// Issue 25: an upload that gave up left its session at the registry for the registry
+    /// to expire (24 h for `snapctl serve`). A session nobody can take over (refused, or
+    /// a blob of one piece, whose session is not saved) is now deleted when the client
+    /// gives up; one saved for a rerun is kept when the failure may pass.
+    #[test]
+    fn regression_issue_25_an_upload_that_gives_up_deletes_its_session() {
+        let (registry, seen) = canned(|m, t, _| match m {
+            "POST" => (202, format!("Location: {t}s1\r\n"), String::new()),
+            "PUT" if t.contains("/vm/refuse/") => (400, String::new(), r#"{"errors":[{"code":"BLOB_UPLOAD_INVALID","message":"no"}]}"#.into()),
+            "PUT" | "PATCH" => (503, "Retry-After: 0\r\n".into(), String::new()),
+            "GET" => (204, format!("Range: 0-0\r\nLocation: {t}\r\n"), String::new()),
+            "HEAD" => (404, String::new(), String::new()),
+            _ => (204, String::new(), String::new()),
+        });
+        let mut c = RegistrySource::new(&registry, "vm/x", true, None).unwrap();
+        c.set_retry_policy(RetryPolicy { first_backoff: Duration::from_millis(1), max_backoff: Duration::from_millis(2), ..RetryPolicy::attempts(1) });
+        let deletes = |seen: &Seen| seen.lock().unwrap().iter().filter(|(m, t, _)| m == "DELETE" && t.ends_with("/uploads/s1")).count();
+        let m = MemSource::new(b"hello".to_vec());
+        let opts = UploadOptions { piece: DEFAULT_PIECE, cache_dir: None, source_hashed: false };
+        // One piece, a 503 storm: not resumable, so deleted.
+        let e = c.upload_blob(&m.digest, 5, &m, &opts, &|_| {}).unwrap_err();
+        assert!(e.kind().is_transient(), "{e}");
+        assert_eq!(deletes(&seen), 1, "{:?}", seen.lock().unwrap());
+        // Refused: deleted.
+        let refused = RegistrySource::new(&registry, "vm/refuse", true, None).unwrap();
+        seen.lock().unwrap().clear();
+        assert_eq!(refused.upload_blob(&m.digest, 5, &m, &opts, &|_| {}).unwrap_err().status(), Some(400));
+        assert_eq!(deletes(&seen), 1, "{:?}", seen.lock().unwrap());
+        // Several pieces, saved for a rerun: a transient failure keeps the session.
+        let dir = tempfile::tempdir().unwrap();
+        let big = MemSource::new(vec![7u8; 64]);
+        let saved = UploadOptions { piece: 16, cache_dir: Some(dir.path().to_path_buf()), source_hashed: false };
+        seen.lock().unwrap().clear();
+        assert!(c.upload_blob(&big.digest, 64, &big, &saved, &|_| {}).unwrap_err().kind().is_transient());
+        assert_eq!(deletes(&seen), 0, "a session a rerun can resume is kept: {:?}", seen.lock().unwrap());
+        assert_eq!(std::fs::read_dir(dir.path().join("uploads")).unwrap().count(), 1, "and its state");
     }
 
     #[test]

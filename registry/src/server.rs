@@ -59,8 +59,11 @@ pub const REFERRERS_PAGE: usize = 100;
 /// annotation bound) is skipped.
 const MAX_REFERRER_DESCRIPTOR: u64 = MAX_REFERRER_ANNOTATIONS as u64 + 4096;
 
-/// Default idle time after which an upload session is removed.
-pub const DEFAULT_UPLOAD_TTL: Duration = Duration::from_secs(24 * 3600);
+/// Default idle time after which an upload session is removed: long enough for a client
+/// to come back after a network failure or a crash and resume, short enough that an
+/// abandoned upload does not hold its bytes for a day (`snapctl push` deletes a session it
+/// gives up on, when no rerun could take it over; a killed one cannot).
+pub const DEFAULT_UPLOAD_TTL: Duration = Duration::from_secs(15 * 60);
 
 /// Default interval between checks of the htpasswd file for changes.
 pub const DEFAULT_HTPASSWD_POLL: Duration = Duration::from_secs(2);

@@ -58,6 +58,14 @@ pub enum Fault {
         /// Status code to answer (503 for "bursts of unavailability", 429, 500, ...).
         code: u16,
     },
+    /// [`Fault::Status`] whose JSON error body says `message` (a registry's own words,
+    /// such as "No space left on device").
+    StatusSaying {
+        /// Status code to answer.
+        code: u16,
+        /// The `message` of the body's one error.
+        message: String,
+    },
     /// Forward the head unchanged (so `Content-Length` promises the whole body), then
     /// only `after` bytes of the body, then close the connection (FIN).
     Truncate {
@@ -476,7 +484,7 @@ fn move_location(raw: &[u8], to: &str) -> Vec<u8> {
 /// Write a small response the proxy makes up itself (JSON body), keeping the connection
 /// unless the request asked to close it.
 fn answer(sh: &Shared, w: &mut TcpStream, req: &Head, code: u16, extra: &str, message: &str) -> io::Result<()> {
-    let body = format!("{{\"errors\":[{{\"code\":\"UNAVAILABLE\",\"message\":\"fault proxy: {message}\"}}]}}");
+    let body = serde_json::json!({"errors": [{"code": "UNAVAILABLE", "message": message}]}).to_string();
     let resp = format!(
         "HTTP/1.1 {code} Injected\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra}{}\r\n{body}",
         body.len(),
@@ -662,8 +670,9 @@ fn relay(sh: &Shared, client: TcpStream, tracked: &Tracked) -> io::Result<()> {
         let fault = sh.plan.lock().unwrap().decide(&req.method, &req.target);
 
         let made_up = match &fault {
-            Some(Fault::Status { code }) => Some((*code, String::new(), format!("injected {code}"))),
-            Some(Fault::Redirect { code, to }) => Some((*code, format!("Location: {to}{}\r\n", req.target), format!("injected redirect {code}"))),
+            Some(Fault::Status { code }) => Some((*code, String::new(), format!("fault proxy: injected {code}"))),
+            Some(Fault::StatusSaying { code, message }) => Some((*code, String::new(), message.clone())),
+            Some(Fault::Redirect { code, to }) => Some((*code, format!("Location: {to}{}\r\n", req.target), format!("fault proxy: injected redirect {code}"))),
             _ => None,
         };
         if let Some((code, extra, message)) = made_up {

@@ -45,12 +45,12 @@ pub fn run(a: CopyArgs) -> anyhow::Result<ExitCode> {
 /// what `snapctl pull REF oci:PATH:TAG` does. The policy is checked before anything is
 /// written.
 pub fn copy_refs(src: &str, dest: &str, flags: &TransferFlags, policy: &super::policy::PolicyFlags) -> anyhow::Result<pusher::PushReport> {
-    let opened = open_ref_plain(src, flags.plain_http)?;
+    let opened = open_ref_plain(src, flags.registry.plain_http)?;
     let digest = match &opened.selector {
         Selector::Tag(t) => opened.source.resolve_tag(t).with_context(|| format!("resolving {src}"))?,
         Selector::Digest(d) => d.clone(),
     };
-    policy.check(src, &digest, flags.plain_http)?;
+    policy.check(src, &digest, flags.registry.plain_http)?;
     let (tag, by_digest) = match dest.parse::<Reference>()? {
         Reference::Layout { selector, .. } | Reference::Registry { selector, .. } => match selector {
             Selector::Tag(t) => (Some(t), None),
@@ -74,7 +74,7 @@ pub fn copy_refs(src: &str, dest: &str, flags: &TransferFlags, policy: &super::p
             transfer(opened.source.as_ref(), &digest, &pusher::Target::Layout(&layout), tag.as_deref(), flags, "copy")
         }
         Reference::Registry { host, repository, .. } => {
-            let client = registry_client(&host, &repository, flags.plain_http)?;
+            let client = registry_client(&host, &repository, flags.registry.plain_http)?;
             let report = transfer(opened.source.as_ref(), &digest, &pusher::Target::Registry(&client), tag.as_deref(), flags, "copy")?;
             Ok(report)
         }

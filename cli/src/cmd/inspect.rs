@@ -7,17 +7,23 @@ use imgfmt::size::human;
 use imgfmt::{media, Image, StoredAt};
 use serde::Serialize;
 
-use super::common::{self, open_image, outln};
+use super::common::{self, open_image_at, outln};
 
 /// Show an image: kind, files, sizes, chunk counts (zero / stored / referenced /
 /// inherited), compression ratio, roots and the base/parent chain, and its cosign
 /// signatures (tag sha256-<hex>.sig and referrers): the name each claims and who signed
 /// it, by the fingerprint of the --key or policy key that verifies it.
+///
+/// Any other OCI manifest or index (a signature, an SBOM, an image of another tool) is
+/// described as it is: media type, artifact type, subject, config, layers, annotations;
+/// exit 0 (exit 1 is for a snapshot whose content fails its checks).
 #[derive(Debug, clap::Args)]
 pub struct InspectArgs {
     /// Image: oci:PATH[:TAG|@DIGEST] or HOST[:PORT]/REPO[:TAG|@DIGEST] (plain HTTP for loopback
     /// hosts or with SNAPCTL_PLAIN_HTTP=1; credentials from ~/.docker/config.json).
     pub image: String,
+    #[command(flatten)]
+    pub registry: super::common::RegistryFlags,
     /// Print JSON on stdout.
     #[arg(long)]
     pub json: bool,
@@ -216,7 +222,11 @@ pub fn counts(image: &Image) -> (Vec<Counts>, Counts) {
 pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
     let r: imgfmt::reference::Reference = a.image.parse()?;
     let (o, store) = super::policy::open_with_store(&r, &a.image, false)?;
-    let image = open_image(&o)?;
+    let digest = common::resolve(&o)?;
+    if let Some(other) = artifact(&o, &digest)? {
+        return print_artifact(&other, a.json);
+    }
+    let image = open_image_at(&o, &digest)?;
     let signatures = signatures(store.as_ref(), &image, &known_keys(&a, &r)?)?;
     let cfg = image.config();
     let (per, totals) = counts(&image);
@@ -327,5 +337,120 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
     }
     let t = &out.totals;
     outln!("{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}", "total", "", human(out.size), t.chunks, t.zero, t.stored, t.referenced, t.inherited)?;
+    Ok(common::code(common::EXIT_OK))
+}
+
+/// A manifest or index that is not a snapctl snapshot, as `inspect` shows it.
+#[derive(Debug, Serialize)]
+struct ArtifactOut {
+    manifest: String,
+    /// Always false here: this is not a snapctl snapshot.
+    snapshot: bool,
+    media_type: String,
+    /// The manifest's `artifactType`, else its config's media type (OCI 1.1's reading).
+    artifact_type: Option<String>,
+    config: Option<DescriptorOut>,
+    subject: Option<DescriptorOut>,
+    /// Sum of the layers' sizes (an index: of the manifests' sizes).
+    size_bytes: u64,
+    layers: Vec<DescriptorOut>,
+    /// An index's manifests.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    manifests: Vec<DescriptorOut>,
+    annotations: std::collections::BTreeMap<String, String>,
+}
+
+/// A descriptor in `inspect`'s words.
+#[derive(Debug, Serialize)]
+struct DescriptorOut {
+    media_type: String,
+    digest: String,
+    size_bytes: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    artifact_type: Option<String>,
+    /// `org.opencontainers.image.title` (what oras names a file by).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    title: Option<String>,
+}
+
+impl From<&imgfmt::Descriptor> for DescriptorOut {
+    fn from(d: &imgfmt::Descriptor) -> Self {
+        DescriptorOut {
+            media_type: d.media_type.clone(),
+            digest: d.digest.to_string(),
+            size_bytes: d.size,
+            artifact_type: d.artifact_type.clone(),
+            title: d.annotations.get("org.opencontainers.image.title").cloned(),
+        }
+    }
+}
+
+/// The manifest `digest` described, when it is not a snapctl snapshot (`None`: it is one,
+/// or it claims to be, and the snapshot reader says what is wrong with it).
+fn artifact(o: &common::Opened, digest: &imgfmt::OciDigest) -> anyhow::Result<Option<ArtifactOut>> {
+    use anyhow::Context;
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Any {
+        media_type: Option<String>,
+        artifact_type: Option<String>,
+        config: Option<imgfmt::Descriptor>,
+        #[serde(default)]
+        layers: Vec<imgfmt::Descriptor>,
+        #[serde(default)]
+        manifests: Vec<imgfmt::Descriptor>,
+        subject: Option<imgfmt::Descriptor>,
+        #[serde(default)]
+        annotations: std::collections::BTreeMap<String, String>,
+    }
+    let bytes = imgfmt::source::read_verified_blob(o.source.as_ref(), digest, imgfmt::manifest::MAX_MANIFEST_BYTES)
+        .with_context(|| format!("{}: manifest {digest}", o.reference))?;
+    let Ok(m) = serde_json::from_slice::<Any>(&bytes) else { return Ok(None) };
+    if m.config.as_ref().is_some_and(|c| c.media_type == media::CONFIG) || (m.config.is_none() && m.manifests.is_empty()) {
+        return Ok(None);
+    }
+    let media_type = m.media_type.unwrap_or_else(|| if m.config.is_some() { media::OCI_MANIFEST } else { media::OCI_INDEX }.to_string());
+    let size_bytes = m.layers.iter().chain(&m.manifests).map(|d| d.size).sum();
+    Ok(Some(ArtifactOut {
+        manifest: digest.to_string(),
+        snapshot: false,
+        media_type,
+        artifact_type: m.artifact_type.or_else(|| m.config.as_ref().map(|c| c.media_type.clone())),
+        config: m.config.as_ref().map(DescriptorOut::from),
+        subject: m.subject.as_ref().map(DescriptorOut::from),
+        size_bytes,
+        layers: m.layers.iter().map(DescriptorOut::from).collect(),
+        manifests: m.manifests.iter().map(DescriptorOut::from).collect(),
+        annotations: m.annotations,
+    }))
+}
+
+fn print_artifact(a: &ArtifactOut, json: bool) -> anyhow::Result<ExitCode> {
+    if json {
+        common::print_json(a)?;
+        return Ok(common::code(common::EXIT_OK));
+    }
+    // Every string here is another tool's: escaped.
+    let p = common::printable;
+    outln!("manifest      {}", a.manifest)?;
+    outln!("media type    {}", p(&a.media_type))?;
+    outln!("artifact type {}", p(a.artifact_type.as_deref().unwrap_or("-")))?;
+    outln!("snapshot      no: an OCI artifact of another kind (snapctl reads no files from it)")?;
+    if let Some(s) = &a.subject {
+        outln!("subject       {} ({}, {})", s.digest, p(&s.media_type), human(s.size_bytes))?;
+    }
+    if let Some(c) = &a.config {
+        outln!("config        {} ({}, {})", c.digest, p(&c.media_type), human(c.size_bytes))?;
+    }
+    for (k, v) in &a.annotations {
+        outln!("annotation    {}={}", p(k), p(v))?;
+    }
+    let list = if a.manifests.is_empty() { ("LAYER", &a.layers) } else { ("MANIFEST", &a.manifests) };
+    outln!()?;
+    outln!("{:<40} {:>10} {:<71} {}", format!("{} MEDIA TYPE", list.0), "SIZE", "DIGEST", "TITLE")?;
+    for d in list.1 {
+        outln!("{:<40} {:>10} {:<71} {}", p(&d.media_type), human(d.size_bytes), d.digest, p(d.title.as_deref().or(d.artifact_type.as_deref()).unwrap_or("")))?;
+    }
+    outln!("{:<40} {:>10}", "total", human(a.size_bytes))?;
     Ok(common::code(common::EXIT_OK))
 }

@@ -130,6 +130,8 @@ pub struct LazyArgs {
     /// Also serve processes whose primary group is this one (repeatable).
     #[arg(long, value_name = "GID")]
     pub allow_gid: Vec<u32>,
+    #[command(flatten)]
+    pub registry: super::common::RegistryFlags,
     /// Print one JSON summary per finished connection on stdout (one line each).
     #[arg(long)]
     pub json: bool,

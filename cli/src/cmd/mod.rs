@@ -4,6 +4,7 @@ pub mod common;
 pub mod copy;
 pub mod diff;
 pub mod gc;
+pub mod generate;
 pub mod inspect;
 pub mod lazy;
 pub mod login;

@@ -102,7 +102,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = registry::server::DEFAULT_MAX_STREAMS_PER_CONN, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_streams_per_conn: u32,
     /// Remove upload sessions idle for this long (checked every quarter of it).
-    #[arg(long, default_value = "24h", value_parser = super::common::parse_duration)]
+    #[arg(long, default_value = "15m", value_parser = super::common::parse_duration)]
     pub upload_ttl: Duration,
     /// Serve /metrics on this address only (e.g. 127.0.0.1:9100), unauthenticated, and not
     /// on --listen. Default: on --listen, needing credentials when --htpasswd is set.
@@ -252,4 +252,31 @@ async fn shutdown_signal() {
         _ = term => {}
     }
     eprintln!("snapctl serve: shutting down, finishing in-flight requests");
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: super::ServeArgs,
+    }
+
+    #[derive(clap::Parser)]
+    struct Gc {
+        #[command(flatten)]
+        gc: super::super::gc::GcArgs,
+    }
+
+    /// Issue 25: an abandoned upload was kept 24 h. The flag's default is the registry's.
+    #[test]
+    fn regression_issue_25_the_upload_ttl_default_is_the_registrys() {
+        let a = Cli::parse_from(["serve"]);
+        assert_eq!(a.serve.upload_ttl, registry::server::DEFAULT_UPLOAD_TTL);
+        assert!(a.serve.upload_ttl <= std::time::Duration::from_secs(15 * 60), "{:?}", a.serve.upload_ttl);
+        assert_eq!(registry::gc::GcOptions::default().upload_ttl, registry::server::DEFAULT_UPLOAD_TTL);
+        assert_eq!(Gc::parse_from(["gc", "--storage", "x"]).gc.upload_ttl, registry::server::DEFAULT_UPLOAD_TTL);
+    }
 }

@@ -52,9 +52,8 @@ pub struct SignArgs {
     /// Only the tag scheme: no OCI 1.1 referrer even where the registry has the API.
     #[arg(long)]
     pub no_referrer: bool,
-    /// Speak plain HTTP to the registry (the default for 127.0.0.1 and localhost).
-    #[arg(long)]
-    pub plain_http: bool,
+    #[command(flatten)]
+    pub registry: super::common::RegistryFlags,
     /// Print what was written as JSON on stdout.
     #[arg(long)]
     pub json: bool,
@@ -167,7 +166,7 @@ pub fn run_sign(a: SignArgs) -> anyhow::Result<ExitCode> {
         (None, Reference::Layout { .. }) => bail!("{}: a layout has no registry name: give the name to certify with --identity HOST/REPO[:TAG]", a.image),
     };
     let key = load_private_key(&a.key)?;
-    let (o, store) = open_with_store(&r, &a.image, a.plain_http)?;
+    let (o, store) = open_with_store(&r, &a.image, a.registry.plain_http)?;
     let digest: OciDigest = match &o.selector {
         Selector::Tag(t) => o.source.resolve_tag(t).with_context(|| format!("resolving {}", a.image))?,
         Selector::Digest(d) => d.clone(),

@@ -23,6 +23,8 @@ pub struct UnpackArgs {
     /// Replace files that already exist in the destination.
     #[arg(long)]
     pub overwrite: bool,
+    #[command(flatten)]
+    pub registry: super::common::RegistryFlags,
     /// Print a JSON report on stdout.
     #[arg(long)]
     pub json: bool,

@@ -26,6 +26,8 @@ pub struct VerifyArgs {
     /// Also re-hash each pack blob with sha256 (covers bytes no chunk uses).
     #[arg(long)]
     pub blob_digests: bool,
+    #[command(flatten)]
+    pub registry: super::common::RegistryFlags,
     /// Print the report (failures included) as JSON on stdout.
     #[arg(long)]
     pub json: bool,
