@@ -17,8 +17,8 @@
 # How the dependencies are found (never a hand-kept list: the mirror moves):
 #   1. a private apt state (sources, lists, archives in a temporary directory) for trixie on
 #      the machine's own configured mirror;
-#   2. the closure of the package's Depends and Pre-Depends, computed by apt-cache from
-#      trixie's lists as if nothing were installed;
+#   2. the closure of the package's Depends and Pre-Depends, as apt's resolver computes it
+#      from trixie's lists as if nothing were installed (no recommends);
 #   3. minus every package the system already has at the same or a newer version (the system's
 #      libraries come after the prefix's on the library path, so those still serve);
 #   4. `apt-get download` of the rest, unpacked with dpkg-deb under $PREFIX/root;
@@ -85,11 +85,17 @@ if ! apt-get "${apt_opts[@]}" update >"$work/update.log" 2>&1; then
   exit 1
 fi
 
-# 2. The closure, from trixie's lists alone. Virtual packages print as <name> and are
-#    followed by the packages that provide them, which the recursion includes.
-closure=$(apt-cache "${apt_opts[@]}" depends --recurse --no-recommends --no-suggests --no-conflicts \
-  --no-breaks --no-replaces --no-enhances "$PKG" | grep -E '^[a-z0-9]' | sort -u)
-[ -n "$closure" ] || { say "$PKG is not in $SUITE's lists"; exit 1; }
+# 2. The closure, from trixie's lists alone: what apt itself would install on a system
+#    with nothing installed (status=/dev/null), without recommends. apt's resolver picks
+#    one package per "A | B" alternative and per virtual package; `apt-cache depends
+#    --recurse` follows every alternative (318 packages for skopeo against apt's 78).
+closure=$(apt-get "${apt_opts[@]}" -s --no-install-recommends install "$PKG" 2>"$work/resolve.log" |
+  awk '$1 == "Inst" {print $2}' | sort -u) || true
+if [ -z "$closure" ]; then
+  cat "$work/resolve.log" >&2
+  say "$PKG is not in $SUITE's lists, or apt cannot resolve its dependencies there"
+  exit 1
+fi
 
 # 3. Minus what the system already has, new enough.
 fetch=()
