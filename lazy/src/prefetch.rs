@@ -130,10 +130,10 @@ pub trait TraceStore: Send + Sync {
     fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<String, FormatError>;
 }
 
-/// The tag under which an OCI layout keeps the trace of `image` (the referrers API's
+/// The tag under which an OCI layout lists the traces of `image` (the referrers API's
 /// fallback tag scheme).
 pub fn fallback_tag(image: &Image) -> String {
-    format!("{}-{}", image.manifest_digest.algorithm(), image.manifest_digest.hex())
+    imgfmt::layout::referrers_tag(&image.manifest_digest)
 }
 
 /// The trace artifact's manifest (blobs: the empty config, the trace JSON and, when there
@@ -177,11 +177,14 @@ impl TraceStore for LayoutTraces {
     }
 
     fn load(&self, image: &Image, file: usize) -> Result<Option<Trace>, FormatError> {
-        let tag = fallback_tag(image);
-        let Some((_, desc)) = self.0.tags()?.into_iter().find(|(t, _)| *t == tag) else { return Ok(None) };
+        // The newest trace among the image's referrers (RFC 3339 timestamps sort as strings;
+        // a trace listed before the index existed has none, and sorts first).
+        let refs = self.0.referrers(&image.manifest_digest)?;
+        let traces = refs.iter().filter(|d| d.artifact_type.as_deref().is_none_or(|t| t == TRACE_MEDIA_TYPE));
+        let Some(desc) = traces.max_by_key(|d| d.annotations.get(media::ANN_CREATED).cloned().unwrap_or_default()) else { return Ok(None) };
         let m = Manifest::decode(&imgfmt::source::read_verified_blob(&self.0, &desc.digest, imgfmt::manifest::MAX_MANIFEST_BYTES)?)?;
         if m.artifact_type.as_deref() != Some(TRACE_MEDIA_TYPE) || m.subject.as_ref().map(|s| &s.digest) != Some(&image.manifest_digest) {
-            return Err(invalid("trace manifest", format!("tag {tag} is not a trace of {}", image.manifest_digest)));
+            return Err(invalid("trace manifest", format!("{} is not a trace of {}", desc.digest, image.manifest_digest)));
         }
         read_trace_layer(&self.0, &m, image, file).map(Some)
     }
@@ -194,13 +197,15 @@ impl TraceStore for LayoutTraces {
             [] => None,
             b => Some(Descriptor::new(WORKING_SET_MEDIA_TYPE, self.0.put_blob(b)?, b.len() as u64)),
         };
-        let m = trace_manifest(image, &blob, ws).encode();
+        let manifest = trace_manifest(image, &blob, ws);
+        let m = manifest.encode();
         let d = self.0.put_blob(&m)?;
         let mut desc = Descriptor::new(media::OCI_MANIFEST, d.clone(), m.len() as u64);
         desc.artifact_type = Some(TRACE_MEDIA_TYPE.into());
-        let tag = fallback_tag(image);
-        self.0.set_tag(&tag, desc)?;
-        Ok(format!("{}:{tag} ({d})", self.describe()))
+        desc.annotations = manifest.annotations.clone();
+        // Listed beside the image's other referrers (signatures, SBOMs a copy brought).
+        self.0.add_referrers(&image.manifest_digest, &[desc])?;
+        Ok(format!("{}:{} ({d})", self.describe(), fallback_tag(image)))
     }
 }
 

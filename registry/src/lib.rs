@@ -10,7 +10,9 @@
 //! upload     resumable upload sessions persisted in the store
 //! auth       htpasswd users, ACL, docker token flow (HMAC-signed tokens)
 //! server     axum routes for the /v2/ API, /token, /metrics
-//! gc         mark and sweep of unreachable blobs
+//! pulls      when manifests were last pulled (in memory, written in batches)
+//! retention  which tags and manifests gc keeps: policies, snapshot chains, referrers
+//! gc         retention, then mark and sweep of unreachable blobs
 //! inuse      what live requests rely on, so a running gc keeps it
 //! ```
 //! The wire and storage formats are specified in `spec/registry.md`.
@@ -22,6 +24,8 @@ pub mod inuse;
 pub mod layout;
 pub mod metrics;
 pub mod name;
+pub mod pulls;
+pub mod retention;
 pub mod server;
 pub mod store;
 pub mod upload;

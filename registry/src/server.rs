@@ -30,6 +30,7 @@ use crate::inuse;
 use crate::layout;
 use crate::metrics::Metrics;
 use crate::name::{RepoName, Tag};
+use crate::pulls::PullLog;
 use crate::store::{BlobStore, MeteredStore};
 use crate::upload::{self, range_header, upload_location, Uploads};
 
@@ -68,6 +69,10 @@ pub struct Config {
     /// Serve `/metrics` on the API listener (with auth enabled, to users only). Off when
     /// metrics have a listener of their own ([`Server::serve_metrics`]).
     pub api_metrics: bool,
+    /// How often pulls recorded in memory are written to the store (spec/registry.md §4).
+    pub pull_flush: Duration,
+    /// Run gc (retention included) on a schedule; `None`: never.
+    pub gc: Option<crate::gc::Schedule>,
 }
 
 impl Default for Config {
@@ -80,6 +85,8 @@ impl Default for Config {
             limits: Limits::default(),
             upload_ttl: DEFAULT_UPLOAD_TTL,
             api_metrics: true,
+            pull_flush: crate::pulls::DEFAULT_FLUSH_EVERY,
+            gc: None,
         }
     }
 }
@@ -107,6 +114,13 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// What [`Server::spawn_background`] started.
+struct Background {
+    _sweeper: AbortOnDrop,
+    _pulls: AbortOnDrop,
+    gc: Option<crate::gc::Scheduled>,
+}
+
 /// A registry server: store, upload sessions, metrics, config.
 #[derive(Debug)]
 pub struct Server {
@@ -114,6 +128,8 @@ pub struct Server {
     uploads: Uploads,
     /// The server's counters.
     pub metrics: Arc<Metrics>,
+    /// Pulls recorded since they were last written.
+    pub pulls: Arc<PullLog>,
     cfg: Config,
 }
 
@@ -290,7 +306,7 @@ impl Server {
     pub fn new(store: Arc<dyn BlobStore>, cfg: Config) -> Arc<Server> {
         let metrics = Arc::new(Metrics::default());
         let store: Arc<dyn BlobStore> = Arc::new(MeteredStore::new(store, metrics.clone()));
-        Arc::new(Server { uploads: Uploads::new(store.clone(), metrics.clone()), store, metrics, cfg })
+        Arc::new(Server { uploads: Uploads::new(store.clone(), metrics.clone()), store, metrics, pulls: Arc::default(), cfg })
     }
 
     /// The axum router of this server.
@@ -310,13 +326,53 @@ impl Server {
     /// Serve plain HTTP on `listener` until `shutdown` resolves, then finish in-flight
     /// requests. Idle upload sessions are swept meanwhile.
     pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-        let _sweeper = self.spawn_upload_sweeper();
-        listen::serve(self.router(), listener, None, self.cfg.limits.clone(), self.metrics.clone(), shutdown).await
+        let background = self.spawn_background();
+        let served = listen::serve(self.router(), listener, None, self.cfg.limits.clone(), self.metrics.clone(), shutdown).await;
+        self.stop_background(background).await;
+        served
     }
 
     /// Serve `/metrics` alone on `listener` (a private address) until `shutdown` resolves.
     pub async fn serve_metrics(self: Arc<Self>, listener: tokio::net::TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
         listen::serve(self.metrics_router(), listener, None, self.cfg.limits.clone(), self.metrics.clone(), shutdown).await
+    }
+
+    /// The tasks a serving server runs beside requests: the upload sweeper, the pull-time
+    /// writer and the gc schedule.
+    fn spawn_background(self: &Arc<Self>) -> Background {
+        Background {
+            _sweeper: self.spawn_upload_sweeper(),
+            _pulls: self.spawn_pull_writer(),
+            gc: self.cfg.gc.clone().map(|g| g.spawn(self.store.clone(), self.pulls.clone())),
+        }
+    }
+
+    /// After the listener stopped: let a gc run finish (or abandon it cleanly), and write
+    /// the pulls recorded since the last flush.
+    async fn stop_background(&self, b: Background) {
+        if let Some(g) = b.gc {
+            g.stop(self.store.as_ref()).await;
+        }
+        if let Err(e) = self.pulls.flush(self.store.as_ref()).await {
+            tracing::warn!(%e, "writing pull times at shutdown");
+        }
+    }
+
+    /// Write recorded pulls every `pull_flush`, or sooner when many wait, until dropped.
+    fn spawn_pull_writer(self: &Arc<Self>) -> AbortOnDrop {
+        let s = self.clone();
+        AbortOnDrop(tokio::spawn(async move {
+            let every = s.cfg.pull_flush.max(Duration::from_secs(1));
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = s.pulls.full.notified() => {}
+                }
+                if let Err(e) = s.pulls.flush(s.store.as_ref()).await {
+                    tracing::warn!(%e, "writing pull times");
+                }
+            }
+        }))
     }
 
     /// Remove idle upload sessions every quarter of the TTL (1 s to 10 min), until dropped.
@@ -351,9 +407,11 @@ impl Server {
         let tls = axum_server::tls_rustls::RustlsConfig::from_pem_file(cert, key).await?;
         listener.set_nonblocking(true)?;
         let listener = tokio::net::TcpListener::from_std(listener)?;
-        let _sweeper = self.spawn_upload_sweeper();
         let acceptor = tokio_rustls::TlsAcceptor::from(tls.get_inner());
-        listen::serve(self.router(), listener, Some(acceptor), self.cfg.limits.clone(), self.metrics.clone(), shutdown).await
+        let background = self.spawn_background();
+        let served = listen::serve(self.router(), listener, Some(acceptor), self.cfg.limits.clone(), self.metrics.clone(), shutdown).await;
+        self.stop_background(background).await;
+        served
     }
 
     fn challenge(&self, uri: &Uri, headers: &HeaderMap, scope: Option<String>, insufficient: bool) -> String {
@@ -704,6 +762,8 @@ impl Server {
         ];
         if !head {
             self.metrics.bytes_out.fetch_add(bytes.len() as u64, Relaxed);
+            // In memory; written in batches (crate::pulls).
+            self.pulls.record(repo, &d);
         }
         Ok(respond(StatusCode::OK, &hs, if head { Body::empty() } else { Body::from(bytes) }))
     }
@@ -756,7 +816,7 @@ impl Server {
         // see them gone (crate::inuse).
         let mut relied: Vec<OciDigest> = refs.children.iter().map(|(c, _)| c.clone()).collect();
         relied.push(d.clone());
-        let lease = inuse::lease(self.store.as_ref(), relied).await?;
+        let lease = inuse::lease_tagged(self.store.as_ref(), relied, tag.as_ref().map(|t| (repo, t))).await?;
         let done = self.commit_manifest(repo, &d, tag.as_ref(), mt, buf, &json, &refs, &lease).await;
         let released = match done {
             Ok(_) => lease.release_committed(self.store.as_ref()).await,
@@ -812,6 +872,10 @@ impl Server {
             hs.push((HeaderName::from_static("oci-subject"), subject.to_string()));
         }
         if let Some(t) = tag {
+            // A gc deciding about this tag (retention) finishes first; it saw our lease, or
+            // we write the tag after it deleted the old one (crate::inuse).
+            inuse::settled_tag(self.store.as_ref(), repo, t).await?;
+            lease.check_fresh()?;
             self.store.put(&layout::tag(repo, t), Bytes::from(d.to_string())).await?;
         }
         Ok(empty(StatusCode::CREATED, &hs))

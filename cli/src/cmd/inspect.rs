@@ -7,10 +7,11 @@ use imgfmt::size::human;
 use imgfmt::{media, Image, StoredAt};
 use serde::Serialize;
 
-use super::common::{self, open_image, open_ref, outln};
+use super::common::{self, open_image_in, open_origin, outln};
 
 /// Show an image: kind, files, sizes, chunk counts (zero / stored / referenced /
-/// inherited), compression ratio, roots and the base/parent chain.
+/// inherited), compression ratio, roots, the base/parent chain, and what is attached to it
+/// (referrers: signatures, SBOMs, recorded traces; cosign's sha256-<hex>.sig tags).
 #[derive(Debug, clap::Args)]
 pub struct InspectArgs {
     /// Image: oci:PATH[:TAG|@DIGEST] or HOST[:PORT]/REPO[:TAG|@DIGEST] (plain HTTP for loopback
@@ -70,6 +71,8 @@ struct Out {
     #[serde(skip_serializing_if = "Option::is_none")]
     rebased_from: Option<String>,
     base: Option<serde_json::Value>,
+    /// Referrers and subject-named tags (and theirs), as `copy` carries them.
+    referrers: Vec<pusher::referrers::Attached>,
 }
 
 /// Pack blobs this image wrote itself (as opposed to ones it inherits or references).
@@ -114,8 +117,16 @@ pub fn counts(image: &Image) -> (Vec<Counts>, Counts) {
 }
 
 pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
-    let o = open_ref(&a.image)?;
-    let image = open_image(&o)?;
+    let (origin, selector) = open_origin(&a.image, false)?;
+    let image = open_image_in(origin.source(), &selector, &a.image)?;
+    let referrers = match pusher::referrers::attached_tree(&origin, &image.manifest_digest) {
+        Ok(r) => r,
+        Err(e) => {
+            // The image is shown all the same; its attachments are a listing apart.
+            tracing::warn!("could not list what is attached to {}: {e}", a.image);
+            Vec::new()
+        }
+    };
     let cfg = image.config();
     let (per, totals) = counts(&image);
     let own_pack_bytes: u64 = own_packs(&image).map(|d| d.size).sum();
@@ -161,6 +172,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
         chain,
         rebased_from: image.manifest.annotations.get(media::ANN_REBASED_FROM).cloned(),
         base: cfg.base.as_ref().map(|b| serde_json::json!({"manifest": b.manifest, "root": b.root, "reference": b.reference})),
+        referrers,
     };
     if a.json {
         common::print_json(&out)?;
@@ -207,5 +219,19 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
     }
     let t = &out.totals;
     outln!("{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}", "total", "", human(out.size), t.chunks, t.zero, t.stored, t.referenced, t.inherited)?;
+    if !out.referrers.is_empty() {
+        outln!()?;
+        outln!("{:<48} {:<73} {:>10}  TAG", "REFERRER (ARTIFACT TYPE)", "DIGEST", "SIZE")?;
+        for r in &out.referrers {
+            let nested = if r.subject == image.manifest_digest { "" } else { "  " };
+            outln!(
+                "{nested}{:<48} {:<73} {:>10}  {}",
+                p(r.artifact_type.as_deref().unwrap_or(&r.media_type)),
+                r.digest,
+                human(r.size),
+                p(r.tag.as_deref().unwrap_or(""))
+            )?;
+        }
+    }
     Ok(common::code(common::EXIT_OK))
 }

@@ -3,6 +3,7 @@
 mod adversarial_client;
 mod adversarial_files;
 mod adversarial_registry;
+mod attached;
 mod chain;
 mod cli;
 mod credentials;
@@ -15,6 +16,8 @@ mod netem;
 mod pull;
 mod push;
 mod registry;
+mod retention;
+mod retention_history;
 mod runsc;
 mod slices;
 mod snapshot_registry;
