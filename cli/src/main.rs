@@ -42,12 +42,14 @@ enum Command {
     Login(cmd::login::LoginArgs),
     Logout(cmd::login::LogoutArgs),
     Lazy(cmd::lazy::LazyArgs),
+    Sign(cmd::sign::SignArgs),
+    Key(cmd::sign::KeyArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match &cli.command {
-        Command::Serve(_) => cmd::common::init_logging(cmd::serve::DEFAULT_LOG, true),
+        Command::Serve(a) => cmd::common::init_logging_as(cmd::serve::DEFAULT_LOG, true, a.log_json()),
         // A daemon's people want its progress (listening, each VM, traces stored) as well.
         Command::Lazy(_) => cmd::common::init_logging(cmd::lazy::DEFAULT_LOG, false),
         _ => cmd::common::init_logging("warn", false),
@@ -67,6 +69,8 @@ fn main() -> ExitCode {
         Command::Login(a) => cmd::login::run_login(a),
         Command::Logout(a) => cmd::login::run_logout(a),
         Command::Lazy(a) => cmd::lazy::run(a),
+        Command::Sign(a) => cmd::sign::run_sign(a),
+        Command::Key(a) => cmd::sign::run_key(a),
     };
     match result {
         Ok(code) => code,

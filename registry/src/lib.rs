@@ -9,7 +9,11 @@
 //! layout     storage keys: blobs/, repositories/<name>/{_layers,_manifests,_tags,_referrers}, _uploads/
 //! upload     resumable upload sessions persisted in the store
 //! auth       htpasswd users, ACL, docker token flow (HMAC-signed tokens)
+//! catalog    which repositories the store holds, paged in order (/v2/_catalog, web view)
 //! server     axum routes for the /v2/ API, /token, /metrics
+//! access     the request log (client, user, user agent, bytes, status, cause of a 5xx)
+//! reload     htpasswd changes taken while serving (polled, or on SIGHUP)
+//! stats      the store's totals (bytes, blobs, manifests, dedup), scanned in the background
 //! pulls      when manifests were last pulled (in memory, written in batches)
 //! retention  which tags and manifests gc keeps: policies, snapshot chains, referrers
 //! gc         retention, then mark and sweep of unreachable blobs
@@ -17,7 +21,9 @@
 //! ```
 //! The wire and storage formats are specified in `spec/registry.md`.
 
+pub mod access;
 pub mod auth;
+pub mod catalog;
 pub mod error;
 pub mod gc;
 pub mod inuse;
@@ -25,8 +31,10 @@ pub mod layout;
 pub mod metrics;
 pub mod name;
 pub mod pulls;
+pub mod reload;
 pub mod retention;
 pub mod server;
+pub mod stats;
 pub mod store;
 pub mod upload;
 

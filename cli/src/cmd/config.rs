@@ -51,9 +51,18 @@ pub struct FileConfig {
     #[serde(default, deserialize_with = "opt_duration")]
     pub idle_timeout: Option<Duration>,
     pub max_conns_per_client: Option<usize>,
+    pub max_requests_per_client: Option<usize>,
+    pub max_streams_per_conn: Option<u32>,
+    pub max_password_checks: Option<u64>,
     #[serde(default, deserialize_with = "opt_duration")]
     pub upload_ttl: Option<Duration>,
     pub metrics_listen: Option<String>,
+    pub catalog_max_entries: Option<usize>,
+    #[serde(default, deserialize_with = "opt_duration")]
+    pub htpasswd_poll: Option<Duration>,
+    #[serde(default, deserialize_with = "opt_duration")]
+    pub stats_interval: Option<Duration>,
+    pub log_format: Option<super::serve::LogFormat>,
     #[serde(default)]
     pub gc: GcSection,
     #[serde(default)]
@@ -165,6 +174,13 @@ mod tests {
             header_timeout = "10s"
             idle_timeout = 60
             max_conns_per_client = 8
+            max_requests_per_client = 16
+            max_streams_per_conn = 10
+            max_password_checks = 2
+            catalog_max_entries = 50
+            htpasswd_poll = "5s"
+            stats_interval = 0
+            log_format = "json"
             upload_ttl = "2h"
             metrics_listen = "127.0.0.1:9100"
             [gc]
@@ -185,6 +201,8 @@ mod tests {
         assert_eq!(c.max_manifest_bytes, Some(8 << 20));
         assert_eq!(c.chunk_min_length, Some(1 << 20));
         assert_eq!(c.idle_timeout, Some(Duration::from_secs(60)));
+        assert_eq!(c.stats_interval, Some(Duration::ZERO));
+        assert_eq!(c.log_format, Some(super::super::serve::LogFormat::Json));
         assert_eq!(c.gc.interval, Some(Duration::from_secs(6 * 3600)));
         assert_eq!(c.gc.pull_flush, Some(Duration::from_secs(60)));
         assert!(c.retention.dry_run);

@@ -43,27 +43,31 @@ pub struct CopyArgs {
     /// Copy the image alone: no referrers, no cosign signature tags.
     #[arg(long)]
     pub no_referrers: bool,
+    #[command(flatten)]
+    pub policy: super::policy::PolicyFlags,
 }
 
 pub fn run(a: CopyArgs) -> anyhow::Result<ExitCode> {
-    copy_image(&a.src, &a.dest, &a.transfer, !a.no_referrers)?;
+    copy_image(&a.src, &a.dest, &a.transfer, &a.policy, !a.no_referrers)?;
     Ok(common::code(common::EXIT_OK))
 }
 
 /// Copy the image `src` names to `dest` (both references as the CLI takes them), without
-/// its referrers: what `snapctl pull REF oci:PATH:TAG` does.
-pub fn copy_refs(src: &str, dest: &str, flags: &TransferFlags) -> anyhow::Result<pusher::PushReport> {
-    copy_image(src, dest, flags, false)
+/// its referrers: what `snapctl pull REF oci:PATH:TAG` does. The policy is checked before
+/// anything is written.
+pub fn copy_refs(src: &str, dest: &str, flags: &TransferFlags, policy: &super::policy::PolicyFlags) -> anyhow::Result<pusher::PushReport> {
+    copy_image(src, dest, flags, policy, false)
 }
 
 /// [`copy_refs`], carrying what is attached to the image when `referrers`.
-pub fn copy_image(src: &str, dest: &str, flags: &TransferFlags, referrers: bool) -> anyhow::Result<pusher::PushReport> {
+pub fn copy_image(src: &str, dest: &str, flags: &TransferFlags, policy: &super::policy::PolicyFlags, referrers: bool) -> anyhow::Result<pusher::PushReport> {
     let (origin, selector) = open_origin(src, flags.plain_http)?;
     let source = origin.source();
     let digest = match &selector {
         Selector::Tag(t) => source.resolve_tag(t).with_context(|| format!("resolving {src}"))?,
         Selector::Digest(d) => d.clone(),
     };
+    policy.check(src, &digest, flags.plain_http)?;
     let (tag, by_digest) = match dest.parse::<Reference>()? {
         Reference::Layout { selector, .. } | Reference::Registry { selector, .. } => match selector {
             Selector::Tag(t) => (Some(t), None),

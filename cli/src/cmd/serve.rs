@@ -12,9 +12,16 @@ use super::config::FileConfig;
 ///
 /// Storage is a directory (default) or s3://BUCKET/PREFIX (configured from AWS_* env:
 /// AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ALLOW_HTTP).
-/// Logs go to stderr, one line per request (filter with SNAPCTL_LOG or RUST_LOG, e.g.
-/// `SNAPCTL_LOG=debug`). SIGTERM or SIGINT stops accepting connections and finishes
-/// in-flight requests.
+/// Logs go to stderr, one line per request naming the client, user, method, path, status,
+/// bytes in and out, time and user agent, and a 5xx's cause (--log-format json: one JSON
+/// object per line; filter with SNAPCTL_LOG or RUST_LOG, e.g. `SNAPCTL_LOG=debug`).
+/// SIGTERM or SIGINT stops accepting connections and finishes in-flight requests; SIGHUP
+/// reloads the --htpasswd file (it is also reloaded when it changes, see --htpasswd-poll).
+///
+/// For operators: GET /v2/_catalog lists repositories (paged, only those the caller may
+/// pull; `snapctl`-independent clients such as `oras repo ls` use it); /metrics has the
+/// store's totals (bytes, blobs, manifests, repositories, dedup ratio, taken every
+/// --stats-interval), request latency histograms and build info.
 ///
 /// Every option can also be set in a TOML file (--config FILE) by its name in snake_case
 /// (`upload_ttl = "24h"`); options on the command line win. The file also holds the gc
@@ -39,8 +46,11 @@ use super::config::FileConfig;
 ///
 /// Against hostile clients: a request head must arrive within --header-timeout, a
 /// connection with nothing in flight and nothing moving (or a request body that stops)
-/// is closed after --idle-timeout, a client (IPv4 address, IPv6 /64) may hold
-/// --max-conns-per-client connections, idle upload sessions are removed after
+/// is closed after --idle-timeout, so is a connection one of whose responses has not moved
+/// for --idle-timeout (an HTTP/2 stream whose window stays shut), a client (IPv4 address,
+/// IPv6 /64) may hold --max-conns-per-client connections and --max-requests-per-client
+/// requests in progress (more get 429 at once), an HTTP/2 connection
+/// --max-streams-per-conn streams, idle upload sessions are removed after
 /// --upload-ttl, and /metrics has fixed label sets (and, with --htpasswd, needs
 /// credentials unless it has its own --metrics-listen address). See spec/registry.md.
 #[derive(Debug, clap::Args)]
@@ -73,6 +83,13 @@ pub struct ServeArgs {
     /// Default: a random secret per process. Needs --htpasswd.
     #[arg(long)]
     pub token_secret_file: Option<PathBuf>,
+    /// Most bcrypt password checks running at once (default: half the cores, at least 1).
+    /// A request with Basic credentials that finds every slot busy is answered 503 with
+    /// Retry-After at once; verified credentials are remembered for 5 minutes (no check),
+    /// and a client (address) sending a sixth wrong password waits 1 s, doubling to 60 s,
+    /// before its next is checked (429 with Retry-After meanwhile). Needs --htpasswd.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_password_checks: Option<u64>,
     /// Token realm URL for the WWW-Authenticate challenge (default: this server's /token).
     /// Needs --htpasswd.
     #[arg(long)]
@@ -99,9 +116,23 @@ pub struct ServeArgs {
     #[arg(long, value_parser = super::common::parse_duration)]
     pub idle_timeout: Option<Duration>,
     /// Most connections one client (IPv4 address, IPv6 /64) may hold open; more are
-    /// closed at once (0: no cap) [default: 64].
+    /// closed at once (0: no cap). Generous: moving connections are cheap, and one host
+    /// pulling for many sandboxes at once opens hundreds; what a client can hold still
+    /// is bounded by --max-requests-per-client and --idle-timeout. Both caps are lowered
+    /// to a quarter of the descriptor limit (`ulimit -n`, whose soft limit serve raises
+    /// to the hard one) when that is smaller, so one client cannot use every descriptor
+    /// [default: 512].
     #[arg(long)]
     pub max_conns_per_client: Option<usize>,
+    /// Most requests one client may have in progress across its connections (a handler
+    /// running or a response still being sent, each possibly holding a file open); more
+    /// are answered 429 with Retry-After at once (0: no cap) [default: 512].
+    #[arg(long)]
+    pub max_requests_per_client: Option<usize>,
+    /// Most HTTP/2 streams one connection may have open at once (announced to the client
+    /// in SETTINGS_MAX_CONCURRENT_STREAMS) [default: 64].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_streams_per_conn: Option<u32>,
     /// Remove upload sessions idle for this long (checked every quarter of it)
     /// [default: 24h].
     #[arg(long, value_parser = super::common::parse_duration)]
@@ -110,6 +141,42 @@ pub struct ServeArgs {
     /// on --listen. Default: on --listen, needing credentials when --htpasswd is set.
     #[arg(long)]
     pub metrics_listen: Option<String>,
+    /// Most repositories one GET /v2/_catalog page may ask for (?n=); more is refused with
+    /// 400 PAGINATION_NUMBER_INVALID, as distribution does [default: 1000].
+    #[arg(long)]
+    pub catalog_max_entries: Option<usize>,
+    /// Check the --htpasswd file for changes this often and load them (0: only on SIGHUP)
+    /// [default: 2s].
+    #[arg(long, value_parser = super::common::parse_duration)]
+    pub htpasswd_poll: Option<Duration>,
+    /// Take the store's totals for /metrics (snapctl_store_*) by a scan of the store this
+    /// often; a scrape never scans (0: never) [default: 5m].
+    #[arg(long, value_parser = super::common::parse_duration)]
+    pub stats_interval: Option<Duration>,
+    /// How log lines are written: `text` (one line per event) or `json` (one JSON object
+    /// per line, fields at the top level, for log shippers) [default: text].
+    #[arg(long, value_enum)]
+    pub log_format: Option<LogFormat>,
+}
+
+impl ServeArgs {
+    /// Whether log lines are JSON: --log-format, else the configuration file's `log_format`
+    /// (logging starts before the file is otherwise read; a file that cannot be read is
+    /// reported when it is).
+    pub fn log_json(&self) -> bool {
+        let file = self.log_format.or_else(|| FileConfig::load_opt(self.config.as_deref()).ok().and_then(|f| f.log_format));
+        file == Some(LogFormat::Json)
+    }
+}
+
+/// `serve --log-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// The server's log filter when neither SNAPCTL_LOG nor RUST_LOG sets one: warnings, and
@@ -127,6 +194,7 @@ struct Settings {
     anonymous_read: bool,
     token_secret_file: Option<PathBuf>,
     token_realm: Option<String>,
+    max_password_checks: Option<u64>,
     tls: Option<(PathBuf, PathBuf)>,
     metrics_listen: Option<String>,
     cfg: registry::Config,
@@ -140,12 +208,14 @@ fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
     let anonymous_read = args.anonymous_read || file.anonymous_read.unwrap_or(false);
     let token_secret_file = args.token_secret_file.or(file.token_secret_file);
     let token_realm = args.token_realm.or(file.token_realm);
+    let max_password_checks = args.max_password_checks.or(file.max_password_checks);
     if htpasswd.is_none() {
         for (set, what) in [
             (acl.is_some(), "acl"),
             (anonymous_read, "anonymous-read"),
             (token_secret_file.is_some(), "token-secret-file"),
             (token_realm.is_some(), "token-realm"),
+            (max_password_checks.is_some(), "max-password-checks"),
         ] {
             if set {
                 anyhow::bail!("--{what} needs --htpasswd (or htpasswd in the configuration file)");
@@ -160,8 +230,13 @@ fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
     let limits = registry::server::Limits {
         header_read_timeout: args.header_timeout.or(file.header_timeout).unwrap_or(Duration::from_secs(30)),
         idle_timeout: args.idle_timeout.or(file.idle_timeout).unwrap_or(Duration::from_secs(120)),
-        max_conns_per_client: args.max_conns_per_client.or(file.max_conns_per_client).unwrap_or(64),
+        max_conns_per_client: args.max_conns_per_client.or(file.max_conns_per_client).unwrap_or(registry::server::DEFAULT_MAX_CONNS_PER_CLIENT),
+        max_requests_per_client: args.max_requests_per_client.or(file.max_requests_per_client).unwrap_or(registry::server::DEFAULT_MAX_REQUESTS_PER_CLIENT),
+        max_streams_per_conn: args.max_streams_per_conn.or(file.max_streams_per_conn).unwrap_or(registry::server::DEFAULT_MAX_STREAMS_PER_CONN),
     };
+    if limits.max_streams_per_conn == 0 || max_password_checks == Some(0) {
+        anyhow::bail!("max_streams_per_conn and max_password_checks must be at least 1");
+    }
     if limits.header_read_timeout.is_zero() || limits.idle_timeout.is_zero() {
         anyhow::bail!("--header-timeout and --idle-timeout must be more than 0");
     }
@@ -181,6 +256,11 @@ fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
         pull_flush: file.gc.pull_flush.unwrap_or(registry::pulls::DEFAULT_FLUSH_EVERY),
         gc: (!interval.is_zero())
             .then(|| registry::gc::Schedule { interval, options: registry::gc::GcOptions { grace, upload_ttl, dry_run: false, retention } }),
+        catalog_max_entries: args.catalog_max_entries.or(file.catalog_max_entries).unwrap_or(registry::catalog::DEFAULT_MAX_ENTRIES),
+        htpasswd_file: htpasswd.clone(),
+        htpasswd_poll: args.htpasswd_poll.or(file.htpasswd_poll).unwrap_or(Duration::from_secs(2)),
+        stats_interval: args.stats_interval.or(file.stats_interval).unwrap_or(Duration::from_secs(300)),
+        build: registry::metrics::BuildInfo { version: env!("CARGO_PKG_VERSION").to_owned(), commit: env!("SNAPCTL_COMMIT").to_owned() },
     };
     Ok(Settings {
         storage: args.storage.or(file.storage).unwrap_or_else(|| "./snapctl-registry".into()),
@@ -191,6 +271,7 @@ fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
         anonymous_read,
         token_secret_file,
         token_realm,
+        max_password_checks,
         tls,
         metrics_listen,
         cfg,
@@ -213,11 +294,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             };
             let mut a = registry::auth::Auth::new(&users, acl.as_deref(), set.anonymous_read, secret).context("loading authentication config")?;
             a.realm = set.token_realm.clone();
+            if let Some(n) = set.max_password_checks {
+                a.max_checks = usize::try_from(n).unwrap_or(usize::MAX);
+            }
             Some(a)
         }
     };
     let store = registry::store::open(&set.storage, set.staging_dir.as_deref()).with_context(|| format!("opening storage {}", set.storage))?;
-    let Settings { storage, listen, tls, metrics_listen, cfg, .. } = set;
+    let Settings { storage, listen, tls, metrics_listen, cfg, htpasswd, .. } = set;
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     rt.block_on(async move {
@@ -233,6 +317,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             None => tracing::info!("no scheduled gc (gc.interval = 0)"),
         }
         let server = registry::Server::new(store, cfg);
+        if htpasswd.is_some() {
+            let s = server.clone();
+            tokio::spawn(async move {
+                let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else { return };
+                while hup.recv().await.is_some() {
+                    s.reload_htpasswd().await;
+                }
+            });
+        }
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(());
         tokio::spawn(async move {
             shutdown_signal().await;

@@ -20,7 +20,7 @@ use snapctl_tests::fault_proxy::{Fault, FaultProxy, Match, Rule};
 use snapctl_tests::registry_support::{Distribution, Serve};
 use snapctl_tests::{have, require_peers, run, snapctl, snapctl_bin, uffd_usable};
 
-const MIB: u64 = 1 << 20;
+pub(crate) const MIB: u64 = 1 << 20;
 
 /// Whether the `snapctl` under test has the `lazy` subcommand.
 pub(crate) fn lazy_available() -> bool {
@@ -125,7 +125,7 @@ impl Handler {
     }
 
     /// The first `n` per-connection JSON reports, waiting up to `within`.
-    fn reports(&self, n: usize, within: Duration) -> Vec<Value> {
+    pub(crate) fn reports(&self, n: usize, within: Duration) -> Vec<Value> {
         let deadline = Instant::now() + within;
         loop {
             let got: Vec<Value> = self.lines.lock().unwrap().iter().filter_map(|l| serde_json::from_str::<Value>(l).ok()).collect();
@@ -176,9 +176,9 @@ impl Drop for Handler {
 /// What fake_vmm said: exit code, its JSON summary, its stderr.
 #[derive(Debug)]
 pub(crate) struct Restore {
-    code: i32,
-    json: Value,
-    stderr: String,
+    pub(crate) code: i32,
+    pub(crate) json: Value,
+    pub(crate) stderr: String,
 }
 
 pub(crate) fn fake_vmm(socket: &Path, mem: &Path, extra: &[&str]) -> Restore {
@@ -193,7 +193,7 @@ pub(crate) fn fake_vmm(socket: &Path, mem: &Path, extra: &[&str]) -> Restore {
     Restore { code: r.code, json, stderr: r.stderr }
 }
 
-fn n(v: &Value, path: &[&str]) -> u64 {
+pub(crate) fn n(v: &Value, path: &[&str]) -> u64 {
     let mut x = v;
     for p in path {
         x = &x[*p];
@@ -203,7 +203,7 @@ fn n(v: &Value, path: &[&str]) -> u64 {
 
 /// A sample Firecracker-like snapshot (vm.mem half holes) packed into a layout: (snapshot
 /// dir, layout reference).
-fn packed_sample(dir: &Path, size: &str, seed: &str) -> (PathBuf, String) {
+pub(crate) fn packed_sample(dir: &Path, size: &str, seed: &str) -> (PathBuf, String) {
     let snap = dir.join("snap");
     let r = run(snapctl().arg("sample").arg(&snap).args(["--size", size, "--seed", seed]));
     assert_eq!(r.code, 0, "{r:?}");

@@ -2,6 +2,7 @@
 
 mod adversarial_client;
 mod adversarial_files;
+mod adversarial_lazy;
 mod adversarial_registry;
 mod attached;
 mod chain;
@@ -13,12 +14,14 @@ mod format;
 mod lazy;
 mod lazy_criu;
 mod netem;
+mod operator;
 mod pull;
 mod push;
 mod registry;
 mod retention;
 mod retention_history;
 mod runsc;
+mod sign;
 mod slices;
 mod snapshot_registry;
 mod vectors;

@@ -199,8 +199,7 @@ fn retention_over_a_simulated_month_keeps_exactly_what_the_policy_says() {
             let ws: Vec<u8> = (0..2048).flat_map(|_| rng.next_u64().to_le_bytes()).collect();
             let trace = lazy::Trace::new("vm.mem", CHUNK as u64, vec![0, 1, 2]);
             use lazy::TraceStore as _;
-            let at_str = lazy::RegistryTraces(Arc::new(reg.client())).store(&image, &trace, &ws).unwrap();
-            let td: OciDigest = at_str.rsplit(' ').next().unwrap().parse().unwrap();
+            let (_, td) = lazy::RegistryTraces(Arc::new(reg.client())).store(&image, &trace, &ws).unwrap();
             reg.stamp(&link_key(&td), t + Duration::from_secs(3600));
             traces.push((td, d.clone()));
         }
@@ -256,7 +255,10 @@ fn retention_over_a_simulated_month_keeps_exactly_what_the_policy_says() {
     let got_deleted: BTreeSet<OciDigest> = dry.retention.deleted_manifests().map(|v| v.digest.clone()).collect();
     let kept_too: Vec<_> = expected_deleted.difference(&got_deleted).map(|d| (d, verdict[d])).collect();
     let deleted_too: Vec<_> = got_deleted.difference(&expected_deleted).map(|d| (d, verdict[d])).collect();
-    assert!(kept_too.is_empty() && deleted_too.is_empty(), "retention keeps exactly what the policy says; kept too: {kept_too:?}; deleted too: {deleted_too:?}");
+    assert!(
+        kept_too.is_empty() && deleted_too.is_empty(),
+        "retention keeps exactly what the policy says; kept too: {kept_too:?}; deleted too: {deleted_too:?}"
+    );
     assert!(matches!(verdict[&golden1].1, Rule::Base { .. }), "the old base stays for what names it: {:?}", verdict[&golden1]);
     for (t, s) in &traces {
         let want = if keep.contains(s) { Rule::Referrer { subject: s.clone() } } else { Rule::SubjectGone { subject: s.clone() } };
