@@ -1027,7 +1027,14 @@ mod hostile {
         for i in 0..10 {
             send(i).await.unwrap();
         }
-        c.get(s.u("/metrics")).send().await.unwrap();
+        // The store totals appear once the background scan (started with the server) has
+        // taken them: wait for them, so they do not land between the two scrapes.
+        for _ in 0..500 {
+            if c.get(s.u("/metrics")).send().await.unwrap().text().await.unwrap().contains("snapctl_store_bytes") {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
         let before = c.get(s.u("/metrics")).send().await.unwrap().text().await.unwrap();
         for i in 10..300 {
             send(i).await.unwrap();
