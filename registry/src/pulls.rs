@@ -66,6 +66,11 @@ impl PullLog {
         }
     }
 
+    /// The pulls of `repo` recorded here and not yet written (unix seconds).
+    pub fn pending_for(&self, repo: &RepoName) -> HashMap<OciDigest, u64> {
+        self.pending.lock().expect("poisoned").get(repo).cloned().unwrap_or_default()
+    }
+
     /// Entries waiting to be written.
     pub fn pending(&self) -> usize {
         self.count.load(std::sync::atomic::Ordering::Relaxed)

@@ -66,6 +66,9 @@ pub const DEFAULT_UPLOAD_TTL: Duration = Duration::from_secs(24 * 3600);
 /// Default interval between checks of the htpasswd file for changes.
 pub const DEFAULT_HTPASSWD_POLL: Duration = Duration::from_secs(2);
 
+/// How long the web view's retention dry run is reused.
+pub const PREVIEW_TTL: Duration = Duration::from_secs(60);
+
 /// Server configuration.
 #[derive(Debug)]
 pub struct Config {
@@ -171,6 +174,8 @@ pub struct Server {
     pub metrics: Arc<Metrics>,
     /// Pulls recorded since they were last written.
     pub pulls: Arc<PullLog>,
+    /// The web view's last retention dry run, and when it was taken.
+    preview: tokio::sync::Mutex<Option<(std::time::Instant, Arc<crate::retention::Plan>)>>,
     cfg: Config,
 }
 
@@ -362,6 +367,7 @@ impl Server {
             store,
             metrics,
             pulls: Arc::default(),
+            preview: tokio::sync::Mutex::new(None),
             cfg,
         })
     }
@@ -423,6 +429,23 @@ impl Server {
         if let Err(e) = self.pulls.flush(self.store.as_ref()).await {
             tracing::warn!(%e, "writing pull times at shutdown");
         }
+    }
+
+    /// What retention would do now: a dry run of the scheduled gc's options (else the
+    /// defaults), reused for [`PREVIEW_TTL`]; one runs at a time, so a page reloaded over
+    /// and over costs one scan of the store a minute.
+    pub async fn retention_preview(&self) -> Result<Arc<crate::retention::Plan>, crate::gc::GcError> {
+        let mut p = self.preview.lock().await;
+        if let Some((at, plan)) = p.as_ref().filter(|(at, _)| at.elapsed() < PREVIEW_TTL) {
+            tracing::debug!(age = ?at.elapsed(), "retention preview reused");
+            return Ok(plan.clone());
+        }
+        let opts = self.cfg.gc.as_ref().map(|g| g.options.clone()).unwrap_or_default();
+        let (_, mut plan) = crate::gc::retained_blobs(self.store.as_ref(), &opts).await?;
+        plan.dry_run = true;
+        let plan = Arc::new(plan);
+        *p = Some((std::time::Instant::now(), plan.clone()));
+        Ok(plan)
     }
 
     /// Write recorded pulls every `pull_flush`, or sooner when many wait, until dropped.

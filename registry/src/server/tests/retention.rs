@@ -76,3 +76,45 @@ async fn regression_issue_22_a_deleted_subjects_referrers_go_with_it() {
     assert!(!s.dir.path().join(layout::blob(&payload)).exists(), "the referrer's payload is freed: {rep:?}");
     assert_eq!(keys_under(s.dir.path(), "repositories/vm/_referrers"), Vec::<String>::new());
 }
+
+/// The web view shows when a manifest was last pulled (recorded in memory, not yet
+/// written, and once written), and what retention would delete: a re-pushed tag's old
+/// image, not the current one. Before, every page said "not recorded" and there was no
+/// retention page.
+#[tokio::test]
+async fn the_web_view_shows_pull_times_and_what_retention_would_delete() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let first = sample_image(&c, &s, "vm", "latest", "first").await;
+    let second = sample_image(&c, &s, "vm", "latest", "second").await;
+    let page = |s: &TestServer, p: &str| {
+        let (c, u) = (c.clone(), s.u(p));
+        async move { c.get(u).send().await.unwrap().text().await.unwrap() }
+    };
+    let mp = format!("/ui/repo/vm/_manifest/{second}");
+    let m = page(&s, &mp).await;
+    assert!(m.contains("never (since pulls were recorded)"), "{m}");
+    assert_eq!(c.get(s.u("/v2/vm/manifests/latest")).send().await.unwrap().status(), StatusCode::OK);
+    let year = time::OffsetDateTime::now_utc().year().to_string();
+    let pulled = |html: &str| html.split("last pulled</th><td>").nth(1).unwrap_or("").starts_with(&year);
+    let m = page(&s, &mp).await;
+    assert!(pulled(&m), "a pull not yet written shows: {m}");
+    // Written at shutdown; a new server reads it from the store.
+    let s = TestServer::start_in(s.stop().await, Config::default()).await;
+    assert!(pulled(&page(&s, &mp).await), "a written pull shows");
+    let repo = page(&s, "/ui/repo/vm").await;
+    assert!(repo.contains("<th>last pulled</th>") && repo.matches(&year).count() >= 2, "{repo}");
+    // The default delay is the grace period (1 h): nothing would go yet.
+    let r = page(&s, "/ui/retention").await;
+    assert!(r.contains("0 manifests") && !r.contains(&first.to_string()), "{r}");
+    // The server's own schedule, with no delay: the first image would go, the second not.
+    let opts = GcOptions { grace: Duration::ZERO, ..GcOptions::default() };
+    let s2 = TestServer::start(Config { gc: Some(crate::gc::Schedule { interval: Duration::from_secs(3600), options: opts }), ..Config::default() }).await;
+    let f2 = sample_image(&c, &s2, "vm", "latest", "first").await;
+    let s2nd = sample_image(&c, &s2, "vm", "latest", "second").await;
+    settle().await;
+    let r = page(&s2, "/ui/retention").await;
+    assert!(r.contains("1 manifests") && r.contains(&f2.to_string()) && !r.contains(&s2nd.to_string()), "{r}");
+    assert!(r.contains("untagged"), "{r}");
+    assert_eq!(c.get(s2.u(&format!("/v2/vm/manifests/{f2}"))).send().await.unwrap().status(), StatusCode::OK, "a dry run deletes nothing");
+}
