@@ -82,8 +82,12 @@ fn discovered(w: &Work, image: &str) -> String {
     r.stdout
 }
 
+/// Issue 22: `copy` dropped signatures, SBOMs and snapctl's recorded traces (`oras cp -r`
+/// carries them). Now they come along to `snapctl serve` (referrers API) and to
+/// distribution 2.8 (fallback tag scheme), where `cosign verify` accepts the signature;
+/// `--no-referrers` copies the image alone; `inspect` lists them.
 #[test]
-fn copy_carries_signatures_sboms_and_traces_to_snapctl_and_distribution() {
+fn regression_issue_22_copy_carries_signatures_sboms_and_traces_to_snapctl_and_distribution() {
     if !peer(COSIGN) || !peer(ORAS) || !have("docker-registry") {
         return;
     }

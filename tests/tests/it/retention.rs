@@ -74,10 +74,12 @@ fn regression_issue_22_gc_collects_the_snapshot_a_repushed_tag_left_behind() {
     ok(w.cmd().args(["verify", &format!("{}/vm:latest", s.addr)]));
 }
 
-/// `gc --dry-run --json` names, per manifest, the rule that keeps or deletes it and the
-/// bytes that go, and deletes nothing; the real run then frees exactly those bytes.
+/// Issue 22: keep rules, and `gc --dry-run --json` naming per manifest the rule that keeps
+/// or deletes it and the bytes that go, deleting nothing; the real run then frees exactly
+/// those bytes. A policy keeps `latest` only: `pinned` goes by the policy, the image
+/// `latest` was moved from as untagged. Before, gc had neither policies nor verdicts.
 #[test]
-fn gc_dry_run_says_per_manifest_which_rule_and_how_many_bytes() {
+fn regression_issue_22_keep_rules_and_gc_dry_run_json_per_manifest() {
     let w = Work::new();
     let storage = w.path("store");
     let s = Serve::start(storage.to_str().unwrap(), &[], &[]);
@@ -87,22 +89,30 @@ fn gc_dry_run_says_per_manifest_which_rule_and_how_many_bytes() {
     let old = w.push(&a, &format!("{}/vm:latest", s.addr));
     let latest = w.push(&b, &format!("{}/vm:latest", s.addr));
     let pinned = w.push(&c, &format!("{}/vm:pinned", s.addr));
+    let cfg = w.path("keep.toml");
+    fs::write(&cfg, "[[retention.policies]]\nrepositories = [\"vm\"]\nkeep_tags = [{ patterns = [\"latest\"] }]\n").unwrap();
     std::thread::sleep(Duration::from_millis(50));
     let before = disk_bytes(&storage.join("blobs"));
-    let dry = w.gc(&storage, &["--grace", "0s", "--dry-run"]);
+    let dry = w.gc(&storage, &["--grace", "0s", "--dry-run", "--config", cfg.to_str().unwrap()]);
     assert_eq!(disk_bytes(&storage.join("blobs")), before, "a dry run deletes nothing");
+    assert_eq!(status(&s.url("/v2/vm/manifests/pinned")), 200, "a dry run deletes no tag");
     let verdicts = dry["retention"]["manifests"].as_array().unwrap();
     let by = |d: &str| verdicts.iter().find(|v| v["digest"] == d).unwrap_or_else(|| panic!("{d} in {dry}")).clone();
-    assert_eq!(by(&latest)["rule"], "tagged");
+    assert_eq!((by(&latest)["action"].as_str(), by(&latest)["rule"].as_str()), (Some("keep"), Some("tagged")));
     assert_eq!(by(&latest)["via_tag"], "latest");
-    assert_eq!(by(&pinned)["rule"], "tagged");
-    assert_eq!(by(&old)["rule"], "untagged");
-    assert_eq!(by(&old)["action"], "delete");
-    let going = by(&old)["bytes"].as_u64().unwrap() + by(&old)["shared_bytes"].as_u64().unwrap();
-    assert_eq!(going, dry["swept_bytes"].as_u64().unwrap(), "the deletion's bytes are what the sweep frees: {dry}");
-    let real = w.gc(&storage, &["--grace", "0s"]);
+    assert_eq!(by(&latest)["policy"], 0);
+    assert_eq!((by(&pinned)["action"].as_str(), by(&pinned)["rule"].as_str()), (Some("delete"), Some("not_kept")), "{dry}");
+    assert_eq!(by(&pinned)["dropped_tags"], serde_json::json!(["pinned"]));
+    assert_eq!((by(&old)["action"].as_str(), by(&old)["rule"].as_str()), (Some("delete"), Some("untagged")));
+    let own: u64 = [&old, &pinned].iter().map(|d| by(d)["bytes"].as_u64().unwrap()).sum();
+    let shared: u64 = [&old, &pinned].iter().map(|d| by(d)["shared_bytes"].as_u64().unwrap()).sum();
+    let swept = dry["swept_bytes"].as_u64().unwrap();
+    assert!(own > 2 << 20 && own <= swept && swept <= own + shared, "the deletions' bytes are what the sweep frees: {dry}");
+    let real = w.gc(&storage, &["--grace", "0s", "--config", cfg.to_str().unwrap()]);
     assert_eq!(real["swept_bytes"], dry["swept_bytes"]);
-    assert_eq!(before - disk_bytes(&storage.join("blobs")), going);
+    assert_eq!(before - disk_bytes(&storage.join("blobs")), swept);
+    assert_eq!(status(&s.url("/v2/vm/manifests/pinned")), 404);
+    assert_eq!(status(&s.url("/v2/vm/manifests/latest")), 200);
 }
 
 /// Bytes of every file under `dir`.
@@ -202,4 +212,138 @@ fn a_bad_config_file_is_refused() {
     let r = run(w.cmd().args(["gc"]));
     assert_eq!(r.code, 2);
     assert!(r.stderr.contains("--storage"), "{}", r.stderr);
+}
+
+/// A configuration keeping only tags pulled within the last hour; gc never scheduled
+/// inside the server (the test runs `snapctl gc` itself).
+fn pulled_within_config(w: &Work, storage: &str) -> PathBuf {
+    let cfg = w.path("pulled.toml");
+    fs::write(
+        &cfg,
+        format!(
+            r#"
+storage = "{storage}"
+[gc]
+interval = "0"
+grace = "0s"
+[[retention.policies]]
+repositories = ["**"]
+keep_tags = [{{ patterns = [".*"], pulled_within = "1h" }}]
+"#
+        ),
+    )
+    .unwrap();
+    cfg
+}
+
+/// `pulled_within` against pull times `serve` recorded over `storage` (a directory or
+/// s3://…, with `env`): two tags pushed, one pulled; the pull is not written per GET
+/// (`on_disk`: where a directory store would hold it), but at SIGTERM; then `gc` keeps
+/// the pulled tag and deletes the other (the dry run says so first, naming the rule).
+fn pulled_within_keeps_what_was_pulled(storage: &str, env: &[(&str, &str)], on_disk: Option<&Path>) {
+    let w = Work::new();
+    let cfg = pulled_within_config(&w, storage);
+    let mut s = Serve::start(storage, &["--config", cfg.to_str().unwrap()], env);
+    let a = w.sample("a", "1");
+    let b = w.sample("b", "2");
+    let pulled = w.push(&a, &format!("{}/vm:pulled", s.addr));
+    let idle = w.push(&b, &format!("{}/vm:idle", s.addr));
+    let r =
+        reqwest::blocking::Client::new().get(s.url("/v2/vm/manifests/pulled")).header("accept", "application/vnd.oci.image.manifest.v1+json").send().unwrap();
+    assert_eq!(r.status(), 200);
+    if let Some(dir) = on_disk {
+        assert!(!dir.join("repositories/vm/_pulled").exists(), "a pull is not a write");
+    }
+    assert!(s.terminate().success(), "{}", s.log_text());
+    if let Some(dir) = on_disk {
+        assert!(dir.join("repositories/vm/_pulled").exists(), "written at shutdown");
+    }
+    let gc = |extra: &[&str]| -> Value {
+        let mut c = w.cmd();
+        c.args(["gc", "--config", cfg.to_str().unwrap(), "--json"]).args(extra);
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        let r = ok(&mut c);
+        serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("gc --json ({e}): {}", r.stdout))
+    };
+    // S3 mtimes have whole seconds: gc counts what was used in the second it starts as in
+    // use (spec/registry.md §4); start it in a later second than the pushes.
+    std::thread::sleep(Duration::from_millis(1100));
+    let dry = gc(&["--dry-run"]);
+    let tag = |rep: &Value, t: &str| rep["retention"]["tags"].as_array().unwrap().iter().find(|v| v["tag"] == t).cloned().unwrap_or_default();
+    assert_eq!((tag(&dry, "pulled")["action"].as_str(), tag(&dry, "pulled")["by"].as_str()), (Some("keep"), Some("pulled_within")), "{dry}");
+    assert_eq!((tag(&dry, "idle")["action"].as_str(), tag(&dry, "idle")["rule"].as_str()), (Some("delete"), Some("not_kept")), "{dry}");
+    let m = |rep: &Value, d: &str| rep["retention"]["manifests"].as_array().unwrap().iter().find(|v| v["digest"] == d).cloned().unwrap_or_default();
+    assert!(m(&dry, &pulled)["pulled"].as_u64().is_some(), "the recorded pull time is reported: {dry}");
+    assert_eq!(m(&dry, &idle)["action"], "delete", "{dry}");
+    let real = gc(&[]);
+    assert_eq!(real["tags_removed"], 1, "{real}");
+    let s = Serve::start(storage, &[], env);
+    assert_eq!(status(&s.url("/v2/vm/manifests/pulled")), 200);
+    assert_eq!(status(&s.url("/v2/vm/manifests/idle")), 404);
+    assert_eq!(status(&s.url(&format!("/v2/vm/manifests/{idle}"))), 404);
+}
+
+/// Issue 22: `pulled_within` on a directory store. Before, no pull was recorded (and gc
+/// had no policies), so nothing told a pulled tag from an idle one.
+#[test]
+fn regression_issue_22_pulled_within_uses_recorded_pull_times_on_fs() {
+    let dir = tempfile::tempdir().unwrap();
+    let storage = dir.path().join("store");
+    pulled_within_keeps_what_was_pulled(storage.to_str().unwrap(), &[], Some(&storage));
+}
+
+/// Issue 22: `pulled_within` on an S3 store (moto, or s3s-fs).
+#[test]
+fn regression_issue_22_pulled_within_uses_recorded_pull_times_on_s3() {
+    let Some(s3) = snapctl_tests::registry_support::S3Server::start("pulls") else { return };
+    let env = s3.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    pulled_within_keeps_what_was_pulled("s3://pulls/reg", &env, None);
+}
+
+/// Issue 22: an artifact (a trace, as `snapctl lazy` would push one) attached to an image
+/// that a client then deletes. The referrer stayed, and `/referrers/<subject>` kept
+/// listing it. Now gc deletes it with its subject and the listing is empty.
+#[test]
+fn regression_issue_22_a_referrer_dies_with_its_subject_and_leaves_the_listing() {
+    let w = Work::new();
+    let storage = w.path("store");
+    let s = Serve::start(storage.to_str().unwrap(), &[], &[]);
+    let a = w.sample("a", "1");
+    let subject = w.push(&a, &format!("{}/vm:v1", s.addr));
+    let c = reqwest::blocking::Client::new();
+    let put_blob = |data: &[u8]| -> String {
+        let d = snapctl_tests::registry_support::sha256(data);
+        let r = c.post(s.url(&format!("/v2/vm/blobs/uploads/?digest={d}"))).body(data.to_vec()).send().unwrap();
+        assert_eq!(r.status(), 201, "{}", r.text().unwrap());
+        d
+    };
+    let payload: Vec<u8> = (0..300_000u32).flat_map(|i| i.wrapping_mul(2_654_435_761).to_le_bytes()).collect();
+    let layer = put_blob(&payload);
+    let empty = put_blob(b"{}");
+    let m = serde_json::json!({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "artifactType": "application/vnd.snapctl.trace.v1+json",
+        "config": {"mediaType": "application/vnd.oci.empty.v1+json", "digest": empty, "size": 2},
+        "layers": [{"mediaType": "application/octet-stream", "digest": layer, "size": payload.len()}],
+        "subject": {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": subject, "size": 1}});
+    let body = serde_json::to_vec(&m).unwrap();
+    let referrer = snapctl_tests::registry_support::sha256(&body);
+    let r =
+        c.put(s.url(&format!("/v2/vm/manifests/{referrer}"))).header("content-type", "application/vnd.oci.image.manifest.v1+json").body(body).send().unwrap();
+    assert_eq!(r.status(), 201);
+    let listed = |s: &Serve| -> usize {
+        let v: Value = c.get(s.url(&format!("/v2/vm/referrers/{subject}"))).send().unwrap().json().unwrap();
+        v["manifests"].as_array().map_or(0, Vec::len)
+    };
+    assert_eq!(listed(&s), 1);
+    assert_eq!(c.delete(s.url(&format!("/v2/vm/manifests/{subject}"))).send().unwrap().status(), 202);
+    std::thread::sleep(Duration::from_millis(50));
+    let rep = w.gc(&storage, &["--grace", "0s"]);
+    assert_eq!(listed(&s), 0, "{rep}");
+    assert_eq!(status(&s.url(&format!("/v2/vm/manifests/{referrer}"))), 404);
+    assert_eq!(status(&s.url(&format!("/v2/vm/blobs/{layer}"))), 404, "the trace's payload is freed: {rep}");
+    let v = rep["retention"]["manifests"].as_array().into_iter().flatten().find(|v| v["digest"] == referrer.as_str()).cloned().unwrap_or_default();
+    assert_eq!((v["action"].as_str(), v["rule"].as_str()), (Some("delete"), Some("subject_gone")), "{rep}");
 }
