@@ -726,7 +726,8 @@ pub(crate) async fn sweep(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOptio
 }
 
 /// Fill each deleted manifest's `bytes` (blobs about to go that only it lists, itself
-/// included) and `shared_bytes` (blobs about to go that other deleted manifests list too).
+/// included) and `shared_bytes` (blobs about to go that other deleted manifests list too,
+/// at the first of them in the plan's order).
 fn bytes_per_deletion(plan: &mut Plan, lists: &HashMap<OciDigest, Vec<OciDigest>>, going: &[(ObjectMeta, OciDigest)]) {
     let size: HashMap<&OciDigest, u64> = going.iter().map(|(m, d)| (d, m.size)).collect();
     let mut listers: HashMap<&OciDigest, usize> = HashMap::new();
@@ -743,11 +744,17 @@ fn bytes_per_deletion(plan: &mut Plan, lists: &HashMap<OciDigest, Vec<OciDigest>
             }
         }
     }
+    // Each blob is counted once, at the first deletion (in the plan's order) listing it,
+    // so that the verdicts' bytes sum to what goes.
+    let mut counted: HashSet<&OciDigest> = HashSet::new();
     let mut per: Vec<(usize, u64, u64)> = Vec::new();
     for &i in &deleted {
         let (mut own, mut shared) = (0, 0);
-        for b in lists.get(&plan.manifests[i].digest).into_iter().flatten().collect::<HashSet<_>>() {
+        for b in lists.get(&plan.manifests[i].digest).into_iter().flatten() {
             if let Some(&n) = size.get(b) {
+                if !counted.insert(b) {
+                    continue;
+                }
                 if listers.get(b).copied().unwrap_or(0) <= 1 {
                     own += n;
                 } else {

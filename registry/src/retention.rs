@@ -436,7 +436,9 @@ pub struct ManifestVerdict {
     /// For a deletion: bytes of blobs (the manifest included) that go with it and with no
     /// other deleted manifest.
     pub bytes: u64,
-    /// For a deletion: bytes of blobs that go with it and other deleted manifests too.
+    /// For a deletion: bytes of blobs that go with it and other deleted manifests too,
+    /// counted at the first of them in the plan's order (so that `bytes + shared_bytes`
+    /// summed over the deletions is what they free).
     pub shared_bytes: u64,
 }
 
