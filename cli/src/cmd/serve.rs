@@ -21,7 +21,9 @@ use super::config::FileConfig;
 /// For operators: GET /v2/_catalog lists repositories (paged, only those the caller may
 /// pull; `snapctl`-independent clients such as `oras repo ls` use it); /metrics has the
 /// store's totals (bytes, blobs, manifests, repositories, dedup ratio, taken every
-/// --stats-interval), request latency histograms and build info.
+/// --stats-interval), request latency histograms and build info; /ui/ is a read-only web
+/// view (same credentials) with each tag's push and last pull times, and /ui/retention
+/// shows what retention would delete now (a dry run of the schedule's policies).
 ///
 /// Every option can also be set in a TOML file (--config FILE) by its name in snake_case
 /// (`upload_ttl = "24h"`); options on the command line win. The file also holds the gc
