@@ -18,8 +18,8 @@ use super::config::{FileConfig, DEFAULT_GRACE};
 /// says otherwise (keep_tags), with what kept images need (index children, a snapshot's
 /// base, referrers such as signatures and traces); untagged manifests older than the
 /// delay (default: --grace) go, and referrers go with their subject. Then marks from the
-/// kept manifests (config, layers, index children) and deletes unmarked blobs older than
-/// --grace that no request relied on (a HEAD that found it, a mount, an upload of the
+/// kept manifests (config, layers, index children) and deletes unmarked blobs older
+/// than --grace that no request relied on (a HEAD that found it, a mount, an upload of the
 /// same bytes, a manifest PUT) since --grace before gc started. Safe to run against live
 /// servers, one gc at a time: a push running meanwhile keeps what it uploaded, re-tagged
 /// or was told exists, or is refused cleanly (spec/registry.md §4). Upload sessions idle
@@ -43,9 +43,9 @@ pub struct GcArgs {
     /// [retention] policies.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Keep unreferenced blobs younger than this, or used by a request less than this
-    /// before gc started; also the retention delay unless [retention] delay is set
-    /// (500ms, 90s, 15m, 1h30m, 7d; a plain number is seconds) [default: 1h].
+    /// Keep unreferenced blobs younger than this (500ms, 90s, 15m, 1h30m, 7d; a plain
+    /// number is seconds), or used by a request less than this before gc started; also
+    /// the retention delay unless [retention] delay is set [default: 1h].
     #[arg(long, value_parser = parse_duration)]
     pub grace: Option<Duration>,
     /// Remove upload sessions idle for longer than this (same grammar as --grace)
