@@ -55,7 +55,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match &cli.command {
-        Command::Serve(a) => cmd::common::init_logging_as(cmd::serve::DEFAULT_LOG, true, a.log_format == cmd::serve::LogFormat::Json),
+        Command::Serve(a) => cmd::common::init_logging_as(cmd::serve::DEFAULT_LOG, true, a.log_json()),
         // A daemon's people want its progress (listening, each VM, traces stored) as well.
         Command::Lazy(_) => cmd::common::init_logging(cmd::lazy::DEFAULT_LOG, false),
         _ => cmd::common::init_logging("warn", false),

@@ -187,6 +187,58 @@ impl OciLayout {
         write_atomic(&self.root.join("index.json"), &serde_json::to_vec(&idx).expect("serializes"))
     }
 
+    /// The referrers of `subject` this layout lists: the manifests of the image index its
+    /// fallback tag ([`referrers_tag`]) names, or the one manifest it names (how snapctl's
+    /// trace store wrote a trace before the index). Empty without the tag.
+    pub fn referrers(&self, subject: &OciDigest) -> Result<Vec<Descriptor>, FormatError> {
+        let tag = referrers_tag(subject);
+        let Some((_, cur)) = self.tags()?.into_iter().find(|(t, _)| *t == tag) else { return Ok(Vec::new()) };
+        self.referrers_in(cur)
+    }
+
+    fn referrers_in(&self, mut cur: Descriptor) -> Result<Vec<Descriptor>, FormatError> {
+        if cur.media_type == OCI_INDEX {
+            let b = crate::source::read_verified_blob(self, &cur.digest, crate::manifest::MAX_MANIFEST_BYTES)?;
+            let idx: ImageIndex = serde_json::from_slice(&b).map_err(|source| FormatError::Json { what: "referrers index", source })?;
+            return Ok(idx.manifests);
+        }
+        cur.annotations.remove(ANN_REF_NAME);
+        Ok(vec![cur])
+    }
+
+    /// Add `descs` (manifests stored already) to the referrers of `subject`: the fallback
+    /// tag then names an image index listing them beside those it listed before.
+    pub fn add_referrers(&self, subject: &OciDigest, descs: &[Descriptor]) -> Result<(), FormatError> {
+        let tag = referrers_tag(subject);
+        let _lock = LayoutLock::acquire(&self.root)?;
+        let mut idx = self.read_index_json()?;
+        let cur = idx.manifests.iter().find(|d| d.annotations.get(ANN_REF_NAME) == Some(&tag)).cloned();
+        let mut list = match cur {
+            Some(c) => self.referrers_in(c)?,
+            None => Vec::new(),
+        };
+        let before = list.len();
+        for d in descs {
+            if !list.iter().any(|m| m.digest == d.digest) {
+                list.push(d.clone());
+            }
+        }
+        if list.len() == before && before > 0 {
+            return Ok(());
+        }
+        let mut referrers = ImageIndex::empty();
+        referrers.media_type = Some(OCI_INDEX.into());
+        referrers.manifests = list;
+        let bytes = serde_json::to_vec(&referrers).expect("serializes");
+        let d = self.put_blob(&bytes)?;
+        idx.manifests.retain(|m| m.annotations.get(ANN_REF_NAME) != Some(&tag));
+        idx.manifests.push(Descriptor::new(OCI_INDEX, d, bytes.len() as u64).with_annotation(ANN_REF_NAME, &tag));
+        if idx.media_type.is_none() {
+            idx.media_type = Some(OCI_INDEX.into());
+        }
+        write_atomic(&self.root.join("index.json"), &serde_json::to_vec(&idx).expect("serializes"))
+    }
+
     fn open_blob(&self, d: &OciDigest) -> Result<Arc<File>, FormatError> {
         let mut map = self.open_blobs.lock().expect("poisoned");
         if let Some(f) = map.get(d) {
@@ -207,6 +259,12 @@ impl OciLayout {
         map.insert(d.clone(), f.clone());
         Ok(f)
     }
+}
+
+/// The tag the OCI referrers fallback scheme lists the referrers of `subject` under:
+/// `sha256-<hex>` (registries without the referrers API, and layouts).
+pub fn referrers_tag(subject: &OciDigest) -> String {
+    format!("{}-{}", subject.algorithm(), subject.hex())
 }
 
 /// Tags follow the OCI distribution grammar: `[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}`.
@@ -455,6 +513,29 @@ impl Drop for LayoutLock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Referrers in a layout: the fallback tag becomes an index; a single referrer it named
+    /// before (snapctl's old trace store) joins it; adding twice lists once.
+    #[test]
+    fn referrers_are_listed_by_an_index_under_the_fallback_tag() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = OciLayout::open_or_create(dir.path()).unwrap();
+        let subject = OciDigest::of(b"subject");
+        assert!(l.referrers(&subject).unwrap().is_empty());
+        let old = l.put_blob(b"{\"old\":1}").unwrap();
+        l.set_tag(&referrers_tag(&subject), Descriptor::new(crate::media::OCI_MANIFEST, old.clone(), 9)).unwrap();
+        assert_eq!(l.referrers(&subject).unwrap().iter().map(|d| &d.digest).collect::<Vec<_>>(), vec![&old]);
+        let new = l.put_blob(b"{\"new\":1}").unwrap();
+        let mut nd = Descriptor::new(crate::media::OCI_MANIFEST, new.clone(), 9);
+        nd.artifact_type = Some("application/x-sig".into());
+        l.add_referrers(&subject, std::slice::from_ref(&nd)).unwrap();
+        l.add_referrers(&subject, std::slice::from_ref(&nd)).unwrap();
+        let got = l.referrers(&subject).unwrap();
+        assert_eq!(got.iter().map(|d| &d.digest).collect::<Vec<_>>(), vec![&old, &new]);
+        assert_eq!(got[1].artifact_type.as_deref(), Some("application/x-sig"));
+        assert!(!got[0].annotations.contains_key(ANN_REF_NAME), "the index lists no tag names");
+        assert_eq!(l.tags().unwrap().len(), 1, "one tag, naming the index");
+    }
 
     #[test]
     fn blobs_and_tags() {

@@ -1,4 +1,7 @@
-//! Human sizes: `1MiB`, `64KiB`, `4M`, `1048576`.
+//! Human sizes (`1MiB`, `64KiB`, `4M`, `1048576`) and durations (`90s`, `1h30m`, `7d`): the
+//! one grammar of each for every flag and configuration file.
+
+use std::time::Duration;
 
 /// Parse a size with an optional binary (`KiB`, `MiB`, `GiB`, or `K`/`M`/`G`) or decimal
 /// (`KB`, `MB`, `GB`) suffix.
@@ -19,6 +22,17 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         other => return Err(format!("size {s:?}: unknown unit {other:?} (use KiB, MiB, GiB)")),
     };
     n.checked_mul(mult).ok_or_else(|| format!("size {s:?} is too large"))
+}
+
+/// Parse a duration: numbers with units `ms`, `s`, `m`, `h`, `d` (also `us`, `w` and the
+/// long names), combined as in `1h30m` or `2m 30s` (humantime's grammar), or a plain number
+/// of seconds (`120`, `0`).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) {
+        return t.parse().map(Duration::from_secs).map_err(|_| format!("{t}: too many seconds"));
+    }
+    humantime::parse_duration(t).map_err(|e| format!("{e} (examples: 500ms, 90s, 15m, 1h30m, 7d)"))
 }
 
 /// Format a byte count for people: `1.5 GiB`.

@@ -86,10 +86,10 @@ pub trait TraceStore: Send + Sync {
     fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<(String, OciDigest), FormatError>;
 }
 
-/// The tag under which an OCI layout keeps the trace of `image` (the referrers API's
+/// The tag under which an OCI layout lists the traces of `image` (the referrers API's
 /// fallback tag scheme).
 pub fn fallback_tag(image: &Image) -> String {
-    format!("{}-{}", image.manifest_digest.algorithm(), image.manifest_digest.hex())
+    imgfmt::layout::referrers_tag(&image.manifest_digest)
 }
 
 /// The trace artifact's manifest (blobs: the empty config, the trace JSON and, when there
@@ -185,6 +185,42 @@ fn load_artifact(src: &dyn BlobSource, digest: &OciDigest, image: &Image, file: 
     Ok((t, present))
 }
 
+/// The newest usable trace of `refs` (trace manifests in `src`): a date in the future counts
+/// as none (such a trace is tried last), and the newest [`MAX_TRACE_CANDIDATES`] are tried in
+/// turn until one is usable ([`load_artifact`]), preferring one whose working-set blob is
+/// there.
+fn newest_usable(src: &dyn BlobSource, refs: &[Descriptor], image: &Image, file: usize) -> Result<Option<Trace>, FormatError> {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let latest = rfc3339(now + CLOCK_SKEW_SECS);
+    let mut candidates: Vec<&Descriptor> = refs.iter().collect();
+    // Newest believable date first (RFC 3339 dates sort as strings); undated last, in
+    // the registry's order.
+    candidates.sort_by(|a, b| believable_date(&b.annotations, &latest).cmp(&believable_date(&a.annotations, &latest)));
+    if candidates.len() > MAX_TRACE_CANDIDATES {
+        tracing::info!("{} traces of {}: looking at the newest {MAX_TRACE_CANDIDATES}", candidates.len(), image.manifest_digest);
+    }
+    let mut partial = None;
+    for d in candidates.iter().take(MAX_TRACE_CANDIDATES) {
+        if d.size > imgfmt::manifest::MAX_MANIFEST_BYTES {
+            tracing::warn!("skipping the trace {}: its manifest is {} bytes", d.digest, d.size);
+            continue;
+        }
+        match load_artifact(src, &d.digest, image, file) {
+            Ok((t, true)) => return Ok(Some(t)),
+            Ok((t, false)) => {
+                tracing::warn!("the trace {}: its working-set blob is missing; looking for a trace with one", d.digest);
+                partial.get_or_insert(t);
+            }
+            Err(e) => tracing::warn!("skipping the trace {}: {e}", d.digest),
+        }
+    }
+    match partial {
+        Some(t) => Ok(Some(t)),
+        None if candidates.is_empty() => Ok(None),
+        None => Err(invalid("trace", format!("none of the {} traces looked at can be used", candidates.len().min(MAX_TRACE_CANDIDATES)))),
+    }
+}
+
 /// Traces in a local OCI layout, under the fallback tag.
 pub struct LayoutTraces(pub OciLayout);
 
@@ -193,13 +229,13 @@ impl TraceStore for LayoutTraces {
         format!("oci:{}", self.0.root().display())
     }
 
+    /// The newest usable trace among the image's referrers (the fallback tag names an
+    /// index of them, or the one trace an older snapctl wrote), chosen as
+    /// [`RegistryTraces`] chooses.
     fn load(&self, image: &Image, file: usize) -> Result<Option<Trace>, FormatError> {
-        let tag = fallback_tag(image);
-        let Some((_, desc)) = self.0.tags()?.into_iter().find(|(t, _)| *t == tag) else { return Ok(None) };
-        match load_artifact(&self.0, &desc.digest, image, file) {
-            Ok((t, _)) => Ok(Some(t)),
-            Err(e) => Err(invalid("trace", format!("tag {tag} ({}): {e}", desc.digest))),
-        }
+        let refs = self.0.referrers(&image.manifest_digest)?;
+        let traces: Vec<Descriptor> = refs.into_iter().filter(|d| d.artifact_type.as_deref().is_none_or(|t| t == TRACE_MEDIA_TYPE)).collect();
+        newest_usable(&self.0, &traces, image, file)
     }
 
     fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<(String, OciDigest), FormatError> {
@@ -210,13 +246,15 @@ impl TraceStore for LayoutTraces {
             [] => None,
             b => Some(Descriptor::new(WORKING_SET_MEDIA_TYPE, self.0.put_blob(b)?, b.len() as u64)),
         };
-        let m = trace_manifest(image, &blob, ws).encode();
+        let manifest = trace_manifest(image, &blob, ws);
+        let m = manifest.encode();
         let d = self.0.put_blob(&m)?;
         let mut desc = Descriptor::new(media::OCI_MANIFEST, d.clone(), m.len() as u64);
         desc.artifact_type = Some(TRACE_MEDIA_TYPE.into());
-        let tag = fallback_tag(image);
-        self.0.set_tag(&tag, desc)?;
-        Ok((format!("{}:{tag} ({d})", self.describe()), d))
+        desc.annotations = manifest.annotations.clone();
+        // Listed beside the image's other referrers (signatures, SBOMs a copy brought).
+        self.0.add_referrers(&image.manifest_digest, &[desc])?;
+        Ok((format!("{}:{} ({d})", self.describe(), fallback_tag(image)), d))
     }
 }
 
@@ -237,35 +275,7 @@ impl TraceStore for RegistryTraces {
     /// filters where the registry cannot).
     fn load(&self, image: &Image, file: usize) -> Result<Option<Trace>, FormatError> {
         let refs = self.0.list_referrers(&image.manifest_digest, Some(TRACE_MEDIA_TYPE)).map_err(|e| invalid("trace referrers", e.to_string()))?;
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        let latest = rfc3339(now + CLOCK_SKEW_SECS);
-        let mut candidates: Vec<&Descriptor> = refs.iter().collect();
-        // Newest believable date first (RFC 3339 dates sort as strings); undated last, in
-        // the registry's order.
-        candidates.sort_by(|a, b| believable_date(&b.annotations, &latest).cmp(&believable_date(&a.annotations, &latest)));
-        if candidates.len() > MAX_TRACE_CANDIDATES {
-            tracing::info!("{} traces of {}: looking at the newest {MAX_TRACE_CANDIDATES}", candidates.len(), image.manifest_digest);
-        }
-        let mut partial = None;
-        for d in candidates.iter().take(MAX_TRACE_CANDIDATES) {
-            if d.size > imgfmt::manifest::MAX_MANIFEST_BYTES {
-                tracing::warn!("skipping the trace {}: its manifest is {} bytes", d.digest, d.size);
-                continue;
-            }
-            match load_artifact(self.0.as_ref(), &d.digest, image, file) {
-                Ok((t, true)) => return Ok(Some(t)),
-                Ok((t, false)) => {
-                    tracing::warn!("the trace {}: its working-set blob is missing; looking for a trace with one", d.digest);
-                    partial.get_or_insert(t);
-                }
-                Err(e) => tracing::warn!("skipping the trace {}: {e}", d.digest),
-            }
-        }
-        match partial {
-            Some(t) => Ok(Some(t)),
-            None if candidates.is_empty() => Ok(None),
-            None => Err(invalid("trace", format!("none of the {} traces looked at can be used", candidates.len().min(MAX_TRACE_CANDIDATES)))),
-        }
+        newest_usable(self.0.as_ref(), &refs, image, file)
     }
 
     fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<(String, OciDigest), FormatError> {

@@ -82,6 +82,10 @@ pub struct PushReport {
     /// already packed).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pack: Option<PackStep>,
+    /// `copy`: the referrers and subject-named tags carried with the image
+    /// ([`crate::referrers`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub referrers: Vec<crate::referrers::Attached>,
 }
 
 /// The packing step of `push DIR` (spec/transfer.md §2).

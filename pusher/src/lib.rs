@@ -1,6 +1,6 @@
 //! Pusher: a checkpoint directory becomes an image ([`pack`]); an image goes to a
 //! registry ([`push()`], or a directory packed on the way: [`push_dir`]) or between any
-//! two stores ([`copy()`]). Its one job is the sending side of the pipeline; the CLI only
+//! two stores ([`copy()`]), with what is attached to it ([`referrers`]). Its one job is the sending side of the pipeline; the CLI only
 //! parses flags and prints.
 //!
 //! ```text
@@ -11,6 +11,7 @@
 pub mod copy;
 mod pack;
 pub mod push;
+pub mod referrers;
 pub mod scan;
 
 pub use copy::{copy, CopyError, CopyOptions, PushReport, Target};

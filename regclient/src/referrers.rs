@@ -77,10 +77,8 @@ fn next_link(h: &reqwest::header::HeaderMap) -> Option<String> {
     None
 }
 
-/// The fallback tag for a subject: `sha256-<hex>`.
-pub fn fallback_tag(subject: &OciDigest) -> String {
-    format!("{}-{}", subject.algorithm(), subject.hex())
-}
+/// The fallback tag for a subject: `sha256-<hex>` (one grammar: imgfmt's).
+pub use imgfmt::layout::referrers_tag as fallback_tag;
 
 impl RegistrySource {
     fn get_index(&self, url: &str, what: &str) -> Result<Option<(ImageIndex, bool)>, ClientError> {
@@ -235,22 +233,38 @@ impl RegistrySource {
         let bytes = manifest.encode();
         let put = self.put_manifest(&OciDigest::of(&bytes).to_string(), &bytes)?;
         if !put.subject_indexed {
-            let tag = fallback_tag(subject);
-            let what = format!("referrers fallback tag {}:{tag}", self.describe());
-            let mut idx = match self.get_index(&self.url("manifests", &tag), &what)? {
-                Some((idx, _)) => idx,
-                None => ImageIndex::empty(),
-            };
-            if !idx.manifests.iter().any(|d| d.digest == put.digest) {
-                let mut desc = Descriptor::new(media::OCI_MANIFEST, put.digest.clone(), bytes.len() as u64);
-                desc.artifact_type = Some(artifact_type.into());
-                desc.annotations = annotations;
-                idx.manifests.push(desc);
-                idx.media_type = Some(media::OCI_INDEX.into());
-                self.put_manifest(&tag, &serde_json::to_vec(&idx).expect("serializes"))?;
-            }
+            let mut desc = Descriptor::new(media::OCI_MANIFEST, put.digest.clone(), bytes.len() as u64);
+            desc.artifact_type = Some(artifact_type.into());
+            desc.annotations = annotations;
+            self.add_referrers_fallback(subject, &[desc])?;
         }
         Ok(put.digest)
+    }
+
+    /// List `descs` (manifests in this repository) as referrers of `subject` in the
+    /// fallback index (tag `sha256-<hex>`), for a registry without the referrers API:
+    /// read, add what is missing, write back.
+    ///
+    /// Two clients doing this at once for one subject can lose an entry (distribution has
+    /// no conditional PUT).
+    pub fn add_referrers_fallback(&self, subject: &OciDigest, descs: &[Descriptor]) -> Result<(), ClientError> {
+        let tag = fallback_tag(subject);
+        let what = format!("referrers fallback tag {}:{tag}", self.describe());
+        let mut idx = match self.get_index(&self.url("manifests", &tag), &what)? {
+            Some((idx, _)) => idx,
+            None => ImageIndex::empty(),
+        };
+        let before = idx.manifests.len();
+        for d in descs {
+            if !idx.manifests.iter().any(|m| m.digest == d.digest) {
+                idx.manifests.push(d.clone());
+            }
+        }
+        if idx.manifests.len() != before {
+            idx.media_type = Some(media::OCI_INDEX.into());
+            self.put_manifest(&tag, &serde_json::to_vec(&idx).expect("serializes"))?;
+        }
+        Ok(())
     }
 
     /// The payload of a referrer listed by [`Self::list_referrers`], checked against the

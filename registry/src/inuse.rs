@@ -37,6 +37,14 @@
 //! grace period. Times are compared on the store's clock (object mtimes, and gc's start
 //! is the mtime of `_gc/run`).
 //!
+//! Retention deletes manifest links and tags, not only blobs. A manifest link is decided
+//! exactly as a blob (the condemned mark and the use mark of the manifest's digest: a PUT
+//! of that manifest leases and waits for it like for its blobs). A tag has its own mark,
+//! `_gc/retiring/<name>/_tags/<tag>`, and a manifest PUT to a tag names the tag in its
+//! lease (`tag:<name>:<tag>`) and waits while the tag's mark exists before writing it: a
+//! re-push racing retention either keeps the tag (gc saw the lease, or the tag changed
+//! since gc read it) or writes it after gc deleted the old one.
+//!
 //! `_gc/run` exists while a gc runs, refreshed as it goes. A condemned mark whose gc
 //! stopped refreshing `_gc/run` for [`GC_STALE`] is void: that gc deletes nothing more
 //! (it stops itself once it could not refresh for half that time).
@@ -48,6 +56,7 @@ use bytes::Bytes;
 use imgfmt::OciDigest;
 
 use crate::layout;
+use crate::name::{RepoName, Tag};
 use crate::store::{BlobStore, StoreError};
 
 /// How long a request waits for a gc deciding about a blob before it gives up (503).
@@ -66,6 +75,8 @@ pub enum InUseError {
     Store(#[from] StoreError),
     /// garbage collection has been deciding about {0} for more than 30 s; retry
     Busy(OciDigest),
+    /// garbage collection has been deciding about tag {0} for more than 30 s; retry
+    BusyTag(String),
     /// the request took more than {0:?} between checking its blobs and committing; retry
     TooSlow(Duration),
 }
@@ -84,22 +95,32 @@ pub async fn settled(store: &dyn BlobStore, d: &OciDigest) -> Result<(), InUseEr
 }
 
 async fn settled_within(store: &dyn BlobStore, d: &OciDigest, wait: Duration) -> Result<(), InUseError> {
-    let key = layout::gc_condemned(d);
+    wait_while_marked(store, &layout::gc_condemned(d), wait).await.map_err(|e| e.unwrap_or_else(|| InUseError::Busy(d.clone())))
+}
+
+/// Wait until no gc is deciding about tag `t` of `repo` (a manifest PUT, before it writes
+/// the tag).
+pub async fn settled_tag(store: &dyn BlobStore, repo: &RepoName, t: &Tag) -> Result<(), InUseError> {
+    wait_while_marked(store, &layout::gc_retiring_tag(repo, t), CONDEMN_WAIT).await.map_err(|e| e.unwrap_or_else(|| InUseError::BusyTag(format!("{repo}:{t}"))))
+}
+
+/// Wait while `mark` exists and a live gc keeps it; `Err(None)`: waited `wait` in vain.
+async fn wait_while_marked(store: &dyn BlobStore, mark: &str, wait: Duration) -> Result<(), Option<InUseError>> {
     let start = tokio::time::Instant::now();
     let mut pause = Duration::from_millis(10);
     loop {
-        match store.head(&key).await {
+        match store.head(mark).await {
             Err(e) if e.is_not_found() => return Ok(()),
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(Some(e.into())),
             Ok(_) if start.elapsed() < wait => {
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_millis(500));
             }
             Ok(_) => {
-                if gc_running(store).await? {
-                    return Err(InUseError::Busy(d.clone()));
+                if gc_running(store).await.map_err(|e| Some(e.into()))? {
+                    return Err(None);
                 }
-                tracing::warn!(%d, "ignoring a condemned mark left by a gc that stopped");
+                tracing::warn!(%mark, "ignoring a mark left by a gc that stopped");
                 return Ok(());
             }
         }
@@ -129,8 +150,19 @@ pub struct Lease {
 
 /// Take a lease on `digests` (step 1 of a manifest PUT).
 pub async fn lease(store: &dyn BlobStore, digests: Vec<OciDigest>) -> Result<Lease, StoreError> {
+    lease_tagged(store, digests, None).await
+}
+
+/// How a lease names a tag it is about to write.
+pub fn lease_tag_name(repo: &RepoName, t: &Tag) -> String {
+    format!("tag:{repo}:{t}")
+}
+
+/// Take a lease on `digests` and, for a PUT to a tag, on that tag of `repo`.
+pub async fn lease_tagged(store: &dyn BlobStore, digests: Vec<OciDigest>, tag: Option<(&RepoName, &Tag)>) -> Result<Lease, StoreError> {
     let key = layout::gc_inflight(&format!("{:032x}", rand::random::<u128>()));
-    let names: Vec<String> = digests.iter().map(OciDigest::to_string).collect();
+    let mut names: Vec<String> = digests.iter().map(OciDigest::to_string).collect();
+    names.extend(tag.map(|(r, t)| lease_tag_name(r, t)));
     store.put(&key, Bytes::from(serde_json::to_vec(&names).expect("strings serialize"))).await?;
     Ok(Lease { key, digests, taken: Instant::now() })
 }
@@ -161,10 +193,24 @@ impl Lease {
     }
 }
 
+/// What the live leases name.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Leases {
+    /// Digests (blobs and manifests).
+    pub digests: HashSet<OciDigest>,
+    /// Tags, as [`lease_tag_name`] spells them.
+    pub tags: HashSet<String>,
+}
+
 /// The digests of every live lease. Leases older than `stale_before` are dead requests':
 /// they are ignored, and removed unless `dry_run`.
 pub async fn leased(store: &dyn BlobStore, stale_before: Option<SystemTime>, dry_run: bool) -> Result<HashSet<OciDigest>, StoreError> {
-    let mut out = HashSet::new();
+    Ok(leases(store, stale_before, dry_run).await?.digests)
+}
+
+/// Everything the live leases name ([`leased`], with tags).
+pub async fn leases(store: &dyn BlobStore, stale_before: Option<SystemTime>, dry_run: bool) -> Result<Leases, StoreError> {
+    let mut out = Leases::default();
     for m in store.list(layout::GC_INFLIGHT).await? {
         if stale_before.is_some_and(|t| m.modified < t) {
             tracing::warn!(key = %m.key, "removing a stale lease (its request died)");
@@ -179,7 +225,15 @@ pub async fn leased(store: &dyn BlobStore, stale_before: Option<SystemTime>, dry
             Err(e) => return Err(e),
         };
         match serde_json::from_slice::<Vec<String>>(&raw) {
-            Ok(names) => out.extend(names.iter().filter_map(|n| n.parse().ok())),
+            Ok(names) => {
+                for n in names {
+                    if n.starts_with("tag:") {
+                        out.tags.insert(n);
+                    } else if let Ok(d) = n.parse() {
+                        out.digests.insert(d);
+                    }
+                }
+            }
             Err(e) => tracing::warn!(key = %m.key, %e, "unreadable lease ignored"),
         }
     }

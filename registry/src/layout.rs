@@ -6,6 +6,7 @@
 //! repositories/<name>/_manifests/<alg>/<hex>             manifest is in <name>; content = its media type
 //! repositories/<name>/_tags/<tag>                        content = digest string
 //! repositories/<name>/_referrers/<alg>/<subject-hex>/<alg>-<hex>   descriptor JSON of a referrer
+//! repositories/<name>/_pulled                             JSON {digest: unix seconds}: last pulls
 //! _uploads/<id>/state.json                               upload session: {repo, started}
 //! _uploads/<id>/parts/<offset, 20 digits>                committed chunk starting at offset
 //!                                                         (object stores)
@@ -15,7 +16,10 @@
 //! _gc/run                                                 a gc is running (refreshed while it runs)
 //! _gc/used/<alg>/<hex[0..2]>/<hex>                        empty; mtime: a request last relied on the blob
 //! _gc/condemned/<alg>/<hex>                               empty: gc is deciding whether to delete the blob
-//! _gc/inflight/<id>                                       JSON digests a manifest PUT in flight relies on
+//! _gc/inflight/<id>                                       JSON digests (and "tag:<name>:<tag>") a manifest PUT
+//!                                                         in flight relies on
+//! _gc/retiring/<name>/_tags/<tag>                         empty: gc is deciding whether to delete the tag
+//! _gc/last                                                empty; mtime: when the last gc run finished
 //! _catalog/<name, '/' written '!'>                        empty: repository <name> has held a manifest
 //! _catalog.built                                          empty: _catalog/ names every such repository
 //! ```
@@ -45,6 +49,20 @@ pub const GC_USED: &str = "_gc/used/";
 pub const GC_CONDEMNED: &str = "_gc/condemned/";
 /// Prefix of the leases of manifest PUTs in flight.
 pub const GC_INFLIGHT: &str = "_gc/inflight/";
+/// Prefix of the "gc is deciding about this tag" marks.
+pub const GC_RETIRING: &str = "_gc/retiring/";
+/// Written when a gc run finishes (its mtime schedules the next run in `serve`).
+pub const GC_LAST: &str = "_gc/last";
+
+/// The mark gc leaves on tag `t` of `repo` while it decides whether to delete it.
+pub fn gc_retiring_tag(repo: &RepoName, t: &Tag) -> String {
+    format!("{GC_RETIRING}{repo}/_tags/{t}")
+}
+
+/// A repository's last pull times (JSON: manifest digest → unix seconds).
+pub fn pulled(repo: &RepoName) -> String {
+    format!("repositories/{repo}/_pulled")
+}
 
 /// The mark a request leaves on blob `d` it relies on.
 pub fn gc_used(d: &OciDigest) -> String {
@@ -186,6 +204,8 @@ pub enum RepoKey {
     Tag(RepoName, Tag),
     /// `_referrers` entry: (repo, subject, referrer).
     Referrer(RepoName, OciDigest, OciDigest),
+    /// `_pulled`: the repository's pull times.
+    Pulled(RepoName),
 }
 
 /// Classify a key under `repositories/`.
@@ -200,6 +220,7 @@ pub fn parse_repo_key(key: &str) -> Option<RepoKey> {
         ["_layers", a, h] => Some(RepoKey::Layer(repo, dig(a, h)?)),
         ["_manifests", a, h] => Some(RepoKey::Manifest(repo, dig(a, h)?)),
         ["_tags", t] => Some(RepoKey::Tag(repo, Tag::parse(t).ok()?)),
+        ["_pulled"] => Some(RepoKey::Pulled(repo)),
         ["_referrers", a, h, r] => {
             let (ra, rh) = r.split_once('-')?;
             Some(RepoKey::Referrer(repo, dig(a, h)?, dig(ra, rh)?))
@@ -222,8 +243,9 @@ mod tests {
         assert_eq!(parse_repo_key(&manifest_link(&r, &d)), Some(RepoKey::Manifest(r.clone(), d.clone())));
         let t = Tag::parse("v1").unwrap();
         assert_eq!(parse_repo_key(&tag(&r, &t)), Some(RepoKey::Tag(r.clone(), t)));
-        assert_eq!(parse_repo_key(&referrer(&r, &s, &d)), Some(RepoKey::Referrer(r, s.clone(), d)));
+        assert_eq!(parse_repo_key(&referrer(&r, &s, &d)), Some(RepoKey::Referrer(r.clone(), s.clone(), d)));
         assert_eq!(parse_repo_key("repositories/x/_bogus/1"), None);
+        assert_eq!(parse_repo_key(&pulled(&r)), Some(RepoKey::Pulled(r.clone())));
         assert_eq!(parse_gc_used(&gc_used(&s)), Some(s.clone()));
         assert_eq!(parse_gc_used(&blob(&s)), None);
     }
@@ -242,6 +264,8 @@ mod tests {
         assert_eq!(referrer(&r, &d, &s), format!("repositories/a/b/_referrers/sha256/{dh}/sha512-{sh}"));
         assert_eq!(gc_used(&d), format!("_gc/used/sha256/2d/{dh}"));
         assert_eq!(gc_condemned(&s), format!("_gc/condemned/sha512/{sh}"));
+        assert_eq!(pulled(&r), "repositories/a/b/_pulled");
+        assert_eq!(gc_retiring_tag(&r, &Tag::parse("v1").unwrap()), "_gc/retiring/a/b/_tags/v1");
         assert_eq!(catalog_entry(&r), "_catalog/a!b");
         assert_eq!(parse_catalog_entry(&catalog_entry(&r)), Some(r.clone()));
         assert_eq!(parse_catalog_entry("_catalog/a/b"), None);

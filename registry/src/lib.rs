@@ -14,7 +14,9 @@
 //! access     the request log (client, user, user agent, bytes, status, cause of a 5xx)
 //! reload     htpasswd changes taken while serving (polled, or on SIGHUP)
 //! stats      the store's totals (bytes, blobs, manifests, dedup), scanned in the background
-//! gc         mark and sweep of unreachable blobs
+//! pulls      when manifests were last pulled (in memory, written in batches)
+//! retention  which tags and manifests gc keeps: policies, snapshot chains, referrers
+//! gc         retention, then mark and sweep of unreachable blobs
 //! inuse      what live requests rely on, so a running gc keeps it
 //! ```
 //! The wire and storage formats are specified in `spec/registry.md`.
@@ -28,7 +30,9 @@ pub mod inuse;
 pub mod layout;
 pub mod metrics;
 pub mod name;
+pub mod pulls;
 pub mod reload;
+pub mod retention;
 pub mod server;
 pub mod stats;
 pub mod store;

@@ -31,6 +31,7 @@ use crate::inuse;
 use crate::layout;
 use crate::metrics::Metrics;
 use crate::name::{RepoName, Tag};
+use crate::pulls::PullLog;
 use crate::store::{BlobStore, MeteredStore};
 use crate::upload::{self, range_header, upload_location, Uploads};
 
@@ -68,6 +69,9 @@ pub const DEFAULT_UPLOAD_TTL: Duration = Duration::from_secs(15 * 60);
 /// Default interval between checks of the htpasswd file for changes.
 pub const DEFAULT_HTPASSWD_POLL: Duration = Duration::from_secs(2);
 
+/// How long the web view's retention dry run is reused.
+pub const PREVIEW_TTL: Duration = Duration::from_secs(60);
+
 /// Server configuration.
 #[derive(Debug)]
 pub struct Config {
@@ -88,6 +92,10 @@ pub struct Config {
     /// Serve `/metrics` on the API listener (with auth enabled, to users only). Off when
     /// metrics have a listener of their own ([`Server::serve_metrics`]).
     pub api_metrics: bool,
+    /// How often pulls recorded in memory are written to the store (spec/registry.md §4).
+    pub pull_flush: Duration,
+    /// Run gc (retention included) on a schedule; `None`: never.
+    pub gc: Option<crate::gc::Schedule>,
     /// Most repositories one `/v2/_catalog` page may ask for; more is 400
     /// `PAGINATION_NUMBER_INVALID`.
     pub catalog_max_entries: usize,
@@ -113,6 +121,8 @@ impl Default for Config {
             limits: Limits::default(),
             upload_ttl: DEFAULT_UPLOAD_TTL,
             api_metrics: true,
+            pull_flush: crate::pulls::DEFAULT_FLUSH_EVERY,
+            gc: None,
             catalog_max_entries: crate::catalog::DEFAULT_MAX_ENTRIES,
             htpasswd_file: None,
             htpasswd_poll: DEFAULT_HTPASSWD_POLL,
@@ -145,6 +155,15 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// What [`Server::spawn_background`] started.
+struct Background {
+    _sweeper: AbortOnDrop,
+    _watcher: Option<AbortOnDrop>,
+    _scanner: Option<AbortOnDrop>,
+    _pulls: AbortOnDrop,
+    gc: Option<crate::gc::Scheduled>,
+}
+
 /// A registry server: store, upload sessions, metrics, config.
 #[derive(Debug)]
 pub struct Server {
@@ -156,6 +175,10 @@ pub struct Server {
     pub stats: crate::stats::Stats,
     /// The server's counters.
     pub metrics: Arc<Metrics>,
+    /// Pulls recorded since they were last written.
+    pub pulls: Arc<PullLog>,
+    /// The web view's last retention dry run, and when it was taken.
+    preview: tokio::sync::Mutex<Option<(std::time::Instant, Arc<crate::retention::Plan>)>>,
     cfg: Config,
 }
 
@@ -346,6 +369,8 @@ impl Server {
             htpasswd,
             store,
             metrics,
+            pulls: Arc::default(),
+            preview: tokio::sync::Mutex::new(None),
             cfg,
         })
     }
@@ -374,16 +399,73 @@ impl Server {
     /// Serve plain HTTP on `listener` until `shutdown` resolves, then finish in-flight
     /// requests. Idle upload sessions are swept meanwhile.
     pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-        let _sweeper = self.spawn_upload_sweeper();
-        let _watcher = self.spawn_htpasswd_watcher();
         self.index_catalog().await;
-        let _scanner = self.spawn_stats_scanner();
-        listen::serve(self.router(), listener, None, self.cfg.limits.clone(), self.metrics.clone(), shutdown).await
+        let background = self.spawn_background();
+        let served = listen::serve(self.router(), listener, None, self.cfg.limits.clone(), self.metrics.clone(), shutdown).await;
+        self.stop_background(background).await;
+        served
     }
 
     /// Serve `/metrics` alone on `listener` (a private address) until `shutdown` resolves.
     pub async fn serve_metrics(self: Arc<Self>, listener: tokio::net::TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
         listen::serve(self.metrics_router(), listener, None, self.cfg.limits.clone(), self.metrics.clone(), shutdown).await
+    }
+
+    /// The tasks a serving server runs beside requests: the upload sweeper, the htpasswd
+    /// watcher, the store-totals scanner, the pull-time writer and the gc schedule.
+    fn spawn_background(self: &Arc<Self>) -> Background {
+        Background {
+            _sweeper: self.spawn_upload_sweeper(),
+            _watcher: self.spawn_htpasswd_watcher(),
+            _scanner: self.spawn_stats_scanner(),
+            _pulls: self.spawn_pull_writer(),
+            gc: self.cfg.gc.clone().map(|g| g.spawn(self.store.clone(), self.pulls.clone())),
+        }
+    }
+
+    /// After the listener stopped: let a gc run finish (or abandon it cleanly), and write
+    /// the pulls recorded since the last flush.
+    async fn stop_background(&self, b: Background) {
+        if let Some(g) = b.gc {
+            g.stop(self.store.as_ref()).await;
+        }
+        if let Err(e) = self.pulls.flush(self.store.as_ref()).await {
+            tracing::warn!(%e, "writing pull times at shutdown");
+        }
+    }
+
+    /// What retention would do now: a dry run of the scheduled gc's options (else the
+    /// defaults), reused for [`PREVIEW_TTL`]; one runs at a time, so a page reloaded over
+    /// and over costs one scan of the store a minute.
+    pub async fn retention_preview(&self) -> Result<Arc<crate::retention::Plan>, crate::gc::GcError> {
+        let mut p = self.preview.lock().await;
+        if let Some((at, plan)) = p.as_ref().filter(|(at, _)| at.elapsed() < PREVIEW_TTL) {
+            tracing::debug!(age = ?at.elapsed(), "retention preview reused");
+            return Ok(plan.clone());
+        }
+        let opts = self.cfg.gc.as_ref().map(|g| g.options.clone()).unwrap_or_default();
+        let (_, mut plan) = crate::gc::retained_blobs(self.store.as_ref(), &opts).await?;
+        plan.dry_run = true;
+        let plan = Arc::new(plan);
+        *p = Some((std::time::Instant::now(), plan.clone()));
+        Ok(plan)
+    }
+
+    /// Write recorded pulls every `pull_flush`, or sooner when many wait, until dropped.
+    fn spawn_pull_writer(self: &Arc<Self>) -> AbortOnDrop {
+        let s = self.clone();
+        AbortOnDrop(tokio::spawn(async move {
+            let every = s.cfg.pull_flush.max(Duration::from_secs(1));
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = s.pulls.full.notified() => {}
+                }
+                if let Err(e) = s.pulls.flush(s.store.as_ref()).await {
+                    tracing::warn!(%e, "writing pull times");
+                }
+            }
+        }))
     }
 
     /// Reload the htpasswd file now, changed or not (`serve` calls this on SIGHUP).
@@ -511,12 +593,12 @@ impl Server {
         let tls = axum_server::tls_rustls::RustlsConfig::from_pem_file(cert, key).await?;
         listener.set_nonblocking(true)?;
         let listener = tokio::net::TcpListener::from_std(listener)?;
-        let _sweeper = self.spawn_upload_sweeper();
-        let _watcher = self.spawn_htpasswd_watcher();
         self.index_catalog().await;
-        let _scanner = self.spawn_stats_scanner();
         let acceptor = tokio_rustls::TlsAcceptor::from(tls.get_inner());
-        listen::serve(self.router(), listener, Some(acceptor), self.cfg.limits.clone(), self.metrics.clone(), shutdown).await
+        let background = self.spawn_background();
+        let served = listen::serve(self.router(), listener, Some(acceptor), self.cfg.limits.clone(), self.metrics.clone(), shutdown).await;
+        self.stop_background(background).await;
+        served
     }
 
     fn challenge(&self, uri: &Uri, headers: &HeaderMap, scope: Option<String>, insufficient: bool) -> String {
@@ -878,6 +960,8 @@ impl Server {
         ];
         if !head {
             self.metrics.bytes_out.fetch_add(bytes.len() as u64, Relaxed);
+            // In memory; written in batches (crate::pulls).
+            self.pulls.record(repo, &d);
         }
         Ok(respond(StatusCode::OK, &hs, if head { Body::empty() } else { Body::from(bytes) }))
     }
@@ -930,7 +1014,7 @@ impl Server {
         // see them gone (crate::inuse).
         let mut relied: Vec<OciDigest> = refs.children.iter().map(|(c, _)| c.clone()).collect();
         relied.push(d.clone());
-        let lease = inuse::lease(self.store.as_ref(), relied).await?;
+        let lease = inuse::lease_tagged(self.store.as_ref(), relied, tag.as_ref().map(|t| (repo, t))).await?;
         let done = self.commit_manifest(repo, &d, tag.as_ref(), mt, buf, &json, &refs, &lease).await;
         let released = match done {
             Ok(_) => lease.release_committed(self.store.as_ref()).await,
@@ -995,6 +1079,10 @@ impl Server {
             hs.push((HeaderName::from_static("oci-subject"), subject.to_string()));
         }
         if let Some(t) = tag {
+            // A gc deciding about this tag (retention) finishes first; it saw our lease, or
+            // we write the tag after it deleted the old one (crate::inuse).
+            inuse::settled_tag(self.store.as_ref(), repo, t).await?;
+            lease.check_fresh()?;
             self.store.put(&layout::tag(repo, t), Bytes::from(d.to_string())).await?;
         }
         Ok(empty(StatusCode::CREATED, &hs))

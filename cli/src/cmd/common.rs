@@ -260,11 +260,24 @@ pub fn open_ref_plain(reference: &str, plain_http: bool) -> anyhow::Result<Opene
     }
 }
 
+/// The store a reference names, as an origin whose referrers can be listed (`copy`,
+/// `inspect`), and the selector within it.
+pub fn open_origin(reference: &str, plain_http: bool) -> anyhow::Result<(pusher::referrers::Origin, Selector)> {
+    let r: Reference = reference.parse()?;
+    Ok(match r {
+        Reference::Layout { path, selector } => {
+            (pusher::referrers::Origin::Layout(OciLayout::open(&path).with_context(|| format!("opening {reference}"))?), selector)
+        }
+        Reference::Registry { host, repository, selector } => {
+            (pusher::referrers::Origin::Registry(Box::new(registry_client(&host, &repository, plain_http)?)), selector)
+        }
+    })
+}
+
 /// Resolve the manifest digest (exit 2 on failure: there is nothing to check), then open
 /// the image (failures there are integrity failures: exit 1).
 pub fn open_image(o: &Opened) -> anyhow::Result<Image> {
-    let digest = resolve(o)?;
-    open_image_at(o, &digest)
+    open_image_in(o.source.as_ref(), &o.selector, &o.reference)
 }
 
 /// The manifest digest the reference names (its tag resolved).
@@ -277,13 +290,21 @@ pub fn resolve(o: &Opened) -> anyhow::Result<imgfmt::OciDigest> {
 
 /// [`open_image`] of the manifest `digest` (resolved already).
 pub fn open_image_at(o: &Opened, digest: &imgfmt::OciDigest) -> anyhow::Result<Image> {
-    let digest = digest.clone();
-    o.source.blob_size(&digest).with_context(|| format!("{}: manifest {digest}", o.reference))?;
-    Image::open(o.source.as_ref(), &digest).map_err(|e| {
+    open_image_in(o.source.as_ref(), &Selector::Digest(digest.clone()), &o.reference)
+}
+
+/// [`open_image`] of `selector` in `source` (named `reference` in messages).
+pub fn open_image_in(source: &dyn BlobSource, selector: &Selector, reference: &str) -> anyhow::Result<Image> {
+    let digest = match selector {
+        Selector::Tag(t) => source.resolve_tag(t).with_context(|| format!("resolving {reference}"))?,
+        Selector::Digest(d) => d.clone(),
+    };
+    source.blob_size(&digest).with_context(|| format!("{reference}: manifest {digest}"))?;
+    Image::open(source, &digest).map_err(|e| {
         if is_integrity(&e) {
-            anyhow::Error::new(IntegrityError(format!("{}: {e}", o.reference)))
+            anyhow::Error::new(IntegrityError(format!("{reference}: {e}")))
         } else {
-            anyhow::Error::new(e).context(format!("opening {}", o.reference))
+            anyhow::Error::new(e).context(format!("opening {reference}"))
         }
     })
 }
@@ -363,15 +384,9 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     imgfmt::size::parse_size(s)
 }
 
-/// Parse a duration argument, for every duration flag of the CLI: numbers with units `ms`,
-/// `s`, `m`, `h`, `d` (also `us`, `w` and the long names), combined as in `1h30m` or `2m
-/// 30s` (humantime's grammar), or a plain number of seconds (`120`, `0`).
+/// Parse a duration argument, for every duration flag of the CLI (`imgfmt::size::parse_duration`).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let t = s.trim();
-    if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) {
-        return t.parse().map(Duration::from_secs).map_err(|_| format!("{t}: too many seconds"));
-    }
-    humantime::parse_duration(t).map_err(|e| format!("{e} (examples: 500ms, 90s, 15m, 1h30m, 7d)"))
+    imgfmt::size::parse_duration(s)
 }
 
 #[cfg(test)]

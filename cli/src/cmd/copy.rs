@@ -7,15 +7,23 @@ use anyhow::{bail, Context};
 use imgfmt::reference::{Reference, Selector};
 use imgfmt::OciLayout;
 
-use super::common::{self, open_ref_plain, registry_client};
-use super::push::{transfer, TransferFlags};
+use super::common::{self, open_origin, registry_client};
+use super::push::{transfer_then, TransferFlags};
 
-/// Copy an image between registries and local layouts, keeping its digest.
+/// Copy an image between registries and local layouts, keeping its digest, with what is
+/// attached to it.
 ///
 /// The manifest's bytes are copied as they are, so the digest is the same at both ends;
 /// every blob is streamed and checked against its digest before the destination commits
 /// it (a registry's final PUT, a layout's rename). Blobs the destination has are skipped;
 /// into a registry, blobs are mounted and uploads resume exactly as with `push`.
+///
+/// What is attached to the image comes too (--no-referrers: not): its OCI 1.1 referrers
+/// (signatures, SBOMs, snapctl's recorded traces with their working sets), listed by the
+/// source's referrers API or fallback tag, and tags named after it (cosign's
+/// sha256-<hex>.sig, .att, .sbom), and what is attached to those. At a destination without
+/// the referrers API (distribution 2.8) the referrers are listed in the fallback index.
+/// `snapctl inspect` lists them.
 ///
 /// Examples:
 ///   snapctl copy oci:./images:vm1 registry.example.com/vm/base:v1
@@ -32,22 +40,31 @@ pub struct CopyArgs {
     pub dest: String,
     #[command(flatten)]
     pub transfer: TransferFlags,
+    /// Copy the image alone: no referrers, no cosign signature tags.
+    #[arg(long)]
+    pub no_referrers: bool,
     #[command(flatten)]
     pub policy: super::policy::PolicyFlags,
 }
 
 pub fn run(a: CopyArgs) -> anyhow::Result<ExitCode> {
-    copy_refs(&a.src, &a.dest, &a.transfer, &a.policy)?;
+    copy_image(&a.src, &a.dest, &a.transfer, &a.policy, !a.no_referrers)?;
     Ok(common::code(common::EXIT_OK))
 }
 
-/// Copy the image `src` names to `dest` (both references as the CLI takes them). Also
-/// what `snapctl pull REF oci:PATH:TAG` does. The policy is checked before anything is
-/// written.
+/// Copy the image `src` names to `dest` (both references as the CLI takes them), without
+/// its referrers: what `snapctl pull REF oci:PATH:TAG` does. The policy is checked before
+/// anything is written.
 pub fn copy_refs(src: &str, dest: &str, flags: &TransferFlags, policy: &super::policy::PolicyFlags) -> anyhow::Result<pusher::PushReport> {
-    let opened = open_ref_plain(src, flags.registry.plain_http)?;
-    let digest = match &opened.selector {
-        Selector::Tag(t) => opened.source.resolve_tag(t).with_context(|| format!("resolving {src}"))?,
+    copy_image(src, dest, flags, policy, false)
+}
+
+/// [`copy_refs`], carrying what is attached to the image when `referrers`.
+pub fn copy_image(src: &str, dest: &str, flags: &TransferFlags, policy: &super::policy::PolicyFlags, referrers: bool) -> anyhow::Result<pusher::PushReport> {
+    let (origin, selector) = open_origin(src, flags.registry.plain_http)?;
+    let source = origin.source();
+    let digest = match &selector {
+        Selector::Tag(t) => source.resolve_tag(t).with_context(|| format!("resolving {src}"))?,
         Selector::Digest(d) => d.clone(),
     };
     policy.check(src, &digest, flags.registry.plain_http)?;
@@ -63,20 +80,31 @@ pub fn copy_refs(src: &str, dest: &str, flags: &TransferFlags, policy: &super::p
     // Remember that the source repository holds these blobs: a later push of a layer
     // over this image to that registry can mount them instead of uploading.
     if let Ok(Reference::Registry { host, repository, .. }) = src.parse::<Reference>() {
-        if let Ok((_, m)) = pusher::copy::manifest_blobs(opened.source.as_ref(), &digest) {
+        if let Ok((_, m)) = pusher::copy::manifest_blobs(source, &digest) {
             let known = regclient::KnownBlobs::new(&flags.cache_dir(), &host);
             known.record(&repository, std::iter::once(&m.config.digest).chain(m.layers.iter().map(|l| &l.digest)));
         }
     }
+    // What is attached goes after the image, before the report is printed.
+    let carry = |target: &pusher::Target, opts: &pusher::CopyOptions, report: &mut pusher::PushReport| -> Result<(), pusher::CopyError> {
+        if referrers {
+            report.referrers = pusher::referrers::copy_attached(&origin, &digest, target, opts)?;
+            if !report.referrers.is_empty() && !flags.json {
+                eprintln!("copy: {} referrer(s) and signature tag(s) carried with {digest}", report.referrers.len());
+            }
+        }
+        Ok(())
+    };
     match dest.parse::<Reference>()? {
         Reference::Layout { path, .. } => {
             let layout = OciLayout::open_or_create(&path).with_context(|| format!("opening layout {}", path.display()))?;
-            transfer(opened.source.as_ref(), &digest, &pusher::Target::Layout(&layout), tag.as_deref(), flags, "copy")
+            let target = pusher::Target::Layout(&layout);
+            transfer_then(source, &digest, &target, tag.as_deref(), flags, "copy", |o, r| carry(&target, o, r))
         }
         Reference::Registry { host, repository, .. } => {
             let client = registry_client(&host, &repository, flags.registry.plain_http)?;
-            let report = transfer(opened.source.as_ref(), &digest, &pusher::Target::Registry(&client), tag.as_deref(), flags, "copy")?;
-            Ok(report)
+            let target = pusher::Target::Registry(&client);
+            transfer_then(source, &digest, &target, tag.as_deref(), flags, "copy", |o, r| carry(&target, o, r))
         }
     }
 }

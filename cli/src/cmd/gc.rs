@@ -1,33 +1,57 @@
-//! `snapctl gc`: mark and sweep unreachable blobs of a registry's storage.
+//! `snapctl gc`: retention, then mark and sweep of unreachable blobs, over a registry's
+//! storage.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use imgfmt::size::human;
+use registry::retention::Action;
 
-use super::common::{self, outln, parse_duration};
+use super::common::{self, outln, parse_duration, printable};
+use super::config::{FileConfig, DEFAULT_GRACE};
 
-/// Delete blobs that no manifest reaches.
+/// Delete what retention lets go and the blobs no kept manifest reaches.
 ///
-/// Marks from every manifest in every repository (config, layers, index children,
-/// subject), then deletes unmarked blobs older than --grace that no request relied on
-/// (a HEAD that found it, a mount, an upload of the same bytes, a manifest PUT) since
-/// --grace before gc started. Safe to run against live servers, one gc at a time: a
-/// push running meanwhile keeps what it uploaded or was told exists, or is refused
-/// cleanly (spec/registry.md §4). Upload sessions idle for --upload-ttl go too.
-/// The report goes to stdout (JSON with --json).
+/// Retention first (spec/registry.md §4.1): every tag is kept unless a policy of --config
+/// says otherwise (keep_tags), with what kept images need (index children, a snapshot's
+/// base, referrers such as signatures and traces); untagged manifests older than the
+/// delay (default: --grace) go, and referrers go with their subject. Then marks from the
+/// kept manifests (config, layers, index children) and deletes unmarked blobs older
+/// than --grace that no request relied on (a HEAD that found it, a mount, an upload of the
+/// same bytes, a manifest PUT) since --grace before gc started. Safe to run against live
+/// servers, one gc at a time: a push running meanwhile keeps what it uploaded, re-tagged
+/// or was told exists, or is refused cleanly (spec/registry.md §4). Upload sessions idle
+/// for --upload-ttl go too.
+///
+/// The report goes to stdout; --json prints one JSON object whose "retention" field holds
+/// a verdict per tag and per manifest (keep or delete, the rule, the bytes that go).
+///
+/// Examples:
+///   snapctl gc --storage /var/lib/snapctl --dry-run
+///   snapctl gc --config /etc/snapctl/registry.toml --dry-run --json | jq '.retention.manifests[] | select(.action == "delete")'
+///   snapctl gc --storage ./reg --grace 0s
 #[derive(Debug, clap::Args)]
+#[command(verbatim_doc_comment)]
 pub struct GcArgs {
-    /// The registry storage: a directory, or s3://BUCKET/PREFIX.
+    /// The registry storage: a directory, or s3://BUCKET/PREFIX (default: storage in
+    /// --config).
     #[arg(long)]
-    pub storage: String,
-    /// Keep unreferenced blobs younger than this, or used by a request less than this
-    /// before gc started (500ms, 90s, 15m, 1h30m, 7d; a plain number is seconds).
-    #[arg(long, default_value = "1h", value_parser = parse_duration)]
-    pub grace: Duration,
-    /// Remove upload sessions idle for longer than this (same grammar as --grace).
-    #[arg(long, default_value = "15m", value_parser = parse_duration)]
-    pub upload_ttl: Duration,
+    pub storage: Option<String>,
+    /// Configuration file of `serve` (TOML): storage, staging_dir, upload_ttl, [gc] grace,
+    /// [retention] policies.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Keep unreferenced blobs younger than this (500ms, 90s, 15m, 1h30m, 7d; a plain
+    /// number is seconds), or used by a request less than this before gc started; also
+    /// the retention delay unless [retention] delay is set [default: 1h].
+    #[arg(long, value_parser = parse_duration)]
+    pub grace: Option<Duration>,
+    /// Remove upload sessions idle for longer than this (same grammar as --grace)
+    /// [default: 15m].
+    #[arg(long, value_parser = parse_duration)]
+    pub upload_ttl: Option<Duration>,
     /// Report what would be deleted; delete nothing.
     #[arg(long)]
     pub dry_run: bool,
@@ -37,22 +61,57 @@ pub struct GcArgs {
 }
 
 pub fn run(args: GcArgs) -> anyhow::Result<ExitCode> {
-    let store = registry::store::open(&args.storage, None).with_context(|| format!("opening storage {}", args.storage))?;
-    let opts = registry::gc::GcOptions { grace: args.grace, upload_ttl: args.upload_ttl, dry_run: args.dry_run };
+    let file = FileConfig::load_opt(args.config.as_deref())?;
+    let retention = file.retention()?;
+    let Some(storage) = args.storage.or(file.storage) else {
+        anyhow::bail!("no storage: give --storage DIR|s3://BUCKET/PREFIX, or storage in --config");
+    };
+    let store = registry::store::open(&storage, file.staging_dir.as_deref()).with_context(|| format!("opening storage {storage}"))?;
+    let opts = registry::gc::GcOptions {
+        grace: args.grace.or(file.gc.grace).unwrap_or(DEFAULT_GRACE),
+        upload_ttl: args.upload_ttl.or(file.upload_ttl).unwrap_or(registry::server::DEFAULT_UPLOAD_TTL),
+        dry_run: args.dry_run,
+        retention,
+    };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     let report = rt.block_on(registry::gc::run(store.as_ref(), &opts)).context("gc")?;
     if args.json {
         common::print_json_line(&report)?;
-    } else {
-        let verb = if args.dry_run { "would delete" } else { "deleted" };
-        outln!("manifests walked:   {}", report.manifests)?;
-        outln!("blobs reachable:    {}", report.marked)?;
-        outln!("blobs in storage:   {}", report.blobs)?;
-        outln!("blobs {verb}: {} ({} bytes)", report.swept, report.swept_bytes)?;
-        outln!("kept (in grace):    {}", report.kept_young)?;
-        outln!("kept (in use):      {}", report.kept_in_use)?;
-        outln!("links {verb}: {}", report.links_removed)?;
-        outln!("uploads {verb}: {}", report.uploads_removed)?;
+        return Ok(ExitCode::SUCCESS);
     }
+    let verb = if args.dry_run { "would delete" } else { "deleted" };
+    let plan = &report.retention;
+    if plan.dry_run && !args.dry_run {
+        outln!("retention: dry run ([retention] dry_run = true): no tag or manifest deleted")?;
+    }
+    for v in plan.tags.iter().filter(|t| t.action == Action::Delete) {
+        outln!("tag {verb}:      {}:{} ({})", printable(&v.repository), printable(&v.tag), rule_name(&v.rule))?;
+    }
+    for v in plan.manifests.iter().filter(|v| v.action == Action::Delete) {
+        outln!(
+            "manifest {verb}: {}@{} ({}; {} alone, {} shared)",
+            printable(&v.repository),
+            v.digest,
+            rule_name(&v.rule),
+            human(v.bytes),
+            human(v.shared_bytes)
+        )?;
+    }
+    outln!("manifests read:     {}", report.manifests)?;
+    outln!("manifests {verb}: {}", report.manifests_removed)?;
+    outln!("tags {verb}:     {}", report.tags_removed)?;
+    outln!("blobs reachable:    {}", report.marked)?;
+    outln!("blobs in storage:   {}", report.blobs)?;
+    outln!("blobs {verb}: {} ({} bytes)", report.swept, report.swept_bytes)?;
+    outln!("kept (in grace):    {}", report.kept_young)?;
+    outln!("kept (in use):      {}", report.kept_in_use)?;
+    outln!("links {verb}: {}", report.links_removed)?;
+    outln!("referrer entries {verb}: {}", report.referrers_removed)?;
+    outln!("uploads {verb}: {}", report.uploads_removed)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The rule's name as `--json` spells it.
+fn rule_name(r: &registry::retention::Rule) -> String {
+    serde_json::to_value(r).ok().and_then(|v| v["rule"].as_str().map(str::to_owned)).unwrap_or_default()
 }

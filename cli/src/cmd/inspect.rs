@@ -7,12 +7,13 @@ use imgfmt::size::human;
 use imgfmt::{media, Image, StoredAt};
 use serde::Serialize;
 
-use super::common::{self, open_image_at, outln};
+use super::common::{self, open_image_at, open_origin, outln};
 
 /// Show an image: kind, files, sizes, chunk counts (zero / stored / referenced /
-/// inherited), compression ratio, roots and the base/parent chain, and its cosign
-/// signatures (tag sha256-<hex>.sig and referrers): the name each claims and who signed
-/// it, by the fingerprint of the --key or policy key that verifies it.
+/// inherited), compression ratio, roots, the base/parent chain, what is attached to it
+/// (referrers: signatures, SBOMs, recorded traces; cosign's sha256-<hex>.sig tags), and its
+/// cosign signatures (tag sha256-<hex>.sig and referrers): the name each claims and who
+/// signed it, by the fingerprint of the --key or policy key that verifies it.
 ///
 /// Any other OCI manifest or index (a signature, an SBOM, an image of another tool) is
 /// described as it is: media type, artifact type, subject, config, layers, annotations;
@@ -84,6 +85,8 @@ struct Out {
     #[serde(skip_serializing_if = "Option::is_none")]
     rebased_from: Option<String>,
     base: Option<serde_json::Value>,
+    /// Referrers and subject-named tags (and theirs), as `copy` carries them.
+    referrers: Vec<pusher::referrers::Attached>,
     signatures: Vec<SignatureOut>,
 }
 
@@ -228,6 +231,14 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
     }
     let image = open_image_at(&o, &digest)?;
     let signatures = signatures(store.as_ref(), &image, &known_keys(&a, &r)?)?;
+    let referrers = match open_origin(&a.image, false).and_then(|(origin, _)| Ok(pusher::referrers::attached_tree(&origin, &image.manifest_digest)?)) {
+        Ok(r) => r,
+        Err(e) => {
+            // The image is shown all the same; its attachments are a listing apart.
+            tracing::warn!("could not list what is attached to {}: {e}", a.image);
+            Vec::new()
+        }
+    };
     let cfg = image.config();
     let (per, totals) = counts(&image);
     let own_pack_bytes: u64 = own_packs(&image).map(|d| d.size).sum();
@@ -273,6 +284,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
         chain,
         rebased_from: image.manifest.annotations.get(media::ANN_REBASED_FROM).cloned(),
         base: cfg.base.as_ref().map(|b| serde_json::json!({"manifest": b.manifest, "root": b.root, "reference": b.reference})),
+        referrers,
         signatures,
     };
     if a.json {
@@ -337,6 +349,20 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
     }
     let t = &out.totals;
     outln!("{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}", "total", "", human(out.size), t.chunks, t.zero, t.stored, t.referenced, t.inherited)?;
+    if !out.referrers.is_empty() {
+        outln!()?;
+        outln!("{:<48} {:<73} {:>10}  TAG", "REFERRER (ARTIFACT TYPE)", "DIGEST", "SIZE")?;
+        for r in &out.referrers {
+            let nested = if r.subject == image.manifest_digest { "" } else { "  " };
+            outln!(
+                "{nested}{:<48} {:<73} {:>10}  {}",
+                p(r.artifact_type.as_deref().unwrap_or(&r.media_type)),
+                r.digest,
+                human(r.size),
+                p(r.tag.as_deref().unwrap_or(""))
+            )?;
+        }
+    }
     Ok(common::code(common::EXIT_OK))
 }
 

@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub mod common;
+pub mod config;
 pub mod copy;
 pub mod diff;
 pub mod gc;

@@ -88,7 +88,25 @@ pub fn transfer(
     flags: &TransferFlags,
     verb: &str,
 ) -> anyhow::Result<PushReport> {
-    with_progress(src, digest, flags, verb, |opts| pusher::copy::copy_after(src, digest, target, tag, opts, &[]))
+    transfer_then(src, digest, target, tag, flags, verb, |_, _| Ok(()))
+}
+
+/// [`transfer`], and `then` (which may add to the report: `copy` carries referrers) before
+/// the report is printed.
+pub fn transfer_then(
+    src: &dyn BlobSource,
+    digest: &OciDigest,
+    target: &pusher::Target,
+    tag: Option<&str>,
+    flags: &TransferFlags,
+    verb: &str,
+    then: impl FnOnce(&CopyOptions, &mut PushReport) -> Result<(), pusher::CopyError>,
+) -> anyhow::Result<PushReport> {
+    with_progress(src, digest, flags, verb, |opts| {
+        let mut report = pusher::copy::copy_after(src, digest, target, tag, opts, &[])?;
+        then(opts, &mut report)?;
+        Ok(report)
+    })
 }
 
 /// Run `send` (which moves manifest `digest` of `src`) with a progress bar on a terminal,

@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 
+use super::config::FileConfig;
+
 /// Run an OCI Distribution registry that stores snapshots content-addressed.
 ///
 /// Storage is a directory (default) or s3://BUCKET/PREFIX (configured from AWS_* env:
@@ -19,7 +21,30 @@ use anyhow::Context as _;
 /// For operators: GET /v2/_catalog lists repositories (paged, only those the caller may
 /// pull; `snapctl`-independent clients such as `oras repo ls` use it); /metrics has the
 /// store's totals (bytes, blobs, manifests, repositories, dedup ratio, taken every
-/// --stats-interval), request latency histograms and build info.
+/// --stats-interval), request latency histograms and build info; /ui/ is a read-only web
+/// view (same credentials) with each tag's push and last pull times, and /ui/retention
+/// shows what retention would delete now (a dry run of the schedule's policies).
+///
+/// Every option can also be set in a TOML file (--config FILE) by its name in snake_case
+/// (`upload_ttl = "24h"`); options on the command line win. The file also holds the gc
+/// schedule and retention policies (spec/registry.md §4.1):
+///
+///   storage = "/var/lib/snapctl"
+///   [gc]
+///   interval = "24h"     # run gc (retention, then unreferenced blobs) this long after
+///                        # the last run ended; "0" never. Default 24h
+///   grace = "1h"         # as gc --grace; also the retention delay unless set
+///   pull_flush = "5m"    # pulls are recorded in memory and written this often
+///   [retention]
+///   delay = "24h"        # untagged manifests go once this old (default: grace)
+///   [[retention.policies]]
+///   repositories = ["sandboxes/**"]
+///   keep_tags = [{ patterns = ["latest", "v.*"], most_recently_pushed_count = 10,
+///                  pulled_within = "30d" }]
+///
+/// Without policies gc keeps every tag, what tagged images need, and referrers of what it
+/// keeps; untagged manifests go once older than the delay (a re-pushed tag's old image,
+/// with its traces and signatures).
 ///
 /// Against hostile clients: a request head must arrive within --header-timeout, a
 /// connection with nothing in flight and nothing moving (or a request body that stops)
@@ -31,13 +56,18 @@ use anyhow::Context as _;
 /// --upload-ttl, and /metrics has fixed label sets (and, with --htpasswd, needs
 /// credentials unless it has its own --metrics-listen address). See spec/registry.md.
 #[derive(Debug, clap::Args)]
+#[command(verbatim_doc_comment)]
 pub struct ServeArgs {
-    /// Where blobs and manifests live: a directory, or s3://BUCKET/PREFIX.
-    #[arg(long, default_value = "./snapctl-registry")]
-    pub storage: String,
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1:5000")]
-    pub listen: String,
+    /// Configuration file (TOML): these options in snake_case, [gc], [retention].
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Where blobs and manifests live: a directory, or s3://BUCKET/PREFIX
+    /// [default: ./snapctl-registry].
+    #[arg(long)]
+    pub storage: Option<String>,
+    /// Address to listen on [default: 127.0.0.1:5000].
+    #[arg(long)]
+    pub listen: Option<String>,
     /// Local directory for staging uploads when storage is remote (default: system temp dir).
     #[arg(long)]
     pub staging_dir: Option<PathBuf>,
@@ -45,88 +75,105 @@ pub struct ServeArgs {
     #[arg(long)]
     pub htpasswd: Option<PathBuf>,
     /// ACL file (TOML, see spec/registry.md); without it, every user may pull and push.
-    #[arg(long, requires = "htpasswd")]
+    /// Needs --htpasswd.
+    #[arg(long)]
     pub acl: Option<PathBuf>,
     /// Let anonymous clients pull every repository (with --htpasswd).
-    #[arg(long, requires = "htpasswd")]
+    #[arg(long)]
     pub anonymous_read: bool,
     /// File holding the token signing secret (>= 32 bytes); share it between replicas.
-    /// Default: a random secret per process.
-    #[arg(long, requires = "htpasswd")]
+    /// Default: a random secret per process. Needs --htpasswd.
+    #[arg(long)]
     pub token_secret_file: Option<PathBuf>,
     /// Most bcrypt password checks running at once (default: half the cores, at least 1).
     /// A request with Basic credentials that finds every slot busy is answered 503 with
     /// Retry-After at once; verified credentials are remembered for 5 minutes (no check),
     /// and a client (address) sending a sixth wrong password waits 1 s, doubling to 60 s,
-    /// before its next is checked (429 with Retry-After meanwhile).
-    #[arg(long, requires = "htpasswd", value_parser = clap::value_parser!(u64).range(1..))]
+    /// before its next is checked (429 with Retry-After meanwhile). Needs --htpasswd.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_password_checks: Option<u64>,
     /// Token realm URL for the WWW-Authenticate challenge (default: this server's /token).
-    #[arg(long, requires = "htpasswd")]
+    /// Needs --htpasswd.
+    #[arg(long)]
     pub token_realm: Option<String>,
-    /// TLS certificate chain (PEM).
-    #[arg(long, requires = "tls_key")]
+    /// TLS certificate chain (PEM); with --tls-key.
+    #[arg(long)]
     pub tls_cert: Option<PathBuf>,
-    /// TLS private key (PEM).
-    #[arg(long, requires = "tls_cert")]
+    /// TLS private key (PEM); with --tls-cert.
+    #[arg(long)]
     pub tls_key: Option<PathBuf>,
-    /// Largest manifest accepted, in bytes (larger: 413).
-    #[arg(long, default_value_t = registry::server::DEFAULT_MAX_MANIFEST)]
-    pub max_manifest_bytes: usize,
+    /// Largest manifest accepted, in bytes (larger: 413) [default: 4MiB].
+    #[arg(long, value_parser = super::common::parse_size)]
+    pub max_manifest_bytes: Option<u64>,
     /// Smallest PATCH accepted during chunked uploads, announced as OCI-Chunk-Min-Length
-    /// when an upload starts (0: no minimum).
-    #[arg(long, default_value = "0", value_parser = super::common::parse_size)]
-    pub chunk_min_length: u64,
-    /// A request head (for a new connection: its TLS handshake too) must arrive within this.
-    #[arg(long, default_value = "30s", value_parser = super::common::parse_duration)]
-    pub header_timeout: Duration,
+    /// when an upload starts (0: no minimum) [default: 0].
+    #[arg(long, value_parser = super::common::parse_size)]
+    pub chunk_min_length: Option<u64>,
+    /// A request head (for a new connection: its TLS handshake too) must arrive within this
+    /// [default: 30s].
+    #[arg(long, value_parser = super::common::parse_duration)]
+    pub header_timeout: Option<Duration>,
     /// Close a connection with no request in flight and no byte moving, and fail a request
-    /// whose body stops arriving, after this.
-    #[arg(long, default_value = "120s", value_parser = super::common::parse_duration)]
-    pub idle_timeout: Duration,
+    /// whose body stops arriving, after this [default: 120s].
+    #[arg(long, value_parser = super::common::parse_duration)]
+    pub idle_timeout: Option<Duration>,
     /// Most connections one client (IPv4 address, IPv6 /64) may hold open; more are
     /// closed at once (0: no cap). Generous: moving connections are cheap, and one host
     /// pulling for many sandboxes at once opens hundreds; what a client can hold still
     /// is bounded by --max-requests-per-client and --idle-timeout. Both caps are lowered
     /// to a quarter of the descriptor limit (`ulimit -n`, whose soft limit serve raises
-    /// to the hard one) when that is smaller, so one client cannot use every descriptor.
-    #[arg(long, default_value_t = registry::server::DEFAULT_MAX_CONNS_PER_CLIENT)]
-    pub max_conns_per_client: usize,
+    /// to the hard one) when that is smaller, so one client cannot use every descriptor
+    /// [default: 512].
+    #[arg(long)]
+    pub max_conns_per_client: Option<usize>,
     /// Most requests one client may have in progress across its connections (a handler
     /// running or a response still being sent, each possibly holding a file open); more
-    /// are answered 429 with Retry-After at once (0: no cap).
-    #[arg(long, default_value_t = registry::server::DEFAULT_MAX_REQUESTS_PER_CLIENT)]
-    pub max_requests_per_client: usize,
+    /// are answered 429 with Retry-After at once (0: no cap) [default: 512].
+    #[arg(long)]
+    pub max_requests_per_client: Option<usize>,
     /// Most HTTP/2 streams one connection may have open at once (announced to the client
-    /// in SETTINGS_MAX_CONCURRENT_STREAMS).
-    #[arg(long, default_value_t = registry::server::DEFAULT_MAX_STREAMS_PER_CONN, value_parser = clap::value_parser!(u32).range(1..))]
-    pub max_streams_per_conn: u32,
-    /// Remove upload sessions idle for this long (checked every quarter of it).
-    #[arg(long, default_value = "15m", value_parser = super::common::parse_duration)]
-    pub upload_ttl: Duration,
+    /// in SETTINGS_MAX_CONCURRENT_STREAMS) [default: 64].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_streams_per_conn: Option<u32>,
+    /// Remove upload sessions idle for this long (checked every quarter of it)
+    /// [default: 15m].
+    #[arg(long, value_parser = super::common::parse_duration)]
+    pub upload_ttl: Option<Duration>,
     /// Serve /metrics on this address only (e.g. 127.0.0.1:9100), unauthenticated, and not
     /// on --listen. Default: on --listen, needing credentials when --htpasswd is set.
     #[arg(long)]
     pub metrics_listen: Option<String>,
     /// Most repositories one GET /v2/_catalog page may ask for (?n=); more is refused with
-    /// 400 PAGINATION_NUMBER_INVALID, as distribution does.
-    #[arg(long, default_value_t = registry::catalog::DEFAULT_MAX_ENTRIES)]
-    pub catalog_max_entries: usize,
-    /// Check the --htpasswd file for changes this often and load them (0: only on SIGHUP).
-    #[arg(long, default_value = "2s", value_parser = super::common::parse_duration)]
-    pub htpasswd_poll: Duration,
+    /// 400 PAGINATION_NUMBER_INVALID, as distribution does [default: 1000].
+    #[arg(long)]
+    pub catalog_max_entries: Option<usize>,
+    /// Check the --htpasswd file for changes this often and load them (0: only on SIGHUP)
+    /// [default: 2s].
+    #[arg(long, value_parser = super::common::parse_duration)]
+    pub htpasswd_poll: Option<Duration>,
     /// Take the store's totals for /metrics (snapctl_store_*) by a scan of the store this
-    /// often; a scrape never scans (0: never).
-    #[arg(long, default_value = "5m", value_parser = super::common::parse_duration)]
-    pub stats_interval: Duration,
+    /// often; a scrape never scans (0: never) [default: 5m].
+    #[arg(long, value_parser = super::common::parse_duration)]
+    pub stats_interval: Option<Duration>,
     /// How log lines are written: `text` (one line per event) or `json` (one JSON object
-    /// per line, fields at the top level, for log shippers).
-    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
-    pub log_format: LogFormat,
+    /// per line, fields at the top level, for log shippers) [default: text].
+    #[arg(long, value_enum)]
+    pub log_format: Option<LogFormat>,
+}
+
+impl ServeArgs {
+    /// Whether log lines are JSON: --log-format, else the configuration file's `log_format`
+    /// (logging starts before the file is otherwise read; a file that cannot be read is
+    /// reported when it is).
+    pub fn log_json(&self) -> bool {
+        let file = self.log_format.or_else(|| FileConfig::load_opt(self.config.as_deref()).ok().and_then(|f| f.log_format));
+        file == Some(LogFormat::Json)
+    }
 }
 
 /// `serve --log-format`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     /// Human-readable lines.
     Text,
@@ -138,63 +185,141 @@ pub enum LogFormat {
 /// one line per request.
 pub const DEFAULT_LOG: &str = "warn,registry=info";
 
+/// What `serve` runs with: flags, else the configuration file, else the defaults.
+#[derive(Debug)]
+struct Settings {
+    storage: String,
+    listen: String,
+    staging_dir: Option<PathBuf>,
+    htpasswd: Option<PathBuf>,
+    acl: Option<PathBuf>,
+    anonymous_read: bool,
+    token_secret_file: Option<PathBuf>,
+    token_realm: Option<String>,
+    max_password_checks: Option<u64>,
+    tls: Option<(PathBuf, PathBuf)>,
+    metrics_listen: Option<String>,
+    cfg: registry::Config,
+}
+
+fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
+    let file = FileConfig::load_opt(args.config.as_deref())?;
+    let retention = file.retention()?;
+    let htpasswd = args.htpasswd.or(file.htpasswd);
+    let acl = args.acl.or(file.acl);
+    let anonymous_read = args.anonymous_read || file.anonymous_read.unwrap_or(false);
+    let token_secret_file = args.token_secret_file.or(file.token_secret_file);
+    let token_realm = args.token_realm.or(file.token_realm);
+    let max_password_checks = args.max_password_checks.or(file.max_password_checks);
+    if htpasswd.is_none() {
+        for (set, what) in [
+            (acl.is_some(), "acl"),
+            (anonymous_read, "anonymous-read"),
+            (token_secret_file.is_some(), "token-secret-file"),
+            (token_realm.is_some(), "token-realm"),
+            (max_password_checks.is_some(), "max-password-checks"),
+        ] {
+            if set {
+                anyhow::bail!("--{what} needs --htpasswd (or htpasswd in the configuration file)");
+            }
+        }
+    }
+    let tls = match (args.tls_cert.or(file.tls_cert), args.tls_key.or(file.tls_key)) {
+        (Some(c), Some(k)) => Some((c, k)),
+        (None, None) => None,
+        _ => anyhow::bail!("--tls-cert and --tls-key go together"),
+    };
+    let limits = registry::server::Limits {
+        header_read_timeout: args.header_timeout.or(file.header_timeout).unwrap_or(Duration::from_secs(30)),
+        idle_timeout: args.idle_timeout.or(file.idle_timeout).unwrap_or(Duration::from_secs(120)),
+        max_conns_per_client: args.max_conns_per_client.or(file.max_conns_per_client).unwrap_or(registry::server::DEFAULT_MAX_CONNS_PER_CLIENT),
+        max_requests_per_client: args.max_requests_per_client.or(file.max_requests_per_client).unwrap_or(registry::server::DEFAULT_MAX_REQUESTS_PER_CLIENT),
+        max_streams_per_conn: args.max_streams_per_conn.or(file.max_streams_per_conn).unwrap_or(registry::server::DEFAULT_MAX_STREAMS_PER_CONN),
+    };
+    if limits.max_streams_per_conn == 0 || max_password_checks == Some(0) {
+        anyhow::bail!("max_streams_per_conn and max_password_checks must be at least 1");
+    }
+    if limits.header_read_timeout.is_zero() || limits.idle_timeout.is_zero() {
+        anyhow::bail!("--header-timeout and --idle-timeout must be more than 0");
+    }
+    let max_manifest = args.max_manifest_bytes.or(file.max_manifest_bytes).unwrap_or(registry::server::DEFAULT_MAX_MANIFEST as u64);
+    let upload_ttl = args.upload_ttl.or(file.upload_ttl).unwrap_or(registry::server::DEFAULT_UPLOAD_TTL);
+    let grace = file.gc.grace.unwrap_or(super::config::DEFAULT_GRACE);
+    let interval = file.gc.interval.unwrap_or(super::config::DEFAULT_GC_INTERVAL);
+    let metrics_listen = args.metrics_listen.or(file.metrics_listen);
+    let cfg = registry::Config {
+        max_manifest_bytes: usize::try_from(max_manifest).context("--max-manifest-bytes")?,
+        auth: None,
+        tls: tls.is_some(),
+        chunk_min_length: args.chunk_min_length.or(file.chunk_min_length).unwrap_or(0),
+        limits,
+        upload_ttl,
+        api_metrics: metrics_listen.is_none(),
+        pull_flush: file.gc.pull_flush.unwrap_or(registry::pulls::DEFAULT_FLUSH_EVERY),
+        gc: (!interval.is_zero())
+            .then(|| registry::gc::Schedule { interval, options: registry::gc::GcOptions { grace, upload_ttl, dry_run: false, retention } }),
+        catalog_max_entries: args.catalog_max_entries.or(file.catalog_max_entries).unwrap_or(registry::catalog::DEFAULT_MAX_ENTRIES),
+        htpasswd_file: htpasswd.clone(),
+        htpasswd_poll: args.htpasswd_poll.or(file.htpasswd_poll).unwrap_or(Duration::from_secs(2)),
+        stats_interval: args.stats_interval.or(file.stats_interval).unwrap_or(Duration::from_secs(300)),
+        build: registry::metrics::BuildInfo { version: env!("CARGO_PKG_VERSION").to_owned(), commit: env!("SNAPCTL_COMMIT").to_owned() },
+    };
+    Ok(Settings {
+        storage: args.storage.or(file.storage).unwrap_or_else(|| "./snapctl-registry".into()),
+        listen: args.listen.or(file.listen).unwrap_or_else(|| "127.0.0.1:5000".into()),
+        staging_dir: args.staging_dir.or(file.staging_dir),
+        htpasswd,
+        acl,
+        anonymous_read,
+        token_secret_file,
+        token_realm,
+        max_password_checks,
+        tls,
+        metrics_listen,
+        cfg,
+    })
+}
+
 pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
-    let auth = match &args.htpasswd {
+    let mut set = settings(args)?;
+    set.cfg.auth = match &set.htpasswd {
         None => None,
         Some(h) => {
             let users = std::fs::read_to_string(h).with_context(|| format!("reading {}", h.display()))?;
-            let acl = match &args.acl {
+            let acl = match &set.acl {
                 Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?),
                 None => None,
             };
-            let secret = match &args.token_secret_file {
+            let secret = match &set.token_secret_file {
                 Some(p) => std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
                 None => registry::auth::random_secret(),
             };
-            let mut a = registry::auth::Auth::new(&users, acl.as_deref(), args.anonymous_read, secret).context("loading authentication config")?;
-            a.realm = args.token_realm.clone();
-            if let Some(n) = args.max_password_checks {
+            let mut a = registry::auth::Auth::new(&users, acl.as_deref(), set.anonymous_read, secret).context("loading authentication config")?;
+            a.realm = set.token_realm.clone();
+            if let Some(n) = set.max_password_checks {
                 a.max_checks = usize::try_from(n).unwrap_or(usize::MAX);
             }
             Some(a)
         }
     };
-    let tls = args.tls_cert.is_some();
-    let limits = registry::server::Limits {
-        header_read_timeout: args.header_timeout,
-        idle_timeout: args.idle_timeout,
-        max_conns_per_client: args.max_conns_per_client,
-        max_requests_per_client: args.max_requests_per_client,
-        max_streams_per_conn: args.max_streams_per_conn,
-    };
-    if limits.header_read_timeout.is_zero() || limits.idle_timeout.is_zero() {
-        anyhow::bail!("--header-timeout and --idle-timeout must be more than 0");
-    }
-    let cfg = registry::Config {
-        max_manifest_bytes: args.max_manifest_bytes,
-        auth,
-        tls,
-        chunk_min_length: args.chunk_min_length,
-        limits,
-        upload_ttl: args.upload_ttl,
-        api_metrics: args.metrics_listen.is_none(),
-        catalog_max_entries: args.catalog_max_entries,
-        htpasswd_file: args.htpasswd.clone(),
-        htpasswd_poll: args.htpasswd_poll,
-        stats_interval: args.stats_interval,
-        build: registry::metrics::BuildInfo { version: env!("CARGO_PKG_VERSION").to_owned(), commit: env!("SNAPCTL_COMMIT").to_owned() },
-    };
-    let store = registry::store::open(&args.storage, args.staging_dir.as_deref()).with_context(|| format!("opening storage {}", args.storage))?;
+    let store = registry::store::open(&set.storage, set.staging_dir.as_deref()).with_context(|| format!("opening storage {}", set.storage))?;
+    let Settings { storage, listen, tls, metrics_listen, cfg, htpasswd, .. } = set;
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     rt.block_on(async move {
-        let listener = std::net::TcpListener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
+        let listener = std::net::TcpListener::bind(&listen).with_context(|| format!("listening on {listen}"))?;
         let addr = listener.local_addr()?;
         for w in cfg.exposure_warnings(addr) {
             tracing::warn!("{w}");
         }
+        match &cfg.gc {
+            Some(g) => {
+                tracing::info!(interval = ?g.interval, grace = ?g.options.grace, policies = g.options.retention.config.policies.len(), "gc on a schedule")
+            }
+            None => tracing::info!("no scheduled gc (gc.interval = 0)"),
+        }
         let server = registry::Server::new(store, cfg);
-        if args.htpasswd.is_some() {
+        if htpasswd.is_some() {
             let s = server.clone();
             tokio::spawn(async move {
                 let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else { return };
@@ -211,7 +336,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         let stopped = |mut rx: tokio::sync::watch::Receiver<()>| async move {
             let _ = rx.changed().await;
         };
-        let metrics = match &args.metrics_listen {
+        let metrics = match &metrics_listen {
             Some(m) => {
                 let l = tokio::net::TcpListener::bind(m).await.with_context(|| format!("listening on {m} for metrics"))?;
                 eprintln!("snapctl serve: metrics on http://{}/metrics", l.local_addr()?);
@@ -219,10 +344,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             }
             None => None,
         };
-        eprintln!("snapctl serve: listening on {}://{addr} (storage: {})", if tls { "https" } else { "http" }, args.storage);
-        match (&args.tls_cert, &args.tls_key) {
-            (Some(cert), Some(key)) => server.serve_tls(listener, cert, key, stopped(stop_rx)).await,
-            _ => {
+        eprintln!("snapctl serve: listening on {}://{addr} (storage: {storage})", if tls.is_some() { "https" } else { "http" });
+        match &tls {
+            Some((cert, key)) => server.serve_tls(listener, cert, key, stopped(stop_rx)).await,
+            None => {
                 listener.set_nonblocking(true)?;
                 let l = tokio::net::TcpListener::from_std(listener)?;
                 server.serve(l, stopped(stop_rx)).await
@@ -273,10 +398,12 @@ mod tests {
     /// Issue 25: an abandoned upload was kept 24 h. The flag's default is the registry's.
     #[test]
     fn regression_issue_25_the_upload_ttl_default_is_the_registrys() {
+        // Neither flag given: serve and gc fall back to the configuration file, then to
+        // the registry's constant.
         let a = Cli::parse_from(["serve"]);
-        assert_eq!(a.serve.upload_ttl, registry::server::DEFAULT_UPLOAD_TTL);
-        assert!(a.serve.upload_ttl <= std::time::Duration::from_secs(15 * 60), "{:?}", a.serve.upload_ttl);
+        assert_eq!(a.serve.upload_ttl, None);
+        assert!(registry::server::DEFAULT_UPLOAD_TTL <= std::time::Duration::from_secs(15 * 60));
         assert_eq!(registry::gc::GcOptions::default().upload_ttl, registry::server::DEFAULT_UPLOAD_TTL);
-        assert_eq!(Gc::parse_from(["gc", "--storage", "x"]).gc.upload_ttl, registry::server::DEFAULT_UPLOAD_TTL);
+        assert_eq!(Gc::parse_from(["gc", "--storage", "x"]).gc.upload_ttl, None);
     }
 }

@@ -4,12 +4,17 @@
 //!
 //! ```text
 //! /ui/                                     store totals (last scan), repositories (pages of 100)
-//! /ui/repo/<name>                          its tags (pages of 50): digest, type, kind, size, pushed
-//!                                          and up to 50 of its manifests
-//! /ui/repo/<name>/_manifest/<digest>       one manifest: type, sizes, layers (up to 200),
-//!                                          for a snapctl snapshot its kind, logical and stored
-//!                                          bytes, chain depth and parents; referrers (up to 100)
+//! /ui/repo/<name>                          its tags (pages of 50): digest, type, kind, size, pushed,
+//!                                          last pulled; and up to 50 of its manifests
+//! /ui/repo/<name>/_manifest/<digest>       one manifest: type, sizes, last pulled, layers (up to
+//!                                          200), for a snapctl snapshot its kind, logical and
+//!                                          stored bytes, chain depth and parents; referrers (up to 100)
+//! /ui/retention                            what retention would delete now (a dry run of gc with
+//!                                          the server's policies; at most one a minute, shared),
+//!                                          in the repositories the visitor may pull
 //! ```
+//! Pull times are those written to the store (`_pulled`) and those this server recorded
+//! and has not written yet.
 //! Every page does a bounded amount of work: lists are paged or capped, manifests and
 //! configs are read only up to their size limits, and a chain is followed at most
 //! [`imgfmt::config::MAX_CHAIN_DEPTH`] links and [`CHAIN_BYTES`] of configs. Every name,
@@ -157,6 +162,16 @@ async fn serve(s: &Server, uri: &Uri, headers: &HeaderMap, client: Option<std::n
         let readable = s.readable(&id).ok_or_else(|| denied(s, uri, headers, StatusCode::UNAUTHORIZED))?;
         return index(s, &readable, param(&qs, "last")).await.map_err(failed);
     }
+    if rest == "retention" {
+        s.readable(&id).ok_or_else(|| denied(s, uri, headers, StatusCode::UNAUTHORIZED))?;
+        return retention_page(s, &id).await.map_err(|e| match e {
+            crate::gc::GcError::Store(e) => failed(e),
+            e => {
+                tracing::error!(%e, "web view: retention dry run");
+                page(StatusCode::INTERNAL_SERVER_ERROR, "Retention", &format!("<p>The dry run failed: {}</p>", esc(&e.to_string())))
+            }
+        });
+    }
     let rest = rest.strip_prefix("repo/").ok_or_else(not_found)?;
     let (name, digest) = match rest.split_once("/_manifest/") {
         Some((n, d)) => (n, Some(d)),
@@ -202,7 +217,7 @@ async fn index(s: &Server, readable: &Readable, last: Option<&str>) -> Result<Re
         None => b.push_str("<p>Not taken yet (the server scans the store every <code>--stats-interval</code>).</p>"),
     }
     let p = s.catalog.page(last, REPOS_PER_PAGE, readable).await?;
-    b.push_str("<h2>Repositories</h2>");
+    b.push_str("<p><a href=\"/ui/retention\">What retention would delete now</a></p><h2>Repositories</h2>");
     if p.repos.is_empty() {
         b.push_str("<p>None.</p>");
     } else {
@@ -253,7 +268,8 @@ async fn repository(s: &Server, repo: &RepoName, last: Option<&str>) -> Result<O
     }
     let r = esc(repo.as_str());
     let mut b = String::new();
-    b.push_str("<h2>Tags</h2><table><tr><th>tag</th><th>manifest</th><th>type</th><th>kind</th><th>size</th><th>pushed</th></tr>");
+    let pulled = pulled(s, repo).await?;
+    b.push_str("<h2>Tags</h2><table><tr><th>tag</th><th>manifest</th><th>type</th><th>kind</th><th>size</th><th>pushed</th><th>last pulled</th></tr>");
     for t in tags.iter().take(TAGS_PER_PAGE) {
         let Some(tag) = t.key.rsplit('/').next() else { continue };
         let Ok(raw) = store.get_bytes(&t.key).await else { continue };
@@ -266,12 +282,13 @@ async fn repository(s: &Server, repo: &RepoName, last: Option<&str>) -> Result<O
         let size = crate::stats::descriptor_sizes(&serde_json::to_vec(&m).unwrap_or_default());
         let _ = write!(
             b,
-            "<tr><td>{}</td><td><a href=\"/ui/repo/{r}/_manifest/{d}\"><code>{}</code></a></td><td>{}</td><td>{}</td><td class=num>{}</td><td>{pushed}</td></tr>",
+            "<tr><td>{}</td><td><a href=\"/ui/repo/{r}/_manifest/{d}\"><code>{}</code></a></td><td>{}</td><td>{}</td><td class=num>{}</td><td>{pushed}</td><td>{}</td></tr>",
             esc(tag),
             esc(&d.to_string()[..19.min(d.to_string().len())]),
             esc(&type_of(&m)),
             esc(&kind_of(&m)),
-            human(size)
+            human(size),
+            pulled_text(&pulled, &d)
         );
     }
     b.push_str("</table>");
@@ -313,14 +330,15 @@ async fn manifest_page(s: &Server, repo: &RepoName, d: &OciDigest) -> Result<Opt
         b,
         "<table><tr><th>digest</th><td><code>{}</code></td></tr><tr><th>media type</th><td>{}</td></tr><tr><th>type</th><td>{}</td></tr>\
          <tr><th>manifest size</th><td class=num>{}</td></tr><tr><th>blobs it lists</th><td class=num>{} in {} layers</td></tr>\
-         <tr><th>pushed</th><td>{}</td></tr><tr><th>last pulled</th><td>not recorded</td></tr>",
+         <tr><th>pushed</th><td>{}</td></tr><tr><th>last pulled</th><td>{}</td></tr>",
         esc(&d.to_string()),
         esc(m.get("mediaType").and_then(|v| v.as_str()).unwrap_or("-")),
         esc(&type_of(&m)),
         human(size),
         human(all),
         layers.len(),
-        time(link.modified)
+        time(link.modified),
+        pulled_text(&pulled(s, repo).await?, d)
     );
     let config = m.pointer("/config/mediaType").and_then(|v| v.as_str()) == Some(imgfmt::media::CONFIG);
     if config {
@@ -392,6 +410,90 @@ async fn manifest_page(s: &Server, repo: &RepoName, d: &OciDigest) -> Result<Opt
     }
     let _ = write!(b, "<p><a href=\"/ui/repo/{r}\">{r}</a></p>");
     Ok(Some(page(StatusCode::OK, &format!("{}@{}", repo.as_str(), &d.to_string()[..19.min(d.to_string().len())]), &b)))
+}
+
+/// When each manifest of `repo` was last pulled (unix seconds): the store's record, and
+/// what this server recorded since it last wrote it.
+async fn pulled(s: &Server, repo: &RepoName) -> Result<std::collections::HashMap<OciDigest, u64>, StoreError> {
+    let secs = |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let mut m: std::collections::HashMap<OciDigest, u64> = crate::pulls::read(s.store.as_ref(), repo).await?.into_iter().map(|(d, t)| (d, secs(t))).collect();
+    for (d, t) in s.pulls.pending_for(repo) {
+        let e = m.entry(d).or_insert(0);
+        *e = (*e).max(t);
+    }
+    Ok(m)
+}
+
+fn pulled_text(pulled: &std::collections::HashMap<OciDigest, u64>, d: &OciDigest) -> String {
+    match pulled.get(d) {
+        Some(&t) => time(std::time::UNIX_EPOCH + std::time::Duration::from_secs(t)),
+        None => "never (since pulls were recorded)".into(),
+    }
+}
+
+/// Verdicts shown on the retention page, at most.
+const VERDICTS_SHOWN: usize = 500;
+
+/// `/ui/retention`: a dry run of the server's gc (its scheduled policies, else the
+/// defaults), computed at most once a minute and shared by every visitor; each sees the
+/// verdicts of the repositories they may pull.
+async fn retention_page(s: &Server, id: &Identity) -> Result<Response, crate::gc::GcError> {
+    let plan = s.retention_preview().await?;
+    let mut b = String::new();
+    let _ = write!(
+        b,
+        "<p>A dry run of gc as of {} (delay {} s{}): nothing is deleted by this page. <code>snapctl gc --dry-run --json</code> gives the same verdicts.</p>",
+        time(std::time::UNIX_EPOCH + std::time::Duration::from_secs(plan.now)),
+        plan.delay_seconds,
+        if s.cfg.gc.is_some() { ", the server's policies" } else { ", no scheduled gc: default policy" }
+    );
+    let visible = |repo: &str| RepoName::parse(repo).is_ok_and(|r| s.may(id, &r, Action::Pull));
+    let going: Vec<_> = plan.deleted_manifests().filter(|v| visible(&v.repository)).collect();
+    let bytes: u64 = going.iter().map(|v| v.bytes).sum();
+    let _ =
+        write!(b, "<h2>Manifests that would go</h2><p>{} manifests, {} of blobs of their own (more where they share blobs).</p>", going.len(), human(bytes));
+    if !going.is_empty() {
+        b.push_str("<table><tr><th>repository</th><th>manifest</th><th>rule</th><th>type</th><th>pushed</th><th>last pulled</th><th>bytes</th><th>shared bytes</th></tr>");
+        for v in going.iter().take(VERDICTS_SHOWN) {
+            let rule = serde_json::to_value(&v.rule).ok().and_then(|j| j.get("rule").and_then(|r| r.as_str()).map(str::to_owned)).unwrap_or_default();
+            let at = |t: Option<u64>| t.map(|t| time(std::time::UNIX_EPOCH + std::time::Duration::from_secs(t))).unwrap_or_else(|| "-".into());
+            let _ = write!(
+                b,
+                "<tr><td>{}</td><td><a href=\"/ui/repo/{}/_manifest/{}\"><code>{}</code></a></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=num>{}</td><td class=num>{}</td></tr>",
+                esc(&v.repository),
+                esc(&v.repository),
+                v.digest,
+                esc(&v.digest.to_string()[..19.min(v.digest.to_string().len())]),
+                esc(&rule),
+                esc(v.artifact_type.as_deref().unwrap_or("-")),
+                at(v.pushed),
+                at(v.pulled),
+                human(v.bytes),
+                human(v.shared_bytes)
+            );
+        }
+        b.push_str("</table>");
+        if going.len() > VERDICTS_SHOWN {
+            let _ = write!(b, "<p>Only the first {VERDICTS_SHOWN} are shown.</p>");
+        }
+    }
+    let tags: Vec<_> = plan.tags.iter().filter(|t| t.action == crate::retention::Action::Delete && visible(&t.repository)).collect();
+    let _ = write!(b, "<h2>Tags that would go</h2><p>{}.</p>", tags.len());
+    if !tags.is_empty() {
+        b.push_str("<table><tr><th>repository</th><th>tag</th><th>manifest</th><th>pushed</th></tr>");
+        for t in tags.iter().take(VERDICTS_SHOWN) {
+            let _ = write!(
+                b,
+                "<tr><td>{}</td><td>{}</td><td><code>{}</code></td><td>{}</td></tr>",
+                esc(&t.repository),
+                esc(&t.tag),
+                esc(&t.target.to_string()[..19.min(t.target.to_string().len())]),
+                time(std::time::UNIX_EPOCH + std::time::Duration::from_secs(t.pushed))
+            );
+        }
+        b.push_str("</table>");
+    }
+    Ok(page(StatusCode::OK, "Retention", &b))
 }
 
 async fn read_config(store: &dyn BlobStore, d: &OciDigest) -> Result<Option<imgfmt::ImageConfig>, StoreError> {

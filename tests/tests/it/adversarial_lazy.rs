@@ -245,11 +245,12 @@ fn regression_issue_21_a_slow_drip_registry_poisons_a_fault_within_the_retry_bud
     assert!(h.log_text().contains("retry budget"), "the log says why: {}", h.log_text());
 }
 
-/// The layers of the trace manifest a layout keeps under the fallback tag of its `v1`.
+/// The layers of the trace manifest a layout lists under the fallback tag of its `v1`.
 fn layout_trace_layers(dir: &Path) -> Vec<imgfmt::Descriptor> {
     let (layout, image) = layout_image(dir);
-    let tag = lazy::trace::fallback_tag(&image);
-    let (_, desc) = layout.tags().unwrap().into_iter().find(|(t, _)| *t == tag).expect("a recorded trace");
+    // The fallback tag names the image's referrers; the trace is the one recorded last.
+    let refs = layout.referrers(&image.manifest_digest).unwrap();
+    let desc = refs.iter().rev().find(|d| d.artifact_type.as_deref() == Some(lazy::TRACE_MEDIA_TYPE)).expect("a recorded trace");
     let bytes = imgfmt::source::read_verified_blob(&layout, &desc.digest, 1 << 20).unwrap();
     imgfmt::manifest::Manifest::decode(&bytes).unwrap().layers
 }

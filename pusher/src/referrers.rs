@@ -1,0 +1,198 @@
+//! What is attached to an image, and carrying it along a copy.
+//!
+//! ```text
+//! source (registry or layout)                          destination
+//!   OCI 1.1 referrers of the subject  ──copy──►  PUT by digest; listed by its referrers API,
+//!     (referrers API, else the fallback              else added to the fallback index
+//!      index tagged sha256-<hex>)                    (distribution 2.8 has no API)
+//!   tags named after the subject      ──copy──►  the same tag (digests are kept, so the
+//!     (cosign: sha256-<hex>.sig/.att/.sbom)          name still matches the subject)
+//!   and what is attached to those (a signature of an SBOM), a few levels deep
+//! ```
+//!
+//! Every referrer is an ordinary manifest to the copy engine ([`crate::copy`]): its bytes
+//! are copied verbatim (a signature still verifies), its blobs streamed and checked
+//! (a snapctl trace's working-set blob with it).
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+
+use imgfmt::manifest::MAX_MANIFEST_BYTES;
+use imgfmt::source::read_verified_blob;
+use imgfmt::{media, BlobSource, Descriptor, FormatError, OciDigest, OciLayout};
+use regclient::RegistrySource;
+use serde::Serialize;
+
+use crate::copy::{copy_after, CopyError, CopyOptions, Target};
+
+/// Tag suffixes cosign attaches under (`sha256-<hex>.sig` and so on).
+pub const COSIGN_SUFFIXES: [&str; 3] = ["sig", "att", "sbom"];
+/// How deep attached artifacts of attached artifacts are followed.
+pub const MAX_DEPTH: usize = 3;
+/// Most attached artifacts carried for one image (a bound against a source that lists
+/// without end; a sandbox's restores each add a trace).
+pub const MAX_ATTACHED: usize = 4096;
+
+/// A store images are read from, with what is needed to find their referrers.
+pub enum Origin {
+    Registry(Box<RegistrySource>),
+    Layout(OciLayout),
+}
+
+impl Origin {
+    /// The store as a blob source.
+    pub fn source(&self) -> &dyn BlobSource {
+        match self {
+            Origin::Registry(r) => r.as_ref(),
+            Origin::Layout(l) => l,
+        }
+    }
+}
+
+/// A manifest attached to a subject.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Attached {
+    /// What it is attached to.
+    pub subject: OciDigest,
+    /// The attached manifest.
+    pub digest: OciDigest,
+    #[serde(rename = "mediaType")]
+    pub media_type: String,
+    #[serde(rename = "artifactType", skip_serializing_if = "Option::is_none")]
+    pub artifact_type: Option<String>,
+    /// Length of the manifest.
+    pub size: u64,
+    /// The tag it is found under (cosign's scheme); absent for an OCI 1.1 referrer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// Annotations of its referrers descriptor (kept in a destination's fallback index).
+    #[serde(skip)]
+    pub annotations: BTreeMap<String, String>,
+}
+
+impl Attached {
+    fn descriptor(&self) -> Descriptor {
+        let mut d = Descriptor::new(&self.media_type, self.digest.clone(), self.size);
+        d.artifact_type = self.artifact_type.clone();
+        d.annotations = self.annotations.clone();
+        d
+    }
+}
+
+/// A manifest's descriptor fields from its (verified) bytes.
+fn described(src: &dyn BlobSource, subject: &OciDigest, d: &OciDigest, tag: Option<String>) -> Result<Attached, CopyError> {
+    let bytes = read_verified_blob(src, d, MAX_MANIFEST_BYTES)?;
+    let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|source| FormatError::Json { what: "attached manifest", source })?;
+    let media_type = v.get("mediaType").and_then(|m| m.as_str()).unwrap_or(media::OCI_MANIFEST).to_string();
+    let artifact_type = v.get("artifactType").or_else(|| v.pointer("/config/mediaType")).and_then(|m| m.as_str()).map(str::to_owned);
+    let annotations = v.get("annotations").and_then(|a| serde_json::from_value(a.clone()).ok()).unwrap_or_default();
+    Ok(Attached { subject: subject.clone(), digest: d.clone(), media_type, artifact_type, size: bytes.len() as u64, tag, annotations })
+}
+
+/// What is attached to `subject` at `origin` directly: OCI 1.1 referrers and tags named
+/// after it.
+pub fn attached(origin: &Origin, subject: &OciDigest) -> Result<Vec<Attached>, CopyError> {
+    let mut out = Vec::new();
+    let prefix = imgfmt::layout::referrers_tag(subject);
+    match origin {
+        Origin::Registry(r) => {
+            for d in r.list_referrers(subject, None)? {
+                out.push(Attached {
+                    subject: subject.clone(),
+                    digest: d.digest,
+                    media_type: d.media_type,
+                    artifact_type: d.artifact_type,
+                    size: d.size,
+                    tag: None,
+                    annotations: d.annotations,
+                });
+            }
+            // A registry's tag list can be long; cosign's names are known.
+            for suffix in COSIGN_SUFFIXES {
+                let tag = format!("{prefix}.{suffix}");
+                match r.resolve_tag(&tag) {
+                    Ok(d) => out.push(described(r.as_ref(), subject, &d, Some(tag))?),
+                    Err(FormatError::TagNotFound { .. }) => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        Origin::Layout(l) => {
+            for d in l.referrers(subject)? {
+                let mut a = described(l, subject, &d.digest, None)?;
+                a.annotations.extend(d.annotations);
+                out.push(a);
+            }
+            for (t, desc) in l.tags()? {
+                if t.strip_prefix(&prefix).is_some_and(|rest| rest.starts_with('.')) {
+                    out.push(described(l, subject, &desc.digest, Some(t))?);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// [`attached`] of `subject` and, up to [`MAX_DEPTH`] levels, of what is attached to it,
+/// each once (subjects before what refers to them).
+pub fn attached_tree(origin: &Origin, subject: &OciDigest) -> Result<Vec<Attached>, CopyError> {
+    let mut out: Vec<Attached> = Vec::new();
+    let mut seen: HashSet<OciDigest> = [subject.clone()].into_iter().collect();
+    let mut level = vec![subject.clone()];
+    for _ in 0..MAX_DEPTH {
+        let mut next = Vec::new();
+        for s in &level {
+            for a in attached(origin, s)? {
+                if seen.insert(a.digest.clone()) {
+                    if out.len() >= MAX_ATTACHED {
+                        return Err(CopyError::Unsupported(format!("{subject}: more than {MAX_ATTACHED} attached artifacts")));
+                    }
+                    next.push(a.digest.clone());
+                    out.push(a);
+                }
+            }
+        }
+        if next.is_empty() {
+            break;
+        }
+        level = next;
+    }
+    Ok(out)
+}
+
+/// Copy everything attached to `subject` at `origin` (which the copy of `subject` has
+/// brought to `target` already) to `target`, and make the OCI 1.1 referrers findable
+/// there: by its referrers API, else by the fallback index. Returns what was carried.
+/// An attached image index is skipped with a warning (copy moves single manifests).
+pub fn copy_attached(origin: &Origin, subject: &OciDigest, target: &Target, opts: &CopyOptions) -> Result<Vec<Attached>, CopyError> {
+    let found = attached_tree(origin, subject)?;
+    let quiet = CopyOptions { jobs: opts.jobs, mount_from: opts.mount_from.clone(), upload: opts.upload.clone(), progress: None };
+    let mut carried = Vec::new();
+    let mut to_index: BTreeMap<OciDigest, Vec<Descriptor>> = BTreeMap::new();
+    for a in found {
+        match copy_after(origin.source(), &a.digest, target, a.tag.as_deref(), &quiet, &[]) {
+            Ok(_) => {}
+            Err(CopyError::Unsupported(why)) => {
+                tracing::warn!(digest = %a.digest, %why, "attached artifact not carried");
+                continue;
+            }
+            Err(e) => return Err(e),
+        }
+        if a.tag.is_none() {
+            to_index.entry(a.subject.clone()).or_default().push(a.descriptor());
+        }
+        carried.push(a);
+    }
+    for (s, descs) in to_index {
+        match target {
+            Target::Registry(r) => {
+                let listed: BTreeSet<OciDigest> = r.list_referrers(&s, None)?.into_iter().map(|d| d.digest).collect();
+                let missing: Vec<Descriptor> = descs.into_iter().filter(|d| !listed.contains(&d.digest)).collect();
+                if !missing.is_empty() {
+                    r.add_referrers_fallback(&s, &missing)?;
+                }
+            }
+            Target::Layout(l) => l.add_referrers(&s, &descs)?,
+        }
+    }
+    Ok(carried)
+}
