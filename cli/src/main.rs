@@ -42,6 +42,7 @@ enum Command {
     Login(cmd::login::LoginArgs),
     Logout(cmd::login::LogoutArgs),
     Lazy(cmd::lazy::LazyArgs),
+    Cache(cmd::cache::CacheArgs),
 }
 
 fn main() -> ExitCode {
@@ -67,6 +68,7 @@ fn main() -> ExitCode {
         Command::Login(a) => cmd::login::run_login(a),
         Command::Logout(a) => cmd::login::run_logout(a),
         Command::Lazy(a) => cmd::lazy::run(a),
+        Command::Cache(a) => cmd::cache::run(a),
     };
     match result {
         Ok(code) => code,
