@@ -6,6 +6,7 @@
 #   bash scripts/install-trixie.sh runsc   # runsc 0.0~2024 (static) -> /opt/snapctl-runsc/runsc
 #   bash scripts/install-trixie.sh cosign  # cosign 2.x (Go, static) -> /opt/snapctl-cosign/cosign
 #   bash scripts/install-trixie.sh oras    # the Go oras CLI -> /opt/snapctl-oras/oras
+#   bash scripts/install-trixie.sh skopeo  # skopeo with sigstore -> /opt/snapctl-skopeo/skopeo
 #
 # Why a private prefix: bookworm's criu 3.17 cannot dump on this kernel, and bookworm's runsc
 # (2022) writes one `checkpoint.img` where the gVisor posts describe the split
@@ -30,7 +31,7 @@
 # Needs root (criu and runsc need root to checkpoint and restore anyway).
 set -euo pipefail
 
-tool=${1:?usage: install-trixie.sh criu|runsc|cosign|oras}
+tool=${1:?usage: install-trixie.sh criu|runsc|cosign|oras|skopeo}
 SUITE=${SNAPCTL_TRIXIE_SUITE:-trixie}
 case "$tool" in
   criu)  PKG=criu;  BIN=usr/sbin/criu; PREFIX=${SNAPCTL_CRIU_PREFIX:-/opt/snapctl-criu} ;;
@@ -39,7 +40,10 @@ case "$tool" in
   # (PyPI's oras is a library; `oras repo ls` and `oras cp -r` are the Go tool's).
   cosign) PKG=cosign; BIN=usr/bin/cosign; PREFIX=${SNAPCTL_COSIGN_PREFIX:-/opt/snapctl-cosign} ;;
   oras)  PKG=oras;  BIN=usr/bin/oras;  PREFIX=${SNAPCTL_ORAS_PREFIX:-/opt/snapctl-oras} ;;
-  *) echo "install-trixie: unknown tool $tool (criu, runsc, cosign or oras)" >&2; exit 2 ;;
+  # Bookworm's skopeo 1.9.3 is built with sigstore disabled ("Debian-local change: sigstore
+  # disabled" for --sign-by-sigstore-private-key and sigstoreSigned policies); trixie's is not.
+  skopeo) PKG=skopeo; BIN=usr/bin/skopeo; PREFIX=${SNAPCTL_SKOPEO_PREFIX:-/opt/snapctl-skopeo} ;;
+  *) echo "install-trixie: unknown tool $tool (criu, runsc, cosign, oras or skopeo)" >&2; exit 2 ;;
 esac
 say() { echo "install-trixie($tool): $*" >&2; }
 # How each tool prints its version (the Go CLIs take a subcommand, not a flag).

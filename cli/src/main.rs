@@ -43,12 +43,14 @@ enum Command {
     Logout(cmd::login::LogoutArgs),
     Lazy(cmd::lazy::LazyArgs),
     Cache(cmd::cache::CacheArgs),
+    Sign(cmd::sign::SignArgs),
+    Key(cmd::sign::KeyArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match &cli.command {
-        Command::Serve(_) => cmd::common::init_logging(cmd::serve::DEFAULT_LOG, true),
+        Command::Serve(a) => cmd::common::init_logging_as(cmd::serve::DEFAULT_LOG, true, a.log_format == cmd::serve::LogFormat::Json),
         // A daemon's people want its progress (listening, each VM, traces stored) as well.
         Command::Lazy(_) => cmd::common::init_logging(cmd::lazy::DEFAULT_LOG, false),
         _ => cmd::common::init_logging("warn", false),
@@ -69,6 +71,8 @@ fn main() -> ExitCode {
         Command::Logout(a) => cmd::login::run_logout(a),
         Command::Lazy(a) => cmd::lazy::run(a),
         Command::Cache(a) => cmd::cache::run(a),
+        Command::Sign(a) => cmd::sign::run_sign(a),
+        Command::Key(a) => cmd::sign::run_key(a),
     };
     match result {
         Ok(code) => code,

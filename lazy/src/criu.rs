@@ -6,7 +6,7 @@
 //!   per restored task:  int pid (4 bytes)  then  1 dummy byte + SCM_RIGHTS [uffd]
 //!   per zombie:         int -pid           (no fd)
 //!   restore done:       u32 0x52535446 "RSTF" (LAZY_PAGES_RESTORE_FINISHED)
-//! per task: pagemap-<pid>.img (verified) -> regions of pages-<id>.img -> Conn fault loop
+//! per task: pagemap-<pid>.img (verified) -> regions of pages-<id>.img -> the fault loop
 //!   fault in a present entry  -> chunk of pages-<id>.img -> verified -> UFFDIO_COPY
 //!   fault anywhere else       -> UFFDIO_ZEROPAGE      (PE_PARENT ranges: UFFDIO_POISON)
 //! after RSTF: push every remaining page (or poison it), then close that task's uffd;
@@ -28,12 +28,14 @@ use imgfmt::{BlobSource, Image};
 use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
 use serde::Serialize;
 
+use super::fault::{Conn, ForkHook};
 use super::fetch::{ChunkStore, Fetcher};
 use super::handshake::Region;
+use super::install::{Installer, Outside, Pushed};
 use super::map::MemoryMap;
 use super::pagemap::{self, Pagemap, PAGE_SIZE};
-use super::stats::{ConnReport, Counters};
-use super::uffd::{Conn, ForkHook, Outside, Pushed};
+use super::prefetch::Demand;
+use super::stats::{ConnReport, Counters, End, Rec};
 use super::{LazyError, LazyOptions};
 
 /// The socket's name in the work directory (criu/uffd.c `LAZY_PAGES_SOCK_NAME`).
@@ -241,7 +243,7 @@ struct Task {
     counters: Arc<Counters>,
     t0: Instant,
     /// Why the task ended, when the pusher decided it.
-    ended: Mutex<Option<String>>,
+    ended: Mutex<Option<End>>,
     /// The pid of the restored task this one is a forked child of (a child's own pid is
     /// not in the fork event).
     forked_from: Option<i32>,
@@ -250,7 +252,7 @@ struct Task {
 impl Task {
     /// Record why the task ended and drop our end of its pair, which ends its fault loop
     /// (and so closes its userfaultfd).
-    fn release(&self, why: String) {
+    fn release(&self, why: End) {
         *self.ended.lock().expect("poisoned") = Some(why);
         self.end.lock().expect("poisoned").take();
     }
@@ -263,7 +265,7 @@ struct Forks {
     /// The restore sent its finish word: a child forked from now on is pushed at once.
     finished: bool,
     tasks: Vec<Arc<Task>>,
-    loops: Vec<std::thread::JoinHandle<String>>,
+    loops: Vec<std::thread::JoinHandle<End>>,
     pushers: Vec<std::thread::JoinHandle<()>>,
 }
 
@@ -540,7 +542,7 @@ impl CriuDaemon {
         let _ = stream.set_nonblocking(false);
         let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
         let mut tasks: Vec<Arc<Task>> = Vec::new();
-        let mut loops: Vec<std::thread::JoinHandle<String>> = Vec::new();
+        let mut loops: Vec<std::thread::JoinHandle<End>> = Vec::new();
         let mut reader = Reader::new(&stream, &self.stop);
         let finished = loop {
             match reader.next_message() {
@@ -573,7 +575,7 @@ impl CriuDaemon {
         let mut pushers = Vec::new();
         for t in tasks.iter().chain(early_children.iter()) {
             if !finished {
-                t.release("the restore failed or was stopped".into());
+                t.release(End::RestoreFailed);
                 continue;
             }
             pushers.push(self.spawn_push(t));
@@ -582,7 +584,7 @@ impl CriuDaemon {
             tracing::info!("criu: restore finished ({} task(s)); pushing the remaining pages", tasks.len());
         }
         for (t, h) in tasks.iter().zip(loops) {
-            let ended = h.join().unwrap_or_else(|_| "fault loop panicked".into());
+            let ended = h.join().unwrap_or_else(|_| End::Failed("fault loop panicked".into()));
             self.report(t, ended, on_report);
         }
         for p in pushers.into_iter().flatten() {
@@ -600,14 +602,14 @@ impl CriuDaemon {
             }
             if !finished {
                 for t in &children {
-                    t.release("the restore failed or was stopped".into());
+                    t.release(End::RestoreFailed);
                 }
             }
             for p in pushers {
                 let _ = p.join();
             }
             for (t, h) in children.iter().zip(loops) {
-                let ended = h.join().unwrap_or_else(|_| "fault loop panicked".into());
+                let ended = h.join().unwrap_or_else(|_| End::Failed("fault loop panicked".into()));
                 self.report(t, ended, on_report);
             }
             reported += children.len();
@@ -617,8 +619,8 @@ impl CriuDaemon {
     }
 
     /// The `--json` report of a task whose fault loop ended.
-    fn report(&self, t: &Task, ended: String, on_report: &(dyn Fn(&CriuReport) + Send + Sync)) {
-        t.conn.gone.store(true, Ordering::Relaxed);
+    fn report(&self, t: &Task, ended: End, on_report: &(dyn Fn(&CriuReport) + Send + Sync)) {
+        t.conn.inst.set_gone();
         self.active.fetch_sub(1, Ordering::Relaxed);
         let ended = t.ended.lock().expect("poisoned").take().unwrap_or(ended);
         let conn = ConnReport::from_counters(t.pid, &t.counters, t.t0.elapsed().as_secs_f64(), ended);
@@ -651,8 +653,8 @@ impl CriuDaemon {
     fn start_child(self: &Arc<Self>, parent: &Conn, uffd: userfaultfd::Uffd, layout: Option<TaskLayout>) {
         let counters = Arc::new(Counters::default());
         let conn = parent.child(uffd, counters.clone());
-        tracing::info!("criu: pid {} forked a child: serving its memory too", parent.pid);
-        let (task, h) = self.launch(conn, counters, layout, None, Instant::now(), Some(parent.pid));
+        tracing::info!("criu: pid {} forked a child: serving its memory too", parent.pid());
+        let (task, h) = self.launch(conn, counters, layout, None, Instant::now(), Some(parent.pid()));
         let mut f = self.forks.lock().expect("poisoned");
         if f.finished {
             if let Ok(p) = self.spawn_push(&task) {
@@ -673,8 +675,8 @@ impl CriuDaemon {
         error: Option<String>,
         t0: Instant,
         forked_from: Option<i32>,
-    ) -> (Arc<Task>, std::thread::JoinHandle<String>) {
-        let pid = conn.pid;
+    ) -> (Arc<Task>, std::thread::JoinHandle<End>) {
+        let pid = conn.pid();
         conn.on_fork = Some(self.fork_hook(layout.clone()));
         let conn = Arc::new(conn);
         let (ours, theirs) = match UnixStream::pair() {
@@ -691,9 +693,9 @@ impl CriuDaemon {
         let name = if forked_from.is_some() { "lazy-criu-child" } else { "lazy-criu-task" };
         let h = std::thread::Builder::new().name(name.into()).spawn(move || match theirs {
             Some(s) => conn.run(s, &stop),
-            None => "no socketpair".into(),
+            None => End::Failed("no socketpair".into()),
         });
-        let h = h.unwrap_or_else(|e| std::thread::spawn(move || format!("spawning the fault loop: {e}")));
+        let h = h.unwrap_or_else(|e| std::thread::spawn(move || End::Failed(format!("spawning the fault loop: {e}"))));
         (task, h)
     }
 
@@ -706,7 +708,7 @@ impl CriuDaemon {
     /// Set up a task's fault loop. A task whose pagemap cannot be used still gets one, that
     /// poisons every fault: closing its userfaultfd would let the kernel zero-fill memory
     /// that has content.
-    fn start_task(self: &Arc<Self>, pid: i32, uffd: OwnedFd) -> (Arc<Task>, std::thread::JoinHandle<String>) {
+    fn start_task(self: &Arc<Self>, pid: i32, uffd: OwnedFd) -> (Arc<Task>, std::thread::JoinHandle<End>) {
         let t0 = Instant::now();
         let (layout, mut error) = match self.layout(pid) {
             Ok(l) => (Some(l), None),
@@ -747,8 +749,10 @@ impl CriuDaemon {
         let fetcher = self.fetcher(file);
         let map = MemoryMap { regions, file_size: self.image.files[file].size, chunk_shift: self.image.chunk_shift() };
         let counters = Arc::new(Counters::default());
-        let mut conn = Conn::new(pid, uffd, map, fetcher, counters.clone(), self.counters.clone(), false);
-        conn.outside = outside;
+        let mut inst = Installer::new(pid, uffd, map, fetcher, Rec(counters.clone(), self.counters.clone()), false);
+        inst.outside = outside;
+        let started = Instant::now();
+        let mut conn = Conn::new(Arc::new(inst), Arc::new(Demand::new(started, None)), Arc::default(), started);
         conn.slice_faults = self.opts.slice_faults;
         self.launch(conn, counters, layout, error, t0, None)
     }
@@ -762,11 +766,11 @@ impl CriuDaemon {
             // daemon is stopped.
             return;
         };
-        let conn = &t.conn;
+        let (conn, inst) = (&t.conn, &t.conn.inst);
         let rate = self.opts.prefetch_rate;
         let t0 = Instant::now();
         let mut bytes = 0u64;
-        let mut outcome = "all pages installed".to_string();
+        let mut outcome = End::AllInstalled;
         let settle = |f: &dyn Fn() -> Pushed| -> Pushed {
             loop {
                 if self.stop.load(Ordering::Relaxed) {
@@ -780,18 +784,18 @@ impl CriuDaemon {
             }
         };
         let mut stuck = false;
-        'push: for (i, r) in conn.map.regions.iter().enumerate() {
-            let us = conn.map.unit_size(i);
+        'push: for (i, r) in inst.map.regions.iter().enumerate() {
+            let us = inst.map.unit_size(i);
             for unit in r.offset / us..=(r.offset + r.size - 1) / us {
-                let Some(span) = conn.map.span(i, unit) else { continue };
+                let Some(span) = inst.map.span(i, unit) else { continue };
                 // Faults waiting for fetches come first.
-                while conn.parked_faults.load(Ordering::Relaxed) > 0 && !self.stop.load(Ordering::Relaxed) {
+                while conn.demand.parked_faults() > 0 && !self.stop.load(Ordering::Relaxed) {
                     std::thread::sleep(Duration::from_millis(1));
                 }
-                match settle(&|| conn.push_span(&span)) {
+                match settle(&|| inst.push_span(&span)) {
                     Pushed::Done => {}
                     Pushed::Gone => {
-                        outcome = "the task's memory is gone".into();
+                        outcome = End::TaskGone;
                         break 'push;
                     }
                     Pushed::Stuck => stuck = true,
@@ -807,7 +811,7 @@ impl CriuDaemon {
             }
         }
         for &(a, b) in &layout.parent {
-            match settle(&|| conn.poison_range(a, b)) {
+            match settle(&|| inst.poison_range(a, b)) {
                 Pushed::Stuck => stuck = true,
                 Pushed::Gone => break,
                 _ => {}

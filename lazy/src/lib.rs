@@ -23,19 +23,46 @@
 //! connections over one image, one chunk cache and one in-flight map. The wire contract
 //! and the `--json` summary are in `spec/lazy.md`.
 //!
+//! | module | its one job |
+//! | --- | --- |
+//! | this file | the Firecracker front door: socket, admission, a thread per connection, metrics |
+//! | [`criu`] | the CRIU front door (`criu lazy-pages`): protocol, per-task setup, the push after restore |
+//! | `fault` | one connection's fault loop: reads the userfaultfd, parks faults on a fetch pool |
+//! | `slicing` | which part of a chunk a miss fetches (slice, readahead, whole) |
+//! | `install` | fetch -> verify -> install of chunks, slices, zeros and poison, for every caller |
+//! | `uffdio` | the three filling ioctls and their partial results |
+//! | `fetch` | verified chunks: recent memory -> chunk cache -> source, single-flight, retried |
+//! | [`prefetch`] | what goes ahead of the guest and when: the stream, its pacing, the detector |
+//! | [`workingset`] | replay of a recorded working set |
+//! | [`trace`] | the trace format and where traces are kept (layout tag, registry referrers) |
+//! | `record` | what a recording restore keeps until its trace is stored |
+//! | [`map`], [`handshake`], [`pagemap`], [`stats`] | address arithmetic, the handshake, CRIU's pagemap, counters |
+//!
+//! Who calls whom (no module calls back into one that calls it): the front doors make a
+//! `fault::Conn` per process; the fault loop, the stream ([`prefetch`]), the working-set
+//! replay and the CRIU push each fill memory only through `install::Installer`, which
+//! fetches through `fetch` and fills through `uffdio`. The fault loop tells the stream what
+//! it waits for through `prefetch::Demand` and looks up slices still on their way in
+//! `workingset::Pending`; neither of those knows the fault loop.
+//!
 //! Whoever connects gets the snapshot's memory copied into their address space, so the
 //! socket is the daemon's user's alone: it is created mode 0600 whatever the umask
 //! ([`listen`]), and every peer's credentials (`SO_PEERCRED`) are checked before a byte
 //! or a descriptor of theirs is read ([`admit`]).
 
 pub mod criu;
+mod fault;
 mod fetch;
 pub mod handshake;
+mod install;
 pub mod map;
 pub mod pagemap;
 pub mod prefetch;
+mod record;
+mod slicing;
 pub mod stats;
-mod uffd;
+pub mod trace;
+mod uffdio;
 pub mod workingset;
 
 use std::os::fd::{FromRawFd, IntoRawFd};
@@ -48,11 +75,13 @@ use std::time::{Duration, Instant};
 use imgfmt::{BlobSource, Image};
 
 pub use fetch::{ChunkStore, FetchFailure, RetryPolicy, DEFAULT_RETRY};
-pub use prefetch::{LayoutTraces, PrefetchMode, RegistryTraces, Trace, TraceStore, TRACE_MEDIA_TYPE};
-pub use stats::{ConnReport, Counters};
+pub use prefetch::PrefetchMode;
+pub use stats::{ConnReport, Counters, End};
+pub use trace::{LayoutTraces, RegistryTraces, Trace, TraceStore, TRACE_MEDIA_TYPE};
 
+use fault::Conn;
+use install::Installer;
 use map::MemoryMap;
-use uffd::Conn;
 
 /// A fault waiting longer than this is logged by the watchdog.
 pub const SLOW_FAULT: Duration = Duration::from_secs(1);
@@ -135,11 +164,37 @@ pub struct Daemon {
     conns: Mutex<Vec<Weak<Conn>>>,
     active: AtomicU64,
     total: AtomicU64,
-    trace: Mutex<Option<Trace>>,
+    /// The trace replayed, shared (never copied) by every connection.
+    replay: Mutex<Option<Replay>>,
     traces: Option<Box<dyn TraceStore>>,
     stop: Arc<AtomicBool>,
     /// Accept no more connections; return once those being served have ended.
     draining: AtomicBool,
+}
+
+/// A trace to replay and its working set's plan, made once and shared by every connection.
+struct Replay {
+    trace: Arc<Trace>,
+    /// `None`: no working set to replay (none recorded, or one that does not fit the image),
+    /// or a recording daemon (pages installed ahead would never fault, and the working set
+    /// it records would be only what the guest touched beyond the last).
+    plan: Option<Arc<workingset::Plan>>,
+}
+
+impl Replay {
+    fn new(image: &Image, file: usize, opts: &LazyOptions, trace: Trace) -> Replay {
+        let trace = Arc::new(trace);
+        // A recorded working set replaces the trace's chunk order: it holds what the guest
+        // touched, by slice, where the chunk order of a scattered guest is nearly every chunk.
+        let plan = match opts.prefetch {
+            PrefetchMode::Trace | PrefetchMode::All if !opts.record_trace => workingset::Plan::new(image, file, &trace).unwrap_or_else(|e| {
+                tracing::warn!("ignoring the trace's working set: {e}");
+                None
+            }),
+            _ => None,
+        };
+        Replay { trace, plan: plan.map(Arc::new) }
+    }
 }
 
 impl Daemon {
@@ -167,6 +222,17 @@ impl Daemon {
             },
             _ => None,
         };
+        if let Some(t) = &trace {
+            tracing::info!(
+                "using the trace {} (created {}): {} chunks, a working set of {} slices, {} zero chunks",
+                t.manifest.as_ref().map_or_else(|| "?".to_string(), |d| d.to_string()),
+                t.created.as_deref().unwrap_or("?"),
+                t.chunks.len(),
+                t.working_set.len(),
+                t.zero_chunks.len()
+            );
+        }
+        let replay = trace.map(|t| Replay::new(&image, file, &opts, t));
         let mut memory = opts.memory_bytes;
         if opts.record_trace {
             // Recording installs the guest's pages one fault at a time, each from its chunk
@@ -181,7 +247,7 @@ impl Daemon {
             conns: Mutex::new(Vec::new()),
             active: AtomicU64::new(0),
             total: AtomicU64::new(0),
-            trace: Mutex::new(trace),
+            replay: Mutex::new(replay),
             traces,
             stop: Arc::new(AtomicBool::new(false)),
             draining: AtomicBool::new(false),
@@ -189,7 +255,7 @@ impl Daemon {
     }
 
     pub fn has_trace(&self) -> bool {
-        self.trace.lock().expect("poisoned").is_some()
+        self.replay.lock().expect("poisoned").is_some()
     }
 
     /// Daemon-wide counters as Prometheus text.
@@ -282,10 +348,10 @@ impl Daemon {
                 for c in conns {
                     if let Some((addr, waited)) = c.waiting() {
                         // Once a second per stuck fault: loud enough to see, not a flood.
-                        let key = (c.pid, addr);
+                        let key = (c.pid(), addr);
                         let due = warned.get(&key).is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
                         if waited >= SLOW_FAULT && due {
-                            tracing::warn!("watchdog: pid {}: fault at {addr:#x} waiting {:.1}s", c.pid, waited.as_secs_f64());
+                            tracing::warn!("watchdog: pid {}: fault at {addr:#x} waiting {:.1}s", c.pid(), waited.as_secs_f64());
                             warned.insert(key, Instant::now());
                         }
                     }
@@ -328,7 +394,35 @@ impl Daemon {
         tracing::info!("pid {}: {} region(s), {} of {}", hs.pid, regions.len(), imgfmt::size::human(total_bytes), file.name);
         let map = MemoryMap { regions, file_size: file.size, chunk_shift: image.chunk_shift() };
         let counters = Arc::new(Counters::default());
-        let mut conn = Conn::new(hs.pid, uffd, map, self.fetcher.clone(), counters.clone(), self.counters.clone(), self.opts.record_trace);
+        let started = Instant::now();
+        let inst =
+            Arc::new(Installer::new(hs.pid, uffd, map, self.fetcher.clone(), stats::Rec(counters.clone(), self.counters.clone()), self.opts.record_trace));
+        self.active.fetch_add(1, Ordering::Relaxed);
+        self.total.fetch_add(1, Ordering::Relaxed);
+
+        // Shared, not copied: what a connection holds of a trace is a reference to it, and
+        // what it makes of it (the stream's order, the pending slices) is sized by the image.
+        let (trace, plan) = match &*self.replay.lock().expect("poisoned") {
+            Some(r) => (Some(r.trace.clone()), r.plan.clone()),
+            None => (None, None),
+        };
+        let chunk_trace = if plan.is_some() { None } else { trace.as_deref() };
+        let (mut order, traced) = prefetch::stream_order(self.opts.prefetch, chunk_trace, &image, self.fetcher.file);
+        let mut detector = None;
+        match (self.opts.prefetch, self.opts.stream_after) {
+            (PrefetchMode::All, _) => {}
+            (PrefetchMode::Trace, Some(f)) => {
+                let f = if plan.is_some() { f.max(prefetch::REPLAY_STREAM_AFTER) } else { f };
+                detector = Some(prefetch::Detector::new(&image, self.fetcher.file, f));
+            }
+            // Nothing will let the rest go.
+            _ => order.truncate(traced),
+        }
+        let demand = Arc::new(prefetch::Demand::new(started, detector));
+        if self.opts.prefetch == PrefetchMode::All {
+            demand.go();
+        }
+        let mut conn = Conn::new(inst.clone(), demand.clone(), Arc::default(), started);
         conn.slice_faults = self.opts.slice_faults;
         let conn = Arc::new(conn);
         {
@@ -336,51 +430,24 @@ impl Daemon {
             cs.retain(|w| w.strong_count() > 0);
             cs.push(Arc::downgrade(&conn));
         }
-        self.active.fetch_add(1, Ordering::Relaxed);
-        self.total.fetch_add(1, Ordering::Relaxed);
-
-        let trace = self.trace.lock().expect("poisoned").clone();
-        // A recorded working set replaces the trace's chunk order: it holds what the guest
-        // touched, by slice, where the chunk order of a scattered guest is nearly every chunk.
-        // A recording restore replays none: pages installed ahead would never fault, and
-        // the working set it records would be only what the guest touched beyond the last.
-        let plan = match (self.opts.prefetch, &trace) {
-            (PrefetchMode::Trace | PrefetchMode::All, Some(t)) if !self.opts.record_trace => workingset::Plan::new(&image, self.fetcher.file, t)
-                .unwrap_or_else(|e| {
-                    tracing::warn!("pid {}: ignoring the trace's working set: {e}", hs.pid);
-                    None
-                }),
-            _ => None,
-        };
-        let chunk_trace = if plan.is_some() { None } else { trace.as_ref() };
-        let (mut order, traced) = prefetch::stream_order(self.opts.prefetch, chunk_trace, &image, self.fetcher.file);
-        match (self.opts.prefetch, self.opts.stream_after) {
-            (PrefetchMode::All, _) => conn.start_stream(),
-            (PrefetchMode::Trace, Some(f)) => {
-                let f = if plan.is_some() { f.max(prefetch::REPLAY_STREAM_AFTER) } else { f };
-                *conn.detector.lock().expect("poisoned") = Some(prefetch::Detector::new(&image, self.fetcher.file, f))
-            }
-            // Nothing will let the rest go.
-            _ => order.truncate(traced),
-        }
         let stop_prefetch = Arc::new(AtomicBool::new(false));
         let prefetcher = (!order.is_empty()).then(|| {
-            let (c, s, rate, jobs) = (conn.clone(), stop_prefetch.clone(), self.opts.prefetch_rate, self.opts.stream_jobs);
-            std::thread::Builder::new().name("lazy-prefetch".into()).spawn(move || prefetch::run(c, order, traced, jobs, rate, s))
+            let (i, d, s, rate, jobs) = (inst.clone(), demand.clone(), stop_prefetch.clone(), self.opts.prefetch_rate, self.opts.stream_jobs);
+            std::thread::Builder::new().name("lazy-prefetch".into()).spawn(move || prefetch::run(i, d, order, traced, jobs, rate, s))
         });
         let replayer = plan.map(|p| {
             tracing::info!("pid {}: replaying a working set of {} slices and {} zero chunks", hs.pid, p.slices(), p.zero_chunks());
-            workingset::arm(&conn, &p);
-            let (c, s, src) = (conn.clone(), stop_prefetch.clone(), self.fetcher.source());
-            std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || workingset::replay(c, p, src, s))
+            conn.ws.arm(&p);
+            let (i, ws, s, src) = (inst.clone(), conn.ws.clone(), stop_prefetch.clone(), self.fetcher.source());
+            std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || workingset::replay(i, ws, p, src, s))
         });
         if let Some(Err(e)) = &replayer {
             // No replay will install them: the faults fetch for themselves.
             tracing::warn!("pid {}: no working-set replay: {e}", hs.pid);
-            workingset::disarm(&conn);
+            conn.ws.disarm();
         }
         let ended = conn.run(stream, &self.stop);
-        conn.gone.store(true, Ordering::Relaxed);
+        inst.set_gone();
         stop_prefetch.store(true, Ordering::Relaxed);
         let mut stream_run = prefetch::StreamRun::default();
         if let Some(Ok(h)) = prefetcher {
@@ -392,28 +459,19 @@ impl Daemon {
         }
         self.active.fetch_sub(1, Ordering::Relaxed);
         let mut report = ConnReport::from_counters(hs.pid, &counters, t0.elapsed().as_secs_f64(), ended);
+        if self.opts.prefetch != PrefetchMode::None {
+            report.trace_digest = trace.as_ref().and_then(|t| t.manifest.as_ref()).map(|d| d.to_string());
+        }
         report.stream_depth = stream_run.depth as u64;
         report.stream_rtt_ms = stream_run.rtt.map(|d| d.as_secs_f64() * 1e3);
-        report.working_set_s = replayed.map(|d| d.as_secs_f64());
-        report.stream_started_s = match conn.stream_started_us.load(Ordering::Relaxed) {
-            0 => None,
-            us => Some((us - 1) as f64 / 1e6),
-        };
+        report.working_set_s = replayed.map(|at: Instant| at.duration_since(started).as_secs_f64());
+        report.stream_started_s = demand.went_after().map(|d| d.as_secs_f64());
         if self.opts.record_trace {
-            let (chunks, working_set, ws_bytes, zero_chunks) = {
-                let mut st = conn.state.lock().expect("poisoned");
-                (st.trace.take(), st.working_set.take(), std::mem::take(&mut st.working_set_bytes), st.zero_touched.take())
-            };
-            let mut t = Trace::new(&file.name, 1 << image.chunk_shift(), chunks);
-            t.working_set = working_set;
-            t.zero_chunks = zero_chunks;
-            if !ws_bytes.is_empty() {
-                t.working_set_blob = Some(imgfmt::Descriptor::new(prefetch::WORKING_SET_MEDIA_TYPE, imgfmt::OciDigest::of(&ws_bytes), ws_bytes.len() as u64));
-            }
+            let (mut t, ws_bytes) = inst.take_recording().take_trace(&file.name, 1 << image.chunk_shift());
             report.working_set_recorded = t.working_set.len() as u64;
             match &self.traces {
                 Some(store) if !t.chunks.is_empty() => match store.store(&image, &t, &ws_bytes) {
-                    Ok(at) => {
+                    Ok((at, digest)) => {
                         tracing::info!(
                             "pid {}: trace of {} chunks and a working set of {} slices ({}) stored at {at}",
                             hs.pid,
@@ -422,7 +480,8 @@ impl Daemon {
                             imgfmt::size::human(ws_bytes.len() as u64)
                         );
                         report.trace = Some(at);
-                        *self.trace.lock().expect("poisoned") = Some(t);
+                        t.manifest = Some(digest);
+                        *self.replay.lock().expect("poisoned") = Some(Replay::new(&image, self.fetcher.file, &self.opts, t));
                     }
                     Err(e) => tracing::warn!("pid {}: storing the trace failed: {e}", hs.pid),
                 },
@@ -534,6 +593,15 @@ fn listen(path: &std::path::Path, ready: Option<&std::path::Path>, who: &str, ta
     Ok((listener, cleanup))
 }
 
+/// Metrics connections served at once, at most; one more is closed unanswered. Each is
+/// served on a thread of its own, so a client that dawdles holds its own slot, never the
+/// listener: a scraper is answered beside up to this many slow clients.
+pub const MAX_METRICS_CONNECTIONS: usize = 8;
+/// A metrics client has this long, in all, to send its request line and take the answer
+/// (a deadline for the whole exchange, not per read: a client sending a byte now and then
+/// is cut off all the same).
+pub const METRICS_DEADLINE: Duration = Duration::from_secs(2);
+
 /// Serve `GET /metrics` on `addr` from a background thread, answering with `text(owner)`
 /// while `owner` lives (the Firecracker and the CRIU daemons both); returns the bound
 /// address.
@@ -541,13 +609,26 @@ fn serve_metrics<T: Send + Sync + 'static>(owner: &Arc<T>, addr: &str, text: fn(
     let l = std::net::TcpListener::bind(addr).map_err(io_err(format!("binding metrics address {addr}")))?;
     let bound = l.local_addr().map_err(io_err("metrics address"))?;
     let me = Arc::downgrade(owner);
+    let busy = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("lazy-metrics".into())
         .spawn(move || {
             for s in l.incoming() {
                 let Some(d) = me.upgrade() else { return };
-                if let Ok(s) = s {
-                    let _ = answer_metrics_text(s, &text(&d));
+                let Ok(s) = s else { continue };
+                if busy.fetch_add(1, Ordering::Relaxed) >= MAX_METRICS_CONNECTIONS {
+                    busy.fetch_sub(1, Ordering::Relaxed);
+                    tracing::debug!("metrics: {MAX_METRICS_CONNECTIONS} connections being served; closing another");
+                    continue;
+                }
+                let (body, slot) = (text(&d), busy.clone());
+                drop(d);
+                let spawned = std::thread::Builder::new().name("lazy-metrics-conn".into()).spawn(move || {
+                    let _ = answer_metrics_text(s, &body, Instant::now() + METRICS_DEADLINE);
+                    slot.fetch_sub(1, Ordering::Relaxed);
+                });
+                if spawned.is_err() {
+                    busy.fetch_sub(1, Ordering::Relaxed);
                 }
             }
         })
@@ -555,30 +636,28 @@ fn serve_metrics<T: Send + Sync + 'static>(owner: &Arc<T>, addr: &str, text: fn(
     Ok(bound)
 }
 
-/// Answer one HTTP request: `text` for `GET /metrics`, 404 otherwise.
-fn answer_metrics_text(mut s: std::net::TcpStream, text: &str) -> std::io::Result<()> {
-    use std::io::Write;
-    s.set_read_timeout(Some(Duration::from_secs(2)))?;
-    let mut line = String::new();
-    std::io::BufReader::new(s.try_clone()?).take_line(&mut line)?;
-    let (status, body) = if line.starts_with("GET /metrics ") || line.starts_with("GET /metrics\r") {
-        ("200 OK", text.to_string())
+/// Answer one HTTP request before `deadline`: `text` for `GET /metrics`, 404 otherwise.
+fn answer_metrics_text(mut s: std::net::TcpStream, text: &str, deadline: Instant) -> std::io::Result<()> {
+    use std::io::{Read, Write};
+    let left = || deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()).ok_or(std::io::ErrorKind::TimedOut);
+    // The request line, at most 8 KiB, before the deadline however it trickles in.
+    let mut line = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !line.contains(&b'\n') && line.len() < 8192 {
+        s.set_read_timeout(Some(left()?))?;
+        match s.read(&mut buf)? {
+            0 => break,
+            n => line.extend_from_slice(&buf[..n]),
+        }
+    }
+    let (status, body) = if line.starts_with(b"GET /metrics ") || line.starts_with(b"GET /metrics\r") {
+        ("200 OK", text)
     } else {
-        ("404 Not Found", "not found; try /metrics\n".to_string())
+        ("404 Not Found", "not found; try /metrics\n")
     };
+    s.set_write_timeout(Some(left()?))?;
     write!(s, "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())?;
     Ok(())
-}
-
-trait TakeLine {
-    fn take_line(&mut self, out: &mut String) -> std::io::Result<()>;
-}
-impl<R: std::io::BufRead> TakeLine for R {
-    /// One request line, at most 8 KiB.
-    fn take_line(&mut self, out: &mut String) -> std::io::Result<()> {
-        let mut limited = std::io::Read::take(self, 8192);
-        std::io::BufRead::read_line(&mut limited, out).map(|_| ())
-    }
 }
 
 struct RemoveOnDrop(PathBuf);

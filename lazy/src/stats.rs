@@ -145,6 +145,9 @@ pub struct Counters {
     /// Slices the working-set replay installed, and the bytes it read for them.
     pub ws_slices: AtomicU64,
     pub ws_bytes: AtomicU64,
+    /// Slices of the working-set blob that failed their check and were not installed (the
+    /// blob is a hint: not part of `verify_failures`).
+    pub ws_rejected: AtomicU64,
     pub latency: Histogram,
 }
 
@@ -179,6 +182,37 @@ pub struct FaultCounts {
     pub fetched: u64,
     pub present: u64,
     pub total: u64,
+}
+
+/// Why a connection (or a CRIU task) ended: the `ended` field of its report, which is
+/// this message.
+#[derive(Debug, Clone, PartialEq, Eq, displaydoc::Display)]
+#[non_exhaustive]
+pub enum End {
+    /// peer closed the socket
+    PeerClosed,
+    /// userfaultfd closed
+    UffdClosed,
+    /// daemon stopping
+    Stopping,
+    /// the VMM's memory is gone
+    VmmGone,
+    /// the process's memory is gone
+    ProcessGone,
+    /// all pages installed
+    AllInstalled,
+    /// the task's memory is gone
+    TaskGone,
+    /// the restore failed or was stopped
+    RestoreFailed,
+    /// {0}
+    Failed(String),
+}
+
+impl Serialize for End {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
 }
 
 /// The `--json` line printed when a connection ends (see spec/lazy.md).
@@ -218,6 +252,10 @@ pub struct ConnReport {
     /// Faults on a slice the replay was still fetching: they waited for it, not for a
     /// fetch of their own (part of `faults.present`).
     pub working_set_waits: u64,
+    /// Slices of the working-set blob that failed their check against the outboard and
+    /// were not installed (the guest's touches there were served by the fault path,
+    /// verified; not part of `verify_failures`).
+    pub working_set_rejected_slices: u64,
     /// Seconds after the connection started at which the replay was done (`null`: none ran).
     pub working_set_s: Option<f64>,
     /// Slices recorded into the working set stored with the trace (with --record-trace).
@@ -225,14 +263,17 @@ pub struct ConnReport {
     pub latency_us: Latency,
     pub seconds: f64,
     /// Why the connection ended.
-    pub ended: String,
+    pub ended: End,
+    /// The digest of the trace manifest this connection replayed (its working set or its
+    /// chunk order; `null`: none).
+    pub trace_digest: Option<String>,
     /// Where the recorded trace went (with --record-trace).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub trace: Option<String>,
 }
 
 impl ConnReport {
-    pub fn from_counters(pid: i32, c: &Counters, seconds: f64, ended: String) -> Self {
+    pub fn from_counters(pid: i32, c: &Counters, seconds: f64, ended: End) -> Self {
         let l = |a: &AtomicU64| a.load(Relaxed);
         ConnReport {
             pid,
@@ -255,11 +296,13 @@ impl ConnReport {
             working_set_slices: l(&c.ws_slices),
             working_set_bytes: l(&c.ws_bytes),
             working_set_waits: l(&c.ws_waits),
+            working_set_rejected_slices: l(&c.ws_rejected),
             working_set_s: None,
             working_set_recorded: 0,
             latency_us: c.latency.latency(),
             seconds,
             ended,
+            trace_digest: None,
             trace: None,
         }
     }
@@ -289,6 +332,7 @@ pub fn prometheus(c: &Counters, connections_active: u64, connections_total: u64)
         ("snapctl_lazy_slice_fetches_total", "Faults served by a fetch of verified slices rather than the whole chunk.", &c.slice_fetches),
         ("snapctl_lazy_working_set_slices_total", "Slices the replay of a recorded working set installed.", &c.ws_slices),
         ("snapctl_lazy_working_set_waits_total", "Faults that waited for the working-set replay instead of fetching.", &c.ws_waits),
+        ("snapctl_lazy_working_set_rejected_slices_total", "Slices of a working-set blob that failed their check and were not installed.", &c.ws_rejected),
     ] {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", l(v));
     }
@@ -337,6 +381,18 @@ mod tests {
         h.record(2_000_000);
         let l = h.latency();
         assert_eq!((l.p50, l.p99, l.max), (10, 10, 2_000_000));
+    }
+
+    /// A connection's end is a type in the code and the same sentence as before in
+    /// `--json` (spec/lazy.md lists them).
+    #[test]
+    fn an_end_reads_as_its_sentence_in_json() {
+        assert_eq!(serde_json::to_string(&End::PeerClosed).unwrap(), r#""peer closed the socket""#);
+        assert_eq!(serde_json::to_string(&End::AllInstalled).unwrap(), r#""all pages installed""#);
+        assert_eq!(End::Failed("poll failed: EBADF".into()).to_string(), "poll failed: EBADF");
+        let r = ConnReport::from_counters(1, &Counters::default(), 0.5, End::TaskGone);
+        let v: serde_json::Value = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["ended"], "the task's memory is gone");
     }
 
     #[test]

@@ -8,8 +8,8 @@
 //!   plan: offset -> (chunk, slice, length from the outboard), blob offsets summed
 //!   RANGES_IN_FLIGHT readers: ranges of <= RANGE_BYTES of the blob, in order
 //!     -> verify::check_slice (entry merged to the chunk digest, slice CV) per slice
-//!     -> Conn::install_slices_with (pages still missing, never over removed memory)
-//!     -> off `ws_pending`: a fault parked on the slice is woken by the install
+//!     -> Installer::install_slices (pages still missing, never over removed memory)
+//!     -> off the `Pending` set: a fault parked on the slice is woken by the install
 //! ```
 //! The blob is not trusted: a slice that fails its check is not installed, and a fault
 //! on it takes the fault path (a verified fetch of its own). Nothing here holds a fault up
@@ -17,13 +17,14 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use imgfmt::{BlobSource, Descriptor, Image, RetryPolicy};
 
-use crate::prefetch::Trace;
-use crate::uffd::Conn;
+use crate::install::Installer;
+use crate::stats::End;
+use crate::trace::Trace;
 
 /// Bytes of the blob one request reads at most: small enough that the first ranges (the
 /// first pages the guest touched) arrive early, large enough that a range costs much more
@@ -39,21 +40,23 @@ const RANGE_RETRY: RetryPolicy = RetryPolicy::attempts(3);
 struct Entry {
     chunk: u64,
     slice: u32,
-    /// Its file offset (the key of `Conn::ws_pending`).
+    /// Its file offset (the key of [`Pending`]).
     at: u64,
     /// Where its bytes are in the blob, and how many.
     blob_at: u64,
     len: u64,
 }
 
-/// Where each listed slice's bytes are in the blob, checked against the image.
+/// Where each listed slice's bytes are in the blob, checked against the image. Made once
+/// per trace and shared by every connection that replays it.
 #[derive(Debug, Clone)]
 pub struct Plan {
     entries: Vec<Entry>,
     /// `None` when the trace lists zero chunks but no working set.
     blob: Option<Descriptor>,
-    /// Zero chunks the recorded restore touched: installed as zeros, nothing fetched.
-    zero_chunks: Vec<u64>,
+    /// The trace: its zero chunks (those the recorded restore touched) are installed as
+    /// zeros, nothing fetched.
+    trace: Arc<Trace>,
 }
 
 impl Plan {
@@ -61,13 +64,13 @@ impl Plan {
     /// loaded). `Ok(None)`: the trace has none. An offset that is not the start of a slice
     /// the outboard describes, one listed twice, or a blob whose size is not the sum of the
     /// slices': an error (the whole working set is refused; the restore goes on without).
-    pub fn new(image: &Image, file: usize, trace: &Trace) -> Result<Option<Plan>, String> {
+    pub fn new(image: &Image, file: usize, trace: &Arc<Trace>) -> Result<Option<Plan>, String> {
         let chunks = &image.files[file].chunks;
-        // Checked when replayed, by the fault path's own test (`Fetcher::is_zero`).
-        let zero_chunks = trace.zero_chunks.clone();
+        // The zero chunks are checked when replayed, by the fault path's own test
+        // (`Fetcher::is_zero`).
         let blob = trace.working_set_blob.clone().filter(|_| !trace.working_set.is_empty());
         let Some(blob) = blob else {
-            return Ok((!zero_chunks.is_empty()).then(|| Plan { entries: Vec::new(), blob: None, zero_chunks }));
+            return Ok((!trace.zero_chunks.is_empty()).then(|| Plan { entries: Vec::new(), blob: None, trace: trace.clone() }));
         };
         let shift = image.chunk_shift();
         let n = chunks.len() as u64;
@@ -95,7 +98,7 @@ impl Plan {
         if blob_at != blob.size {
             return Err(format!("working-set blob {} is {} bytes, its slices {blob_at}", blob.digest, blob.size));
         }
-        Ok(Some(Plan { entries, blob: Some(blob), zero_chunks }))
+        Ok(Some(Plan { entries, blob: Some(blob), trace: trace.clone() }))
     }
 
     pub fn slices(&self) -> usize {
@@ -103,7 +106,7 @@ impl Plan {
     }
 
     pub fn zero_chunks(&self) -> usize {
-        self.zero_chunks.len()
+        self.trace.zero_chunks.len()
     }
 
     /// The entries in ranges of consecutive blob bytes of at most [`RANGE_BYTES`] (a slice
@@ -125,33 +128,81 @@ impl Plan {
     }
 }
 
-/// Put every slice of `plan` in `conn.ws_pending`, so that faults on it wait for the
-/// replay instead of fetching: before the connection's fault loop reads its first fault.
-pub(crate) fn arm(conn: &Conn, plan: &Plan) {
-    conn.ws_pending.lock().expect("poisoned").extend(plan.entries.iter().map(|e| e.at));
-    conn.ws_active.store(true, Ordering::Relaxed);
+/// Working-set slices (file offsets) a replay is fetching: a fault on one waits for the
+/// replay instead of fetching (the fault loop looks them up while the set is active).
+/// One bit per 4 KiB of the memory file up to the last slice listed (working-set offsets
+/// are slice starts, and slices are at least 4 KiB): a connection's share of a replay is
+/// sized by the image, whatever the trace.
+#[derive(Default)]
+pub(crate) struct Pending {
+    bits: Mutex<Vec<u64>>,
+    active: AtomicBool,
 }
 
-/// Undo [`arm`]: faults on the working set fetch for themselves.
-pub(crate) fn disarm(conn: &Conn) {
-    conn.ws_active.store(false, Ordering::Relaxed);
-    conn.ws_pending.lock().expect("poisoned").clear();
+/// The word and bit of file offset `at` in [`Pending`].
+fn bit(at: u64) -> (usize, u64) {
+    let i = at >> imgfmt::outboard::MIN_SLICE_SHIFT;
+    ((i / 64) as usize, 1 << (i % 64))
 }
 
-/// Replay `plan` into `conn` (armed with [`arm`]): every slice stays in `conn.ws_pending`
-/// until it is installed or given up. Returns when every range is done, the connection
-/// ends or `stop` is set; the pending set is cleared on the way out whatever happened.
-pub(crate) fn replay(conn: Arc<Conn>, plan: Plan, src: Arc<dyn BlobSource>, stop: Arc<AtomicBool>) -> Option<Duration> {
-    struct Clear<'a>(&'a Conn);
-    impl Drop for Clear<'_> {
-        fn drop(&mut self) {
-            disarm(self.0);
+impl Pending {
+    /// Mark every slice of `plan` pending, so that faults on it wait for the replay
+    /// instead of fetching: before the connection's fault loop reads its first fault.
+    pub fn arm(&self, plan: &Plan) {
+        let mut bits = self.bits.lock().expect("poisoned");
+        for e in &plan.entries {
+            let (w, b) = bit(e.at);
+            if w >= bits.len() {
+                bits.resize(w + 1, 0);
+            }
+            bits[w] |= b;
+        }
+        self.active.store(true, Ordering::Relaxed);
+    }
+
+    /// Undo [`arm`](Self::arm): faults on the working set fetch for themselves.
+    pub fn disarm(&self) {
+        self.active.store(false, Ordering::Relaxed);
+        *self.bits.lock().expect("poisoned") = Vec::new();
+    }
+
+    /// Whether a replay is running (faults then look their slice up).
+    pub fn active(&self) -> bool {
+        self.active.load(Ordering::Relaxed)
+    }
+
+    /// Whether the slice at file offset `at` is still on its way.
+    pub fn contains(&self, at: u64) -> bool {
+        let (w, b) = bit(at);
+        self.bits.lock().expect("poisoned").get(w).is_some_and(|x| x & b != 0)
+    }
+
+    fn done(&self, entries: &[Entry]) {
+        let mut bits = self.bits.lock().expect("poisoned");
+        for e in entries {
+            let (w, b) = bit(e.at);
+            if let Some(x) = bits.get_mut(w) {
+                *x &= !b;
+            }
         }
     }
-    let _clear = Clear(&conn);
+}
+
+/// Replay `plan` into `inst`'s process (`pending` armed with [`Pending::arm`]): every slice
+/// stays pending until it is installed or given up. Returns when it was done, unless the
+/// connection ended or `stop` was set first; `pending` is disarmed on the way out whatever
+/// happened.
+pub(crate) fn replay(inst: Arc<Installer>, pending: Arc<Pending>, plan: Arc<Plan>, src: Arc<dyn BlobSource>, stop: Arc<AtomicBool>) -> Option<Instant> {
+    struct Clear<'a>(&'a Pending);
+    impl Drop for Clear<'_> {
+        fn drop(&mut self) {
+            self.0.disarm();
+        }
+    }
+    let _clear = Clear(&pending);
     let ranges = plan.ranges();
     let next = AtomicUsize::new(0);
-    let ended = || stop.load(Ordering::Relaxed) || conn.gone.load(Ordering::Relaxed);
+    let ended = || stop.load(Ordering::Relaxed) || inst.gone();
     std::thread::scope(|s| {
         if let Some(blob) = &plan.blob {
             for _ in 0..RANGES_IN_FLIGHT.min(ranges.len()) {
@@ -160,7 +211,9 @@ pub(crate) fn replay(conn: Arc<Conn>, plan: Plan, src: Arc<dyn BlobSource>, stop
                     if i >= ranges.len() || ended() {
                         return;
                     }
-                    replay_range(&conn, blob, &plan.entries[ranges[i].clone()], src.as_ref());
+                    let entries = &plan.entries[ranges[i].clone()];
+                    replay_range(&inst, blob, entries, src.as_ref());
+                    pending.done(entries);
                 });
                 if spawned.is_err() {
                     break;
@@ -168,25 +221,25 @@ pub(crate) fn replay(conn: Arc<Conn>, plan: Plan, src: Arc<dyn BlobSource>, stop
             }
         }
         // While the ranges are on their way: the zero chunks, from here (no fetch).
-        for &c in &plan.zero_chunks {
+        for &c in &plan.trace.zero_chunks {
             if ended() {
                 break;
             }
             // Only where the image agrees the chunk is zero (a zero record with the digest
             // of zeros): a trace is a hint, never a source of bytes.
-            if !matches!(conn.fetcher.is_zero(c), Ok(true)) {
+            if !matches!(inst.fetcher.is_zero(c), Ok(true)) {
                 continue;
             }
-            for span in conn.map.spans_of_chunk(c) {
-                conn.prefetch_zero_span(&span);
+            for span in inst.map.spans_of_chunk(c) {
+                inst.prefetch_zero_span(&span);
             }
         }
     });
-    (!ended()).then(|| conn.started.elapsed())
+    (!ended()).then(Instant::now)
 }
 
 /// Fetch one range of the blob, check each slice, install those that pass.
-fn replay_range(conn: &Conn, blob: &Descriptor, entries: &[Entry], src: &dyn BlobSource) {
+fn replay_range(inst: &Installer, blob: &Descriptor, entries: &[Entry], src: &dyn BlobSource) {
     let (first, last) = (entries[0], entries[entries.len() - 1]);
     let len = (last.blob_at + last.len - first.blob_at) as usize;
     let bytes = match imgfmt::source::read_range_retrying(src, &blob.digest, first.blob_at, len, RANGE_RETRY, |_| {}) {
@@ -194,7 +247,7 @@ fn replay_range(conn: &Conn, blob: &Descriptor, entries: &[Entry], src: &dyn Blo
         Ok(b) => {
             tracing::warn!(
                 "pid {}: working-set blob {}: {} bytes at {} instead of {len}; its slices take the fault path",
-                conn.pid,
+                inst.pid,
                 blob.digest,
                 b.len(),
                 first.blob_at
@@ -202,13 +255,13 @@ fn replay_range(conn: &Conn, blob: &Descriptor, entries: &[Entry], src: &dyn Blo
             None
         }
         Err(e) => {
-            tracing::warn!("pid {}: working-set blob {}: {e}; its slices take the fault path", conn.pid, blob.digest);
+            tracing::warn!("pid {}: working-set blob {}: {e}; its slices take the fault path", inst.pid, blob.digest);
             None
         }
     };
     if let Some(bytes) = bytes {
-        conn.rec.add(|c| &c.ws_bytes, len as u64);
-        let image = &conn.fetcher.image;
+        inst.rec.add(|c| &c.ws_bytes, len as u64);
+        let image = &inst.fetcher.image;
         let mut i = 0;
         // Slices of one chunk go in together (one install pass over its spans).
         while i < entries.len() {
@@ -217,39 +270,67 @@ fn replay_range(conn: &Conn, blob: &Descriptor, entries: &[Entry], src: &dyn Blo
             while i < entries.len() && entries[i].chunk == chunk {
                 let e = entries[i];
                 let piece = bytes.slice((e.blob_at - first.blob_at) as usize..(e.blob_at - first.blob_at + e.len) as usize);
-                match verify::check_slice(image, conn.fetcher.file, chunk, e.slice, piece) {
+                match verify::check_slice(image, inst.fetcher.file, chunk, e.slice, piece) {
                     Ok(v) => verified.push(v),
+                    // The blob is a hint, not the image: a slice of it that fails its check
+                    // is not installed, and the guest's touch there is served (verified) by
+                    // the fault path. Nothing wrong reached the guest: a warning, counted
+                    // apart from the image's own verification failures.
                     Err(err) => {
-                        conn.rec.add(|c| &c.verify_failures, 1);
-                        tracing::error!("pid {}: working-set blob {}: {err}; that slice takes the fault path", conn.pid, blob.digest);
+                        inst.rec.add(|c| &c.ws_rejected, 1);
+                        tracing::warn!(
+                            "pid {}: working-set blob {}: {err}; that slice is not installed (a fault there fetches it, verified)",
+                            inst.pid,
+                            blob.digest
+                        );
                     }
                 }
                 i += 1;
             }
             if !verified.is_empty() {
-                install(conn, chunk, &verified);
+                install(inst, chunk, &verified);
             }
         }
-    }
-    let mut pending = conn.ws_pending.lock().expect("poisoned");
-    for e in entries {
-        pending.remove(&e.at);
     }
 }
 
 /// Install verified slices from this (non-fault) thread: while the address space is
 /// changing, wait for the fault thread to read the events, a while at most.
-fn install(conn: &Conn, chunk: u64, slices: &[verify::VerifiedSlice]) {
+fn install(inst: &Installer, chunk: u64, slices: &[verify::VerifiedSlice]) {
     let t0 = Instant::now();
     let mut again = || {
-        if t0.elapsed() > Duration::from_secs(1) || conn.gone.load(Ordering::Relaxed) {
-            return Err("the address space kept changing".to_string());
+        if t0.elapsed() > Duration::from_secs(1) || inst.gone() {
+            return Err(End::Failed("the address space kept changing".to_string()));
         }
         std::thread::sleep(Duration::from_millis(1));
         Ok(())
     };
-    match conn.install_slices_with(chunk, slices, &mut again) {
-        Ok(()) => conn.rec.add(|c| &c.ws_slices, slices.len() as u64),
-        Err(e) => tracing::debug!("pid {}: working-set slices of chunk {chunk} not installed: {e}", conn.pid),
+    match inst.install_slices(chunk, slices, &mut again) {
+        Ok(()) => inst.rec.add(|c| &c.ws_slices, slices.len() as u64),
+        Err(e) => tracing::debug!("pid {}: working-set slices of chunk {chunk} not installed: {e}", inst.pid),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the fault loop looks up while a replay runs: every planned slice is pending
+    /// once armed, leaves as its range is done, and nothing is pending once disarmed.
+    #[test]
+    fn pending_slices_are_armed_done_and_disarmed() {
+        let entry = |at: u64| Entry { chunk: at >> 16, slice: ((at & 0xffff) >> 12) as u32, at, blob_at: 0, len: 4096 };
+        let plan =
+            Plan { entries: vec![entry(0x1000), entry(0x23000), entry(0x5f000)], blob: None, trace: Arc::new(Trace::new("vm.mem", 1 << 16, Vec::new())) };
+        let p = Pending::default();
+        assert!(!p.active() && !p.contains(0x1000));
+        p.arm(&plan);
+        assert!(p.active());
+        assert!(p.contains(0x1000) && p.contains(0x23000) && p.contains(0x5f000));
+        assert!(!p.contains(0x2000));
+        p.done(&plan.entries[..2]);
+        assert!(!p.contains(0x1000) && !p.contains(0x23000) && p.contains(0x5f000));
+        p.disarm();
+        assert!(!p.active() && !p.contains(0x5f000));
     }
 }

@@ -40,6 +40,8 @@ pub enum CredentialsError {
     HelperNotRun { program: String, origin: String, config: std::path::PathBuf, source: std::io::Error },
     /// {program} {action} failed ({status}): {message}
     HelperFailed { program: String, action: &'static str, status: String, message: String },
+    /// {program} {action} did not answer within {secs} s ({origin} in {config}): killed it; SNAPCTL_CREDENTIAL_HELPER_TIMEOUT sets how long to wait
+    HelperTimedOut { program: String, action: &'static str, secs: f64, origin: String, config: std::path::PathBuf },
     /// {program} get: not the credentials JSON ({reason})
     HelperAnswer { program: String, reason: String },
 }

@@ -8,6 +8,7 @@
 //! lib.rs       RegistrySource: HTTP(S), auth challenges, retries; the read half (BlobSource)
 //! upload.rs    write half: HEAD, mount, POST/PATCH/PUT uploads with resume, manifest PUT
 //! referrers.rs referrers API and the OCI 1.1 fallback tag `sha256-<hex>`
+//! artifacts.rs manifests read beside an image (signatures) without the tag cache
 //! state.rs     resume state files of chunked uploads
 //! known.rs     which repositories of a host hold which blobs (for mounts)
 //! config.rs    Docker's config.json (credentials) and snapctl's cache directory
@@ -19,18 +20,23 @@
 //! `WWW-Authenticate` challenges (Basic, and the Bearer token flow, with a password or an
 //! identity token) with credentials from the caller or, looked up at the first challenge,
 //! from Docker's config and its credential helpers, and retries transient failures (connection
-//! errors, 408, 429 honouring `Retry-After`, 5xx) with exponential backoff and jitter.
+//! errors, 408, 429 honouring `Retry-After`, 5xx) with exponential backoff and jitter,
+//! within a wall-clock retry budget ([`retry_budget`]). Every request has a deadline for
+//! the whole of it, answer body included ([`RequestDeadline`]; a caller with its own retry
+//! loop, like the lazy server's, sets it with [`RegistrySource::set_request_deadline`]),
+//! because a registry dripping bytes moves on every read and a per-read timeout never fires.
 //! Credentials go only to the registry's own origin: every request, redirect hop and
 //! upload `Location` passes through [`may_send_credentials`] (`RegistrySource::execute`).
 //! Everything the read half returns is unverified; callers check digests (see
 //! `imgfmt::source`). The wire behaviour is specified in `spec/transfer.md`.
 
+mod artifacts;
 mod config;
 mod error;
 mod helper;
 mod known;
 mod referrers;
-pub use referrers::{EMPTY_CONFIG_TYPE, PAYLOAD_TYPE};
+pub use referrers::{Referrers, ReferrersQuery, EMPTY_CONFIG_TYPE, MAX_REFERRERS, MAX_REFERRER_PAGES, PAYLOAD_TYPE};
 pub mod state;
 mod upload;
 
@@ -129,6 +135,61 @@ pub fn realm_may_get_credentials(registry: &reqwest::Url, realm: &reqwest::Url) 
 /// Redirects followed per request (reqwest's own default).
 const MAX_REDIRECTS: usize = 10;
 
+/// How long one request may take, whole: from connecting until the last byte of its
+/// answer, `floor` plus its body's bytes at `min_rate`. A registry that drips one byte at
+/// a time moves on every read, so a timeout per read never fires; this does, and the
+/// request counts as a transient failure (retried within the retry budget).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestDeadline {
+    /// What every request may take, whatever its size (a slow start, a token round trip).
+    pub floor: Duration,
+    /// Bytes per second a body must at least average.
+    pub min_rate: u64,
+}
+
+/// Default [`RequestDeadline`]: 60 s, plus the body at 64 KiB/s (a 1 MiB range: 76 s; a
+/// 16 MiB one: 316 s). `SNAPCTL_REQUEST_TIMEOUT` sets the floor.
+pub const DEFAULT_REQUEST_DEADLINE: RequestDeadline = RequestDeadline { floor: Duration::from_secs(60), min_rate: 64 << 10 };
+/// Default wall-clock bound on retrying one request (and a pull's range request) after
+/// transient failures: 120 s from its first try. `SNAPCTL_RETRY_BUDGET` sets it.
+pub const DEFAULT_RETRY_BUDGET: Duration = Duration::from_secs(120);
+
+impl RequestDeadline {
+    /// The deadline of a request whose answer (or body sent) is about `bytes` long.
+    pub fn for_bytes(&self, bytes: u64) -> Duration {
+        self.floor.saturating_add(Duration::from_secs(bytes / self.min_rate.max(1)))
+    }
+
+    /// [`DEFAULT_REQUEST_DEADLINE`] with its floor from `SNAPCTL_REQUEST_TIMEOUT`.
+    pub fn from_env() -> RequestDeadline {
+        RequestDeadline { floor: env_duration("SNAPCTL_REQUEST_TIMEOUT").unwrap_or(DEFAULT_REQUEST_DEADLINE.floor), ..DEFAULT_REQUEST_DEADLINE }
+    }
+}
+
+/// The retry budget: `SNAPCTL_RETRY_BUDGET`, else [`DEFAULT_RETRY_BUDGET`].
+pub fn retry_budget() -> Duration {
+    env_duration("SNAPCTL_RETRY_BUDGET").unwrap_or(DEFAULT_RETRY_BUDGET)
+}
+
+/// The registry client's default retry policy: 5 retries within [`retry_budget`].
+pub fn default_retry_policy() -> RetryPolicy {
+    RetryPolicy { budget: Some(retry_budget()), ..RetryPolicy::default() }
+}
+
+/// A duration from the environment (`90s`, `2m`, `500ms`, or seconds); `None` when unset
+/// or unreadable (with a warning) or zero.
+fn env_duration(name: &str) -> Option<Duration> {
+    let v = std::env::var(name).ok()?;
+    let v = v.trim();
+    match v.parse::<u64>().map(Duration::from_secs).or_else(|_| humantime::parse_duration(v)) {
+        Ok(d) if !d.is_zero() => Some(d),
+        _ => {
+            tracing::warn!("{name}={v:?} is not a duration above 0: ignored");
+            None
+        }
+    }
+}
+
 /// A repository in a registry, read and written over HTTP(S).
 pub struct RegistrySource {
     client: reqwest::blocking::Client,
@@ -153,6 +214,8 @@ pub struct RegistrySource {
     /// When a transient failure is tried again (every request, and the rest of a body
     /// cut short).
     retry: RetryPolicy,
+    /// How long one request may take, whole.
+    deadline: RequestDeadline,
 }
 
 /// Registry client under the name the write half reads best with.
@@ -203,7 +266,8 @@ impl RegistrySource {
             writing: AtomicBool::new(false),
             manifests: Mutex::new(HashSet::new()),
             resolved: Mutex::new(None),
-            retry: RetryPolicy::default(),
+            retry: default_retry_policy(),
+            deadline: RequestDeadline::from_env(),
         })
     }
 
@@ -240,9 +304,20 @@ impl RegistrySource {
         &self.repository
     }
 
-    /// When a transient failure is retried (default: 5 times, [`RetryPolicy::default`]).
+    /// When a transient failure is retried (default: [`default_retry_policy`], 5 times
+    /// within [`retry_budget`]).
     pub fn set_retry_policy(&mut self, policy: RetryPolicy) {
         self.retry = policy;
+    }
+
+    /// How long one request may take, whole (default: [`RequestDeadline::from_env`]).
+    pub fn set_request_deadline(&mut self, deadline: RequestDeadline) {
+        self.deadline = deadline;
+    }
+
+    /// This client's request deadline.
+    pub fn request_deadline(&self) -> RequestDeadline {
+        self.deadline
     }
 
     /// A client error as this source's error, naming this registry when it wants a login.
@@ -250,8 +325,20 @@ impl RegistrySource {
         e.into_source_error(&self.host)
     }
 
-    /// One try: send, answer one auth challenge, classify the outcome.
+    /// One try: send, answer one auth challenge, classify the outcome; within the
+    /// deadline of a small request.
     fn attempt(&self, what: &str, build: &dyn Fn(&reqwest::blocking::Client) -> reqwest::blocking::RequestBuilder) -> Result<Attempt, ClientError> {
+        self.attempt_within(what, self.deadline.floor, build)
+    }
+
+    /// [`Self::attempt`] whose whole request (answer body included) must be done within
+    /// `deadline`.
+    fn attempt_within(
+        &self,
+        what: &str,
+        deadline: Duration,
+        build: &dyn Fn(&reqwest::blocking::Client) -> reqwest::blocking::RequestBuilder,
+    ) -> Result<Attempt, ClientError> {
         // Each request answers one challenge, and one more when it went out with no
         // credentials, or with other ones than the client now holds: other threads share
         // `auth`, and a push that starts writing drops a read-only token
@@ -259,7 +346,7 @@ impl RegistrySource {
         // bound keeps a registry that refuses every token from looping.
         let mut challenges = 0;
         loop {
-            let req = build(&self.client).build().map_err(|e| ClientError::Http { what: what.into(), message: error_chain(&e) })?;
+            let req = build(&self.client).timeout(deadline).build().map_err(|e| ClientError::Http { what: what.into(), message: error_chain(&e) })?;
             let sent = self.auth.lock().expect("poisoned").clone();
             match self.execute(req, sent.as_deref().map(|a| (&self.origin, a))) {
                 Ok(resp) => {
@@ -272,8 +359,15 @@ impl RegistrySource {
                         challenges += 1;
                         let hdr = resp.headers().get(reqwest::header::WWW_AUTHENTICATE).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
                         if !hdr.is_empty() {
-                            self.authenticate(&hdr)?;
-                            continue;
+                            match self.authenticate(&hdr) {
+                                Ok(()) => continue,
+                                // A token service that is busy (a registry bounding its
+                                // password checks) or failing is as transient as the registry.
+                                Err(ClientError::Registry { status, .. }) if status == 429 || status >= 500 => {
+                                    return Ok(Attempt::Transient { message: format!("token service answered HTTP {status}"), retry_after: None })
+                                }
+                                Err(e) => return Err(e),
+                            }
                         }
                     }
                     let code = st.as_u16();
@@ -282,9 +376,13 @@ impl RegistrySource {
                     }
                     return Ok(Attempt::Done(resp));
                 }
-                Err(e) if e.is_connect() || e.is_timeout() || e.is_request() || e.is_body() => {
-                    return Ok(Attempt::Transient { message: error_chain(&e), retry_after: None })
+                Err(e) if e.is_timeout() => {
+                    return Ok(Attempt::Transient {
+                        message: format!("no complete answer within the request deadline of {} s: {}", deadline.as_secs_f64(), error_chain(&e)),
+                        retry_after: None,
+                    })
                 }
+                Err(e) if e.is_connect() || e.is_request() || e.is_body() => return Ok(Attempt::Transient { message: error_chain(&e), retry_after: None }),
                 Err(e) => return Err(ClientError::Http { what: what.into(), message: error_chain(&e) }),
             }
         }
@@ -341,9 +439,25 @@ impl RegistrySource {
         what: &str,
         build: &dyn Fn(&reqwest::blocking::Client) -> reqwest::blocking::RequestBuilder,
     ) -> Result<reqwest::blocking::Response, ClientError> {
+        self.send_sized(what, 0, build)
+    }
+
+    /// [`Self::send`] of a request whose answer is about `bytes` long: each try has the
+    /// deadline of that size, cut to what is left of the retry budget (so the budget bounds
+    /// the whole, in wall-clock time).
+    fn send_sized(
+        &self,
+        what: &str,
+        bytes: u64,
+        build: &dyn Fn(&reqwest::blocking::Client) -> reqwest::blocking::RequestBuilder,
+    ) -> Result<reqwest::blocking::Response, ClientError> {
         let mut retry = self.retry.start();
         loop {
-            match self.attempt(what, build)? {
+            let mut deadline = self.deadline.for_bytes(bytes);
+            if let Some(b) = self.retry.budget {
+                deadline = deadline.min(b.saturating_sub(retry.elapsed()).max(Duration::from_secs(1)));
+            }
+            match self.attempt_within(what, deadline, build)? {
                 Attempt::Done(r) => return Ok(r),
                 Attempt::Transient { message, retry_after } => {
                     let Some(wait) = retry.failed(retry_after) else {
@@ -465,7 +579,7 @@ impl RegistrySource {
             req
         };
         let what = format!("token request to {realm}");
-        let req = req.build().map_err(|e| ClientError::Http { what: what.clone(), message: error_chain(&e) })?;
+        let req = req.timeout(self.deadline.floor).build().map_err(|e| ClientError::Http { what: what.clone(), message: error_chain(&e) })?;
         let basic = basic.filter(|_| realm_gets_basic);
         let resp =
             self.execute(req, basic.as_deref().map(|b| (&realm_url, b))).map_err(|e| ClientError::Http { what: what.clone(), message: error_chain(&e) })?;
@@ -593,7 +707,7 @@ impl BlobSource for RegistrySource {
         for kind in order {
             let url = self.url(kind, d.as_str());
             let what = format!("fetching {d} from {}", self.describe());
-            let resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::ACCEPT, Self::accept())).map_err(|e| self.source_err(e))?;
+            let resp = self.send_sized(&what, limit, &|c| c.get(&url).header(reqwest::header::ACCEPT, Self::accept())).map_err(|e| self.source_err(e))?;
             if resp.status().as_u16() == 404 {
                 continue;
             }
@@ -648,7 +762,7 @@ impl BlobSource for RegistrySource {
         let url = self.url("blobs", d.as_str());
         let range = format!("bytes={offset}-{last}");
         let what = format!("range {range} of {d} from {}", self.describe());
-        let resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone())).map_err(|e| self.source_err(e))?;
+        let resp = self.send_sized(&what, len as u64, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone())).map_err(|e| self.source_err(e))?;
         let first = if resp.status().as_u16() != 206 || resp.content_length() != Some(len as u64) {
             // Not the plain answer (a registry ignoring Range, an error status): the
             // general path reads this response and says what went wrong.
@@ -688,7 +802,9 @@ impl RegistrySource {
             let what = format!("range {range} of {d} from {}", self.describe());
             let mut resp = match first.take() {
                 Some(r) => r,
-                None => self.send(&what, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone())).map_err(|e| self.source_err(e))?,
+                None => self
+                    .send_sized(&what, (buf.len() - got) as u64, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone()))
+                    .map_err(|e| self.source_err(e))?,
             };
             match resp.status().as_u16() {
                 206 => {}
@@ -718,7 +834,11 @@ impl RegistrySource {
                 retry.progressed();
             }
             let Some(wait) = retry.failed(None) else {
-                let e = ClientError::RetriesExhausted { what: what.clone(), attempts: retry.failures(), last: err.to_string() };
+                let mut last = error_chain(&err);
+                if err.kind() == std::io::ErrorKind::TimedOut || last.contains("timed out") {
+                    last = format!("no complete answer within the request deadline (SNAPCTL_REQUEST_TIMEOUT): {last}");
+                }
+                let e = ClientError::RetriesExhausted { what: what.clone(), attempts: retry.failures(), last };
                 return Err(self.source_err(e));
             };
             tracing::debug!("{what}: {err}; asking again for the rest");
@@ -732,9 +852,12 @@ fn read_limited(resp: reqwest::blocking::Response, limit: u64, what: &str) -> Re
     let mut out = Vec::new();
     // A body that breaks off is as transient as a 503 (not retried here: small blobs,
     // the caller decides).
-    resp.take(limit + 1).read_to_end(&mut out).map_err(|e| FormatError::Transient {
-        what: what.to_string(),
-        source: Box::new(ClientError::Http { what: what.to_string(), message: error_chain(&e) }),
+    resp.take(limit + 1).read_to_end(&mut out).map_err(|e| {
+        let mut message = error_chain(&e);
+        if e.kind() == std::io::ErrorKind::TimedOut || message.contains("timed out") {
+            message = format!("no complete answer within the request deadline (SNAPCTL_REQUEST_TIMEOUT): {message}");
+        }
+        FormatError::Transient { what: what.to_string(), source: Box::new(ClientError::Http { what: what.to_string(), message }) }
     })?;
     if out.len() as u64 > limit {
         return Err(FormatError::TooLarge { what: "blob size", got: out.len() as u64, limit });

@@ -251,7 +251,7 @@ impl Upload<'_> {
             let chunk = self.src.read_range_unverified(d, s.offset, n).map_err(|source| ClientError::Source { digest: d.clone(), source })?;
             let range = format!("{}-{}", s.offset, s.offset + piece - 1);
             let loc = s.location.clone();
-            let r = reg.attempt(&self.what, &|c| {
+            let r = reg.attempt_within(&self.what, reg.deadline.for_bytes(piece), &|c| {
                 c.patch(loc.clone())
                     .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
                     .header(reqwest::header::CONTENT_RANGE, range.clone())
@@ -332,7 +332,7 @@ impl Upload<'_> {
         }
         let mut put_url = s.location.clone();
         put_url.query_pairs_mut().append_pair("digest", d.as_str());
-        let r = reg.attempt(&self.what, &|c| {
+        let r = reg.attempt_within(&self.what, reg.deadline.for_bytes(n as u64), &|c| {
             c.put(put_url.clone())
                 .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
                 .header(reqwest::header::CONTENT_LENGTH, n.to_string())

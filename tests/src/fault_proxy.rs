@@ -16,6 +16,7 @@
 //! | [`Fault::Status`] | an injected status (503 by default) with a small JSON body; the request never reaches upstream |
 //! | [`Fault::Truncate`] | the full head (with the original `Content-Length`), N body bytes, then FIN |
 //! | [`Fault::FlipByte`] | the full, well-framed response with one body byte XOR 0xFF |
+//! | [`Fault::Drip`] | the full head at once, then the body one byte at a time, slowly |
 //! | [`Fault::Redirect`] | an injected redirect to the same target on another origin; the request never reaches upstream |
 //! | [`Fault::MoveLocation`] | the response with its `Location` header moved to another origin (a registry handing uploads elsewhere) |
 //!
@@ -69,6 +70,13 @@ pub enum Fault {
     FlipByte {
         /// Offset in the body.
         at: u64,
+    },
+    /// Forward the head at once, then the body one byte every `every`: a registry whose
+    /// link barely moves. Every read sees progress, so only a deadline on the whole
+    /// request ends it.
+    Drip {
+        /// Wait before each body byte.
+        every: Duration,
     },
     /// Do not forward the request; answer `code` (301, 302, 303, 307, 308) with
     /// `Location: {to}{target}` (`to` an origin such as `http://127.0.0.1:PORT`).
@@ -523,6 +531,14 @@ impl Sink<'_> {
                     self.body_pos += room;
                     return Err(Ok(Cut::Close));
                 }
+            }
+            Some(Fault::Drip { every }) => {
+                for b in data {
+                    std::thread::sleep(every);
+                    self.emit(std::slice::from_ref(b))?;
+                    self.body_pos += 1;
+                }
+                return Ok(());
             }
             Some(Fault::FlipByte { at }) if !self.flipped => {
                 let at = match self.body_len {

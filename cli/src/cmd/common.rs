@@ -70,7 +70,7 @@ pub fn exit_code_for(e: &anyhow::Error) -> u8 {
 /// an error (exit 2), whatever its kind: it is not a verification's answer.
 pub fn error_kind(e: &anyhow::Error) -> Option<ErrorKind> {
     e.chain().find_map(|c| {
-        if c.is::<IntegrityError>() {
+        if c.is::<IntegrityError>() || c.is::<super::policy::PolicyRefused>() {
             Some(ErrorKind::Integrity)
         } else if let Some(v) = c.downcast_ref::<verify::VerifyError>() {
             Some(v.kind())
@@ -135,6 +135,13 @@ pub fn print_json_line<T: serde::Serialize + ?Sized>(value: &T) -> anyhow::Resul
 /// message; a server (`timestamps`) adds the time and the module, for its log files. A
 /// filter that does not parse is reported on stderr and `default` used instead.
 pub fn init_logging(default: &str, timestamps: bool) {
+    init_logging_as(default, timestamps, false)
+}
+
+/// [`init_logging`], with each line written as one JSON object when `json` (a server's
+/// `--log-format json`: the event's fields at the top level, beside `timestamp`, `level`,
+/// `target` and `message`).
+pub fn init_logging_as(default: &str, timestamps: bool, json: bool) {
     use tracing_subscriber::EnvFilter;
     let mut rejected = None;
     let filter = ["SNAPCTL_LOG", "RUST_LOG"]
@@ -146,7 +153,13 @@ pub fn init_logging(default: &str, timestamps: bool) {
         .flatten()
         .unwrap_or_else(|| EnvFilter::new(default));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false);
-    let _ = if timestamps { builder.try_init() } else { builder.without_time().with_target(false).try_init() };
+    let _ = if json {
+        builder.json().flatten_event(true).try_init()
+    } else if timestamps {
+        builder.try_init()
+    } else {
+        builder.without_time().with_target(false).try_init()
+    };
     if let Some(r) = rejected {
         tracing::warn!("ignoring {r}: logging at {default:?}");
     }

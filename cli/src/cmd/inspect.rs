@@ -7,10 +7,12 @@ use imgfmt::size::human;
 use imgfmt::{media, Image, StoredAt};
 use serde::Serialize;
 
-use super::common::{self, open_image, open_ref, outln};
+use super::common::{self, open_image, outln};
 
 /// Show an image: kind, files, sizes, chunk counts (zero / stored / referenced /
-/// inherited), compression ratio, roots and the base/parent chain.
+/// inherited), compression ratio, roots and the base/parent chain, and its cosign
+/// signatures (tag sha256-<hex>.sig and referrers): the name each claims and who signed
+/// it, by the fingerprint of the --key or policy key that verifies it.
 #[derive(Debug, clap::Args)]
 pub struct InspectArgs {
     /// Image: oci:PATH[:TAG|@DIGEST] or HOST[:PORT]/REPO[:TAG|@DIGEST] (plain HTTP for loopback
@@ -19,6 +21,12 @@ pub struct InspectArgs {
     /// Print JSON on stdout.
     #[arg(long)]
     pub json: bool,
+    /// A public key (cosign.pub) to tell signers by (repeatable); the keys of the policy
+    /// rule for this image are tried too.
+    #[arg(long, value_name = "FILE")]
+    pub key: Vec<std::path::PathBuf>,
+    #[command(flatten)]
+    pub policy: super::policy::PolicyFlags,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -70,6 +78,98 @@ struct Out {
     #[serde(skip_serializing_if = "Option::is_none")]
     rebased_from: Option<String>,
     base: Option<serde_json::Value>,
+    signatures: Vec<SignatureOut>,
+}
+
+/// One signature found for the image, as it claims to be and who (of the keys known)
+/// signed it.
+#[derive(Debug, Serialize)]
+struct SignatureOut {
+    place: String,
+    layer: String,
+    /// The payload's docker-reference (as signed: trust it only with `signer`).
+    identity: Option<String>,
+    manifest_digest: Option<String>,
+    /// The payload names this image's manifest.
+    matches_image: bool,
+    creator: Option<String>,
+    timestamp: Option<i64>,
+    /// Fingerprint of the key that verifies it, if one of the keys known does.
+    signer: Option<String>,
+    /// Why it cannot be read (missing payload, not a payload).
+    error: Option<String>,
+}
+
+/// The image's signatures, each with the known key that verifies it.
+fn signatures(store: &dyn sign::Store, image: &Image, keys: &[sign::PublicKey]) -> anyhow::Result<Vec<SignatureOut>> {
+    use base64::Engine as _;
+    let sigs = sign::check::all_signatures(store, &image.manifest_digest)?;
+    let mut out: Vec<SignatureOut> = sigs
+        .found
+        .iter()
+        .map(|f| {
+            let mut s = SignatureOut {
+                place: f.place.clone(),
+                layer: f.layer.digest.to_string(),
+                identity: None,
+                manifest_digest: None,
+                matches_image: false,
+                creator: None,
+                timestamp: None,
+                signer: None,
+                error: None,
+            };
+            match &f.payload {
+                Err(e) => s.error = Some(e.clone()),
+                Ok(p) => {
+                    match sign::Payload::decode(p) {
+                        Ok(d) => {
+                            s.matches_image = d.manifest_digest == image.manifest_digest.as_str();
+                            (s.identity, s.manifest_digest, s.creator, s.timestamp) =
+                                (Some(d.docker_reference), Some(d.manifest_digest), d.creator, d.timestamp);
+                        }
+                        Err(e) => s.error = Some(e.to_string()),
+                    }
+                    let sig = f
+                        .layer
+                        .annotations
+                        .get(sign::manifest::SIGNATURE_ANNOTATION)
+                        .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b.trim()).ok());
+                    s.signer = sig.and_then(|sig| keys.iter().find(|k| k.verify(p, &sig)).map(sign::PublicKey::fingerprint));
+                }
+            }
+            s
+        })
+        .collect();
+    out.extend(sigs.problems.into_iter().map(|p| SignatureOut {
+        place: String::new(),
+        layer: String::new(),
+        identity: None,
+        manifest_digest: None,
+        matches_image: false,
+        creator: None,
+        timestamp: None,
+        signer: None,
+        error: Some(p),
+    }));
+    Ok(out)
+}
+
+/// The keys to tell signers by: --key files and the keys of the policy rule for `r`.
+fn known_keys(a: &InspectArgs, r: &imgfmt::reference::Reference) -> anyhow::Result<Vec<sign::PublicKey>> {
+    let mut keys = Vec::new();
+    for k in &a.key {
+        let text = std::fs::read(k).map_err(|e| anyhow::anyhow!("reading {}: {e}", k.display()))?;
+        keys.push(sign::PublicKey::from_pem(&text).map_err(|e| anyhow::anyhow!("{}: {e}", k.display()))?);
+    }
+    if let (Some(policy), Ok(id)) = (a.policy.load()?, sign::ImageIdentity::of(r)) {
+        for req in policy.requirements_for(&id).1 {
+            if let sign::Requirement::SigstoreSigned(rule) = req {
+                keys.extend(sign::check::load_keys(rule).unwrap_or_default());
+            }
+        }
+    }
+    Ok(keys)
 }
 
 /// Pack blobs this image wrote itself (as opposed to ones it inherits or references).
@@ -114,8 +214,10 @@ pub fn counts(image: &Image) -> (Vec<Counts>, Counts) {
 }
 
 pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
-    let o = open_ref(&a.image)?;
+    let r: imgfmt::reference::Reference = a.image.parse()?;
+    let (o, store) = super::policy::open_with_store(&r, &a.image, false)?;
     let image = open_image(&o)?;
+    let signatures = signatures(store.as_ref(), &image, &known_keys(&a, &r)?)?;
     let cfg = image.config();
     let (per, totals) = counts(&image);
     let own_pack_bytes: u64 = own_packs(&image).map(|d| d.size).sum();
@@ -161,6 +263,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
         chain,
         rebased_from: image.manifest.annotations.get(media::ANN_REBASED_FROM).cloned(),
         base: cfg.base.as_ref().map(|b| serde_json::json!({"manifest": b.manifest, "root": b.root, "reference": b.reference})),
+        signatures,
     };
     if a.json {
         common::print_json(&out)?;
@@ -189,6 +292,23 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
     }
     if let Some(b) = &out.base {
         outln!("base         {} {}", b["manifest"].as_str().unwrap_or(""), p(b["reference"].as_str().unwrap_or("")))?;
+    }
+    if out.signatures.is_empty() {
+        outln!("signatures   none")?;
+    }
+    for s in &out.signatures {
+        let who = match (&s.signer, &s.error) {
+            (_, Some(e)) => format!("unreadable: {}", p(e)),
+            (Some(k), None) => format!("signed by key {k}"),
+            (None, None) => "by a key not given (--key, or the policy's rule for this image)".into(),
+        };
+        let claims = s.identity.as_deref().map(|i| format!(" as {}", p(i))).unwrap_or_default();
+        let other = if s.identity.is_some() && !s.matches_image {
+            format!(" FOR ANOTHER MANIFEST {}", p(s.manifest_digest.as_deref().unwrap_or("")))
+        } else {
+            String::new()
+        };
+        outln!("signature    {}: {who}{claims}{other}", if s.place.is_empty() { "storage" } else { &s.place })?;
     }
     outln!()?;
     outln!("{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}", "FILE", "ROLE", "SIZE", "CHUNKS", "ZERO", "STORED", "REFD", "INHER")?;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use puller::{ChunkCache, PullOptions};
 
-use super::common::{self, open_image, parse_size, progress_bar};
+use super::common::{self, parse_size, progress_bar};
 
 /// Pull an image from a registry into a directory (the wake path of a sandbox).
 ///
@@ -84,6 +84,8 @@ pub struct PullArgs {
     /// Print the pull report as JSON on stdout.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub policy: super::policy::PolicyFlags,
 }
 
 pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
@@ -97,12 +99,11 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
             cache: None,
             json: a.json,
         };
-        super::copy::copy_refs(&a.image, &a.dest, &flags)?;
+        super::copy::copy_refs(&a.image, &a.dest, &flags, &a.policy)?;
         return Ok(common::code(common::EXIT_OK));
     }
     let dest = PathBuf::from(&a.dest);
-    let o = common::open_ref_plain(&a.image, a.plain_http)?;
-    let image = open_image(&o)?;
+    let (o, image) = a.policy.open_image(&a.image, a.plain_http)?;
     let cache = if a.no_cache {
         None
     } else {

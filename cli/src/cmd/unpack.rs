@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use puller::UnpackOptions;
 
-use super::common::{self, open_image, open_ref, progress_bar};
+use super::common::{self, progress_bar};
 
 /// Write an image's files into a directory.
 ///
@@ -26,11 +26,12 @@ pub struct UnpackArgs {
     /// Print a JSON report on stdout.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub policy: super::policy::PolicyFlags,
 }
 
 pub fn run(a: UnpackArgs) -> anyhow::Result<ExitCode> {
-    let o = open_ref(&a.image)?;
-    let image = open_image(&o)?;
+    let (o, image) = a.policy.open_image(&a.image, false)?;
     let total = image.files.iter().map(|f| f.size).sum();
     let pb = progress_bar(total, "unpack");
     let tick = |n: u64| {
