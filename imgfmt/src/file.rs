@@ -420,7 +420,6 @@ mod tests {
     use std::io::{Read, Write};
     use std::os::unix::fs::{symlink, PermissionsExt};
 
-
     /// Users share a [`UseLock`]; a cleaner gets it only when nobody holds it, and a user
     /// that locks a file the cleaner deleted meanwhile notices and takes the new one.
     #[test]

@@ -958,7 +958,10 @@ impl ChunkCache {
             if name.starts_with(EVICTING_PREFIX) {
                 continue;
             }
-            if key.len() == 32 && key.bytes().all(|b| b.is_ascii_hexdigit()) && (md.is_dir() && name == key || name == format!("{key}.stamp.json") || name == format!("{key}.lock")) {
+            if key.len() == 32
+                && key.bytes().all(|b| b.is_ascii_hexdigit())
+                && (md.is_dir() && name == key || name == format!("{key}.stamp.json") || name == format!("{key}.lock"))
+            {
                 // Recency: the lock (a push sets its mtime), the stamp and the layout's
                 // `index.json` (its tags), whichever was written last.
                 let (bytes, used) = if md.is_dir() {
@@ -970,7 +973,13 @@ impl ChunkCache {
                 slot.0 += bytes;
                 slot.1 = slot.1.max(used);
             } else if md.is_file() {
-                out.push(Entry { path: e.path(), allocated: md.blocks() * 512, used: md.modified().unwrap_or(SystemTime::UNIX_EPOCH), kind: EntryKind::PushLayouts, layout: false });
+                out.push(Entry {
+                    path: e.path(),
+                    allocated: md.blocks() * 512,
+                    used: md.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+                    kind: EntryKind::PushLayouts,
+                    layout: false,
+                });
             }
         }
         for (key, (allocated, used)) in layouts {

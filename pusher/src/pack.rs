@@ -635,8 +635,12 @@ fn chain_pack_bytes(parent: &Image, opts: &PackOptions) -> Vec<(OciDigest, u64)>
         .map(|d| &d.digest)
         .chain(opts.base.iter().flat_map(|b| b.image.packs.iter().map(|p| &p.digest)))
         .collect();
-    let mut ranges: Vec<(u32, u64, u32)> =
-        parent.files.iter().flat_map(|f| &f.chunks).filter_map(|c| if let StoredAt::Pack { pack, offset, stored_len, .. } = c.at { Some((pack, offset, stored_len)) } else { None }).collect();
+    let mut ranges: Vec<(u32, u64, u32)> = parent
+        .files
+        .iter()
+        .flat_map(|f| &f.chunks)
+        .filter_map(|c| if let StoredAt::Pack { pack, offset, stored_len, .. } = c.at { Some((pack, offset, stored_len)) } else { None })
+        .collect();
     ranges.sort_unstable();
     ranges.dedup();
     let mut bytes: HashMap<u32, u64> = HashMap::new();
@@ -1158,10 +1162,12 @@ impl<'a, 'i> Chunker<'a, 'i> {
             let len = chunk_len(f.size, shift, ci);
             let start = ci * cs;
             let cov = cursor.coverage(start, start + len);
-            let mut job = Job { chunk: ci, len: len as u32, data: None, inherit: false, digest: ChunkDigest::default(), cvs: None, zero: false, compacted: false };
+            let mut job =
+                Job { chunk: ci, len: len as u32, data: None, inherit: false, digest: ChunkDigest::default(), cvs: None, zero: false, compacted: false };
             // A diff snapshot's hole over a chunk a compaction retires: the parent's bytes
             // are stored again, so they are read (and checked) from the parent.
-            let retired = diff_file && self.input.parent_files.get(f.name.as_str()).and_then(|p| p.chunks.get(ci as usize)).is_some_and(|pc| self.input.retired(pc));
+            let retired =
+                diff_file && self.input.parent_files.get(f.name.as_str()).and_then(|p| p.chunks.get(ci as usize)).is_some_and(|pc| self.input.retired(pc));
             match (cov, diff_file) {
                 (Coverage::Hole, true) if !retired => job.inherit = true,
                 (Coverage::Hole, false) => job.zero = true,
@@ -1604,7 +1610,8 @@ mod tests {
             // All of this image's bytes fit one pack: at most 1 + 2 packs.
             assert!(read.len() <= 3, "layer {i} reads from {} packs: {r:?}", read.len());
             assert_eq!(r.excess_packs, read.len() - 1, "layer {i}");
-            let listed: std::collections::BTreeSet<OciDigest> = img.manifest.layers.iter().filter(|d| d.media_type == media::PACK).map(|d| d.digest.clone()).collect();
+            let listed: std::collections::BTreeSet<OciDigest> =
+                img.manifest.layers.iter().filter(|d| d.media_type == media::PACK).map(|d| d.digest.clone()).collect();
             assert_eq!(listed, read, "layer {i}: the manifest lists exactly the packs the image reads");
             if r.compacted {
                 compactions += 1;

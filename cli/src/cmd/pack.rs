@@ -170,7 +170,9 @@ pub fn run(a: PackArgs) -> anyhow::Result<ExitCode> {
         Ok(digest) if a.flags.parent.is_none() && !a.flags.no_parent => Some(TagImage { source: &layout, digest, reference: a.dest.clone(), elsewhere: false }),
         _ => None,
     };
-    let report = with_pack_options(&a.src, &a.flags, held, |opts, _| pusher::pack(&a.src, &layout, &tag, &opts).with_context(|| format!("packing {}", a.src.display())))?;
+    let report = with_pack_options(&a.src, &a.flags, held, |opts, _| {
+        pusher::pack(&a.src, &layout, &tag, &opts).with_context(|| format!("packing {}", a.src.display()))
+    })?;
     for s in &report.skipped {
         eprintln!("warning: skipped {s}: not a regular file");
     }
@@ -257,7 +259,12 @@ pub struct TagImage<'a> {
 /// Run `body` with the [`PackOptions`] the flags say (base and parent opened, a progress
 /// bar on a terminal, cleared when `body` returns) and whether the parent is `held`, the
 /// tag's image, taken because it is of the same files (stderr says so, or why not).
-pub fn with_pack_options<R>(src: &Path, f: &PackFlags, held: Option<TagImage<'_>>, body: impl FnOnce(PackOptions<'_>, bool) -> anyhow::Result<R>) -> anyhow::Result<R> {
+pub fn with_pack_options<R>(
+    src: &Path,
+    f: &PackFlags,
+    held: Option<TagImage<'_>>,
+    body: impl FnOnce(PackOptions<'_>, bool) -> anyhow::Result<R>,
+) -> anyhow::Result<R> {
     let mut annotations = BTreeMap::new();
     for kv in &f.annotations {
         let (k, v) = kv.split_once('=').with_context(|| format!("--annotation {kv:?}: expected KEY=VALUE"))?;
@@ -302,7 +309,10 @@ pub fn with_pack_options<R>(src: &Path, f: &PackFlags, held: Option<TagImage<'_>
         let shown = common::printable(&t.reference);
         match imgfmt::Image::open(t.source, &t.digest).map_err(anyhow::Error::new).and_then(|img| Ok(pusher::same_files(&img, src, &opts).map(|()| img)?)) {
             Ok(image) => {
-                eprintln!("{shown} as the parent ({}): the tag holds an image of the same files, so only what changed is stored and sent (--no-parent: a full image)", t.digest);
+                eprintln!(
+                    "{shown} as the parent ({}): the tag holds an image of the same files, so only what changed is stored and sent (--no-parent: a full image)",
+                    t.digest
+                );
                 parent = Some(pusher::Related { source: t.source, image, reference: t.reference.clone() });
                 from_tag = true;
                 parent_packs_elsewhere = t.elsewhere;

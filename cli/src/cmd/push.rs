@@ -200,9 +200,12 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
             _ => None,
         };
         // A --parent in the repository pushed to has its packs there as well.
-        let parent_here = a.pack.parent.as_deref().and_then(|p| p.parse::<Reference>().ok()).is_some_and(
-            |r| matches!(r, Reference::Registry { host: h, repository: r, .. } if h == host && r == repository),
-        );
+        let parent_here = a
+            .pack
+            .parent
+            .as_deref()
+            .and_then(|p| p.parse::<Reference>().ok())
+            .is_some_and(|r| matches!(r, Reference::Registry { host: h, repository: r, .. } if h == host && r == repository));
         let packed = super::pack::with_pack_options(dir, &a.pack, held, |mut pack, from_tag| {
             pack.parent_packs_elsewhere |= parent_here;
             let opts = pusher::DirOptions {
