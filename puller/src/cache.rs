@@ -833,8 +833,7 @@ impl ChunkCache {
     /// leftovers of interrupted evictions always go. Sets the estimate to what is left.
     fn evict_down_to(&self, over: u64, target: u64) -> Result<Pruned, CacheError> {
         self.since_scan.store(0, Ordering::Relaxed);
-        let mut pruned = Pruned::default();
-        pruned.leftovers_removed = self.remove_leftovers();
+        let mut pruned = Pruned { leftovers_removed: self.remove_leftovers(), ..Default::default() };
         let mut entries = self.scan()?;
         let mut total: u64 = entries.iter().map(|e| e.allocated).sum();
         if total > over {
