@@ -20,7 +20,8 @@ use super::common::{self, outln, parse_size};
 ///   push-layouts  a packed copy of each pushed directory: its packs only until the
 ///                 registry has them, then the metadata the next layer is made over
 ///   uploads       resume state of interrupted uploads
-///   traces        lazy-restore traces kept on this host
+///   traces        lazy-restore traces kept on this host (none yet: lazy stores each
+///                 trace beside its image, in the registry or the layout)
 ///   known-blobs   which repositories hold which blobs (for cross-repository mounts)
 /// A push layout a running push holds is never evicted. Removing the directory by hand is
 /// safe too (the next commands fetch or pack again).
