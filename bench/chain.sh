@@ -4,14 +4,18 @@
 # rewritten each time), so the chain is rebased every 65 layers (spec/format.md §10). The
 # sample has no holes (--zero-fraction 0), so every layer holds the same amount of data
 # and only the chain differs (with holes, mutations fill them and later layers hold more).
-# `pull`, `verify` and `lazy` of the image at depth 1 (the first layer) against the image
-# at depth LAYERS and the deepest chain on the way (the last layer with 64 ancestors, just
-# before a rebase), all pushed to `snapctl serve` on loopback. Goal: within 1.5x of depth 1.
+# `pull`, `unpack`, `verify` and `lazy` of the image at depth 1 (the first layer) against
+# the image at depth LAYERS and the deepest chain on the way (the last layer with 64
+# ancestors, just before a rebase), all pushed to `snapctl serve` on loopback. Goal (issues
+# 13 and 22 §6): within 1.5x of depth 1. Layers are compacted as `pack` does by default
+# (spec/format.md §10, "Compaction"); `--pack-args "--compact-after off"` packs the chain
+# as before compaction existed.
 #
 #   bash bench/chain.sh            256 MiB image, 300 layers, 5 runs
 #   bash bench/chain.sh --quick    64 MiB, 70 layers, 1 run: a smoke test, not a result
 #
-# Options: --runs N  --size SIZE  --layers N  --keep
+# Options: --runs N  --size SIZE  --layers N  --keep  --tag NAME (results file suffix)
+#          --pack-args "ARGS": extra options for every `pack` of the chain
 #          --rtt MS  --rate RATE: time every command through tests/src/bin/netem_proxy (MS of
 #          round-trip time, RATE as tc writes it, default 1gbit; `--rtt 20` is issue 16's
 #          cross-host setting), one proxy for the whole run; pushes and inspect go straight
@@ -22,6 +26,9 @@
 # and SIZE x 2 of memory touched and freed, bench/lib/memory.sh):
 #   pull     `snapctl pull REF DIR --cache FRESH` (every chunk fetched and verified,
 #            files fsynced)
+#   unpack   `snapctl unpack REF DIR` straight from the registry (no cache: every chunk
+#            read, verified and written, files fsynced)
+#   unpack-local  the same from the OCI layout the chain was packed into (no network)
 #   verify   `snapctl verify REF` straight from the registry (every stored range of the
 #            image read and hashed, every root of the chain recomputed)
 #   lazy     `snapctl lazy REF --once --prefetch none --cache FRESH` serving
@@ -39,9 +46,11 @@ trap 'echo "chain.sh: line $LINENO failed: $BASH_COMMAND" >&2' ERR
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ARGV=("$@")
-RUNS=5 SIZE=256MiB LAYERS=300 KEEP=0 QUICK=0 RTT="" RATE=1gbit
+RUNS=5 SIZE=256MiB LAYERS=300 KEEP=0 QUICK=0 RTT="" RATE=1gbit PACK_ARGS="" NAME=""
 while [ $# -gt 0 ]; do
   case "$1" in
+    --pack-args) PACK_ARGS=$2; shift ;;
+    --tag) NAME=$2; shift ;;
     --quick) QUICK=1; RUNS=1; SIZE=64MiB; LAYERS=70 ;;
     --runs) RUNS=$2; shift ;;
     --size) SIZE=$2; shift ;;
@@ -89,7 +98,7 @@ source "$ROOT/bench/lib/servers.sh"
 WARM_BYTES=$(( $(to_bytes "$SIZE") * 2 ))
 
 DATE=$(date -u +%Y-%m-%d)
-OUT=$ROOT/bench/results/chain-$DATE${RTT:+-rtt${RTT}ms}.md
+OUT=$ROOT/bench/results/chain-$DATE${RTT:+-rtt${RTT}ms}${NAME:+-$NAME}.md
 if [ "$QUICK" = 1 ]; then OUT=$W/chain.md; fi
 exec > >(tee "$OUT")
 
@@ -97,13 +106,17 @@ exec > >(tee "$OUT")
 log "sample $SIZE (no holes), then $LAYERS layers, each one 1 MiB block changed"
 "$SNAPCTL" sample "$W/snap" --size "$SIZE" --seed 1 --zero-fraction 0 >/dev/null 2>&1
 "$SNAPCTL" pack "$W/snap" "oci:$W/layout:l0" >/dev/null 2>&1
-REBASES=() DEPTH=0 DEEP=1 DEEPEST=0 t0=$(now)
+REBASES=() COMPACTIONS=() DEPTH=0 DEEP=1 DEEPEST=0 t0=$(now) PACK_BYTES=0 COMPACTED_BYTES=0
 for i in $(seq 1 "$LAYERS"); do
   "$SNAPCTL" sample "$W/snap" --size "$SIZE" --mutate 1 --seed "$i" >/dev/null 2>&1
-  rep=$("$SNAPCTL" pack "$W/snap" "oci:$W/layout:l$i" --parent "oci:$W/layout:l$((i - 1))" --json 2>"$W/pack.log") \
+  # shellcheck disable=SC2086
+  rep=$("$SNAPCTL" pack "$W/snap" "oci:$W/layout:l$i" --parent "oci:$W/layout:l$((i - 1))" --json $PACK_ARGS 2>"$W/pack.log") \
     || { echo "chain.sh: pack of layer $i failed: $(tail -5 "$W/pack.log")" >&2; exit 2; }
   DEPTH=$(jq .chain_depth <<<"$rep")
   if [ "$(jq .rebased <<<"$rep")" = true ]; then REBASES+=("$i"); fi
+  if [ "$(jq '.compacted // false' <<<"$rep")" = true ]; then COMPACTIONS+=("$i"); fi
+  PACK_BYTES=$((PACK_BYTES + $(jq .pack_bytes <<<"$rep")))
+  COMPACTED_BYTES=$((COMPACTED_BYTES + $(jq '.compacted_bytes // 0' <<<"$rep")))
   if [ "$i" = 1 ]; then cp --sparse=always "$W/snap/vm.mem" "$W/mem-l1"; fi
   # The last layer with the longest chain (not layer 1 or LAYERS themselves).
   if [ "$DEPTH" -ge "$DEEPEST" ] && [ "$i" -gt 1 ] && [ "$i" -lt "$LAYERS" ]; then
@@ -111,7 +124,7 @@ for i in $(seq 1 "$LAYERS"); do
     cp --sparse=always "$W/snap/vm.mem" "$W/mem-deep"
   fi
 done
-log "packed $LAYERS layers in $(since "$t0") s; rebased at ${REBASES[*]:-none}; the last has $DEPTH ancestors, layer $DEEP has $DEEPEST"
+log "packed $LAYERS layers in $(since "$t0") s; rebased at ${REBASES[*]:-none}; compacted at ${COMPACTIONS[*]:-none}; the last has $DEPTH ancestors, layer $DEEP has $DEEPEST"
 cp --sparse=always "$W/snap/vm.mem" "$W/mem-l$LAYERS"
 mv "$W/mem-deep" "$W/mem-l$DEEP"
 
@@ -177,9 +190,23 @@ for r in $(seq "$RUNS"); do
     "$SNAPCTL" verify "$REG:$tag" >/dev/null 2>"$W/verify.log" \
       || { echo "chain.sh: verify of $tag failed: $(tail -5 "$W/verify.log")" >&2; exit 2; }
     T[verify,$tag]+="$(since "$t0") "
+    rm -rf "$W/unpacked"
+    sync; warm_memory "$WARM_BYTES"
+    t0=$(now)
+    "$SNAPCTL" unpack "$REG:$tag" "$W/unpacked" >/dev/null 2>"$W/unpack.log" \
+      || { echo "chain.sh: unpack of $tag failed: $(tail -5 "$W/unpack.log")" >&2; exit 2; }
+    T[unpack,$tag]+="$(since "$t0") "
+    cmp -s "$W/unpacked/vm.mem" "$mem" || { echo "chain.sh: unpacked $tag differs" >&2; exit 2; }
+    rm -rf "$W/unpacked"
+    sync; warm_memory "$WARM_BYTES"
+    t0=$(now)
+    "$SNAPCTL" unpack "oci:$W/layout:l${tag#d}" "$W/unpacked" >/dev/null 2>"$W/unpack.log" \
+      || { echo "chain.sh: local unpack of $tag failed: $(tail -5 "$W/unpack.log")" >&2; exit 2; }
+    T[unpack-local,$tag]+="$(since "$t0") "
+    rm -rf "$W/unpacked"
     lazy_once "$tag" "$mem"
     T[lazy,$tag]+="$WALL "
-    log "run $r/$RUNS $tag: pull $(echo "${T[pull,$tag]}" | awk '{print $NF}') s, verify $(echo "${T[verify,$tag]}" | awk '{print $NF}') s, lazy $WALL s"
+    log "run $r/$RUNS $tag: pull $(echo "${T[pull,$tag]}" | awk '{print $NF}') s, unpack $(echo "${T[unpack,$tag]}" | awk '{print $NF}') s, local $(echo "${T[unpack-local,$tag]}" | awk '{print $NF}') s, verify $(echo "${T[verify,$tag]}" | awk '{print $NF}') s, lazy $WALL s"
   done
 done
 
@@ -191,7 +218,8 @@ fi
 echo "### Run of $(date -u '+%Y-%m-%d %H:%M UTC'): $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), $RUNS runs, medians, snapctl $(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- . 2>/dev/null || echo '+changes')"
 echo
 echo "\`bash bench/chain.sh ${ARGV[*]}\` (runs $RUNS, size $SIZE, layers $LAYERS): a $SIZE sample (no holes, half text), $LAYERS layers of one changed 1 MiB block each,"
-echo "packed with \`--parent\` (default \`--max-chain 64\`): rebased at layers ${REBASES[*]:-none}. Ancestors (packs used):"
+echo "packed with \`--parent\` (default \`--max-chain 64\`)${PACK_ARGS:+ and \`$PACK_ARGS\`}: rebased at layers ${REBASES[*]:-none}; compacted at ${#COMPACTIONS[@]} layers (${COMPACTIONS[*]:-none})."
+echo "Pack bytes written over the $LAYERS layers: $PACK_BYTES, of which compaction: $COMPACTED_BYTES. Ancestors (packs used):"
 echo "layer 1: ${ANC[d1]} (${PACKS[d1]}); layer $DEEP, the deepest: ${ANC[d$DEEP]} (${PACKS[d$DEEP]}); layer $LAYERS: ${ANC[d$LAYERS]} (${PACKS[d$LAYERS]})."
 if [ -n "$RTT" ]; then
   echo "All pushed to \`snapctl serve\`; every timed command through netem_proxy at RTT $RTT ms, cap $RATE (proxy totals: $NET_STATS); fresh chunk cache for every pull and lazy restore."
@@ -202,7 +230,7 @@ echo
 echo "| command | layer 1 (s) | layer $DEEP (s) | ratio | layer $LAYERS (s) | ratio | runs: layer 1 / $DEEP / $LAYERS (s) |"
 echo "|---|---|---|---|---|---|---|"
 WORST=0
-for what in pull verify lazy; do
+for what in pull unpack unpack-local verify lazy; do
   # shellcheck disable=SC2086
   a=$(median ${T[$what,d1]}); b=$(median ${T[$what,d$DEEP]}); c=$(median ${T[$what,d$LAYERS]})
   qb=$(ratio "$b" "$a"); qc=$(ratio "$c" "$a")

@@ -46,6 +46,7 @@ enum Command {
     Login(cmd::login::LoginArgs),
     Logout(cmd::login::LogoutArgs),
     Lazy(cmd::lazy::LazyArgs),
+    Cache(cmd::cache::CacheArgs),
     Sign(cmd::sign::SignArgs),
     Key(cmd::sign::KeyArgs),
     Completions(cmd::generate::CompletionsArgs),
@@ -78,6 +79,7 @@ fn main() -> ExitCode {
         Command::Login(a) => cmd::login::run_login(a),
         Command::Logout(a) => cmd::login::run_logout(a),
         Command::Lazy(a) => cmd::lazy::run(a),
+        Command::Cache(a) => cmd::cache::run(a),
         Command::Sign(a) => cmd::sign::run_sign(a),
         Command::Key(a) => cmd::sign::run_key(a),
         Command::Completions(a) => cmd::generate::completions(a, Cli::command()),
@@ -111,7 +113,14 @@ impl Command {
             Command::Login(a) => Some(&a.registry),
             Command::Lazy(a) => Some(&a.registry),
             Command::Sign(a) => Some(&a.registry),
-            Command::Serve(_) | Command::Key(_) | Command::Sample(_) | Command::Gc(_) | Command::Logout(_) | Command::Completions(_) | Command::Man(_) => None,
+            Command::Serve(_)
+            | Command::Key(_)
+            | Command::Cache(_)
+            | Command::Sample(_)
+            | Command::Gc(_)
+            | Command::Logout(_)
+            | Command::Completions(_)
+            | Command::Man(_) => None,
         }
     }
 }

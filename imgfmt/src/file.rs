@@ -6,7 +6,9 @@
 //!   an unpack's destination, a criu work directory, the chunk cache);
 //! - page-cache hints: start a range coming in from disk ahead of use, start a written
 //!   range going out to disk ahead of the fsync, and map a range so its bytes can be
-//!   handed on (sent, sliced) without a copy.
+//!   handed on (sent, sliced) without a copy;
+//! - [`UseLock`]: "this is in use", for something a cleaner may delete (a push layout
+//!   under the cache directory) while a command works in it.
 
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
@@ -343,11 +345,105 @@ pub fn map_range(file: &File, offset: u64, len: usize) -> io::Result<bytes::Byte
     Ok(bytes::Bytes::from_owner(map))
 }
 
+/// A lock file saying "in use" for something a cleaner may delete: users hold it shared
+/// (any number at once), a cleaner takes it exclusively without waiting and leaves the
+/// thing alone when it cannot. A cleaner deletes the lock file while it holds it, so a
+/// user that opened the file just before and locks it just after holds a lock on a file
+/// no longer under the name: [`UseLock::shared`] checks, after locking, that the name
+/// still names the file it locked, and starts over when it does not.
+#[derive(Debug)]
+pub struct UseLock {
+    file: File,
+    path: PathBuf,
+}
+
+impl UseLock {
+    /// Hold `path` (created if missing) shared, waiting for a cleaner to finish; its mtime
+    /// is set to now (the thing's last use, for least-recently-used eviction).
+    pub fn shared(path: &Path) -> io::Result<UseLock> {
+        loop {
+            let l = Self::open(path)?;
+            l.file.lock_shared()?;
+            if l.still_named()? {
+                let _ = l.file.set_modified(std::time::SystemTime::now());
+                return Ok(l);
+            }
+        }
+    }
+
+    /// Hold `path` exclusively if nobody holds it (`None` when someone does); a missing
+    /// file is created (nothing is in use).
+    pub fn try_exclusive(path: &Path) -> io::Result<Option<UseLock>> {
+        let l = Self::open(path)?;
+        match l.file.try_lock() {
+            Ok(()) if l.still_named()? => Ok(Some(l)),
+            Ok(()) => Ok(None),
+            Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+            Err(std::fs::TryLockError::Error(e)) => Err(e),
+        }
+    }
+
+    /// Turn a shared hold into an exclusive one if no one else holds the lock; `false`
+    /// when someone does, the hold shared again. (`flock` converts by dropping the old
+    /// lock first, so the shared hold is taken anew: a cleaner that got in between is
+    /// waited for, and what it guarded may be gone by then.)
+    pub fn try_upgrade(&self) -> io::Result<bool> {
+        match self.file.try_lock() {
+            Ok(()) => Ok(true),
+            Err(std::fs::TryLockError::WouldBlock) => self.file.lock_shared().map(|()| false),
+            Err(std::fs::TryLockError::Error(e)) => Err(e),
+        }
+    }
+
+    /// Delete the lock file, while it is held exclusively (a cleaner, done).
+    pub fn remove(self) -> io::Result<()> {
+        std::fs::remove_file(&self.path)
+    }
+
+    fn open(path: &Path) -> io::Result<UseLock> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).mode(0o644).custom_flags(libc::O_NOFOLLOW).open(path)?;
+        Ok(UseLock { file, path: path.to_path_buf() })
+    }
+
+    /// Whether `path` still names the file this holds (a cleaner did not delete it between
+    /// the open and the lock).
+    fn still_named(&self) -> io::Result<bool> {
+        let held = self.file.metadata()?;
+        Ok(std::fs::symlink_metadata(&self.path).is_ok_and(|now| now.ino() == held.ino() && now.dev() == held.dev()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::io::{Read, Write};
     use std::os::unix::fs::{symlink, PermissionsExt};
+
+    /// Users share a [`UseLock`]; a cleaner gets it only when nobody holds it, and a user
+    /// that locks a file the cleaner deleted meanwhile notices and takes the new one.
+    #[test]
+    fn use_lock_is_shared_by_users_and_taken_by_a_cleaner_only_when_free() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.lock");
+        let a = UseLock::shared(&p).unwrap();
+        let b = UseLock::shared(&p).unwrap();
+        assert!(UseLock::try_exclusive(&p).unwrap().is_none(), "held by users");
+        assert!(!b.try_upgrade().unwrap(), "another user holds it");
+        drop(a);
+        assert!(UseLock::try_exclusive(&p).unwrap().is_none(), "a failed upgrade leaves the hold shared");
+        assert!(b.try_upgrade().unwrap(), "the last user may take it whole");
+        drop(b);
+        let clean = UseLock::try_exclusive(&p).unwrap().expect("free");
+        // A user that opened the file before the cleaner deleted it locks a file no longer
+        // under the name: it starts over on a new one.
+        let stale = UseLock::open(&p).unwrap();
+        clean.remove().unwrap();
+        stale.file.lock_shared().unwrap();
+        assert!(!stale.still_named().unwrap());
+        let fresh = UseLock::shared(&p).unwrap();
+        assert!(fresh.still_named().unwrap() && p.exists());
+    }
 
     fn refused(e: &io::Error) -> Refused {
         refusal(e).cloned().unwrap_or_else(|| panic!("not a refusal: {e}"))

@@ -13,6 +13,13 @@
 //! re-hashes the bytes every time, so damage after the fact (a bad disk, a stray write) is
 //! a miss (the entry is deleted), never served.
 //!
+//! The cache's bound covers the whole cache directory, not only chunks: the push layouts
+//! `push DIR` keeps, upload resume state and the known-blobs records are entries of the
+//! same least-recently-used eviction, under one budget (`--cache-size`; spec/cache.md
+//! §7). A push layout in use (a push holds its [`imgfmt::file::UseLock`]) is left alone;
+//! one being evicted is renamed away first, so a kill in the middle leaves either the
+//! whole layout under its name or a leftover the next pass removes.
+//!
 //! Whoever else can write into the cache directory cannot make it write, touch or delete
 //! anything outside it: `chunks/v1` and `tmp/` are opened beneath the root without
 //! following symlinks, temp files are created and renamed through those descriptors,
@@ -30,7 +37,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use imgfmt::compress::Codec;
-use imgfmt::file::Dir;
+use imgfmt::file::{Dir, UseLock};
 use imgfmt::{ChunkDigest, HashAlgo};
 use serde::Serialize;
 use verify::VerifiedChunk;
@@ -49,6 +56,78 @@ const TOUCH_EVERY: Duration = Duration::from_secs(60);
 /// An eviction pass brings the cache down to this fraction of the limit (in percent), so
 /// the next few puts do not each trigger a pass.
 const EVICT_TO_PERCENT: u64 = 90;
+/// Under the cache root: `push DIR`'s layouts (`<32 hex>/`, `<32 hex>.stamp.json`,
+/// `<32 hex>.lock`), upload resume state, the records of where blobs were seen.
+const PUSH_LAYOUTS: &str = "push-layouts";
+const UPLOADS: &str = "uploads";
+const KNOWN_BLOBS: &str = "known-blobs";
+/// A push layout being deleted is first renamed to `.evicting-<32 hex>-<pid>-<nanos>`.
+const EVICTING_PREFIX: &str = ".evicting-";
+
+/// What an entry of the cache directory is: the kinds `snapctl cache` lists, all under
+/// one budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EntryKind {
+    /// Chunk copies and references (`chunks/v1`).
+    Chunks,
+    /// Layouts `push DIR` packed into, with their stamps (`push-layouts/`).
+    PushLayouts,
+    /// Resume state of chunked uploads (`uploads/`).
+    Uploads,
+    /// Recorded lazy-restore traces a registry would not take (`traces/`).
+    Traces,
+    /// Which repositories of a registry hold which blobs, for mounts (`known-blobs/`).
+    KnownBlobs,
+}
+
+impl EntryKind {
+    pub const ALL: [EntryKind; 5] = [EntryKind::Chunks, EntryKind::PushLayouts, EntryKind::Uploads, EntryKind::Traces, EntryKind::KnownBlobs];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            EntryKind::Chunks => "chunks",
+            EntryKind::PushLayouts => "push-layouts",
+            EntryKind::Uploads => "uploads",
+            EntryKind::Traces => "traces",
+            EntryKind::KnownBlobs => "known-blobs",
+        }
+    }
+}
+
+/// What the cache directory holds of one kind.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct KindUsage {
+    pub kind: EntryKind,
+    /// Entries: chunk copies and references, push layouts, state files.
+    pub entries: u64,
+    /// Allocated bytes.
+    pub bytes: u64,
+    /// Entries in use (a push layout a push holds): never evicted.
+    pub in_use: u64,
+}
+
+/// What the cache directory holds (`snapctl cache`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Usage {
+    pub dir: PathBuf,
+    pub limit_bytes: u64,
+    pub total_bytes: u64,
+    pub total_entries: u64,
+    /// One row per kind, in [`EntryKind::ALL`] order.
+    pub kinds: Vec<KindUsage>,
+}
+
+/// What a prune did (`snapctl cache prune`).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Pruned {
+    pub entries_evicted: u64,
+    pub bytes_freed: u64,
+    /// Entries left because they are in use.
+    pub in_use_kept: u64,
+    /// Leftovers of interrupted evictions and writes removed.
+    pub leftovers_removed: u64,
+}
 
 #[derive(Debug, thiserror::Error, displaydoc::Display)]
 #[non_exhaustive]
@@ -133,6 +212,9 @@ impl Drop for PreparedRefs<'_> {
 /// by reference across threads; several processes may open the same directory.
 #[derive(Debug)]
 pub struct ChunkCache {
+    /// The cache directory (`--cache DIR`): the budget covers everything under it that
+    /// snapctl keeps.
+    root: PathBuf,
     base: PathBuf,
     tmp: PathBuf,
     /// `base` and `tmp`, opened beneath the cache root without following symlinks: puts
@@ -155,6 +237,9 @@ pub struct ChunkCache {
     seq: AtomicU64,
     /// One eviction pass at a time within the process (the flock covers other processes).
     evicting: Mutex<()>,
+    /// Pause before each entry an eviction deletes: a throttle for tests that kill a pass
+    /// half-way (0 in real use).
+    evict_delay: Duration,
 }
 
 /// Suffix of a reference entry's name (`<hex>.ref`).
@@ -199,11 +284,15 @@ impl ChunkRef {
     }
 }
 
-/// One cache entry seen by a scan.
+/// One cache entry seen by a scan: a file (a chunk, a reference, a state file) or a push
+/// layout (its directory, stamp and lock, evicted together).
 struct Entry {
     path: PathBuf,
     allocated: u64,
     used: SystemTime,
+    kind: EntryKind,
+    /// A push layout (`path` is its directory), not a file.
+    layout: bool,
 }
 
 impl ChunkCache {
@@ -217,6 +306,7 @@ impl ChunkCache {
         let base_dir = Dir::create_all(dir).and_then(|d| d.create_dir_all(Path::new(VERSION_DIR))).map_err(io(&base))?;
         let tmp_dir = base_dir.create_dir_all(Path::new("tmp")).map_err(io(&tmp))?;
         let c = ChunkCache {
+            root: dir.to_path_buf(),
             base,
             tmp,
             base_dir,
@@ -233,6 +323,7 @@ impl ChunkCache {
             since_scan: AtomicU64::new(0),
             seq: AtomicU64::new(0),
             evicting: Mutex::new(()),
+            evict_delay: Duration::ZERO,
         };
         c.clean_temps()?;
         c.maintain(true)?;
@@ -682,6 +773,51 @@ impl ChunkCache {
         if !force_scan && self.allocated.load(Ordering::Relaxed) <= self.limit && self.since_scan.load(Ordering::Relaxed) <= self.limit / 10 {
             return Ok(());
         }
+        let _lock = self.pass_lock()?;
+        self.evict_down_to(self.limit, self.limit / 100 * EVICT_TO_PERCENT)?;
+        Ok(())
+    }
+
+    /// Evict least-recently-used entries of every kind until the cache holds at most
+    /// `to` bytes (0: everything not in use), whatever the limit; leftovers of interrupted
+    /// evictions go too. `snapctl cache prune`.
+    pub fn prune(&self, to: u64) -> Result<Pruned, CacheError> {
+        let _one = self.evicting.lock().unwrap_or_else(|p| p.into_inner());
+        let _lock = self.pass_lock()?;
+        self.evict_down_to(to, to)
+    }
+
+    /// What the cache directory holds, by kind, measured now.
+    pub fn usage(&self) -> Result<Usage, CacheError> {
+        let _one = self.evicting.lock().unwrap_or_else(|p| p.into_inner());
+        let _lock = self.pass_lock()?;
+        let entries = self.scan()?;
+        let mut kinds: Vec<KindUsage> = EntryKind::ALL.iter().map(|&kind| KindUsage { kind, entries: 0, bytes: 0, in_use: 0 }).collect();
+        for e in &entries {
+            let k = &mut kinds[EntryKind::ALL.iter().position(|&x| x == e.kind).expect("every kind is listed")];
+            k.entries += 1;
+            k.bytes += e.allocated;
+            if e.layout && !push_layout_free(&e.path) {
+                k.in_use += 1;
+            }
+        }
+        Ok(Usage {
+            dir: self.root.clone(),
+            limit_bytes: self.limit,
+            total_bytes: kinds.iter().map(|k| k.bytes).sum(),
+            total_entries: kinds.iter().map(|k| k.entries).sum(),
+            kinds,
+        })
+    }
+
+    /// Pause before each entry an eviction deletes (a throttle for tests that kill a pass
+    /// in the middle; never set in real use).
+    pub fn set_evict_delay(&mut self, d: Duration) {
+        self.evict_delay = d;
+    }
+
+    /// The exclusive flock one eviction pass at a time holds across processes.
+    fn pass_lock(&self) -> Result<File, CacheError> {
         let lock_path = self.base.join("lock");
         let lock = match self.base_dir.create_new(OsStr::new("lock"), 0o644) {
             Err(e) if e.kind() == ErrorKind::AlreadyExists => self.base_dir.open_regular(OsStr::new("lock")),
@@ -689,21 +825,34 @@ impl ChunkCache {
         }
         .map_err(io(&lock_path))?;
         lock.lock().map_err(io(&lock_path))?;
+        Ok(lock)
+    }
+
+    /// The pass itself, with the pass lock held: scan every kind; when the total passes
+    /// `over`, delete oldest first down to `target` (entries in use are skipped);
+    /// leftovers of interrupted evictions always go. Sets the estimate to what is left.
+    fn evict_down_to(&self, over: u64, target: u64) -> Result<Pruned, CacheError> {
         self.since_scan.store(0, Ordering::Relaxed);
+        let mut pruned = Pruned { leftovers_removed: self.remove_leftovers(), ..Default::default() };
         let mut entries = self.scan()?;
         let mut total: u64 = entries.iter().map(|e| e.allocated).sum();
-        if total > self.limit {
-            let target = self.limit / 100 * EVICT_TO_PERCENT;
+        if total > over {
             entries.sort_by_key(|e| e.used);
             for e in entries {
                 if total <= target {
                     break;
                 }
-                match fs::remove_file(&e.path) {
-                    Ok(()) => {
+                if !self.evict_delay.is_zero() {
+                    std::thread::sleep(self.evict_delay);
+                }
+                match self.evict(&e) {
+                    Ok(true) => {
                         self.evictions.fetch_add(1, Ordering::Relaxed);
+                        pruned.entries_evicted += 1;
+                        pruned.bytes_freed += e.allocated;
                         total = total.saturating_sub(e.allocated);
                     }
+                    Ok(false) => pruned.in_use_kept += 1,
                     Err(err) if err.kind() == ErrorKind::NotFound => total = total.saturating_sub(e.allocated),
                     Err(err) => return Err(io(&e.path)(err)),
                 }
@@ -713,11 +862,137 @@ impl ChunkCache {
         // (an over-estimate only brings the next pass forward; an under-estimate would let
         // the cache outgrow its limit unnoticed).
         self.allocated.store(total + self.since_scan.load(Ordering::Relaxed), Ordering::Relaxed);
-        Ok(())
+        Ok(pruned)
+    }
+
+    /// Delete one entry; `false` when it is a push layout in use (left alone).
+    fn evict(&self, e: &Entry) -> std::io::Result<bool> {
+        if !e.layout {
+            return fs::remove_file(&e.path).map(|()| true);
+        }
+        // A push layout: the lock keeps a push from starting in it meanwhile (a push
+        // waiting for it finds a fresh directory). The stamp goes first (a stamp whose
+        // layout is gone is only a miss anyway), then the directory is renamed away in
+        // one step, so a kill from here on leaves no half-deleted layout under its name:
+        // only a leftover, removed by the next pass.
+        let (pl, key) = split_layout(&e.path);
+        let Some(lock) = UseLock::try_exclusive(&pl.join(format!("{key}.lock")))? else { return Ok(false) };
+        match fs::remove_file(pl.join(format!("{key}.stamp.json"))) {
+            Err(err) if err.kind() != ErrorKind::NotFound => return Err(err),
+            _ => {}
+        }
+        let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_nanos();
+        let away = pl.join(format!("{EVICTING_PREFIX}{key}-{}-{nanos}", std::process::id()));
+        match fs::rename(&e.path, &away) {
+            Ok(()) => {
+                if !self.evict_delay.is_zero() {
+                    std::thread::sleep(self.evict_delay);
+                }
+                // Does not follow symlinks: a link inside is removed, never what it names.
+                fs::remove_dir_all(&away)?;
+            }
+            Err(err) if err.kind() == ErrorKind::NotFound => {}
+            Err(err) => return Err(err),
+        }
+        lock.remove()?;
+        Ok(true)
+    }
+
+    /// Remove what interrupted evictions left (`push-layouts/.evicting-*`): with the pass
+    /// lock held no other pass is deleting them. Returns how many went. (The lock file of
+    /// a layout that is gone goes too, when no push holds it.)
+    fn remove_leftovers(&self) -> u64 {
+        let pl = self.root.join(PUSH_LAYOUTS);
+        let Ok(names) = fs::read_dir(&pl) else { return 0 };
+        let mut removed = 0;
+        for e in names.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(key) = name.strip_suffix(".lock").filter(|k| !pl.join(k).exists() && !pl.join(format!("{k}.stamp.json")).exists()) {
+                if let Ok(Some(lock)) = UseLock::try_exclusive(&pl.join(format!("{key}.lock"))) {
+                    let _ = lock.remove();
+                }
+                continue;
+            }
+            if !name.starts_with(EVICTING_PREFIX) {
+                continue;
+            }
+            let gone = match e.file_type() {
+                Ok(t) if t.is_dir() => fs::remove_dir_all(e.path()),
+                _ => fs::remove_file(e.path()),
+            };
+            if gone.is_ok() {
+                removed += 1;
+                self.strays.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        removed
+    }
+
+    /// Every entry the budget covers: chunk entries under `<root>/chunks/v1/<algo>/<xx>/`,
+    /// push layouts, upload state and known-blobs records.
+    fn scan(&self) -> Result<Vec<Entry>, CacheError> {
+        let mut out = self.scan_chunks()?;
+        self.scan_push_layouts(&mut out);
+        for (dir, kind) in [(UPLOADS, EntryKind::Uploads), (KNOWN_BLOBS, EntryKind::KnownBlobs)] {
+            scan_files(&self.root.join(dir), kind, &mut out);
+        }
+        Ok(out)
+    }
+
+    /// `push-layouts/`: one entry per layout key, its directory, stamp and lock together
+    /// (a stamp or lock without a directory too: a push that has not packed yet, or one
+    /// whose layout went); recency is the latest of their mtimes (a push sets its lock's
+    /// mtime when it takes it). Temp files of stamps being written count as files.
+    fn scan_push_layouts(&self, out: &mut Vec<Entry>) {
+        let pl = self.root.join(PUSH_LAYOUTS);
+        if !fs::symlink_metadata(&pl).is_ok_and(|m| m.is_dir()) {
+            return;
+        }
+        let Ok(names) = fs::read_dir(&pl) else { return };
+        let mut layouts: std::collections::BTreeMap<String, (u64, SystemTime)> = std::collections::BTreeMap::new();
+        for e in names.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Ok(md) = e.metadata() else { continue };
+            let key = name.split('.').next().unwrap_or_default();
+            if name.starts_with(EVICTING_PREFIX) {
+                continue;
+            }
+            if key.len() == 32
+                && key.bytes().all(|b| b.is_ascii_hexdigit())
+                && (md.is_dir() && name == key || name == format!("{key}.stamp.json") || name == format!("{key}.lock"))
+            {
+                // Recency: the lock (a push sets its mtime), the stamp and the layout's
+                // `index.json` (its tags), whichever was written last.
+                let (bytes, used) = if md.is_dir() {
+                    (tree_bytes(&e.path()), fs::symlink_metadata(e.path().join("index.json")).and_then(|m| m.modified()).unwrap_or(SystemTime::UNIX_EPOCH))
+                } else {
+                    (md.blocks() * 512, md.modified().unwrap_or(SystemTime::UNIX_EPOCH))
+                };
+                let slot = layouts.entry(key.to_string()).or_insert((0, SystemTime::UNIX_EPOCH));
+                slot.0 += bytes;
+                slot.1 = slot.1.max(used);
+            } else if md.is_file() {
+                out.push(Entry {
+                    path: e.path(),
+                    allocated: md.blocks() * 512,
+                    used: md.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+                    kind: EntryKind::PushLayouts,
+                    layout: false,
+                });
+            }
+        }
+        for (key, (allocated, used)) in layouts {
+            // A lock alone is no layout: a push about to pack, or what a killed eviction
+            // left (removed with the leftovers once free).
+            if !pl.join(&key).exists() && !pl.join(format!("{key}.stamp.json")).exists() {
+                continue;
+            }
+            out.push(Entry { path: pl.join(key), allocated, used, kind: EntryKind::PushLayouts, layout: true });
+        }
     }
 
     /// Every entry under `<root>/chunks/v1/<algo>/<xx>/`.
-    fn scan(&self) -> Result<Vec<Entry>, CacheError> {
+    fn scan_chunks(&self) -> Result<Vec<Entry>, CacheError> {
         let mut out = Vec::new();
         for algo in [HashAlgo::Blake3, HashAlgo::Sha256] {
             let adir = self.base.join(algo.name());
@@ -747,7 +1022,13 @@ impl ChunkCache {
                     // Vanished since the listing (evicted or damaged elsewhere): skip.
                     let Ok(md) = f.metadata() else { continue };
                     if md.is_file() {
-                        out.push(Entry { path: f.path(), allocated: md.blocks() * 512, used: md.modified().unwrap_or(SystemTime::UNIX_EPOCH) });
+                        out.push(Entry {
+                            path: f.path(),
+                            allocated: md.blocks() * 512,
+                            used: md.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+                            kind: EntryKind::Chunks,
+                            layout: false,
+                        });
                     }
                 }
             }
@@ -791,6 +1072,52 @@ fn touch(entry: &File, modified: Option<SystemTime>) {
     if modified.is_none_or(|m| m.elapsed().unwrap_or_default() > TOUCH_EVERY) {
         let _ = entry.set_modified(SystemTime::now());
     }
+}
+
+/// Regular files directly in `dir` (not through a symlink), as entries of `kind`.
+fn scan_files(dir: &Path, kind: EntryKind, out: &mut Vec<Entry>) {
+    if !fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir()) {
+        return;
+    }
+    let Ok(names) = fs::read_dir(dir) else { return };
+    for e in names.flatten() {
+        let Ok(md) = e.metadata() else { continue };
+        if md.is_file() {
+            out.push(Entry { path: e.path(), allocated: md.blocks() * 512, used: md.modified().unwrap_or(SystemTime::UNIX_EPOCH), kind, layout: false });
+        }
+    }
+}
+
+/// Allocated bytes of everything under `dir` (symlinks counted as themselves, never
+/// followed).
+fn tree_bytes(dir: &Path) -> u64 {
+    let mut bytes = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(names) = fs::read_dir(&d) else { continue };
+        for e in names.flatten() {
+            let Ok(md) = fs::symlink_metadata(e.path()) else { continue };
+            bytes += md.blocks() * 512;
+            if md.is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    bytes
+}
+
+/// `push-layouts/` and the key of a push layout's directory.
+fn split_layout(layout: &Path) -> (&Path, String) {
+    (layout.parent().expect("a push layout is under push-layouts/"), layout.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default())
+}
+
+/// Whether no push holds the push layout `layout` (its lock can be taken; it is released
+/// at once).
+fn push_layout_free(layout: &Path) -> bool {
+    let (pl, key) = split_layout(layout);
+    let lock = pl.join(format!("{key}.lock"));
+    // No lock file: nothing holds it (and none is created just to look).
+    !lock.exists() || UseLock::try_exclusive(&lock).is_ok_and(|l| l.is_some())
 }
 
 /// Where a put's temp file goes: its prefix directory (opened without following a
@@ -1188,6 +1515,68 @@ mod tests {
         let got = rx.recv_timeout(Duration::from_secs(5)).expect("get on a FIFO entry hung");
         assert_eq!(got, Ok(true));
         assert!(fs::symlink_metadata(&p).is_err(), "the FIFO's name is dropped like a damaged entry");
+    }
+
+    /// A fake push layout `key` under `root`: a directory holding one blob of `len` bytes,
+    /// its stamp and its lock, all last used at `at`.
+    fn push_layout(root: &Path, key: &str, len: usize, at: SystemTime) -> PathBuf {
+        let pl = root.join(PUSH_LAYOUTS);
+        let blobs = pl.join(key).join("blobs/sha256");
+        fs::create_dir_all(&blobs).unwrap();
+        let files = [blobs.join("a".repeat(64)), pl.join(key).join("index.json"), pl.join(format!("{key}.stamp.json")), pl.join(format!("{key}.lock"))];
+        for (k, f) in files.iter().enumerate() {
+            fs::write(f, if k == 0 { vec![7u8; len] } else { b"{}".to_vec() }).unwrap();
+            OpenOptions::new().write(true).open(f).unwrap().set_modified(at).unwrap();
+        }
+        pl.join(key)
+    }
+
+    /// Issue 22 §2: the cache's bound covers everything under the cache directory. Push
+    /// layouts, upload state and known-blobs records are evicted with the chunks, least
+    /// recently used first; a push layout a push holds stays; an evicted layout goes with
+    /// its stamp and lock. (Before, only chunks were counted or evicted.)
+    #[test]
+    fn regression_issue_22_the_budget_covers_every_kind_of_entry() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let long_ago = SystemTime::now() - Duration::from_secs(7200);
+        let old = push_layout(root, &"1".repeat(32), 256 << 10, long_ago);
+        let held = push_layout(root, &"2".repeat(32), 256 << 10, long_ago);
+        let lock = UseLock::shared(&root.join(PUSH_LAYOUTS).join(format!("{}.lock", "2".repeat(32)))).unwrap();
+        for (d, name) in [(UPLOADS, "u.json"), (KNOWN_BLOBS, "h.txt")] {
+            fs::create_dir_all(root.join(d)).unwrap();
+            fs::write(root.join(d).join(name), vec![1u8; 64 << 10]).unwrap();
+            OpenOptions::new().write(true).open(root.join(d).join(name)).unwrap().set_modified(long_ago).unwrap();
+        }
+        let usage = ChunkCache::open(root, u64::MAX).unwrap().usage().unwrap();
+        let of = |k: EntryKind| usage.kinds.iter().find(|u| u.kind == k).copied().unwrap();
+        assert_eq!((of(EntryKind::PushLayouts).entries, of(EntryKind::PushLayouts).in_use), (2, 1), "{usage:?}");
+        assert!(of(EntryKind::PushLayouts).bytes >= 512 << 10);
+        assert_eq!((of(EntryKind::Uploads).entries, of(EntryKind::KnownBlobs).entries), (1, 1));
+
+        // Newer chunks, then a budget whose pass (down to 90 %) has room for them and the
+        // held layout only.
+        let c = ChunkCache::open(root, u64::MAX).unwrap();
+        for i in 0..4u8 {
+            let (d, ch) = chunk(i, 64 << 10);
+            c.put(HashAlgo::Blake3, &d, &ch).unwrap();
+        }
+        let chunks = c.usage().unwrap().kinds[0].bytes;
+        drop(c);
+        let limit = (of(EntryKind::PushLayouts).bytes / 2 + chunks + 2048) / 90 * 100;
+        let c = ChunkCache::open(root, limit).unwrap();
+        assert!(!old.exists() && !root.join(PUSH_LAYOUTS).join(format!("{}.stamp.json", "1".repeat(32))).exists(), "the old layout went, stamp too");
+        assert!(!root.join(PUSH_LAYOUTS).join(format!("{}.lock", "1".repeat(32))).exists(), "and its lock");
+        assert!(held.exists(), "a layout in use stays");
+        assert!(!root.join(UPLOADS).join("u.json").exists() && !root.join(KNOWN_BLOBS).join("h.txt").exists());
+        for i in 0..4u8 {
+            assert!(c.contains_unverified(HashAlgo::Blake3, &chunk(i, 64 << 10).0), "the newest entries stay");
+        }
+        assert!(c.stats().bytes_allocated <= limit, "{:?}", c.stats());
+        // Released, the held layout is an old entry like any other.
+        drop(lock);
+        drop(ChunkCache::open(root, chunks + 2048).unwrap());
+        assert!(!held.exists());
     }
 
     #[test]

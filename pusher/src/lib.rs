@@ -15,5 +15,5 @@ pub mod referrers;
 pub mod scan;
 
 pub use copy::{copy, CopyError, CopyOptions, PushReport, Target};
-pub use pack::{ensure_blob, pack, OnPack, PackError, PackOptions, PackReport, Related, DEFAULT_PACK_SIZE};
+pub use pack::{ensure_blob, pack, same_files, NotSameFiles, OnPack, PackError, PackOptions, PackReport, Related, DEFAULT_COMPACT_AFTER, DEFAULT_PACK_SIZE};
 pub use push::{push, push_dir, DirOptions, PushError};

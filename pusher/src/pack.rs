@@ -1,6 +1,6 @@
 //! `pack`: a checkpoint directory becomes an image in a local OCI layout.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
@@ -26,6 +26,11 @@ use crate::scan::{self, Coverage, ExtentCursor};
 /// Default bound on a pack blob: an image is a few blobs, and a push can still upload
 /// several in parallel.
 pub const DEFAULT_PACK_SIZE: u64 = 256 << 20;
+
+/// Default of [`PackOptions::compact_after`]: a layer whose image would read from more
+/// than this many packs beyond the fewest its bytes need is compacted (spec/format.md
+/// §10, "Compaction"). See BENCHMARKS.md, "Long histories", for what it costs and saves.
+pub const DEFAULT_COMPACT_AFTER: usize = 16;
 
 #[derive(Debug, thiserror::Error, displaydoc::Display)]
 #[non_exhaustive]
@@ -86,6 +91,17 @@ pub struct PackOptions<'a> {
     /// is complete in the layout, while later packs are still being made (`push DIR`
     /// starts uploading it then).
     pub on_pack: Option<OnPack<'a>>,
+    /// Compaction bound: when the image, made as a layer (or rebased) over `parent`,
+    /// would read its chunks from more than this many of the chain's packs beyond the
+    /// fewest that could hold them (`ceil(bytes / pack_size)`), the chunks it still uses
+    /// from the packs with the fewest such bytes are written into its own packs instead,
+    /// until it reads from at most a quarter of this many beyond the fewest. `None`: never.
+    pub compact_after: Option<usize>,
+    /// The parent chain's packs are where this image is going (`push DIR` over an image
+    /// of the same repository): the destination layout gets no copy of the ones this
+    /// image points into. Otherwise they are copied in, so the layout holds the whole
+    /// image.
+    pub parent_packs_elsewhere: bool,
 }
 
 impl Default for PackOptions<'_> {
@@ -105,8 +121,58 @@ impl Default for PackOptions<'_> {
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2),
             progress: None,
             on_pack: None,
+            compact_after: Some(DEFAULT_COMPACT_AFTER),
+            parent_packs_elsewhere: false,
         }
     }
+}
+
+/// Why the image a tag holds is not taken, by itself, as the parent of a new image of a
+/// directory (spec/transfer.md §2, "The tag's image as the parent").
+#[derive(Debug, thiserror::Error, displaydoc::Display)]
+#[non_exhaustive]
+pub enum NotSameFiles {
+    /// it is a {image} snapshot and this directory a {dir} one
+    Kind { image: Kind, dir: Kind },
+    /// it is cut into {image_chunk} KiB chunks hashed with {image_hash}, this pack {chunk} KiB with {hash} (pass the same --chunk-size and --hash)
+    Chunking { image_chunk: u64, image_hash: HashAlgo, chunk: u64, hash: HashAlgo },
+    /// not the same files (only in the directory: {added}; only in the image: {removed})
+    Files { added: String, removed: String },
+    /// reading the directory: {0}
+    Io(#[from] std::io::Error),
+}
+
+/// Whether `image` holds a snapshot of "the same files" as `src_dir` packed with `opts`,
+/// so that a new image of the directory is made as a layer over it without being asked:
+/// the same kind, chunk size and hash, and the same set of file names (sizes and content
+/// may differ; that is what a layer records).
+pub fn same_files(image: &Image, src_dir: &Path, opts: &PackOptions) -> Result<(), NotSameFiles> {
+    let c = image.config();
+    if c.hash != opts.hash || c.chunk_shift() != opts.chunk_shift {
+        return Err(NotSameFiles::Chunking { image_chunk: c.chunk_size >> 10, image_hash: c.hash, chunk: (1u64 << opts.chunk_shift) >> 10, hash: opts.hash });
+    }
+    let sc = scan::scan_dir(src_dir)?;
+    let kind = opts.kind.unwrap_or_else(|| scan::detect_kind(&sc.files));
+    if c.kind != kind {
+        return Err(NotSameFiles::Kind { image: c.kind, dir: kind });
+    }
+    let ours: std::collections::BTreeSet<&str> = sc.files.iter().map(|f| f.name.as_str()).collect();
+    let theirs: std::collections::BTreeSet<&str> = image.files.iter().map(|f| f.name.as_str()).collect();
+    if ours != theirs {
+        // A few names are enough to say why; a directory of thousands is not listed whole.
+        let list = |v: Vec<&&str>| {
+            let mut s = v.iter().take(5).map(|n| n.to_string()).collect::<Vec<_>>().join(", ");
+            if v.len() > 5 {
+                s.push_str(&format!(" and {} more", v.len() - 5));
+            }
+            if s.is_empty() {
+                s.push_str("none");
+            }
+            s
+        };
+        return Err(NotSameFiles::Files { added: list(ours.difference(&theirs).collect()), removed: list(theirs.difference(&ours).collect()) });
+    }
+    Ok(())
 }
 
 /// What a pack did, for `--json` and people.
@@ -152,6 +218,16 @@ pub struct PackReport {
     pub rebased_from: Option<String>,
     /// When rebased: packs of the chain the new index points into (none copied or sent).
     pub chain_packs_referenced: usize,
+    /// Packs of the chain a full read of the image touches beyond the fewest its stored
+    /// bytes need (`ceil(bytes / pack_size)`): its fragmentation (spec/format.md §10).
+    pub excess_packs: usize,
+    /// The chain was compacted: chunks this image still used from the packs in
+    /// `packs_retired` were written into its own packs; it no longer reads those.
+    pub compacted: bool,
+    pub packs_retired: usize,
+    /// Chunks and stored bytes written again by the compaction (unchanged content).
+    pub compacted_chunks: u64,
+    pub compacted_bytes: u64,
     pub seconds: f64,
 }
 
@@ -334,6 +410,9 @@ struct Job {
     /// Slice CVs, when the image has an outboard and the chunk is longer than a slice.
     cvs: Option<Vec<Cv>>,
     zero: bool,
+    /// Unchanged since the parent, but stored again: the parent has it in a pack a
+    /// compaction retires.
+    compacted: bool,
 }
 
 /// Pack `src_dir` into `dest` and tag it `tag`.
@@ -350,10 +429,16 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     let (sc, kind) = scan_source(src_dir, opts)?;
     let mut report = PackReport { kind: kind.to_string(), files: sc.files.len(), skipped: sc.skipped.clone(), ..Default::default() };
 
-    let known = known_chunks(opts, chain_owner);
+    let compaction = Compaction::plan(opts);
+    if let Some(c) = &compaction {
+        report.compacted = true;
+        report.packs_retired = c.retired.len();
+    }
+    let retired = compaction.map(|c| c.retired).unwrap_or_default();
+    let known = known_chunks(opts, chain_owner, &retired);
     let parent_files: HashMap<&str, &imgfmt::ResolvedFile> = opts.parent.iter().flat_map(|r| r.image.files.iter().map(|f| (f.name.as_str(), f))).collect();
     let mut slots = Slots::default();
-    let input = ChunkInput { opts, parent_files: &parent_files, known: &known };
+    let input = ChunkInput { opts, parent_files: &parent_files, known: &known, retired: &retired };
     let (Chunked { placed, own_bytes, slices }, own_packs) = chunk_into_packs(dest, &sc.files, &input, &mut slots, &mut report)?;
     report.pack_bytes = own_bytes;
     report.packs = own_packs.len();
@@ -405,7 +490,9 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     let foreign = foreign_packs(&slots, parent.map(|p| (p, &placement)));
     for (d, (size, owner, from_base)) in &foreign {
         let src = if *from_base { opts.base.as_ref() } else { opts.parent.as_ref() }.expect("foreign pack has a source").source;
-        ensure_blob(dest, src, d)?;
+        if *from_base || !opts.parent_packs_elsewhere {
+            ensure_blob(dest, src, d)?;
+        }
         layers.push(Descriptor::new(media::PACK, d.clone(), *size).with_annotation(media::ANN_OWNER, *owner));
     }
     let mut annotations = BTreeMap::new();
@@ -423,6 +510,7 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
         Some(p) if !rebase => p.image.chain.len(),
         _ => 0,
     };
+    report.excess_packs = excess_packs(&placement, opts, &index);
     let manifest = Manifest {
         schema_version: 2,
         media_type: Some(media::OCI_MANIFEST.into()),
@@ -500,6 +588,96 @@ fn scan_source(src_dir: &Path, opts: &PackOptions) -> Result<(scan::Scan, Kind),
     Ok((sc, kind))
 }
 
+/// A compaction of the parent chain's packs (spec/format.md §10, "Compaction"): the packs
+/// whose chunks this image stores again instead of pointing into them.
+struct Compaction {
+    retired: HashSet<OciDigest>,
+}
+
+impl Compaction {
+    /// The packs to retire, or `None` when the image does not pass the bound. Measured on
+    /// the parent as resolved (what this image inherits), plus one pack of its own: for
+    /// each of the chain's packs (a base's excepted: sharing those is the point of a
+    /// base), the bytes of the distinct stored ranges it is read for.
+    fn plan(opts: &PackOptions) -> Option<Compaction> {
+        let (bound, p) = (opts.compact_after?, opts.parent.as_ref()?);
+        let live = chain_pack_bytes(&p.image, opts);
+        let total: u64 = live.iter().map(|(_, b)| b).sum();
+        let fewest = |bytes: u64| bytes.div_ceil(opts.pack_size) as usize;
+        // This image adds a pack of its own (almost always: something changed).
+        if (live.len() + 1).saturating_sub(fewest(total)) <= bound {
+            return None;
+        }
+        // Keep the packs read for the most bytes, as many as the target allows with the
+        // rest rewritten into as few packs as they fill: the fewest bytes rewritten.
+        let target = fewest(total) + bound / 4;
+        let mut kept_bytes = 0u64;
+        let mut keep = 0;
+        for (k, (_, b)) in live.iter().enumerate() {
+            if k + 1 + fewest(total - kept_bytes - b) > target {
+                break;
+            }
+            kept_bytes += b;
+            keep = k + 1;
+        }
+        Some(Compaction { retired: live[keep..].iter().map(|(d, _)| d.clone()).collect() })
+    }
+}
+
+/// The parent chain's packs the parent reads from (a base's excepted), with the bytes of
+/// the distinct stored ranges read from each, most first.
+fn chain_pack_bytes(parent: &Image, opts: &PackOptions) -> Vec<(OciDigest, u64)> {
+    let base: HashSet<&OciDigest> = parent
+        .manifest
+        .layers
+        .iter()
+        .filter(|d| d.annotations.get(media::ANN_OWNER).is_some_and(|o| o == "base"))
+        .map(|d| &d.digest)
+        .chain(opts.base.iter().flat_map(|b| b.image.packs.iter().map(|p| &p.digest)))
+        .collect();
+    let mut ranges: Vec<(u32, u64, u32)> = parent
+        .files
+        .iter()
+        .flat_map(|f| &f.chunks)
+        .filter_map(|c| if let StoredAt::Pack { pack, offset, stored_len, .. } = c.at { Some((pack, offset, stored_len)) } else { None })
+        .collect();
+    ranges.sort_unstable();
+    ranges.dedup();
+    let mut bytes: HashMap<u32, u64> = HashMap::new();
+    for (pack, _, len) in ranges {
+        *bytes.entry(pack).or_default() += u64::from(len);
+    }
+    let mut live: Vec<(OciDigest, u64)> =
+        bytes.into_iter().map(|(p, b)| (parent.packs[p as usize].digest.clone(), b)).filter(|(d, _)| !base.contains(d)).collect();
+    live.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    live
+}
+
+/// The written image's fragmentation: packs of the chain (a base's excepted) and of its
+/// own that a full read touches, beyond the fewest that could hold the bytes read.
+fn excess_packs(placement: &Placement, opts: &PackOptions, index: &ChunkIndex) -> usize {
+    let base: HashSet<&OciDigest> = opts.base.iter().flat_map(|b| b.image.packs.iter().map(|p| &p.digest)).collect();
+    let mut ranges: Vec<(&OciDigest, u64, u32)> = Vec::new();
+    for r in &index.records {
+        if let RecordKind::Stored { pack, offset, stored_len, .. } = r.kind {
+            ranges.push((&index.packs[pack as usize].digest, offset, stored_len));
+        }
+    }
+    if let Some(p) = opts.parent.as_ref().filter(|_| index.layer) {
+        for pc in placement.inherited() {
+            if let StoredAt::Pack { pack, offset, stored_len, .. } = pc.at {
+                ranges.push((&p.image.packs[pack as usize].digest, offset, stored_len));
+            }
+        }
+    }
+    ranges.retain(|(d, _, _)| !base.contains(d));
+    ranges.sort_unstable();
+    ranges.dedup();
+    let bytes: u64 = ranges.iter().map(|r| u64::from(r.2)).sum();
+    let packs: HashSet<&OciDigest> = ranges.iter().map(|r| r.0).collect();
+    packs.len().saturating_sub(bytes.div_ceil(opts.pack_size) as usize)
+}
+
 /// Where a chunk of the base or the parent chain is stored: a chunk of this image with
 /// its digest is recorded there instead of stored again.
 struct KnownChunk {
@@ -513,14 +691,18 @@ struct KnownChunk {
     from_base: bool,
 }
 
-/// Every stored chunk of the base and the parent chain, by digest (the base's first).
-fn known_chunks(opts: &PackOptions, chain_owner: &'static str) -> HashMap<ChunkDigest, KnownChunk> {
+/// Every stored chunk of the base and the parent chain, by digest (the base's first),
+/// except those in `retired` packs (a compaction stores them again).
+fn known_chunks(opts: &PackOptions, chain_owner: &'static str, retired: &HashSet<OciDigest>) -> HashMap<ChunkDigest, KnownChunk> {
     let mut known = HashMap::new();
     for (rel, owner, from_base) in [(&opts.base, "base", true), (&opts.parent, chain_owner, false)] {
         if let Some(r) = rel {
             for f in &r.image.files {
                 for c in &f.chunks {
                     if let StoredAt::Pack { pack, offset, stored_len, codec } = c.at {
+                        if retired.contains(&r.image.packs[pack as usize].digest) {
+                            continue;
+                        }
                         known.entry(c.digest).or_insert_with(|| KnownChunk {
                             pack: r.image.packs[pack as usize].digest.clone(),
                             offset,
@@ -834,6 +1016,19 @@ struct ChunkInput<'a> {
     opts: &'a PackOptions<'a>,
     parent_files: &'a HashMap<&'a str, &'a imgfmt::ResolvedFile>,
     known: &'a HashMap<ChunkDigest, KnownChunk>,
+    /// The chain's packs a compaction retires: a chunk the parent has there is stored
+    /// again, not inherited.
+    retired: &'a HashSet<OciDigest>,
+}
+
+impl ChunkInput<'_> {
+    /// Whether the parent's chunk `pc` lives in a retired pack.
+    fn retired(&self, pc: &imgfmt::ResolvedChunk) -> bool {
+        match (pc.at, &self.opts.parent) {
+            (StoredAt::Pack { pack, .. }, Some(p)) => self.retired.contains(&p.image.packs[pack as usize].digest),
+            _ => false,
+        }
+    }
 }
 
 /// What chunking gives.
@@ -967,11 +1162,16 @@ impl<'a, 'i> Chunker<'a, 'i> {
             let len = chunk_len(f.size, shift, ci);
             let start = ci * cs;
             let cov = cursor.coverage(start, start + len);
-            let mut job = Job { chunk: ci, len: len as u32, data: None, inherit: false, digest: ChunkDigest::default(), cvs: None, zero: false };
+            let mut job =
+                Job { chunk: ci, len: len as u32, data: None, inherit: false, digest: ChunkDigest::default(), cvs: None, zero: false, compacted: false };
+            // A diff snapshot's hole over a chunk a compaction retires: the parent's bytes
+            // are stored again, so they are read (and checked) from the parent.
+            let retired =
+                diff_file && self.input.parent_files.get(f.name.as_str()).and_then(|p| p.chunks.get(ci as usize)).is_some_and(|pc| self.input.retired(pc));
             match (cov, diff_file) {
-                (Coverage::Hole, true) => job.inherit = true,
+                (Coverage::Hole, true) if !retired => job.inherit = true,
                 (Coverage::Hole, false) => job.zero = true,
-                (Coverage::Partial, true) => {
+                (Coverage::Partial | Coverage::Hole, true) => {
                     // Dirty pages over the parent's chunk: merge here, per chunk,
                     // without ever materialising the merged file.
                     let p = opts.parent.as_ref().expect("diff has parent");
@@ -1025,7 +1225,8 @@ impl<'a, 'i> Chunker<'a, 'i> {
         for (k, j) in jobs.iter_mut().enumerate() {
             self.report.chunks += 1;
             let pc = parent.and_then(|p| p.chunks.get(j.chunk as usize)).filter(|pc| pc.len == j.len);
-            if j.inherit || pc.is_some_and(|pc| pc.digest == j.digest) {
+            j.compacted = pc.is_some_and(|pc| pc.digest == j.digest && self.input.retired(pc));
+            if j.inherit || (pc.is_some_and(|pc| pc.digest == j.digest) && !j.compacted) {
                 if pc.is_none() {
                     return Err(PackError::Invalid(format!("--diff: {} chunk {} is a hole but the parent has no such chunk", f.name, j.chunk)));
                 }
@@ -1113,6 +1314,10 @@ impl<'a, 'i> Chunker<'a, 'i> {
             }
             decided[k] = Some((j.digest, Some(l)));
             self.report.stored_chunks += 1;
+            if j.compacted {
+                self.report.compacted_chunks += 1;
+                self.report.compacted_bytes += stored_len;
+            }
         }
         Ok(())
     }
@@ -1372,6 +1577,63 @@ mod tests {
         assert!(again.rebased && again.packs == 0 && again.pack_bytes == 0, "{again:?}");
         assert_eq!(blobs(layout.root()).difference(&before).count(), 3);
         assert_eq!(again.root, layer.root);
+    }
+
+    /// Packs a full read of `img` touches.
+    fn packs_read(img: &Image) -> std::collections::BTreeSet<OciDigest> {
+        located(img).into_iter().filter_map(|(_, at)| at.map(|(p, _)| p)).collect()
+    }
+
+    /// Issue 22 §6: a long history is compacted. Layers that each change one chunk, with
+    /// `compact_after` 2: no image reads from more than 2 packs beyond the fewest its
+    /// bytes need (without compaction the 30th reads from 9, one per chunk); a compacted
+    /// image stores again only unchanged chunks of the packs it retires, its manifest
+    /// lists none of them (retention may free them once older images go), it has the
+    /// root an uncompacted image of the same content has, and it verifies.
+    #[test]
+    fn regression_issue_22_a_long_history_is_compacted_into_few_packs() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = OciLayout::open_or_create(dir.path().join("layout")).unwrap();
+        let src = dir.path().join("src");
+        let mut fill = [1, 2, 3, 4, 5, 6, 7, 8];
+        snapshot(&src, &fill);
+        pack_as(&src, &layout, "l0", None, MAX_CHAIN_DEPTH).unwrap();
+        let mut compactions = 0;
+        for i in 1..=30usize {
+            fill[i % 8] = 20 + i as u8;
+            snapshot(&src, &fill);
+            let parent = Related { source: &layout, image: open(&layout, &format!("l{}", i - 1)), reference: String::new() };
+            let opts = PackOptions { chunk_shift: 16, parent: Some(parent), compact_after: Some(2), threads: 2, ..Default::default() };
+            let r = pack(&src, &layout, &format!("l{i}"), &opts).unwrap();
+            let img = open(&layout, &format!("l{i}"));
+            let read = packs_read(&img);
+            // All of this image's bytes fit one pack: at most 1 + 2 packs.
+            assert!(read.len() <= 3, "layer {i} reads from {} packs: {r:?}", read.len());
+            assert_eq!(r.excess_packs, read.len() - 1, "layer {i}");
+            let listed: std::collections::BTreeSet<OciDigest> =
+                img.manifest.layers.iter().filter(|d| d.media_type == media::PACK).map(|d| d.digest.clone()).collect();
+            assert_eq!(listed, read, "layer {i}: the manifest lists exactly the packs the image reads");
+            if r.compacted {
+                compactions += 1;
+                assert!(r.compacted_chunks >= 1 && r.packs_retired >= 1, "{r:?}");
+                // Only the changed chunk is new content; the rest was stored before.
+                assert_eq!(r.stored_chunks, r.compacted_chunks + 1, "{r:?}");
+                let parent = open(&layout, &format!("l{}", i - 1));
+                let plain = PackOptions {
+                    chunk_shift: 16,
+                    parent: Some(Related { source: &layout, image: parent, reference: String::new() }),
+                    compact_after: None,
+                    threads: 2,
+                    ..Default::default()
+                };
+                let uncompacted = pack(&src, &layout, "plain", &plain).unwrap();
+                assert_eq!(uncompacted.root, r.root, "same content, same root");
+                assert!(packs_read(&open(&layout, "plain")).len() > read.len());
+            }
+            let audit = verify::audit(&layout, &img, &verify::AuditOptions { threads: 2, ..Default::default() }).unwrap();
+            assert!(audit.ok(), "layer {i}: {:?}", audit.failures);
+        }
+        assert!(compactions >= 5, "{compactions} compactions in 30 layers");
     }
 
     #[test]

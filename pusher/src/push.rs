@@ -20,12 +20,20 @@
 //! ```
 //! [`pack_dir`] does the first three, [`push_packed`] the last; [`push_dir`] both. The
 //! stamp is specified in `spec/transfer.md` §2.
+//!
+//! What stays on the host: the layout is held in use (a shared [`UseLock`]) from packing
+//! to the end of the push, so an eviction of the cache directory leaves it alone; once
+//! the registry has the image, its packs are deleted from the layout, which keeps only
+//! the metadata the next push of the directory builds on (manifests, configs, indexes,
+//! outboards): a push needs the packs only until they are uploaded (resuming), and a
+//! layer over the pushed image needs none of them (spec/cache.md §7).
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use imgfmt::{BlobSource, FormatError, OciDigest, OciLayout};
+use imgfmt::file::UseLock;
+use imgfmt::{media, BlobSource, FormatError, OciDigest, OciLayout};
 use regclient::RegistrySource;
 
 use crate::copy::{copy, copy_after, send_blob, CopyError, CopyOptions, Moved, PackStep, PushReport, Target};
@@ -62,6 +70,10 @@ pub struct DirOptions<'a> {
     /// The cache directory: the layout packed into and the stamp live under
     /// `push-layouts/`.
     pub cache_dir: PathBuf,
+    /// `pack.parent` is the image the destination tag holds, taken by itself (not named
+    /// with `--parent`): the directory's stamp still applies, since an unchanged directory
+    /// is pushed as the image it was last packed to, whatever the tag holds now.
+    pub parent_is_the_tags: bool,
 }
 
 /// Why the image of a directory was not the one just packed.
@@ -73,6 +85,10 @@ pub enum Reused {
     /// Packed, and the index and packs equal the image pushed last from this directory
     /// (only the creation time differed): that image's manifest.
     Previous,
+    /// Packed as a layer over the image the tag holds, and nothing differed from it (the
+    /// same content, names, sizes and modes): that image's manifest, so the tag's chain
+    /// does not grow by an empty layer.
+    Parent,
 }
 
 /// A directory packed for a push.
@@ -89,6 +105,8 @@ pub struct PackedDir {
     pub step: PackStep,
     /// The packs sent while packing, and how each went.
     pub ahead: Vec<(OciDigest, Moved)>,
+    /// Held from packing to the end of the push: an eviction leaves the layout alone.
+    lock: UseLock,
 }
 
 /// Pack directory `dir` for a push to `dest`, sending each pack to `dest` as soon as it
@@ -98,6 +116,7 @@ pub struct PackedDir {
 pub fn pack_dir(dir: &Path, dest: &RegistrySource, opts: DirOptions<'_>, copy: &CopyOptions) -> Result<PackedDir, PushError> {
     let started = Instant::now();
     let root = layout_root(dir, &opts.cache_dir)?;
+    let lock = hold_layout(&root)?;
     let packs = OciLayout::open_or_create(&root).map_err(|source| PushError::Format { what: format!("opening {}", root.display()), source })?;
     let copy = CopyOptions {
         jobs: copy.jobs,
@@ -131,29 +150,90 @@ pub fn pack_dir(dir: &Path, dest: &RegistrySource, opts: DirOptions<'_>, copy: &
         let send = |d: &OciDigest, size: u64| {
             let _ = tx.send((d.clone(), size));
         };
-        pack_directory(dir, opts, Some(&send))
+        pack_directory(dir, dest, opts, Some(&send))
         // `tx` goes here: the senders finish what is queued, then stop.
     });
     let (layout, digest, report, reused) = packed?;
     let step = PackStep {
         skipped: report.is_none(),
         seconds: started.elapsed().as_secs_f64(),
-        chain_depth: report.as_ref().map_or(0, |r| r.chain_depth),
+        // The tag's own image pushed again: its depth, not that of the layer packed over it.
+        chain_depth: report.as_ref().map_or(0, |r| r.chain_depth.saturating_sub(usize::from(reused == Some(Reused::Parent)))),
         rebased: report.as_ref().is_some_and(|r| r.rebased),
         rebased_from: report.as_ref().and_then(|r| r.rebased_from.clone()),
     };
-    Ok(PackedDir { layout, digest, report, reused, step, ahead: ahead.into_inner().expect("poisoned") })
+    Ok(PackedDir { layout, digest, report, reused, step, ahead: ahead.into_inner().expect("poisoned"), lock })
 }
 
 /// Push a directory packed by [`pack_dir`] to `dest` as `tag`: what was not sent ahead
-/// goes up, then the manifest. The report includes the packing step (and its time).
+/// goes up, then the manifest. The report includes the packing step (and its time). Once
+/// the registry has the image, the layout drops its packs ([`keep_metadata_only`]).
 pub fn push_packed(packed: &PackedDir, dest: &RegistrySource, tag: &str, opts: &CopyOptions) -> Result<PushReport, CopyError> {
     imgfmt::layout::check_tag(tag)?;
     let mut report = copy_after(&packed.layout, &packed.digest, &Target::Registry(dest), Some(tag), opts, &packed.ahead)?;
     // The packs were being sent while packing: the push took both.
     report.seconds += packed.step.seconds;
     report.pack = Some(packed.step.clone());
+    // The push is done whatever happens here: a layout that keeps its packs only holds
+    // more than it needs until the next push (or an eviction).
+    match keep_metadata_only(&packed.layout, &packed.lock) {
+        Ok(freed) => tracing::debug!("{}: {freed} bytes of pushed packs dropped", packed.layout.root().display()),
+        Err(e) => tracing::warn!("{}: dropping the pushed packs: {e}", packed.layout.root().display()),
+    }
     Ok(report)
+}
+
+/// After a push the registry has every pack of the layout's images: keep only what the
+/// next push of the directory reads (each tagged image's manifest, config and metadata
+/// layers: indexes, outboards, ancestors' configs), and delete the rest (packs, and
+/// images no tag names any more). Skipped while another push of the same directory holds
+/// the layout. Returns the bytes freed.
+fn keep_metadata_only(layout: &OciLayout, lock: &UseLock) -> Result<u64, FormatError> {
+    let io = |context: String| move |source| FormatError::Io { context, source };
+    if !lock.try_upgrade().map_err(io(format!("locking {}", layout.root().display())))? {
+        return Ok(0);
+    }
+    let mut keep = std::collections::BTreeSet::new();
+    for (_, desc) in layout.tags()? {
+        let Ok(bytes) = imgfmt::source::read_verified_blob(layout, &desc.digest, imgfmt::manifest::MAX_MANIFEST_BYTES) else { continue };
+        keep.insert(desc.digest.hex().to_string());
+        if let Ok(m) = imgfmt::Manifest::decode(&bytes) {
+            keep.insert(m.config.digest.hex().to_string());
+            keep.extend(m.layers.iter().filter(|d| d.media_type != media::PACK).map(|d| d.digest.hex().to_string()));
+        }
+    }
+    let blobs = layout.root().join("blobs").join("sha256");
+    let dir = imgfmt::file::Dir::open(&blobs).map_err(io(format!("opening {}", blobs.display())))?;
+    let mut freed = 0;
+    for name in dir.names().map_err(io(format!("listing {}", blobs.display())))? {
+        let Some(n) = name.to_str() else { continue };
+        // Only blobs by their names: a writer's temp file is the layout's to clean.
+        if n.len() != 64 || !n.bytes().all(|b| b.is_ascii_hexdigit()) || keep.contains(n) {
+            continue;
+        }
+        let size = std::fs::symlink_metadata(blobs.join(n)).map(|m| {
+            use std::os::unix::fs::MetadataExt;
+            m.blocks() * 512
+        });
+        if dir.remove_file(&name).is_ok() {
+            freed += size.unwrap_or(0);
+        }
+    }
+    Ok(freed)
+}
+
+/// Hold the layout at `root` in use (its lock is `<root>.lock`, beside it, so that
+/// deleting the layout does not delete the lock a waiting push holds).
+fn hold_layout(root: &Path) -> Result<UseLock, PushError> {
+    let parent = root.parent().expect("a push layout has a parent");
+    std::fs::create_dir_all(parent).map_err(|source| PushError::Io { what: format!("creating {}", parent.display()), source })?;
+    let path = lock_path(root);
+    UseLock::shared(&path).map_err(|source| PushError::Io { what: format!("locking {}", path.display()), source })
+}
+
+/// `push-layouts/<key>.lock` for the layout `push-layouts/<key>`.
+fn lock_path(root: &Path) -> PathBuf {
+    root.with_extension("lock")
 }
 
 /// [`pack_dir`] then [`push_packed`]: `push DIR` as one call.
@@ -161,6 +241,67 @@ pub fn push_dir(dir: &Path, dest: &RegistrySource, tag: &str, opts: DirOptions<'
     imgfmt::layout::check_tag(tag).map_err(CopyError::from)?;
     let packed = pack_dir(dir, dest, opts, copy)?;
     Ok(push_packed(&packed, dest, tag, copy)?)
+}
+
+/// Blobs from the push layout of a directory when it has them, else from the registry: an
+/// image made over the one pushed last reads that image's metadata (kept by the layout)
+/// without fetching it again. Readers check every blob against its digest, wherever it
+/// came from.
+pub struct LocalFirst<'a> {
+    local: Option<OciLayout>,
+    remote: &'a dyn BlobSource,
+}
+
+impl<'a> LocalFirst<'a> {
+    /// The push layout of `dir` under `cache_dir` (if there is one yet) in front of `remote`.
+    pub fn new(dir: &Path, cache_dir: &Path, remote: &'a dyn BlobSource) -> LocalFirst<'a> {
+        let local = layout_root(dir, cache_dir).ok().and_then(|r| OciLayout::open(r).ok());
+        LocalFirst { local, remote }
+    }
+
+    fn local(&self, d: &OciDigest) -> Option<&OciLayout> {
+        self.local.as_ref().filter(|l| l.has_blob(d))
+    }
+}
+
+impl imgfmt::source::Forward for LocalFirst<'_> {
+    fn inner(&self) -> &dyn BlobSource {
+        self.remote
+    }
+    fn read_blob_unverified(&self, d: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
+        match self.local(d) {
+            Some(l) => l.read_blob_unverified(d, limit),
+            None => self.remote.read_blob_unverified(d, limit),
+        }
+    }
+    fn blob_size(&self, d: &OciDigest) -> Result<u64, FormatError> {
+        match self.local(d) {
+            Some(l) => l.blob_size(d),
+            None => self.remote.blob_size(d),
+        }
+    }
+    fn read_at_unverified(&self, d: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+        match self.local(d) {
+            Some(l) => l.read_at_unverified(d, offset, buf),
+            None => self.remote.read_at_unverified(d, offset, buf),
+        }
+    }
+    fn read_range_unverified(&self, d: &OciDigest, offset: u64, len: usize) -> Result<bytes::Bytes, FormatError> {
+        match self.local(d) {
+            Some(l) => l.read_range_unverified(d, offset, len),
+            None => self.remote.read_range_unverified(d, offset, len),
+        }
+    }
+}
+
+/// The manifest `tag` names in `dest`'s repository, or `None` when the tag does not exist
+/// (a first push).
+pub fn tag_manifest(dest: &RegistrySource, tag: &str) -> Result<Option<OciDigest>, PushError> {
+    match dest.resolve_tag(tag) {
+        Ok(d) => Ok(Some(d)),
+        Err(e) if e.kind() == imgfmt::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(PushError::Format { what: format!("resolving {}:{tag}", dest.describe()), source }),
+    }
 }
 
 /// The layout under the cache directory that `push DIR` packs `dir` into.
@@ -179,6 +320,7 @@ fn layout_root(dir: &Path, cache: &Path) -> Result<PathBuf, PushError> {
 /// the registry is only asked what it has and nothing is sent.
 fn pack_directory(
     dir: &Path,
+    dest: &RegistrySource,
     opts: DirOptions<'_>,
     on_pack: Option<crate::OnPack<'_>>,
 ) -> Result<(OciLayout, OciDigest, Option<PackReport>, Option<Reused>), PushError> {
@@ -190,18 +332,25 @@ fn pack_directory(
     let stamp_path = opts.cache_dir.join("push-layouts").join(format!("{}.stamp.json", &key.hex()[..32]));
     // A base or parent is named by a reference whose content can change under the same
     // name, so the stamp of this directory alone does not say the image would be the same.
-    let options = (opts.pack.base.is_none() && opts.pack.parent.is_none()).then_some(opts.options_key.as_str());
+    // The tag's own image, taken as the parent by itself, is no such name: an unchanged
+    // directory is pushed as the image it was packed to last.
+    let options = (opts.pack.base.is_none() && (opts.pack.parent.is_none() || opts.parent_is_the_tags)).then_some(opts.options_key.as_str());
     let before = match options {
         Some(o) => Some(Stamp::take(&canon, o).map_err(io(format!("reading {}", dir.display())))?),
         None => None,
     };
     if let Some(stamp) = &before {
-        if let Some(digest) = Stamp::recorded(&stamp_path, stamp).filter(|d| layout_has_image(&layout, d)) {
+        if let Some(digest) = Stamp::recorded(&stamp_path, stamp).filter(|d| can_push_again(&layout, d, dest)) {
             return Ok((layout, digest, None, Some(Reused::Stamp)));
         }
     }
     let pack_opts = PackOptions { on_pack, ..opts.pack };
     let (digest, report, reused) = pack_and_reuse(dir, &layout, &pack_opts)?;
+    let unchanged = if opts.parent_is_the_tags { unchanged_from_parent(&layout, &pack_opts, &report)? } else { None };
+    let (digest, reused) = match unchanged {
+        Some(d) => (d, Some(Reused::Parent)),
+        None => (digest, reused),
+    };
     if let (Some(before), Some(options)) = (before, options) {
         // Recorded only when nothing changed while packing and no file was written so
         // recently that a later write could leave its times as they are (see Stamp::racy).
@@ -215,12 +364,34 @@ fn pack_directory(
     Ok((layout, digest, Some(report), reused))
 }
 
-/// Whether `layout` holds manifest `digest` (checked) and every blob it lists, at their
-/// sizes: a stamp is only trusted while the image it points to is still in the cache.
-fn layout_has_image(layout: &OciLayout, digest: &OciDigest) -> bool {
+/// Whether manifest `digest` can be pushed to `dest` again as recorded: `layout` holds it
+/// (checked) and its metadata, at their sizes, and either every pack too or `dest`
+/// already has the image (a push drops the packs once the registry has them; a registry
+/// keeps the blobs of every manifest it holds). A stamp is only trusted while this holds.
+fn can_push_again(layout: &OciLayout, digest: &OciDigest, dest: &RegistrySource) -> bool {
     let Ok(bytes) = imgfmt::source::read_verified_blob(layout, digest, imgfmt::manifest::MAX_MANIFEST_BYTES) else { return false };
     let Ok(m) = imgfmt::Manifest::decode(&bytes) else { return false };
-    std::iter::once(&m.config).chain(&m.layers).all(|d| layout.blob_size(&d.digest).is_ok_and(|n| n == d.size))
+    let here = |d: &imgfmt::Descriptor| layout.blob_size(&d.digest).is_ok_and(|n| n == d.size);
+    let (packs, metadata): (Vec<_>, Vec<_>) = std::iter::once(&m.config).chain(&m.layers).partition(|d| d.media_type == media::PACK);
+    metadata.into_iter().all(here) && (packs.into_iter().all(here) || dest.manifest_exists(digest).unwrap_or(false))
+}
+
+/// The parent's manifest when the image just packed holds exactly what the parent does
+/// (content root, and each file's name, size, mode and role): a push of an unchanged
+/// directory over the tag's image then leaves the tag as it is, instead of adding an
+/// empty layer to its chain. The parent's manifest is put into `layout` (its other
+/// metadata is there already: a layer's manifest lists it).
+fn unchanged_from_parent(layout: &OciLayout, opts: &PackOptions<'_>, report: &PackReport) -> Result<Option<OciDigest>, PushError> {
+    let Some(p) = &opts.parent else { return Ok(None) };
+    let c = p.image.config();
+    let entries = |f: &[imgfmt::config::FileEntry]| f.iter().map(|e| (e.name.clone(), e.size, e.mode, e.role)).collect::<Vec<_>>();
+    let Ok(new) = layout.resolve_tag("latest").and_then(|d| imgfmt::Image::open(layout, &d)) else { return Ok(None) };
+    let n = new.config();
+    if report.root != c.root || n.kind != c.kind || entries(&n.files) != entries(&c.files) || n.annotations != c.annotations {
+        return Ok(None);
+    }
+    layout.put_blob(&p.image.manifest_bytes).map_err(|source| PushError::Format { what: "keeping the parent's manifest".into(), source })?;
+    Ok(Some(p.image.manifest_digest.clone()))
 }
 
 /// Pack `dir` into `layout`; when only the creation time differs from the image pushed

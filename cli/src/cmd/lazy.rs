@@ -66,8 +66,10 @@ pub struct LazyArgs {
     /// Chunk cache directory (default: $SNAPCTL_CACHE, $XDG_CACHE_HOME/snapctl, ~/.cache/snapctl).
     #[arg(long, value_name = "DIR")]
     pub cache: Option<PathBuf>,
-    /// Bound on the chunk cache's size (e.g. 10GiB).
-    #[arg(long, value_name = "SIZE", value_parser = common::parse_size)]
+    /// Bound on everything kept under the cache directory (chunks, push layouts, upload
+    /// state: see `snapctl cache`), e.g. 10GiB; least recently used entries are evicted
+    /// [default: $SNAPCTL_CACHE_SIZE, else 10GiB].
+    #[arg(long, value_name = "SIZE", value_parser = common::parse_size, env = "SNAPCTL_CACHE_SIZE")]
     pub cache_size: Option<u64>,
     /// Do not use the chunk cache (every chunk comes from the image source).
     #[arg(long, conflicts_with = "cache")]

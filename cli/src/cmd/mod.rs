@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub mod cache;
 pub mod common;
 pub mod config;
 pub mod copy;

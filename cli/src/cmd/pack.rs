@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context};
 use imgfmt::reference::{Reference, Selector};
-use imgfmt::{Compression, HashAlgo, Kind, OciLayout};
+use imgfmt::{BlobSource, Compression, HashAlgo, Kind, OciLayout};
 use pusher::PackOptions;
 
 use super::common::{self, open_image, open_ref, outln, progress_bar};
@@ -20,8 +20,14 @@ use super::common::{self, open_image, open_ref, outln, progress_bar};
 /// open) is rebased instead: a full index pointing into the chain's packs.
 /// Prints the manifest digest.
 ///
+/// Packing into a tag that already holds an image of the same files makes a layer over
+/// that image without being asked (stderr says so; --no-parent packs a full image). "The
+/// same files": the same kind, chunk size and hash, and the same set of file names
+/// (sizes and content may differ: that is what the layer records).
+///
 /// Examples:
 ///   snapctl pack ./fc-snap oci:./images:vm1
+///   snapctl pack ./fc-snap oci:./images:vm1          (again, later: a layer over the first)
 ///   snapctl pack ./fc-snap-2 oci:./images:vm2 --parent oci:./images:vm1
 ///   snapctl pack ./fc-diff oci:./images:vm3 --parent oci:./images:vm2 --diff
 #[derive(Debug, clap::Args)]
@@ -60,8 +66,13 @@ pub struct PackFlags {
     #[arg(long, value_name = "REF")]
     pub base: Option<String>,
     /// Make an incremental layer over this image: only changed chunks are recorded.
+    /// [default: the image the destination tag holds, if it is of the same files]
     #[arg(long, value_name = "REF")]
     pub parent: Option<String>,
+    /// Do not take the image the destination tag already holds as the parent: pack (and
+    /// push) a full image.
+    #[arg(long, conflicts_with_all = ["parent", "diff"])]
+    pub no_parent: bool,
     /// Memory files are Firecracker diff snapshots (holes = unchanged since --parent).
     #[arg(long, requires = "parent")]
     pub diff: bool,
@@ -73,6 +84,12 @@ pub struct PackFlags {
     #[arg(long, value_name = "N", default_value_t = imgfmt::config::MAX_CHAIN_DEPTH as u16,
           value_parser = clap::value_parser!(u16).range(0..=imgfmt::config::MAX_CHAIN_DEPTH as i64))]
     pub max_chain: u16,
+    /// Compact a long history: when the image, a layer over its parent (or rebased),
+    /// would read from more than N of the chain's packs beyond the fewest its bytes need,
+    /// the chunks it still uses from the least-used packs are stored again in its own, so
+    /// that it reads from few (spec/format.md §10, "Compaction"). `off`: never.
+    #[arg(long, value_name = "N|off", default_value_t = CompactAfter(Some(pusher::DEFAULT_COMPACT_AFTER)), value_parser = parse_compact_after)]
+    pub compact_after: CompactAfter,
     /// Largest pack blob.
     #[arg(long, default_value = "256MiB", value_parser = common::parse_size)]
     pub pack_size: u64,
@@ -85,6 +102,26 @@ pub struct PackFlags {
     /// Source annotation recorded in the config (repeatable).
     #[arg(long = "annotation", value_name = "KEY=VALUE")]
     pub annotations: Vec<String>,
+}
+
+/// `--compact-after`: a bound in packs, or never.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CompactAfter(pub Option<usize>);
+
+impl std::fmt::Display for CompactAfter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(n) => write!(f, "{n}"),
+            None => f.write_str("off"),
+        }
+    }
+}
+
+fn parse_compact_after(s: &str) -> Result<CompactAfter, String> {
+    if s.eq_ignore_ascii_case("off") {
+        return Ok(CompactAfter(None));
+    }
+    s.parse::<usize>().map(|n| CompactAfter(Some(n))).map_err(|_| format!("{s:?}: a number of packs, or off"))
 }
 
 /// `--slice-size`: a size, or no outboard.
@@ -130,11 +167,18 @@ pub fn run(a: PackArgs) -> anyhow::Result<ExitCode> {
         Reference::Registry { .. } => bail!("{}: pack writes a local layout (oci:PATH:TAG); to send it to a registry use `snapctl push`", a.dest),
     };
     let layout = OciLayout::open_or_create(&path).with_context(|| format!("opening layout {}", path.display()))?;
-    let report = pack_into(&a.src, &layout, &tag, &a.flags)?;
+    // The image already under the tag, as the parent of this one if it is of the same files.
+    let held = match layout.resolve_tag(&tag) {
+        Ok(digest) if a.flags.parent.is_none() && !a.flags.no_parent => Some(TagImage { source: &layout, digest, reference: a.dest.clone(), elsewhere: false }),
+        _ => None,
+    };
+    let report = with_pack_options(&a.src, &a.flags, held, |opts, _| {
+        pusher::pack(&a.src, &layout, &tag, &opts).with_context(|| format!("packing {}", a.src.display()))
+    })?;
     for s in &report.skipped {
         eprintln!("warning: skipped {s}: not a regular file");
     }
-    if let Some(line) = rebase_note(&report, a.flags.max_chain) {
+    for line in rebase_note(&report, a.flags.max_chain).into_iter().chain(compaction_note(&report)) {
         eprintln!("{line}");
     }
     if a.json {
@@ -165,6 +209,19 @@ pub fn run(a: PackArgs) -> anyhow::Result<ExitCode> {
     Ok(common::code(common::EXIT_OK))
 }
 
+/// For people: what a compaction did, when there was one.
+pub fn compaction_note(report: &pusher::PackReport) -> Option<String> {
+    report.compacted.then(|| {
+        format!(
+            "compacted: the history's packs were fragmented (--compact-after); {} unchanged chunks ({}) of {} little-used packs were stored again, so the image reads from {} packs beyond the fewest its bytes need",
+            report.compacted_chunks,
+            imgfmt::size::human(report.compacted_bytes),
+            report.packs_retired,
+            report.excess_packs
+        )
+    })
+}
+
 /// For people: what a rebase did, when there was one.
 pub fn rebase_note(report: &pusher::PackReport, max_chain: u16) -> Option<String> {
     report.rebased.then(|| {
@@ -193,16 +250,28 @@ pub fn validate(src: &Path, f: &PackFlags) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Pack directory `src` into `layout` as `tag` with the given flags (progress bar on a
-/// terminal).
-pub fn pack_into(src: &Path, layout: &OciLayout, tag: &str, f: &PackFlags) -> anyhow::Result<pusher::PackReport> {
-    validate(src, f)?;
-    with_pack_options(src, f, |opts| pusher::pack(src, layout, tag, &opts).with_context(|| format!("packing {}", src.display())))
+/// The image a destination tag already holds: the parent of a new image of the same
+/// files, unless `--parent` or `--no-parent` says otherwise.
+pub struct TagImage<'a> {
+    /// Where to read it (for a push: the push layout's copy of its metadata first).
+    pub source: &'a dyn imgfmt::BlobSource,
+    pub digest: imgfmt::OciDigest,
+    /// The destination as the user wrote it.
+    pub reference: String,
+    /// Its packs are where the new image goes (a push to the same repository): the
+    /// layout packed into gets no copy of them.
+    pub elsewhere: bool,
 }
 
 /// Run `body` with the [`PackOptions`] the flags say (base and parent opened, a progress
-/// bar on a terminal, cleared when `body` returns).
-pub fn with_pack_options<R>(src: &Path, f: &PackFlags, body: impl FnOnce(PackOptions<'_>) -> anyhow::Result<R>) -> anyhow::Result<R> {
+/// bar on a terminal, cleared when `body` returns) and whether the parent is `held`, the
+/// tag's image, taken because it is of the same files (stderr says so, or why not).
+pub fn with_pack_options<R>(
+    src: &Path,
+    f: &PackFlags,
+    held: Option<TagImage<'_>>,
+    body: impl FnOnce(PackOptions<'_>, bool) -> anyhow::Result<R>,
+) -> anyhow::Result<R> {
     let mut annotations = BTreeMap::new();
     for kv in &f.annotations {
         let (k, v) = kv.split_once('=').with_context(|| format!("--annotation {kv:?}: expected KEY=VALUE"))?;
@@ -214,10 +283,12 @@ pub fn with_pack_options<R>(src: &Path, f: &PackFlags, body: impl FnOnce(PackOpt
         Some(o) => Some(pusher::Related { source: o.source.as_ref(), image: open_image(o)?, reference: o.reference.clone() }),
         None => None,
     };
-    let parent = match &parent_src {
+    let mut parent = match &parent_src {
         Some(o) => Some(pusher::Related { source: o.source.as_ref(), image: open_image(o)?, reference: o.reference.clone() }),
         None => None,
     };
+    let mut from_tag = false;
+    let mut parent_packs_elsewhere = false;
     let total: u64 = pusher::scan::scan_dir(src).with_context(|| format!("reading {}", src.display()))?.files.iter().map(|f| f.size).sum();
     let pb = progress_bar(total, "pack");
     let tick = |n: u64| {
@@ -225,7 +296,7 @@ pub fn with_pack_options<R>(src: &Path, f: &PackFlags, body: impl FnOnce(PackOpt
             pb.inc(n)
         }
     };
-    let opts = PackOptions {
+    let mut opts = PackOptions {
         kind: f.kind,
         chunk_shift: f.chunk_size.trailing_zeros() as u8,
         compression: f.compression,
@@ -233,14 +304,32 @@ pub fn with_pack_options<R>(src: &Path, f: &PackFlags, body: impl FnOnce(PackOpt
         pack_size: f.pack_size,
         slice_shift: f.slice_shift()?,
         base,
-        parent,
+        parent: None,
         diff: f.diff,
         max_chain: f.max_chain as usize,
+        compact_after: f.compact_after.0,
         annotations,
         progress: Some(&tick),
         ..Default::default()
     };
-    let out = body(opts);
+    if let Some(t) = held.filter(|_| parent.is_none() && !f.no_parent) {
+        let shown = common::printable(&t.reference);
+        match imgfmt::Image::open(t.source, &t.digest).map_err(anyhow::Error::new).and_then(|img| Ok(pusher::same_files(&img, src, &opts).map(|()| img)?)) {
+            Ok(image) => {
+                eprintln!(
+                    "{shown} as the parent ({}): the tag holds an image of the same files, so only what changed is stored and sent (--no-parent: a full image)",
+                    t.digest
+                );
+                parent = Some(pusher::Related { source: t.source, image, reference: t.reference.clone() });
+                from_tag = true;
+                parent_packs_elsewhere = t.elsewhere;
+            }
+            Err(e) => eprintln!("not taking {shown} as the parent: {e:#}; packing a full image"),
+        }
+    }
+    opts.parent = parent;
+    opts.parent_packs_elsewhere = parent_packs_elsewhere;
+    let out = body(opts, from_tag);
     if let Some(pb) = pb {
         pb.finish_and_clear();
     }

@@ -59,8 +59,9 @@ pub struct PullArgs {
     /// pulls and lazy restores even after these files are deleted or changed.
     #[arg(long, conflicts_with = "no_cache")]
     pub cache_copy: bool,
-    /// Bound on the cache's allocated size; least recently used chunks are evicted.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "10GiB")]
+    /// Bound on everything kept under the cache directory (chunks, push layouts, upload
+    /// state, traces: see `snapctl cache`); least recently used entries are evicted.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "10GiB", env = "SNAPCTL_CACHE_SIZE")]
     pub cache_size: u64,
     /// Range requests in flight from the start (and threads reading the cache).
     #[arg(long, short = 'j', default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=256))]

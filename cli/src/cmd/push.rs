@@ -27,6 +27,14 @@ use super::pack::PackFlags;
 /// says so in .pack.rebased and .pack.chain_depth). Prints the manifest digest (--json:
 /// a report).
 ///
+/// Pushing a directory again to a tag that holds an image of the same files (the same
+/// kind, chunk size and hash, and the same file names) makes a layer over that image by
+/// itself, so only the chunks that changed go up; stderr names the parent, --no-parent
+/// pushes a full image. A push keeps a packed copy of the directory under the cache
+/// directory only until the registry has it: then its packs are dropped, and what is
+/// left (the metadata the next layer reads) counts against --cache-size with everything
+/// else there (see `snapctl cache`).
+///
 /// Credentials come from ~/.docker/config.json (see `snapctl login`). Plain HTTP is used
 /// for 127.0.0.1/localhost, with --plain-http, or with SNAPCTL_PLAIN_HTTP=1.
 ///
@@ -46,6 +54,8 @@ pub struct PushArgs {
     pub transfer: TransferFlags,
     #[command(flatten)]
     pub pack: PackFlags,
+    #[command(flatten)]
+    pub budget: super::cache::Budget,
 }
 
 /// Options shared by `push` and `copy`.
@@ -187,23 +197,47 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
             Selector::Digest(d) => d,
         };
         transfer(&layout, &digest, &pusher::Target::Registry(&dest), Some(&tag), &a.transfer, "push")?;
+        super::cache::keep_within_budget(&a.transfer.cache_dir(), a.budget.cache_size);
     } else if !Path::new(&a.src).exists() && matches!(a.src.parse::<Reference>(), Ok(Reference::Registry { .. })) {
         bail!("{}: push sends a local image or directory; to move an image from one registry to another use `snapctl copy {} {}`", a.src, a.src, a.dest);
     } else {
         let dir = Path::new(&a.src);
         super::pack::validate(dir, &a.pack)?;
-        let packed = super::pack::with_pack_options(dir, &a.pack, |pack| {
+        let cache_dir = a.transfer.cache_dir();
+        // The metadata of the image pushed last from this directory is in its push layout:
+        // read there, not fetched again.
+        let local_first = pusher::push::LocalFirst::new(dir, &cache_dir, &dest);
+        let held = match (&a.pack.parent, a.pack.no_parent) {
+            (None, false) => pusher::push::tag_manifest(&dest, &tag)?.map(|digest| super::pack::TagImage {
+                source: &local_first,
+                digest,
+                reference: format!("{host}/{repository}:{tag}"),
+                elsewhere: true,
+            }),
+            _ => None,
+        };
+        // A --parent in the repository pushed to has its packs there as well.
+        let parent_here = a
+            .pack
+            .parent
+            .as_deref()
+            .and_then(|p| p.parse::<Reference>().ok())
+            .is_some_and(|r| matches!(r, Reference::Registry { host: h, repository: r, .. } if h == host && r == repository));
+        let packed = super::pack::with_pack_options(dir, &a.pack, held, |mut pack, from_tag| {
+            pack.parent_packs_elsewhere |= parent_here;
             let opts = pusher::DirOptions {
                 pack,
                 // Another version or other options pack differently: a stamp recorded
                 // under another key is not trusted.
                 options_key: format!("snapctl {} {:?}", env!("CARGO_PKG_VERSION"), a.pack),
-                cache_dir: a.transfer.cache_dir(),
+                cache_dir: cache_dir.clone(),
+                parent_is_the_tags: from_tag,
             };
             pusher::push::pack_dir(dir, &dest, opts, &copy_options(&a.transfer)).map_err(anyhow::Error::new)
         })?;
         match packed.reused {
             Some(Reused::Stamp) => eprintln!("{}: unchanged since it was last packed (same stamp): not packing again", dir.display()),
+            Some(Reused::Parent) => eprintln!("{}: unchanged: the tag already holds this content", dir.display()),
             Some(Reused::Previous) | None => {
                 for s in packed.report.iter().flat_map(|r| &r.skipped) {
                     eprintln!("warning: skipped {s}: not a regular file");
@@ -213,10 +247,16 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
                 }
             }
         }
-        if let Some(line) = packed.report.as_ref().and_then(|r| super::pack::rebase_note(r, a.pack.max_chain)) {
-            eprintln!("{line}");
+        if let Some(r) = &packed.report {
+            for line in super::pack::rebase_note(r, a.pack.max_chain).into_iter().chain(super::pack::compaction_note(r)) {
+                eprintln!("{line}");
+            }
         }
         with_progress(&packed.layout, &packed.digest, &a.transfer, "push", |opts| pusher::push::push_packed(&packed, &dest, &tag, opts))?;
+        // The layout is released (a later eviction may take it); then everything under the
+        // cache directory is brought within the budget.
+        drop(packed);
+        super::cache::keep_within_budget(&cache_dir, a.budget.cache_size);
     }
     Ok(common::code(common::EXIT_OK))
 }

@@ -11,6 +11,7 @@ mod credentials;
 mod criu;
 mod fault_proxy;
 mod format;
+mod host;
 mod lazy;
 mod lazy_criu;
 mod netem;

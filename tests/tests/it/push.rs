@@ -204,6 +204,7 @@ fn push_dir_is_a_library_call() {
             pack: pusher::PackOptions { pack_size: 2 * MIB, ..Default::default() },
             options_key: "library test".into(),
             cache_dir: w.path("cache"),
+            parent_is_the_tags: false,
         };
         let copy = pusher::CopyOptions { upload: regclient::UploadOptions { cache_dir: Some(w.path("cache")), ..Default::default() }, ..Default::default() };
         pusher::push_dir(&snap, &dest, "v1", opts, &copy).unwrap()

@@ -1,0 +1,133 @@
+//! `snapctl cache`: what snapctl keeps on this host under the cache directory, and
+//! pruning it; the budget flag every command that adds to it takes.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use puller::cache::Usage;
+use puller::ChunkCache;
+
+use super::common::{self, outln, parse_size};
+
+/// Show what snapctl keeps on this host, or prune it.
+///
+/// Everything snapctl keeps under the cache directory counts against one budget,
+/// --cache-size (default 10GiB, or $SNAPCTL_CACHE_SIZE), which pull, push and lazy
+/// enforce as they go, least recently used first:
+///   chunks        chunk copies and references the pulls and lazy restores made
+///   push-layouts  a packed copy of each pushed directory: its packs only until the
+///                 registry has them, then the metadata the next layer is made over
+///   uploads       resume state of interrupted uploads
+///   traces        lazy-restore traces kept on this host (none yet: lazy stores each
+///                 trace beside its image, in the registry or the layout)
+///   known-blobs   which repositories hold which blobs (for cross-repository mounts)
+/// A push layout a running push holds is never evicted. Removing the directory by hand is
+/// safe too (the next commands fetch or pack again).
+///
+/// Prints one line per kind (bytes are allocated bytes, what fills the disk); --json: the
+/// same as an object. Exit 0, or 2 if the cache could not be read.
+///
+/// Examples:
+///   snapctl cache
+///   snapctl cache --json | jq '.kinds[] | select(.kind == "push-layouts")'
+///   snapctl cache prune --to 2GiB
+///   snapctl cache prune --all
+#[derive(Debug, clap::Args)]
+#[command(verbatim_doc_comment, args_conflicts_with_subcommands = false)]
+pub struct CacheArgs {
+    #[command(subcommand)]
+    pub cmd: Option<CacheCmd>,
+    #[command(flatten)]
+    pub common: CacheCommon,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct CacheCommon {
+    /// Cache directory [default: $SNAPCTL_CACHE, $XDG_CACHE_HOME/snapctl or ~/.cache/snapctl].
+    #[arg(long, value_name = "DIR", global = true)]
+    pub cache: Option<PathBuf>,
+    #[command(flatten)]
+    pub budget: Budget,
+    /// Print JSON on stdout.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum CacheCmd {
+    /// Evict least recently used entries (of every kind) until the cache holds at most
+    /// --to bytes, or everything not in use with --all. Prints what is left, as `cache`
+    /// does, and on stderr what went.
+    Prune(PruneArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PruneArgs {
+    /// Size to bring the cache down to [default: the budget, --cache-size].
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, conflicts_with = "all")]
+    pub to: Option<u64>,
+    /// Remove everything that is not in use.
+    #[arg(long)]
+    pub all: bool,
+}
+
+/// The one budget on the cache directory, for every command that adds to it.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Budget {
+    /// Bound on everything kept under the cache directory (chunks, push layouts, upload
+    /// state, traces); least recently used entries are evicted.
+    #[arg(long = "cache-size", value_name = "SIZE", value_parser = parse_size, default_value = "10GiB", env = "SNAPCTL_CACHE_SIZE", global = true)]
+    pub cache_size: u64,
+}
+
+/// Bring the cache directory within `limit` after a command that added to it. Failing
+/// to is a warning: the command itself succeeded.
+pub fn keep_within_budget(dir: &Path, limit: u64) {
+    if let Err(e) = ChunkCache::open(dir, limit) {
+        eprintln!("warning: keeping the cache directory {} within {}: {e}", dir.display(), imgfmt::size::human(limit));
+    }
+}
+
+pub fn run(a: CacheArgs) -> anyhow::Result<ExitCode> {
+    let dir = a.common.cache.clone().unwrap_or_else(ChunkCache::default_dir);
+    let limit = a.common.budget.cache_size;
+    // Opened without a bound (nothing is evicted by looking), then told the budget for
+    // the report.
+    let mut cache = ChunkCache::open(&dir, u64::MAX).with_context(|| format!("opening the cache directory {}", dir.display()))?;
+    if let Some(CacheCmd::Prune(p)) = &a.cmd {
+        // A throttle for tests that kill a prune half-way; unset in real use.
+        if let Some(ms) = std::env::var("SNAPCTL_EVICT_DELAY_MS").ok().and_then(|v| v.parse().ok()) {
+            cache.set_evict_delay(Duration::from_millis(ms));
+        }
+        let to = if p.all { 0 } else { p.to.unwrap_or(limit) };
+        let pruned = cache.prune(to).with_context(|| format!("pruning {}", dir.display()))?;
+        eprintln!(
+            "pruned {} entries ({}){}{}",
+            pruned.entries_evicted,
+            imgfmt::size::human(pruned.bytes_freed),
+            if pruned.in_use_kept > 0 { format!("; {} in use kept", pruned.in_use_kept) } else { String::new() },
+            if pruned.leftovers_removed > 0 { format!("; {} leftovers of interrupted evictions removed", pruned.leftovers_removed) } else { String::new() },
+        );
+    }
+    let mut usage = cache.usage().with_context(|| format!("reading {}", dir.display()))?;
+    usage.limit_bytes = limit;
+    if a.common.json {
+        common::print_json(&usage)?;
+    } else {
+        print_usage(&usage)?;
+    }
+    Ok(common::code(common::EXIT_OK))
+}
+
+fn print_usage(u: &Usage) -> anyhow::Result<()> {
+    outln!("{}", u.dir.display())?;
+    outln!("{:<14} {:>9} {:>11}", "kind", "entries", "bytes")?;
+    for k in &u.kinds {
+        let in_use = if k.in_use > 0 { format!("  ({} in use)", k.in_use) } else { String::new() };
+        outln!("{:<14} {:>9} {:>11}{in_use}", k.kind.name(), k.entries, imgfmt::size::human(k.bytes))?;
+    }
+    outln!("{:<14} {:>9} {:>11}  of {} (--cache-size)", "total", u.total_entries, imgfmt::size::human(u.total_bytes), imgfmt::size::human(u.limit_bytes))?;
+    Ok(())
+}
