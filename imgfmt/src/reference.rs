@@ -42,7 +42,18 @@ pub enum Reference {
 impl fmt::Display for Reference {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Reference::Layout { path, selector } => write!(f, "oci:{}{selector}", path.display()),
+            Reference::Layout { path, selector } => {
+                let path = path.display().to_string();
+                // `PATH:TAG@DIGEST` is read with the tag split off, so a path whose last
+                // component holds a ':' would read back shorter; a tag beside the digest
+                // (syntax-checked, then ignored) keeps it whole.
+                let last = path.rsplit('/').next().unwrap_or_default();
+                if matches!(selector, Selector::Digest(_)) && last.contains(':') {
+                    write!(f, "oci:{path}:{DEFAULT_TAG}{selector}")
+                } else {
+                    write!(f, "oci:{path}{selector}")
+                }
+            }
             // A registry on a host called `oci` with a port would read back as a layout path
             // in the short spelling; skopeo's spelling keeps it a registry.
             Reference::Registry { host, repository, selector } if host.starts_with("oci:") => write!(f, "{DOCKER_TRANSPORT}{host}/{repository}{selector}"),
@@ -199,6 +210,22 @@ mod tests {
             let back: Reference = r.to_string().parse().unwrap();
             assert_eq!(back, r, "{good} -> {r}");
         }
+    }
+
+    /// Found by the `reference` fuzz target once `PATH:TAG@DIGEST` was accepted: a layout
+    /// path whose last component held a ':' printed (with its digest) as something that
+    /// read back with part of the path taken for a tag, or not at all.
+    #[test]
+    fn regression_issue_25_layout_paths_with_colons_print_back_beside_a_digest() {
+        let d = format!("sha256:{}", "a".repeat(64));
+        for s in [format!("oci:/a:b:v1@{d}"), format!("oci:/a:b@{d}"), format!("oci:/x\0:0caa@sha2aaa\0:0caa@{d}"), format!("oci:/x/y@{d}")] {
+            let r: Reference = s.parse().unwrap();
+            let printed = r.to_string();
+            let back: Reference = printed.parse().unwrap_or_else(|e| panic!("{s} -> {printed}: {e}"));
+            assert_eq!(back, r, "{s} -> {printed}");
+        }
+        let r: Reference = format!("oci:/a:b:v1@{d}").parse().unwrap();
+        assert!(matches!(&r, Reference::Layout { path, .. } if path.as_os_str() == "/a:b"), "{r:?}");
     }
 
     #[test]
