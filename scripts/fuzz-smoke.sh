@@ -15,7 +15,7 @@ set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 secs=${1:-${FUZZ_SECONDS:-20}}
-read -r -a targets <<<"${FUZZ_TARGETS:-chunk_index outboard image_config manifest decompress reference image_open criu_pagemap}"
+read -r -a targets <<<"${FUZZ_TARGETS:-chunk_index outboard image_config manifest decompress reference image_open criu_pagemap trace_json sign_policy sign_key sign_manifest}"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target-fuzz}
 export RUSTC_BOOTSTRAP=1
 
@@ -73,6 +73,15 @@ done
 # A CRIU pagemap image: the two magics, pagemap_head {pages_id: 1}, then two entries
 # {vaddr 0x7e0000000000, nr_pages 4, flags PRESENT|LAZY} and {vaddr +64 KiB, 1 page, 0}.
 printf '\x19\x43\x56\x54\x25\x40\x08\x56\x02\x00\x00\x00\x08\x01\x0c\x00\x00\x00\x08\x80\x80\x80\x80\x80\xc0\x1f\x10\x04\x20\x06\x0a\x00\x00\x00\x08\x80\x80\x84\x80\x80\xc0\x1f\x10\x01' | seed criu_pagemap valid-2
+# The worked example of spec/lazy.md "Prefetch and traces", and a trace naming a chunk twice.
+printf '%s' '{"format":"snapctl.trace.v1","file":"vm.mem","chunkSize":65536,"chunks":[9,0,20],"workingSet":[643072,53248,1363968],"zeroChunks":[1]}' | seed trace_json spec-example
+printf '%s' '{"format":"snapctl.trace.v1","file":"vm.mem","chunkSize":65536,"chunks":[3],"zeroChunks":[1,1,1]}' | seed trace_json twice
+# Signatures (spec/sign.md): the worked example's key files, payload and manifests, and a
+# policy of every requirement and signedIdentity type.
+vec() { awk -v m="<!-- vector: $1 -->" '$0 == m {on = 1; next} on && /^```/ {if (inside) exit; inside = 1; next} inside {print}' "$root/spec/sign.md"; }
+for v in cosign.key cosign.pub; do vec "$v" | seed sign_key "$v"; done
+for v in tag-manifest referrer-manifest payload; do vec "$v" | tr -d '\n' | seed sign_manifest "$v"; done
+printf '%s' '{"default":[{"type":"reject"}],"transports":{"docker":{"r.io:5000/vm":[{"type":"sigstoreSigned","keyData":"eA==","signedIdentity":{"type":"matchRepository"}}],"r.io/a":[{"type":"sigstoreSigned","keyPaths":["/k"],"signedIdentity":{"type":"remapIdentity","prefix":"r.io/a","signedPrefix":"q.io/b"}}],"*.io":[{"type":"insecureAcceptAnything"}],"":[{"type":"signedBy","keyType":"GPGKeys","keyPath":"/g"}]},"oci":{"/srv":[{"type":"sigstoreSigned","keyPath":"/k","signedIdentity":{"type":"exactRepository","dockerRepository":"r.io/a"}}]}}}' | seed sign_policy policy
 for t in "${targets[@]}"; do echo "fuzz-smoke: $t: $(find "$corpus/$t" -type f | wc -l) seeds" >&2; done
 
 cd "$root/fuzz"

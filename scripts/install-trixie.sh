@@ -6,6 +6,7 @@
 #   bash scripts/install-trixie.sh runsc   # runsc 0.0~2024 (static) -> /opt/snapctl-runsc/runsc
 #   bash scripts/install-trixie.sh cosign  # cosign 2.x (Go, static) -> /opt/snapctl-cosign/cosign
 #   bash scripts/install-trixie.sh oras    # the Go oras CLI -> /opt/snapctl-oras/oras
+#   bash scripts/install-trixie.sh skopeo  # skopeo with sigstore -> /opt/snapctl-skopeo/skopeo
 #
 # Why a private prefix: bookworm's criu 3.17 cannot dump on this kernel, and bookworm's runsc
 # (2022) writes one `checkpoint.img` where the gVisor posts describe the split
@@ -16,8 +17,8 @@
 # How the dependencies are found (never a hand-kept list: the mirror moves):
 #   1. a private apt state (sources, lists, archives in a temporary directory) for trixie on
 #      the machine's own configured mirror;
-#   2. the closure of the package's Depends and Pre-Depends, computed by apt-cache from
-#      trixie's lists as if nothing were installed;
+#   2. the closure of the package's Depends and Pre-Depends, as apt's resolver computes it
+#      from trixie's lists as if nothing were installed (no recommends);
 #   3. minus every package the system already has at the same or a newer version (the system's
 #      libraries come after the prefix's on the library path, so those still serve);
 #   4. `apt-get download` of the rest, unpacked with dpkg-deb under $PREFIX/root;
@@ -30,7 +31,7 @@
 # Needs root (criu and runsc need root to checkpoint and restore anyway).
 set -euo pipefail
 
-tool=${1:?usage: install-trixie.sh criu|runsc|cosign|oras}
+tool=${1:?usage: install-trixie.sh criu|runsc|cosign|oras|skopeo}
 SUITE=${SNAPCTL_TRIXIE_SUITE:-trixie}
 case "$tool" in
   criu)  PKG=criu;  BIN=usr/sbin/criu; PREFIX=${SNAPCTL_CRIU_PREFIX:-/opt/snapctl-criu} ;;
@@ -39,7 +40,10 @@ case "$tool" in
   # (PyPI's oras is a library; `oras repo ls` and `oras cp -r` are the Go tool's).
   cosign) PKG=cosign; BIN=usr/bin/cosign; PREFIX=${SNAPCTL_COSIGN_PREFIX:-/opt/snapctl-cosign} ;;
   oras)  PKG=oras;  BIN=usr/bin/oras;  PREFIX=${SNAPCTL_ORAS_PREFIX:-/opt/snapctl-oras} ;;
-  *) echo "install-trixie: unknown tool $tool (criu, runsc, cosign or oras)" >&2; exit 2 ;;
+  # Bookworm's skopeo 1.9.3 is built with sigstore disabled ("Debian-local change: sigstore
+  # disabled" for --sign-by-sigstore-private-key and sigstoreSigned policies); trixie's is not.
+  skopeo) PKG=skopeo; BIN=usr/bin/skopeo; PREFIX=${SNAPCTL_SKOPEO_PREFIX:-/opt/snapctl-skopeo} ;;
+  *) echo "install-trixie: unknown tool $tool (criu, runsc, cosign, oras or skopeo)" >&2; exit 2 ;;
 esac
 say() { echo "install-trixie($tool): $*" >&2; }
 # How each tool prints its version (the Go CLIs take a subcommand, not a flag).
@@ -81,11 +85,17 @@ if ! apt-get "${apt_opts[@]}" update >"$work/update.log" 2>&1; then
   exit 1
 fi
 
-# 2. The closure, from trixie's lists alone. Virtual packages print as <name> and are
-#    followed by the packages that provide them, which the recursion includes.
-closure=$(apt-cache "${apt_opts[@]}" depends --recurse --no-recommends --no-suggests --no-conflicts \
-  --no-breaks --no-replaces --no-enhances "$PKG" | grep -E '^[a-z0-9]' | sort -u)
-[ -n "$closure" ] || { say "$PKG is not in $SUITE's lists"; exit 1; }
+# 2. The closure, from trixie's lists alone: what apt itself would install on a system
+#    with nothing installed (status=/dev/null), without recommends. apt's resolver picks
+#    one package per "A | B" alternative and per virtual package; `apt-cache depends
+#    --recurse` follows every alternative (318 packages for skopeo against apt's 78).
+closure=$(apt-get "${apt_opts[@]}" -s --no-install-recommends install "$PKG" 2>"$work/resolve.log" |
+  awk '$1 == "Inst" {print $2}' | sort -u) || true
+if [ -z "$closure" ]; then
+  cat "$work/resolve.log" >&2
+  say "$PKG is not in $SUITE's lists, or apt cannot resolve its dependencies there"
+  exit 1
+fi
 
 # 3. Minus what the system already has, new enough.
 fetch=()

@@ -36,6 +36,7 @@ TEST_APT=(
   skopeo docker-registry             # registry peers
   openssl bc                         # registry TLS test (self-signed cert), bench arithmetic
   hyperfine jq python3-pip
+  gnuplot-nox                        # bench/plots.sh: BENCHMARKS.md's plots (SVG)
   runsc                              # gVisor 2022 (one checkpoint.img), tests/tests/it/runsc.rs
   chromium                           # headless browser for the registry's web view test
 )
@@ -43,7 +44,8 @@ PIP_PKGS=(oras "moto[server]")       # OCI artifact client; S3 server
 # Installed by tools, not here, listed for fresh-check: the trixie prefixes
 # (install-trixie.sh), cargo binaries (s3s-fs below, cargo-fuzz by fuzz-smoke.sh).
 PREFIXES=("${SNAPCTL_CRIU_PREFIX:-/opt/snapctl-criu}" "${SNAPCTL_RUNSC_PREFIX:-/opt/snapctl-runsc}"
-  "${SNAPCTL_COSIGN_PREFIX:-/opt/snapctl-cosign}" "${SNAPCTL_ORAS_PREFIX:-/opt/snapctl-oras}")
+  "${SNAPCTL_COSIGN_PREFIX:-/opt/snapctl-cosign}" "${SNAPCTL_ORAS_PREFIX:-/opt/snapctl-oras}"
+  "${SNAPCTL_SKOPEO_PREFIX:-/opt/snapctl-skopeo}")
 CARGO_BINS=(s3s-fs cargo-fuzz)
 if [ "$list" = 1 ]; then
   printf 'build-apt %s\n' "${BUILD_APT[@]}"
@@ -74,8 +76,9 @@ pkill -f '^/usr/bin/docker-registry serve /etc/docker/registry/config.yml' 2>/de
 # From Debian trixie, each in a private prefix with its dependency closure resolved from
 # trixie's lists: criu 4.x (bookworm's 3.17 cannot dump on this kernel), runsc 2024 (the
 # split checkpoint.img + pages_meta.img + pages.img format), cosign 2.x (signature interop)
-# and the Go oras CLI (bookworm has neither).
-for t in criu runsc cosign oras; do $SUDO bash ./install-trixie.sh "$t"; done
+# and the Go oras CLI (bookworm has neither), and skopeo with sigstore (bookworm's 1.9.3 is
+# built with sigstore disabled; spec/sign.md §8).
+for t in criu runsc cosign oras skopeo; do $SUDO bash ./install-trixie.sh "$t"; done
 
 python3 -m pip install -q --disable-pip-version-check "${PIP_PKGS[@]}" >/dev/null 2>&1 || \
   python3 -m pip install -q --disable-pip-version-check --break-system-packages "${PIP_PKGS[@]}"

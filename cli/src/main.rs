@@ -8,7 +8,7 @@
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 mod cmd;
 
@@ -20,11 +20,15 @@ mod cmd;
 ///
 /// Exit codes: 0 ok, 1 verification failed, 2 error.
 #[derive(Debug, Parser)]
-#[command(name = "snapctl", version, max_term_width = 100)]
+#[command(name = "snapctl", version = VERSION, max_term_width = 100)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
 }
+
+/// `snapctl --version`: the release and the commit it was built from (build.rs;
+/// `unknown` outside a git checkout).
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("SNAPCTL_COMMIT"), ")");
 
 #[derive(Debug, Subcommand)]
 enum Command {
@@ -42,15 +46,22 @@ enum Command {
     Login(cmd::login::LoginArgs),
     Logout(cmd::login::LogoutArgs),
     Lazy(cmd::lazy::LazyArgs),
+    Sign(cmd::sign::SignArgs),
+    Key(cmd::sign::KeyArgs),
+    Completions(cmd::generate::CompletionsArgs),
+    Man(cmd::generate::ManArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match &cli.command {
-        Command::Serve(_) => cmd::common::init_logging(cmd::serve::DEFAULT_LOG, true),
+        Command::Serve(a) => cmd::common::init_logging_as(cmd::serve::DEFAULT_LOG, true, a.log_format == cmd::serve::LogFormat::Json),
         // A daemon's people want its progress (listening, each VM, traces stored) as well.
         Command::Lazy(_) => cmd::common::init_logging(cmd::lazy::DEFAULT_LOG, false),
         _ => cmd::common::init_logging("warn", false),
+    }
+    if let Some(r) = cli.command.registry_flags() {
+        r.install();
     }
     let result = match cli.command {
         Command::Pack(a) => cmd::pack::run(a),
@@ -67,13 +78,40 @@ fn main() -> ExitCode {
         Command::Login(a) => cmd::login::run_login(a),
         Command::Logout(a) => cmd::login::run_logout(a),
         Command::Lazy(a) => cmd::lazy::run(a),
+        Command::Sign(a) => cmd::sign::run_sign(a),
+        Command::Key(a) => cmd::sign::run_key(a),
+        Command::Completions(a) => cmd::generate::completions(a, Cli::command()),
+        Command::Man(a) => cmd::generate::man(a, Cli::command()),
     };
     match result {
         Ok(code) => code,
         Err(e) if cmd::common::is_stdout_closed(&e) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("snapctl: {}", describe(&e));
+            if let Some(h) = cmd::common::hint_for(&e) {
+                eprintln!("hint: {}", cmd::common::printable(&h));
+            }
             ExitCode::from(cmd::common::exit_code_for(&e))
+        }
+    }
+}
+
+impl Command {
+    /// How this command reaches registries, if it reaches any.
+    fn registry_flags(&self) -> Option<&cmd::common::RegistryFlags> {
+        match self {
+            Command::Pack(a) => Some(&a.registry),
+            Command::Unpack(a) => Some(&a.registry),
+            Command::Verify(a) => Some(&a.registry),
+            Command::Inspect(a) => Some(&a.registry),
+            Command::Diff(a) => Some(&a.registry),
+            Command::Pull(a) => Some(&a.registry),
+            Command::Push(a) => Some(&a.transfer.registry),
+            Command::Copy(a) => Some(&a.transfer.registry),
+            Command::Login(a) => Some(&a.registry),
+            Command::Lazy(a) => Some(&a.registry),
+            Command::Sign(a) => Some(&a.registry),
+            Command::Serve(_) | Command::Key(_) | Command::Sample(_) | Command::Gc(_) | Command::Logout(_) | Command::Completions(_) | Command::Man(_) => None,
         }
     }
 }
@@ -90,7 +128,9 @@ fn join_causes(e: &anyhow::Error) -> String {
     let mut out = String::new();
     for cause in e.chain() {
         let s = cause.to_string();
-        if out.is_empty() {
+        if out.is_empty() || s.starts_with(out.as_str()) {
+            // A cause that repeats what the context said, and more ("resolving X" over
+            // "resolving X: gave up …"), is the whole line.
             out = s;
         } else if !out.contains(&s) {
             out.push_str(": ");
@@ -112,6 +152,10 @@ mod tests {
         assert_eq!(describe(&e), "packing /src: writing a pack into /x: File too large");
         let plain = anyhow::anyhow!("inner").context("outer");
         assert_eq!(describe(&plain), "outer: inner");
+        // Issue 25: "resolving X: resolving X: gave up …", the context said again by the
+        // library's message.
+        let lib = imgfmt::FormatError::Transient { what: "resolving h/r:v1".into(), source: "resolving h/r:v1: gave up after 6 attempts".into() };
+        assert_eq!(describe(&anyhow::Error::new(lib).context("resolving h/r:v1")), "resolving h/r:v1: gave up after 6 attempts");
         let hostile = anyhow::anyhow!("registry said: \x1b[2J\nsnapctl: all good");
         assert_eq!(describe(&hostile), "registry said: \\u{1b}[2J\\nsnapctl: all good");
     }

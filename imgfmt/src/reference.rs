@@ -51,20 +51,27 @@ impl fmt::Display for Reference {
     }
 }
 
+/// The name and its selector: `NAME@DIGEST`, `NAME:TAG`, or `NAME:TAG@DIGEST`, where the
+/// digest wins and the tag is only checked (docker's and crane's reading: a tag beside a
+/// digest documents which tag the digest was taken from; the digest is what is fetched).
 fn split_selector(s: &str, allow_colon_tag: bool) -> Result<(&str, Selector), String> {
-    if let Some((rest, d)) = s.rsplit_once('@') {
-        let d: OciDigest = d.parse().map_err(|e: FormatError| e.to_string())?;
-        return Ok((rest, Selector::Digest(d)));
-    }
-    if allow_colon_tag {
-        if let Some((rest, t)) = s.rsplit_once(':') {
-            if !t.contains('/') && !rest.is_empty() {
-                crate::layout::check_tag(t).map_err(|e| e.to_string())?;
-                return Ok((rest, Selector::Tag(t.into())));
-            }
+    let (name, digest) = match s.rsplit_once('@') {
+        Some((rest, d)) => (rest, Some(d.parse::<OciDigest>().map_err(|e: FormatError| e.to_string())?)),
+        None => (s, None),
+    };
+    let (name, tag) = match name.rsplit_once(':') {
+        Some((rest, t)) if allow_colon_tag && !t.contains('/') && !rest.is_empty() => {
+            crate::layout::check_tag(t).map_err(|e| e.to_string())?;
+            (rest, Some(t))
         }
-    }
-    Ok((s, Selector::Tag(DEFAULT_TAG.into())))
+        _ => (name, None),
+    };
+    let selector = match (digest, tag) {
+        (Some(d), _) => Selector::Digest(d),
+        (None, Some(t)) => Selector::Tag(t.into()),
+        (None, None) => Selector::Tag(DEFAULT_TAG.into()),
+    };
+    Ok((name, selector))
 }
 
 /// Repository names per the OCI distribution spec:
@@ -217,6 +224,31 @@ mod tests {
         check_repository("a__b-c.d/e").unwrap();
         assert!("/repo".parse::<Reference>().is_err());
         assert!("vm/base:v1".parse::<Reference>().unwrap_err().to_string().contains("\"vm\" is not a registry host"));
+    }
+
+    /// Issue 25: `REPO:TAG@DIGEST` (what `docker inspect` prints as a pinned image) was
+    /// refused as a repository named `REPO:TAG`. The digest wins, as docker and crane read
+    /// it; the tag must still be a tag.
+    #[test]
+    fn regression_issue_25_tag_and_digest_the_digest_wins() {
+        let d = format!("sha256:{}", "c".repeat(64));
+        let digest: OciDigest = d.parse().unwrap();
+        for (s, host, repo) in [
+            (format!("127.0.0.1:5000/vm/base:v2@{d}"), "127.0.0.1:5000", "vm/base"),
+            (format!("docker://localhost:5000/a:latest@{d}"), "localhost:5000", "a"),
+            (format!("ghcr.io/org/x:1.0@{d}"), "ghcr.io", "org/x"),
+        ] {
+            let r: Reference = s.parse().unwrap_or_else(|e| panic!("{s}: {e}"));
+            assert_eq!(r, Reference::Registry { host: host.into(), repository: repo.into(), selector: Selector::Digest(digest.clone()) }, "{s}");
+        }
+        let r: Reference = format!("oci:/tmp/x:v1@{d}").parse().unwrap();
+        assert_eq!(r, Reference::Layout { path: "/tmp/x".into(), selector: Selector::Digest(digest.clone()) });
+        // The tag is still checked, and so is the digest.
+        assert!(format!("localhost/x:{}@{d}", "t".repeat(200)).parse::<Reference>().is_err());
+        assert!("localhost/x:v1@sha256:abc".parse::<Reference>().is_err());
+        // A port is not a tag.
+        let r: Reference = format!("localhost:5000/x@{d}").parse().unwrap();
+        assert!(matches!(r, Reference::Registry { ref host, .. } if host == "localhost:5000"));
     }
 
     /// Issue 13: skopeo's `docker://` spelling is the same registry reference.

@@ -64,6 +64,8 @@ pub(crate) struct Conn {
 struct Fault {
     addr: u64,
     read_at: Instant,
+    /// Waited for the working-set replay long enough: fetch for itself.
+    no_replay: bool,
 }
 
 /// The fault thread's queues.
@@ -154,7 +156,7 @@ impl Conn {
             let now = Instant::now();
             for e in events {
                 match e {
-                    Ok(Event::Pagefault { addr, .. }) => pending.push_back(Fault { addr: addr as u64, read_at: now }),
+                    Ok(Event::Pagefault { addr, .. }) => pending.push_back(Fault { addr: addr as u64, read_at: now, no_replay: false }),
                     Ok(Event::Remove { start, end }) | Ok(Event::Unmap { start, end }) => self.inst.removed(start as u64, end as u64),
                     Ok(Event::Remap { from, to, len }) => {
                         tracing::warn!("pid {}: guest memory remapped {from:?} -> {to:?} ({len} bytes): not followed", self.pid())
@@ -313,6 +315,7 @@ impl Conn {
                     return end;
                 }
             }
+            self.expire(q);
             self.recheck_ws_parked(q);
             self.publish_parked(q.parked);
             self.publish_oldest(q);
@@ -391,6 +394,8 @@ impl Conn {
             (Key::Slices(c, id), Done::Slices(res)) => {
                 q.slicing.finished(id);
                 match res {
+                    // Its faults timed out (`expire`): nothing waits for what it found.
+                    Ok(SliceFetch::Whole) | Err(_) if faults.is_empty() => faults,
                     Ok(SliceFetch::Slices(v)) => {
                         self.inst.install_slices(c, &v, &mut || self.drain_events(q.pending))?;
                         self.wake_sliced(faults, true)
@@ -428,7 +433,7 @@ impl Conn {
             let _ = self.wake_sliced(vec![f], false);
             return Ok(());
         }
-        if self.ws_waiting(f.addr) {
+        if !f.no_replay && self.ws_waiting(f.addr) {
             self.inst.rec.add(|c| &c.ws_waits, 1);
             q.ws_parked.push(f);
             return Ok(());
@@ -465,6 +470,39 @@ impl Conn {
             job_tx.send((key, Job::Chunk(c))).map_err(|_| pool_gone())?;
         }
         Ok(())
+    }
+
+    /// The retry budget bounds how long a fault waits for its bytes, whatever the transport
+    /// does: a source that drips bytes keeps every read alive and never fails, so the
+    /// fetcher's own budget (checked between failed attempts) never runs out. A fault parked
+    /// longer than the budget is served with a timeout, which poisons its span as any
+    /// failure does; its fetch goes on, and its result, if it comes, finds the span settled.
+    /// A fault waiting on the working-set replay leaves it after half the budget and fetches
+    /// for itself.
+    fn expire(&self, q: &mut Queues) {
+        let Some(budget) = self.inst.fetcher.budget() else { return };
+        let now = Instant::now();
+        let late = |f: &Fault| now.duration_since(f.read_at) >= budget;
+        let keys: Vec<Key> = q.parked.iter().filter(|(_, faults)| faults.iter().any(late)).map(|(k, _)| *k).collect();
+        for key in keys {
+            let (Key::Chunk(c) | Key::Slices(c, _)) = key;
+            if let Key::Slices(_, id) = key {
+                q.slicing.finished(id);
+            }
+            q.arrived.failed.insert(c, FetchFailure::TimedOut { chunk: c, seconds: budget.as_secs_f64() });
+            for f in q.parked.remove(&key).unwrap_or_default().into_iter().rev() {
+                q.pending.push_front(f);
+            }
+        }
+        if q.ws_parked.iter().any(|f| now.duration_since(f.read_at) >= budget / 2) {
+            let (gone, wait): (Vec<Fault>, Vec<Fault>) =
+                std::mem::take(&mut q.ws_parked).into_iter().partition(|f| now.duration_since(f.read_at) >= budget / 2);
+            q.ws_parked = wait;
+            for mut f in gone.into_iter().rev() {
+                f.no_replay = true;
+                q.pending.push_front(f);
+            }
+        }
     }
 
     /// Whether the page of `addr` lies in a slice the working-set replay is fetching.

@@ -69,6 +69,8 @@ pub enum FetchFailure {
     Exhausted { chunk: u64, retries: u64, seconds: f64, detail: String },
     /// chunk {chunk}: {detail} (not retried: waiting does not change this answer)
     Source { chunk: u64, detail: String },
+    /// chunk {chunk}: no verified bytes within the retry budget of {seconds:.0}s (the source is too slow)
+    TimedOut { chunk: u64, seconds: f64 },
 }
 
 /// Side effects of one `get` the caller accounts for (only the caller that did the work
@@ -243,6 +245,11 @@ impl Fetcher {
             }
             StoredAt::Pack { .. } => Ok(false),
         }
+    }
+
+    /// How long a fault may wait for a chunk (`--retry-budget`; `None`: no bound).
+    pub fn budget(&self) -> Option<Duration> {
+        self.policy.budget
     }
 
     /// Where the faults' chunks are read from.

@@ -165,11 +165,37 @@ pub struct Daemon {
     conns: Mutex<Vec<Weak<Conn>>>,
     active: AtomicU64,
     total: AtomicU64,
-    trace: Mutex<Option<Trace>>,
+    /// The trace replayed, shared (never copied) by every connection.
+    replay: Mutex<Option<Replay>>,
     traces: Option<Box<dyn TraceStore>>,
     stop: Arc<AtomicBool>,
     /// Accept no more connections; return once those being served have ended.
     draining: AtomicBool,
+}
+
+/// A trace to replay and its working set's plan, made once and shared by every connection.
+struct Replay {
+    trace: Arc<Trace>,
+    /// `None`: no working set to replay (none recorded, or one that does not fit the image),
+    /// or a recording daemon (pages installed ahead would never fault, and the working set
+    /// it records would be only what the guest touched beyond the last).
+    plan: Option<Arc<workingset::Plan>>,
+}
+
+impl Replay {
+    fn new(image: &Image, file: usize, opts: &LazyOptions, trace: Trace) -> Replay {
+        let trace = Arc::new(trace);
+        // A recorded working set replaces the trace's chunk order: it holds what the guest
+        // touched, by slice, where the chunk order of a scattered guest is nearly every chunk.
+        let plan = match opts.prefetch {
+            PrefetchMode::Trace | PrefetchMode::All if !opts.record_trace => workingset::Plan::new(image, file, &trace).unwrap_or_else(|e| {
+                tracing::warn!("ignoring the trace's working set: {e}");
+                None
+            }),
+            _ => None,
+        };
+        Replay { trace, plan: plan.map(Arc::new) }
+    }
 }
 
 impl Daemon {
@@ -197,6 +223,17 @@ impl Daemon {
             },
             _ => None,
         };
+        if let Some(t) = &trace {
+            tracing::info!(
+                "using the trace {} (created {}): {} chunks, a working set of {} slices, {} zero chunks",
+                t.manifest.as_ref().map_or_else(|| "?".to_string(), |d| d.to_string()),
+                t.created.as_deref().unwrap_or("?"),
+                t.chunks.len(),
+                t.working_set.len(),
+                t.zero_chunks.len()
+            );
+        }
+        let replay = trace.map(|t| Replay::new(&image, file, &opts, t));
         let mut memory = opts.memory_bytes;
         if opts.record_trace {
             // Recording installs the guest's pages one fault at a time, each from its chunk
@@ -211,7 +248,7 @@ impl Daemon {
             conns: Mutex::new(Vec::new()),
             active: AtomicU64::new(0),
             total: AtomicU64::new(0),
-            trace: Mutex::new(trace),
+            replay: Mutex::new(replay),
             traces,
             stop: Arc::new(AtomicBool::new(false)),
             draining: AtomicBool::new(false),
@@ -219,7 +256,7 @@ impl Daemon {
     }
 
     pub fn has_trace(&self) -> bool {
-        self.trace.lock().expect("poisoned").is_some()
+        self.replay.lock().expect("poisoned").is_some()
     }
 
     /// Read the background class (the stream, the working-set replay) through `src`, a
@@ -370,20 +407,13 @@ impl Daemon {
         self.active.fetch_add(1, Ordering::Relaxed);
         self.total.fetch_add(1, Ordering::Relaxed);
 
-        let trace = self.trace.lock().expect("poisoned").clone();
-        // A recorded working set replaces the trace's chunk order: it holds what the guest
-        // touched, by slice, where the chunk order of a scattered guest is nearly every chunk.
-        // A recording restore replays none: pages installed ahead would never fault, and
-        // the working set it records would be only what the guest touched beyond the last.
-        let plan = match (self.opts.prefetch, &trace) {
-            (PrefetchMode::Trace | PrefetchMode::All, Some(t)) if !self.opts.record_trace => workingset::Plan::new(&image, self.fetcher.file, t)
-                .unwrap_or_else(|e| {
-                    tracing::warn!("pid {}: ignoring the trace's working set: {e}", hs.pid);
-                    None
-                }),
-            _ => None,
+        // Shared, not copied: what a connection holds of a trace is a reference to it, and
+        // what it makes of it (the stream's order, the pending slices) is sized by the image.
+        let (trace, plan) = match &*self.replay.lock().expect("poisoned") {
+            Some(r) => (Some(r.trace.clone()), r.plan.clone()),
+            None => (None, None),
         };
-        let chunk_trace = if plan.is_some() { None } else { trace.as_ref() };
+        let chunk_trace = if plan.is_some() { None } else { trace.as_deref() };
         let (mut order, traced) = prefetch::stream_order(self.opts.prefetch, chunk_trace, &image, self.fetcher.file);
         let mut detector = None;
         match (self.opts.prefetch, self.opts.stream_after) {
@@ -452,17 +482,20 @@ impl Daemon {
         let pacing = bg.report();
         self.active.fetch_sub(1, Ordering::Relaxed);
         let mut report = ConnReport::from_counters(hs.pid, &counters, t0.elapsed().as_secs_f64(), ended);
+        if self.opts.prefetch != PrefetchMode::None {
+            report.trace_digest = trace.as_ref().and_then(|t| t.manifest.as_ref()).map(|d| d.to_string());
+        }
         report.stream_depth = stream_run.depth as u64;
         report.stream_rtt_ms = stream_run.rtt.map(|d| d.as_secs_f64() * 1e3);
         report.pacing = pacing.into();
         report.working_set_s = replayed.map(|at: Instant| at.duration_since(started).as_secs_f64());
         report.stream_started_s = demand.went_after().map(|d| d.as_secs_f64());
         if self.opts.record_trace {
-            let (t, ws_bytes) = inst.take_recording().take_trace(&file.name, 1 << image.chunk_shift());
+            let (mut t, ws_bytes) = inst.take_recording().take_trace(&file.name, 1 << image.chunk_shift());
             report.working_set_recorded = t.working_set.len() as u64;
             match &self.traces {
                 Some(store) if !t.chunks.is_empty() => match store.store(&image, &t, &ws_bytes) {
-                    Ok(at) => {
+                    Ok((at, digest)) => {
                         tracing::info!(
                             "pid {}: trace of {} chunks and a working set of {} slices ({}) stored at {at}",
                             hs.pid,
@@ -471,7 +504,8 @@ impl Daemon {
                             imgfmt::size::human(ws_bytes.len() as u64)
                         );
                         report.trace = Some(at);
-                        *self.trace.lock().expect("poisoned") = Some(t);
+                        t.manifest = Some(digest);
+                        *self.replay.lock().expect("poisoned") = Some(Replay::new(&image, self.fetcher.file, &self.opts, t));
                     }
                     Err(e) => tracing::warn!("pid {}: storing the trace failed: {e}", hs.pid),
                 },
@@ -583,6 +617,15 @@ fn listen(path: &std::path::Path, ready: Option<&std::path::Path>, who: &str, ta
     Ok((listener, cleanup))
 }
 
+/// Metrics connections served at once, at most; one more is closed unanswered. Each is
+/// served on a thread of its own, so a client that dawdles holds its own slot, never the
+/// listener: a scraper is answered beside up to this many slow clients.
+pub const MAX_METRICS_CONNECTIONS: usize = 8;
+/// A metrics client has this long, in all, to send its request line and take the answer
+/// (a deadline for the whole exchange, not per read: a client sending a byte now and then
+/// is cut off all the same).
+pub const METRICS_DEADLINE: Duration = Duration::from_secs(2);
+
 /// Serve `GET /metrics` on `addr` from a background thread, answering with `text(owner)`
 /// while `owner` lives (the Firecracker and the CRIU daemons both); returns the bound
 /// address.
@@ -590,13 +633,26 @@ fn serve_metrics<T: Send + Sync + 'static>(owner: &Arc<T>, addr: &str, text: fn(
     let l = std::net::TcpListener::bind(addr).map_err(io_err(format!("binding metrics address {addr}")))?;
     let bound = l.local_addr().map_err(io_err("metrics address"))?;
     let me = Arc::downgrade(owner);
+    let busy = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("lazy-metrics".into())
         .spawn(move || {
             for s in l.incoming() {
                 let Some(d) = me.upgrade() else { return };
-                if let Ok(s) = s {
-                    let _ = answer_metrics_text(s, &text(&d));
+                let Ok(s) = s else { continue };
+                if busy.fetch_add(1, Ordering::Relaxed) >= MAX_METRICS_CONNECTIONS {
+                    busy.fetch_sub(1, Ordering::Relaxed);
+                    tracing::debug!("metrics: {MAX_METRICS_CONNECTIONS} connections being served; closing another");
+                    continue;
+                }
+                let (body, slot) = (text(&d), busy.clone());
+                drop(d);
+                let spawned = std::thread::Builder::new().name("lazy-metrics-conn".into()).spawn(move || {
+                    let _ = answer_metrics_text(s, &body, Instant::now() + METRICS_DEADLINE);
+                    slot.fetch_sub(1, Ordering::Relaxed);
+                });
+                if spawned.is_err() {
+                    busy.fetch_sub(1, Ordering::Relaxed);
                 }
             }
         })
@@ -604,30 +660,28 @@ fn serve_metrics<T: Send + Sync + 'static>(owner: &Arc<T>, addr: &str, text: fn(
     Ok(bound)
 }
 
-/// Answer one HTTP request: `text` for `GET /metrics`, 404 otherwise.
-fn answer_metrics_text(mut s: std::net::TcpStream, text: &str) -> std::io::Result<()> {
-    use std::io::Write;
-    s.set_read_timeout(Some(Duration::from_secs(2)))?;
-    let mut line = String::new();
-    std::io::BufReader::new(s.try_clone()?).take_line(&mut line)?;
-    let (status, body) = if line.starts_with("GET /metrics ") || line.starts_with("GET /metrics\r") {
-        ("200 OK", text.to_string())
+/// Answer one HTTP request before `deadline`: `text` for `GET /metrics`, 404 otherwise.
+fn answer_metrics_text(mut s: std::net::TcpStream, text: &str, deadline: Instant) -> std::io::Result<()> {
+    use std::io::{Read, Write};
+    let left = || deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()).ok_or(std::io::ErrorKind::TimedOut);
+    // The request line, at most 8 KiB, before the deadline however it trickles in.
+    let mut line = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !line.contains(&b'\n') && line.len() < 8192 {
+        s.set_read_timeout(Some(left()?))?;
+        match s.read(&mut buf)? {
+            0 => break,
+            n => line.extend_from_slice(&buf[..n]),
+        }
+    }
+    let (status, body) = if line.starts_with(b"GET /metrics ") || line.starts_with(b"GET /metrics\r") {
+        ("200 OK", text)
     } else {
-        ("404 Not Found", "not found; try /metrics\n".to_string())
+        ("404 Not Found", "not found; try /metrics\n")
     };
+    s.set_write_timeout(Some(left()?))?;
     write!(s, "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())?;
     Ok(())
-}
-
-trait TakeLine {
-    fn take_line(&mut self, out: &mut String) -> std::io::Result<()>;
-}
-impl<R: std::io::BufRead> TakeLine for R {
-    /// One request line, at most 8 KiB.
-    fn take_line(&mut self, out: &mut String) -> std::io::Result<()> {
-        let mut limited = std::io::Read::take(self, 8192);
-        std::io::BufRead::read_line(&mut limited, out).map(|_| ())
-    }
 }
 
 struct RemoveOnDrop(PathBuf);

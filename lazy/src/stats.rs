@@ -145,6 +145,9 @@ pub struct Counters {
     /// Slices the working-set replay installed, and the bytes it read for them.
     pub ws_slices: AtomicU64,
     pub ws_bytes: AtomicU64,
+    /// Slices of the working-set blob that failed their check and were not installed (the
+    /// blob is a hint: not part of `verify_failures`).
+    pub ws_rejected: AtomicU64,
     pub latency: Histogram,
 }
 
@@ -282,6 +285,10 @@ pub struct ConnReport {
     /// Faults on a slice the replay was still fetching: they waited for it, not for a
     /// fetch of their own (part of `faults.present`).
     pub working_set_waits: u64,
+    /// Slices of the working-set blob that failed their check against the outboard and
+    /// were not installed (the guest's touches there were served by the fault path,
+    /// verified; not part of `verify_failures`).
+    pub working_set_rejected_slices: u64,
     /// Seconds after the connection started at which the replay was done (`null`: none ran).
     pub working_set_s: Option<f64>,
     /// Slices recorded into the working set stored with the trace (with --record-trace).
@@ -290,6 +297,9 @@ pub struct ConnReport {
     pub seconds: f64,
     /// Why the connection ended.
     pub ended: End,
+    /// The digest of the trace manifest this connection replayed (its working set or its
+    /// chunk order; `null`: none).
+    pub trace_digest: Option<String>,
     /// Where the recorded trace went (with --record-trace).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub trace: Option<String>,
@@ -320,11 +330,13 @@ impl ConnReport {
             working_set_slices: l(&c.ws_slices),
             working_set_bytes: l(&c.ws_bytes),
             working_set_waits: l(&c.ws_waits),
+            working_set_rejected_slices: l(&c.ws_rejected),
             working_set_s: None,
             working_set_recorded: 0,
             latency_us: c.latency.latency(),
             seconds,
             ended,
+            trace_digest: None,
             trace: None,
         }
     }
@@ -354,6 +366,7 @@ pub fn prometheus(c: &Counters, connections_active: u64, connections_total: u64)
         ("snapctl_lazy_slice_fetches_total", "Faults served by a fetch of verified slices rather than the whole chunk.", &c.slice_fetches),
         ("snapctl_lazy_working_set_slices_total", "Slices the replay of a recorded working set installed.", &c.ws_slices),
         ("snapctl_lazy_working_set_waits_total", "Faults that waited for the working-set replay instead of fetching.", &c.ws_waits),
+        ("snapctl_lazy_working_set_rejected_slices_total", "Slices of a working-set blob that failed their check and were not installed.", &c.ws_rejected),
     ] {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", l(v));
     }

@@ -15,68 +15,57 @@
 use std::sync::Arc;
 
 use imgfmt::manifest::{Descriptor, Manifest};
-use imgfmt::{media, FormatError, Image, OciLayout};
-use serde::{Deserialize, Serialize};
+use imgfmt::{media, BlobSource, FormatError, Image, OciDigest, OciLayout};
+
+mod json;
+use json::MIN_SLICE;
+pub use json::{Trace, TRACE_FORMAT};
 
 /// Media type (and artifactType) of a prefetch trace.
 pub const TRACE_MEDIA_TYPE: &str = "application/vnd.snapctl.trace.v1+json";
-/// Value of [`Trace::format`].
-pub const TRACE_FORMAT: &str = "snapctl.trace.v1";
 /// The OCI "empty" config descriptor's media type and content.
 pub const EMPTY_MEDIA_TYPE: &str = "application/vnd.oci.empty.v1+json";
 const EMPTY: &[u8] = b"{}";
-/// A trace blob is at most 64 MiB (8 M chunk numbers).
+/// A trace blob is at most 64 MiB, whatever the image ([`max_trace_bytes`] is usually far
+/// less).
 pub const MAX_TRACE_BYTES: u64 = 64 << 20;
 /// Media type of a trace's working-set blob (its second layer): the bytes of the slices
 /// the recorded restore touched, in the order the trace lists them.
 pub const WORKING_SET_MEDIA_TYPE: &str = "application/vnd.snapctl.workingset.v1";
+/// Trace artifacts of one image looked at, at most, newest first: each costs a few
+/// requests, and a registry may hold any number of them.
+pub const MAX_TRACE_CANDIDATES: usize = 8;
+/// Bytes a trace may take besides its lists (format, file name, field names, spaces).
+const TRACE_OVERHEAD: u64 = 64 << 10;
+/// Bytes of one list entry at most: 20 digits and a comma.
+const ENTRY_BYTES: u64 = 21;
+/// A trace dated this far past the daemon's clock counts as undated (clocks differ a little
+/// between the host that recorded it and this one; a date in the far future is a lie).
+const CLOCK_SKEW_SECS: u64 = 24 * 3600;
 
-/// The order in which a restore first faulted the chunks of the memory file.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct Trace {
-    /// Always [`TRACE_FORMAT`].
-    pub format: String,
-    /// The memory file's name in the image.
-    pub file: String,
-    pub chunk_size: u64,
-    /// Chunk indices, each once, first fault first.
-    pub chunks: Vec<u64>,
-    /// File offsets of the slices (of the outboard's slice size) whose pages the restore
-    /// touched, each once, first touch first; their bytes are the working-set blob. Empty:
-    /// no working set (an image without an outboard, or a trace recorded before them).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub working_set: Vec<u64>,
-    /// Zero chunks the restore touched, first touch first: installed (as zeros, nothing
-    /// fetched) before the guest asks, as the working set is.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub zero_chunks: Vec<u64>,
-    /// The working-set blob's descriptor (the trace manifest's second layer), as loaded.
-    #[serde(skip)]
-    pub working_set_blob: Option<Descriptor>,
+/// The most bytes a trace of file `file` of `image` can take: each of its lists names a
+/// chunk (or a 4 KiB page, for the working set) at most once, so the image bounds it. A
+/// longer trace is refused before it is read.
+pub fn max_trace_bytes(image: &Image, file: usize) -> u64 {
+    let f = &image.files[file];
+    let entries = (f.chunks.len() as u64).saturating_mul(2).saturating_add(f.size.div_ceil(MIN_SLICE));
+    TRACE_OVERHEAD.saturating_add(ENTRY_BYTES.saturating_mul(entries)).min(MAX_TRACE_BYTES)
 }
 
 impl Trace {
-    pub fn new(file: &str, chunk_size: u64, chunks: Vec<u64>) -> Self {
-        Trace { format: TRACE_FORMAT.into(), file: file.into(), chunk_size, chunks, working_set: Vec::new(), zero_chunks: Vec::new(), working_set_blob: None }
-    }
-
-    /// Parse and check a trace against the image it is for.
+    /// Parse and check a trace against the image it is for. What it costs is bounded by the
+    /// image, not by the trace: a trace larger than [`max_trace_bytes`] is refused unread,
+    /// and a list entry out of range, not a slice start or named twice stops the parse
+    /// there (each list is checked against a bit per chunk or page as it is read).
     pub fn decode(b: &[u8], image: &Image, file: usize) -> Result<Trace, FormatError> {
-        if b.len() as u64 > MAX_TRACE_BYTES {
-            return Err(FormatError::TooLarge { what: "trace", got: b.len() as u64, limit: MAX_TRACE_BYTES });
+        let limit = max_trace_bytes(image, file);
+        if b.len() as u64 > limit {
+            return Err(FormatError::TooLarge { what: "trace", got: b.len() as u64, limit });
         }
-        let t: Trace = serde_json::from_slice(b).map_err(|source| FormatError::Json { what: "trace", source })?;
         let f = &image.files[file];
-        let n = f.chunks.len() as u64;
+        let t = json::parse(b, f.chunks.len() as u64, f.size).map_err(|source| FormatError::Json { what: "trace", source })?;
         if t.format != TRACE_FORMAT || t.file != f.name || t.chunk_size != 1 << image.chunk_shift() {
             return Err(invalid("trace", format!("for {:?} at chunk size {}, not this image's {:?}", t.file, t.chunk_size, f.name)));
-        }
-        if let Some(c) = t.chunks.iter().chain(&t.zero_chunks).find(|&&c| c >= n) {
-            return Err(invalid("trace", format!("chunk {c} beyond the file's {n} chunks")));
-        }
-        if let Some(o) = t.working_set.iter().find(|&&o| o >= f.size) {
-            return Err(invalid("trace", format!("working-set offset {o} beyond the file's {} bytes", f.size)));
         }
         Ok(t)
     }
@@ -89,10 +78,12 @@ fn invalid(what: &'static str, detail: impl Into<String>) -> FormatError {
 /// Where traces are kept for an image.
 pub trait TraceStore: Send + Sync {
     fn describe(&self) -> String;
+    /// The trace to replay for file `file` of `image`, if there is a usable one (its
+    /// [`Trace::manifest`] says which).
     fn load(&self, image: &Image, file: usize) -> Result<Option<Trace>, FormatError>;
     /// Store a trace, with its working-set blob when `working_set` is not empty; returns
-    /// where it went.
-    fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<String, FormatError>;
+    /// where it went and the trace manifest's digest.
+    fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<(String, OciDigest), FormatError>;
 }
 
 /// The tag under which an OCI layout keeps the trace of `image` (the referrers API's
@@ -118,7 +109,11 @@ pub fn trace_manifest(image: &Image, trace_blob: &[u8], working_set: Option<Desc
 }
 
 fn now_rfc3339() -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    rfc3339(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0))
+}
+
+/// `secs` after the epoch as `YYYY-MM-DDTHH:MM:SSZ`.
+fn rfc3339(secs: u64) -> String {
     // Civil date from days since the epoch (Howard Hinnant's algorithm).
     let (days, rem) = (secs / 86400, secs % 86400);
     let z = days as i64 + 719_468;
@@ -133,6 +128,63 @@ fn now_rfc3339() -> String {
     format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
+/// A trace artifact's creation date, where it can be believed for ordering: an RFC 3339
+/// date (`YYYY-MM-DD...`) no later than `latest`. Anything else (absent, malformed, in the
+/// future) is no date: such a trace is tried after every dated one.
+fn believable_date<'a>(annotations: &'a std::collections::BTreeMap<String, String>, latest: &str) -> Option<&'a str> {
+    let c = annotations.get(media::ANN_CREATED)?.as_str();
+    let b = c.as_bytes();
+    let shaped = b.len() >= 10 && b[..10].iter().enumerate().all(|(i, &x)| if i == 4 || i == 7 { x == b'-' } else { x.is_ascii_digit() });
+    (shaped && c <= latest).then_some(c)
+}
+
+/// Load and check the trace artifact whose manifest is `digest` in `src`, for file `file`
+/// of `image`: an OCI manifest of artifact type [`TRACE_MEDIA_TYPE`] whose subject is the
+/// image's manifest, whose first layer is the trace JSON (of its media type, or the
+/// registry payload type) no larger than [`max_trace_bytes`] and valid for the image.
+/// Its working set is kept only where the second layer is the working-set blob and that
+/// blob is there (`Ok((trace, false))`: it is not, and the trace holds its chunk order
+/// alone). `Err`: why the trace cannot be used.
+fn load_artifact(src: &dyn BlobSource, digest: &OciDigest, image: &Image, file: usize) -> Result<(Trace, bool), String> {
+    let bytes = imgfmt::source::read_verified_blob(src, digest, imgfmt::manifest::MAX_MANIFEST_BYTES).map_err(|e| e.to_string())?;
+    let m = Manifest::decode(&bytes).map_err(|e| e.to_string())?;
+    if let Some(t) = m.media_type.as_deref().filter(|t| *t != media::OCI_MANIFEST) {
+        return Err(format!("media type {t}, not an OCI image manifest"));
+    }
+    if m.artifact_type.as_deref() != Some(TRACE_MEDIA_TYPE) {
+        return Err(format!("artifact type {:?}, not a trace", m.artifact_type.as_deref().unwrap_or("")));
+    }
+    match &m.subject {
+        Some(s) if s.digest == image.manifest_digest => {}
+        Some(s) => return Err(format!("it refers to {}, not to {}", s.digest, image.manifest_digest)),
+        None => return Err("it refers to no image".into()),
+    }
+    let layer = m.layers.first().ok_or("it has no layers")?;
+    if layer.media_type != TRACE_MEDIA_TYPE && layer.media_type != regclient::PAYLOAD_TYPE {
+        return Err(format!("its first layer is {}, not a trace", layer.media_type));
+    }
+    let limit = max_trace_bytes(image, file);
+    if layer.size > limit {
+        return Err(format!("its trace is {} bytes, too large for this image's (at most {limit})", layer.size));
+    }
+    let b = imgfmt::source::read_verified_blob(src, &layer.digest, limit).map_err(|e| e.to_string())?;
+    let mut t = Trace::decode(&b, image, file).map_err(|e| e.to_string())?;
+    t.manifest = Some(digest.clone());
+    t.created = m.annotations.get(media::ANN_CREATED).cloned();
+    if t.working_set.is_empty() {
+        return Ok((t, true));
+    }
+    // Without its blob the list is of no use: the chunk order alone is replayed.
+    let blob = m.layers.get(1).filter(|d| d.media_type == WORKING_SET_MEDIA_TYPE && d.size <= image.files[file].size);
+    let present = blob.is_some_and(|d| src.blob_size(&d.digest).is_ok_and(|n| n == d.size));
+    if present {
+        t.working_set_blob = blob.cloned();
+    } else {
+        t.working_set.clear();
+    }
+    Ok((t, present))
+}
+
 /// Traces in a local OCI layout, under the fallback tag.
 pub struct LayoutTraces(pub OciLayout);
 
@@ -144,14 +196,13 @@ impl TraceStore for LayoutTraces {
     fn load(&self, image: &Image, file: usize) -> Result<Option<Trace>, FormatError> {
         let tag = fallback_tag(image);
         let Some((_, desc)) = self.0.tags()?.into_iter().find(|(t, _)| *t == tag) else { return Ok(None) };
-        let m = Manifest::decode(&imgfmt::source::read_verified_blob(&self.0, &desc.digest, imgfmt::manifest::MAX_MANIFEST_BYTES)?)?;
-        if m.artifact_type.as_deref() != Some(TRACE_MEDIA_TYPE) || m.subject.as_ref().map(|s| &s.digest) != Some(&image.manifest_digest) {
-            return Err(invalid("trace manifest", format!("tag {tag} is not a trace of {}", image.manifest_digest)));
+        match load_artifact(&self.0, &desc.digest, image, file) {
+            Ok((t, _)) => Ok(Some(t)),
+            Err(e) => Err(invalid("trace", format!("tag {tag} ({}): {e}", desc.digest))),
         }
-        read_trace_layer(&self.0, &m, image, file).map(Some)
     }
 
-    fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<String, FormatError> {
+    fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<(String, OciDigest), FormatError> {
         let blob = serde_json::to_vec(trace).expect("trace serializes");
         self.0.put_blob(&blob)?;
         self.0.put_blob(EMPTY)?;
@@ -165,23 +216,8 @@ impl TraceStore for LayoutTraces {
         desc.artifact_type = Some(TRACE_MEDIA_TYPE.into());
         let tag = fallback_tag(image);
         self.0.set_tag(&tag, desc)?;
-        Ok(format!("{}:{tag} ({d})", self.describe()))
+        Ok((format!("{}:{tag} ({d})", self.describe()), d))
     }
-}
-
-/// The trace payload of a trace manifest (its one layer), verified and checked.
-fn read_trace_layer(src: &dyn imgfmt::BlobSource, m: &Manifest, image: &Image, file: usize) -> Result<Trace, FormatError> {
-    let layer = m.layers.first().ok_or_else(|| invalid("trace manifest", "no layer"))?;
-    let b = imgfmt::source::read_verified_blob(src, &layer.digest, MAX_TRACE_BYTES)?;
-    let mut t = Trace::decode(&b, image, file)?;
-    if !t.working_set.is_empty() {
-        // Without its blob the list is of no use: replay the chunk order alone.
-        t.working_set_blob = m.layers.get(1).filter(|d| d.media_type == WORKING_SET_MEDIA_TYPE).cloned();
-        if t.working_set_blob.is_none() {
-            t.working_set.clear();
-        }
-    }
-    Ok(t)
 }
 
 /// Traces in a registry: pushed as referrers of the image (the registry's referrers API,
@@ -193,18 +229,46 @@ impl TraceStore for RegistryTraces {
         imgfmt::BlobSource::describe(self.0.as_ref())
     }
 
+    /// The newest usable trace. Anyone who may push may add a referrer, and its date is
+    /// what the pusher wrote: a date in the future counts as none (such a trace is tried
+    /// last), and the newest [`MAX_TRACE_CANDIDATES`] are tried in turn until one is
+    /// usable ([`load_artifact`]), preferring one whose working-set blob is there. The
+    /// listing asks the registry for trace artifacts only (`artifactType`; the client
+    /// filters where the registry cannot).
     fn load(&self, image: &Image, file: usize) -> Result<Option<Trace>, FormatError> {
         let refs = self.0.list_referrers(&image.manifest_digest, Some(TRACE_MEDIA_TYPE)).map_err(|e| invalid("trace referrers", e.to_string()))?;
-        // The newest trace wins (RFC 3339 timestamps sort as strings).
-        let Some(d) = refs.iter().max_by_key(|d| d.annotations.get(media::ANN_CREATED).cloned().unwrap_or_default()) else { return Ok(None) };
-        let m = Manifest::decode(&imgfmt::source::read_verified_blob(self.0.as_ref(), &d.digest, imgfmt::manifest::MAX_MANIFEST_BYTES)?)?;
-        if m.subject.as_ref().map(|s| &s.digest) != Some(&image.manifest_digest) {
-            return Err(invalid("trace manifest", format!("{} does not refer to {}", d.digest, image.manifest_digest)));
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let latest = rfc3339(now + CLOCK_SKEW_SECS);
+        let mut candidates: Vec<&Descriptor> = refs.iter().collect();
+        // Newest believable date first (RFC 3339 dates sort as strings); undated last, in
+        // the registry's order.
+        candidates.sort_by(|a, b| believable_date(&b.annotations, &latest).cmp(&believable_date(&a.annotations, &latest)));
+        if candidates.len() > MAX_TRACE_CANDIDATES {
+            tracing::info!("{} traces of {}: looking at the newest {MAX_TRACE_CANDIDATES}", candidates.len(), image.manifest_digest);
         }
-        read_trace_layer(self.0.as_ref(), &m, image, file).map(Some)
+        let mut partial = None;
+        for d in candidates.iter().take(MAX_TRACE_CANDIDATES) {
+            if d.size > imgfmt::manifest::MAX_MANIFEST_BYTES {
+                tracing::warn!("skipping the trace {}: its manifest is {} bytes", d.digest, d.size);
+                continue;
+            }
+            match load_artifact(self.0.as_ref(), &d.digest, image, file) {
+                Ok((t, true)) => return Ok(Some(t)),
+                Ok((t, false)) => {
+                    tracing::warn!("the trace {}: its working-set blob is missing; looking for a trace with one", d.digest);
+                    partial.get_or_insert(t);
+                }
+                Err(e) => tracing::warn!("skipping the trace {}: {e}", d.digest),
+            }
+        }
+        match partial {
+            Some(t) => Ok(Some(t)),
+            None if candidates.is_empty() => Ok(None),
+            None => Err(invalid("trace", format!("none of the {} traces looked at can be used", candidates.len().min(MAX_TRACE_CANDIDATES)))),
+        }
     }
 
-    fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<String, FormatError> {
+    fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<(String, OciDigest), FormatError> {
         let blob = serde_json::to_vec(trace).expect("trace serializes");
         let ann = [(media::ANN_CREATED.to_string(), now_rfc3339())].into_iter().collect();
         let mut layers = vec![(regclient::PAYLOAD_TYPE, blob.as_slice())];
@@ -212,7 +276,7 @@ impl TraceStore for RegistryTraces {
             layers.push((WORKING_SET_MEDIA_TYPE, working_set));
         }
         let d = self.0.push_referrer_layers(&image.manifest_digest, TRACE_MEDIA_TYPE, &layers, ann).map_err(|e| invalid("trace push", e.to_string()))?;
-        Ok(format!("{} referrer {d}", self.describe()))
+        Ok((format!("{} referrer {d}", self.describe()), d))
     }
 }
 
@@ -227,9 +291,12 @@ mod tests {
         let store = LayoutTraces(layout);
         assert_eq!(store.load(&image, file).unwrap(), None);
         let t = Trace::new("vm.mem", 1 << 16, vec![4, 0, 2]);
-        let at = store.store(&image, &t, &[]).unwrap();
+        let (at, digest) = store.store(&image, &t, &[]).unwrap();
         assert!(at.contains(&fallback_tag(&image)), "{at}");
-        assert_eq!(store.load(&image, file).unwrap(), Some(t.clone()));
+        let loaded = store.load(&image, file).unwrap().unwrap();
+        assert_eq!(loaded.manifest.as_ref(), Some(&digest), "it says which trace it is");
+        assert!(loaded.created.is_some());
+        assert_eq!(Trace { manifest: None, created: None, ..loaded }, t);
         // The image itself is untouched and still opens.
         let tags = store.0.tags().unwrap();
         assert_eq!(tags.len(), 2);
@@ -240,5 +307,65 @@ mod tests {
         assert!(Trace::decode(&other, &image, file).is_err());
         assert!(Trace::decode(b"{", &image, file).is_err());
         assert_eq!(now_rfc3339().len(), 20);
+    }
+
+    /// Issue 21 §4: a trace naming one zero chunk over and over (33 million times in 64 MiB)
+    /// was loaded whole and copied for every VM. A list entry named twice, out of the
+    /// file, or (working set) not a slice start is refused when the trace is parsed, and
+    /// a trace longer than the image allows is refused before it is parsed.
+    #[test]
+    fn regression_issue_21_duplicates_and_strays_in_a_trace_are_refused_when_parsed() {
+        let (_d, _mem, image, _layout) = crate::fetch::tests::sample_image(6);
+        let file = image.file("vm.mem").unwrap().0;
+        let trace = |lists: &str| format!(r#"{{"format":"snapctl.trace.v1","file":"vm.mem","chunkSize":65536,{lists}}}"#);
+        let refused = |lists: &str| Trace::decode(trace(lists).as_bytes(), &image, file).expect_err(lists).to_string();
+        // (Chunks 1 and 4 of the six are zero.)
+        let good = Trace::decode(trace(r#""chunks":[5,0],"workingSet":[4096,0],"zeroChunks":[4,1]"#).as_bytes(), &image, file).unwrap();
+        assert_eq!((good.chunks, good.working_set, good.zero_chunks), (vec![5, 0], vec![4096, 0], vec![4, 1]));
+        for (lists, why) in [
+            (r#""chunks":[0],"zeroChunks":[1,1]"#, "zero chunk 1 listed twice"),
+            (r#""chunks":[0,2,0]"#, "chunk 0 listed twice"),
+            (r#""chunks":[0],"workingSet":[8192,4096,8192]"#, "working-set offset 8192 listed twice"),
+            (r#""chunks":[0],"workingSet":[4100]"#, "working-set offset 4100 is not a multiple of 4096"),
+            (r#""chunks":[0],"workingSet":[393216]"#, "working-set offset 393216 beyond the file's 393216 bytes"),
+            (r#""chunks":[6]"#, "chunk 6 beyond the file's 6 chunks"),
+            (r#""chunks":[0],"zeroChunks":[1],"zeroChunks":[4]"#, "duplicate field"),
+            (r#""chunks":[0],"extra":1"#, "unknown field"),
+            (r#""zeroChunks":[1]"#, "missing field `chunks`"),
+        ] {
+            let e = refused(lists);
+            assert!(e.contains(why), "{lists}: {e}");
+        }
+        // The one zero chunk named a million times (2 MB): refused before a byte is parsed,
+        // as the image's six chunks cannot need more than a few KiB of trace.
+        let mut big = String::from("1");
+        while big.len() < 2 << 20 {
+            big.push_str(",1");
+        }
+        let e = refused(&format!(r#""chunks":[0],"zeroChunks":[{big}]"#));
+        assert!(e.contains("too large") || e.contains("limit"), "{e}");
+        assert!(max_trace_bytes(&image, file) < 100 << 10, "{}", max_trace_bytes(&image, file));
+        // Within the bound, the parse stops at the second mention (serde's position says where).
+        let mut many = String::from("1");
+        while many.len() < 30_000 {
+            many.push_str(",1");
+        }
+        let e = refused(&format!(r#""chunks":[0],"zeroChunks":[{many}]"#));
+        assert!(e.contains("zero chunk 1 listed twice"), "{e}");
+        let column: usize = e.rsplit("column ").next().and_then(|c| c.trim().parse().ok()).expect("a position");
+        assert!(column < 120, "read up to column {column} of {}", many.len());
+    }
+
+    /// A date in the future, or one that is not a date, does not order traces.
+    #[test]
+    fn only_believable_dates_order_traces() {
+        let at = |c: &str| [(media::ANN_CREATED.to_string(), c.to_string())].into_iter().collect::<std::collections::BTreeMap<_, _>>();
+        let latest = rfc3339(1_800_000_000);
+        assert_eq!(latest, "2027-01-15T08:00:00Z");
+        assert_eq!(believable_date(&at("2026-12-01T10:00:00Z"), &latest), Some("2026-12-01T10:00:00Z"));
+        assert_eq!(believable_date(&at("2026-12-01"), &latest), Some("2026-12-01"));
+        assert_eq!(believable_date(&at("9999-12-31T00:00:00Z"), &latest), None);
+        assert_eq!(believable_date(&at("yesterday"), &latest), None);
+        assert_eq!(believable_date(&Default::default(), &latest), None);
     }
 }

@@ -345,9 +345,13 @@ impl ChunkCache {
         };
         let mut buf = vec![0u8; len as usize];
         // The referenced file is read only if it is (still) a regular file: a symlink,
-        // FIFO or device swapped in under its name is stale, never opened through.
+        // FIFO or device swapped in under its name is stale, never opened through. And
+        // only a file its reference's writer could have pulled (`may_follow`): a root pull
+        // must not read, for whoever can write into a shared cache, a file they could not.
+        let ref_owner = rfile.metadata().map(|m| m.uid()).map_err(io(&rpath))?;
         let read = imgfmt::file::open_regular(&r.file).and_then(|f| {
             use std::os::unix::fs::FileExt;
+            Self::may_follow(&f, ref_owner, &self.base, r.offset + u64::from(len))?;
             f.read_exact_at(&mut buf, r.offset)
         });
         if read.is_err() {
@@ -367,6 +371,45 @@ impl ChunkCache {
                 Ok(None)
             }
         }
+    }
+
+    /// Whether a reference entry owned by `ref_owner` may be followed to the open file `f`,
+    /// which it says holds bytes up to `end`. The file must belong to the entry's owner, who
+    /// must be this process's user or the owner of the cache (`base`); it must be that long
+    /// (procfs files say 0), and not on a pseudo filesystem whose reads have side effects.
+    /// Anything else is a stale reference, never read (spec/cache.md §1.3).
+    fn may_follow(f: &File, ref_owner: u32, base: &Path, end: u64) -> std::io::Result<()> {
+        let refuse = |why: String| Err(std::io::Error::new(ErrorKind::PermissionDenied, why));
+        let md = f.metadata()?;
+        // SAFETY: geteuid has no preconditions and touches no memory.
+        let me = unsafe { libc::geteuid() };
+        let cache_owner = fs::metadata(base)?.uid();
+        if md.uid() != ref_owner {
+            return refuse(format!("the file belongs to uid {}, its reference to uid {ref_owner}", md.uid()));
+        }
+        if ref_owner != me && ref_owner != cache_owner {
+            return refuse(format!("the reference belongs to uid {ref_owner}, neither this user ({me}) nor the cache's owner ({cache_owner})"));
+        }
+        if md.len() < end {
+            return refuse(format!("the file has {} bytes, the reference names bytes up to {end}", md.len()));
+        }
+        // procfs, sysfs, debugfs, tracefs, securityfs, configfs, cgroup, cgroup2.
+        const PSEUDO: [i64; 8] = [0x9fa0, 0x6265_6572, 0x6462_6720, 0x7472_6163, 0x7363_6673, 0x6265_6570, 0x0027_e0eb, 0x6367_7270];
+        let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
+        // SAFETY: fstatfs writes a statfs into the buffer we pass, sized for it, on a
+        // descriptor we hold open.
+        let rc = unsafe { libc::fstatfs(std::os::fd::AsRawFd::as_raw_fd(f), st.as_mut_ptr()) };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // f_type's C type differs between architectures.
+        #[allow(clippy::unnecessary_cast)]
+        // SAFETY: fstatfs returned 0, so it filled the struct.
+        let kind = unsafe { st.assume_init() }.f_type as i64;
+        if PSEUDO.contains(&kind) {
+            return refuse(format!("the file is on a pseudo filesystem (type {kind:#x})"));
+        }
+        Ok(())
     }
 
     fn drop_stale(&self, path: &Path) {
@@ -876,6 +919,45 @@ mod tests {
         c.put(HashAlgo::Blake3, &d1, &ch1).unwrap();
         assert_eq!(c.put_refs(HashAlgo::Blake3, &file, &[(d1, 8192, 8192)]).unwrap(), 0);
         assert!(c.get(HashAlgo::Blake3, &d1, 8192).unwrap().is_some());
+    }
+
+    /// Issue 21: a shared cache's reference made a root pull open and read any regular
+    /// file it named (a content-confirmation oracle: a hit said the file held the bytes).
+    /// Now a reference is followed only to a file of its own writer, who is this user or
+    /// the cache's owner, long enough for the bytes it names.
+    #[test]
+    fn regression_issue_21_references_lead_only_to_their_writers_files() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: needs root to give files to other users");
+            return;
+        }
+        let chown = |p: &Path, uid: u32| std::os::unix::fs::chown(p, Some(uid), None).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let c = ChunkCache::open(&dir.path().join("cache"), DEFAULT_LIMIT).unwrap();
+        let (d, ch) = chunk(3, 8192);
+        let secret = dir.path().join("someone-elses");
+        fs::write(&secret, ch.as_bytes()).unwrap();
+        c.put_refs(HashAlgo::Blake3, &secret, &[(d, 8192, 0)]).unwrap();
+        assert!(c.get(HashAlgo::Blake3, &d, 8192).unwrap().is_some(), "our own reference to our own file");
+        // Another user's file, named by a reference of ours (planted, or the file given away).
+        c.put_refs(HashAlgo::Blake3, &secret, &[(d, 8192, 0)]).unwrap();
+        chown(&secret, 4242);
+        assert!(c.get(HashAlgo::Blake3, &d, 8192).unwrap().is_none(), "a root pull confirmed the content of uid 4242's file");
+        // A reference written by a third user, to a file of that user: not ours, not the cache's.
+        c.put_refs(HashAlgo::Blake3, &secret, &[(d, 8192, 0)]).unwrap();
+        chown(&c.ref_path(HashAlgo::Blake3, &d), 4242);
+        assert!(c.get(HashAlgo::Blake3, &d, 8192).unwrap().is_none(), "followed a stranger's reference");
+        // ... unless that user owns the cache (a cache shared by its owner with root pulls).
+        chown(&dir.path().join("cache").join(VERSION_DIR), 4242);
+        c.put_refs(HashAlgo::Blake3, &secret, &[(d, 8192, 0)]).unwrap();
+        chown(&c.ref_path(HashAlgo::Blake3, &d), 4242);
+        assert!(c.get(HashAlgo::Blake3, &d, 8192).unwrap().is_some(), "the cache owner's reference to its own file");
+        // A procfs file is never read, whoever wrote the reference.
+        let (d0, _) = chunk(4, 4096);
+        c.put_refs(HashAlgo::Blake3, Path::new("/proc/self/environ"), &[(d0, 4096, 0)]).unwrap();
+        assert!(c.get(HashAlgo::Blake3, &d0, 4096).unwrap().is_none());
+        assert!(!c.ref_path(HashAlgo::Blake3, &d0).exists(), "the reference is dropped as stale");
     }
 
     /// A reference write killed before its rename leaves `<xx>/.ref-<pid>.<seq>`: never

@@ -58,8 +58,11 @@ const MAX_RANGE_LIMIT: u64 = 256 << 20;
 /// one round trip costs more than this many bytes on any link worth pulling over.
 const MAX_GAP: u64 = 256 << 10;
 /// When a range request is repeated after a transient failure (4 times, beyond the
-/// registry client's own retries of each request) before the pull gives up.
-const RANGE_RETRY: imgfmt::RetryPolicy = imgfmt::RetryPolicy::attempts(4);
+/// registry client's own retries of each request, and within the retry budget as a
+/// wall-clock bound, [`regclient::retry_budget`]) before the pull gives up.
+fn range_retry() -> imgfmt::RetryPolicy {
+    imgfmt::RetryPolicy { budget: Some(regclient::retry_budget()), ..imgfmt::RetryPolicy::attempts(4) }
+}
 /// Threads putting fetched chunks in the cache: two, so one gathers the next batch while
 /// the other waits on the disk.
 const CACHE_WRITERS: usize = 2;
@@ -919,12 +922,12 @@ impl Ctx<'_> {
         Ok(())
     }
 
-    /// One range request, tried again under [`RANGE_RETRY`] while the source says its
+    /// One range request, tried again under [`range_retry`] while the source says its
     /// failure is transient (the registry still failing once its client's own retries are
     /// spent). Other errors (a missing blob, a refused login, a range past the end) are
     /// answers and are not retried.
     fn read_range(&self, pack: &imgfmt::OciDigest, offset: u64, len: usize) -> Result<bytes::Bytes, imgfmt::FormatError> {
-        imgfmt::source::read_range_retrying(self.src, pack, offset, len, RANGE_RETRY, |again| {
+        imgfmt::source::read_range_retrying(self.src, pack, offset, len, range_retry(), |again| {
             self.c.range_requests.fetch_add(1, Ordering::Relaxed);
             if again {
                 self.c.range_retries.fetch_add(1, Ordering::Relaxed);

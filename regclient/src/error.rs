@@ -3,6 +3,8 @@
 
 use imgfmt::{ErrorKind, FormatError, OciDigest};
 
+use crate::Unreachable;
+
 /// An error of the registry client. The doc comment of each variant is its message.
 #[derive(Debug, thiserror::Error, displaydoc::Display)]
 #[non_exhaustive]
@@ -15,6 +17,8 @@ pub enum ClientError {
     RetriesExhausted { what: String, attempts: u32, last: String },
     /// {host} wants credentials: run `snapctl login {host}` (or add it to ~/.docker/config.json)
     NeedsCredentials { host: String },
+    /// wrong user or password for {host}
+    WrongCredentials { host: String },
     /// reading blob {digest} from the source: {source}
     Source { digest: OciDigest, source: FormatError },
     /// blob {digest}: the source's bytes hash to {actual}; nothing was committed
@@ -25,6 +29,14 @@ pub enum ClientError {
     State { path: std::path::PathBuf, source: std::io::Error },
     /// credentials for {host}: {source}
     Credentials { host: String, source: CredentialsError },
+    /// cannot reach {host}: {detail}
+    Unreachable {
+        host: String,
+        why: Unreachable,
+        detail: String,
+        /// What to change ([`Unreachable::hint`]); see [`ClientError::hint`].
+        hint: String,
+    },
 }
 
 /// Docker's credential configuration (`config.json` and its credential helpers) could not
@@ -40,6 +52,8 @@ pub enum CredentialsError {
     HelperNotRun { program: String, origin: String, config: std::path::PathBuf, source: std::io::Error },
     /// {program} {action} failed ({status}): {message}
     HelperFailed { program: String, action: &'static str, status: String, message: String },
+    /// {program} {action} did not answer within {secs} s ({origin} in {config}): killed it; SNAPCTL_CREDENTIAL_HELPER_TIMEOUT sets how long to wait
+    HelperTimedOut { program: String, action: &'static str, secs: f64, origin: String, config: std::path::PathBuf },
     /// {program} get: not the credentials JSON ({reason})
     HelperAnswer { program: String, reason: String },
 }
@@ -58,13 +72,27 @@ impl ClientError {
     /// transient; any other answer of the registry is a refusal.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            ClientError::Registry { status: 401 | 403, .. } | ClientError::NeedsCredentials { .. } => ErrorKind::Unauthorized,
+            ClientError::Registry { status: 401 | 403, .. } | ClientError::NeedsCredentials { .. } | ClientError::WrongCredentials { .. } => {
+                ErrorKind::Unauthorized
+            }
             ClientError::Registry { status: 404, .. } => ErrorKind::NotFound,
-            ClientError::Registry { .. } | ClientError::Http { .. } | ClientError::Credentials { .. } | ClientError::TooLarge { .. } => ErrorKind::Refused,
+            ClientError::Registry { .. }
+            | ClientError::Http { .. }
+            | ClientError::Credentials { .. }
+            | ClientError::TooLarge { .. }
+            | ClientError::Unreachable { .. } => ErrorKind::Refused,
             ClientError::RetriesExhausted { .. } => ErrorKind::Transient,
             ClientError::Source { source, .. } => source.kind(),
             ClientError::DigestMismatch { .. } => ErrorKind::Integrity,
             ClientError::State { .. } => ErrorKind::Io,
+        }
+    }
+
+    /// The line that says how to fix this error, when there is one (a flag to pass).
+    pub fn hint(&self) -> Option<&str> {
+        match self {
+            ClientError::Unreachable { hint, .. } => Some(hint),
+            _ => None,
         }
     }
 
@@ -93,7 +121,10 @@ impl ClientError {
 impl From<ClientError> for FormatError {
     fn from(e: ClientError) -> FormatError {
         let registry = match &e {
-            ClientError::NeedsCredentials { host } | ClientError::Credentials { host, .. } => host.clone(),
+            ClientError::NeedsCredentials { host }
+            | ClientError::WrongCredentials { host }
+            | ClientError::Credentials { host, .. }
+            | ClientError::Unreachable { host, .. } => host.clone(),
             _ => "the registry".to_string(),
         };
         e.into_source_error(&registry)
@@ -102,7 +133,9 @@ impl From<ClientError> for FormatError {
 
 /// The registry's explanation from an OCI error body: `CODE: message[; CODE: message…]`,
 /// with the first code on its own. Bodies that are not OCI error JSON are quoted (cut to
-/// 300 characters) so a proxy's HTML error page still says something.
+/// 300 characters) so a proxy's HTML error page still says something. Control characters
+/// become spaces (runs of them one space): the text is the registry's, printed on a
+/// terminal.
 pub fn explain(status: u16, body: &[u8]) -> (Option<String>, String) {
     explain_for(status, body, "HOST")
 }
@@ -129,14 +162,32 @@ pub(crate) fn explain_for(status: u16, body: &[u8], host: &str) -> (Option<Strin
                 .map(|e| if e.message.is_empty() { e.code.clone() } else { format!("{}: {}", e.code, e.message) })
                 .collect::<Vec<_>>()
                 .join("; ");
-            let first = Some(b.errors[0].code.clone()).filter(|c| !c.is_empty());
-            return (first, with_hint(status, text, host));
+            let first = Some(b.errors[0].code.clone()).filter(|c| !c.is_empty()).map(|c| sanitize(&c));
+            return (first, with_hint(status, sanitize(&text), host));
         }
     }
-    let text = String::from_utf8_lossy(body);
-    let text: String = text.trim().chars().take(300).collect();
+    let text = sanitize(&String::from_utf8_lossy(body));
+    let text: String = text.chars().take(300).collect();
     let text = if text.is_empty() { reason(status).to_string() } else { text };
     (None, with_hint(status, text, host))
+}
+
+/// `s` on one line: every run of control characters one space, trimmed.
+fn sanitize(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut gap = false;
+    for c in s.chars() {
+        if c.is_control() || c.is_whitespace() {
+            gap = true;
+        } else {
+            if gap && !out.is_empty() {
+                out.push(' ');
+            }
+            gap = false;
+            out.push(c);
+        }
+    }
+    out
 }
 
 fn with_hint(status: u16, text: String, host: &str) -> String {
@@ -174,5 +225,10 @@ mod tests {
         assert!(msg.contains("snapctl login"), "{msg}");
         let long = "x".repeat(1000);
         assert_eq!(explain(500, long.as_bytes()).1.len(), 300);
+        // The registry's words on one line, without a terminal escape of theirs.
+        let (_, msg) = explain(500, b"disk full:\n\x1b[2J No space\r\n left  on device\n");
+        assert_eq!(msg, "disk full: [2J No space left on device");
+        let (_, msg) = explain(500, br#"{"errors":[{"code":"UNKNOWN","message":"write /x: no space\n\u001b[31mleft"}]}"#);
+        assert_eq!(msg, "UNKNOWN: write /x: no space [31mleft");
     }
 }

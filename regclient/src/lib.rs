@@ -8,29 +8,42 @@
 //! lib.rs       RegistrySource: HTTP(S), auth challenges, retries; the read half (BlobSource)
 //! upload.rs    write half: HEAD, mount, POST/PATCH/PUT uploads with resume, manifest PUT
 //! referrers.rs referrers API and the OCI 1.1 fallback tag `sha256-<hex>`
+//! artifacts.rs manifests read beside an image (signatures) without the tag cache
 //! state.rs     resume state files of chunked uploads
 //! known.rs     which repositories of a host hold which blobs (for mounts)
 //! config.rs    Docker's config.json (credentials) and snapctl's cache directory
 //! helper.rs    Docker credential helpers (docker-credential-NAME get/store/erase)
 //! error.rs     ClientError, CredentialsError and the registry's OCI error bodies
+//! transport.rs HTTP or HTTPS, TLS trust (--ca-file, --insecure), failures no retry fixes
 //! ```
 //!
-//! It speaks plain HTTP to loopback addresses and HTTPS elsewhere, answers
+//! It speaks plain HTTP to loopback addresses and HTTPS elsewhere ([`Transport`]), answers
 //! `WWW-Authenticate` challenges (Basic, and the Bearer token flow, with a password or an
 //! identity token) with credentials from the caller or, looked up at the first challenge,
 //! from Docker's config and its credential helpers, and retries transient failures (connection
-//! errors, 408, 429 honouring `Retry-After`, 5xx) with exponential backoff and jitter.
+//! errors, 408, 429 honouring `Retry-After`, 5xx) with exponential backoff and jitter,
+//! within a wall-clock retry budget ([`retry_budget`]). Every request has a deadline for
+//! the whole of it, answer body included ([`RequestDeadline`]; a caller with its own retry
+//! loop, like the lazy server's, sets it with [`RegistrySource::set_request_deadline`]),
+//! because a registry dripping bytes moves on every read and a per-read timeout never fires.
+//! A registry that cannot be reached in a way no retry fixes (nothing listening or no such
+//! host before it ever answered, a certificate not trusted, HTTP spoken to HTTPS) fails at
+//! once ([`Unreachable`]). With `debug` logging every request is one line (method, URL,
+//! range, status, time to the response head), and every retry another.
 //! Credentials go only to the registry's own origin: every request, redirect hop and
 //! upload `Location` passes through [`may_send_credentials`] (`RegistrySource::execute`).
 //! Everything the read half returns is unverified; callers check digests (see
 //! `imgfmt::source`). The wire behaviour is specified in `spec/transfer.md`.
 
+mod artifacts;
 mod config;
 mod error;
 mod helper;
 mod known;
 mod referrers;
-pub use referrers::{EMPTY_CONFIG_TYPE, PAYLOAD_TYPE};
+mod transport;
+pub use referrers::{Referrers, ReferrersQuery, EMPTY_CONFIG_TYPE, MAX_REFERRERS, MAX_REFERRER_PAGES, PAYLOAD_TYPE};
+pub use transport::{Transport, Unreachable};
 pub mod state;
 mod upload;
 
@@ -43,7 +56,7 @@ use std::collections::{BTreeSet, HashSet};
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use imgfmt::{media, BlobSource, FormatError, OciDigest, RetryPolicy};
@@ -126,8 +139,77 @@ pub fn realm_may_get_credentials(registry: &reqwest::Url, realm: &reqwest::Url) 
     may_send_credentials(registry, realm) || realm.scheme() == "https" || (on_this_machine(registry) && on_this_machine(realm))
 }
 
+/// Body bytes this process received from registries and sent to them (blobs, ranges,
+/// upload pieces; not headers): what a progress bar shows as the network's rate, where a
+/// count of work done would include zero chunks and cache hits.
+static TRANSFERRED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Body bytes moved to and from registries by this process so far ([`TRANSFERRED`]).
+pub fn bytes_transferred() -> u64 {
+    TRANSFERRED.load(Ordering::Relaxed)
+}
+
+pub(crate) fn count_transferred(n: u64) {
+    TRANSFERRED.fetch_add(n, Ordering::Relaxed);
+}
+
 /// Redirects followed per request (reqwest's own default).
 const MAX_REDIRECTS: usize = 10;
+
+/// How long one request may take, whole: from connecting until the last byte of its
+/// answer, `floor` plus its body's bytes at `min_rate`. A registry that drips one byte at
+/// a time moves on every read, so a timeout per read never fires; this does, and the
+/// request counts as a transient failure (retried within the retry budget).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestDeadline {
+    /// What every request may take, whatever its size (a slow start, a token round trip).
+    pub floor: Duration,
+    /// Bytes per second a body must at least average.
+    pub min_rate: u64,
+}
+
+/// Default [`RequestDeadline`]: 60 s, plus the body at 64 KiB/s (a 1 MiB range: 76 s; a
+/// 16 MiB one: 316 s). `SNAPCTL_REQUEST_TIMEOUT` sets the floor.
+pub const DEFAULT_REQUEST_DEADLINE: RequestDeadline = RequestDeadline { floor: Duration::from_secs(60), min_rate: 64 << 10 };
+/// Default wall-clock bound on retrying one request (and a pull's range request) after
+/// transient failures: 120 s from its first try. `SNAPCTL_RETRY_BUDGET` sets it.
+pub const DEFAULT_RETRY_BUDGET: Duration = Duration::from_secs(120);
+
+impl RequestDeadline {
+    /// The deadline of a request whose answer (or body sent) is about `bytes` long.
+    pub fn for_bytes(&self, bytes: u64) -> Duration {
+        self.floor.saturating_add(Duration::from_secs(bytes / self.min_rate.max(1)))
+    }
+
+    /// [`DEFAULT_REQUEST_DEADLINE`] with its floor from `SNAPCTL_REQUEST_TIMEOUT`.
+    pub fn from_env() -> RequestDeadline {
+        RequestDeadline { floor: env_duration("SNAPCTL_REQUEST_TIMEOUT").unwrap_or(DEFAULT_REQUEST_DEADLINE.floor), ..DEFAULT_REQUEST_DEADLINE }
+    }
+}
+
+/// The retry budget: `SNAPCTL_RETRY_BUDGET`, else [`DEFAULT_RETRY_BUDGET`].
+pub fn retry_budget() -> Duration {
+    env_duration("SNAPCTL_RETRY_BUDGET").unwrap_or(DEFAULT_RETRY_BUDGET)
+}
+
+/// The registry client's default retry policy: 5 retries within [`retry_budget`].
+pub fn default_retry_policy() -> RetryPolicy {
+    RetryPolicy { budget: Some(retry_budget()), ..RetryPolicy::default() }
+}
+
+/// A duration from the environment (`90s`, `2m`, `500ms`, or seconds); `None` when unset
+/// or unreadable (with a warning) or zero.
+fn env_duration(name: &str) -> Option<Duration> {
+    let v = std::env::var(name).ok()?;
+    let v = v.trim();
+    match v.parse::<u64>().map(Duration::from_secs).or_else(|_| humantime::parse_duration(v)) {
+        Ok(d) if !d.is_zero() => Some(d),
+        _ => {
+            tracing::warn!("{name}={v:?} is not a duration above 0: ignored");
+            None
+        }
+    }
+}
 
 /// A repository in a registry, read and written over HTTP(S).
 pub struct RegistrySource {
@@ -153,6 +235,8 @@ pub struct RegistrySource {
     /// When a transient failure is tried again (every request, and the rest of a body
     /// cut short).
     retry: RetryPolicy,
+    /// How long one request may take, whole.
+    deadline: RequestDeadline,
 }
 
 /// Registry client under the name the write half reads best with.
@@ -178,16 +262,34 @@ fn retry_after(resp: &reqwest::blocking::Response) -> Option<Duration> {
 }
 
 impl RegistrySource {
+    /// A client that speaks plain HTTP (`plain_http`) or HTTPS with the default trust
+    /// roots, whatever the host; [`RegistrySource::connect`] applies a [`Transport`].
     pub fn new(host: &str, repository: &str, plain_http: bool, creds: Option<Credentials>) -> Result<Self, FormatError> {
-        let client = reqwest::blocking::Client::builder()
+        Self::build(host, repository, plain_http, &Transport::default(), creds)
+    }
+
+    /// A client reaching `host` as `transport` says (scheme and TLS trust).
+    pub fn connect(host: &str, repository: &str, transport: &Transport, creds: Option<Credentials>) -> Result<Self, FormatError> {
+        Self::build(host, repository, transport.plain_http_for(host), transport, creds)
+    }
+
+    /// [`RegistrySource::connect`], credentials from Docker's config as
+    /// [`RegistrySource::with_docker_credentials`] takes them.
+    pub fn connect_with_docker_credentials(host: &str, repository: &str, transport: &Transport) -> Result<Self, FormatError> {
+        let c = Self::connect(host, repository, transport, None)?;
+        *c.creds.lock().expect("poisoned") = CredentialSource::DockerConfig;
+        Ok(c)
+    }
+
+    fn build(host: &str, repository: &str, plain_http: bool, transport: &Transport, creds: Option<Credentials>) -> Result<Self, FormatError> {
+        let builder = reqwest::blocking::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .timeout(Duration::from_secs(300))
             .user_agent(concat!("snapctl/", env!("CARGO_PKG_VERSION")))
             // Redirects are followed by `execute`, which decides at each hop whether the
             // credentials go along (reqwest's policy has its own rule for that).
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .map_err(|e| refused("building HTTP client", e))?;
+            .redirect(reqwest::redirect::Policy::none());
+        let client = transport.apply(builder).map_err(|e| refused("TLS settings", e))?.build().map_err(|e| refused("building HTTP client", e))?;
         let scheme = if plain_http { "http" } else { "https" };
         let base = format!("{scheme}://{host}");
         let origin = reqwest::Url::parse(&base).map_err(|e| refused(&format!("registry address {base}"), e))?;
@@ -203,7 +305,8 @@ impl RegistrySource {
             writing: AtomicBool::new(false),
             manifests: Mutex::new(HashSet::new()),
             resolved: Mutex::new(None),
-            retry: RetryPolicy::default(),
+            retry: default_retry_policy(),
+            deadline: RequestDeadline::from_env(),
         })
     }
 
@@ -240,9 +343,20 @@ impl RegistrySource {
         &self.repository
     }
 
-    /// When a transient failure is retried (default: 5 times, [`RetryPolicy::default`]).
+    /// When a transient failure is retried (default: [`default_retry_policy`], 5 times
+    /// within [`retry_budget`]).
     pub fn set_retry_policy(&mut self, policy: RetryPolicy) {
         self.retry = policy;
+    }
+
+    /// How long one request may take, whole (default: [`RequestDeadline::from_env`]).
+    pub fn set_request_deadline(&mut self, deadline: RequestDeadline) {
+        self.deadline = deadline;
+    }
+
+    /// This client's request deadline.
+    pub fn request_deadline(&self) -> RequestDeadline {
+        self.deadline
     }
 
     /// A client error as this source's error, naming this registry when it wants a login.
@@ -250,8 +364,20 @@ impl RegistrySource {
         e.into_source_error(&self.host)
     }
 
-    /// One try: send, answer one auth challenge, classify the outcome.
+    /// One try: send, answer one auth challenge, classify the outcome; within the
+    /// deadline of a small request.
     fn attempt(&self, what: &str, build: &dyn Fn(&reqwest::blocking::Client) -> reqwest::blocking::RequestBuilder) -> Result<Attempt, ClientError> {
+        self.attempt_within(what, self.deadline.floor, build)
+    }
+
+    /// [`Self::attempt`] whose whole request (answer body included) must be done within
+    /// `deadline`.
+    fn attempt_within(
+        &self,
+        what: &str,
+        deadline: Duration,
+        build: &dyn Fn(&reqwest::blocking::Client) -> reqwest::blocking::RequestBuilder,
+    ) -> Result<Attempt, ClientError> {
         // Each request answers one challenge, and one more when it went out with no
         // credentials, or with other ones than the client now holds: other threads share
         // `auth`, and a push that starts writing drops a read-only token
@@ -259,10 +385,11 @@ impl RegistrySource {
         // bound keeps a registry that refuses every token from looping.
         let mut challenges = 0;
         loop {
-            let req = build(&self.client).build().map_err(|e| ClientError::Http { what: what.into(), message: error_chain(&e) })?;
+            let req = build(&self.client).timeout(deadline).build().map_err(|e| ClientError::Http { what: what.into(), message: error_chain(&e) })?;
             let sent = self.auth.lock().expect("poisoned").clone();
             match self.execute(req, sent.as_deref().map(|a| (&self.origin, a))) {
                 Ok(resp) => {
+                    transport::reached(&self.origin);
                     let st = resp.status();
                     let stale = sent.is_none() || *self.auth.lock().expect("poisoned") != sent;
                     // Only the registry's own challenges are answered: another origin
@@ -272,20 +399,44 @@ impl RegistrySource {
                         challenges += 1;
                         let hdr = resp.headers().get(reqwest::header::WWW_AUTHENTICATE).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
                         if !hdr.is_empty() {
-                            self.authenticate(&hdr)?;
-                            continue;
+                            match self.authenticate(&hdr) {
+                                Ok(()) => continue,
+                                // A token service that is busy (a registry bounding its
+                                // password checks) or failing is as transient as the registry.
+                                Err(ClientError::Registry { status, .. }) if status == 429 || status >= 500 => {
+                                    return Ok(Attempt::Transient { message: format!("token service answered HTTP {status}"), retry_after: None })
+                                }
+                                Err(e) => return Err(e),
+                            }
                         }
                     }
                     let code = st.as_u16();
                     if code == 408 || code == 429 || st.is_server_error() {
-                        return Ok(Attempt::Transient { message: format!("HTTP {st}"), retry_after: retry_after(&resp) });
+                        let retry_after = retry_after(&resp);
+                        return Ok(Attempt::Transient { message: Self::status_message(resp, &self.host), retry_after });
                     }
                     return Ok(Attempt::Done(resp));
                 }
-                Err(e) if e.is_connect() || e.is_timeout() || e.is_request() || e.is_body() => {
-                    return Ok(Attempt::Transient { message: error_chain(&e), retry_after: None })
+                Err(e) => {
+                    if let Some((why, detail)) = transport::unreachable(&e, &self.origin) {
+                        // A redirect's server is named by its own address.
+                        let host = match e.url().filter(|u| u.origin() != self.origin.origin()) {
+                            Some(u) => u.host_str().map_or_else(|| u.to_string(), |h| u.port().map_or_else(|| h.to_string(), |p| format!("{h}:{p}"))),
+                            None => self.host.clone(),
+                        };
+                        return Err(ClientError::Unreachable { hint: why.hint(&host), host, why, detail });
+                    }
+                    if e.is_timeout() {
+                        return Ok(Attempt::Transient {
+                            message: format!("no complete answer within the request deadline of {} s: {}", deadline.as_secs_f64(), error_chain(&e)),
+                            retry_after: None,
+                        });
+                    }
+                    if e.is_connect() || e.is_request() || e.is_body() {
+                        return Ok(Attempt::Transient { message: error_chain(&e), retry_after: None });
+                    }
+                    return Err(ClientError::Http { what: what.into(), message: error_chain(&e) });
                 }
-                Err(e) => return Err(ClientError::Http { what: what.into(), message: error_chain(&e) }),
             }
         }
     }
@@ -314,7 +465,7 @@ impl RegistrySource {
             }
             let again = req.try_clone();
             let method = req.method().clone();
-            let resp = self.client.execute(req)?;
+            let resp = log_request(&self.client, req)?;
             let follow = match resp.status().as_u16() {
                 301..=303 => method == reqwest::Method::GET || method == reqwest::Method::HEAD,
                 307 | 308 => true,
@@ -341,15 +492,31 @@ impl RegistrySource {
         what: &str,
         build: &dyn Fn(&reqwest::blocking::Client) -> reqwest::blocking::RequestBuilder,
     ) -> Result<reqwest::blocking::Response, ClientError> {
+        self.send_sized(what, 0, build)
+    }
+
+    /// [`Self::send`] of a request whose answer is about `bytes` long: each try has the
+    /// deadline of that size, cut to what is left of the retry budget (so the budget bounds
+    /// the whole, in wall-clock time).
+    fn send_sized(
+        &self,
+        what: &str,
+        bytes: u64,
+        build: &dyn Fn(&reqwest::blocking::Client) -> reqwest::blocking::RequestBuilder,
+    ) -> Result<reqwest::blocking::Response, ClientError> {
         let mut retry = self.retry.start();
         loop {
-            match self.attempt(what, build)? {
+            let mut deadline = self.deadline.for_bytes(bytes);
+            if let Some(b) = self.retry.budget {
+                deadline = deadline.min(b.saturating_sub(retry.elapsed()).max(Duration::from_secs(1)));
+            }
+            match self.attempt_within(what, deadline, build)? {
                 Attempt::Done(r) => return Ok(r),
                 Attempt::Transient { message, retry_after } => {
                     let Some(wait) = retry.failed(retry_after) else {
                         return Err(ClientError::RetriesExhausted { what: what.into(), attempts: retry.failures(), last: message });
                     };
-                    tracing::debug!("{what}: {message}; retrying");
+                    log_retry(what, &message, retry.failures(), wait);
                     std::thread::sleep(wait);
                 }
             }
@@ -369,10 +536,30 @@ impl RegistrySource {
     /// [`Self::refusal`], a hint to log in naming registry `host`.
     fn refusal_for(host: &str, what: &str, resp: reqwest::blocking::Response) -> ClientError {
         let status = resp.status().as_u16();
-        let mut body = Vec::new();
-        let _ = resp.take(64 << 10).read_to_end(&mut body);
+        let plain = resp.url().scheme() == "http";
+        let body = error_body(resp);
+        if plain && transport::is_http_to_https_answer(status, &body) {
+            let why = Unreachable::ExpectsTls;
+            return ClientError::Unreachable {
+                hint: why.hint(host),
+                host: host.into(),
+                why,
+                detail: "it speaks HTTPS, and was spoken to in plain HTTP".into(),
+            };
+        }
         let (code, message) = error::explain_for(status, &body, host);
         ClientError::Registry { what: what.into(), status, code, message }
+    }
+
+    /// A retried status with the registry's words, if it gave any: `HTTP 500 Internal
+    /// Server Error: No space left on device`.
+    fn status_message(resp: reqwest::blocking::Response, host: &str) -> String {
+        let status = resp.status();
+        let body = error_body(resp);
+        if body.iter().all(u8::is_ascii_whitespace) {
+            return format!("HTTP {status}");
+        }
+        format!("HTTP {status}: {}", error::explain_for(status.as_u16(), &body, host).1)
     }
 
     /// Answer a `WWW-Authenticate` challenge: Basic with the credentials, or the Bearer
@@ -465,7 +652,7 @@ impl RegistrySource {
             req
         };
         let what = format!("token request to {realm}");
-        let req = req.build().map_err(|e| ClientError::Http { what: what.clone(), message: error_chain(&e) })?;
+        let req = req.timeout(self.deadline.floor).build().map_err(|e| ClientError::Http { what: what.clone(), message: error_chain(&e) })?;
         let basic = basic.filter(|_| realm_gets_basic);
         let resp =
             self.execute(req, basic.as_deref().map(|b| (&realm_url, b))).map_err(|e| ClientError::Http { what: what.clone(), message: error_chain(&e) })?;
@@ -496,11 +683,17 @@ impl RegistrySource {
     pub fn check_login(&self) -> Result<(), ClientError> {
         let url = format!("{}/v2/", self.base);
         let what = format!("logging in to {}", self.host);
-        let resp = self.send(&what, &|c| c.get(&url))?;
+        // A 401 here, from the registry or its token service, is the answer to these
+        // credentials: not a hint to log in, which is what is being done.
+        let wrong = |e: ClientError| match e.status() {
+            Some(401) => ClientError::WrongCredentials { host: self.host.clone() },
+            _ => e,
+        };
+        let resp = self.send(&what, &|c| c.get(&url)).map_err(wrong)?;
         if resp.status().is_success() {
             return Ok(());
         }
-        Err(Self::refusal(&what, resp))
+        Err(wrong(Self::refusal(&what, resp)))
     }
 
     fn url(&self, kind: &str, reference: &str) -> String {
@@ -517,6 +710,41 @@ impl RegistrySource {
             _ => self.source_err(Self::refusal(what, resp)),
         }
     }
+}
+
+/// Most of an error body read: enough for any registry's explanation, and a bound on
+/// what a hostile one can make the client hold.
+const MAX_ERROR_BODY: u64 = 8 << 10;
+
+/// The first [`MAX_ERROR_BODY`] bytes of an error answer's body (what arrives before the
+/// connection fails, if it does).
+fn error_body(resp: reqwest::blocking::Response) -> Vec<u8> {
+    let mut body = Vec::new();
+    let _ = resp.take(MAX_ERROR_BODY).read_to_end(&mut body);
+    body
+}
+
+/// Send one request (one hop), logged at `debug` as one line: method, URL, range, status
+/// and the time to the response head (or the failure).
+fn log_request(client: &reqwest::blocking::Client, req: reqwest::blocking::Request) -> reqwest::Result<reqwest::blocking::Response> {
+    if !tracing::enabled!(tracing::Level::DEBUG) {
+        return client.execute(req);
+    }
+    let (method, url) = (req.method().clone(), req.url().clone());
+    let range = req.headers().get(reqwest::header::RANGE).and_then(|v| v.to_str().ok()).map(|r| format!(" {r}")).unwrap_or_default();
+    let t0 = Instant::now();
+    let r = client.execute(req);
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    match &r {
+        Ok(resp) => tracing::debug!("{method} {url}{range} -> {} in {ms:.1} ms", resp.status().as_u16()),
+        Err(e) => tracing::debug!("{method} {url}{range} -> failed in {ms:.1} ms: {}", error_chain(e)),
+    }
+    r
+}
+
+/// One line at `debug` for every retry: what, why, which retry and after how long.
+pub(crate) fn log_retry(what: &str, why: &str, failures: u32, wait: Duration) {
+    tracing::debug!("{what}: {why}; retry {failures} in {} ms", wait.as_millis());
 }
 
 /// An error and its causes on one line (reqwest hides the useful part in `source()`).
@@ -593,7 +821,7 @@ impl BlobSource for RegistrySource {
         for kind in order {
             let url = self.url(kind, d.as_str());
             let what = format!("fetching {d} from {}", self.describe());
-            let resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::ACCEPT, Self::accept())).map_err(|e| self.source_err(e))?;
+            let resp = self.send_sized(&what, limit, &|c| c.get(&url).header(reqwest::header::ACCEPT, Self::accept())).map_err(|e| self.source_err(e))?;
             if resp.status().as_u16() == 404 {
                 continue;
             }
@@ -648,7 +876,7 @@ impl BlobSource for RegistrySource {
         let url = self.url("blobs", d.as_str());
         let range = format!("bytes={offset}-{last}");
         let what = format!("range {range} of {d} from {}", self.describe());
-        let resp = self.send(&what, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone())).map_err(|e| self.source_err(e))?;
+        let resp = self.send_sized(&what, len as u64, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone())).map_err(|e| self.source_err(e))?;
         let first = if resp.status().as_u16() != 206 || resp.content_length() != Some(len as u64) {
             // Not the plain answer (a registry ignoring Range, an error status): the
             // general path reads this response and says what went wrong.
@@ -659,7 +887,10 @@ impl BlobSource for RegistrySource {
             // second copy (the 20:39 run of bench/results/BENCHMARKS-diary-2026-11-29-to-12-01.md,
             // "What changed").
             match resp.bytes() {
-                Ok(b) if b.len() == len => return Ok(b),
+                Ok(b) if b.len() == len => {
+                    count_transferred(len as u64);
+                    return Ok(b);
+                }
                 Ok(b) => tracing::debug!("{what}: body of {} bytes, expected {len}; asking again", b.len()),
                 Err(e) => tracing::debug!("{what}: {e}; asking again"),
             }
@@ -688,7 +919,9 @@ impl RegistrySource {
             let what = format!("range {range} of {d} from {}", self.describe());
             let mut resp = match first.take() {
                 Some(r) => r,
-                None => self.send(&what, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone())).map_err(|e| self.source_err(e))?,
+                None => self
+                    .send_sized(&what, (buf.len() - got) as u64, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone()))
+                    .map_err(|e| self.source_err(e))?,
             };
             match resp.status().as_u16() {
                 206 => {}
@@ -704,6 +937,7 @@ impl RegistrySource {
                     Ok(0) => break std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "body ended early"),
                     Ok(n) => {
                         got += n;
+                        count_transferred(n as u64);
                         if got == buf.len() {
                             return Ok(());
                         }
@@ -718,10 +952,14 @@ impl RegistrySource {
                 retry.progressed();
             }
             let Some(wait) = retry.failed(None) else {
-                let e = ClientError::RetriesExhausted { what: what.clone(), attempts: retry.failures(), last: err.to_string() };
+                let mut last = error_chain(&err);
+                if err.kind() == std::io::ErrorKind::TimedOut || last.contains("timed out") {
+                    last = format!("no complete answer within the request deadline (SNAPCTL_REQUEST_TIMEOUT): {last}");
+                }
+                let e = ClientError::RetriesExhausted { what: what.clone(), attempts: retry.failures(), last };
                 return Err(self.source_err(e));
             };
-            tracing::debug!("{what}: {err}; asking again for the rest");
+            log_retry(&what, &format!("{err}; asking again for the rest"), retry.failures(), wait);
             std::thread::sleep(wait);
         }
         Ok(())
@@ -732,10 +970,14 @@ fn read_limited(resp: reqwest::blocking::Response, limit: u64, what: &str) -> Re
     let mut out = Vec::new();
     // A body that breaks off is as transient as a 503 (not retried here: small blobs,
     // the caller decides).
-    resp.take(limit + 1).read_to_end(&mut out).map_err(|e| FormatError::Transient {
-        what: what.to_string(),
-        source: Box::new(ClientError::Http { what: what.to_string(), message: error_chain(&e) }),
+    resp.take(limit + 1).read_to_end(&mut out).map_err(|e| {
+        let mut message = error_chain(&e);
+        if e.kind() == std::io::ErrorKind::TimedOut || message.contains("timed out") {
+            message = format!("no complete answer within the request deadline (SNAPCTL_REQUEST_TIMEOUT): {message}");
+        }
+        FormatError::Transient { what: what.to_string(), source: Box::new(ClientError::Http { what: what.to_string(), message }) }
     })?;
+    count_transferred(out.len() as u64);
     if out.len() as u64 > limit {
         return Err(FormatError::TooLarge { what: "blob size", got: out.len() as u64, limit });
     }
@@ -930,6 +1172,68 @@ mod tests {
         assert_eq!(c.read_blob_unverified(&d, 4).unwrap_err().kind(), imgfmt::ErrorKind::Integrity);
         assert!(c.read_blob_unverified(&OciDigest::of(b"other"), 1 << 20).is_err());
         assert!(seen.lock().unwrap().len() > 1);
+    }
+
+    /// Issue 25: a registry's 500 said only "HTTP 500 Internal Server Error" once the
+    /// retries were spent; its body ("No space left on device") now travels with it,
+    /// bounded and on one line.
+    #[test]
+    fn regression_issue_25_a_5xx_body_reaches_the_caller() {
+        let (registry, seen) = canned(|_, t, _| match t {
+            t if t.contains("json") => {
+                (500, "Retry-After: 0\r\n".into(), r#"{"errors":[{"code":"UNKNOWN","message":"write /srv/x: no space left on device"}]}"#.into())
+            }
+            t if t.contains("huge") => (503, String::new(), format!("overloaded\x1b[2J{}", "x".repeat(100_000))),
+            _ => (500, String::new(), "No space left on device\n".into()),
+        });
+        let mut c = RegistrySource::new(&registry, "vm/x", true, None).unwrap();
+        c.set_retry_policy(RetryPolicy { first_backoff: Duration::from_millis(1), max_backoff: Duration::from_millis(2), ..RetryPolicy::attempts(2) });
+        let e = c.resolve_tag("text").unwrap_err();
+        assert!(e.is_transient(), "{e:?}");
+        assert!(e.to_string().ends_with("HTTP 500 Internal Server Error: No space left on device"), "{e}");
+        let e = c.resolve_tag("json").unwrap_err();
+        assert!(e.to_string().contains("HTTP 500 Internal Server Error: UNKNOWN: write /srv/x: no space left on device"), "{e}");
+        let e = c.resolve_tag("huge").unwrap_err().to_string();
+        assert!(e.contains("overloaded [2Jxxx") && e.len() < 1000 && !e.contains('\x1b'), "{e}");
+        assert_eq!(seen.lock().unwrap().len(), 9, "three requests, each tried three times");
+    }
+
+    /// Issue 25: an upload that gave up left its session at the registry for the registry
+    /// to expire (24 h for `snapctl serve`). A session nobody can take over (refused, or
+    /// a blob of one piece, whose session is not saved) is now deleted when the client
+    /// gives up; one saved for a rerun is kept when the failure may pass.
+    #[test]
+    fn regression_issue_25_an_upload_that_gives_up_deletes_its_session() {
+        let (registry, seen) = canned(|m, t, _| match m {
+            "POST" => (202, format!("Location: {t}s1\r\n"), String::new()),
+            "PUT" if t.contains("/vm/refuse/") => (400, String::new(), r#"{"errors":[{"code":"BLOB_UPLOAD_INVALID","message":"no"}]}"#.into()),
+            "PUT" | "PATCH" => (503, "Retry-After: 0\r\n".into(), String::new()),
+            "GET" => (204, format!("Range: 0-0\r\nLocation: {t}\r\n"), String::new()),
+            "HEAD" => (404, String::new(), String::new()),
+            _ => (204, String::new(), String::new()),
+        });
+        let mut c = RegistrySource::new(&registry, "vm/x", true, None).unwrap();
+        c.set_retry_policy(RetryPolicy { first_backoff: Duration::from_millis(1), max_backoff: Duration::from_millis(2), ..RetryPolicy::attempts(1) });
+        let deletes = |seen: &Seen| seen.lock().unwrap().iter().filter(|(m, t, _)| m == "DELETE" && t.ends_with("/uploads/s1")).count();
+        let m = MemSource::new(b"hello".to_vec());
+        let opts = UploadOptions { piece: DEFAULT_PIECE, cache_dir: None, source_hashed: false };
+        // One piece, a 503 storm: not resumable, so deleted.
+        let e = c.upload_blob(&m.digest, 5, &m, &opts, &|_| {}).unwrap_err();
+        assert!(e.kind().is_transient(), "{e}");
+        assert_eq!(deletes(&seen), 1, "{:?}", seen.lock().unwrap());
+        // Refused: deleted.
+        let refused = RegistrySource::new(&registry, "vm/refuse", true, None).unwrap();
+        seen.lock().unwrap().clear();
+        assert_eq!(refused.upload_blob(&m.digest, 5, &m, &opts, &|_| {}).unwrap_err().status(), Some(400));
+        assert_eq!(deletes(&seen), 1, "{:?}", seen.lock().unwrap());
+        // Several pieces, saved for a rerun: a transient failure keeps the session.
+        let dir = tempfile::tempdir().unwrap();
+        let big = MemSource::new(vec![7u8; 64]);
+        let saved = UploadOptions { piece: 16, cache_dir: Some(dir.path().to_path_buf()), source_hashed: false };
+        seen.lock().unwrap().clear();
+        assert!(c.upload_blob(&big.digest, 64, &big, &saved, &|_| {}).unwrap_err().kind().is_transient());
+        assert_eq!(deletes(&seen), 0, "a session a rerun can resume is kept: {:?}", seen.lock().unwrap());
+        assert_eq!(std::fs::read_dir(dir.path().join("uploads")).unwrap().count(), 1, "and its state");
     }
 
     #[test]

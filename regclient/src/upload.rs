@@ -170,6 +170,10 @@ struct Upload<'a> {
     /// Consecutive transient failures under the client's policy (progress resets the
     /// count; a budget, if the policy has one, runs from the upload's start).
     retry: imgfmt::retry::Retry,
+    /// The session in progress (its latest URL): what is deleted if the upload gives up.
+    open: Option<reqwest::Url>,
+    /// The session's state file holds where it is: a rerun can take it over.
+    resumable: bool,
     out: Uploaded,
 }
 
@@ -207,6 +211,7 @@ impl Upload<'_> {
 
     /// Save where the session is, for a rerun to resume (blobs of more than one piece).
     fn save(&mut self, s: &Session) {
+        self.open = Some(s.location.clone());
         if let (Some(p), true) = (&self.state_file, self.size > self.piece) {
             let st = UploadState {
                 host: self.reg.host.clone(),
@@ -215,10 +220,57 @@ impl Upload<'_> {
                 location: s.location.to_string(),
                 offset: s.offset,
             };
-            if let Err(e) = state::save(p, &st) {
+            let saved = state::save(p, &st);
+            self.resumable = saved.is_ok();
+            if let Err(e) = saved {
                 if !std::mem::replace(&mut self.save_failed, true) {
                     tracing::warn!("{}: cannot save upload state: {e} (if interrupted, this blob's upload starts over)", p.display());
                 }
+            }
+        }
+    }
+
+    /// The upload gives up with `e`. A session a rerun can take over is kept when the
+    /// failure may pass (the registry removes it if nobody comes back); any other is
+    /// deleted, once and without retries, so the registry does not hold its bytes until it
+    /// expires.
+    fn give_up(&mut self, e: &ClientError) {
+        let Some(loc) = self.open.take() else { return };
+        if self.resumable && e.kind().is_transient() {
+            return;
+        }
+        self.forget_state();
+        tracing::debug!("{}: giving up: deleting the upload session", self.what);
+        let _ = self.reg.attempt(&self.what, &|c| c.delete(loc.clone()));
+    }
+
+    /// Send the blob: resume or start a session, PATCH whole pieces, PUT the rest.
+    fn run(&mut self) -> Result<Uploaded, ClientError> {
+        let mut session = self.resume_saved()?;
+        loop {
+            let mut s = match session.take() {
+                Some(s) => s,
+                None => self.start()?,
+            };
+            self.open = Some(s.location.clone());
+            self.prefix.advance_to(s.offset, &mut self.buf)?;
+            if self.send_pieces(&mut s)?.is_break() {
+                // The session is gone: start over.
+                self.open = None;
+                self.forget_state();
+                self.prefix.advance_to(0, &mut self.buf)?;
+                continue;
+            }
+            match self.put_last(s)? {
+                ControlFlow::Break(out) => {
+                    self.open = None;
+                    return Ok(out);
+                }
+                ControlFlow::Continue(next) => session = next,
+            }
+            if session.is_none() {
+                self.open = None;
+                self.forget_state();
             }
         }
     }
@@ -236,7 +288,7 @@ impl Upload<'_> {
         let Some(wait) = self.retry.failed(retry_after) else {
             return Err(ClientError::RetriesExhausted { what: self.what.clone(), attempts: self.retry.failures(), last: message });
         };
-        tracing::debug!("{}: {message}; retrying", self.what);
+        super::log_retry(&self.what, &message, self.retry.failures(), wait);
         std::thread::sleep(wait);
         Ok(())
     }
@@ -251,7 +303,7 @@ impl Upload<'_> {
             let chunk = self.src.read_range_unverified(d, s.offset, n).map_err(|source| ClientError::Source { digest: d.clone(), source })?;
             let range = format!("{}-{}", s.offset, s.offset + piece - 1);
             let loc = s.location.clone();
-            let r = reg.attempt(&self.what, &|c| {
+            let r = reg.attempt_within(&self.what, reg.deadline.for_bytes(piece), &|c| {
                 c.patch(loc.clone())
                     .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
                     .header(reqwest::header::CONTENT_RANGE, range.clone())
@@ -261,6 +313,7 @@ impl Upload<'_> {
             match r {
                 Attempt::Done(resp) if resp.status().as_u16() == 202 => {
                     self.out.bytes_sent += piece;
+                    super::count_transferred(piece);
                     let held = resp.headers().get(reqwest::header::RANGE).and_then(|v| v.to_str().ok()).and_then(state::parse_upload_range);
                     let new_loc = reg.location(&resp, &self.what).unwrap_or(loc);
                     let expect = s.offset + piece;
@@ -325,14 +378,12 @@ impl Upload<'_> {
             whole.finish()
         });
         if let Some(actual) = actual.filter(|a| a != d) {
-            let loc = s.location.clone();
-            let _ = reg.attempt(&self.what, &|c| c.delete(loc.clone()));
-            self.forget_state();
+            // `give_up` deletes the session.
             return Err(ClientError::DigestMismatch { digest: d.clone(), actual });
         }
         let mut put_url = s.location.clone();
         put_url.query_pairs_mut().append_pair("digest", d.as_str());
-        let r = reg.attempt(&self.what, &|c| {
+        let r = reg.attempt_within(&self.what, reg.deadline.for_bytes(n as u64), &|c| {
             c.put(put_url.clone())
                 .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
                 .header(reqwest::header::CONTENT_LENGTH, n.to_string())
@@ -341,6 +392,7 @@ impl Upload<'_> {
         match r {
             Attempt::Done(resp) if resp.status().is_success() => {
                 self.out.bytes_sent += n as u64;
+                super::count_transferred(n as u64);
                 (self.progress)(n as u64);
                 self.forget_state();
                 Ok(ControlFlow::Break(self.out))
@@ -492,29 +544,15 @@ impl RegistrySource {
             what: format!("uploading {d} to {}", self.describe()),
             save_failed: false,
             retry: self.retry.start(),
+            open: None,
+            resumable: false,
             out: Uploaded::default(),
         };
-        let mut session = up.resume_saved()?;
-        loop {
-            let mut s = match session.take() {
-                Some(s) => s,
-                None => up.start()?,
-            };
-            up.prefix.advance_to(s.offset, &mut up.buf)?;
-            if up.send_pieces(&mut s)?.is_break() {
-                // The session is gone: start over.
-                up.forget_state();
-                up.prefix.advance_to(0, &mut up.buf)?;
-                continue;
-            }
-            match up.put_last(s)? {
-                ControlFlow::Break(out) => return Ok(out),
-                ControlFlow::Continue(next) => session = next,
-            }
-            if session.is_none() {
-                up.forget_state();
-            }
+        let r = up.run();
+        if let Err(e) = &r {
+            up.give_up(e);
         }
+        r
     }
 
     /// PUT a manifest under `reference` (a tag, or its digest). The media type is taken

@@ -16,19 +16,53 @@
 //! actions = ["pull", "push"]   # pull, push, delete
 //! ```
 //! A request is allowed if any rule grants the action.
+//!
+//! Checking a password costs a bcrypt verification (tens of milliseconds of CPU, on
+//! purpose), which anyone who can send a Basic header can ask for. So:
+//! ```text
+//! Basic user:pass ─> verified recently? (HMAC-keyed cache, TTL, bounded) ─> user, no bcrypt
+//!                 ─> client failing repeatedly? (per address, bounded table) ─> 429 + Retry-After
+//!                 ─> a bcrypt slot free? (at most `max_checks` at once) ─> no: 503 + Retry-After
+//!                 ─> bcrypt: ok = cache it, clear the client's failures; wrong = count a failure
+//! ```
+//! An honest client pays bcrypt once per [`VERIFIED_TTL`], whatever a flood of wrong
+//! passwords from elsewhere (or from its own address) is doing.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::http::{header, HeaderMap};
 use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
 use base64::Engine as _;
 use hmac::{Hmac, Mac};
-use sha2::{Digest as _, Sha256};
+use sha2::Sha256;
 
 /// How long an issued token is valid.
 pub const TOKEN_TTL: Duration = Duration::from_secs(300);
+
+/// How long a verified (user, password) pair is taken without bcrypt.
+pub const VERIFIED_TTL: Duration = Duration::from_secs(300);
+/// Most verified pairs remembered; past it the one expiring first is forgotten.
+pub const VERIFIED_ENTRIES: usize = 1024;
+/// Wrong passwords a client (address) may send before it is made to wait.
+pub const FREE_FAILURES: u32 = 5;
+/// The first wait of a failing client; it doubles with each further failure.
+pub const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+/// The longest wait of a failing client.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(60);
+/// A client's failures are forgotten this long after its last one.
+pub const FAILURES_FORGOTTEN: Duration = Duration::from_secs(600);
+/// Most failing clients tracked; past it the one that failed least recently is forgotten.
+pub const TRACKED_CLIENTS: usize = 4096;
+
+/// Default bound on bcrypt verifications running at once: half the cores (at least one),
+/// so password checking alone can never take every core from the requests that need none.
+pub fn default_max_password_checks() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get() / 2).max(1)
+}
 
 /// Something a client may do to a repository.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
@@ -74,6 +108,16 @@ pub struct Rule {
     pub actions: Vec<Action>,
 }
 
+impl Rule {
+    /// Whether the rule speaks of `user` (None = anonymous).
+    fn covers(&self, user: Option<&str>) -> bool {
+        self.users.iter().any(|u| match user {
+            None => u == "anonymous",
+            Some(name) => u == "*" || u == name,
+        })
+    }
+}
+
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct AclFile {
@@ -116,7 +160,7 @@ pub enum Identity {
     },
 }
 
-/// Credentials were presented but are wrong.
+/// Credentials were presented but are wrong, or cannot be checked now.
 #[derive(Debug, thiserror::Error, displaydoc::Display)]
 pub enum Rejected {
     /// invalid username or password
@@ -125,6 +169,34 @@ pub enum Rejected {
     BadToken,
     /// malformed Authorization header
     Malformed,
+    /// too many failed logins from this address: try again later
+    Backoff {
+        /// When the client may try again.
+        retry_after: Duration,
+    },
+    /// too many password checks in progress: try again shortly
+    Busy,
+}
+
+/// What the password checks have done since the server started (for `/metrics`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct AuthStats {
+    /// bcrypt verifications run.
+    pub password_checks: u64,
+    /// Basic credentials answered from the verified cache.
+    pub cache_hits: u64,
+    /// Requests refused without a check: their client was backing off.
+    pub refused_backoff: u64,
+    /// Requests refused without a check: every bcrypt slot was busy.
+    pub refused_busy: u64,
+}
+
+/// One client's recent failures.
+#[derive(Debug, Clone, Copy)]
+struct Failures {
+    count: u32,
+    last: Instant,
+    until: Instant,
 }
 
 /// One `access` entry of a token (docker token spec).
@@ -149,22 +221,53 @@ struct Claims {
     access: Vec<Access>,
 }
 
+/// The users of one htpasswd file, and the passwords verified against it. Replaced whole
+/// when the file changes ([`Auth::reload_users`]), so a password verified against the old
+/// file can never be remembered as valid for the new one.
+#[derive(Debug)]
+struct Users {
+    hashes: HashMap<String, String>,
+    /// Verified credentials, keyed by HMAC(`cache_key`, user NUL password) (the password
+    /// itself is not kept, nor a hash of it that could be tried offline), with when each
+    /// stops counting. At most [`VERIFIED_ENTRIES`].
+    verified: Mutex<HashMap<[u8; 32], (String, Instant)>>,
+    /// A bcrypt hash of no one's password, at the highest cost among the users: an
+    /// unknown user's password is checked against it, so a wrong user name costs the same
+    /// time as a wrong password (0.5 ms against 60 ms told an attacker which names exist).
+    dummy: String,
+}
+
+impl Users {
+    fn load(htpasswd: &str) -> Result<Users, AuthConfigError> {
+        let hashes = parse_htpasswd(htpasswd)?;
+        // With no users there is no name to hide: the cheapest cost will do.
+        let cost = hashes.values().filter_map(|h| bcrypt_cost(h)).max().unwrap_or(4).clamp(4, 31);
+        let dummy = bcrypt::hash(hex::encode(random_secret()), cost).map_err(|e| AuthConfigError::Bcrypt(e.to_string()))?;
+        Ok(Users { hashes, verified: Mutex::new(HashMap::new()), dummy })
+    }
+}
+
 /// The auth configuration of a server.
 #[derive(Debug)]
 pub struct Auth {
-    users: HashMap<String, String>,
+    users: RwLock<Arc<Users>>,
     rules: Vec<Rule>,
     secret: Vec<u8>,
     /// `service` of the token flow.
     pub service: String,
     /// Token realm URL; `None` derives `http(s)://<Host>/token` from each request.
     pub realm: Option<String>,
-    /// Successful (user, sha256(password)) checks, so bcrypt runs once per credential.
-    verified: Mutex<HashSet<(String, [u8; 32])>>,
-    /// A bcrypt hash of no one's password, at the highest cost among the users: an
-    /// unknown user's password is checked against it, so a wrong user name costs the same
-    /// time as a wrong password (0.5 ms against 60 ms told an attacker which names exist).
-    dummy: String,
+    /// A per-process random key for [`Users::verified`].
+    cache_key: [u8; 32],
+    /// Failing clients, at most [`TRACKED_CLIENTS`].
+    failures: Mutex<HashMap<IpAddr, Failures>>,
+    /// bcrypt verifications running now, and the most allowed.
+    checking: AtomicUsize,
+    /// At most this many bcrypt verifications at once (at least 1).
+    pub max_checks: usize,
+    cache_hits: AtomicU64,
+    refused_backoff: AtomicU64,
+    refused_busy: AtomicU64,
     /// bcrypt verifications run (tests observe that every path runs one).
     bcrypt_runs: std::sync::atomic::AtomicU64,
 }
@@ -217,7 +320,7 @@ impl Auth {
         if secret.len() < 32 {
             return Err(AuthConfigError::ShortSecret(secret.len()));
         }
-        let users = parse_htpasswd(htpasswd)?;
+        let users = Users::load(htpasswd)?;
         let mut rules = match acl {
             Some(t) => toml::from_str::<AclFile>(t).map_err(|e| AuthConfigError::Acl(e.to_string()))?.rule,
             None => vec![Rule { users: vec!["*".into()], repos: vec!["*".into()], actions: vec![Action::Pull, Action::Push, Action::Delete] }],
@@ -225,21 +328,46 @@ impl Auth {
         if anonymous_read {
             rules.push(Rule { users: vec!["anonymous".into()], repos: vec!["*".into()], actions: vec![Action::Pull] });
         }
-        // With no users there is no name to hide: the cheapest cost will do.
-        let cost = users.values().filter_map(|h| bcrypt_cost(h)).max().unwrap_or(4).clamp(4, 31);
-        let dummy = bcrypt::hash(hex::encode(random_secret()), cost).map_err(|e| AuthConfigError::Bcrypt(e.to_string()))?;
-        Ok(Auth { users, rules, secret, service: "snapctl".into(), realm: None, verified: Mutex::new(HashSet::new()), dummy, bcrypt_runs: Default::default() })
+        Ok(Auth {
+            users: RwLock::new(Arc::new(users)),
+            rules,
+            secret,
+            service: "snapctl".into(),
+            realm: None,
+            cache_key: rand::random(),
+            failures: Mutex::new(HashMap::new()),
+            checking: AtomicUsize::new(0),
+            max_checks: default_max_password_checks(),
+            cache_hits: AtomicU64::new(0),
+            refused_backoff: AtomicU64::new(0),
+            refused_busy: AtomicU64::new(0),
+            bcrypt_runs: Default::default(),
+        })
+    }
+
+    /// Replace the users with those of `htpasswd` (the file changed). Passwords verified
+    /// before are forgotten with the old users. On an error the users stay as they were.
+    /// Returns how many users there are now.
+    pub fn reload_users(&self, htpasswd: &str) -> Result<usize, AuthConfigError> {
+        let users = Users::load(htpasswd)?;
+        let n = users.hashes.len();
+        *self.users.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(users);
+        Ok(n)
+    }
+
+    fn users(&self) -> Arc<Users> {
+        self.users.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Whether a user (None = anonymous) has `action` on `repo` per the ACL.
     pub fn acl_allows(&self, user: Option<&str>, repo: &str, action: Action) -> bool {
-        self.rules.iter().any(|r| {
-            let who = r.users.iter().any(|u| match user {
-                None => u == "anonymous",
-                Some(name) => u == "*" || u == name,
-            });
-            who && r.actions.contains(&action) && r.repos.iter().any(|p| repo_matches(p, repo))
-        })
+        self.rules.iter().any(|r| r.covers(user) && r.actions.contains(&action) && r.repos.iter().any(|p| repo_matches(p, repo)))
+    }
+
+    /// The repository patterns of the rules that give a user (None = anonymous) `action`:
+    /// the repositories the catalog may show them.
+    pub fn acl_patterns(&self, user: Option<&str>, action: Action) -> Vec<String> {
+        self.rules.iter().filter(|r| r.covers(user) && r.actions.contains(&action)).flat_map(|r| r.repos.iter().cloned()).collect()
     }
 
     /// Whether `id` may do `action` on `repo`.
@@ -251,37 +379,152 @@ impl Auth {
         }
     }
 
-    /// Check a password (bcrypt, cached on success).
+    /// Check a password (bcrypt, cached on success), with no client to back off and no
+    /// bound on checks at once.
     pub fn check_password(&self, user: &str, password: &str) -> bool {
-        let key = (user.to_owned(), <[u8; 32]>::from(Sha256::digest(password.as_bytes())));
-        if self.verified.lock().unwrap_or_else(|p| p.into_inner()).contains(&key) {
-            return true;
+        let users = self.users();
+        let key = self.verified_key(user, password);
+        self.cached(&users, &key) || self.bcrypt(&users, user, password, &key)
+    }
+
+    /// Where a verified `user`/`password` pair is remembered.
+    fn verified_key(&self, user: &str, password: &str) -> [u8; 32] {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.cache_key).expect("HMAC takes any key length");
+        mac.update(user.as_bytes());
+        mac.update(&[0]);
+        mac.update(password.as_bytes());
+        mac.finalize().into_bytes().into()
+    }
+
+    /// Whether `key` was verified within [`VERIFIED_TTL`].
+    fn cached(&self, users: &Users, key: &[u8; 32]) -> bool {
+        let v = users.verified.lock().unwrap_or_else(|p| p.into_inner());
+        let hit = v.get(key).is_some_and(|(_, until)| *until > Instant::now());
+        if hit {
+            self.cache_hits.fetch_add(1, Relaxed);
         }
+        hit
+    }
+
+    /// One bcrypt verification; remembers a success under `key`.
+    fn bcrypt(&self, users: &Users, user: &str, password: &str, key: &[u8; 32]) -> bool {
         // Unknown users are checked against the dummy hash (same cost), and fail.
-        let (hash, known) = match self.users.get(user) {
+        let (hash, known) = match users.hashes.get(user) {
             Some(h) => (h.as_str(), true),
-            None => (self.dummy.as_str(), false),
+            None => (users.dummy.as_str(), false),
         };
-        self.bcrypt_runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.bcrypt_runs.fetch_add(1, Relaxed);
         let ok = bcrypt::verify(password, hash).unwrap_or(false) && known;
         if ok {
-            self.verified.lock().unwrap_or_else(|p| p.into_inner()).insert(key);
+            let now = Instant::now();
+            let mut v = users.verified.lock().unwrap_or_else(|p| p.into_inner());
+            if v.len() >= VERIFIED_ENTRIES {
+                v.retain(|_, (_, until)| *until > now);
+            }
+            if v.len() >= VERIFIED_ENTRIES {
+                if let Some(first) = v.iter().min_by_key(|(_, (_, until))| *until).map(|(k, _)| *k) {
+                    v.remove(&first);
+                }
+            }
+            v.insert(*key, (user.to_owned(), now + VERIFIED_TTL));
         }
         ok
+    }
+
+    /// How long `client` must still wait before its password is checked again.
+    fn backing_off(&self, client: IpAddr, now: Instant) -> Option<Duration> {
+        let f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        f.get(&client).map(|f| f.until.saturating_duration_since(now)).filter(|d| !d.is_zero())
+    }
+
+    /// Count a wrong password from `client`: past [`FREE_FAILURES`] it waits, 1 s doubling
+    /// to [`MAX_BACKOFF`], before the next is checked.
+    fn failed(&self, client: IpAddr) {
+        let now = Instant::now();
+        let mut t = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        if !t.contains_key(&client) && t.len() >= TRACKED_CLIENTS {
+            t.retain(|_, f| f.until > now || now.duration_since(f.last) < FAILURES_FORGOTTEN);
+            if t.len() >= TRACKED_CLIENTS {
+                if let Some(oldest) = t.iter().min_by_key(|(_, f)| f.last).map(|(k, _)| *k) {
+                    t.remove(&oldest);
+                }
+            }
+        }
+        let f = t.entry(client).or_insert(Failures { count: 0, last: now, until: now });
+        if now.duration_since(f.last) >= FAILURES_FORGOTTEN {
+            f.count = 0;
+        }
+        f.count = f.count.saturating_add(1);
+        f.last = now;
+        if f.count >= FREE_FAILURES {
+            let wait = FIRST_BACKOFF.saturating_mul(1u32 << (f.count - FREE_FAILURES).min(16)).min(MAX_BACKOFF);
+            f.until = now + wait;
+        }
+    }
+
+    /// Check `user`/`password` for a request from `client` (`None`: no backoff): from the
+    /// verified cache, else by bcrypt if the client is not backing off and a check slot is
+    /// free. Runs bcrypt: call off the reactor.
+    pub fn check_basic(&self, user: &str, password: &str, client: Option<IpAddr>) -> Result<(), Rejected> {
+        let users = self.users();
+        let key = self.verified_key(user, password);
+        if self.cached(&users, &key) {
+            return Ok(());
+        }
+        if let Some(retry_after) = client.and_then(|c| self.backing_off(c, Instant::now())) {
+            self.refused_backoff.fetch_add(1, Relaxed);
+            return Err(Rejected::Backoff { retry_after });
+        }
+        let max = self.max_checks.max(1);
+        if self.checking.fetch_update(Relaxed, Relaxed, |n| (n < max).then_some(n + 1)).is_err() {
+            self.refused_busy.fetch_add(1, Relaxed);
+            return Err(Rejected::Busy);
+        }
+        struct Slot<'a>(&'a AtomicUsize);
+        impl Drop for Slot<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Relaxed);
+            }
+        }
+        let _slot = Slot(&self.checking);
+        if self.bcrypt(&users, user, password, &key) {
+            if let Some(c) = client {
+                self.failures.lock().unwrap_or_else(|p| p.into_inner()).remove(&c);
+            }
+            Ok(())
+        } else {
+            if let Some(c) = client {
+                self.failed(c);
+            }
+            Err(Rejected::BadPassword)
+        }
+    }
+
+    /// What password checking has done so far.
+    pub fn stats(&self) -> AuthStats {
+        AuthStats {
+            password_checks: self.bcrypt_runs.load(Relaxed),
+            cache_hits: self.cache_hits.load(Relaxed),
+            refused_backoff: self.refused_backoff.load(Relaxed),
+            refused_busy: self.refused_busy.load(Relaxed),
+        }
     }
 
     /// Who sent these headers. Wrong credentials are an error, no credentials are
     /// `Anonymous`. Runs bcrypt: call off the reactor for uncached passwords.
     pub fn identify(&self, headers: &HeaderMap) -> Result<Identity, Rejected> {
+        self.identify_client(headers, None)
+    }
+
+    /// [`Auth::identify`] for a request from `client` (an IPv4 address or an IPv6 /64),
+    /// whose repeated wrong passwords make it wait ([`Auth::check_basic`]).
+    pub fn identify_client(&self, headers: &HeaderMap, client: Option<IpAddr>) -> Result<Identity, Rejected> {
         let Some(v) = headers.get(header::AUTHORIZATION) else { return Ok(Identity::Anonymous) };
         let v = v.to_str().map_err(|_| Rejected::Malformed)?;
         if let Some(b) = v.strip_prefix("Basic ").or_else(|| v.strip_prefix("basic ")) {
             let (u, p) = basic_credentials(b).ok_or(Rejected::Malformed)?;
-            if self.check_password(&u, &p) {
-                Ok(Identity::User(u))
-            } else {
-                Err(Rejected::BadPassword)
-            }
+            self.check_basic(&u, &p, client)?;
+            Ok(Identity::User(u))
         } else if let Some(t) = v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")) {
             self.verify_token(t.trim()).ok_or(Rejected::BadToken)
         } else {
@@ -428,7 +671,7 @@ mod tests {
     fn regression_issue_14_unknown_users_cost_one_bcrypt_verification_too() {
         let h = bcrypt::hash("secret", 5).unwrap();
         let a = Auth::new(&format!("alice:{h}\n"), None, false, vec![7; 32]).unwrap();
-        assert_eq!(bcrypt_cost(&a.dummy), Some(5), "dummy hash has the users' cost: {}", a.dummy);
+        assert_eq!(bcrypt_cost(&a.users().dummy), Some(5), "dummy hash has the users' cost: {}", a.users().dummy);
         let runs = || a.bcrypt_runs.load(std::sync::atomic::Ordering::Relaxed);
         assert!(!a.check_password("alice", "wrong"));
         assert_eq!(runs(), 1);
@@ -439,6 +682,81 @@ mod tests {
         assert_eq!(runs(), 4);
         assert!(a.check_password("alice", "secret"));
         assert_eq!(runs(), 4, "a verified credential is cached");
+    }
+
+    /// Issue 21 §2: every request with a Basic header cost a bcrypt verification, however
+    /// often its client had failed and however many ran at once. Now a client failing
+    /// repeatedly waits without a check, checks at once are bounded, and a verified
+    /// credential is remembered (keyed, bounded, for a while).
+    #[test]
+    fn regression_issue_21_wrong_passwords_back_off_and_checks_are_bounded() {
+        let a = auth(None, false);
+        let runs = || a.stats().password_checks;
+        let mallory: IpAddr = "192.0.2.66".parse().unwrap();
+        for i in 0..FREE_FAILURES {
+            assert!(matches!(a.check_basic("alice", &format!("guess{i}"), Some(mallory)), Err(Rejected::BadPassword)));
+        }
+        assert_eq!(runs(), u64::from(FREE_FAILURES));
+        for i in 0..200 {
+            let e = a.check_basic("alice", &format!("more{i}"), Some(mallory)).unwrap_err();
+            assert!(matches!(e, Rejected::Backoff { retry_after } if retry_after <= FIRST_BACKOFF), "{e:?}");
+        }
+        assert_eq!(runs(), u64::from(FREE_FAILURES), "a client in backoff made bcrypt run");
+        assert_eq!(a.stats().refused_backoff, 200);
+        // Even the right password waits while its address backs off ...
+        assert!(matches!(a.check_basic("alice", "secret", Some(mallory)), Err(Rejected::Backoff { .. })));
+        // ... but another address is checked, and then remembered.
+        let honest: IpAddr = "192.0.2.7".parse().unwrap();
+        a.check_basic("alice", "secret", Some(honest)).unwrap();
+        let checks = runs();
+        for _ in 0..100 {
+            a.check_basic("alice", "secret", Some(honest)).unwrap();
+            a.check_basic("alice", "secret", Some(mallory)).unwrap();
+        }
+        assert_eq!(runs(), checks, "a verified credential was checked again");
+        assert_eq!(a.stats().cache_hits, 200);
+        // No free slot: answered at once, not queued.
+        a.checking.store(a.max_checks, Relaxed);
+        assert!(matches!(a.check_basic("bob", "secret", Some(honest)), Err(Rejected::Busy)));
+        assert_eq!((runs(), a.stats().refused_busy), (checks, 1));
+        a.checking.store(0, Relaxed);
+        a.check_basic("bob", "secret", Some(honest)).unwrap();
+    }
+
+    #[test]
+    fn the_verified_cache_and_the_failure_table_are_bounded() {
+        let a = auth(None, false);
+        let key = |i: usize| a.verified_key("alice", &format!("{i}"));
+        let users = a.users();
+        {
+            let mut v = users.verified.lock().unwrap();
+            for i in 0..VERIFIED_ENTRIES {
+                v.insert(key(i), ("alice".into(), Instant::now() + VERIFIED_TTL));
+            }
+            v.insert(key(0), ("alice".into(), Instant::now() - Duration::from_secs(1)));
+        }
+        assert!(!a.cached(&users, &key(0)), "an expired entry counts");
+        assert!(a.check_password("alice", "secret"));
+        assert_eq!(users.verified.lock().unwrap().len(), VERIFIED_ENTRIES, "bounded");
+        for i in 0..TRACKED_CLIENTS as u32 + 10 {
+            a.failed(IpAddr::V4(i.into()));
+        }
+        assert_eq!(a.failures.lock().unwrap().len(), TRACKED_CLIENTS);
+        assert_ne!(a.verified_key("alice", "x"), Auth::new("", None, false, vec![7; 32]).unwrap().verified_key("alice", "x"), "keyed per process");
+    }
+
+    #[test]
+    fn regression_issue_25_reloaded_users_replace_the_old_ones_and_their_cached_passwords() {
+        let a = auth(None, false);
+        assert!(a.check_password("alice", "secret"), "cached from now on");
+        let h = bcrypt::hash("new", 4).unwrap();
+        assert_eq!(a.reload_users(&format!("alice:{h}\ncarol:{h}\n")).unwrap(), 2);
+        assert!(!a.check_password("alice", "secret"), "the old password, cached before, is refused");
+        assert!(a.check_password("alice", "new"));
+        assert!(a.check_password("carol", "new"));
+        assert!(!a.check_password("bob", "secret"), "a user removed from the file is refused");
+        assert!(a.reload_users("eve:{SHA}abc").is_err());
+        assert!(a.check_password("alice", "new"), "a bad file leaves the users as they were");
     }
 
     #[test]

@@ -36,6 +36,10 @@ pub enum Code {
     Denied,
     /// The operation is unsupported.
     Unsupported,
+    /// The client sent too many requests (or failed logins): try again after `Retry-After`.
+    TooManyRequests,
+    /// Invalid number of results requested (distribution's, for `/v2/_catalog?n=`).
+    PaginationNumberInvalid,
     /// Server-side failure (not an OCI code; clients treat it as unknown).
     Unknown,
 }
@@ -48,6 +52,7 @@ impl Code {
             Code::BlobUploadInvalid => "BLOB_UPLOAD_INVALID",
             Code::BlobUploadUnknown => "BLOB_UPLOAD_UNKNOWN",
             Code::DigestInvalid => "DIGEST_INVALID",
+            Code::TooManyRequests => "TOOMANYREQUESTS",
             Code::ManifestBlobUnknown => "MANIFEST_BLOB_UNKNOWN",
             Code::ManifestInvalid => "MANIFEST_INVALID",
             Code::ManifestUnknown => "MANIFEST_UNKNOWN",
@@ -57,6 +62,7 @@ impl Code {
             Code::Unauthorized => "UNAUTHORIZED",
             Code::Denied => "DENIED",
             Code::Unsupported => "UNSUPPORTED",
+            Code::PaginationNumberInvalid => "PAGINATION_NUMBER_INVALID",
             Code::Unknown => "UNKNOWN",
         }
     }
@@ -75,17 +81,25 @@ pub struct ApiError {
     pub message: String,
     /// Extra response headers.
     pub headers: Vec<(HeaderName, String)>,
+    /// The error body's `detail` (`null` when `None`).
+    pub detail: Option<serde_json::Value>,
 }
 
 impl ApiError {
     /// An error with the given status, code and message.
     pub fn new(status: StatusCode, code: Code, message: impl Into<String>) -> ApiError {
-        ApiError { status, code, message: message.into(), headers: Vec::new() }
+        ApiError { status, code, message: message.into(), headers: Vec::new(), detail: None }
     }
 
     /// Add a response header.
     pub fn with_header(mut self, name: HeaderName, value: impl Into<String>) -> ApiError {
         self.headers.push((name, value.into()));
+        self
+    }
+
+    /// Set the error body's `detail`.
+    pub fn with_detail(mut self, detail: serde_json::Value) -> ApiError {
+        self.detail = Some(detail);
         self
     }
 
@@ -126,7 +140,7 @@ impl From<crate::inuse::InUseError> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = serde_json::json!({
-            "errors": [{ "code": self.code.as_str(), "message": self.message, "detail": null }]
+            "errors": [{ "code": self.code.as_str(), "message": self.message, "detail": self.detail }]
         });
         let mut r = (self.status, axum::Json(body)).into_response();
         for (k, v) in self.headers {

@@ -48,7 +48,7 @@ pub struct GcOptions {
 
 impl Default for GcOptions {
     fn default() -> GcOptions {
-        GcOptions { grace: Duration::from_secs(3600), upload_ttl: Duration::from_secs(24 * 3600), dry_run: false }
+        GcOptions { grace: Duration::from_secs(3600), upload_ttl: crate::server::DEFAULT_UPLOAD_TTL, dry_run: false }
     }
 }
 

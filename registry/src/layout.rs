@@ -16,6 +16,8 @@
 //! _gc/used/<alg>/<hex[0..2]>/<hex>                        empty; mtime: a request last relied on the blob
 //! _gc/condemned/<alg>/<hex>                               empty: gc is deciding whether to delete the blob
 //! _gc/inflight/<id>                                       JSON digests a manifest PUT in flight relies on
+//! _catalog/<name, '/' written '!'>                        empty: repository <name> has held a manifest
+//! _catalog.built                                          empty: _catalog/ names every such repository
 //! ```
 //! The `_gc/` objects are how live requests and a running gc agree on what may be
 //! deleted ([`crate::inuse`]).
@@ -144,6 +146,35 @@ pub fn upload_part(id: &str, offset: u64) -> String {
     format!("_uploads/{id}/parts/{offset:020}")
 }
 
+/// Prefix of the catalog's entries ([`catalog_entry`]).
+pub const CATALOG: &str = "_catalog/";
+/// Present once `_catalog/` names every repository of the store (written by the first
+/// server that indexed a store laid out before the catalog existed).
+pub const CATALOG_BUILT: &str = "_catalog.built";
+
+/// The catalog entry of `repo`: one flat key whose byte order is the catalog's order.
+/// `/` becomes `!`, which sorts below every other character a name may hold, so a
+/// repository sorts right after its parent path and before its siblings (`a`, `a/b`,
+/// `a-b`), as distribution orders its catalog, on a directory and in S3 alike.
+pub fn catalog_entry(repo: &RepoName) -> String {
+    format!("{CATALOG}{}", catalog_position(repo.as_str()))
+}
+
+/// Where `name` (any text made of name characters, not necessarily a valid name: a
+/// client's `last`) sorts in the catalog: the part of its entry key after [`CATALOG`].
+pub fn catalog_position(name: &str) -> String {
+    name.replace('/', "!")
+}
+
+/// The repository a [`catalog_entry`] key names, if it is one.
+pub fn parse_catalog_entry(key: &str) -> Option<RepoName> {
+    let rest = key.strip_prefix(CATALOG)?;
+    if rest.contains('/') {
+        return None;
+    }
+    RepoName::parse(&rest.replace('!', "/")).ok()
+}
+
 /// What a key under `repositories/` is, for listing-based walks (gc).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RepoKey {
@@ -211,5 +242,8 @@ mod tests {
         assert_eq!(referrer(&r, &d, &s), format!("repositories/a/b/_referrers/sha256/{dh}/sha512-{sh}"));
         assert_eq!(gc_used(&d), format!("_gc/used/sha256/2d/{dh}"));
         assert_eq!(gc_condemned(&s), format!("_gc/condemned/sha512/{sh}"));
+        assert_eq!(catalog_entry(&r), "_catalog/a!b");
+        assert_eq!(parse_catalog_entry(&catalog_entry(&r)), Some(r.clone()));
+        assert_eq!(parse_catalog_entry("_catalog/a/b"), None);
     }
 }

@@ -9,20 +9,28 @@
 //! layout     storage keys: blobs/, repositories/<name>/{_layers,_manifests,_tags,_referrers}, _uploads/
 //! upload     resumable upload sessions persisted in the store
 //! auth       htpasswd users, ACL, docker token flow (HMAC-signed tokens)
+//! catalog    which repositories the store holds, paged in order (/v2/_catalog, web view)
 //! server     axum routes for the /v2/ API, /token, /metrics
+//! access     the request log (client, user, user agent, bytes, status, cause of a 5xx)
+//! reload     htpasswd changes taken while serving (polled, or on SIGHUP)
+//! stats      the store's totals (bytes, blobs, manifests, dedup), scanned in the background
 //! gc         mark and sweep of unreachable blobs
 //! inuse      what live requests rely on, so a running gc keeps it
 //! ```
 //! The wire and storage formats are specified in `spec/registry.md`.
 
+pub mod access;
 pub mod auth;
+pub mod catalog;
 pub mod error;
 pub mod gc;
 pub mod inuse;
 pub mod layout;
 pub mod metrics;
 pub mod name;
+pub mod reload;
 pub mod server;
+pub mod stats;
 pub mod store;
 pub mod upload;
 

@@ -13,6 +13,17 @@
 //! - `snapctl_storage_seconds{op}` histogram, `snapctl_storage_errors_total{op}` counter
 //! - `snapctl_http_connections` gauge; `snapctl_http_connections_refused_total` (over the
 //!   per-address cap) and `snapctl_http_connections_timed_out_total` counters
+//! - `snapctl_http_responses_open` gauge (requests in progress: handler or body);
+//!   `snapctl_http_requests_refused_total` (429: over the per-client request cap) and
+//!   `snapctl_http_responses_stalled_total` (connections closed because a response body
+//!   did not move) counters
+//! - with authentication: `snapctl_auth_password_checks_total`,
+//!   `snapctl_auth_cache_hits_total`, `snapctl_auth_refused_total{reason}` (`backoff` or
+//!   `busy`) counters
+//! - `snapctl_http_request_duration_seconds{route,method}` histogram: time to the response
+//!   head, by route class ([`ROUTES`]) and method label
+//! - `snapctl_build_info{version,commit}` gauge, always 1
+//! - `snapctl_store_*` gauges from the last store scan ([`render_store`], `crate::stats`)
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -31,6 +42,33 @@ struct Hist {
     errors: u64,
 }
 
+impl Hist {
+    fn observe(&mut self, took: Duration, failed: bool) {
+        let s = took.as_secs_f64();
+        for (i, b) in BUCKETS.iter().enumerate() {
+            if s <= *b {
+                self.counts[i] += 1;
+            }
+        }
+        self.count += 1;
+        self.sum += s;
+        if failed {
+            self.errors += 1;
+        }
+    }
+
+    /// The histogram's lines for one label set (`labels` ends with a comma, or is empty).
+    fn render(&self, o: &mut String, name: &str, labels: &str) {
+        for (i, b) in BUCKETS.iter().enumerate() {
+            let _ = writeln!(o, "{name}_bucket{{{labels}le=\"{b}\"}} {}", self.counts[i]);
+        }
+        let _ = writeln!(o, "{name}_bucket{{{labels}le=\"+Inf\"}} {}", self.count);
+        let plain = labels.trim_end_matches(',');
+        let _ = writeln!(o, "{name}_sum{{{plain}}} {}", self.sum);
+        let _ = writeln!(o, "{name}_count{{{plain}}} {}", self.count);
+    }
+}
+
 /// The methods counted under their own name; any other is counted as `other`.
 pub const METHODS: [&str; 7] = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"];
 
@@ -41,6 +79,76 @@ pub fn method_label(method: &str) -> &'static str {
     METHODS.iter().find(|m| **m == method).copied().unwrap_or("other")
 }
 
+/// The route classes requests are timed by.
+pub const ROUTES: [&str; 11] = ["base", "catalog", "blob", "upload", "manifest", "tags", "referrers", "token", "metrics", "web", "other"];
+
+/// The route class of a request path (one of [`ROUTES`]), from its shape alone.
+pub fn route_class(path: &str) -> &'static str {
+    let Some(rest) = path.strip_prefix("/v2") else {
+        return match path {
+            "/token" => "token",
+            "/metrics" => "metrics",
+            p if p == "/ui" || p.starts_with("/ui/") => "web",
+            _ => "other",
+        };
+    };
+    if rest.is_empty() || rest == "/" {
+        return "base";
+    }
+    if rest == "/_catalog" {
+        return "catalog";
+    }
+    let segs: Vec<&str> = rest.rsplitn(4, '/').collect();
+    match segs.as_slice() {
+        [_, "uploads", "blobs", ..] | ["", "uploads", ..] | ["uploads", "blobs", ..] => "upload",
+        [_, "blobs", ..] => "blob",
+        [_, "manifests", ..] => "manifest",
+        ["list", "tags", ..] => "tags",
+        [_, "referrers", ..] => "referrers",
+        _ => "other",
+    }
+}
+
+/// Version and commit of the running binary (`snapctl_build_info`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BuildInfo {
+    /// Package version.
+    pub version: String,
+    /// Source commit, or `unknown`.
+    pub commit: String,
+}
+
+impl Default for BuildInfo {
+    fn default() -> BuildInfo {
+        BuildInfo { version: env!("CARGO_PKG_VERSION").to_owned(), commit: "unknown".to_owned() }
+    }
+}
+
+/// A Prometheus label value, escaped.
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+/// Store gauges for the last scan (`crate::stats`): bytes, blobs, manifests,
+/// repositories, logical bytes, the dedup ratio and when the scan ran.
+pub fn render_store(t: &crate::stats::Totals) -> String {
+    let mut o = String::new();
+    let gauges: [(&str, &str, String); 8] = [
+        ("snapctl_store_bytes", "Bytes the store holds under blobs/ (blobs and manifests, each once).", t.stored_bytes.to_string()),
+        ("snapctl_store_blobs", "Objects under blobs/ (blobs and manifests).", t.blobs.to_string()),
+        ("snapctl_store_manifests", "Manifests, counted once per repository holding them.", t.manifests.to_string()),
+        ("snapctl_store_repositories", "Repositories in the catalog.", t.repositories.to_string()),
+        ("snapctl_store_logical_bytes", "Bytes a pull of every manifest of every repository would transfer.", t.logical_bytes.to_string()),
+        ("snapctl_store_dedup_ratio", "Logical bytes over stored bytes (0 when empty).", format!("{:.4}", t.dedup_ratio())),
+        ("snapctl_store_scan_timestamp_seconds", "When the store totals were taken (Unix time).", t.scanned_at.to_string()),
+        ("snapctl_store_scan_seconds", "How long taking the store totals took.", format!("{:.3}", t.scan_ms as f64 / 1000.0)),
+    ];
+    for (name, help, v) in gauges {
+        let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+    }
+    o
+}
+
 /// All counters of one server.
 #[derive(Debug, Default)]
 pub struct Metrics {
@@ -48,6 +156,9 @@ pub struct Metrics {
     requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
     errors: Mutex<BTreeMap<&'static str, u64>>,
     storage: Mutex<BTreeMap<&'static str, Hist>>,
+    /// (route class, method label): at most 11 × 8 series.
+    latency: Mutex<BTreeMap<(&'static str, &'static str), Hist>>,
+    build: std::sync::OnceLock<BuildInfo>,
     /// Request body bytes received.
     pub bytes_in: AtomicU64,
     /// Response body bytes sent.
@@ -69,6 +180,13 @@ pub struct Metrics {
     /// Connections closed because a request head, a request body or the connection
     /// itself stalled past its timeout.
     pub connections_timed_out: AtomicU64,
+    /// Requests in progress now (a handler running or a response body not finished).
+    pub responses_open: AtomicI64,
+    /// Requests answered 429 at once: their client had too many in progress.
+    pub requests_refused: AtomicU64,
+    /// Connections closed because one of their response bodies had not moved for the idle
+    /// timeout (also counted in `connections_timed_out`).
+    pub responses_stalled: AtomicU64,
 }
 
 impl Metrics {
@@ -85,19 +203,19 @@ impl Metrics {
 
     /// Record one storage call.
     pub fn storage_op(&self, op: &'static str, took: Duration, failed: bool) {
-        let s = took.as_secs_f64();
-        let mut m = self.storage.lock().unwrap_or_else(|p| p.into_inner());
-        let h = m.entry(op).or_default();
-        for (i, b) in BUCKETS.iter().enumerate() {
-            if s <= *b {
-                h.counts[i] += 1;
-            }
-        }
-        h.count += 1;
-        h.sum += s;
-        if failed {
-            h.errors += 1;
-        }
+        self.storage.lock().unwrap_or_else(|p| p.into_inner()).entry(op).or_default().observe(took, failed);
+    }
+
+    /// Record how long a request took to its response head (`path` is reduced to its
+    /// [`route_class`], `method` to its [`method_label`]).
+    pub fn request_latency(&self, path: &str, method: &str, took: Duration) {
+        let key = (route_class(path), method_label(method));
+        self.latency.lock().unwrap_or_else(|p| p.into_inner()).entry(key).or_default().observe(took, false);
+    }
+
+    /// Name the running binary (`snapctl_build_info`); the first call wins.
+    pub fn set_build(&self, b: BuildInfo) {
+        let _ = self.build.set(b);
     }
 
     /// Render in Prometheus text exposition format 0.0.4.
@@ -126,6 +244,16 @@ impl Metrics {
                 "Connections closed because a request head, a body or the connection stalled.",
                 self.connections_timed_out.load(Relaxed),
             ),
+            (
+                "snapctl_http_requests_refused_total",
+                "Requests answered 429 at once: their client had too many in progress.",
+                self.requests_refused.load(Relaxed),
+            ),
+            (
+                "snapctl_http_responses_stalled_total",
+                "Connections closed because a response body had not moved for the idle timeout.",
+                self.responses_stalled.load(Relaxed),
+            ),
         ];
         for (name, help, v) in counters {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
@@ -140,24 +268,52 @@ impl Metrics {
             "# HELP snapctl_http_connections Open client connections.\n# TYPE snapctl_http_connections gauge\nsnapctl_http_connections {}",
             self.connections.load(Relaxed)
         );
+        let _ = writeln!(
+            o,
+            "# HELP snapctl_http_responses_open Requests in progress (handler running or response body not finished).\n# TYPE snapctl_http_responses_open gauge\nsnapctl_http_responses_open {}",
+            self.responses_open.load(Relaxed)
+        );
         o.push_str("# HELP snapctl_storage_seconds Latency of storage calls by operation.\n");
         o.push_str("# TYPE snapctl_storage_seconds histogram\n");
         let storage = self.storage.lock().unwrap_or_else(|p| p.into_inner()).clone();
         for (op, h) in &storage {
-            for (i, b) in BUCKETS.iter().enumerate() {
-                let _ = writeln!(o, "snapctl_storage_seconds_bucket{{op=\"{op}\",le=\"{b}\"}} {}", h.counts[i]);
-            }
-            let _ = writeln!(o, "snapctl_storage_seconds_bucket{{op=\"{op}\",le=\"+Inf\"}} {}", h.count);
-            let _ = writeln!(o, "snapctl_storage_seconds_sum{{op=\"{op}\"}} {}", h.sum);
-            let _ = writeln!(o, "snapctl_storage_seconds_count{{op=\"{op}\"}} {}", h.count);
+            h.render(&mut o, "snapctl_storage_seconds", &format!("op=\"{op}\","));
         }
         o.push_str("# HELP snapctl_storage_errors_total Failed storage calls by operation (not-found excluded).\n");
         o.push_str("# TYPE snapctl_storage_errors_total counter\n");
         for (op, h) in &storage {
             let _ = writeln!(o, "snapctl_storage_errors_total{{op=\"{op}\"}} {}", h.errors);
         }
+        o.push_str("# HELP snapctl_http_request_duration_seconds Time from a request to its response head, by route class and method.\n");
+        o.push_str("# TYPE snapctl_http_request_duration_seconds histogram\n");
+        for ((route, method), h) in self.latency.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            h.render(&mut o, "snapctl_http_request_duration_seconds", &format!("route=\"{route}\",method=\"{method}\","));
+        }
+        let b = self.build.get().cloned().unwrap_or_default();
+        let _ = writeln!(
+            o,
+            "# HELP snapctl_build_info The running snapctl: version and source commit.\n# TYPE snapctl_build_info gauge\nsnapctl_build_info{{version=\"{}\",commit=\"{}\"}} 1",
+            label(&b.version),
+            label(&b.commit)
+        );
         o
     }
+}
+
+/// The password-checking counters (with authentication on).
+pub fn render_auth(a: &crate::auth::AuthStats) -> String {
+    let mut o = String::new();
+    let counters = [
+        ("snapctl_auth_password_checks_total", "bcrypt verifications run.", a.password_checks),
+        ("snapctl_auth_cache_hits_total", "Basic credentials taken from the verified cache, without bcrypt.", a.cache_hits),
+    ];
+    for (name, help, v) in counters {
+        let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+    }
+    let name = "snapctl_auth_refused_total";
+    let _ = writeln!(o, "# HELP {name} Requests with Basic credentials refused without a check (client backing off, or every check slot busy).");
+    let _ = writeln!(o, "# TYPE {name} counter\n{name}{{reason=\"backoff\"}} {}\n{name}{{reason=\"busy\"}} {}", a.refused_backoff, a.refused_busy);
+    o
 }
 
 #[cfg(test)]
@@ -178,6 +334,42 @@ mod tests {
         assert!(t.contains("snapctl_storage_seconds_bucket{op=\"get\",le=\"0.001\"} 0\n"));
         assert!(t.contains("snapctl_storage_seconds_bucket{op=\"get\",le=\"0.005\"} 1\n"));
         assert!(t.contains("snapctl_http_response_bytes_total 42\n"));
+    }
+
+    #[test]
+    fn regression_issue_25_request_latency_by_route_class_and_build_info() {
+        let m = Metrics::default();
+        m.set_build(BuildInfo { version: "1.2.3".into(), commit: "abc\"d".into() });
+        m.request_latency("/v2/a/b/blobs/sha256:00", "GET", Duration::from_millis(3));
+        m.request_latency("/v2/a/b/blobs/sha256:00", "GET", Duration::from_millis(300));
+        m.request_latency("/v2/a/blobs/uploads/", "POST", Duration::from_millis(1));
+        let t = m.render();
+        assert!(t.contains("# TYPE snapctl_http_request_duration_seconds histogram\n"), "{t}");
+        assert!(t.contains("snapctl_http_request_duration_seconds_bucket{route=\"blob\",method=\"GET\",le=\"0.005\"} 1\n"), "{t}");
+        assert!(t.contains("snapctl_http_request_duration_seconds_bucket{route=\"blob\",method=\"GET\",le=\"+Inf\"} 2\n"), "{t}");
+        assert!(t.contains("snapctl_http_request_duration_seconds_count{route=\"blob\",method=\"GET\"} 2\n"), "{t}");
+        assert!(t.contains("snapctl_http_request_duration_seconds_count{route=\"upload\",method=\"POST\"} 1\n"), "{t}");
+        assert!(t.contains("snapctl_build_info{version=\"1.2.3\",commit=\"abc\\\"d\"} 1\n"), "{t}");
+        for (path, class) in [
+            ("/v2/", "base"),
+            ("/v2", "base"),
+            ("/v2/_catalog", "catalog"),
+            ("/v2/a/b/c/manifests/v1", "manifest"),
+            ("/v2/a/blobs/uploads/", "upload"),
+            ("/v2/a/b/blobs/uploads/0123", "upload"),
+            ("/v2/a/blobs/uploads", "upload"),
+            ("/v2/a/tags/list", "tags"),
+            ("/v2/a/referrers/sha256:1", "referrers"),
+            ("/token", "token"),
+            ("/metrics", "metrics"),
+            ("/ui/", "web"),
+            ("/ui/repo/a", "web"),
+            ("/favicon.ico", "other"),
+            ("/v2/a/nothing", "other"),
+        ] {
+            assert_eq!(route_class(path), class, "{path}");
+            assert!(ROUTES.contains(&class));
+        }
     }
 
     #[test]

@@ -25,6 +25,7 @@ use futures::StreamExt;
 use imgfmt::{OciDigest, OciHasher};
 
 use crate::auth::{Action, Auth, Identity, Rejected};
+use crate::catalog::{Catalog, Readable};
 use crate::error::{ApiError, Code};
 use crate::inuse;
 use crate::layout;
@@ -43,10 +44,29 @@ pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 const API_VERSION: (&str, &str) = ("docker-distribution-api-version", "registry/2.0");
 
 mod listen;
-pub use listen::Limits;
+pub use listen::{Limits, DEFAULT_MAX_CONNS_PER_CLIENT, DEFAULT_MAX_REQUESTS_PER_CLIENT, DEFAULT_MAX_STREAMS_PER_CONN};
+mod web;
 
-/// Default idle time after which an upload session is removed.
-pub const DEFAULT_UPLOAD_TTL: Duration = Duration::from_secs(24 * 3600);
+/// Most bytes a referrer's annotations may take (as JSON) in the referrers index: a
+/// manifest with a `subject` and more is refused (each listing repeats them, and a client
+/// reads a page of them at once).
+pub const MAX_REFERRER_ANNOTATIONS: usize = 16 << 10;
+/// Referrers per page of a referrers listing when the client asks for no `n` (and the
+/// most it may ask for): with [`MAX_REFERRER_ANNOTATIONS`], a page stays under 2 MiB,
+/// within the 4 MiB a client reads of an index.
+pub const REFERRERS_PAGE: usize = 100;
+/// Largest stored referrers-index descriptor served; a larger one (stored before the
+/// annotation bound) is skipped.
+const MAX_REFERRER_DESCRIPTOR: u64 = MAX_REFERRER_ANNOTATIONS as u64 + 4096;
+
+/// Default idle time after which an upload session is removed: long enough for a client
+/// to come back after a network failure or a crash and resume, short enough that an
+/// abandoned upload does not hold its bytes for a day (`snapctl push` deletes a session it
+/// gives up on, when no rerun could take it over; a killed one cannot).
+pub const DEFAULT_UPLOAD_TTL: Duration = Duration::from_secs(15 * 60);
+
+/// Default interval between checks of the htpasswd file for changes.
+pub const DEFAULT_HTPASSWD_POLL: Duration = Duration::from_secs(2);
 
 /// Server configuration.
 #[derive(Debug)]
@@ -68,6 +88,19 @@ pub struct Config {
     /// Serve `/metrics` on the API listener (with auth enabled, to users only). Off when
     /// metrics have a listener of their own ([`Server::serve_metrics`]).
     pub api_metrics: bool,
+    /// Most repositories one `/v2/_catalog` page may ask for; more is 400
+    /// `PAGINATION_NUMBER_INVALID`.
+    pub catalog_max_entries: usize,
+    /// The htpasswd file `auth` was loaded from: reloaded when it changes (polled every
+    /// `htpasswd_poll`; never when zero) and on [`Server::reload_htpasswd`].
+    pub htpasswd_file: Option<std::path::PathBuf>,
+    /// How often the htpasswd file is checked for changes.
+    pub htpasswd_poll: Duration,
+    /// How often the store's totals (`/metrics` `snapctl_store_*`, the web view) are
+    /// taken by a scan of the store; zero: never.
+    pub stats_interval: Duration,
+    /// The running binary, for `snapctl_build_info`.
+    pub build: crate::metrics::BuildInfo,
 }
 
 impl Default for Config {
@@ -80,6 +113,11 @@ impl Default for Config {
             limits: Limits::default(),
             upload_ttl: DEFAULT_UPLOAD_TTL,
             api_metrics: true,
+            catalog_max_entries: crate::catalog::DEFAULT_MAX_ENTRIES,
+            htpasswd_file: None,
+            htpasswd_poll: DEFAULT_HTPASSWD_POLL,
+            stats_interval: crate::stats::DEFAULT_INTERVAL,
+            build: crate::metrics::BuildInfo::default(),
         }
     }
 }
@@ -112,6 +150,10 @@ impl Drop for AbortOnDrop {
 pub struct Server {
     store: Arc<dyn BlobStore>,
     uploads: Uploads,
+    catalog: Catalog,
+    htpasswd: Option<crate::reload::HtpasswdFile>,
+    /// The store's totals, as of the last scan.
+    pub stats: crate::stats::Stats,
     /// The server's counters.
     pub metrics: Arc<Metrics>,
     cfg: Config,
@@ -122,6 +164,8 @@ pub struct Server {
 pub enum Route {
     /// `/v2/`
     Base,
+    /// `/v2/_catalog`
+    Catalog,
     /// `/v2/<name>/blobs/<digest>`
     Blob(RepoName, String),
     /// `/v2/<name>/manifests/<reference>`
@@ -147,6 +191,9 @@ pub fn parse_route(path: &str) -> Option<Result<Route, ApiError>> {
         return Some(Ok(Route::Base));
     }
     let rest = rest.strip_prefix('/')?;
+    if rest == "_catalog" {
+        return Some(Ok(Route::Catalog));
+    }
     let segs: Vec<&str> = rest.split('/').collect();
     let n = segs.len();
     let name = |k: usize| -> Result<RepoName, ApiError> {
@@ -290,12 +337,29 @@ impl Server {
     pub fn new(store: Arc<dyn BlobStore>, cfg: Config) -> Arc<Server> {
         let metrics = Arc::new(Metrics::default());
         let store: Arc<dyn BlobStore> = Arc::new(MeteredStore::new(store, metrics.clone()));
-        Arc::new(Server { uploads: Uploads::new(store.clone(), metrics.clone()), store, metrics, cfg })
+        let htpasswd = cfg.htpasswd_file.as_deref().filter(|_| cfg.auth.is_some()).map(crate::reload::HtpasswdFile::new);
+        metrics.set_build(cfg.build.clone());
+        Arc::new(Server {
+            uploads: Uploads::new(store.clone(), metrics.clone()),
+            catalog: Catalog::new(store.clone()),
+            stats: crate::stats::Stats::new(store.clone()),
+            htpasswd,
+            store,
+            metrics,
+            cfg,
+        })
     }
 
     /// The axum router of this server.
     pub fn router(self: &Arc<Self>) -> Router {
-        let mut r = Router::new().route("/v2", any(v2)).route("/v2/", any(v2)).route("/v2/{*rest}", any(v2)).route("/token", get(token));
+        let mut r = Router::new()
+            .route("/v2", any(v2))
+            .route("/v2/", any(v2))
+            .route("/v2/{*rest}", any(v2))
+            .route("/token", get(token))
+            .route("/ui", get(web::root))
+            .route("/ui/", get(web::ui))
+            .route("/ui/{*rest}", get(web::ui));
         if self.cfg.api_metrics {
             r = r.route("/metrics", get(metrics));
         }
@@ -311,12 +375,108 @@ impl Server {
     /// requests. Idle upload sessions are swept meanwhile.
     pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
         let _sweeper = self.spawn_upload_sweeper();
+        let _watcher = self.spawn_htpasswd_watcher();
+        self.index_catalog().await;
+        let _scanner = self.spawn_stats_scanner();
         listen::serve(self.router(), listener, None, self.cfg.limits.clone(), self.metrics.clone(), shutdown).await
     }
 
     /// Serve `/metrics` alone on `listener` (a private address) until `shutdown` resolves.
     pub async fn serve_metrics(self: Arc<Self>, listener: tokio::net::TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
         listen::serve(self.metrics_router(), listener, None, self.cfg.limits.clone(), self.metrics.clone(), shutdown).await
+    }
+
+    /// Reload the htpasswd file now, changed or not (`serve` calls this on SIGHUP).
+    /// Returns whether the users were replaced; failures are logged.
+    pub async fn reload_htpasswd(self: &Arc<Self>) -> bool {
+        self.check_htpasswd(true).await
+    }
+
+    async fn check_htpasswd(self: &Arc<Self>, force: bool) -> bool {
+        let s = self.clone();
+        tokio::task::spawn_blocking(move || match (&s.htpasswd, &s.cfg.auth) {
+            (Some(f), Some(a)) => f.check(a, force),
+            _ => false,
+        })
+        .await
+        .unwrap_or(false)
+    }
+
+    /// Take the store's totals now, then every `stats_interval`, until dropped.
+    fn spawn_stats_scanner(self: &Arc<Self>) -> Option<AbortOnDrop> {
+        let every = self.cfg.stats_interval;
+        if every.is_zero() {
+            return None;
+        }
+        let s = self.clone();
+        Some(AbortOnDrop(tokio::spawn(async move {
+            loop {
+                match s.stats.scan().await {
+                    Ok(t) => tracing::debug!(blobs = t.blobs, bytes = t.stored_bytes, ms = t.scan_ms, "store totals taken"),
+                    Err(e) => tracing::warn!(%e, "taking the store's totals"),
+                }
+                tokio::time::sleep(every).await;
+            }
+        })))
+    }
+
+    /// Check the htpasswd file for changes every `htpasswd_poll`, until dropped.
+    fn spawn_htpasswd_watcher(self: &Arc<Self>) -> Option<AbortOnDrop> {
+        let every = self.cfg.htpasswd_poll;
+        if self.htpasswd.is_none() || every.is_zero() {
+            return None;
+        }
+        let s = self.clone();
+        Some(AbortOnDrop(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                s.check_htpasswd(false).await;
+            }
+        })))
+    }
+
+    /// Index a store laid out before the catalog existed (once per store; see
+    /// [`crate::catalog`]). A failure is logged and retried at the next start: the catalog
+    /// then misses the old repositories, nothing else does.
+    async fn index_catalog(&self) {
+        match self.catalog.build_if_missing().await {
+            Ok(Some(n)) => tracing::info!(repositories = n, "catalog: indexed a store written before the catalog existed"),
+            Ok(None) => {}
+            Err(e) => tracing::error!(%e, "catalog: could not index the store's repositories; /v2/_catalog lists only those pushed from now on"),
+        }
+    }
+
+    /// What `id` may see of the catalog; `None` when it may see nothing and presented no
+    /// credentials (answered 401, so a client learns to log in).
+    fn readable(&self, id: &Identity) -> Option<Readable> {
+        let Some(auth) = &self.cfg.auth else { return Some(Readable::All) };
+        // A token names its user; the catalog shows what that user may pull now.
+        let user = match id {
+            Identity::Anonymous => None,
+            Identity::User(u) => Some(u.as_str()),
+            Identity::Token { sub, .. } => (!sub.is_empty()).then_some(sub.as_str()),
+        };
+        let r = Readable::from_patterns(auth.acl_patterns(user, Action::Pull));
+        (user.is_some() || r != Readable::Only(Vec::new())).then_some(r)
+    }
+
+    /// `GET /v2/_catalog?n=&last=`, as distribution answers it (see [`crate::catalog`]).
+    async fn catalog_page(&self, id: &Identity, uri: &Uri, headers: &HeaderMap, q: &[(String, String)], head: bool) -> Result<Response, ApiError> {
+        let Some(readable) = self.readable(id) else {
+            return Err(ApiError::new(StatusCode::UNAUTHORIZED, Code::Unauthorized, "authentication required")
+                .with_header(header::WWW_AUTHENTICATE, self.challenge(uri, headers, Some("registry:catalog:*".into()), false)));
+        };
+        let n = crate::catalog::page_size(param(q, "n"), self.cfg.catalog_max_entries)?;
+        let last = param(q, "last");
+        let page = if n == 0 { crate::catalog::Page { repos: Vec::new(), more: false } } else { self.catalog.page(last, n, &readable).await? };
+        let mut hs = vec![(header::CONTENT_TYPE, "application/json; charset=utf-8".to_owned())];
+        if let (true, Some(end)) = (page.more, page.repos.last()) {
+            let last: String = form_urlencoded::byte_serialize(end.as_str().as_bytes()).collect();
+            hs.push((header::LINK, format!("</v2/_catalog?last={last}&n={n}>; rel=\"next\"")));
+        }
+        let names: Vec<&str> = page.repos.iter().map(|r| r.as_str()).collect();
+        let body = serde_json::to_vec(&serde_json::json!({ "repositories": names })).expect("json");
+        Ok(respond(StatusCode::OK, &hs, if head { Body::empty() } else { Body::from(body) }))
     }
 
     /// Remove idle upload sessions every quarter of the TTL (1 s to 10 min), until dropped.
@@ -352,6 +512,9 @@ impl Server {
         listener.set_nonblocking(true)?;
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let _sweeper = self.spawn_upload_sweeper();
+        let _watcher = self.spawn_htpasswd_watcher();
+        self.index_catalog().await;
+        let _scanner = self.spawn_stats_scanner();
         let acceptor = tokio_rustls::TlsAcceptor::from(tls.get_inner());
         listen::serve(self.router(), listener, Some(acceptor), self.cfg.limits.clone(), self.metrics.clone(), shutdown).await
     }
@@ -372,7 +535,7 @@ impl Server {
         c
     }
 
-    async fn identify(&self, uri: &Uri, headers: &HeaderMap) -> Result<Identity, ApiError> {
+    async fn identify(&self, uri: &Uri, headers: &HeaderMap, client: Option<std::net::IpAddr>) -> Result<Identity, ApiError> {
         let Some(auth) = &self.cfg.auth else { return Ok(Identity::Anonymous) };
         let is_basic = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).is_some_and(|v| v.len() > 6 && v[..6].eq_ignore_ascii_case("basic "));
         let r = if is_basic {
@@ -380,15 +543,24 @@ impl Server {
             // multi-thread runtime, let the other tasks of this worker move elsewhere.
             let h = headers.clone();
             match tokio::runtime::Handle::current().runtime_flavor() {
-                tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(|| auth.identify(&h)),
-                _ => auth.identify(&h),
+                tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(|| auth.identify_client(&h, client)),
+                _ => auth.identify_client(&h, client),
             }
         } else {
             auth.identify(headers)
         };
-        r.map_err(|e: Rejected| {
-            ApiError::new(StatusCode::UNAUTHORIZED, Code::Unauthorized, e.to_string())
-                .with_header(header::WWW_AUTHENTICATE, self.challenge(uri, headers, None, false))
+        match &r {
+            Ok(Identity::User(u)) => crate::access::note_user(u),
+            Ok(Identity::Token { sub, .. }) if !sub.is_empty() => crate::access::note_user(sub),
+            _ => {}
+        }
+        r.map_err(|e: Rejected| match e {
+            // Answered at once, without a check: the client waits and asks again.
+            Rejected::Backoff { retry_after } => ApiError::new(StatusCode::TOO_MANY_REQUESTS, Code::TooManyRequests, e.to_string())
+                .with_header(header::RETRY_AFTER, retry_after.as_secs().max(1).to_string()),
+            Rejected::Busy => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, Code::TooManyRequests, e.to_string()).with_header(header::RETRY_AFTER, "1"),
+            _ => ApiError::new(StatusCode::UNAUTHORIZED, Code::Unauthorized, e.to_string())
+                .with_header(header::WWW_AUTHENTICATE, self.challenge(uri, headers, None, false)),
         })
     }
 
@@ -420,15 +592,16 @@ impl Server {
         self.cfg.auth.as_ref().is_none_or(|a| a.allows(id, repo.as_str(), action))
     }
 
-    async fn handle(&self, method: Method, uri: Uri, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    async fn handle(&self, method: Method, uri: Uri, headers: HeaderMap, body: Body, client: Option<std::net::IpAddr>) -> Result<Response, ApiError> {
         let route = match parse_route(uri.path()) {
             Some(r) => r?,
             None => return Err(ApiError::not_found(Code::Unsupported, format!("no such endpoint {}", uri.path()))),
         };
-        let id = self.identify(&uri, &headers).await?;
+        let id = self.identify(&uri, &headers, client).await?;
         use Route as R;
         let need = match (&route, &method) {
             (R::Base, _) => None,
+            (R::Catalog, &Method::GET | &Method::HEAD) => None,
             (R::Blob(..) | R::Manifest(..), &Method::DELETE) => Some(Action::Delete),
             (R::Blob(..) | R::Manifest(..) | R::Tags(..) | R::Referrers(..), &Method::GET | &Method::HEAD) => Some(Action::Pull),
             (R::Manifest(..), &Method::PUT) => Some(Action::Push),
@@ -436,7 +609,7 @@ impl Server {
             _ => return Err(ApiError::new(StatusCode::METHOD_NOT_ALLOWED, Code::Unsupported, format!("{method} not allowed here"))),
         };
         let repo = match &route {
-            R::Base => None,
+            R::Base | R::Catalog => None,
             R::Blob(r, _) | R::Manifest(r, _) | R::Tags(r) | R::Referrers(r, _) | R::UploadStart(r) | R::Upload(r, _) => Some(r),
         };
         if let (Some(repo), Some(action)) = (repo, need) {
@@ -454,6 +627,7 @@ impl Server {
                 }
                 Ok(respond(StatusCode::OK, &[(header::CONTENT_TYPE, "application/json".into())], Body::from("{}")))
             }
+            (R::Catalog, _) => self.catalog_page(&id, &uri, &headers, &q, head).await,
             (R::Blob(repo, d), Method::GET | Method::HEAD) => self.get_blob(&repo, &d, &headers, head).await,
             (R::Blob(repo, d), Method::DELETE) => self.delete_blob(&repo, &d).await,
             (R::Manifest(repo, r), Method::GET | Method::HEAD) => self.get_manifest(&repo, &r, &headers, head).await,
@@ -796,6 +970,8 @@ impl Server {
         lease.check_fresh()?;
         let (d, size) = (d.clone(), buf.len());
         self.store.put(&layout::blob(&d), Bytes::from(buf)).await?;
+        // Listed before its first manifest is: a repository with a manifest is in the catalog.
+        self.catalog.record(repo).await?;
         self.store.put(&layout::manifest_link(repo, &d), Bytes::from(mt.clone())).await?;
         let mut hs = vec![(header::LOCATION, format!("/v2/{repo}/manifests/{d}")), (HeaderName::from_static("docker-content-digest"), d.to_string())];
         if let Some(subject) = &refs.subject {
@@ -805,6 +981,13 @@ impl Server {
                 desc["artifactType"] = at.into();
             }
             if let Some(a) = json.get("annotations").filter(|a| a.is_object()) {
+                let size = serde_json::to_vec(a).map_or(usize::MAX, |v| v.len());
+                if size > MAX_REFERRER_ANNOTATIONS {
+                    return Err(ApiError::bad(
+                        Code::ManifestInvalid,
+                        format!("a manifest with a subject may carry at most {MAX_REFERRER_ANNOTATIONS} bytes of annotations into the referrers index, this one has {size}"),
+                    ));
+                }
                 desc["annotations"] = a.clone();
             }
             let raw = serde_json::to_vec(&desc).expect("descriptor serializes");
@@ -871,11 +1054,31 @@ impl Server {
         Ok(respond(StatusCode::OK, &hs, Body::from(body)))
     }
 
+    /// `GET /v2/<name>/referrers/<digest>[?artifactType=T][&n=N][&last=DIGEST]`: a page of
+    /// at most `n` (default and most [`REFERRERS_PAGE`]) referrer descriptors in digest
+    /// order after `last`, with a `Link: <…>; rel="next"` to the next page when there is one.
     async fn referrers(&self, repo: &RepoName, d: &str, q: &[(String, String)]) -> Result<Response, ApiError> {
         let subject = parse_digest(d)?;
         let filter = param(q, "artifactType");
+        let n = match param(q, "n") {
+            None => REFERRERS_PAGE,
+            Some(v) => v.parse::<usize>().map_err(|_| ApiError::bad(Code::Unsupported, format!("bad n={v:?}")))?.clamp(1, REFERRERS_PAGE),
+        };
+        let last = param(q, "last");
+        let mut entries: Vec<_> = self.store.list(&layout::referrers_dir(repo, &subject)).await?;
+        entries.sort_by(|a, b| a.key.cmp(&b.key));
         let mut manifests = Vec::new();
-        for m in self.store.list(&layout::referrers_dir(repo, &subject)).await? {
+        let mut more = false;
+        for m in entries {
+            // Keys end in the referrer's digest (`…/<alg>-<hex>`): the order and the cursor.
+            let name = m.key.rsplit('/').next().unwrap_or("").replacen('-', ":", 1);
+            if last.is_some_and(|l| name.as_str() <= l) {
+                continue;
+            }
+            if m.size > MAX_REFERRER_DESCRIPTOR {
+                tracing::warn!(key = %m.key, size = m.size, "skipping an oversized referrers-index entry");
+                continue;
+            }
             let b = match self.store.get_bytes(&m.key).await {
                 Ok(b) => b,
                 Err(e) if e.is_not_found() => continue,
@@ -887,13 +1090,24 @@ impl Server {
                     continue;
                 }
             }
+            if manifests.len() == n {
+                more = true;
+                break;
+            }
             manifests.push(desc);
         }
-        manifests.sort_by(|a, b| a["digest"].as_str().cmp(&b["digest"].as_str()));
         let body = serde_json::json!({ "schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": manifests });
         let mut hs = vec![(header::CONTENT_TYPE, OCI_INDEX.to_owned())];
         if filter.is_some() {
             hs.push((HeaderName::from_static("oci-filters-applied"), "artifactType".to_owned()));
+        }
+        if let (true, Some(last)) = (more, manifests.last().and_then(|m| m["digest"].as_str())) {
+            let mut next = form_urlencoded::Serializer::new(String::new());
+            if let Some(f) = filter {
+                next.append_pair("artifactType", f);
+            }
+            next.append_pair("n", &n.to_string()).append_pair("last", last);
+            hs.push((header::LINK, format!("</v2/{repo}/referrers/{subject}?{}>; rel=\"next\"", next.finish())));
         }
         Ok(respond(StatusCode::OK, &hs, Body::from(serde_json::to_vec(&body).expect("json"))))
     }
@@ -987,11 +1201,22 @@ pub fn manifest_refs(json: &serde_json::Value) -> Result<ManifestRefs, ApiError>
     Ok(r)
 }
 
-async fn v2(State(s): State<Arc<Server>>, method: Method, uri: Uri, headers: HeaderMap, body: Body) -> Response {
-    match s.handle(method, uri, headers, body).await {
+/// The client key the listener put in a request's extensions (none when the router is
+/// served some other way).
+type Client = Option<axum::Extension<listen::ClientAddr>>;
+
+fn client_ip(c: Client) -> Option<std::net::IpAddr> {
+    c.map(|axum::Extension(listen::ClientAddr(ip))| ip)
+}
+
+async fn v2(State(s): State<Arc<Server>>, client: Client, method: Method, uri: Uri, headers: HeaderMap, body: Body) -> Response {
+    match s.handle(method, uri, headers, body, client_ip(client)).await {
         Ok(r) => r,
         Err(e) => {
             s.metrics.error(e.code.as_str());
+            if e.status.is_server_error() {
+                crate::access::note_error(&e.message);
+            }
             let mut r = e.into_response();
             r.headers_mut().insert(HeaderName::from_static(API_VERSION.0), HeaderValue::from_static(API_VERSION.1));
             r
@@ -999,13 +1224,14 @@ async fn v2(State(s): State<Arc<Server>>, method: Method, uri: Uri, headers: Hea
     }
 }
 
-async fn token(State(s): State<Arc<Server>>, uri: Uri, headers: HeaderMap) -> Response {
+async fn token(State(s): State<Arc<Server>>, client: Client, uri: Uri, headers: HeaderMap) -> Response {
     let Some(auth) = &s.cfg.auth else {
         return ApiError::not_found(Code::Unsupported, "authentication is not enabled").into_response();
     };
-    let sub = match s.identify(&uri, &headers).await {
+    let sub = match s.identify(&uri, &headers, client_ip(client)).await {
         Ok(Identity::User(u)) => Some(u),
         Ok(Identity::Anonymous) => None,
+        Err(e) if e.status != StatusCode::UNAUTHORIZED => return e.into_response(),
         Ok(Identity::Token { .. }) | Err(_) => {
             return ApiError::new(StatusCode::UNAUTHORIZED, Code::Unauthorized, "invalid credentials")
                 .with_header(header::WWW_AUTHENTICATE, "Basic realm=\"snapctl\"")
@@ -1025,9 +1251,9 @@ async fn token(State(s): State<Arc<Server>>, uri: Uri, headers: HeaderMap) -> Re
 
 /// `/metrics` on the API listener: with auth enabled, for users only (a scraper sends
 /// Basic credentials).
-async fn metrics(State(s): State<Arc<Server>>, uri: Uri, headers: HeaderMap) -> Response {
+async fn metrics(State(s): State<Arc<Server>>, client: Client, uri: Uri, headers: HeaderMap) -> Response {
     if s.cfg.auth.is_some() {
-        let user = match s.identify(&uri, &headers).await {
+        let user = match s.identify(&uri, &headers, client_ip(client)).await {
             Ok(Identity::User(_)) => true,
             Ok(Identity::Token { sub, .. }) => !sub.is_empty(),
             _ => false,
@@ -1043,29 +1269,26 @@ async fn metrics(State(s): State<Arc<Server>>, uri: Uri, headers: HeaderMap) -> 
 
 /// `/metrics` for anyone who can reach it (the metrics listener).
 async fn open_metrics(State(s): State<Arc<Server>>) -> Response {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], s.metrics.render()).into_response()
+    let mut text = s.metrics.render();
+    if let Some(a) = &s.cfg.auth {
+        text.push_str(&crate::metrics::render_auth(&a.stats()));
+    }
+    if let Some(t) = s.stats.latest() {
+        text.push_str(&crate::metrics::render_store(&t));
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
-/// Middleware: count requests by method and status, and log them.
+/// Middleware: count requests by method and status, time them by route class, and log
+/// them ([`crate::access`]).
 async fn count(State(s): State<Arc<Server>>, req: Request, next: Next) -> Response {
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     let t = std::time::Instant::now();
-    let resp = next.run(req).await;
+    let resp = crate::access::logged(req, |req| next.run(req)).await;
     s.metrics.request(method.as_str(), resp.status().as_u16());
-    // Methods and paths are client input of any length: log a bounded prefix.
-    let (method, path) = (clip(method.as_str(), 16), clip(&path, 512));
-    tracing::info!(%method, %path, status = resp.status().as_u16(), ms = t.elapsed().as_millis() as u64, "request");
+    s.metrics.request_latency(&path, method.as_str(), t.elapsed());
     resp
-}
-
-/// At most `n` bytes of `s` (cut at a character boundary).
-fn clip(s: &str, n: usize) -> &str {
-    let mut end = s.len().min(n);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
 }
 
 /// Fail a request body that stalls: when no byte arrives for `idle`, the stream ends with
@@ -1095,3 +1318,6 @@ fn stall_limited(
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod ops_tests;

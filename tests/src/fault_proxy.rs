@@ -16,6 +16,7 @@
 //! | [`Fault::Status`] | an injected status (503 by default) with a small JSON body; the request never reaches upstream |
 //! | [`Fault::Truncate`] | the full head (with the original `Content-Length`), N body bytes, then FIN |
 //! | [`Fault::FlipByte`] | the full, well-framed response with one body byte XOR 0xFF |
+//! | [`Fault::Drip`] | the full head at once, then the body one byte at a time, slowly |
 //! | [`Fault::Redirect`] | an injected redirect to the same target on another origin; the request never reaches upstream |
 //! | [`Fault::MoveLocation`] | the response with its `Location` header moved to another origin (a registry handing uploads elsewhere) |
 //!
@@ -57,6 +58,14 @@ pub enum Fault {
         /// Status code to answer (503 for "bursts of unavailability", 429, 500, ...).
         code: u16,
     },
+    /// [`Fault::Status`] whose JSON error body says `message` (a registry's own words,
+    /// such as "No space left on device").
+    StatusSaying {
+        /// Status code to answer.
+        code: u16,
+        /// The `message` of the body's one error.
+        message: String,
+    },
     /// Forward the head unchanged (so `Content-Length` promises the whole body), then
     /// only `after` bytes of the body, then close the connection (FIN).
     Truncate {
@@ -69,6 +78,13 @@ pub enum Fault {
     FlipByte {
         /// Offset in the body.
         at: u64,
+    },
+    /// Forward the head at once, then the body one byte every `every`: a registry whose
+    /// link barely moves. Every read sees progress, so only a deadline on the whole
+    /// request ends it.
+    Drip {
+        /// Wait before each body byte.
+        every: Duration,
     },
     /// Do not forward the request; answer `code` (301, 302, 303, 307, 308) with
     /// `Location: {to}{target}` (`to` an origin such as `http://127.0.0.1:PORT`).
@@ -468,7 +484,7 @@ fn move_location(raw: &[u8], to: &str) -> Vec<u8> {
 /// Write a small response the proxy makes up itself (JSON body), keeping the connection
 /// unless the request asked to close it.
 fn answer(sh: &Shared, w: &mut TcpStream, req: &Head, code: u16, extra: &str, message: &str) -> io::Result<()> {
-    let body = format!("{{\"errors\":[{{\"code\":\"UNAVAILABLE\",\"message\":\"fault proxy: {message}\"}}]}}");
+    let body = serde_json::json!({"errors": [{"code": "UNAVAILABLE", "message": message}]}).to_string();
     let resp = format!(
         "HTTP/1.1 {code} Injected\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra}{}\r\n{body}",
         body.len(),
@@ -523,6 +539,14 @@ impl Sink<'_> {
                     self.body_pos += room;
                     return Err(Ok(Cut::Close));
                 }
+            }
+            Some(Fault::Drip { every }) => {
+                for b in data {
+                    std::thread::sleep(every);
+                    self.emit(std::slice::from_ref(b))?;
+                    self.body_pos += 1;
+                }
+                return Ok(());
             }
             Some(Fault::FlipByte { at }) if !self.flipped => {
                 let at = match self.body_len {
@@ -646,8 +670,9 @@ fn relay(sh: &Shared, client: TcpStream, tracked: &Tracked) -> io::Result<()> {
         let fault = sh.plan.lock().unwrap().decide(&req.method, &req.target);
 
         let made_up = match &fault {
-            Some(Fault::Status { code }) => Some((*code, String::new(), format!("injected {code}"))),
-            Some(Fault::Redirect { code, to }) => Some((*code, format!("Location: {to}{}\r\n", req.target), format!("injected redirect {code}"))),
+            Some(Fault::Status { code }) => Some((*code, String::new(), format!("fault proxy: injected {code}"))),
+            Some(Fault::StatusSaying { code, message }) => Some((*code, String::new(), message.clone())),
+            Some(Fault::Redirect { code, to }) => Some((*code, format!("Location: {to}{}\r\n", req.target), format!("fault proxy: injected redirect {code}"))),
             _ => None,
         };
         if let Some((code, extra, message)) = made_up {

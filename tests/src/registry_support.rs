@@ -289,3 +289,50 @@ impl Drop for Distribution {
         let _ = self.child.wait();
     }
 }
+
+/// A certificate authority and a server certificate it signed for 127.0.0.1 and
+/// localhost, made by `openssl` in a temporary directory (what `snapctl serve --tls-cert`
+/// is given in a test; the client trusts it by `--ca-file ca`).
+pub struct TestCa {
+    _dir: tempfile::TempDir,
+    /// The CA's certificate (PEM).
+    pub ca: PathBuf,
+    /// The server's certificate (PEM), signed by the CA.
+    pub cert: PathBuf,
+    /// The server's private key (PEM).
+    pub key: PathBuf,
+}
+
+impl TestCa {
+    /// `None` (after a loud skip, or a failure under `SNAPCTL_REQUIRE_PEERS=1`) without
+    /// `openssl`.
+    pub fn make() -> Option<TestCa> {
+        if !crate::have("openssl") {
+            return None;
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = |n: &str| dir.path().join(n);
+        fs::write(p("ext"), "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n").unwrap();
+        let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+        let steps: [Vec<&str>; 3] = [
+            [&["req", "-x509"][..], &ec, &["-days", "2", "-subj", "/CN=snapctl-test-ca", "-addext", "basicConstraints=critical,CA:TRUE"]].concat(),
+            [&["req"][..], &ec, &["-subj", "/CN=127.0.0.1"]].concat(),
+            vec!["x509", "-req", "-days", "2", "-CAcreateserial"],
+        ];
+        let files: [&[(&str, &str)]; 3] = [
+            &[("-keyout", "ca.key"), ("-out", "ca.pem")],
+            &[("-keyout", "key.pem"), ("-out", "req.csr")],
+            &[("-in", "req.csr"), ("-CA", "ca.pem"), ("-CAkey", "ca.key"), ("-extfile", "ext"), ("-out", "cert.pem")],
+        ];
+        for (args, files) in steps.iter().zip(files) {
+            let mut c = Command::new("openssl");
+            c.args(args);
+            for (flag, name) in files {
+                c.arg(flag).arg(p(name));
+            }
+            let out = c.output().expect("run openssl");
+            assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Some(TestCa { ca: p("ca.pem"), cert: p("cert.pem"), key: p("key.pem"), _dir: dir })
+    }
+}

@@ -228,11 +228,16 @@ pub fn audit(src: &dyn BlobSource, image: &Image, opts: &AuditOptions) -> Result
     audit_one(src, image, opts, &mut report)?;
     // The base is a separate image; check it too when it is here, so "verify" covers every
     // byte a restore could read.
+    // Bases are followed as deep as parents are (`MAX_CHAIN_DEPTH`): a chain of bases
+    // built to be endless must not make `verify` open images without end.
     let mut next = image.config().base.clone();
     let mut seen: HashSet<OciDigest> = [image.manifest_digest.clone()].into();
     while let Some(b) = next.take() {
         if !seen.insert(b.manifest.clone()) || src.blob_size(&b.manifest).is_err() {
             break;
+        }
+        if seen.len() > imgfmt::config::MAX_CHAIN_DEPTH + 1 {
+            return Err(FormatError::TooLarge { what: "base chain depth", got: seen.len() as u64 - 1, limit: imgfmt::config::MAX_CHAIN_DEPTH as u64 });
         }
         let base = Image::open(src, &b.manifest)?;
         if base.config().root != b.root {

@@ -70,7 +70,7 @@ pub fn exit_code_for(e: &anyhow::Error) -> u8 {
 /// an error (exit 2), whatever its kind: it is not a verification's answer.
 pub fn error_kind(e: &anyhow::Error) -> Option<ErrorKind> {
     e.chain().find_map(|c| {
-        if c.is::<IntegrityError>() {
+        if c.is::<IntegrityError>() || c.is::<super::policy::PolicyRefused>() {
             Some(ErrorKind::Integrity)
         } else if let Some(v) = c.downcast_ref::<verify::VerifyError>() {
             Some(v.kind())
@@ -135,6 +135,13 @@ pub fn print_json_line<T: serde::Serialize + ?Sized>(value: &T) -> anyhow::Resul
 /// message; a server (`timestamps`) adds the time and the module, for its log files. A
 /// filter that does not parse is reported on stderr and `default` used instead.
 pub fn init_logging(default: &str, timestamps: bool) {
+    init_logging_as(default, timestamps, false)
+}
+
+/// [`init_logging`], with each line written as one JSON object when `json` (a server's
+/// `--log-format json`: the event's fields at the top level, beside `timestamp`, `level`,
+/// `target` and `message`).
+pub fn init_logging_as(default: &str, timestamps: bool, json: bool) {
     use tracing_subscriber::EnvFilter;
     let mut rejected = None;
     let filter = ["SNAPCTL_LOG", "RUST_LOG"]
@@ -146,7 +153,13 @@ pub fn init_logging(default: &str, timestamps: bool) {
         .flatten()
         .unwrap_or_else(|| EnvFilter::new(default));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false);
-    let _ = if timestamps { builder.try_init() } else { builder.without_time().with_target(false).try_init() };
+    let _ = if json {
+        builder.json().flatten_event(true).try_init()
+    } else if timestamps {
+        builder.try_init()
+    } else {
+        builder.without_time().with_target(false).try_init()
+    };
     if let Some(r) = rejected {
         tracing::warn!("ignoring {r}: logging at {default:?}");
     }
@@ -167,16 +180,69 @@ pub fn open_ref(reference: &str) -> anyhow::Result<Opened> {
     open_ref_plain(reference, false)
 }
 
-/// Whether to speak plain HTTP to `host`: when asked (`--plain-http`,
-/// `SNAPCTL_PLAIN_HTTP=1`) or for a loopback host.
-pub fn plain_http_for(host: &str, plain_http: bool) -> bool {
-    plain_http || std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1") || regclient::is_loopback(host)
+/// How to reach registries, for every command that reads or writes one (flattened into
+/// its arguments; `main` installs them before the command runs).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct RegistryFlags {
+    /// Speak plain HTTP to the registry (the default for 127.0.0.1, ::1 and localhost
+    /// unless a TLS flag is given; also SNAPCTL_PLAIN_HTTP=1).
+    #[arg(long, conflicts_with_all = ["ca_file", "insecure", "tls_verify"])]
+    pub plain_http: bool,
+    /// Trust the CA certificates in this PEM file for the registry's TLS (repeatable),
+    /// besides Mozilla's roots and the system's (SSL_CERT_FILE and SSL_CERT_DIR when set).
+    /// A loopback registry is then spoken to in HTTPS.
+    #[arg(long, value_name = "FILE")]
+    pub ca_file: Vec<std::path::PathBuf>,
+    /// Do not verify the registry's TLS certificate (a test registry with a self-signed
+    /// one; anyone on the path can read and change what is sent). HTTPS also to a
+    /// loopback registry.
+    #[arg(long, conflicts_with = "tls_verify")]
+    pub insecure: bool,
+    /// skopeo's spelling: `true` speaks HTTPS with a verified certificate to every
+    /// registry, loopback included; `false` is --insecure.
+    #[arg(long, value_name = "BOOL", action = clap::ArgAction::Set)]
+    pub tls_verify: Option<bool>,
 }
 
-/// A client for one repository of a registry ([`plain_http_for`]); credentials from the
-/// docker config and the credential helpers it names, when the registry asks.
+impl RegistryFlags {
+    /// The transport these flags (and `SNAPCTL_PLAIN_HTTP=1`) ask for.
+    pub fn transport(&self) -> regclient::Transport {
+        regclient::Transport {
+            plain_http: self.plain_http || std::env::var_os("SNAPCTL_PLAIN_HTTP").is_some_and(|v| v == "1"),
+            tls_on_loopback: self.tls_verify.is_some(),
+            ca_files: self.ca_file.clone(),
+            insecure: self.insecure || self.tls_verify == Some(false),
+        }
+    }
+
+    /// Make these the flags every registry client of this process is built with (the
+    /// CLI runs one command per process; `main` calls this once, before the command).
+    pub fn install(&self) {
+        let _ = TRANSPORT.set(self.transport());
+    }
+}
+
+/// The registry flags of the running command ([`RegistryFlags::install`]).
+static TRANSPORT: std::sync::OnceLock<regclient::Transport> = std::sync::OnceLock::new();
+
+/// The installed transport, else the one of no flags.
+fn transport() -> regclient::Transport {
+    TRANSPORT.get().cloned().unwrap_or_else(|| RegistryFlags::default().transport())
+}
+
+/// A client for one repository of a registry, reached as the command's flags say
+/// ([`RegistryFlags`]; `plain_http` adds plain HTTP); credentials from the docker config
+/// and the credential helpers it names, when the registry asks.
 pub fn registry_client(host: &str, repository: &str, plain_http: bool) -> anyhow::Result<regclient::RegistrySource> {
-    regclient::RegistrySource::with_docker_credentials(host, repository, plain_http_for(host, plain_http)).with_context(|| format!("connecting to {host}"))
+    let mut t = transport();
+    t.plain_http |= plain_http;
+    regclient::RegistrySource::connect_with_docker_credentials(host, repository, &t).with_context(|| format!("connecting to {host}"))
+}
+
+/// The `hint:` line for an error, when a part of it says how to fix it (a registry that
+/// cannot be reached names the flag that reaches it).
+pub fn hint_for(e: &anyhow::Error) -> Option<String> {
+    e.chain().find_map(|c| c.downcast_ref::<regclient::ClientError>().and_then(|c| c.hint()).map(str::to_string))
 }
 
 /// [`open_ref`], with `--plain-http` for registry references.
@@ -197,10 +263,21 @@ pub fn open_ref_plain(reference: &str, plain_http: bool) -> anyhow::Result<Opene
 /// Resolve the manifest digest (exit 2 on failure: there is nothing to check), then open
 /// the image (failures there are integrity failures: exit 1).
 pub fn open_image(o: &Opened) -> anyhow::Result<Image> {
-    let digest = match &o.selector {
+    let digest = resolve(o)?;
+    open_image_at(o, &digest)
+}
+
+/// The manifest digest the reference names (its tag resolved).
+pub fn resolve(o: &Opened) -> anyhow::Result<imgfmt::OciDigest> {
+    Ok(match &o.selector {
         Selector::Tag(t) => o.source.resolve_tag(t).with_context(|| format!("resolving {}", o.reference))?,
         Selector::Digest(d) => d.clone(),
-    };
+    })
+}
+
+/// [`open_image`] of the manifest `digest` (resolved already).
+pub fn open_image_at(o: &Opened, digest: &imgfmt::OciDigest) -> anyhow::Result<Image> {
+    let digest = digest.clone();
     o.source.blob_size(&digest).with_context(|| format!("{}: manifest {digest}", o.reference))?;
     Image::open(o.source.as_ref(), &digest).map_err(|e| {
         if is_integrity(&e) {
@@ -226,6 +303,61 @@ pub fn progress_bar(total: u64, what: &str) -> Option<indicatif::ProgressBar> {
     Some(pb)
 }
 
+/// A byte progress bar on stderr (only when stderr is a terminal) for a transfer with a
+/// registry: the bar counts the work done (zero chunks and cache hits included, so it
+/// ends at the total), and the rate beside it is the network's, from the body bytes the
+/// registry client moved ([`regclient::bytes_transferred`]) over the last few seconds.
+pub fn network_progress_bar(total: u64, what: &str) -> Option<indicatif::ProgressBar> {
+    let pb = progress_bar(total, what)?;
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{msg:>8} [{bar:30}] {bytes}/{total_bytes} {net} eta {eta}")
+            .expect("valid template")
+            .with_key("net", NetRate::default())
+            .progress_chars("=> "),
+    );
+    Some(pb)
+}
+
+/// The network's rate for a progress bar: bytes moved by the registry client over a
+/// window of recent draws.
+#[derive(Clone, Default)]
+struct NetRate(std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<(std::time::Instant, u64)>>>);
+
+/// The rate is taken over this much of the recent past.
+const NET_RATE_WINDOW: Duration = Duration::from_secs(3);
+
+impl NetRate {
+    /// Bytes per second between the oldest sample in the window and `(now, bytes)`, which
+    /// joins the window.
+    fn sample(&self, now: std::time::Instant, bytes: u64) -> f64 {
+        let mut w = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        while w.len() > 1 && w.front().is_some_and(|(t, _)| now.duration_since(*t) > NET_RATE_WINDOW) {
+            w.pop_front();
+        }
+        w.push_back((now, bytes));
+        let (t0, b0) = w[0];
+        let secs = now.duration_since(t0).as_secs_f64();
+        if secs < 0.05 {
+            return 0.0;
+        }
+        bytes.saturating_sub(b0) as f64 / secs
+    }
+}
+
+impl indicatif::style::ProgressTracker for NetRate {
+    fn clone_box(&self) -> Box<dyn indicatif::style::ProgressTracker> {
+        Box::new(self.clone())
+    }
+    fn tick(&mut self, _: &indicatif::ProgressState, _: std::time::Instant) {}
+    fn reset(&mut self, _: &indicatif::ProgressState, _: std::time::Instant) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+    fn write(&self, _: &indicatif::ProgressState, w: &mut dyn std::fmt::Write) {
+        let rate = self.sample(std::time::Instant::now(), regclient::bytes_transferred());
+        let _ = write!(w, "{}/s net", imgfmt::size::human(rate as u64));
+    }
+}
+
 /// Parse a size argument (`1MiB`, `4M`, `65536`).
 pub fn parse_size(s: &str) -> Result<u64, String> {
     imgfmt::size::parse_size(s)
@@ -245,6 +377,19 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The network rate is bytes moved over the window, not work done: a pull whose
+    /// chunks come from the cache or are zero shows 0 B/s.
+    #[test]
+    fn the_network_rate_counts_moved_bytes_over_a_window() {
+        let r = NetRate::default();
+        let t = std::time::Instant::now();
+        assert_eq!(r.sample(t, 1000), 0.0, "no rate from one sample");
+        assert_eq!(r.sample(t + Duration::from_secs(1), 1000), 0.0, "nothing moved");
+        assert_eq!(r.sample(t + Duration::from_secs(2), 1000 + (4 << 20)), (2 << 20) as f64, "4 MiB over 2 s");
+        // Samples older than the window leave it.
+        assert_eq!(r.sample(t + Duration::from_secs(6), 1000 + (4 << 20)), 0.0);
+    }
 
     #[test]
     fn one_duration_grammar() {

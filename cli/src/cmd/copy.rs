@@ -32,21 +32,25 @@ pub struct CopyArgs {
     pub dest: String,
     #[command(flatten)]
     pub transfer: TransferFlags,
+    #[command(flatten)]
+    pub policy: super::policy::PolicyFlags,
 }
 
 pub fn run(a: CopyArgs) -> anyhow::Result<ExitCode> {
-    copy_refs(&a.src, &a.dest, &a.transfer)?;
+    copy_refs(&a.src, &a.dest, &a.transfer, &a.policy)?;
     Ok(common::code(common::EXIT_OK))
 }
 
 /// Copy the image `src` names to `dest` (both references as the CLI takes them). Also
-/// what `snapctl pull REF oci:PATH:TAG` does.
-pub fn copy_refs(src: &str, dest: &str, flags: &TransferFlags) -> anyhow::Result<pusher::PushReport> {
-    let opened = open_ref_plain(src, flags.plain_http)?;
+/// what `snapctl pull REF oci:PATH:TAG` does. The policy is checked before anything is
+/// written.
+pub fn copy_refs(src: &str, dest: &str, flags: &TransferFlags, policy: &super::policy::PolicyFlags) -> anyhow::Result<pusher::PushReport> {
+    let opened = open_ref_plain(src, flags.registry.plain_http)?;
     let digest = match &opened.selector {
         Selector::Tag(t) => opened.source.resolve_tag(t).with_context(|| format!("resolving {src}"))?,
         Selector::Digest(d) => d.clone(),
     };
+    policy.check(src, &digest, flags.registry.plain_http)?;
     let (tag, by_digest) = match dest.parse::<Reference>()? {
         Reference::Layout { selector, .. } | Reference::Registry { selector, .. } => match selector {
             Selector::Tag(t) => (Some(t), None),
@@ -70,7 +74,7 @@ pub fn copy_refs(src: &str, dest: &str, flags: &TransferFlags) -> anyhow::Result
             transfer(opened.source.as_ref(), &digest, &pusher::Target::Layout(&layout), tag.as_deref(), flags, "copy")
         }
         Reference::Registry { host, repository, .. } => {
-            let client = registry_client(&host, &repository, flags.plain_http)?;
+            let client = registry_client(&host, &repository, flags.registry.plain_http)?;
             let report = transfer(opened.source.as_ref(), &digest, &pusher::Target::Registry(&client), tag.as_deref(), flags, "copy")?;
             Ok(report)
         }

@@ -13,6 +13,8 @@ use super::common::{self, open_image, open_ref, outln};
 pub struct DiffArgs {
     pub a: String,
     pub b: String,
+    #[command(flatten)]
+    pub registry: super::common::RegistryFlags,
     /// Print JSON on stdout.
     #[arg(long)]
     pub json: bool,

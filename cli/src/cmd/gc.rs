@@ -26,7 +26,7 @@ pub struct GcArgs {
     #[arg(long, default_value = "1h", value_parser = parse_duration)]
     pub grace: Duration,
     /// Remove upload sessions idle for longer than this (same grammar as --grace).
-    #[arg(long, default_value = "24h", value_parser = parse_duration)]
+    #[arg(long, default_value = "15m", value_parser = parse_duration)]
     pub upload_ttl: Duration,
     /// Report what would be deleted; delete nothing.
     #[arg(long)]

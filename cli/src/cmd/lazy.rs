@@ -13,6 +13,7 @@ use lazy::criu::{CriuDaemon, CriuReport};
 use lazy::{ConnReport, Daemon, LayoutTraces, LazyOptions, PrefetchMode, RegistryTraces, RetryPolicy, TraceStore};
 
 use super::common::{self, open_image};
+use super::policy::{LayoutStore, RegistryStore};
 
 /// Serve a restoring VM's memory page faults from the image's verified chunks.
 ///
@@ -129,6 +130,8 @@ pub struct LazyArgs {
     /// Also serve processes whose primary group is this one (repeatable).
     #[arg(long, value_name = "GID")]
     pub allow_gid: Vec<u32>,
+    #[command(flatten)]
+    pub registry: super::common::RegistryFlags,
     /// Print one JSON summary per finished connection on stdout (one line each).
     #[arg(long)]
     pub json: bool,
@@ -138,6 +141,8 @@ pub struct LazyArgs {
     /// fault waits for its whole chunk (spec/lazy.md "Slice faults").
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     pub slice_faults: bool,
+    #[command(flatten)]
+    pub policy: super::policy::PolicyFlags,
 }
 
 /// `on` or `off`.
@@ -185,13 +190,15 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     // Registry references get a client of their own so traces can be pushed as referrers
     // through it; layouts keep traces under the fallback tag.
     let mut fault_source: Option<Arc<dyn imgfmt::BlobSource>> = None;
-    let (o, traces): (common::Opened, Option<Box<dyn TraceStore>>) = match a.image.parse::<Reference>()? {
+    let sig_store: Box<dyn sign::Store>;
+    let (mut o, traces): (common::Opened, Option<Box<dyn TraceStore>>) = match a.image.parse::<Reference>()? {
         Reference::Layout { path, selector } => {
             let o = common::Opened {
                 source: Box::new(OciLayout::open(&path).with_context(|| format!("opening {}", a.image))?),
                 selector,
                 reference: a.image.clone(),
             };
+            sig_store = Box::new(LayoutStore(OciLayout::open(&path).with_context(|| format!("opening {}", a.image))?));
             (o, Some(Box::new(LayoutTraces(OciLayout::open(&path).with_context(|| format!("opening {}", path.display()))?))))
         }
         Reference::Registry { host, repository, selector } => {
@@ -201,11 +208,15 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
             let mut faults = common::registry_client(&host, &repository, false)?;
             faults.set_retry_policy(lazy::RetryPolicy::never());
             fault_source = Some(Arc::new(faults) as Arc<dyn imgfmt::BlobSource>);
+            sig_store = Box::new(RegistryStore(src.clone()));
             let o = common::Opened { source: Box::new(src.clone()), selector, reference: a.image.clone() };
             (o, Some(Box::new(RegistryTraces(src))))
         }
     };
-    let mut image = open_image(&o)?;
+    // The policy decides before the socket exists: its signature reads overlap reading
+    // the image's metadata, and no runtime's handshake is accepted for a refused image.
+    let r: Reference = a.image.parse()?;
+    let mut image = a.policy.gate(&r, sig_store.as_ref(), &mut o, open_image)?;
     // Outboards let a fault fetch a verified slice instead of its whole chunk, a recording
     // restore keep the guest's working set by slice, and a later restore check that
     // working set slice by slice before installing it. Without them (an old image, a blob

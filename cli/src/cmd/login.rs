@@ -18,7 +18,10 @@ use super::common;
 /// oras; base64, not encrypted), replaced atomically with mode 0600, keeping every other
 /// entry.
 ///
+/// Without --password-stdin, the password is asked for on the terminal (not echoed).
+///
 /// Examples:
+///   snapctl login registry.example.com -u alice
 ///   echo "$TOKEN" | snapctl login registry.example.com -u ci --password-stdin
 ///   snapctl login 127.0.0.1:5000 -u alice --password-stdin < ./password
 #[derive(Debug, clap::Args)]
@@ -36,9 +39,8 @@ pub struct LoginArgs {
     /// --password-stdin).
     #[arg(short, long, conflicts_with = "password_stdin")]
     pub password: Option<String>,
-    /// Speak plain HTTP (default for 127.0.0.1 and localhost).
-    #[arg(long)]
-    pub plain_http: bool,
+    #[command(flatten)]
+    pub registry: super::common::RegistryFlags,
 }
 
 /// Log out of a registry: remove its credentials from Docker's config and from the
@@ -73,18 +75,17 @@ pub fn run_login(a: LoginArgs) -> anyhow::Result<ExitCode> {
             line.trim_end_matches(['\r', '\n']).to_string()
         }
         (None, false) => {
-            if std::io::stdin().is_terminal() {
-                bail!("give the password on stdin: snapctl login {} -u {} --password-stdin", a.host, a.username);
+            if !std::io::stdin().is_terminal() {
+                bail!("no password: stdin is not a terminal to ask on; pipe it with --password-stdin");
             }
-            bail!("no password: use --password-stdin");
+            rpassword::prompt_password(format!("Password for {} at {}: ", a.username, a.host)).context("reading the password from the terminal")?
         }
     };
     if password.is_empty() {
         bail!("empty password");
     }
     let creds = Credentials::Password { username: a.username.clone(), password };
-    let plain = common::plain_http_for(&a.host, a.plain_http);
-    let client = RegistrySource::new(&a.host, "", plain, Some(creds.clone())).with_context(|| format!("connecting to {}", a.host))?;
+    let client = RegistrySource::connect(&a.host, "", &a.registry.transport(), Some(creds.clone())).with_context(|| format!("connecting to {}", a.host))?;
     client.check_login().with_context(|| format!("login to {} as {} failed", a.host, a.username))?;
     let path = docker_config_path().context("no home directory: set DOCKER_CONFIG")?;
     let stored = regclient::store_docker_credentials(&path, &a.host, &creds).with_context(|| format!("storing the credentials for {}", a.host))?;

@@ -33,6 +33,8 @@ pub struct PackArgs {
     pub dest: String,
     #[command(flatten)]
     pub flags: PackFlags,
+    #[command(flatten)]
+    pub registry: super::common::RegistryFlags,
     /// Print a JSON report on stdout instead of the digest.
     #[arg(long)]
     pub json: bool,
@@ -182,6 +184,11 @@ pub fn validate(src: &Path, f: &PackFlags) -> anyhow::Result<()> {
     f.slice_shift()?;
     if !src.is_dir() {
         bail!("{}: not a directory", src.display());
+    }
+    // An image of no file restores nothing: a wrong path is likelier than a wish for one.
+    let scan = pusher::scan::scan_dir(src).with_context(|| format!("reading {}", src.display()))?;
+    if scan.files.is_empty() {
+        bail!("{}: nothing to pack: no regular file in it", src.display());
     }
     Ok(())
 }

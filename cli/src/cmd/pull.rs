@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use puller::{ChunkCache, PullOptions};
 
-use super::common::{self, open_image, parse_size, progress_bar};
+use super::common::{self, parse_size};
 
 /// Pull an image from a registry into a directory (the wake path of a sandbox).
 ///
@@ -77,12 +77,13 @@ pub struct PullArgs {
     /// Replace files that already exist in the destination.
     #[arg(long)]
     pub overwrite: bool,
-    /// Speak plain HTTP to the registry (the default for 127.0.0.1 and localhost).
-    #[arg(long)]
-    pub plain_http: bool,
+    #[command(flatten)]
+    pub registry: super::common::RegistryFlags,
     /// Print the pull report as JSON on stdout.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub policy: super::policy::PolicyFlags,
 }
 
 pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
@@ -92,16 +93,15 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
             jobs: a.jobs.min(64),
             mount_from: Vec::new(),
             upload_piece: 16 << 20,
-            plain_http: a.plain_http,
+            registry: a.registry.clone(),
             cache: None,
             json: a.json,
         };
-        super::copy::copy_refs(&a.image, &a.dest, &flags)?;
+        super::copy::copy_refs(&a.image, &a.dest, &flags, &a.policy)?;
         return Ok(common::code(common::EXIT_OK));
     }
     let dest = PathBuf::from(&a.dest);
-    let o = common::open_ref_plain(&a.image, a.plain_http)?;
-    let image = open_image(&o)?;
+    let (o, image) = a.policy.open_image(&a.image, a.registry.plain_http)?;
     let cache = if a.no_cache {
         None
     } else {
@@ -109,7 +109,7 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
         Some(ChunkCache::open(&dir, a.cache_size).with_context(|| format!("opening the chunk cache in {}", dir.display()))?)
     };
     let total = image.files.iter().map(|f| f.size).sum();
-    let pb = progress_bar(total, "pull");
+    let pb = common::network_progress_bar(total, "pull");
     let tick = |n: u64| {
         if let Some(pb) = &pb {
             pb.inc(n)

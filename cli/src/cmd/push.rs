@@ -11,7 +11,7 @@ use pusher::push::Reused;
 use pusher::{CopyOptions, PushReport};
 use regclient::UploadOptions;
 
-use super::common::{self, outln, progress_bar, IntegrityError};
+use super::common::{self, outln, IntegrityError};
 use super::pack::PackFlags;
 
 /// Push an image to an OCI registry.
@@ -61,9 +61,8 @@ pub struct TransferFlags {
     /// this size (or the registry's OCI-Chunk-Min-Length, if larger).
     #[arg(long, default_value = "16MiB", value_parser = common::parse_size)]
     pub upload_piece: u64,
-    /// Speak plain HTTP to the registry (default for 127.0.0.1 and localhost).
-    #[arg(long)]
-    pub plain_http: bool,
+    #[command(flatten)]
+    pub registry: super::common::RegistryFlags,
     /// Cache directory (resume state, where blobs were seen, packed directories)
     /// [default: $SNAPCTL_CACHE, $XDG_CACHE_HOME/snapctl or ~/.cache/snapctl].
     #[arg(long, value_name = "DIR")]
@@ -103,7 +102,7 @@ fn with_progress(
 ) -> anyhow::Result<PushReport> {
     let (_, manifest) = pusher::copy::manifest_blobs(src, digest).map_err(|e| wrap(e, verb))?;
     let total: u64 = std::iter::once(&manifest.config).chain(&manifest.layers).map(|d| d.size).sum();
-    let pb = progress_bar(total, verb);
+    let pb = common::network_progress_bar(total, verb);
     let tick = |n: u64| {
         if let Some(pb) = &pb {
             pb.inc(n)
@@ -161,7 +160,7 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
         Reference::Registry { .. } => bail!("{}: push needs a tag (HOST/REPO:TAG), not a digest", a.dest),
         Reference::Layout { .. } => bail!("{}: push sends to a registry (HOST[:PORT]/REPO[:TAG]); for a local layout use `snapctl copy`", a.dest),
     };
-    let dest = common::registry_client(&host, &repository, a.transfer.plain_http)?;
+    let dest = common::registry_client(&host, &repository, a.transfer.registry.plain_http)?;
     if a.src.starts_with("oci:") {
         let Reference::Layout { path, selector } = a.src.parse::<Reference>()? else { unreachable!("oci: prefix") };
         let layout = OciLayout::open(&path).with_context(|| format!("opening {}", a.src))?;

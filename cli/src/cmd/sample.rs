@@ -75,10 +75,15 @@ fn text_block(rng: &mut Rng, buf: &mut [u8]) {
 }
 
 pub fn run(a: SampleArgs) -> anyhow::Result<ExitCode> {
-    if a.dir.exists() && fs::read_dir(&a.dir)?.next().is_some() && a.mutate == 0 {
+    if a.mutate > 0 {
+        // A mutation changes a sample written before: nothing is created for it.
+        if !a.dir.join("vm.mem").is_file() {
+            bail!("{}: no sample to mutate (no vm.mem there; write one first: snapctl sample {})", a.dir.display(), a.dir.display());
+        }
+    } else if a.dir.exists() && fs::read_dir(&a.dir).with_context(|| format!("reading {}", a.dir.display()))?.next().is_some() {
         bail!("{} exists and is not empty", a.dir.display());
     }
-    fs::create_dir_all(&a.dir)?;
+    fs::create_dir_all(&a.dir).with_context(|| format!("creating {}", a.dir.display()))?;
     const BLOCK: u64 = 1 << 20;
     let mem_path = a.dir.join("vm.mem");
     let mut rng = Rng(a.seed);

@@ -10,14 +10,24 @@ use anyhow::Context as _;
 ///
 /// Storage is a directory (default) or s3://BUCKET/PREFIX (configured from AWS_* env:
 /// AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ALLOW_HTTP).
-/// Logs go to stderr, one line per request (filter with SNAPCTL_LOG or RUST_LOG, e.g.
-/// `SNAPCTL_LOG=debug`). SIGTERM or SIGINT stops accepting connections and finishes
-/// in-flight requests.
+/// Logs go to stderr, one line per request naming the client, user, method, path, status,
+/// bytes in and out, time and user agent, and a 5xx's cause (--log-format json: one JSON
+/// object per line; filter with SNAPCTL_LOG or RUST_LOG, e.g. `SNAPCTL_LOG=debug`).
+/// SIGTERM or SIGINT stops accepting connections and finishes in-flight requests; SIGHUP
+/// reloads the --htpasswd file (it is also reloaded when it changes, see --htpasswd-poll).
+///
+/// For operators: GET /v2/_catalog lists repositories (paged, only those the caller may
+/// pull; `snapctl`-independent clients such as `oras repo ls` use it); /metrics has the
+/// store's totals (bytes, blobs, manifests, repositories, dedup ratio, taken every
+/// --stats-interval), request latency histograms and build info.
 ///
 /// Against hostile clients: a request head must arrive within --header-timeout, a
 /// connection with nothing in flight and nothing moving (or a request body that stops)
-/// is closed after --idle-timeout, a client (IPv4 address, IPv6 /64) may hold
-/// --max-conns-per-client connections, idle upload sessions are removed after
+/// is closed after --idle-timeout, so is a connection one of whose responses has not moved
+/// for --idle-timeout (an HTTP/2 stream whose window stays shut), a client (IPv4 address,
+/// IPv6 /64) may hold --max-conns-per-client connections and --max-requests-per-client
+/// requests in progress (more get 429 at once), an HTTP/2 connection
+/// --max-streams-per-conn streams, idle upload sessions are removed after
 /// --upload-ttl, and /metrics has fixed label sets (and, with --htpasswd, needs
 /// credentials unless it has its own --metrics-listen address). See spec/registry.md.
 #[derive(Debug, clap::Args)]
@@ -44,6 +54,13 @@ pub struct ServeArgs {
     /// Default: a random secret per process.
     #[arg(long, requires = "htpasswd")]
     pub token_secret_file: Option<PathBuf>,
+    /// Most bcrypt password checks running at once (default: half the cores, at least 1).
+    /// A request with Basic credentials that finds every slot busy is answered 503 with
+    /// Retry-After at once; verified credentials are remembered for 5 minutes (no check),
+    /// and a client (address) sending a sixth wrong password waits 1 s, doubling to 60 s,
+    /// before its next is checked (429 with Retry-After meanwhile).
+    #[arg(long, requires = "htpasswd", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_password_checks: Option<u64>,
     /// Token realm URL for the WWW-Authenticate challenge (default: this server's /token).
     #[arg(long, requires = "htpasswd")]
     pub token_realm: Option<String>,
@@ -68,16 +85,53 @@ pub struct ServeArgs {
     #[arg(long, default_value = "120s", value_parser = super::common::parse_duration)]
     pub idle_timeout: Duration,
     /// Most connections one client (IPv4 address, IPv6 /64) may hold open; more are
-    /// closed at once (0: no cap).
-    #[arg(long, default_value_t = 64)]
+    /// closed at once (0: no cap). Generous: moving connections are cheap, and one host
+    /// pulling for many sandboxes at once opens hundreds; what a client can hold still
+    /// is bounded by --max-requests-per-client and --idle-timeout. Both caps are lowered
+    /// to a quarter of the descriptor limit (`ulimit -n`, whose soft limit serve raises
+    /// to the hard one) when that is smaller, so one client cannot use every descriptor.
+    #[arg(long, default_value_t = registry::server::DEFAULT_MAX_CONNS_PER_CLIENT)]
     pub max_conns_per_client: usize,
+    /// Most requests one client may have in progress across its connections (a handler
+    /// running or a response still being sent, each possibly holding a file open); more
+    /// are answered 429 with Retry-After at once (0: no cap).
+    #[arg(long, default_value_t = registry::server::DEFAULT_MAX_REQUESTS_PER_CLIENT)]
+    pub max_requests_per_client: usize,
+    /// Most HTTP/2 streams one connection may have open at once (announced to the client
+    /// in SETTINGS_MAX_CONCURRENT_STREAMS).
+    #[arg(long, default_value_t = registry::server::DEFAULT_MAX_STREAMS_PER_CONN, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_streams_per_conn: u32,
     /// Remove upload sessions idle for this long (checked every quarter of it).
-    #[arg(long, default_value = "24h", value_parser = super::common::parse_duration)]
+    #[arg(long, default_value = "15m", value_parser = super::common::parse_duration)]
     pub upload_ttl: Duration,
     /// Serve /metrics on this address only (e.g. 127.0.0.1:9100), unauthenticated, and not
     /// on --listen. Default: on --listen, needing credentials when --htpasswd is set.
     #[arg(long)]
     pub metrics_listen: Option<String>,
+    /// Most repositories one GET /v2/_catalog page may ask for (?n=); more is refused with
+    /// 400 PAGINATION_NUMBER_INVALID, as distribution does.
+    #[arg(long, default_value_t = registry::catalog::DEFAULT_MAX_ENTRIES)]
+    pub catalog_max_entries: usize,
+    /// Check the --htpasswd file for changes this often and load them (0: only on SIGHUP).
+    #[arg(long, default_value = "2s", value_parser = super::common::parse_duration)]
+    pub htpasswd_poll: Duration,
+    /// Take the store's totals for /metrics (snapctl_store_*) by a scan of the store this
+    /// often; a scrape never scans (0: never).
+    #[arg(long, default_value = "5m", value_parser = super::common::parse_duration)]
+    pub stats_interval: Duration,
+    /// How log lines are written: `text` (one line per event) or `json` (one JSON object
+    /// per line, fields at the top level, for log shippers).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// `serve --log-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// The server's log filter when neither SNAPCTL_LOG nor RUST_LOG sets one: warnings, and
@@ -99,12 +153,20 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             };
             let mut a = registry::auth::Auth::new(&users, acl.as_deref(), args.anonymous_read, secret).context("loading authentication config")?;
             a.realm = args.token_realm.clone();
+            if let Some(n) = args.max_password_checks {
+                a.max_checks = usize::try_from(n).unwrap_or(usize::MAX);
+            }
             Some(a)
         }
     };
     let tls = args.tls_cert.is_some();
-    let limits =
-        registry::server::Limits { header_read_timeout: args.header_timeout, idle_timeout: args.idle_timeout, max_conns_per_client: args.max_conns_per_client };
+    let limits = registry::server::Limits {
+        header_read_timeout: args.header_timeout,
+        idle_timeout: args.idle_timeout,
+        max_conns_per_client: args.max_conns_per_client,
+        max_requests_per_client: args.max_requests_per_client,
+        max_streams_per_conn: args.max_streams_per_conn,
+    };
     if limits.header_read_timeout.is_zero() || limits.idle_timeout.is_zero() {
         anyhow::bail!("--header-timeout and --idle-timeout must be more than 0");
     }
@@ -116,6 +178,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         limits,
         upload_ttl: args.upload_ttl,
         api_metrics: args.metrics_listen.is_none(),
+        catalog_max_entries: args.catalog_max_entries,
+        htpasswd_file: args.htpasswd.clone(),
+        htpasswd_poll: args.htpasswd_poll,
+        stats_interval: args.stats_interval,
+        build: registry::metrics::BuildInfo { version: env!("CARGO_PKG_VERSION").to_owned(), commit: env!("SNAPCTL_COMMIT").to_owned() },
     };
     let store = registry::store::open(&args.storage, args.staging_dir.as_deref()).with_context(|| format!("opening storage {}", args.storage))?;
 
@@ -127,6 +194,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             tracing::warn!("{w}");
         }
         let server = registry::Server::new(store, cfg);
+        if args.htpasswd.is_some() {
+            let s = server.clone();
+            tokio::spawn(async move {
+                let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else { return };
+                while hup.recv().await.is_some() {
+                    s.reload_htpasswd().await;
+                }
+            });
+        }
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(());
         tokio::spawn(async move {
             shutdown_signal().await;
@@ -176,4 +252,31 @@ async fn shutdown_signal() {
         _ = term => {}
     }
     eprintln!("snapctl serve: shutting down, finishing in-flight requests");
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: super::ServeArgs,
+    }
+
+    #[derive(clap::Parser)]
+    struct Gc {
+        #[command(flatten)]
+        gc: super::super::gc::GcArgs,
+    }
+
+    /// Issue 25: an abandoned upload was kept 24 h. The flag's default is the registry's.
+    #[test]
+    fn regression_issue_25_the_upload_ttl_default_is_the_registrys() {
+        let a = Cli::parse_from(["serve"]);
+        assert_eq!(a.serve.upload_ttl, registry::server::DEFAULT_UPLOAD_TTL);
+        assert!(a.serve.upload_ttl <= std::time::Duration::from_secs(15 * 60), "{:?}", a.serve.upload_ttl);
+        assert_eq!(registry::gc::GcOptions::default().upload_ttl, registry::server::DEFAULT_UPLOAD_TTL);
+        assert_eq!(Gc::parse_from(["gc", "--storage", "x"]).gc.upload_ttl, registry::server::DEFAULT_UPLOAD_TTL);
+    }
 }

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use puller::UnpackOptions;
 
-use super::common::{self, open_image, open_ref, progress_bar};
+use super::common::{self, progress_bar};
 
 /// Write an image's files into a directory.
 ///
@@ -23,14 +23,17 @@ pub struct UnpackArgs {
     /// Replace files that already exist in the destination.
     #[arg(long)]
     pub overwrite: bool,
+    #[command(flatten)]
+    pub registry: super::common::RegistryFlags,
     /// Print a JSON report on stdout.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub policy: super::policy::PolicyFlags,
 }
 
 pub fn run(a: UnpackArgs) -> anyhow::Result<ExitCode> {
-    let o = open_ref(&a.image)?;
-    let image = open_image(&o)?;
+    let (o, image) = a.policy.open_image(&a.image, false)?;
     let total = image.files.iter().map(|f| f.size).sum();
     let pb = progress_bar(total, "unpack");
     let tick = |n: u64| {

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use verify::{AuditOptions, AuditReport};
 
-use super::common::{self, open_image, open_ref, IntegrityError};
+use super::common::{self, open_image, IntegrityError};
 
 /// Check an image: manifest, config, index, every chunk digest and every Merkle root,
 /// across the whole parent chain and the base when present.
@@ -26,16 +26,21 @@ pub struct VerifyArgs {
     /// Also re-hash each pack blob with sha256 (covers bytes no chunk uses).
     #[arg(long)]
     pub blob_digests: bool,
+    #[command(flatten)]
+    pub registry: super::common::RegistryFlags,
     /// Print the report (failures included) as JSON on stdout.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub policy: super::policy::PolicyFlags,
 }
 
 pub fn run(a: VerifyArgs) -> anyhow::Result<ExitCode> {
     let t0 = Instant::now();
-    let o = open_ref(&a.image)?;
+    let r: imgfmt::reference::Reference = a.image.parse()?;
+    let (mut o, store) = super::policy::open_with_store(&r, &a.image, false)?;
     let opts = AuditOptions { blob_digests: a.blob_digests, ..Default::default() };
-    let image = match open_image(&o) {
+    let image = match a.policy.gate(&r, store.as_ref(), &mut o, |o| Ok(open_image(o)))? {
         Ok(i) => i,
         Err(e) if e.downcast_ref::<IntegrityError>().is_some() => {
             // The metadata itself is wrong: report it like any other failure.

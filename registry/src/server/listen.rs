@@ -15,8 +15,19 @@
 //! - While a handler runs the connection is not idle; a request body that stalls for
 //!   `idle_timeout` fails the request instead (`server.rs`, `count_bytes`).
 //! - A response the client stops reading stops moving bytes, and is closed as idle.
+//! - A response body that has not moved for `idle_timeout` closes its connection, even
+//!   while other bytes move on it: an HTTP/2 client can keep a connection busy with PINGs
+//!   while its streams' flow-control windows stay at 0, so that each stream holds its
+//!   blob file open forever.
 //! - Connections over the per-client cap are closed at once. A client is an IPv4
 //!   address, or an IPv6 /64 (one host is routinely given a whole /64).
+//! - What a client holds is bounded where it costs: HTTP/2 streams per connection
+//!   (`max_streams_per_conn`, announced in SETTINGS), and requests in progress (handler
+//!   running or response body not finished: each may hold a file) per client across all
+//!   its connections (`max_requests_per_client`); a request past that is answered at once
+//!   with 429 and `Retry-After`, without reaching the handler. Honest connections that
+//!   move are cheap, so the connection cap is generous (a host waking many sandboxes
+//!   opens hundreds).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -41,7 +52,7 @@ use tokio::sync::watch;
 
 use crate::metrics::Metrics;
 
-/// Connection limits (defaults: 30 s, 120 s, 64).
+/// Connection limits (defaults: 30 s, 120 s, 512 connections, 512 requests, 64 streams).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {
     /// A request head (and, for a new connection, the TLS handshake before it) must
@@ -52,13 +63,85 @@ pub struct Limits {
     pub idle_timeout: Duration,
     /// Open connections per client (IPv4 address or IPv6 /64); 0 = no cap.
     pub max_conns_per_client: usize,
+    /// Requests in progress per client, across its connections: a handler running or a
+    /// response body not yet sent (each may hold a file). Past it: 429. 0 = no cap.
+    pub max_requests_per_client: usize,
+    /// HTTP/2 streams one connection may have open (SETTINGS_MAX_CONCURRENT_STREAMS).
+    pub max_streams_per_conn: u32,
+}
+
+/// How often a connection's watchdog looks at it, at least.
+const WATCH_EVERY: Duration = Duration::from_secs(1);
+
+/// Default [`Limits::max_conns_per_client`]: eight pulls with 32 jobs each from one host.
+pub const DEFAULT_MAX_CONNS_PER_CLIENT: usize = 512;
+/// Default [`Limits::max_requests_per_client`].
+pub const DEFAULT_MAX_REQUESTS_PER_CLIENT: usize = 512;
+/// Default [`Limits::max_streams_per_conn`] (hyper's own default is 200).
+pub const DEFAULT_MAX_STREAMS_PER_CONN: u32 = 64;
+
+impl Limits {
+    /// These limits with the per-client caps lowered, where needed, to a quarter of the
+    /// process's descriptor limit (`RLIMIT_NOFILE`, after raising the soft limit to the
+    /// hard one): every connection and every request in progress holds a descriptor,
+    /// so a cap above that would let one client use them all and leave other clients
+    /// unanswered. 0 (no cap) stays 0 only when the descriptors are unlimited.
+    pub fn within_descriptors(mut self, nofile: u64) -> Limits {
+        if nofile == u64::MAX {
+            return self;
+        }
+        let share = usize::try_from(nofile / 4).unwrap_or(usize::MAX).max(8);
+        for cap in [&mut self.max_conns_per_client, &mut self.max_requests_per_client] {
+            if *cap == 0 || *cap > share {
+                tracing::info!(nofile, from = *cap, to = share, "per-client cap lowered to a quarter of the descriptor limit");
+                *cap = share;
+            }
+        }
+        self
+    }
+}
+
+/// The process's descriptor limit, with the soft limit raised to the hard one first (as
+/// Go's runtime and most servers do: the soft default of 1024 is far below what a
+/// registry serving hundreds of pulls holds). `u64::MAX` = unlimited.
+pub fn descriptor_limit() -> u64 {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit with a valid resource and a pointer to an initialised
+    // struct we own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
+            return 1024;
+        }
+        if r.rlim_cur < r.rlim_max {
+            let raised = libc::rlimit { rlim_cur: r.rlim_max, rlim_max: r.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                r.rlim_cur = r.rlim_max;
+            }
+        }
+    }
+    if r.rlim_cur == libc::RLIM_INFINITY {
+        u64::MAX
+    } else {
+        r.rlim_cur
+    }
 }
 
 impl Default for Limits {
     fn default() -> Limits {
-        Limits { header_read_timeout: Duration::from_secs(30), idle_timeout: Duration::from_secs(120), max_conns_per_client: 64 }
+        Limits {
+            header_read_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(120),
+            max_conns_per_client: DEFAULT_MAX_CONNS_PER_CLIENT,
+            max_requests_per_client: DEFAULT_MAX_REQUESTS_PER_CLIENT,
+            max_streams_per_conn: DEFAULT_MAX_STREAMS_PER_CONN,
+        }
     }
 }
+
+/// The client a request came from (its [`client_of`] key), in the request's extensions:
+/// the handlers make a client that keeps failing to log in wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ClientAddr(pub IpAddr);
 
 /// The key a client's connections are counted under.
 fn client_of(ip: IpAddr) -> IpAddr {
@@ -71,10 +154,17 @@ fn client_of(ip: IpAddr) -> IpAddr {
     }
 }
 
-/// Open connections per client.
+/// What one client holds now.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Held {
+    conns: usize,
+    requests: usize,
+}
+
+/// What each client holds; a client holding nothing has no entry.
 #[derive(Debug, Default)]
 struct Clients {
-    open: Mutex<HashMap<IpAddr, usize>>,
+    open: Mutex<HashMap<IpAddr, Held>>,
 }
 
 /// One admitted connection; leaves the count (and the gauge) when dropped.
@@ -89,26 +179,60 @@ impl Clients {
     fn admit(self: &Arc<Self>, ip: IpAddr, cap: usize, metrics: &Arc<Metrics>) -> Option<Slot> {
         let client = client_of(ip);
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        let n = open.entry(client).or_default();
-        if cap > 0 && *n >= cap {
+        let h = open.entry(client).or_default();
+        if cap > 0 && h.conns >= cap {
+            if *h == Held::default() {
+                open.remove(&client);
+            }
             return None;
         }
-        *n += 1;
+        h.conns += 1;
         metrics.connections.fetch_add(1, Relaxed);
         Some(Slot { clients: self.clone(), client, metrics: metrics.clone() })
+    }
+
+    /// Admit one request of `client` (already a key of [`client_of`]) under `cap`.
+    fn begin(self: &Arc<Self>, client: IpAddr, cap: usize, metrics: &Arc<Metrics>) -> Option<RequestSlot> {
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        let h = open.entry(client).or_default();
+        if cap > 0 && h.requests >= cap {
+            return None;
+        }
+        h.requests += 1;
+        metrics.responses_open.fetch_add(1, Relaxed);
+        Some(RequestSlot { clients: self.clone(), client, metrics: metrics.clone() })
+    }
+
+    fn release(&self, client: IpAddr, f: impl FnOnce(&mut Held)) {
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(h) = open.get_mut(&client) {
+            f(h);
+            if *h == Held::default() {
+                open.remove(&client);
+            }
+        }
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        let mut open = self.clients.open.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = open.get_mut(&self.client) {
-            *n -= 1;
-            if *n == 0 {
-                open.remove(&self.client);
-            }
-        }
+        self.clients.release(self.client, |h| h.conns -= 1);
         self.metrics.connections.fetch_sub(1, Relaxed);
+    }
+}
+
+/// One request in progress (handler or response body); leaves the count when dropped.
+#[derive(Debug)]
+struct RequestSlot {
+    clients: Arc<Clients>,
+    client: IpAddr,
+    metrics: Arc<Metrics>,
+}
+
+impl Drop for RequestSlot {
+    fn drop(&mut self) {
+        self.clients.release(self.client, |h| h.requests -= 1);
+        self.metrics.responses_open.fetch_sub(1, Relaxed);
     }
 }
 
@@ -122,26 +246,101 @@ struct ConnState {
     in_flight: AtomicUsize,
     /// Requests whose head arrived.
     requests: AtomicU64,
+    /// Response bodies being sent, each with the millisecond (after `born`) its last
+    /// frame went out (or it was created).
+    bodies: Mutex<HashMap<u64, Arc<AtomicU64>>>,
+    next_body: AtomicU64,
 }
 
 impl ConnState {
     fn new() -> ConnState {
-        ConnState { born: Instant::now(), last_byte_ms: AtomicU64::new(0), in_flight: AtomicUsize::new(0), requests: AtomicU64::new(0) }
+        ConnState {
+            born: Instant::now(),
+            last_byte_ms: AtomicU64::new(0),
+            in_flight: AtomicUsize::new(0),
+            requests: AtomicU64::new(0),
+            bodies: Mutex::new(HashMap::new()),
+            next_body: AtomicU64::new(0),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.born.elapsed().as_millis() as u64
     }
 
     fn moved(&self) {
-        self.last_byte_ms.store(self.born.elapsed().as_millis() as u64, Relaxed);
+        self.last_byte_ms.store(self.now_ms(), Relaxed);
     }
 
-    /// Time left before the connection counts as stalled; `None` while a request is
-    /// being handled.
+    /// Time left before the connection counts as stalled: nothing in flight and no byte
+    /// moving, or a response body that has not moved, for too long. `None` while a
+    /// request is being handled and no response body is waiting.
     fn left(&self, l: &Limits) -> Option<Duration> {
+        let now = self.born.elapsed();
+        let body = self.oldest_body_progress().map(|t| (Duration::from_millis(t) + l.idle_timeout).saturating_sub(now));
         if self.in_flight.load(Relaxed) > 0 {
-            return None;
+            return body;
         }
         let deadline =
             if self.requests.load(Relaxed) == 0 { l.header_read_timeout } else { Duration::from_millis(self.last_byte_ms.load(Relaxed)) + l.idle_timeout };
-        Some(deadline.saturating_sub(self.born.elapsed()))
+        let conn = deadline.saturating_sub(now);
+        Some(body.map_or(conn, |b| b.min(conn)))
+    }
+
+    /// When the least recently moved response body of this connection last moved.
+    fn oldest_body_progress(&self) -> Option<u64> {
+        self.bodies.lock().unwrap_or_else(|p| p.into_inner()).values().map(|t| t.load(Relaxed)).min()
+    }
+
+    /// Whether a response body has not moved for `idle`.
+    fn body_stalled(&self, idle: Duration) -> bool {
+        self.oldest_body_progress().is_some_and(|t| self.born.elapsed() >= Duration::from_millis(t) + idle)
+    }
+}
+
+/// A response body on its way out: tells its connection when a frame leaves, and holds
+/// its client's request slot until it is finished or dropped.
+struct HeldBody {
+    inner: axum::body::Body,
+    conn: Arc<ConnState>,
+    id: u64,
+    progress: Arc<AtomicU64>,
+    _slot: RequestSlot,
+}
+
+impl HeldBody {
+    fn new(inner: axum::body::Body, conn: Arc<ConnState>, slot: RequestSlot) -> HeldBody {
+        let id = conn.next_body.fetch_add(1, Relaxed);
+        let progress = Arc::new(AtomicU64::new(conn.now_ms()));
+        conn.bodies.lock().unwrap_or_else(|p| p.into_inner()).insert(id, progress.clone());
+        HeldBody { inner, conn, id, progress, _slot: slot }
+    }
+}
+
+impl Drop for HeldBody {
+    fn drop(&mut self) {
+        self.conn.bodies.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+    }
+}
+
+impl hyper::body::Body for HeldBody {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(_))) = &r {
+            self.progress.store(self.conn.now_ms(), Relaxed);
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -201,11 +400,33 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Tracked<I> {
     }
 }
 
-/// The router as a hyper service that counts its requests in flight.
+/// The router as a hyper service that counts its requests in flight, admits each under
+/// its client's request cap, and tracks its response body.
 #[derive(Clone)]
 struct Counted {
     inner: TowerToHyperService<Router>,
     state: Arc<ConnState>,
+    clients: Arc<Clients>,
+    /// The client's key ([`client_of`]).
+    client: IpAddr,
+    cap: usize,
+    metrics: Arc<Metrics>,
+    /// The client, for handlers and the request log (`ConnectInfo`).
+    peer: SocketAddr,
+}
+
+/// The answer to a request over its client's cap: at once, with no body (so it needs no
+/// flow-control window to finish) and no work behind it.
+fn too_many_requests(cap: usize) -> axum::response::Response {
+    let mut r = axum::response::Response::new(axum::body::Body::empty());
+    *r.status_mut() = hyper::StatusCode::TOO_MANY_REQUESTS;
+    let h = r.headers_mut();
+    h.insert(hyper::header::RETRY_AFTER, hyper::header::HeaderValue::from_static("1"));
+    h.insert(hyper::header::CONTENT_LENGTH, hyper::header::HeaderValue::from_static("0"));
+    if let Ok(v) = hyper::header::HeaderValue::from_str(&format!("more than {cap} requests in progress from this client")) {
+        h.insert(hyper::header::HeaderName::from_static("x-snapctl-refused"), v);
+    }
+    r
 }
 
 impl hyper::service::Service<hyper::Request<Incoming>> for Counted {
@@ -213,15 +434,24 @@ impl hyper::service::Service<hyper::Request<Incoming>> for Counted {
     type Error = Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
 
-    fn call(&self, req: hyper::Request<Incoming>) -> Self::Future {
+    fn call(&self, mut req: hyper::Request<Incoming>) -> Self::Future {
+        req.extensions_mut().insert(axum::extract::ConnectInfo(self.peer));
         self.state.requests.fetch_add(1, Relaxed);
+        req.extensions_mut().insert(ClientAddr(self.client));
+        let Some(slot) = self.clients.begin(self.client, self.cap, &self.metrics) else {
+            self.metrics.requests_refused.fetch_add(1, Relaxed);
+            self.metrics.request(req.method().as_str(), 429);
+            tracing::debug!(client = %self.client, cap = self.cap, "refusing a request: client has too many in progress");
+            return Box::pin(std::future::ready(Ok(too_many_requests(self.cap))));
+        };
         self.state.in_flight.fetch_add(1, Relaxed);
         let guard = InFlight(self.state.clone());
         let fut = self.inner.call(req);
+        let conn = self.state.clone();
         Box::pin(async move {
             let r = fut.await;
             drop(guard);
-            r
+            r.map(|resp| resp.map(|b| axum::body::Body::new(HeldBody::new(b, conn, slot))))
         })
     }
 }
@@ -236,6 +466,7 @@ pub(crate) async fn serve(
     metrics: Arc<Metrics>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
+    let limits = limits.within_descriptors(descriptor_limit());
     let (stop_tx, stop_rx) = watch::channel(());
     let clients = Arc::new(Clients::default());
     let mut shutdown = std::pin::pin!(shutdown);
@@ -259,7 +490,7 @@ pub(crate) async fn serve(
             continue;
         };
         let _ = tcp.set_nodelay(true);
-        let conn = Conn { router: router.clone(), limits: limits.clone(), metrics: metrics.clone(), stop: stop_rx.clone(), peer };
+        let conn = Conn { router: router.clone(), limits: limits.clone(), metrics: metrics.clone(), stop: stop_rx.clone(), peer, clients: clients.clone() };
         tokio::spawn(conn.run(tcp, tls.clone(), slot));
     }
     drop(listener);
@@ -277,6 +508,7 @@ struct Conn {
     metrics: Arc<Metrics>,
     stop: watch::Receiver<()>,
     peer: SocketAddr,
+    clients: Arc<Clients>,
 }
 
 impl Conn {
@@ -296,13 +528,23 @@ impl Conn {
     async fn http<I: AsyncRead + AsyncWrite + Unpin + Send + 'static>(mut self, io: I, state: Arc<ConnState>) {
         let mut http = auto::Builder::new(TokioExecutor::new());
         http.http1().timer(TokioTimer::new()).header_read_timeout(self.limits.header_read_timeout);
-        http.http2().timer(TokioTimer::new());
-        let svc = Counted { inner: TowerToHyperService::new(self.router.clone()), state: state.clone() };
+        http.http2().timer(TokioTimer::new()).max_concurrent_streams(self.limits.max_streams_per_conn);
+        let svc = Counted {
+            inner: TowerToHyperService::new(self.router.clone()),
+            state: state.clone(),
+            clients: self.clients.clone(),
+            client: client_of(self.peer.ip()),
+            cap: self.limits.max_requests_per_client,
+            metrics: self.metrics.clone(),
+            peer: self.peer,
+        };
         let conn = http.serve_connection(TokioIo::new(Tracked { inner: io, state: state.clone() }), svc);
         let mut conn = std::pin::pin!(conn);
         let mut stopping = false;
         loop {
-            let wait = state.left(&self.limits).unwrap_or(self.limits.idle_timeout);
+            // Looked at again at least every WATCH_EVERY: a response body that starts
+            // waiting after this sleep began has its own, earlier deadline.
+            let wait = state.left(&self.limits).unwrap_or(self.limits.idle_timeout).min(WATCH_EVERY);
             tokio::select! {
                 r = conn.as_mut() => {
                     if let Err(e) = r {
@@ -317,7 +559,13 @@ impl Conn {
                 () = tokio::time::sleep(wait) => {
                     if state.left(&self.limits) == Some(Duration::ZERO) {
                         self.metrics.connections_timed_out.fetch_add(1, Relaxed);
-                        tracing::debug!(peer = %self.peer, "closing a stalled connection");
+                        if state.body_stalled(self.limits.idle_timeout) {
+                            // Dropping the connection drops its streams, their bodies and files.
+                            self.metrics.responses_stalled.fetch_add(1, Relaxed);
+                            tracing::debug!(peer = %self.peer, "closing a connection whose response has not moved");
+                        } else {
+                            tracing::debug!(peer = %self.peer, "closing a stalled connection");
+                        }
                         return;
                     }
                 }
@@ -339,6 +587,15 @@ mod tests {
         assert_ne!(client_of(a), client_of(c));
         let mapped: IpAddr = "::ffff:192.0.2.7".parse().unwrap();
         assert_eq!(client_of(mapped), "192.0.2.7".parse::<IpAddr>().unwrap());
+    }
+
+    #[test]
+    fn per_client_caps_stay_within_a_quarter_of_the_descriptors() {
+        let l = Limits::default().within_descriptors(256);
+        assert_eq!((l.max_conns_per_client, l.max_requests_per_client), (64, 64));
+        let l = Limits { max_conns_per_client: 0, ..Limits::default() }.within_descriptors(1 << 20);
+        assert_eq!((l.max_conns_per_client, l.max_requests_per_client), (1 << 18, DEFAULT_MAX_REQUESTS_PER_CLIENT));
+        assert_eq!(Limits::default().within_descriptors(u64::MAX), Limits::default());
     }
 
     #[test]

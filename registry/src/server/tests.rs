@@ -989,7 +989,7 @@ mod hostile {
     use tokio::net::{TcpSocket, TcpStream};
 
     fn limits(header: u64, idle: u64, cap: usize) -> Limits {
-        Limits { header_read_timeout: Duration::from_secs(header), idle_timeout: Duration::from_secs(idle), max_conns_per_client: cap }
+        Limits { header_read_timeout: Duration::from_secs(header), idle_timeout: Duration::from_secs(idle), max_conns_per_client: cap, ..Limits::default() }
     }
 
     /// A connection to the server from source address `from` (any 127/8 address).
@@ -1021,13 +1021,19 @@ mod hostile {
             let m = reqwest::Method::from_bytes(format!("M{i}{}", "X".repeat(2000)).as_bytes()).unwrap();
             c.request(m, s.u("/v2/")).send()
         };
-        send(0).await.unwrap();
+        // Every label set these requests use exists after the first few (the scrape's
+        // own latency histogram included), with counts of two digits; from there on only
+        // digits may grow: one per counter and histogram line, not a line per method.
+        for i in 0..10 {
+            send(i).await.unwrap();
+        }
+        c.get(s.u("/metrics")).send().await.unwrap();
         let before = c.get(s.u("/metrics")).send().await.unwrap().text().await.unwrap();
-        for i in 1..300 {
+        for i in 10..300 {
             send(i).await.unwrap();
         }
         let after = c.get(s.u("/metrics")).send().await.unwrap().text().await.unwrap();
-        assert!(after.len() < before.len() + 100, "metrics grew from {} to {} bytes", before.len(), after.len());
+        assert!(after.len() < before.len() + 200, "metrics grew from {} to {} bytes", before.len(), after.len());
         assert!(after.contains("snapctl_http_requests_total{method=\"other\",status=\"200\"} 300"), "{after}");
     }
 

@@ -68,6 +68,9 @@ impl BlobStore for MeteredStore {
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
         timed!(self, "list", self.inner.list(prefix))
     }
+    async fn list_after(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<Vec<ObjectMeta>> {
+        timed!(self, "list", self.inner.list_after(prefix, after, limit))
+    }
     fn staging_dir(&self) -> &Path {
         self.inner.staging_dir()
     }

@@ -149,6 +149,22 @@ pub trait BlobStore: Send + Sync + std::fmt::Debug + 'static {
     /// at any depth, in no particular order.
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>>;
 
+    /// At most `limit` objects under `prefix` (a directory: ends with `/`) whose keys sort
+    /// after `after` (a key under `prefix`, or `None` for the start), in byte order of their
+    /// keys. A listing can go on where the previous page ended, so a walk over a huge
+    /// directory holds one page at a time; a key written during the walk appears in it if
+    /// it sorts after the current position, and no key appears twice.
+    ///
+    /// The default lists everything and sorts it; a backend that can start a listing at a
+    /// key (S3 `start-after`) overrides it.
+    async fn list_after(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<Vec<ObjectMeta>> {
+        let mut all = self.list(prefix).await?;
+        all.retain(|m| after.is_none_or(|a| m.key.as_str() > a));
+        all.sort_by(|a, b| a.key.cmp(&b.key));
+        all.truncate(limit);
+        Ok(all)
+    }
+
     /// A local directory for staging files that [`BlobStore::put_file`] will accept.
     fn staging_dir(&self) -> &Path;
 

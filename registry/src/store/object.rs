@@ -193,6 +193,21 @@ impl BlobStore for ObjectStoreBackend {
         Ok(metas.iter().map(|m| self.meta(m)).collect())
     }
 
+    async fn list_after(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<Vec<ObjectMeta>> {
+        let p = self.path(prefix.trim_end_matches('/'))?;
+        // S3 starts the listing after `offset` (ListObjectsV2 `start-after`): a page costs
+        // one request however many keys sort before it.
+        let stream = match after {
+            Some(a) => self.inner.list_with_offset(Some(&p), &self.path(a)?),
+            None => self.inner.list(Some(&p)),
+        };
+        let metas: Vec<object_store::ObjectMeta> = stream.take(limit).try_collect().await.map_err(|e| map_err(prefix, e))?;
+        let mut out: Vec<ObjectMeta> = metas.iter().map(|m| self.meta(m)).collect();
+        // S3 lists in key order already; other object stores need not.
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
     fn staging_dir(&self) -> &Path {
         &self.staging
     }

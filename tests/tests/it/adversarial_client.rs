@@ -4,6 +4,7 @@
 //! `spec/lazy.md`, `spec/format.md`) and fails when the promise is broken.
 
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use snapctl_tests::fault_proxy::{Fault, FaultProxy, Match, Rule};
 use snapctl_tests::registry_support::{htpasswd, Serve};
@@ -416,4 +417,47 @@ fn regression_issue_14_client_memory_is_bounded_by_the_index_size() {
     assert!(!out.join("vm.mem").exists(), "nothing unverified under the final name");
     // lazy holds the opened image (and, per connection, a chunk order).
     assert_bounded("lazy (corrupt stored chunks)", lazy_peak_rss(&w, &r), 0, img.index_bytes);
+}
+
+/// Issue 21 §7: a registry dripping its answers at one byte per second was never a
+/// failure: the client's timeout applied per read, and every read moved a byte, so
+/// `pull` never ended. A whole request now has a deadline (here 3 s) and retrying is
+/// bounded in wall-clock time (here 6 s): the pull fails, and says why.
+#[test]
+fn regression_issue_21_a_dripping_registry_fails_a_pull_within_the_deadline() {
+    let store = tempfile::tempdir().unwrap();
+    let upstream = Serve::start(store.path().to_str().unwrap(), &[], &[]);
+    let registry = FaultProxy::start(upstream.addr.as_str()).unwrap();
+    let w = Work::new();
+    let src = w.packed();
+    let dest = format!("{}/adv/drip:v1", registry.addr);
+    w.ok(&["push", &src, &dest]);
+    registry.add(Rule::new(Fault::Drip { every: Duration::from_secs(1) }).on(Match::blob_gets()).times(u64::MAX));
+    let out = w.path("out");
+    let mut cmd = w.cmd();
+    cmd.env("SNAPCTL_REQUEST_TIMEOUT", "3s").env("SNAPCTL_RETRY_BUDGET", "6s");
+    cmd.args(["pull", &dest, out.to_str().unwrap(), "--cache", w.path("pull-cache").to_str().unwrap()]);
+    cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    let t = Instant::now();
+    let mut child = cmd.spawn().unwrap();
+    // Before the deadline this pull never ended: give it 90 s, then kill it and fail.
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break Some(st);
+        }
+        if t.elapsed() > Duration::from_secs(90) {
+            let _ = child.kill();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let took = t.elapsed();
+    eprintln!("pull through a dripping registry ended after {took:?} with {status:?}: {stderr}");
+    assert!(status.is_some(), "pull still running after {took:?} through a registry dripping one byte per second");
+    assert_eq!(status.unwrap().code(), Some(2), "{stderr}");
+    assert!(stderr.contains("request deadline"), "the error does not say what ran out: {stderr}");
+    // Two budgets at most (the client's, then the pull's range retry) and one deadline.
+    assert!(took < Duration::from_secs(40), "took {took:?}");
 }

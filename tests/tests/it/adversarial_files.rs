@@ -478,3 +478,30 @@ fn regression_issue_14_a_killed_packs_temp_blobs_are_removed_by_the_next_pack() 
     drop(held);
     ok(&run(snapctl().args(["verify", &format!("oci:{}:v2", lay.display())])));
 }
+
+/// Issue 21: `verify` followed a chain of `base` images with no depth bound. It now
+/// follows bases as deep as readers follow parents (`MAX_CHAIN_DEPTH`, 64), and a deeper
+/// chain is an error that says so.
+#[test]
+fn regression_issue_21_verify_bounds_the_chain_of_bases() {
+    let tmp = tempfile::tempdir().unwrap();
+    let layout = tmp.path().join("layout");
+    let snap = tmp.path().join("snap");
+    let r = snapctl_tests::run(snapctl_tests::snapctl().arg("sample").arg(&snap).args(["--size", "64KiB"]));
+    assert_eq!(r.code, 0, "{r:?}");
+    let depth = imgfmt::config::MAX_CHAIN_DEPTH + 2;
+    for i in 0..depth {
+        let mut c = snapctl_tests::snapctl();
+        c.arg("pack").arg(&snap).arg(format!("oci:{}:b{i}", layout.display())).args(["--chunk-size", "64KiB"]);
+        if i > 0 {
+            c.args(["--base", &format!("oci:{}:b{}", layout.display(), i - 1)]);
+        }
+        let r = snapctl_tests::run(&mut c);
+        assert_eq!(r.code, 0, "pack {i}: {r:?}");
+    }
+    let r = snapctl_tests::run(snapctl_tests::snapctl().args(["verify", &format!("oci:{}:b{}", layout.display(), depth - 1)]));
+    assert_eq!(r.code, 2, "verify of a chain of {depth} bases: {r:?}");
+    assert!(r.stderr.contains("base chain depth"), "{}", r.stderr);
+    let r = snapctl_tests::run(snapctl_tests::snapctl().args(["verify", &format!("oci:{}:b{}", layout.display(), depth - 3)]));
+    assert_eq!(r.code, 0, "a chain of {} bases is within the bound: {r:?}", depth - 2);
+}

@@ -20,10 +20,10 @@ use snapctl_tests::fault_proxy::{Fault, FaultProxy, Match, Rule};
 use snapctl_tests::registry_support::{Distribution, Serve};
 use snapctl_tests::{have, require_peers, run, snapctl, snapctl_bin, uffd_usable};
 
-const MIB: u64 = 1 << 20;
+pub(crate) const MIB: u64 = 1 << 20;
 
 /// Whether the `snapctl` under test has the `lazy` subcommand.
-fn lazy_available() -> bool {
+pub(crate) fn lazy_available() -> bool {
     let ok = snapctl().args(["lazy", "--help"]).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
     assert!(ok || !require_peers(), "`snapctl lazy` is required (SNAPCTL_REQUIRE_PEERS=1) but {} lacks it", snapctl_bin().display());
     if !ok {
@@ -68,7 +68,7 @@ pub(crate) struct Handler {
 }
 
 impl Handler {
-    fn lazy(image: &str, socket: &Path, extra: &[&str]) -> Handler {
+    pub(crate) fn lazy(image: &str, socket: &Path, extra: &[&str]) -> Handler {
         let mut cmd = snapctl();
         cmd.args(["lazy", image, "--json", "--socket"]).arg(socket).args(extra);
         Handler::spawn(cmd, socket)
@@ -125,7 +125,7 @@ impl Handler {
     }
 
     /// The first `n` per-connection JSON reports, waiting up to `within`.
-    fn reports(&self, n: usize, within: Duration) -> Vec<Value> {
+    pub(crate) fn reports(&self, n: usize, within: Duration) -> Vec<Value> {
         let deadline = Instant::now() + within;
         loop {
             let got: Vec<Value> = self.lines.lock().unwrap().iter().filter_map(|l| serde_json::from_str::<Value>(l).ok()).collect();
@@ -146,7 +146,7 @@ impl Handler {
     }
 
     /// Wait for a `--once` handler to exit; its exit code.
-    fn wait_exit(&mut self, within: Duration) -> i32 {
+    pub(crate) fn wait_exit(&mut self, within: Duration) -> i32 {
         let deadline = Instant::now() + within;
         loop {
             if let Some(st) = self.child.try_wait().expect("try_wait") {
@@ -175,13 +175,13 @@ impl Drop for Handler {
 
 /// What fake_vmm said: exit code, its JSON summary, its stderr.
 #[derive(Debug)]
-struct Restore {
-    code: i32,
-    json: Value,
-    stderr: String,
+pub(crate) struct Restore {
+    pub(crate) code: i32,
+    pub(crate) json: Value,
+    pub(crate) stderr: String,
 }
 
-fn fake_vmm(socket: &Path, mem: &Path, extra: &[&str]) -> Restore {
+pub(crate) fn fake_vmm(socket: &Path, mem: &Path, extra: &[&str]) -> Restore {
     let r = run(Command::new(env!("CARGO_BIN_EXE_fake_vmm"))
         .arg("--socket")
         .arg(socket)
@@ -193,7 +193,7 @@ fn fake_vmm(socket: &Path, mem: &Path, extra: &[&str]) -> Restore {
     Restore { code: r.code, json, stderr: r.stderr }
 }
 
-fn n(v: &Value, path: &[&str]) -> u64 {
+pub(crate) fn n(v: &Value, path: &[&str]) -> u64 {
     let mut x = v;
     for p in path {
         x = &x[*p];
@@ -203,7 +203,7 @@ fn n(v: &Value, path: &[&str]) -> u64 {
 
 /// A sample Firecracker-like snapshot (vm.mem half holes) packed into a layout: (snapshot
 /// dir, layout reference).
-fn packed_sample(dir: &Path, size: &str, seed: &str) -> (PathBuf, String) {
+pub(crate) fn packed_sample(dir: &Path, size: &str, seed: &str) -> (PathBuf, String) {
     let snap = dir.join("snap");
     let r = run(snapctl().arg("sample").arg(&snap).args(["--size", size, "--seed", seed]));
     assert_eq!(r.code, 0, "{r:?}");
@@ -235,7 +235,7 @@ fn nonzero_chunks(mem: &Path) -> u64 {
     }
 }
 
-fn assert_clean(r: &Restore, pages: u64) {
+pub(crate) fn assert_clean(r: &Restore, pages: u64) {
     assert_eq!(r.code, 0, "fake_vmm: {}\n{}", r.json, r.stderr);
     assert_eq!(n(&r.json, &["pages_checked"]), pages, "{r:?}");
     assert_eq!(n(&r.json, &["mismatches"]), 0, "{r:?}");

@@ -2,6 +2,7 @@
 
 mod adversarial_client;
 mod adversarial_files;
+mod adversarial_lazy;
 mod adversarial_registry;
 mod chain;
 mod cli;
@@ -12,10 +13,12 @@ mod format;
 mod lazy;
 mod lazy_criu;
 mod netem;
+mod operator;
 mod pull;
 mod push;
 mod registry;
 mod runsc;
+mod sign;
 mod slices;
 mod snapshot_registry;
 mod vectors;

@@ -1,0 +1,218 @@
+//! Glue between the commands that restore images and the `sign` crate: the `--policy` flag
+//! group (pull, unpack, copy, verify, lazy), where the policy file is found, the
+//! signature stores over a registry client and a layout, and the one check that runs
+//! before an image is used.
+//!
+//! The policy is found as containers tools find theirs: `--policy FILE` (or
+//! `$SNAPCTL_POLICY`), else `$HOME/.config/containers/policy.json`, else
+//! `/etc/containers/policy.json`. With none of them every image is accepted, as before
+//! signatures existed (skopeo and podman refuse to run without a policy file instead;
+//! snapctl keeps working for its users who have never written one). `--insecure-policy`
+//! ignores every file.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use imgfmt::reference::{Reference, Selector};
+use imgfmt::{BlobSource, Descriptor, FormatError, Image, OciDigest, OciLayout};
+use regclient::RegistrySource;
+
+use super::common::{self, Opened};
+
+/// Which images may be restored (shared by pull, unpack, copy, verify and lazy).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct PolicyFlags {
+    /// containers-policy.json deciding which images may be used, as skopeo and podman read
+    /// it (e.g. sigstoreSigned: only images with a cosign signature by a given key; see
+    /// `snapctl sign --help`). Checked before anything is written, cached or served;
+    /// a refusal exits 1 naming the rule. [default: $SNAPCTL_POLICY, else
+    /// ~/.config/containers/policy.json, else /etc/containers/policy.json; with none of
+    /// them every image is accepted]
+    #[arg(long, value_name = "FILE", env = "SNAPCTL_POLICY")]
+    pub policy: Option<PathBuf>,
+    /// Consult no policy file at all (skopeo's --insecure-policy).
+    #[arg(long, conflicts_with = "policy")]
+    pub insecure_policy: bool,
+}
+
+/// The policy refused an image (exit 1).
+#[derive(Debug)]
+pub struct PolicyRefused(pub String);
+impl std::fmt::Display for PolicyRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+impl std::error::Error for PolicyRefused {}
+
+/// Where the policy comes from when `--policy` is not given: containers tools' order.
+pub fn default_policy_path() -> Option<PathBuf> {
+    let user = std::env::var_os("HOME").map(|h| Path::new(&h).join(".config/containers/policy.json"));
+    user.into_iter().chain([PathBuf::from("/etc/containers/policy.json")]).find(|p| p.exists())
+}
+
+impl PolicyFlags {
+    /// The policy in force, if any (a file named but absent or invalid is an error).
+    pub fn load(&self) -> anyhow::Result<Option<sign::Policy>> {
+        if self.insecure_policy {
+            return Ok(None);
+        }
+        let Some(path) = self.policy.clone().or_else(default_policy_path) else {
+            tracing::debug!("no policy file: every image is accepted");
+            return Ok(None);
+        };
+        Ok(Some(sign::Policy::from_file(&path)?))
+    }
+
+    /// Open `reference` and its image, the image's metadata read while the policy reads
+    /// its signatures; the image is returned only if the policy accepts it. The returned
+    /// `Opened` names the image by its digest (what was checked is what is used).
+    pub fn open_image(&self, reference: &str, plain_http: bool) -> anyhow::Result<(Opened, Image)> {
+        let r: Reference = reference.parse()?;
+        let (mut o, store) = open_with_store(&r, reference, plain_http)?;
+        let image = self.gate(&r, store.as_ref(), &mut o, common::open_image)?;
+        Ok((o, image))
+    }
+
+    /// Check the image `o` names before `open` uses it: resolve its digest (and make `o`
+    /// name it by digest), then run `open(o)` while the policy's signature reads go on
+    /// beside it. `open`'s result is returned only once the policy has accepted the image.
+    pub fn gate<T>(&self, r: &Reference, store: &dyn sign::Store, o: &mut Opened, open: impl FnOnce(&Opened) -> anyhow::Result<T>) -> anyhow::Result<T> {
+        let Some(policy) = self.load()? else { return open(o) };
+        let digest = resolve(o)?;
+        o.selector = Selector::Digest(digest.clone());
+        let identity = sign::ImageIdentity::of(r).map_err(|e| anyhow::anyhow!("{}: {e}", o.reference))?;
+        let (checked, opened) = std::thread::scope(|s| {
+            let check = s.spawn(|| sign::check(store, &policy, &identity, &digest));
+            let opened = open(o);
+            (check.join().expect("policy check thread"), opened)
+        });
+        accepted(checked, &o.reference)?;
+        opened
+    }
+
+    /// Check the image `digest` that `reference` names (no overlap: `copy`).
+    pub fn check(&self, reference: &str, digest: &OciDigest, plain_http: bool) -> anyhow::Result<()> {
+        let Some(policy) = self.load()? else { return Ok(()) };
+        let r: Reference = reference.parse()?;
+        let (_, store) = open_with_store(&r, reference, plain_http)?;
+        let identity = sign::ImageIdentity::of(&r).map_err(|e| anyhow::anyhow!("{reference}: {e}"))?;
+        accepted(sign::check(store.as_ref(), &policy, &identity, digest), reference)
+    }
+}
+
+/// The verdict as the CLI reports it: a note naming the signer on stderr, a refusal as
+/// [`PolicyRefused`] (exit 1), a store that could not be read as an error (exit 2).
+fn accepted(r: Result<sign::Accepted, sign::CheckError>, reference: &str) -> anyhow::Result<()> {
+    match r {
+        Ok(a) => {
+            for s in &a.signatures {
+                eprintln!(
+                    "signature: {} signed by key {} as {} ({}; policy {})",
+                    common::printable(reference),
+                    s.key,
+                    common::printable(&s.payload.docker_reference),
+                    s.place,
+                    a.rule
+                );
+            }
+            Ok(())
+        }
+        Err(e @ sign::CheckError::Refused { .. }) => Err(anyhow::Error::new(PolicyRefused(e.to_string()))),
+        Err(e) => Err(anyhow::Error::new(e)),
+    }
+}
+
+fn resolve(o: &Opened) -> anyhow::Result<OciDigest> {
+    Ok(match &o.selector {
+        Selector::Tag(t) => o.source.resolve_tag(t).with_context(|| format!("resolving {}", o.reference))?,
+        Selector::Digest(d) => d.clone(),
+    })
+}
+
+/// An opened reference and a signature store over the same registry client (one
+/// connection) or the same layout directory.
+pub fn open_with_store(r: &Reference, reference: &str, plain_http: bool) -> anyhow::Result<(Opened, Box<dyn sign::Store>)> {
+    Ok(match r {
+        Reference::Layout { path, selector } => {
+            let layout = OciLayout::open(path).with_context(|| format!("opening {reference}"))?;
+            let store = LayoutStore(OciLayout::open(path).with_context(|| format!("opening {reference}"))?);
+            (Opened { source: Box::new(layout), selector: selector.clone(), reference: reference.into() }, Box::new(store))
+        }
+        Reference::Registry { host, repository, selector } => {
+            let c = Arc::new(common::registry_client(host, repository, plain_http)?);
+            (Opened { source: Box::new(c.clone()), selector: selector.clone(), reference: reference.into() }, Box::new(RegistryStore(c)))
+        }
+    })
+}
+
+/// Signatures in a registry repository: the tag scheme, and referrers (the API, else the
+/// fallback tag).
+pub struct RegistryStore(pub Arc<RegistrySource>);
+
+impl sign::Store for RegistryStore {
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+    fn manifest_by_tag(&self, tag: &str, limit: u64) -> Result<Option<Vec<u8>>, FormatError> {
+        self.0.get_manifest(tag, limit)
+    }
+    fn manifest(&self, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
+        self.0.get_manifest(digest.as_str(), limit)?.ok_or_else(|| FormatError::BlobNotFound(digest.clone()))
+    }
+    fn blob(&self, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
+        self.0.read_blob_unverified(digest, limit)
+    }
+    fn referrers(&self, subject: &OciDigest) -> Result<Vec<Descriptor>, FormatError> {
+        self.0.list_referrers(subject, Some(sign::manifest::SIGNATURE_ARTIFACT_TYPE)).map_err(|e| e.into_source_error(self.0.host()))
+    }
+    fn put_blob(&self, data: &[u8]) -> Result<(), FormatError> {
+        self.0.push_small_blob(data).map(|_| ()).map_err(|e| e.into_source_error(self.0.host()))
+    }
+    fn put_tagged_manifest(&self, tag: &str, bytes: &[u8]) -> Result<(), FormatError> {
+        self.0.put_manifest(tag, bytes).map(|_| ()).map_err(|e| e.into_source_error(self.0.host()))
+    }
+    fn put_referrer(&self, subject: &OciDigest, bytes: &[u8]) -> Result<bool, FormatError> {
+        if !self.0.has_referrers_api(subject)? {
+            return Ok(false);
+        }
+        let put = self.0.put_manifest(OciDigest::of(bytes).as_str(), bytes).map_err(|e| e.into_source_error(self.0.host()))?;
+        Ok(put.subject_indexed)
+    }
+}
+
+/// Signatures in a layout: the tag scheme only (a layout has no referrers API).
+pub struct LayoutStore(pub OciLayout);
+
+impl sign::Store for LayoutStore {
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+    fn manifest_by_tag(&self, tag: &str, limit: u64) -> Result<Option<Vec<u8>>, FormatError> {
+        match self.0.resolve_tag(tag) {
+            Ok(d) => self.0.read_blob_unverified(&d, limit).map(Some),
+            Err(FormatError::TagNotFound { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+    fn manifest(&self, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
+        self.0.read_blob_unverified(digest, limit)
+    }
+    fn blob(&self, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
+        self.0.read_blob_unverified(digest, limit)
+    }
+    fn referrers(&self, _: &OciDigest) -> Result<Vec<Descriptor>, FormatError> {
+        Ok(Vec::new())
+    }
+    fn put_blob(&self, data: &[u8]) -> Result<(), FormatError> {
+        self.0.put_blob(data).map(|_| ())
+    }
+    fn put_tagged_manifest(&self, tag: &str, bytes: &[u8]) -> Result<(), FormatError> {
+        let d = self.0.put_blob(bytes)?;
+        self.0.set_tag(tag, Descriptor::new(imgfmt::media::OCI_MANIFEST, d, bytes.len() as u64))
+    }
+    fn put_referrer(&self, _: &OciDigest, _: &[u8]) -> Result<bool, FormatError> {
+        Ok(false)
+    }
+}
