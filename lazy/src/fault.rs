@@ -106,17 +106,7 @@ type Finished = (Key, Done, Work);
 
 impl Conn {
     pub fn new(inst: Arc<Installer>, demand: Arc<Demand>, ws: Arc<Pending>, started: Instant) -> Conn {
-        Conn {
-            inst,
-            demand,
-            ws,
-            started,
-            busy_since: AtomicU64::new(0),
-            busy_addr: AtomicU64::new(0),
-            slice_faults: false,
-            pacing: None,
-            on_fork: None,
-        }
+        Conn { inst, demand, ws, started, busy_since: AtomicU64::new(0), busy_addr: AtomicU64::new(0), slice_faults: false, pacing: None, on_fork: None }
     }
 
     /// A connection for a child this one's process forked ([`Installer::child`]), with a

@@ -139,7 +139,7 @@ impl LazyOptions {
         LazyOptions {
             socket,
             prefetch: PrefetchMode::Trace,
-            // Unbounded: the stream paces itself beside the faults (prefetch::Pacer); a bound
+            // Unbounded: the stream paces itself beside the faults (crate::pacing); a bound
             // of 256 MiB/s held a scattered restore at 4.5 s against a 2.0 s pull on an
             // uncapped 20 ms path (BENCHMARKS.md, "Lazy restore across a network").
             prefetch_rate: 0,

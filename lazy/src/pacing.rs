@@ -30,9 +30,13 @@
 //! faults' chunks the link rather than a share of it beside the stream.
 //!
 //! The constants, and why (spec/lazy.md "Pacing the background"):
-//! - [`TARGET_SHARE`] of the base delay, at least [`MIN_TARGET`]: issue 23 lets the stream
-//!   add at most 25 % of the round trip to a fault; RFC 6817's TARGET is an upper bound
-//!   (100 ms) for links of unknown delay, ours is known from the probes.
+//! - [`TARGET_SHARE`] (10 %) of the base delay, at least [`MIN_TARGET`]: the stream may add
+//!   at most a quarter of the round trip to a fault's wait. The window holds the queue
+//!   about its target, not under it (the filter takes the least of several samples, and a
+//!   fault's slice also waits behind a piece of each request in flight): at 20 % a fault's
+//!   median wait grew by 7 ms at RTT 20 ms, over the quarter; at 10 % by 1-4 ms (the
+//!   bottleneck tests in `tests.rs`). RFC 6817's TARGET is an upper bound (100 ms) for links
+//!   of unknown delay; ours is known from the probes.
 //! - [`GAIN`] 1 (RFC 6817: at most 1): at full distance from the target the window grows by
 //!   one chunk per round trip, and shrinks in proportion to how far over it is.
 //! - Slow start while the latest sample's queueing delay is under half the target
@@ -52,8 +56,8 @@ use std::time::{Duration, Instant};
 
 use imgfmt::{BlobSource, OciDigest};
 
-/// Queueing delay the background may cause, as a share of the base delay.
-pub const TARGET_SHARE: f64 = 0.2;
+/// Queueing delay the background may cause, as a share of the base delay (the round trip).
+pub const TARGET_SHARE: f64 = 0.1;
 /// Least target: the bottleneck moves bytes in pieces (a packet train, `netem`'s ~1 ms
 /// pieces), and on a loaded host a probe's time varies by about this much without any
 /// queue; a target below it would see queueing that is not there.
@@ -364,9 +368,6 @@ impl Background {
         // The window is in use by the faults' fetches as well as the background's.
         let inflight = st.inflight + st.foreground;
         st.ledbat.sample(kind, took, Instant::now(), inflight);
-        if std::env::var_os("TMP_PACE").is_some() {
-            eprintln!("TMPS {:?} {:.1} q {:?} w {:.1} inflight {:.1}", kind, took.as_secs_f64() * 1e3, st.ledbat.queueing().map(|d| d.as_secs_f64() * 1e3), st.ledbat.window() as f64 / 65536.0, inflight as f64 / 65536.0);
-        }
         st.most_window = st.most_window.max(st.ledbat.window());
         drop(st);
         self.cv.notify_all();
@@ -428,10 +429,10 @@ mod tests {
         let mut l = Ledbat::new(MIB, 32);
         assert_eq!(l.target(), MIN_TARGET, "no probe yet");
         let t = Instant::now();
-        l.sample(Kind::Probe, Duration::from_millis(50), t, 0);
+        l.sample(Kind::Probe, Duration::from_millis(100), t, 0);
         assert_eq!(l.target(), Duration::from_millis(10));
-        l.sample(Kind::Probe, Duration::from_millis(20), t + Duration::from_millis(60), 0);
-        assert_eq!((l.base(), l.target()), (Some(Duration::from_millis(20)), Duration::from_millis(4)), "the base is the least delay");
+        l.sample(Kind::Probe, Duration::from_millis(50), t + Duration::from_millis(60), 0);
+        assert_eq!((l.base(), l.target()), (Some(Duration::from_millis(50)), Duration::from_millis(5)), "the base is the least delay");
         let mut l = Ledbat::new(MIB, 32);
         l.sample(Kind::Probe, Duration::from_micros(300), t, 0);
         assert_eq!(l.target(), MIN_TARGET, "loopback");
@@ -447,12 +448,12 @@ mod tests {
         // up to 32 chunks in about 4 round trips.
         let t = feed(&mut l, t, 5 * 4, ms(5), ms(20));
         assert_eq!(l.window(), 32 * MIB, "grown to its bound");
-        // A queue of 16 ms (four targets of 4 ms; a round trip more would be a loss): once the
-        // filter sees it (the least of 4 probes), the window shrinks by (16 - 4) / 4 = 3
-        // chunks per round trip.
+        // A queue of 16 ms (eight targets of 2 ms; a round trip more would be a loss): once
+        // the filter sees it (the least of 4 probes), the window shrinks by (16 - 2) / 2 = 7
+        // chunks per round trip, 1.75 per probe 5 ms apart.
         let t = feed(&mut l, t, 8, ms(5), ms(36));
         let w = l.window() as f64 / MIB as f64;
-        assert!((27.0..=30.0).contains(&w), "{w}");
+        assert!((22.0..=25.0).contains(&w), "{w}");
         let t = feed(&mut l, t, 60, ms(5), ms(36));
         assert_eq!(l.window(), 0, "a lasting queue stops the background");
         assert_eq!(l.cuts, 0);
@@ -466,7 +467,7 @@ mod tests {
     fn the_window_settles_where_the_queue_meets_the_target() {
         // A FIFO bottleneck of 125 MB/s (1 Gbit/s) and 20 ms: the background's bytes beyond
         // the bandwidth-delay product queue, each MiB 8.4 ms. The window settles where that
-        // queue is about the 4 ms target: about 2.5 MB + 0.5 MB, 3 chunks.
+        // queue is about the 2 ms target: about 2.5 MB + 0.25 MB, under 3 chunks.
         let mut l = Ledbat::new(MIB, 32);
         let (base, rate) = (Duration::from_millis(20), 125e6);
         let mut now = Instant::now();

@@ -188,13 +188,7 @@ pub(crate) struct Demand {
 
 impl Demand {
     pub fn new(started: Instant, detector: Option<Detector>) -> Demand {
-        Demand {
-            started,
-            parked_faults: AtomicU64::new(0),
-            detector: Mutex::new(detector),
-            go: AtomicBool::new(false),
-            go_at_us: AtomicU64::new(0),
-        }
+        Demand { started, parked_faults: AtomicU64::new(0), detector: Mutex::new(detector), go: AtomicBool::new(false), go_at_us: AtomicU64::new(0) }
     }
 
     /// `faults` wait for the fetch pool now.

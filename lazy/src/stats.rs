@@ -223,7 +223,7 @@ pub struct Pacing {
     pub base_ms: Option<f64>,
     /// The queueing delay the window aimed at, in milliseconds.
     pub target_ms: f64,
-    /// Probes sent (and answered).
+    /// Delay samples taken (probes answered and the faults' slice fetches).
     pub probes: u64,
     /// Losses seen (the window halved).
     pub cuts: u64,

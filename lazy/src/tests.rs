@@ -1093,22 +1093,24 @@ fn median(v: &mut [Duration]) -> Duration {
     v[v.len() / 2]
 }
 
-/// Issue 23 §2: the stream is a scavenger. Across a slow bottleneck (4 MB/s, 20 ms; a
-/// 64 KiB chunk is 16 ms of link, the image's 320 data chunks 5 s; [`Bottleneck`]), one vCPU touches one
-/// page in each of 20 data chunks before the stream starts (the detector lets it go at the
-/// 21st miss), then, while the stream works through the image, 20 more, from the end of the
-/// file where the stream does not get in time: the median time of those touches that found
-/// their page missing stays within 1.6x of the same run's median without the stream, and
-/// the stream still moves meanwhile. Before, the stream kept up to 32 requests in flight
-/// (2 MiB: half a second of this link) and then twice what it measured the link to hold:
-/// faults waited behind them, about 3x as long.
+/// Issue 23 §2: the stream is a scavenger. Across a slow bottleneck (8 MB/s, RTT 20 ms; a
+/// 64 KiB chunk is 8 ms of link, the image's 320 data chunks 2.6 s; [`Bottleneck`]), one
+/// vCPU touches one page in each of 20 data chunks before the stream starts (the detector
+/// lets it go at the 21st miss), then, while the stream works through the image, 20 more,
+/// from the end of the file where the stream does not get in time. Of the touches that
+/// found their page missing, the median with the stream running is at most a quarter of
+/// the round trip over the same run's median without it (the goal), a touch of a second
+/// page of the same chunk (it waits for the whole chunk) at most three round trips over,
+/// and the stream still moves meanwhile. Unpaced, the stream kept up to `--stream-jobs`
+/// (32) requests in flight: a fault's slice waited behind a piece of each (about +30 ms
+/// here), its chunk shared the link with all of them (about +250 ms).
 fn stream_yields_to_faults_at_the_bottleneck(queue: Option<Duration>) {
-    let (dir, mem, image, layout) = sample_image(480);
+    let (dir, mem, image, layout) = sample_image(960);
     let image = with_outboards(image, &layout);
     let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
     let link = Bottleneck::new(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap(), Duration::from_millis(20), 8e6, queue);
     drop(layout);
-    let data: Vec<usize> = (0..480).filter(|c| c % 3 != 1).collect();
+    let data: Vec<usize> = (0..960).filter(|c| c % 3 != 1).collect();
     let run = start(
         dir.path(),
         image,
@@ -1150,26 +1152,22 @@ fn stream_yields_to_faults_at_the_bottleneck(queue: Option<Duration>) {
     let streamed_before = streamed(&run.daemon);
     let (mut during, mut during_whole) = timed(20, &mut touch);
     let streamed_during = streamed(&run.daemon) - streamed_before;
-    assert!(before.len() >= 18 && during.len() >= 18, "the touches found their pages missing: {} and {}", before.len(), during.len());
+    assert!(before.len() >= 15 && during.len() >= 15, "the touches found their pages missing: {} and {}", before.len(), during.len());
     let (b, d) = (median(&mut before), median(&mut during));
     let (bw, dw) = (median(&mut before_whole), median(&mut during_whole));
-    eprintln!("TMP medians: before {b:?} during {d:?}, whole {bw:?} {dw:?} streamed during {streamed_during}, drops {}", link.drops.load(Ordering::SeqCst));
+    // Printed for whoever looks at a run (cargo test -- --nocapture).
+    eprintln!(
+        "first touch: median {b:?} without the stream, {d:?} with it; whole chunk {bw:?}, {dw:?}; {streamed_during} chunks streamed meanwhile; {} drops",
+        link.drops.load(Ordering::SeqCst)
+    );
     assert!(streamed_during >= 10, "the stream starved: {streamed_during} chunks while the faults ran");
     drop(sock);
     let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
-    eprintln!("TMP pacing {:?} depth {}", rep.pacing, rep.stream_depth);
     assert!(rep.pacing.probes > 0 && rep.pacing.base_ms.is_some(), "{rep:?}");
     assert_eq!((rep.verify_failures, rep.poisoned_pages), (0, 0));
-    assert!(
-        d.as_secs_f64() <= 1.6 * b.as_secs_f64(),
-        "faults waited behind the stream: median {d:?} with it, {b:?} without ({} drops at the buffer)",
-        link.drops.load(Ordering::SeqCst)
-    );
-    assert!(
-        dw.as_secs_f64() <= 1.6 * bw.as_secs_f64(),
-        "the faults' chunks waited behind the stream: median {dw:?} with it, {bw:?} without ({} drops at the buffer)",
-        link.drops.load(Ordering::SeqCst)
-    );
+    let (rtt, drops) = (link.rtt, link.drops.load(Ordering::SeqCst));
+    assert!(d <= b + rtt / 4, "faults waited behind the stream: median {d:?} with it, {b:?} without ({drops} drops at the buffer)");
+    assert!(dw <= bw + 3 * rtt, "the faults' chunks waited behind the stream: median {dw:?} with it, {bw:?} without ({drops} drops at the buffer)");
 }
 
 #[test]
@@ -1177,12 +1175,13 @@ fn regression_issue_23_stream_yields_to_faults_at_a_deep_bottleneck() {
     stream_yields_to_faults_at_the_bottleneck(None);
 }
 
-/// The same behind a shallow buffer (3 ms of link): a piece that finds it full is dropped
-/// and comes a round trip later, so a stream that fills it costs a fault a round trip
-/// whenever its slice is the one dropped.
+/// The same behind a shallow buffer (6 ms of link, 30% of the bandwidth-delay product): a
+/// piece that finds it full is dropped and comes a round trip later. The buffer bounds the
+/// queue, so an unpaced stream adds little to a slice (about +5 ms here) but fills the
+/// buffer: the faults' chunks lose pieces and wait round trips (about +200 ms).
 #[test]
 fn regression_issue_23_stream_yields_to_faults_at_a_shallow_bottleneck() {
-    stream_yields_to_faults_at_the_bottleneck(Some(Duration::from_millis(3)));
+    stream_yields_to_faults_at_the_bottleneck(Some(Duration::from_millis(6)));
 }
 
 /// Issue 21 §9: the metrics listener served one connection at a time, each read with a 2 s
@@ -1240,8 +1239,13 @@ fn regression_issue_21_a_dripping_metrics_client_does_not_block_a_scrape() {
     for _ in 0..5 {
         let t0 = Instant::now();
         let held: Vec<std::net::TcpStream> = (0..MAX_METRICS_CONNECTIONS).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect();
-        std::thread::sleep(Duration::from_millis(200));
-        let refused = scrape();
+        // The listener takes the held connections in its own time (late on a busy host): a
+        // scrape answered meanwhile found a slot free; look again until one is refused.
+        let mut refused = scrape();
+        while refused.as_ref().is_ok_and(|t| !t.is_empty()) && t0.elapsed() < METRICS_DEADLINE / 4 {
+            std::thread::sleep(Duration::from_millis(50));
+            refused = scrape();
+        }
         let took = t0.elapsed();
         std::thread::sleep(METRICS_DEADLINE + Duration::from_millis(500));
         assert!(scrape().is_ok_and(|t| t.starts_with("HTTP/1.1 200")), "the slots are free again");

@@ -194,7 +194,14 @@ impl Pending {
 /// stays pending until it is installed or given up. Returns when it was done, unless the
 /// connection ended or `stop` was set first; `pending` is disarmed on the way out whatever
 /// happened.
-pub(crate) fn replay(inst: Arc<Installer>, pending: Arc<Pending>, plan: Arc<Plan>, src: Arc<dyn BlobSource>, bg: Arc<Background>, stop: Arc<AtomicBool>) -> Option<Instant> {
+pub(crate) fn replay(
+    inst: Arc<Installer>,
+    pending: Arc<Pending>,
+    plan: Arc<Plan>,
+    src: Arc<dyn BlobSource>,
+    bg: Arc<Background>,
+    stop: Arc<AtomicBool>,
+) -> Option<Instant> {
     struct Clear<'a>(&'a Pending);
     impl Drop for Clear<'_> {
         fn drop(&mut self) {
