@@ -253,8 +253,8 @@ lazy_once() {
     stream_depth="$(jq '.stream_depth // 0' "$h")" \
     ws_slices="$(jq '.working_set_slices // 0' "$h")" ws_waits="$(jq '.working_set_waits // 0' "$h")" \
     ws_bytes="$(jq '.working_set_bytes // 0' "$h")" ws_s="$(jq '.working_set_s // null' "$h")" \
-    ws_recorded="$(jq '.working_set_recorded // 0' "$h")"
-  log "  $path: $secs s, $(jq -c '{faults, bytes_fetched, prefetched_bytes, streamed_bytes, stream_started_s, stream_depth, working_set_slices, working_set_waits, working_set_s, working_set_recorded, latency_us}' "$h"), $(jq -c .bytes_down <<<"$NET_STATS") B through the proxy"
+    ws_recorded="$(jq '.working_set_recorded // 0' "$h")" pacing="$(jq -c '.pacing // null' "$h")"
+  log "  $path: $secs s, $(jq -c '{faults, bytes_fetched, prefetched_bytes, streamed_bytes, stream_started_s, stream_depth, pacing, working_set_slices, working_set_waits, working_set_s, working_set_recorded, latency_us}' "$h"), $(jq -c .bytes_down <<<"$NET_STATS") B through the proxy"
   [ "$cache" = fill ] || rm -rf "$W/lcache"
 }
 
