@@ -1027,13 +1027,22 @@ mod hostile {
         for i in 0..10 {
             send(i).await.unwrap();
         }
-        c.get(s.u("/metrics")).send().await.unwrap();
+        // The store's gauges appear once its first scan ends (a background task).
+        for _ in 0..200 {
+            if c.get(s.u("/metrics")).send().await.unwrap().text().await.unwrap().contains("snapctl_store_scan_timestamp_seconds") {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
         let before = c.get(s.u("/metrics")).send().await.unwrap().text().await.unwrap();
+        assert!(before.contains("snapctl_store_scan_timestamp_seconds"), "the store's first scan never ended: {before}");
         for i in 10..300 {
             send(i).await.unwrap();
         }
         let after = c.get(s.u("/metrics")).send().await.unwrap().text().await.unwrap();
-        assert!(after.len() < before.len() + 200, "metrics grew from {} to {} bytes", before.len(), after.len());
+        let names = |t: &str| t.lines().map(|l| l.split([' ', '{']).next().unwrap_or("").to_owned()).collect::<std::collections::BTreeSet<_>>();
+        let new_names: Vec<String> = names(&after).difference(&names(&before)).cloned().collect();
+        assert!(after.len() < before.len() + 200, "metrics grew from {} to {} bytes; new: {new_names:?}", before.len(), after.len());
         assert!(after.contains("snapctl_http_requests_total{method=\"other\",status=\"200\"} 300"), "{after}");
     }
 

@@ -233,9 +233,16 @@ fn regression_issue_14_made_up_methods_do_not_grow_the_registry() {
         }
     };
     flood(0, 100);
-    // The first scrape adds its own latency histogram; from the second on, only digits
-    // of counts may grow (one more per line from 100 to 1000).
-    c.get(s.url("/metrics")).send().unwrap();
+    // The first scrape adds its own latency histogram; from the second on (and once the
+    // store's gauges are there), only digits of counts may grow (one more per line from
+    // 100 to 1000).
+    // The store's gauges appear once its first scan ends (a background task).
+    for _ in 0..200 {
+        if c.get(s.url("/metrics")).send().unwrap().text().unwrap().contains("snapctl_store_scan_timestamp_seconds") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let before = (rss_kib(s.child.id()), c.get(s.url("/metrics")).send().unwrap().text().unwrap().len());
     flood(100, 1000);
     let after = (rss_kib(s.child.id()), c.get(s.url("/metrics")).send().unwrap().text().unwrap().len());
