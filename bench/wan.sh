@@ -20,6 +20,7 @@
 #          --prefetch MODE (the clustered and scattered restores' --prefetch; default: the
 #          daemon's own, `trace`, which with no trace streams the rest once misses look
 #          scattered; `none` gives faults alone, the rows before issue 16's stream)
+#          --run-pages N (the clustered guest's runs of contiguous pages; default 64)
 #
 # For each setting (RTT x cap) and run, each against a fresh proxy (so its byte counts are
 # the command's own) and a fresh, empty chunk cache (cold):
@@ -27,7 +28,7 @@
 #               (bytes through the proxy x 8 / time / cap)
 #   verify      `snapctl verify REF`: every stored chunk read and hashed; the same % of cap
 #   clustered   `snapctl lazy REF --once` (--prefetch: see above), fake_vmm touching P% of
-#               the pages in runs of 64 contiguous pages (256 KiB) at random offsets
+#               the pages in runs of 64 contiguous pages (256 KiB; --run-pages) at random offsets
 #   scattered   the same with P% of the pages scattered singly, and --record-trace (the
 #               trace is stored after the guest is done, outside the timed part)
 #   Each run's lazy restores read the image from a repository of their own (the image
@@ -67,7 +68,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ARGV=("$@")
 RUNS=3 SIZE=2GiB RTTS="0 2 20 50" RATES="0 1gbit 200mbit" PCT=5 ALL=0 TAG="" KEEP=0 QUICK=0
 ONLY="" WINDOW="" PULL_ARGS="" NO_VERIFY=0
-LAZY_EXTRA="" PREFETCH=""
+LAZY_EXTRA="" PREFETCH="" RUN_PAGES=64
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1; RUNS=1; SIZE=256MiB; RTTS="0 20"; RATES="0 1gbit" ;;
@@ -87,6 +88,7 @@ while [ $# -gt 0 ]; do
     --slice-faults) LAZY_EXTRA="$LAZY_EXTRA --slice-faults $2"; shift ;;
     --lazy-args) LAZY_EXTRA="$LAZY_EXTRA $2"; shift ;;
     --prefetch) PREFETCH="--prefetch $2"; shift ;;
+    --run-pages) RUN_PAGES=$2; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "wan.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -251,8 +253,8 @@ lazy_once() {
     stream_depth="$(jq '.stream_depth // 0' "$h")" \
     ws_slices="$(jq '.working_set_slices // 0' "$h")" ws_waits="$(jq '.working_set_waits // 0' "$h")" \
     ws_bytes="$(jq '.working_set_bytes // 0' "$h")" ws_s="$(jq '.working_set_s // null' "$h")" \
-    ws_recorded="$(jq '.working_set_recorded // 0' "$h")"
-  log "  $path: $secs s, $(jq -c '{faults, bytes_fetched, prefetched_bytes, streamed_bytes, stream_started_s, stream_depth, working_set_slices, working_set_waits, working_set_s, working_set_recorded, latency_us}' "$h"), $(jq -c .bytes_down <<<"$NET_STATS") B through the proxy"
+    ws_recorded="$(jq '.working_set_recorded // 0' "$h")" pacing="$(jq -c '.pacing // null' "$h")"
+  log "  $path: $secs s, $(jq -c '{faults, bytes_fetched, prefetched_bytes, streamed_bytes, stream_started_s, stream_depth, pacing, working_set_slices, working_set_waits, working_set_s, working_set_recorded, latency_us}' "$h"), $(jq -c .bytes_down <<<"$NET_STATS") B through the proxy"
   [ "$cache" = fill ] || rm -rf "$W/lcache"
 }
 
@@ -274,7 +276,7 @@ calibrate() {
 }
 
 REPOS=0
-CLUSTER="--touch $PCT% --run-pages 64"
+CLUSTER="--touch $PCT% --run-pages $RUN_PAGES"
 SCATTER="--touch $PCT% --run-pages 1"
 for rtt in $RTTS; do
   for rate in $RATES; do
@@ -308,8 +310,8 @@ echo
 echo "$(nproc) cores, kernel $(uname -r), load average at the end $(cut -d' ' -f1-3 /proc/loadavg), snapctl $(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- . 2>/dev/null || echo '+changes'); medians of $RUNS run(s)."
 echo "Image: \`snapctl sample --size $SIZE --zero-fraction 0.5\`: $NONZERO B allocated in vm.mem, $STORED B in the registry's storage. Guest: fake_vmm, 2 vCPU threads, $PCT% of the pages."
 echo
-python3 - "$RUNLOG" <<'PY'
-import json, statistics, sys
+RUN_PAGES=$RUN_PAGES python3 - "$RUNLOG" <<'PY'
+import json, os, statistics, sys
 runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 med = lambda xs: statistics.median(xs) if xs else None
 def rate_bps(r):
@@ -320,7 +322,7 @@ def rate_bps(r):
     return float(r) or None
 order = ["calibration", "pull", "pull_direct", "verify", "clustered", "scattered", "warm", "replay", "all"]
 label = {"calibration": "`curl` of the largest pack (the proxy's ceiling)", "pull": "`snapctl pull`", "pull_direct": "`snapctl pull`, no proxy", "verify": "`snapctl verify` (reads every stored chunk)",
-         "clustered": "lazy, clustered (runs of 64 pages)", "scattered": "lazy, scattered (records a trace)",
+         "clustered": f"lazy, clustered (runs of {os.environ.get('RUN_PAGES', '64')} pages)", "scattered": "lazy, scattered (records a trace)",
          "warm": "lazy, scattered again, warm chunk cache", "replay": "lazy, scattered again, cold, `--prefetch trace`",
          "all": "lazy, scattered, cold, no trace, `--prefetch all --prefetch-rate 0`"}
 settings = []

@@ -30,6 +30,7 @@ use userfaultfd::{Event, EventBuffer, Uffd};
 
 use crate::fetch::{FetchFailure, Origin, SliceFetch, Work};
 use crate::install::{Arrivals, Installer, Kind};
+use crate::pacing::{Background, Kind as PaceKind};
 use crate::prefetch::Demand;
 use crate::slicing::Slicing;
 use crate::stats::{Counters, End};
@@ -51,6 +52,9 @@ pub(crate) struct Conn {
     busy_addr: AtomicU64,
     /// Fetch a chunk's first misses by slice (`LazyOptions::slice_faults`).
     pub slice_faults: bool,
+    /// The background class's pacing: the faults' slice fetches are its best samples of
+    /// what a fault's request meets on the link.
+    pub pacing: Option<Arc<Background>>,
     /// Who takes the userfaultfd of a child the process forked (UFFD_EVENT_FORK). Without
     /// one the child's uffd is closed, and the kernel then zero-fills whatever the child
     /// touches that was not yet installed: only for runtimes that do not fork.
@@ -102,7 +106,7 @@ type Finished = (Key, Done, Work);
 
 impl Conn {
     pub fn new(inst: Arc<Installer>, demand: Arc<Demand>, ws: Arc<Pending>, started: Instant) -> Conn {
-        Conn { inst, demand, ws, started, busy_since: AtomicU64::new(0), busy_addr: AtomicU64::new(0), slice_faults: false, on_fork: None }
+        Conn { inst, demand, ws, started, busy_since: AtomicU64::new(0), busy_addr: AtomicU64::new(0), slice_faults: false, pacing: None, on_fork: None }
     }
 
     /// A connection for a child this one's process forked ([`Installer::child`]), with a
@@ -229,19 +233,34 @@ impl Conn {
         std::thread::scope(|scope| {
             for _ in 0..FETCHERS {
                 let (job_rx, done_tx, wake_tx) = (job_rx.clone(), done_tx.clone(), &wake_tx);
-                let fetcher = &self.inst.fetcher;
+                let (fetcher, pacing) = (&self.inst.fetcher, &self.pacing);
                 scope.spawn(move || loop {
                     let Ok((key, job)) = job_rx.lock().expect("poisoned").recv() else { return };
+                    // The fetch's bytes take the background's window first while it runs.
+                    let wire = match &job {
+                        Job::Chunk(c) => fetcher.wire_bytes(*c),
+                        Job::Slices(c, range) => fetcher.slice_bytes(*c, range.clone()),
+                    };
+                    let held = pacing.as_ref().map(|bg| bg.foreground(wire));
                     let done = match job {
                         Job::Chunk(c) => {
                             let (o, origin, work) = fetcher.get(c);
                             (key, Done::Chunk(o.map(|_| ()), origin), work)
                         }
                         Job::Slices(c, range) => {
+                            let t = Instant::now();
                             let (o, work) = fetcher.get_slices(c, range);
+                            // A slice read from the source at the first try: one sample of
+                            // what a fault's request meets.
+                            if let (Some(bg), Ok(SliceFetch::Slices(_))) = (pacing, &o) {
+                                if work.retries == 0 && work.verify_failures == 0 {
+                                    bg.sample(PaceKind::Slice, t.elapsed());
+                                }
+                            }
                             (key, Done::Slices(o), work)
                         }
                     };
+                    drop(held);
                     if done_tx.send(done).is_err() {
                         return;
                     }
@@ -497,9 +516,9 @@ impl Conn {
         }
     }
 
-    /// Tell the prefetcher how many faults wait, and for how many fetches.
+    /// Tell the prefetcher (the CRIU push) how many faults wait.
     fn publish_parked(&self, parked: &HashMap<Key, Vec<Fault>>) {
-        self.demand.publish(parked.values().map(|v| v.len() as u64).sum(), parked.len() as u64);
+        self.demand.publish(parked.values().map(|v| v.len() as u64).sum());
     }
 
     /// Tell the watchdog about the oldest fault waiting.

@@ -148,6 +148,9 @@ pub struct Fetcher {
     pub image: Arc<Image>,
     pub file: usize,
     src: Arc<dyn BlobSource>,
+    /// Where the background class (the stream, the working-set replay) reads, when it has
+    /// a client of its own (see [`Fetcher::set_background_source`]); `src` otherwise.
+    background: std::sync::OnceLock<Arc<dyn BlobSource>>,
     store: Option<Arc<dyn ChunkStore>>,
     /// Fetched chunks on their way into `store`, put by a background thread: a put is
     /// durable (fdatasync) and must not sit between a fault and its install.
@@ -218,6 +221,7 @@ impl Fetcher {
             image,
             file,
             src,
+            background: std::sync::OnceLock::new(),
             store,
             puts,
             overflow,
@@ -248,9 +252,41 @@ impl Fetcher {
         self.policy.budget
     }
 
-    /// Where chunks are read from (the working-set replay reads its blob there too).
+    /// Where the faults' chunks are read from.
     pub fn source(&self) -> Arc<dyn BlobSource> {
         self.src.clone()
+    }
+
+    /// Give the background class (the stream's chunks, the working-set blob) a source of
+    /// its own: a second client, with its own connections and its own thread reading them,
+    /// so a fault's small response is never read behind a stream's megabytes in one event
+    /// loop. Once; later calls do nothing.
+    pub fn set_background_source(&self, src: Arc<dyn BlobSource>) {
+        let _ = self.background.set(src);
+    }
+
+    /// Where the background class reads: its own source, or the faults'.
+    pub fn background_source(&self) -> Arc<dyn BlobSource> {
+        self.background.get().unwrap_or(&self.src).clone()
+    }
+
+    /// Bytes a fetch of chunk `chunk` moves from the source (its stored length; 0 for a
+    /// zero chunk).
+    pub fn wire_bytes(&self, chunk: u64) -> u64 {
+        match self.image.files[self.file].chunks.get(chunk as usize).map(|c| c.at) {
+            Some(StoredAt::Pack { stored_len, .. }) => u64::from(stored_len),
+            _ => 0,
+        }
+    }
+
+    /// Bytes a fetch of slices `slices` of chunk `chunk` moves (0 where it has no slices).
+    pub fn slice_bytes(&self, chunk: u64, slices: Range<u32>) -> u64 {
+        match self.image.slice_cvs(self.file, chunk) {
+            Some(cvs) if slices.start < slices.end && slices.end <= cvs.slice_count() => {
+                cvs.slice_range(slices.end - 1).end - cvs.slice_range(slices.start).start
+            }
+            _ => 0,
+        }
     }
 
     /// Whether a chunk is in recent memory (a `get` would not wait).
@@ -278,17 +314,17 @@ impl Fetcher {
         self.get_with(chunk, false)
     }
 
-    /// [`get`](Self::get) for the stream of the rest of the image: a chunk it fetched
-    /// waits for room in the cache's queue (after the faults waiting on the same fetch
-    /// have their bytes), so a restore that streamed the image leaves all of it in the
-    /// cache. Skipping those puts left ~300 MB of a 1 GiB image to fetch again on the next
-    /// restore from the cache once the stream ran unbounded (BENCHMARKS.md, "Lazy restore
-    /// across a network").
-    pub fn get_waiting_for_cache(&self, chunk: u64) -> (Outcome, Origin, Work) {
+    /// [`get`](Self::get) for the background class (the stream of the rest of the image):
+    /// read through the background's source, and a chunk it fetched waits for room in the
+    /// cache's queue (after the faults waiting on the same fetch have their bytes), so a
+    /// restore that streamed the image leaves all of it in the cache. Skipping those puts
+    /// left ~300 MB of a 1 GiB image to fetch again on the next restore from the cache once
+    /// the stream ran unbounded (BENCHMARKS.md, "Lazy restore across a network").
+    pub fn get_background(&self, chunk: u64) -> (Outcome, Origin, Work) {
         self.get_with(chunk, true)
     }
 
-    fn get_with(&self, chunk: u64, wait_for_cache: bool) -> (Outcome, Origin, Work) {
+    fn get_with(&self, chunk: u64, background: bool) -> (Outcome, Origin, Work) {
         if let Some(c) = self.recent.lock().expect("poisoned").map.get(&chunk) {
             return (Ok(c.clone()), Origin::Cache, Work::default());
         }
@@ -316,7 +352,7 @@ impl Fetcher {
             }
             return (g.clone().expect("set"), Origin::Cache, Work::default());
         }
-        let (outcome, origin, work) = self.load(chunk);
+        let (outcome, origin, work) = self.load(chunk, background);
         if let Ok(c) = &outcome {
             self.recent.lock().expect("poisoned").insert(chunk, c.clone());
         }
@@ -326,7 +362,7 @@ impl Fetcher {
         if let (Ok(v), Some(q), Origin::Fetched) = (&outcome, &self.puts, origin) {
             let c = self.image.files[self.file].chunks[chunk as usize];
             let item = (self.image.config().hash, c.digest, v.clone());
-            if wait_for_cache {
+            if background {
                 let _ = q.send(item);
             } else if let Err(std::sync::mpsc::TrySendError::Full(item)) = q.try_send(item) {
                 let mut o = self.overflow.lock().expect("poisoned");
@@ -338,7 +374,7 @@ impl Fetcher {
         (outcome, origin, work)
     }
 
-    fn load(&self, chunk: u64) -> (Outcome, Origin, Work) {
+    fn load(&self, chunk: u64, background: bool) -> (Outcome, Origin, Work) {
         let c = self.image.files[self.file].chunks[chunk as usize];
         let algo = self.image.config().hash;
         if let Some(store) = &self.store {
@@ -350,7 +386,8 @@ impl Fetcher {
             StoredAt::Pack { stored_len, .. } => stored_len as u64,
             StoredAt::Zero => 0,
         };
-        let (res, work) = self.retrying(chunk, stored_len, || verify::read_chunk(self.src.as_ref(), &self.image, self.file, chunk), |_| false);
+        let src = if background { self.background.get().unwrap_or(&self.src) } else { &self.src };
+        let (res, work) = self.retrying(chunk, stored_len, || verify::read_chunk(src.as_ref(), &self.image, self.file, chunk), |_| false);
         match res {
             // Queued for the cache by `get_with`, once the flight's waiters have it.
             Ok(v) => (Ok(Arc::new(v)), Origin::Fetched, work),
@@ -373,12 +410,7 @@ impl Fetcher {
                 return (Ok(SliceFetch::Whole), Work::default());
             }
         }
-        let bytes = match self.image.slice_cvs(self.file, chunk) {
-            Some(cvs) if slices.start < slices.end && slices.end <= cvs.slice_count() => {
-                cvs.slice_range(slices.end - 1).end - cvs.slice_range(slices.start).start
-            }
-            _ => 0,
-        };
+        let bytes = self.slice_bytes(chunk, slices.clone());
         // No usable outboard entry (or one that does not merge to the digest: a forged or
         // damaged outboard) is not a failure: the whole chunk, checked against its digest,
         // serves the fault.
@@ -674,7 +706,7 @@ pub(crate) mod tests {
         let n = data.len();
         let worker = std::thread::spawn(move || {
             for &c in &data {
-                assert!(f.get_waiting_for_cache(c).0.is_ok());
+                assert!(f.get_background(c).0.is_ok());
             }
             f
         });

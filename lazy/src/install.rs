@@ -254,7 +254,7 @@ impl Installer {
             if let Some(f) = arrived.failed.remove(&c) {
                 return Err(f);
             }
-            let (o, mut from, w) = if stream { self.fetcher.get_waiting_for_cache(c) } else { self.fetcher.get(c) };
+            let (o, mut from, w) = if stream { self.fetcher.get_background(c) } else { self.fetcher.get(c) };
             if let Some(o) = arrived.origin.remove(&c) {
                 // Fetched by the pool for this fault: it counts as this fault's fetch.
                 from = o;

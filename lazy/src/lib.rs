@@ -56,6 +56,7 @@ mod fetch;
 pub mod handshake;
 mod install;
 pub mod map;
+pub mod pacing;
 pub mod pagemap;
 pub mod prefetch;
 mod record;
@@ -138,7 +139,7 @@ impl LazyOptions {
         LazyOptions {
             socket,
             prefetch: PrefetchMode::Trace,
-            // Unbounded: the stream paces itself beside the faults (prefetch::Pacer); a bound
+            // Unbounded: the stream paces itself beside the faults (crate::pacing); a bound
             // of 256 MiB/s held a scattered restore at 4.5 s against a 2.0 s pull on an
             // uncapped 20 ms path (BENCHMARKS.md, "Lazy restore across a network").
             prefetch_rate: 0,
@@ -256,6 +257,12 @@ impl Daemon {
 
     pub fn has_trace(&self) -> bool {
         self.replay.lock().expect("poisoned").is_some()
+    }
+
+    /// Read the background class (the stream, the working-set replay) through `src`, a
+    /// client of its own beside the faults' (see `Fetcher::set_background_source`).
+    pub fn set_background_source(&self, src: Arc<dyn BlobSource>) {
+        self.fetcher.set_background_source(src);
     }
 
     /// Daemon-wide counters as Prometheus text.
@@ -422,8 +429,12 @@ impl Daemon {
         if self.opts.prefetch == PrefetchMode::All {
             demand.go();
         }
+        // The stream and the replay share one window, moved by the faults' slice fetches and
+        // by probes on the faults' source.
+        let bg = pacing::Background::new(1 << image.chunk_shift(), self.opts.stream_jobs);
         let mut conn = Conn::new(inst.clone(), demand.clone(), Arc::default(), started);
         conn.slice_faults = self.opts.slice_faults;
+        conn.pacing = Some(bg.clone());
         let conn = Arc::new(conn);
         {
             let mut cs = self.conns.lock().expect("poisoned");
@@ -431,15 +442,23 @@ impl Daemon {
             cs.push(Arc::downgrade(&conn));
         }
         let stop_prefetch = Arc::new(AtomicBool::new(false));
+        let probe_blob = file.chunks.iter().find_map(|c| match c.at {
+            imgfmt::StoredAt::Pack { pack, .. } => image.packs.get(pack as usize).map(|p| p.digest.clone()),
+            imgfmt::StoredAt::Zero => None,
+        });
+        let prober = probe_blob.filter(|_| !order.is_empty() || plan.is_some()).map(|blob| {
+            let (b, s, src) = (bg.clone(), stop_prefetch.clone(), self.fetcher.source());
+            std::thread::Builder::new().name("lazy-probe".into()).spawn(move || b.probe(src.as_ref(), &blob, &s))
+        });
         let prefetcher = (!order.is_empty()).then(|| {
-            let (i, d, s, rate, jobs) = (inst.clone(), demand.clone(), stop_prefetch.clone(), self.opts.prefetch_rate, self.opts.stream_jobs);
-            std::thread::Builder::new().name("lazy-prefetch".into()).spawn(move || prefetch::run(i, d, order, traced, jobs, rate, s))
+            let (i, d, b, s, rate, jobs) = (inst.clone(), demand.clone(), bg.clone(), stop_prefetch.clone(), self.opts.prefetch_rate, self.opts.stream_jobs);
+            std::thread::Builder::new().name("lazy-prefetch".into()).spawn(move || prefetch::run(i, d, b, order, traced, jobs, rate, s))
         });
         let replayer = plan.map(|p| {
             tracing::info!("pid {}: replaying a working set of {} slices and {} zero chunks", hs.pid, p.slices(), p.zero_chunks());
             conn.ws.arm(&p);
-            let (i, ws, s, src) = (inst.clone(), conn.ws.clone(), stop_prefetch.clone(), self.fetcher.source());
-            std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || workingset::replay(i, ws, p, src, s))
+            let (i, ws, b, s, src) = (inst.clone(), conn.ws.clone(), bg.clone(), stop_prefetch.clone(), self.fetcher.background_source());
+            std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || workingset::replay(i, ws, p, src, b, s))
         });
         if let Some(Err(e)) = &replayer {
             // No replay will install them: the faults fetch for themselves.
@@ -457,6 +476,10 @@ impl Daemon {
         if let Some(Ok(h)) = replayer {
             replayed = h.join().ok().flatten();
         }
+        if let Some(Ok(h)) = prober {
+            let _ = h.join();
+        }
+        let pacing = bg.report();
         self.active.fetch_sub(1, Ordering::Relaxed);
         let mut report = ConnReport::from_counters(hs.pid, &counters, t0.elapsed().as_secs_f64(), ended);
         if self.opts.prefetch != PrefetchMode::None {
@@ -464,6 +487,7 @@ impl Daemon {
         }
         report.stream_depth = stream_run.depth as u64;
         report.stream_rtt_ms = stream_run.rtt.map(|d| d.as_secs_f64() * 1e3);
+        report.pacing = pacing.into();
         report.working_set_s = replayed.map(|at: Instant| at.duration_since(started).as_secs_f64());
         report.stream_started_s = demand.went_after().map(|d| d.as_secs_f64());
         if self.opts.record_trace {

@@ -1,18 +1,17 @@
 //! Prefetch: what a restore installs ahead of the guest besides its faults, and when. The
 //! trace's chunk order first (a trace is kept by [`crate::trace`]), then the *stream* of the
 //! rest of the image, at once (`--prefetch all`) or once the misses look scattered
-//! ([`Detector`]); all of it yields to the connection's faults ([`Demand`], [`Pacer`]).
+//! ([`Detector`]); all of it yields to the connection's faults ([`crate::pacing`]).
 //!
 //! ```text
 //! order = trace chunks, then every other non-zero chunk (file order)
-//!   dispatcher ──(chunk)──► depth workers: Installer::prefetch_span (Fetcher::get:
-//!       │                   single-flight, verified, cached; installs gaps only)
-//!       └─ in flight ≤ Pacer::limit: depth while no fault waits, else the link's measured
-//!          bandwidth-delay product + 1 minus the faults' fetches (faults first)
-//! fault loop ──Demand──► faults waiting and their fetches; misses -> Detector -> go
+//!   dispatcher ──(chunk, permit)──► workers: Installer::prefetch_span (Fetcher, on the
+//!       │                   background's client: single-flight, verified, cached; gaps only)
+//!       └─ a request goes when the background's window has room for its bytes
+//!          (crate::pacing: LEDBAT, the faults' queueing delay kept under a target)
+//! fault loop ──Demand──► misses -> Detector -> go
 //! ```
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -20,6 +19,7 @@ use std::time::{Duration, Instant};
 use imgfmt::Image;
 
 use crate::install::Installer;
+use crate::pacing::{Background, Class, Kind, Permit};
 use crate::trace::Trace;
 
 /// How to prefetch.
@@ -161,131 +161,22 @@ impl Detector {
     }
 }
 
-/// The link the stream's depth is sized for while no fault waits, in bytes per second
-/// (10 Gbit/s, as `puller::pull`): a request beyond what the link needs only waits its turn.
-const LINK_BYTES_PER_SEC: f64 = 1.25e9;
-/// Requests in flight at least: on loopback the round trip is nothing but verifying and
-/// installing are work, which a few threads spread over the cores.
-const MIN_DEPTH: usize = 4;
-/// Default of `--stream-jobs`: the stream's requests in flight at most. 32 requests of
+/// Default of `--stream-jobs`: the background's requests in flight at most. 32 requests of
 /// 1 MiB cover 1 Gbit/s at ~250 ms of RTT and 10 Gbit/s at ~25 ms; `snapctl serve` allows
-/// one client 64 connections, and faults need some.
+/// one client 64 connections, and faults need some. Within it the window of
+/// [`crate::pacing`] decides.
 pub const DEFAULT_STREAM_JOBS: usize = 32;
 
-/// Requests to keep in flight to fill a [`LINK_BYTES_PER_SEC`] link at round trip `rtt`
-/// with requests of `chunk` bytes: a bandwidth-delay product of them, plus the one
-/// arriving; at least [`MIN_DEPTH`], at most `max_jobs`.
-pub fn stream_depth(rtt: Duration, chunk: u64, max_jobs: usize) -> usize {
-    let want = (LINK_BYTES_PER_SEC * rtt.as_secs_f64() / chunk.max(1) as f64).ceil().min(1e6) as usize + 1;
-    want.max(MIN_DEPTH).min(max_jobs.max(1))
-}
-
-/// How many requests the stream may have in flight now: the faults-first rule.
-///
-/// While no fault waits for a fetch, the stream keeps `depth` (sized from the timed round
-/// trip for a fast link). While faults wait, what the link holds counts for both: the
-/// stream keeps twice what the link was measured to carry (Little's law: the measured
-/// bandwidth times the shortest time a whole-chunk fetch took, in chunks; doubled, see
-/// [`LINK_GAIN`]; rounded up, plus one),
-/// minus the faults' fetches, and at least one. Requests beyond what the link carries would
-/// only queue in front of a fault's; with the link just full, a fault's request costs about
-/// what it costs on an idle link, and the stream still moves whatever the faults leave.
-/// Measured, not assumed: the bandwidth is the bytes this daemon fetched over the last few
-/// round trips; the fetch time is the shortest of the stream's recent fetches (a round
-/// trip, the chunk's bytes, the server's and our own work: the timed round trip alone is
-/// half of it on a loaded host), never below the timed round trip. Too low an estimate
-/// corrects itself: while the link is not full the bandwidth measured grows with each
-/// request added, and the "+1" puts one more on the link than it was measured to carry;
-/// once it is full, more requests only add waiting, and the estimate stays.
-pub(crate) struct Pacer {
-    rtt: Duration,
-    chunk: u64,
-    depth: usize,
-    samples: VecDeque<(Instant, u64)>,
-    /// How long the stream's recent fetches took.
-    took: VecDeque<Duration>,
-}
-
-/// What the link was measured to carry is doubled, as BBR sizes its congestion window at
-/// twice the bandwidth-delay product: a fetch's time on a busy host varies with more than
-/// the link (at 20 ms on this 2-core machine faults' fetches took 1.5-2x the shortest),
-/// and with exactly the product in flight the link idles whenever one runs late. Measured
-/// with bench/wan.sh at 20 ms, 1 Gbit/s: `--prefetch all` took 3.2 s with a gain of 1, a
-/// pull of the same image 2.3 s (BENCHMARKS.md, "Dialled network").
-const LINK_GAIN: f64 = 2.0;
-
-/// Fetch times remembered for the shortest.
-const FETCH_TIMES: usize = 32;
-
-impl Pacer {
-    pub fn new(rtt: Duration, chunk: u64, max_jobs: usize) -> Pacer {
-        Pacer { rtt, chunk, depth: stream_depth(rtt, chunk, max_jobs), samples: VecDeque::new(), took: VecDeque::new() }
-    }
-
-    /// A fetch of the stream's that installed bytes took `d`.
-    pub fn fetched(&mut self, d: Duration) {
-        if self.took.len() == FETCH_TIMES {
-            self.took.pop_front();
-        }
-        self.took.push_back(d);
-    }
-
-    /// The shortest recent fetch that took at least the round trip (a shorter one found
-    /// its chunk brought by another fetch); the round trip if none did.
-    fn fetch_time(&self) -> Duration {
-        self.took.iter().filter(|&&d| d >= self.rtt).min().copied().unwrap_or(self.rtt)
-    }
-
-    pub fn depth(&self) -> usize {
-        self.depth
-    }
-
-    /// The bandwidth is measured over this long; a fault seen this recently counts as
-    /// waiting still.
-    pub fn window(&self) -> Duration {
-        (self.rtt * 4).max(Duration::from_millis(100))
-    }
-
-    /// Note that `bytes` had been fetched in all by `now`.
-    pub fn sample(&mut self, now: Instant, bytes: u64) {
-        let w = self.window();
-        while self.samples.len() > 1 && self.samples.get(1).is_some_and(|&(t, _)| now.duration_since(t) >= w) {
-            self.samples.pop_front();
-        }
-        self.samples.push_back((now, bytes));
-    }
-
-    /// Bytes per second over the window, once it spans at least half of it.
-    fn rate(&self) -> Option<f64> {
-        let (&(t0, b0), &(t1, b1)) = (self.samples.front()?, self.samples.back()?);
-        let span = t1.duration_since(t0);
-        (span >= self.window() / 2).then(|| b1.saturating_sub(b0) as f64 / span.as_secs_f64())
-    }
-
-    /// Requests the stream may have in flight while faults wait for `fault_fetches` fetches.
-    pub fn limit(&self, fault_fetches: u64) -> usize {
-        if fault_fetches == 0 {
-            return self.depth;
-        }
-        let link = match self.rate() {
-            Some(r) => (LINK_GAIN * r * self.fetch_time().as_secs_f64() / self.chunk.max(1) as f64).ceil().min(1e6) as usize + 1,
-            None => 2,
-        };
-        link.saturating_sub(fault_fetches as usize).clamp(1, self.depth)
-    }
-}
-
 /// What the connection's fault loop tells its prefetcher: how many faults wait for the
-/// fetch pool and for how many fetches (the stream keeps its requests to what the link
-/// holds beside those), and, through the [`Detector`], when the rest of the image is to be
-/// streamed. Shared by the fault loop (writes), the stream and the CRIU push (read).
+/// fetch pool (the CRIU push yields to them), and, through the [`Detector`], when the rest
+/// of the image is to be streamed. Shared by the fault loop (writes), the stream and the
+/// CRIU push (read). The stream's share of the link is [`crate::pacing`]'s: it measures
+/// what the faults' requests meet rather than counting them.
 pub(crate) struct Demand {
     /// When the connection started: `go_at_us` counts from here.
     started: Instant,
-    /// Faults waiting for the fetch pool: the prefetcher yields to them.
+    /// Faults waiting for the fetch pool.
     parked_faults: AtomicU64,
-    /// Fetches those faults wait for (distinct chunks or slice ranges).
-    fault_fetches: AtomicU64,
     /// Decides, from this connection's misses, when to stream the rest of the image
     /// (`--prefetch trace`); `None`: never from misses (`all` streams at once, `none` not).
     detector: Mutex<Option<Detector>>,
@@ -297,30 +188,17 @@ pub(crate) struct Demand {
 
 impl Demand {
     pub fn new(started: Instant, detector: Option<Detector>) -> Demand {
-        Demand {
-            started,
-            parked_faults: AtomicU64::new(0),
-            fault_fetches: AtomicU64::new(0),
-            detector: Mutex::new(detector),
-            go: AtomicBool::new(false),
-            go_at_us: AtomicU64::new(0),
-        }
+        Demand { started, parked_faults: AtomicU64::new(0), detector: Mutex::new(detector), go: AtomicBool::new(false), go_at_us: AtomicU64::new(0) }
     }
 
-    /// `faults` wait for `fetches` fetches of the pool now.
-    pub fn publish(&self, faults: u64, fetches: u64) {
+    /// `faults` wait for the fetch pool now.
+    pub fn publish(&self, faults: u64) {
         self.parked_faults.store(faults, Ordering::Relaxed);
-        self.fault_fetches.store(fetches, Ordering::Relaxed);
     }
 
     /// Faults waiting for the fetch pool.
     pub fn parked_faults(&self) -> u64 {
         self.parked_faults.load(Ordering::Relaxed)
-    }
-
-    /// Fetches faults wait for.
-    pub fn fault_fetches(&self) -> u64 {
-        self.fault_fetches.load(Ordering::Relaxed)
     }
 
     /// A fault had to wait for chunk `c` to be fetched: tell the detector, and let the
@@ -361,27 +239,39 @@ pub(crate) struct StreamRun {
     pub rtt: Option<Duration>,
 }
 
-/// Install `order`'s chunks ahead of the guest with up to [`stream_depth`] requests in
-/// flight (the faults-first rule of [`Pacer`]), each through the fetcher's single-flight
+/// Install `order`'s chunks ahead of the guest, each through the fetcher's single-flight
 /// path (a fault on a chunk being streamed waits for that fetch; every chunk is verified
-/// before it is installed and goes into the chunk cache), at no more than `rate` bytes per
-/// second (0: unbounded). The first `traced` are the trace's; the rest wait for the
-/// [`Demand`]'s go. Until done, the connection ends or `stop` is set.
-pub(crate) fn run(inst: Arc<Installer>, demand: Arc<Demand>, order: Vec<u64>, traced: usize, max_jobs: usize, rate: u64, stop: Arc<AtomicBool>) -> StreamRun {
+/// before it is installed and goes into the chunk cache), with as many requests in flight
+/// as the background's window allows (`bg`, [`crate::pacing`]: the faults' requests meet
+/// at most a small queue of the stream's bytes), at most `max_jobs`, at no more than `rate`
+/// bytes per second (0: unbounded). The first `traced` are the trace's; the rest wait for
+/// the [`Demand`]'s go. Until done, the connection ends or `stop` is set.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run(
+    inst: Arc<Installer>,
+    demand: Arc<Demand>,
+    bg: Arc<Background>,
+    order: Vec<u64>,
+    traced: usize,
+    max_jobs: usize,
+    rate: u64,
+    stop: Arc<AtomicBool>,
+) -> StreamRun {
     let Some(&first) = order.first() else { return StreamRun::default() };
+    // The path's delay with nothing of ours on it: the window's first base.
     let rtt = inst.fetcher.round_trip(first);
-    let mut pacer = Pacer::new(rtt.unwrap_or_default(), inst.map.chunk_size(), max_jobs);
-    let depth = pacer.depth();
-    let (job_tx, job_rx) = mpsc::channel::<(u64, bool)>();
+    if let Some(d) = rtt {
+        bg.sample(Kind::Probe, d);
+    }
+    let (job_tx, job_rx) = mpsc::channel::<(u64, bool, Permit)>();
     let job_rx = Mutex::new(job_rx);
-    let (done_tx, done_rx) = mpsc::channel::<(u64, Duration)>();
+    let (done_tx, done_rx) = mpsc::channel::<u64>();
     let ended = || stop.load(Ordering::Relaxed) || inst.gone();
     std::thread::scope(|s| {
-        for _ in 0..depth {
+        for _ in 0..max_jobs.max(1) {
             let (inst, job_rx, done_tx) = (&inst, &job_rx, done_tx.clone());
             let spawned = std::thread::Builder::new().name("lazy-stream".into()).spawn_scoped(s, move || loop {
-                let Ok((c, rest)) = job_rx.lock().expect("poisoned").recv() else { return };
-                let t = Instant::now();
+                let Ok((c, rest, permit)) = job_rx.lock().expect("poisoned").recv() else { return };
                 let mut bytes = 0;
                 for span in inst.map.spans_of_chunk(c) {
                     if inst.gone() {
@@ -389,11 +279,13 @@ pub(crate) fn run(inst: Arc<Installer>, demand: Arc<Demand>, order: Vec<u64>, tr
                     }
                     bytes += inst.prefetch_span(&span);
                 }
+                // The request is over: its room goes back before the dispatcher hears.
+                drop(permit);
                 if rest && bytes > 0 {
                     inst.rec.add(|k| &k.streamed_chunks, 1);
                     inst.rec.add(|k| &k.streamed_bytes, bytes);
                 }
-                if done_tx.send((bytes, t.elapsed())).is_err() {
+                if done_tx.send(bytes).is_err() {
                     return;
                 }
             });
@@ -405,21 +297,17 @@ pub(crate) fn run(inst: Arc<Installer>, demand: Arc<Demand>, order: Vec<u64>, tr
         drop(done_tx);
         let t0 = Instant::now();
         let (mut next, mut in_flight, mut installed, mut most) = (0usize, 0usize, 0u64, 0usize);
-        let mut fault_seen: Option<Instant> = None;
+        let mut wanting = None;
         'dispatch: while !ended() {
-            let now = Instant::now();
-            pacer.sample(now, inst.rec.1.bytes_fetched.load(Ordering::Relaxed));
-            // A guest that faulted a moment ago is between two faults, not done: the whole
-            // depth then would put its next fault's request behind a burst of the stream's.
-            let mut faults = demand.fault_fetches();
-            if faults > 0 {
-                fault_seen = Some(now);
-            } else if fault_seen.is_some_and(|t| now.duration_since(t) < pacer.window()) {
-                faults = 1;
-            }
-            let limit = pacer.limit(faults);
             let mut waiting_for_go = false;
-            while in_flight < limit && next < order.len() {
+            // The probes run while there are requests to make.
+            let work = next < order.len() && (next < traced || demand.going());
+            if work && wanting.is_none() {
+                wanting = Some(bg.wanting());
+            } else if !work {
+                wanting = None;
+            }
+            while in_flight < max_jobs && next < order.len() {
                 if next >= traced && !demand.going() {
                     waiting_for_go = true;
                     break;
@@ -428,7 +316,9 @@ pub(crate) fn run(inst: Arc<Installer>, demand: Arc<Demand>, order: Vec<u64>, tr
                 if rate > 0 && Duration::from_secs_f64(installed as f64 / rate as f64) > t0.elapsed() {
                     break;
                 }
-                if job_tx.send((order[next], next >= traced)).is_err() {
+                let c = order[next];
+                let Some(permit) = bg.try_acquire(inst.fetcher.wire_bytes(c), Class::Stream) else { break };
+                if job_tx.send((c, next >= traced, permit)).is_err() {
                     break 'dispatch;
                 }
                 next += 1;
@@ -438,15 +328,12 @@ pub(crate) fn run(inst: Arc<Installer>, demand: Arc<Demand>, order: Vec<u64>, tr
             if next == order.len() && in_flight == 0 {
                 break;
             }
-            // Woken by a finished request; otherwise look again soon (faults may have
-            // come or gone, the detector may have fired, the rate may allow more).
+            // Woken by a finished request; otherwise look again soon (the window may have
+            // grown, the detector may have fired, the rate may allow more).
             let nap = if waiting_for_go && in_flight == 0 { Duration::from_millis(20) } else { Duration::from_millis(2) };
-            let mut done = |(b, took): (u64, Duration)| {
+            let mut done = |b: u64| {
                 in_flight -= 1;
                 installed += b;
-                if b > 0 {
-                    pacer.fetched(took);
-                }
             };
             match done_rx.recv_timeout(nap) {
                 Ok(d) => {
@@ -459,6 +346,7 @@ pub(crate) fn run(inst: Arc<Installer>, demand: Arc<Demand>, order: Vec<u64>, tr
                 Err(mpsc::RecvTimeoutError::Disconnected) => break,
             }
         }
+        drop(wanting);
         drop(job_tx);
         StreamRun { depth: most, rtt }
     })
@@ -569,9 +457,9 @@ mod tests {
     fn demand_carries_the_faults_waits_and_lets_the_stream_go_once() {
         let t0 = Instant::now();
         let d = Demand::new(t0, Some(Detector::with_counts(100, 100, 0.0)));
-        assert_eq!((d.parked_faults(), d.fault_fetches(), d.going(), d.went_after()), (0, 0, false, None));
-        d.publish(5, 2);
-        assert_eq!((d.parked_faults(), d.fault_fetches()), (5, 2));
+        assert_eq!((d.parked_faults(), d.going(), d.went_after()), (0, false, None));
+        d.publish(5);
+        assert_eq!(d.parked_faults(), 5);
         for c in 0..MIN_MISSES - 1 {
             d.missed(c);
         }
@@ -589,44 +477,5 @@ mod tests {
         assert!(!d.going());
         d.go();
         assert!(d.going());
-    }
-
-    #[test]
-    fn stream_depth_fills_the_link_and_yields_to_faults() {
-        const MIB: u64 = 1 << 20;
-        let ms = Duration::from_millis;
-        // 10 Gbit/s x 20 ms = 25 MB: 24 requests of 1 MiB hold it, plus the one arriving.
-        assert_eq!(stream_depth(ms(20), MIB, 32), 25);
-        assert_eq!(stream_depth(ms(50), MIB, 32), 32, "bounded by --stream-jobs");
-        assert_eq!(stream_depth(Duration::ZERO, MIB, 32), MIN_DEPTH, "loopback: a few, for the CPU");
-        assert_eq!(stream_depth(ms(50), MIB, 2), 2);
-        // No fault waiting: the whole depth.
-        let mut p = Pacer::new(ms(20), MIB, 32);
-        assert_eq!(p.limit(0), 25);
-        // Faults waiting before the link was measured: room for one more than the faults.
-        assert_eq!(p.limit(1), 1);
-        // The link measured at 1 Gbit/s (125 MB/s over the window), no fetch timed yet:
-        // a round trip holds 2.4 MiB, twice that 4.8, so 6 requests in all, of which the
-        // faults' 2 leave the stream 4; 9 faults' fetches leave it 1, never none.
-        let t0 = Instant::now();
-        for i in 0..=20u64 {
-            p.sample(t0 + ms(10 * i), 1_250_000 * i);
-        }
-        assert_eq!(p.limit(2), 4);
-        assert_eq!(p.limit(9), 1);
-        assert_eq!(p.limit(0), 25);
-        // Whole-chunk fetches timed at 36 ms at best (round trip, bytes, work): the link
-        // carries 4.3 MiB in that time, twice that 8.6, so 10 requests in all, 8 of them
-        // the stream's. A
-        // fetch shorter than the round trip (a chunk another fetch brought) does not count.
-        for d in [40, 36, 50, 3] {
-            p.fetched(ms(d));
-        }
-        assert_eq!(p.limit(2), 8);
-        // A faster link measured: more, up to the depth.
-        for i in 21..=40u64 {
-            p.sample(t0 + ms(10 * i), 1_250_000 * 20 + 12_500_000 * (i - 20));
-        }
-        assert_eq!(p.limit(2), 25);
     }
 }

@@ -215,6 +215,37 @@ impl Serialize for End {
     }
 }
 
+/// The `pacing` object of a connection's report: what the background's window measured
+/// (see spec/lazy.md "Pacing the background").
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Pacing {
+    /// The least probe time, in milliseconds (`null`: no probe came back).
+    pub base_ms: Option<f64>,
+    /// The queueing delay the window aimed at, in milliseconds.
+    pub target_ms: f64,
+    /// Delay samples taken (probes answered and the faults' slice fetches).
+    pub probes: u64,
+    /// Losses seen (the window halved).
+    pub cuts: u64,
+    /// Most bytes the background had in flight at once.
+    pub most_bytes: u64,
+    /// The largest window reached, in bytes.
+    pub most_window: u64,
+}
+
+impl From<crate::pacing::PacingReport> for Pacing {
+    fn from(r: crate::pacing::PacingReport) -> Pacing {
+        Pacing {
+            base_ms: r.base.map(|d| d.as_secs_f64() * 1e3),
+            target_ms: r.target.as_secs_f64() * 1e3,
+            probes: r.probes,
+            cuts: r.cuts,
+            most_bytes: r.most_bytes,
+            most_window: r.most_window,
+        }
+    }
+}
+
 /// The `--json` line printed when a connection ends (see spec/lazy.md).
 #[derive(Debug, Clone, Serialize)]
 pub struct ConnReport {
@@ -239,8 +270,10 @@ pub struct ConnReport {
     /// Most requests the stream kept in flight (sized from the timed round trip; 0: no
     /// stream ran).
     pub stream_depth: u64,
-    /// The round trip the stream was sized from, in milliseconds (`null`: not timed).
+    /// The round trip timed before the stream began, in milliseconds (`null`: not timed).
     pub stream_rtt_ms: Option<f64>,
+    /// How the background class (stream and replay) was paced.
+    pub pacing: Pacing,
     /// Faults served by a fetch of verified slices (part of `faults.fetched`).
     pub slice_fetches: u64,
     /// Bytes slice fetches moved (part of `bytes_fetched`).
@@ -291,6 +324,7 @@ impl ConnReport {
             stream_started_s: None,
             stream_depth: 0,
             stream_rtt_ms: None,
+            pacing: Pacing::default(),
             slice_fetches: l(&c.slice_fetches),
             slice_bytes: l(&c.slice_bytes),
             working_set_slices: l(&c.ws_slices),

@@ -6,7 +6,8 @@
 //! trace.working_set = [file offsets of touched slices, first touch first]
 //! working-set blob   = their bytes, in that order (the trace manifest's second layer)
 //!   plan: offset -> (chunk, slice, length from the outboard), blob offsets summed
-//!   RANGES_IN_FLIGHT readers: ranges of <= RANGE_BYTES of the blob, in order
+//!   RANGES_IN_FLIGHT readers: ranges of <= RANGE_BYTES of the blob, in order, each as the
+//!     background's window (crate::pacing) has room for it, before the stream's requests
 //!     -> verify::check_slice (entry merged to the chunk digest, slice CV) per slice
 //!     -> Installer::install_slices (pages still missing, never over removed memory)
 //!     -> off the `Pending` set: a fault parked on the slice is woken by the install
@@ -23,6 +24,7 @@ use std::time::{Duration, Instant};
 use imgfmt::{BlobSource, Descriptor, Image, RetryPolicy};
 
 use crate::install::Installer;
+use crate::pacing::{Background, Class};
 use crate::stats::End;
 use crate::trace::Trace;
 
@@ -192,7 +194,14 @@ impl Pending {
 /// stays pending until it is installed or given up. Returns when it was done, unless the
 /// connection ended or `stop` was set first; `pending` is disarmed on the way out whatever
 /// happened.
-pub(crate) fn replay(inst: Arc<Installer>, pending: Arc<Pending>, plan: Arc<Plan>, src: Arc<dyn BlobSource>, stop: Arc<AtomicBool>) -> Option<Instant> {
+pub(crate) fn replay(
+    inst: Arc<Installer>,
+    pending: Arc<Pending>,
+    plan: Arc<Plan>,
+    src: Arc<dyn BlobSource>,
+    bg: Arc<Background>,
+    stop: Arc<AtomicBool>,
+) -> Option<Instant> {
     struct Clear<'a>(&'a Pending);
     impl Drop for Clear<'_> {
         fn drop(&mut self) {
@@ -203,6 +212,8 @@ pub(crate) fn replay(inst: Arc<Installer>, pending: Arc<Pending>, plan: Arc<Plan
     let ranges = plan.ranges();
     let next = AtomicUsize::new(0);
     let ended = || stop.load(Ordering::Relaxed) || inst.gone();
+    // The probes run while the ranges are on their way.
+    let wanting = plan.blob.is_some().then(|| bg.wanting());
     std::thread::scope(|s| {
         if let Some(blob) = &plan.blob {
             for _ in 0..RANGES_IN_FLIGHT.min(ranges.len()) {
@@ -212,7 +223,15 @@ pub(crate) fn replay(inst: Arc<Installer>, pending: Arc<Pending>, plan: Arc<Plan
                         return;
                     }
                     let entries = &plan.entries[ranges[i].clone()];
+                    // A scavenger like the stream (before it): room in the background's
+                    // window first. Given up, the slices take the fault path.
+                    let len = entries.iter().map(|e| e.len).sum::<u64>();
+                    let Some(permit) = bg.acquire(len, Class::Replay, &ended) else {
+                        pending.done(entries);
+                        continue;
+                    };
                     replay_range(&inst, blob, entries, src.as_ref());
+                    drop(permit);
                     pending.done(entries);
                 });
                 if spawned.is_err() {
@@ -235,6 +254,7 @@ pub(crate) fn replay(inst: Arc<Installer>, pending: Arc<Pending>, plan: Arc<Plan
             }
         }
     });
+    drop(wanting);
     (!ended()).then(Instant::now)
 }
 

@@ -23,9 +23,11 @@
 //! | connection set-up | a connection's first client bytes wait one more `rtt` (TCP's SYN, SYN-ACK): a request on a fresh connection costs 2 RTT, one on a kept-alive connection 1 RTT, as on a real network (`handshake: false` turns this off) |
 //! | bandwidth (optional) | one link per direction shared by all connections, as a host's uplink and downlink are: a virtual clock books each piece onto the link after the pieces before it (`len / rate` each; a gap under 5 ms is caught up, as a late wake-up of this proxy's threads and not the sender's pause, while a link idle for longer starts afresh with no credit); the reader waits until its piece starts to be sent (so a busy link pushes back on the sender through TCP, and the link never idles while bytes wait), and the piece is due `rtt / 2` after its last byte has been sent |
 //! | TCP window | bytes of one direction of one connection count as in flight from when they are read until one RTT after they left (when the sender would see them acknowledged); at most `window` bytes are in flight, so one connection moves at most `window / rtt`, as TCP does. The default, 16 MiB, leaves a 1 Gbit/s path at 50 ms RTT (6.25 MB in flight) limited by the link, not the window |
+//! | the bottleneck's buffer | by default it holds whatever is booked (a deep buffer: a piece waits behind every piece booked before it, one per busy connection). With `queue_limit` (a shallow buffer) a piece that finds more than that many bytes booked ahead of it and not yet sent is dropped: the sender sees the loss a round trip later and sends it again (fast retransmit), so that connection's piece waits one RTT (at least 1 ms) and is booked again; counted in `drops`. A piece always enters an empty queue |
 //!
-//! Not modelled: loss, reordering, jitter, slow start (a fresh connection gets the whole
-//! link at once, which flatters short transfers on new connections).
+//! Not modelled: loss other than a full shallow buffer's, TCP's window cut after a loss
+//! (a dropped connection only pauses), reordering, jitter, slow start (a fresh connection
+//! gets the whole link at once, which flatters short transfers on new connections).
 //!
 //! Timing: sleeps end at or after their deadline, never before, so every delay here is a
 //! lower bound; on a loaded machine bytes may arrive later than modelled. Threads with
@@ -51,8 +53,11 @@ const PIECE: usize = 256 * 1024;
 const MIN_PIECE: usize = 4096;
 /// Smallest window accepted: less than one piece would stall a connection.
 const MIN_WINDOW: usize = 64 * 1024;
-/// A link idle for less than this is taken as still busy (see [`Link::book`]).
+/// A link idle for less than this is taken as still busy (see [`Link::try_book`]).
 const HICCUP: Duration = Duration::from_millis(5);
+/// Least time a dropped piece waits before it is sent again (at RTT 0 the retransmission
+/// would otherwise spin against a full queue).
+const MIN_RETRANSMIT: Duration = Duration::from_millis(1);
 
 /// How the network behaves.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -66,11 +71,14 @@ pub struct NetemConfig {
     pub window: usize,
     /// Charge a fresh connection one RTT for TCP's handshake before its first bytes go.
     pub handshake: bool,
+    /// The bottleneck's buffer in bytes per direction (a shallow buffer: see the module
+    /// doc); `None`: it holds whatever is booked (deep). Needs `rate_bps`.
+    pub queue_limit: Option<usize>,
 }
 
 impl Default for NetemConfig {
     fn default() -> NetemConfig {
-        NetemConfig { rtt: Duration::ZERO, rate_bps: None, window: 16 << 20, handshake: true }
+        NetemConfig { rtt: Duration::ZERO, rate_bps: None, window: 16 << 20, handshake: true, queue_limit: None }
     }
 }
 
@@ -86,6 +94,12 @@ impl NetemConfig {
         self
     }
 
+    /// Give the bottleneck a buffer of `bytes` per direction (a shallow buffer).
+    pub fn queue_limit(mut self, bytes: usize) -> NetemConfig {
+        self.queue_limit = Some(bytes);
+        self
+    }
+
     fn validate(&self) -> io::Result<()> {
         let bad = |m: String| Err(io::Error::new(io::ErrorKind::InvalidInput, m));
         if self.rate_bps == Some(0) {
@@ -96,6 +110,12 @@ impl NetemConfig {
         }
         if self.rtt > Duration::from_secs(60) {
             return bad(format!("rtt {:?} is over a minute", self.rtt));
+        }
+        if self.queue_limit.is_some() && self.rate_bps.is_none() {
+            return bad("a queue limit needs a rate cap (the queue is the bottleneck's)".into());
+        }
+        if self.queue_limit == Some(0) {
+            return bad("a queue limit of 0 bytes passes nothing".into());
         }
         Ok(())
     }
@@ -125,21 +145,29 @@ pub struct NetemCounters {
     pub bytes_up: AtomicU64,
     /// Bytes delivered from upstream to clients.
     pub bytes_down: AtomicU64,
+    /// Pieces a full shallow buffer dropped (and the sender sent again), both directions.
+    pub drops: AtomicU64,
 }
 
 /// One direction's share of the host's link: a virtual clock of when it is next free.
 struct Link {
     secs_per_byte: f64,
     free_at: Mutex<Instant>,
+    /// Most link time booked ahead and not yet sent that a piece may join (a shallow
+    /// buffer); `None`: no bound.
+    limit: Option<Duration>,
 }
 
 impl Link {
-    fn new(bps: u64) -> Link {
-        Link { secs_per_byte: 8.0 / bps as f64, free_at: Mutex::new(Instant::now()) }
+    fn new(bps: u64, queue_limit: Option<usize>) -> Link {
+        let secs_per_byte = 8.0 / bps as f64;
+        Link { secs_per_byte, free_at: Mutex::new(Instant::now()), limit: queue_limit.map(|b| Duration::from_secs_f64(b as f64 * secs_per_byte)) }
     }
 
     /// Book the link for `n` bytes: (when the first of them starts to leave, when the last
-    /// has left).
+    /// has left), or `None` when a shallow buffer is full (the piece is dropped): the queue
+    /// is the link time booked beyond now, and a piece is dropped when that and the piece
+    /// exceed the limit, never when the queue is empty.
     ///
     /// A link that went idle less than [`HICCUP`] ago is booked from when it went idle, as
     /// if it had stayed busy: such a gap is this proxy's reader thread woken late on a
@@ -149,15 +177,22 @@ impl Link {
     /// serialisation time of its response, as on a real link (a token bucket that banked
     /// credit while idle cut 5 ms off every 1 MiB fetch at 1 Gbit/s). Either way a link
     /// moves at most its rate times an interval plus `HICCUP` of bytes.
-    fn book(&self, n: usize) -> (Instant, Instant) {
-        self.book_at(n, Instant::now())
+    fn try_book(&self, n: usize) -> Option<(Instant, Instant)> {
+        self.try_book_at(n, Instant::now())
     }
 
-    fn book_at(&self, n: usize, now: Instant) -> (Instant, Instant) {
+    fn try_book_at(&self, n: usize, now: Instant) -> Option<(Instant, Instant)> {
         let mut free = self.free_at.lock().unwrap();
         let start = if *free + HICCUP >= now { *free } else { now };
-        *free = start + Duration::from_secs_f64(n as f64 * self.secs_per_byte);
-        (start, *free)
+        let len = Duration::from_secs_f64(n as f64 * self.secs_per_byte);
+        if let Some(limit) = self.limit {
+            let queued = start.saturating_duration_since(now);
+            if !queued.is_zero() && queued + len > limit {
+                return None;
+            }
+        }
+        *free = start + len;
+        Some((start, *free))
     }
 }
 
@@ -189,7 +224,7 @@ impl Netem {
     pub fn start_on(listen: SocketAddr, upstream: impl ToSocketAddrs, cfg: NetemConfig) -> io::Result<Netem> {
         cfg.validate()?;
         let upstream = resolve(upstream)?;
-        let link = |bps: Option<u64>| bps.map(Link::new);
+        let link = |bps: Option<u64>| bps.map(|b| Link::new(b, cfg.queue_limit));
         let shared = Arc::new(Shared { upstream, up: link(cfg.rate_bps), down: link(cfg.rate_bps), cfg, counters: NetemCounters::default() });
         let sh = shared.clone();
         let acceptor = Acceptor::start(listen, "netem", move |client, tracked| serve(&sh, client, tracked))?;
@@ -229,6 +264,11 @@ impl Netem {
     /// Bytes delivered to upstream so far.
     pub fn bytes_up(&self) -> u64 {
         self.shared.counters.bytes_up.load(Ordering::Relaxed)
+    }
+
+    /// Pieces a full shallow buffer dropped so far.
+    pub fn drops(&self) -> u64 {
+        self.shared.counters.drops.load(Ordering::Relaxed)
     }
 }
 
@@ -281,11 +321,11 @@ fn serve(sh: &Shared, client: TcpStream, tracked: &Tracked) {
     let (to_client, from_up) = channel();
     let (cfg, c, up_link, down_link) = (&sh.cfg, &sh.counters, sh.up.as_ref(), sh.down.as_ref());
     std::thread::scope(|s| {
-        let ok = spawn(s, "netem-up-read", move || read_side(client_r, to_up, cfg, up_link, extra))
+        let ok = spawn(s, "netem-up-read", move || read_side(client_r, to_up, cfg, up_link, &c.drops, extra))
             && spawn(s, "netem-up-write", move || write_side(up_w, from_client, &c.bytes_up, client_x))
             && spawn(s, "netem-down-write", move || write_side(client_w, from_up, &c.bytes_down, up_x));
         if ok {
-            read_side(up_r, to_client, cfg, down_link, Duration::ZERO);
+            read_side(up_r, to_client, cfg, down_link, &c.drops, Duration::ZERO);
         } else {
             // Out of threads: end the connection; the threads that did start see it end.
             let _ = client.shutdown(Shutdown::Both);
@@ -300,8 +340,9 @@ fn spawn<'scope, F: FnOnce() + Send + 'scope>(s: &'scope std::thread::Scope<'sco
 }
 
 /// Read from `src` whatever arrives and queue it for the writer with the time it is due.
-/// `extra` is added to the first piece's due time (the handshake).
-fn read_side(mut src: TcpStream, tx: Sender<Piece>, cfg: &NetemConfig, link: Option<&Link>, mut extra: Duration) {
+/// `extra` is added to the first piece's due time (the handshake). Pieces a full shallow
+/// buffer drops are counted in `drops`.
+fn read_side(mut src: TcpStream, tx: Sender<Piece>, cfg: &NetemConfig, link: Option<&Link>, drops: &AtomicU64, mut extra: Duration) {
     let delay = cfg.rtt / 2;
     let mut buf = vec![0u8; cfg.piece()];
     // (when the sender would see these bytes acknowledged, how many)
@@ -340,7 +381,17 @@ fn read_side(mut src: TcpStream, tx: Sender<Piece>, cfg: &NetemConfig, link: Opt
                 // them: the next piece is then booked while this one is being sent, and
                 // the link never idles between pieces (waiting for the end left gaps of a
                 // wake-up each: a single connection got ~82% of the cap).
-                let (start, end) = l.book(n);
+                let (start, end) = loop {
+                    match l.try_book(n) {
+                        Some(b) => break b,
+                        None => {
+                            // Dropped at a full buffer: the sender learns of it a round
+                            // trip later and sends the piece again.
+                            drops.fetch_add(1, Ordering::Relaxed);
+                            std::thread::sleep(cfg.rtt.max(MIN_RETRANSMIT));
+                        }
+                    }
+                };
                 sleep_until(start);
                 // Credit never lets bytes arrive before they were read plus the delay.
                 end.max(Instant::now())
@@ -456,24 +507,45 @@ mod tests {
     fn a_shared_link_books_back_to_back() {
         // 8 Mbit/s = 1 byte per microsecond: bookings of 1000 bytes follow each other 1 ms
         // apart.
-        let l = Link::new(8_000_000);
-        let booked: Vec<(Instant, Instant)> = (0..3).map(|_| l.book(1000)).collect();
+        let l = Link::new(8_000_000, None);
+        let booked: Vec<(Instant, Instant)> = (0..3).map(|_| l.try_book(1000).unwrap()).collect();
         for w in booked.windows(2) {
             assert_eq!(w[1].0, w[0].1, "back to back");
             assert_eq!(w[1].1 - w[1].0, Duration::from_millis(1));
         }
         // Asked again 1 ms after the last booking ended (a hiccup): still back to back.
         let last = booked[2].1;
-        assert_eq!(l.book_at(1000, last + Duration::from_millis(1)).0, last, "a short gap is caught up");
+        assert_eq!(l.try_book_at(1000, last + Duration::from_millis(1)).unwrap().0, last, "a short gap is caught up");
         // Asked 2 x HICCUP after that one ended: no credit, from then, for the whole time.
         let later = last + Duration::from_millis(1) + 2 * HICCUP;
-        assert_eq!(l.book_at(20_000, later), (later, later + Duration::from_millis(20)), "an idle link banks nothing");
+        assert_eq!(l.try_book_at(20_000, later), Some((later, later + Duration::from_millis(20))), "an idle link banks nothing");
+    }
+
+    #[test]
+    fn a_shallow_buffer_drops_what_does_not_fit_and_never_an_empty_queues_piece() {
+        // 8 Mbit/s: 1000 bytes take 1 ms; the buffer holds 2500 bytes (2.5 ms).
+        let l = Link::new(8_000_000, Some(2500));
+        let t0 = Instant::now() + Duration::from_secs(1);
+        let ms = Duration::from_millis;
+        // A piece larger than the buffer still enters an empty queue.
+        assert_eq!(l.try_book_at(4000, t0), Some((t0, t0 + ms(4))));
+        // At t0 + 2 ms, 2 ms are queued: 1000 bytes more (3 ms) do not fit.
+        assert_eq!(l.try_book_at(1000, t0 + ms(2)), None, "dropped");
+        // At t0 + 3 ms, 1 ms is queued: 1000 bytes fit (2 ms), then the queue is full.
+        assert_eq!(l.try_book_at(1000, t0 + ms(3)), Some((t0 + ms(4), t0 + ms(5))));
+        assert_eq!(l.try_book_at(1000, t0 + ms(3)), None);
+        // A deep buffer takes anything.
+        let deep = Link::new(8_000_000, None);
+        assert!((0..100).all(|_| deep.try_book_at(4000, t0).is_some()));
     }
 
     #[test]
     fn configs_that_cannot_work_are_refused() {
         assert!(NetemConfig::new(Duration::ZERO).rate(0).validate().is_err());
         assert!(NetemConfig { window: 100, ..NetemConfig::default() }.validate().is_err());
+        assert!(NetemConfig::new(Duration::ZERO).queue_limit(1 << 20).validate().is_err(), "a queue needs a link");
+        assert!(NetemConfig::new(Duration::ZERO).rate(1_000_000).queue_limit(0).validate().is_err());
+        assert!(NetemConfig::new(Duration::ZERO).rate(1_000_000).queue_limit(1 << 20).validate().is_ok());
         assert!(Netem::start_on("0.0.0.0:0".parse().unwrap(), "127.0.0.1:1", NetemConfig::default()).is_err(), "loopback only");
         assert_eq!(NetemConfig::new(Duration::ZERO).rate(1_000_000_000).piece(), 125_000);
         assert_eq!(NetemConfig::new(Duration::ZERO).rate(1000).piece(), MIN_PIECE);

@@ -80,13 +80,15 @@ pub struct LazyArgs {
     /// only serves faults. Faults always come first: see --stream-jobs.
     #[arg(long, default_value = "trace", value_parser = parse_prefetch)]
     pub prefetch: PrefetchMode,
-    /// Requests the prefetcher keeps in flight at most (1-64). It times a round trip to the
-    /// source and keeps enough requests in flight to fill a 10 Gbit/s link at that delay
-    /// (at least 4), up to this bound; while faults wait for fetches it drops to twice what
-    /// the link was measured to carry (bandwidth x the shortest fetch), minus the faults'
-    /// own requests (at least 1), so a fault's request waits behind about one round trip of
-    /// the stream's bytes, not its whole queue. Raise it for long, fast paths (32 x 1 MiB
-    /// covers 1 Gbit/s at 250 ms); lower it to spare a shared registry.
+    /// Requests the prefetcher keeps in flight at most (1-64). The stream of the rest of
+    /// the image and the working-set replay are scavengers: they use the link only as far
+    /// as they do not delay the guest's faults. Their requests in flight are bounded by a
+    /// window that grows while a request as small as a fault's comes back within a tenth of
+    /// the round trip (at least 2 ms) of the quickest one seen, and shrinks while it takes
+    /// longer (LEDBAT, RFC 6817; a delay of a round trip more is a loss and halves it); the
+    /// faults' own fetches take the window first. This flag bounds the window: raise it for
+    /// long, fast paths (32 x 1 MiB covers 1 Gbit/s at 250 ms); lower it to spare a shared
+    /// registry.
     #[arg(long, default_value_t = lazy::prefetch::DEFAULT_STREAM_JOBS, value_name = "N", value_parser = parse_jobs)]
     pub stream_jobs: usize,
     /// With --prefetch trace: stream the rest of the image once faults have waited for this
@@ -192,6 +194,7 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     // Registry references get a client of their own so traces can be pushed as referrers
     // through it; layouts keep traces under the fallback tag.
     let mut fault_source: Option<Arc<dyn imgfmt::BlobSource>> = None;
+    let mut background_source: Option<Arc<dyn imgfmt::BlobSource>> = None;
     let sig_store: Box<dyn sign::Store>;
     let (mut o, traces): (common::Opened, Option<Box<dyn TraceStore>>) = match a.image.parse::<Reference>()? {
         Reference::Layout { path, selector } => {
@@ -210,6 +213,12 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
             let mut faults = common::registry_client(&host, &repository, false)?;
             faults.set_retry_policy(lazy::RetryPolicy::never());
             fault_source = Some(Arc::new(faults) as Arc<dyn imgfmt::BlobSource>);
+            // The stream and the working-set replay read through a client of their own
+            // (its own connections, and its own thread reading them), so a fault's small
+            // response is never read behind the stream's megabytes.
+            let mut background = common::registry_client(&host, &repository, false)?;
+            background.set_retry_policy(lazy::RetryPolicy::never());
+            background_source = Some(Arc::new(background) as Arc<dyn imgfmt::BlobSource>);
             sig_store = Box::new(RegistryStore(src.clone()));
             let o = common::Opened { source: Box::new(src.clone()), selector, reference: a.image.clone() };
             (o, Some(Box::new(RegistryTraces(src))))
@@ -268,6 +277,9 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
         }
     };
     let daemon = Daemon::new(image.clone(), file, src, store, traces, opts)?;
+    if let Some(bg) = background_source {
+        daemon.set_background_source(bg);
+    }
     eprintln!(
         "snapctl lazy: serving {} of {} ({}){}",
         image.files[file].name,

@@ -44,6 +44,12 @@ struct Args {
     /// Do not charge a fresh connection one RTT for TCP's handshake.
     #[arg(long)]
     no_handshake: bool,
+    /// The bottleneck's buffer per direction (e.g. 256KiB): a piece that finds more than
+    /// this booked ahead of it is dropped and sent again a round trip later (a shallow
+    /// buffer; counted in the summary's `drops`). Without it the buffer holds anything (a
+    /// deep buffer). Needs --rate.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    queue_limit: Option<u64>,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -64,7 +70,8 @@ fn run() -> anyhow::Result<()> {
     let a = Args::parse();
     let rate_bps = parse_rate(&a.rate).map_err(anyhow::Error::msg)?;
     let window = usize::try_from(a.window).context("--window too large")?;
-    let cfg = NetemConfig { rtt: a.rtt, rate_bps, window, handshake: !a.no_handshake };
+    let queue_limit = a.queue_limit.map(usize::try_from).transpose().context("--queue-limit too large")?;
+    let cfg = NetemConfig { rtt: a.rtt, rate_bps, window, handshake: !a.no_handshake, queue_limit };
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(sig, stop.clone()).context("installing a signal handler")?;
@@ -74,7 +81,14 @@ fn run() -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     writeln!(out, "{}", netem.addr)?;
     out.flush()?;
-    eprintln!("netem_proxy: {} -> {} rtt {:?} rate {}", netem.addr, a.upstream, cfg.rtt, rate_bps.map_or("none".to_string(), |b| format!("{b} bit/s")));
+    eprintln!(
+        "netem_proxy: {} -> {} rtt {:?} rate {} queue {}",
+        netem.addr,
+        a.upstream,
+        cfg.rtt,
+        rate_bps.map_or("none".to_string(), |b| format!("{b} bit/s")),
+        queue_limit.map_or("deep".to_string(), |q| format!("{q} bytes"))
+    );
 
     if watch_stdin() {
         let s = stop.clone();
@@ -89,7 +103,7 @@ fn run() -> anyhow::Result<()> {
         std::thread::sleep(Duration::from_millis(20));
     }
     let seconds = started.elapsed().as_secs_f64();
-    let (connections, max_open, bytes_up, bytes_down) = (netem.connections(), netem.max_open(), netem.bytes_up(), netem.bytes_down());
+    let (connections, max_open, bytes_up, bytes_down, drops) = (netem.connections(), netem.max_open(), netem.bytes_up(), netem.bytes_down(), netem.drops());
     drop(netem);
     let summary = serde_json::json!({
         "connections": connections,
@@ -99,6 +113,8 @@ fn run() -> anyhow::Result<()> {
         "seconds": seconds,
         "rtt_ms": cfg.rtt.as_secs_f64() * 1000.0,
         "rate_bps": rate_bps,
+        "queue_limit": queue_limit,
+        "drops": drops,
     });
     writeln!(out, "{summary}")?;
     Ok(())
