@@ -39,8 +39,8 @@ except ValueError:  # several JSON lines (one per connection): the first
     r = json.loads(text.splitlines()[0])
 M = 2 ** 20
 if kind == "push":
-    print(f"pushed: read {r['bytes_read']/M:.1f} MiB, sent {r['bytes_sent']/M:.1f} MiB in {r['blobs_uploaded']} blobs "
-          f"({r['blobs_skipped']} already there, {r['blobs_mounted']} mounted), {r['seconds']:.2f} s")
+    print(f"pushed: read {r['bytes_read']/M:.1f} MiB, sent {r['bytes_sent']/M:.1f} MiB in {r['uploaded_blobs']} blobs "
+          f"({r['skipped_blobs']} already there, {r['mounted_blobs']} mounted), {r['seconds']:.2f} s")
 elif kind == "vmm":
     print(f"runtime: {r['pages_checked']} pages checked against the original, {r['mismatches']} mismatches, "
           f"{r['seconds']:.2f} s")

@@ -136,26 +136,26 @@ pub struct PullReport {
     /// nothing to fetch beyond `jobs` ranges, or `max_jobs` allowed no more).
     pub rtt_ms: Option<f64>,
     /// Chunk positions in all files.
-    pub chunks_total: u64,
+    pub chunks: u64,
     /// Positions that are holes (never fetched, never written).
-    pub chunks_zero: u64,
+    pub zero_chunks: u64,
     /// Distinct chunks read from the cache.
-    pub chunks_from_cache: u64,
+    pub cached_chunks: u64,
     /// Distinct chunks fetched from the source.
-    pub chunks_fetched: u64,
+    pub fetched_chunks: u64,
     /// Distinct chunks found complete and verified in the temp file of an earlier pull
     /// into the same place that was killed (resumed, not fetched).
-    pub chunks_resumed: u64,
+    pub resumed_chunks: u64,
     /// Files already under their final name holding exactly the image's content (a pull
     /// killed between its renames left them; every chunk checked): kept, not written.
-    pub files_in_place: usize,
-    /// Chunk positions of those files (counted in `chunks_total` too, in no other count).
-    pub chunks_in_place: u64,
+    pub in_place_files: usize,
+    /// Chunk positions of those files (counted in `chunks` too, in no other count).
+    pub in_place_chunks: u64,
     /// Non-zero positions served by a chunk already read or fetched for another position.
-    pub chunks_deduplicated: u64,
+    pub deduplicated_chunks: u64,
     /// Chunks that failed verification once and were fetched again alone (a corrupted
     /// transfer); a second failure fails the pull.
-    pub chunks_refetched: u64,
+    pub refetched_chunks: u64,
     /// Range requests repeated after an I/O failure mid-transfer (counted in
     /// `range_requests` too).
     pub range_retries: u64,
@@ -274,7 +274,7 @@ pub fn pull(
     // Plan: distinct non-zero digests and their positions; zero records checked.
     let zero_bytes = count_positions(image, &in_place, &mut report)?;
     let plan = Plan::of(image, &in_place)?;
-    report.chunks_deduplicated = plan.more.len() as u64;
+    report.deduplicated_chunks = plan.more.len() as u64;
     let distinct = &plan.distinct;
     if let Some(p) = progress {
         p(zero_bytes);
@@ -361,21 +361,21 @@ fn count_positions(image: &Image, in_place: &[bool], report: &mut PullReport) ->
     let mut zero_bytes = 0u64;
     for (fi, f) in image.files.iter().enumerate() {
         for (ci, c) in f.chunks.iter().enumerate() {
-            report.chunks_total += 1;
+            report.chunks += 1;
             if let StoredAt::Zero = c.at {
                 verify::check_zero_record(image, fi, ci as u64)?;
             }
             if in_place[fi] {
-                report.chunks_in_place += 1;
+                report.in_place_chunks += 1;
                 continue;
             }
             if let StoredAt::Zero = c.at {
-                report.chunks_zero += 1;
+                report.zero_chunks += 1;
                 zero_bytes += c.len as u64;
             }
         }
         if in_place[fi] {
-            report.files_in_place += 1;
+            report.in_place_files += 1;
             zero_bytes += f.size;
         }
     }
@@ -845,10 +845,10 @@ impl Counters {
     fn report_into(self, report: &mut PullReport) {
         report.bytes_fetched = self.bytes_fetched.into_inner();
         report.range_requests = self.range_requests.into_inner();
-        report.chunks_from_cache = self.from_cache.into_inner();
-        report.chunks_fetched = self.fetched.into_inner();
-        report.chunks_resumed = self.resumed.into_inner();
-        report.chunks_refetched = self.refetched.into_inner();
+        report.cached_chunks = self.from_cache.into_inner();
+        report.fetched_chunks = self.fetched.into_inner();
+        report.resumed_chunks = self.resumed.into_inner();
+        report.refetched_chunks = self.refetched.into_inner();
         report.range_retries = self.range_retries.into_inner();
         report.cache_put_errors = self.put_errors.into_inner();
         report.bytes_written = self.written.into_inner();

@@ -67,15 +67,15 @@ pub struct PushReport {
     pub bytes_total: u64,
     /// Blob bytes an earlier interrupted push had already uploaded (not sent again).
     pub bytes_resumed: u64,
-    pub blobs_total: usize,
+    pub blobs: usize,
     /// Blobs the destination already had.
-    pub blobs_skipped: usize,
+    pub skipped_blobs: usize,
     /// Blobs linked from another repository of the same registry.
-    pub blobs_mounted: usize,
-    pub blobs_uploaded: usize,
+    pub mounted_blobs: usize,
+    pub uploaded_blobs: usize,
     /// Chunks not sent because they are zero or their pack was already there (skipped or
     /// mounted). Snapshot images only; 0 for other artifacts.
-    pub chunks_deduplicated: u64,
+    pub deduplicated_chunks: u64,
     /// Wall time of the whole command (for `push DIR`: packing included).
     pub seconds: f64,
     /// `push DIR` only: how the directory became an image (absent for images that were
@@ -273,21 +273,21 @@ pub fn copy_after(
         manifest: digest.to_string(),
         destination: target.describe(),
         bytes_total: blobs.iter().map(|b| b.size).sum(),
-        blobs_total: blobs.len(),
+        blobs: blobs.len(),
         ..Default::default()
     };
     for (_, m) in &results {
         match m {
-            Moved::Skipped => rep.blobs_skipped += 1,
-            Moved::Mounted => rep.blobs_mounted += 1,
+            Moved::Skipped => rep.skipped_blobs += 1,
+            Moved::Mounted => rep.mounted_blobs += 1,
             Moved::Uploaded { sent, resumed } => {
-                rep.blobs_uploaded += 1;
+                rep.uploaded_blobs += 1;
                 rep.bytes_sent += sent;
                 rep.bytes_resumed += resumed;
             }
         }
     }
-    rep.chunks_deduplicated = chunks_not_sent(&src, digest, &results);
+    rep.deduplicated_chunks = chunks_not_sent(&src, digest, &results);
     // Blobs sent ahead were read from the source then, not through `src` here.
     let read_ahead: u64 = ahead.iter().map(|(_, m)| if let Moved::Uploaded { sent, .. } = m { *sent } else { 0 }).sum();
     rep.bytes_read = src.n.load(Relaxed) + read_ahead;
@@ -437,10 +437,10 @@ mod tests {
         let dst = OciLayout::open_or_create(b.path()).unwrap();
         let opts = CopyOptions { upload: UploadOptions { cache_dir: None, ..Default::default() }, ..Default::default() };
         let r = copy(&src, &md, &Target::Layout(&dst), Some("v1"), &opts).unwrap();
-        assert_eq!((r.blobs_total, r.blobs_uploaded, r.bytes_sent), (2, 2, 100_007));
+        assert_eq!((r.blobs, r.uploaded_blobs, r.bytes_sent), (2, 2, 100_007));
         assert_eq!(dst.resolve_tag("v1").unwrap(), md);
         let again = copy(&src, &md, &Target::Layout(&dst), Some("v1"), &opts).unwrap();
-        assert_eq!((again.blobs_skipped, again.bytes_sent), (2, 0));
+        assert_eq!((again.skipped_blobs, again.bytes_sent), (2, 0));
     }
 
     #[test]

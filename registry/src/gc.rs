@@ -819,13 +819,17 @@ impl Schedule {
                         tracing::warn!(%e, "writing pull times before gc");
                     }
                     match run(store.as_ref(), &self.options).await {
-                        Ok(rep) => tracing::info!(
-                            manifests_removed = rep.manifests_removed,
-                            tags_removed = rep.tags_removed,
-                            swept = rep.swept,
-                            swept_bytes = rep.swept_bytes,
-                            "scheduled gc done"
-                        ),
+                        Ok(rep) => {
+                            let gone = rep.retention.manifests.iter().filter(|v| v.action == crate::retention::Action::Delete);
+                            pulls.forget_pending(gone.map(|v| (v.repository.as_str(), &v.digest)));
+                            tracing::info!(
+                                manifests_removed = rep.manifests_removed,
+                                tags_removed = rep.tags_removed,
+                                swept = rep.swept,
+                                swept_bytes = rep.swept_bytes,
+                                "scheduled gc done"
+                            )
+                        }
                         Err(GcError::Running { .. }) => tracing::info!("scheduled gc: another gc is running"),
                         Err(e) => tracing::warn!(%e, "scheduled gc failed"),
                     }

@@ -71,6 +71,21 @@ impl PullLog {
         self.pending.lock().expect("poisoned").get(repo).cloned().unwrap_or_default()
     }
 
+    /// Drop the pulls of `gone` recorded here and not yet written: gc deleted those
+    /// manifests, and a pull recorded between the flush before its run and the deletion
+    /// would otherwise be written after it, for a manifest that no longer exists.
+    pub fn forget_pending<'a>(&self, gone: impl IntoIterator<Item = (&'a str, &'a OciDigest)>) {
+        let mut p = self.pending.lock().expect("poisoned");
+        for (repo, d) in gone {
+            let Ok(r) = RepoName::parse(repo) else { continue };
+            if let Some(e) = p.get_mut(&r) {
+                if e.remove(d).is_some() {
+                    self.count.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
     /// Entries waiting to be written.
     pub fn pending(&self) -> usize {
         self.count.load(std::sync::atomic::Ordering::Relaxed)
@@ -224,6 +239,18 @@ mod tests {
         let mem = Arc::new(object_store::memory::InMemory::new());
         let store = crate::store::ObjectStoreBackend::new(mem, "reg", staging.path()).unwrap();
         pulls_survive_flushes_and_merges(&store).await;
+    }
+
+    #[test]
+    fn regression_issue_22_deleted_manifests_leave_the_pending_log() {
+        let log = PullLog::default();
+        let repo = RepoName::parse("dev/vm").unwrap();
+        let (a, b) = (OciDigest::of(b"a"), OciDigest::of(b"b"));
+        log.record(&repo, &a);
+        log.record(&repo, &b);
+        log.forget_pending([("dev/vm", &a), ("other/repo", &b)]);
+        assert_eq!(log.pending(), 1);
+        assert_eq!(log.pending_for(&repo).keys().collect::<Vec<_>>(), vec![&b]);
     }
 
     #[test]

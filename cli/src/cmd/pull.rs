@@ -141,20 +141,20 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
         report.seconds,
         imgfmt::size::human(report.bytes_fetched),
         report.range_requests,
-        report.chunks_fetched,
-        report.chunks_from_cache,
-        report.chunks_resumed,
-        report.chunks_deduplicated,
-        report.chunks_zero,
+        report.fetched_chunks,
+        report.cached_chunks,
+        report.resumed_chunks,
+        report.deduplicated_chunks,
+        report.zero_chunks,
     );
-    if report.files_in_place > 0 {
-        eprintln!("note: {} files were already in place with the image's content (checked whole) and were kept", report.files_in_place);
+    if report.in_place_files > 0 {
+        eprintln!("note: {} files were already in place with the image's content (checked whole) and were kept", report.in_place_files);
     }
     if report.range_retries > 0 {
         eprintln!("note: {} range requests failed mid-transfer and were repeated", report.range_retries);
     }
-    if report.chunks_refetched > 0 {
-        eprintln!("note: {} chunks failed verification in transit and were fetched again", report.chunks_refetched);
+    if report.refetched_chunks > 0 {
+        eprintln!("note: {} chunks failed verification in transit and were fetched again", report.refetched_chunks);
     }
     if report.cache_put_errors > 0 {
         eprintln!("warning: {} chunks could not be added to the cache", report.cache_put_errors);

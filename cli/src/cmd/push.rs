@@ -151,11 +151,11 @@ fn with_progress(
         outln!("{}", report.manifest)?;
         eprintln!(
             "{verb}: {} blobs to {} ({} already there, {} mounted, {} uploaded): {} sent of {}{} in {:.2}s",
-            report.blobs_total,
+            report.blobs,
             report.destination,
-            report.blobs_skipped,
-            report.blobs_mounted,
-            report.blobs_uploaded,
+            report.skipped_blobs,
+            report.mounted_blobs,
+            report.uploaded_blobs,
             imgfmt::size::human(report.bytes_sent),
             imgfmt::size::human(report.bytes_total),
             if report.bytes_resumed > 0 { format!(" (resumed: {} were already uploaded)", imgfmt::size::human(report.bytes_resumed)) } else { String::new() },

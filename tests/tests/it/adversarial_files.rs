@@ -82,7 +82,7 @@ fn regression_issue_14_pull_does_not_take_over_a_planted_symlink() {
     let md = fs::symlink_metadata(dest.join("vm.mem")).unwrap();
     assert!(md.file_type().is_file(), "vm.mem is a {:?}", md.file_type());
     assert!(fs::read(dest.join("vm.mem")).unwrap() == fs::read(src.join("vm.mem")).unwrap());
-    assert_eq!(n(&j, "chunks_resumed"), 0, "{j}");
+    assert_eq!(n(&j, "resumed_chunks"), 0, "{j}");
     assert_eq!(fs::read_dir(&dest).unwrap().count(), 2, "the planted name is gone, nothing else left");
 }
 
@@ -164,13 +164,13 @@ fn regression_issue_14_pull_killed_between_renames_is_finished_by_a_rerun() {
     for f in ["vm.mem", "vm.state"] {
         assert!(fs::read(dest.join(f)).unwrap() == fs::read(src.join(f)).unwrap(), "{f}");
     }
-    assert_eq!(n(&j, "files_in_place"), 1, "{j}");
+    assert_eq!(n(&j, "in_place_files"), 1, "{j}");
     assert!(n(&j, "bytes_fetched") < n(&full, "bytes_fetched") / 4, "the rerun fetched {} of a full {}", j["bytes_fetched"], full["bytes_fetched"]);
     assert_eq!(fs::read_dir(&dest).unwrap().count(), 2, "no partial file left");
     // Run again: everything is in place, nothing is fetched.
     let (r, j) = pull(&image, &dest, &[]);
     ok(&r);
-    assert_eq!((n(&j, "files_in_place"), n(&j, "bytes_fetched")), (2, 0), "{j}");
+    assert_eq!((n(&j, "in_place_files"), n(&j, "bytes_fetched")), (2, 0), "{j}");
 
     // One byte different: not the image's file, not replaced without --overwrite.
     let bad = tmp.path().join("bad");
@@ -185,7 +185,7 @@ fn regression_issue_14_pull_killed_between_renames_is_finished_by_a_rerun() {
     assert!(fs::read(bad.join("vm.mem")).unwrap() == mem, "a refused pull left the file as it was");
     let (r, j) = pull(&image, &bad, &["--overwrite"]);
     ok(&r);
-    assert_eq!(n(&j, "files_in_place"), 0, "{j}");
+    assert_eq!(n(&j, "in_place_files"), 0, "{j}");
     assert!(fs::read(bad.join("vm.mem")).unwrap() == fs::read(src.join("vm.mem")).unwrap());
 
     // A symlink to a file holding exactly the right bytes is still not "in place".
@@ -198,7 +198,7 @@ fn regression_issue_14_pull_killed_between_renames_is_finished_by_a_rerun() {
     assert_eq!(r.code, 2, "{r:?}");
     let (r, j) = pull(&image, &linked, &["--overwrite"]);
     ok(&r);
-    assert_eq!(n(&j, "files_in_place"), 0, "{j}");
+    assert_eq!(n(&j, "in_place_files"), 0, "{j}");
     assert!(fs::symlink_metadata(linked.join("vm.mem")).unwrap().is_file(), "the symlink was replaced, not followed");
     assert!(fs::read(&copy).unwrap() == fs::read(src.join("vm.mem")).unwrap(), "the symlink's target untouched");
 }

@@ -187,7 +187,7 @@ fn regression_issue_13_chain_of_300_layers_pushes_and_pulls() {
     for (i, mem) in &kept {
         let out = work.path().join(format!("out-{i}"));
         let r = ok(cmd().arg("pull").arg(tag(*i)).arg(&out).arg("--cache").arg(work.path().join(format!("fresh-cache-{i}"))).arg("--json"));
-        assert_eq!(json(&r)["chunks_from_cache"].as_u64(), Some(0), "{r:?}");
+        assert_eq!(json(&r)["cached_chunks"].as_u64(), Some(0), "{r:?}");
         assert!(fs::read(out.join("vm.mem")).unwrap() == *mem, "layer {i}: pulled vm.mem differs");
         assert_eq!(fs::read(out.join("vm.state")).unwrap(), fs::read(snap.dir.join("vm.state")).unwrap());
         ok(cmd().arg("verify").arg(tag(*i)).arg("--against").arg(&out));

@@ -138,19 +138,19 @@ fn pull_suite(registry_addr: &str) {
     let (r, j) = pull(&v1, &out1, Some(&cache), &[]);
     ok(&r);
     assert_same_files(&fx.snap1, &out1);
-    let data_chunks = n(&j, "chunks_total") - n(&j, "chunks_zero");
-    assert!(n(&j, "chunks_zero") > 0, "half the sample is holes: {j}");
-    assert_eq!(n(&j, "chunks_fetched") + n(&j, "chunks_deduplicated"), data_chunks, "{j}");
-    assert_eq!(n(&j, "chunks_from_cache"), 0, "{j}");
+    let data_chunks = n(&j, "chunks") - n(&j, "zero_chunks");
+    assert!(n(&j, "zero_chunks") > 0, "half the sample is holes: {j}");
+    assert_eq!(n(&j, "fetched_chunks") + n(&j, "deduplicated_chunks"), data_chunks, "{j}");
+    assert_eq!(n(&j, "cached_chunks"), 0, "{j}");
     assert!(n(&j, "bytes_fetched") > 0 && n(&j, "range_requests") > 0, "{j}");
     // Neighbours coalesced: far fewer requests than chunks.
-    assert!(n(&j, "range_requests") < n(&j, "chunks_fetched"), "{j}");
+    assert!(n(&j, "range_requests") < n(&j, "fetched_chunks"), "{j}");
     assert!(r.stderr.contains("pulled 2 files"), "{}", r.stderr);
     // Issue 4: cache puts run behind the fetch, in batches; the pull still returns only
     // once every fetched chunk is in the cache.
-    assert_eq!(j["cache"]["puts"].as_u64(), Some(n(&j, "chunks_fetched")), "{j}");
+    assert_eq!(j["cache"]["puts"].as_u64(), Some(n(&j, "fetched_chunks")), "{j}");
     assert_eq!(n(&j, "cache_put_errors"), 0, "{j}");
-    assert_eq!(cache_entries(&cache).0.len() as u64, n(&j, "chunks_fetched"), "{j}");
+    assert_eq!(cache_entries(&cache).0.len() as u64, n(&j, "fetched_chunks"), "{j}");
     let full_fetch = n(&j, "bytes_fetched");
 
     // Same image again, same cache: nothing crosses the network.
@@ -158,15 +158,15 @@ fn pull_suite(registry_addr: &str) {
     let (r, j) = pull(&v1, &out1b, Some(&cache), &["--jobs", "2"]);
     ok(&r);
     assert_same_files(&fx.snap1, &out1b);
-    assert_eq!((n(&j, "bytes_fetched"), n(&j, "range_requests"), n(&j, "chunks_fetched")), (0, 0, 0), "{j}");
-    assert_eq!(n(&j, "chunks_from_cache") + n(&j, "chunks_deduplicated"), data_chunks, "{j}");
+    assert_eq!((n(&j, "bytes_fetched"), n(&j, "range_requests"), n(&j, "fetched_chunks")), (0, 0, 0), "{j}");
+    assert_eq!(n(&j, "cached_chunks") + n(&j, "deduplicated_chunks"), data_chunks, "{j}");
 
     // The layer after its parent: only the 3 rewritten blocks are fetched.
     let out2 = fx.path("out2");
     let (r, j) = pull(&v2, &out2, Some(&cache), &[]);
     ok(&r);
     assert_same_files(&fx.snap2, &out2);
-    let fetched = n(&j, "chunks_fetched");
+    let fetched = n(&j, "fetched_chunks");
     assert!((1..=3).contains(&fetched), "a layer with 3 changed blocks fetched {fetched} chunks: {j}");
     assert!(n(&j, "bytes_fetched") <= 3 << 20, "{j}");
 
@@ -273,11 +273,11 @@ fn pull_killed_then_resumed_fetches_only_the_rest() {
     assert_same_files(&fx.snap1, &dest);
     assert_eq!(fs::read_dir(&dest).unwrap().count(), 2, "the killed pull's temp files are taken over, none left");
     // Chunks are 1 MiB; the last one written may be torn (not resumed, fetched again).
-    assert!(n(&j, "chunks_resumed") + 1 >= written_before >> 20, "{written_before} bytes were written before the kill: {j}");
+    assert!(n(&j, "resumed_chunks") + 1 >= written_before >> 20, "{written_before} bytes were written before the kill: {j}");
     let (r, full) = pull(&v1, &fx.path("full"), None, &[]);
     ok(&r);
     assert!(n(&j, "bytes_fetched") < n(&full, "bytes_fetched"), "resume fetched {} of a full {}", j["bytes_fetched"], full["bytes_fetched"]);
-    assert_eq!(n(&j, "chunks_fetched") + n(&j, "chunks_from_cache") + n(&j, "chunks_resumed"), n(&full, "chunks_fetched"), "resume: {j}\nfull: {full}");
+    assert_eq!(n(&j, "fetched_chunks") + n(&j, "cached_chunks") + n(&j, "resumed_chunks"), n(&full, "fetched_chunks"), "resume: {j}\nfull: {full}");
 }
 
 /// Allocated bytes of the hidden temp files of pulls in `dir`.
@@ -315,7 +315,7 @@ fn regression_issue_4_resume_over_another_images_partial_is_exact() {
     let (r, j) = pull(&format!("{}:v2", fx.repo), &dest, None, &[]);
     ok(&r);
     assert_same_files(&fx.snap2, &dest);
-    assert!(n(&j, "chunks_resumed") > 0, "v1 and v2 share most chunks: {j}");
+    assert!(n(&j, "resumed_chunks") > 0, "v1 and v2 share most chunks: {j}");
     assert_eq!(fs::read_dir(&dest).unwrap().count(), 2, "{:?}", fs::read_dir(&dest).unwrap().collect::<Vec<_>>());
 }
 
@@ -341,7 +341,7 @@ fn damaged_cache_entry_is_refetched_never_written() {
     let (r, j) = pull(&v1, &fx.path("b"), Some(&cache), &[]);
     ok(&r);
     assert_same_files(&fx.snap1, &fx.path("b"));
-    assert_eq!(n(&j, "chunks_fetched"), 1, "{j}");
+    assert_eq!(n(&j, "fetched_chunks"), 1, "{j}");
     assert_eq!(j["cache"]["damaged"].as_u64(), Some(1), "{j}");
     // The entry was replaced (by a reference into b, this pull being without --cache-copy).
     let (r, j) = pull(&v1, &fx.path("c"), Some(&cache), &[]);
@@ -363,7 +363,7 @@ fn regression_issue_4_cache_references_go_stale_safely() {
     let (r, j) = pull(&v1, &fx.path("a"), Some(&cache), &[]);
     ok(&r);
     let (entries, _) = cache_entries(&cache);
-    assert_eq!(entries.len() as u64, n(&j, "chunks_fetched"));
+    assert_eq!(entries.len() as u64, n(&j, "fetched_chunks"));
     assert!(entries.iter().all(|e| e.extension().is_some_and(|x| x == "ref")), "references by default: {entries:?}");
 
     // Flip one byte of a's vm.mem inside a non-zero chunk.
@@ -375,7 +375,7 @@ fn regression_issue_4_cache_references_go_stale_safely() {
     let (r, j) = pull(&v1, &fx.path("b"), Some(&cache), &[]);
     ok(&r);
     assert_same_files(&fx.snap1, &fx.path("b"));
-    assert_eq!(n(&j, "chunks_fetched"), 1, "{j}");
+    assert_eq!(n(&j, "fetched_chunks"), 1, "{j}");
     assert_eq!(j["cache"]["stale_refs"].as_u64(), Some(1), "{j}");
 
     // With a and b both gone, every reference is stale: all fetched again, all right.
@@ -384,7 +384,7 @@ fn regression_issue_4_cache_references_go_stale_safely() {
     let (r, j2) = pull(&v1, &fx.path("c"), Some(&cache), &[]);
     ok(&r);
     assert_same_files(&fx.snap1, &fx.path("c"));
-    assert_eq!(n(&j2, "chunks_fetched"), n(&j, "chunks_fetched") + n(&j, "chunks_from_cache"), "{j2}");
+    assert_eq!(n(&j2, "fetched_chunks"), n(&j, "fetched_chunks") + n(&j, "cached_chunks"), "{j2}");
 }
 
 /// A byte flipped in a pack as the registry stores it: exit 1 naming the file and chunk,
@@ -472,7 +472,7 @@ fn cache_size_limit_is_honoured() {
     let (r, j) = pull(&format!("{}:v1", fx.repo), &fx.path("b"), Some(&cache), &["--cache-size", "1GiB", "--cache-copy"]);
     ok(&r);
     assert_same_files(&fx.snap1, &fx.path("b"));
-    assert!(n(&j, "chunks_from_cache") >= entries.len() as u64, "{j}");
+    assert!(n(&j, "cached_chunks") >= entries.len() as u64, "{j}");
 }
 
 /// Bad input: an unreachable registry and a missing tag are errors (exit 2), not panics.
@@ -540,7 +540,7 @@ fn pull_through_faults_completes_or_fails_verified() {
     let (r, j) = pull(&image, &dest, None, &small);
     assert_eq!(r.code, 0, "{r:?}");
     assert_same_files(&fx.snap1, &dest);
-    assert_eq!(n(&j, "chunks_refetched"), 1, "{j}");
+    assert_eq!(n(&j, "refetched_chunks"), 1, "{j}");
 
     // Every pack response damaged: exit 1 with a verification error, no final file, no
     // temp file, and nothing unverified in the cache.

@@ -90,9 +90,9 @@ fn push_story(addr: &str) {
     let base = format!("{addr}/vm/base:v1");
     let rep = w.push(&format!("oci:{}:v1", lay.display()), &base, &[]);
     assert_eq!(rep["manifest"], v1.as_str());
-    assert!(n(&rep, "blobs_uploaded") >= 3, "{rep}");
+    assert!(n(&rep, "uploaded_blobs") >= 3, "{rep}");
     assert_eq!(n(&rep, "bytes_sent"), n(&rep, "bytes_total"), "first push sends every blob: {rep}");
-    assert!(n(&rep, "chunks_deduplicated") >= 8, "zero chunks are never sent: {rep}");
+    assert!(n(&rep, "deduplicated_chunks") >= 8, "zero chunks are never sent: {rep}");
 
     // Copy back into a fresh layout: same manifest digest, verifies.
     let back = w.path("back");
@@ -106,8 +106,8 @@ fn push_story(addr: &str) {
 
     // Unchanged: only HEADs.
     let again = w.push(&format!("oci:{}:v1", lay.display()), &base, &[]);
-    assert_eq!((n(&again, "bytes_sent"), n(&again, "blobs_uploaded")), (0, 0), "{again}");
-    assert_eq!(n(&again, "blobs_skipped"), n(&again, "blobs_total"));
+    assert_eq!((n(&again, "bytes_sent"), n(&again, "uploaded_blobs")), (0, 0), "{again}");
+    assert_eq!(n(&again, "skipped_blobs"), n(&again, "blobs"));
 
     // A layer with 3 changed 1 MiB chunks, pushed to another repository: the parent's
     // packs are mounted from vm/base (known from the first push), 3 chunks go up.
@@ -115,7 +115,7 @@ fn push_story(addr: &str) {
     w.ok(&["pack", snap2.to_str().unwrap(), &format!("oci:{}:v2", lay.display()), "--parent", &format!("oci:{}:v1", lay.display())]);
     let next = format!("{addr}/vm/next:v2");
     let rep2 = w.push(&format!("oci:{}:v2", lay.display()), &next, &[]);
-    assert!(n(&rep2, "blobs_mounted") >= 1, "parent's pack mounted: {rep2}");
+    assert!(n(&rep2, "mounted_blobs") >= 1, "parent's pack mounted: {rep2}");
     let sent = n(&rep2, "bytes_sent");
     assert!((3 * MIB..4 * MIB).contains(&sent), "3 changed chunks, plus metadata, sent: {sent} bytes: {rep2}");
     let out2 = w.path("out2");
@@ -152,9 +152,9 @@ fn push_directory_sends_packs_while_packing() {
     let snap = w.sample("snap", "24MiB");
     let dest = format!("{}/vm/ahead:v1", s.addr);
     let rep = w.push(snap.to_str().unwrap(), &dest, &["--pack-size", "2MiB"]);
-    assert!(n(&rep, "blobs_total") >= 6, "several packs: {rep}");
-    assert_eq!(n(&rep, "blobs_uploaded"), n(&rep, "blobs_total"), "{rep}");
-    assert_eq!(n(&rep, "blobs_skipped"), 0, "{rep}");
+    assert!(n(&rep, "blobs") >= 6, "several packs: {rep}");
+    assert_eq!(n(&rep, "uploaded_blobs"), n(&rep, "blobs"), "{rep}");
+    assert_eq!(n(&rep, "skipped_blobs"), 0, "{rep}");
     assert_eq!(n(&rep, "bytes_sent"), n(&rep, "bytes_total"), "{rep}");
     assert!(n(&rep, "bytes_read") >= n(&rep, "bytes_sent"), "packs sent ahead count as read: {rep}");
     let (total, pack) = (rep["seconds"].as_f64().unwrap(), rep["pack"]["seconds"].as_f64().unwrap());
@@ -184,7 +184,7 @@ fn push_directory_twice_sends_nothing_the_second_time() {
     let lay = w2.path("l");
     w2.ok(&["pack", snap.to_str().unwrap(), &format!("oci:{}:x", lay.display())]);
     let rep = w2.push(&format!("oci:{}:x", lay.display()), &format!("{}/vm/other:x", s.addr), &["--mount-from", "vm/dir"]);
-    assert!(n(&rep, "blobs_mounted") >= 1, "{rep}");
+    assert!(n(&rep, "mounted_blobs") >= 1, "{rep}");
     assert!(n(&rep, "bytes_sent") < MIB, "only the new config and index: {rep}");
 }
 
@@ -210,13 +210,13 @@ fn push_dir_is_a_library_call() {
         pusher::push_dir(&snap, &dest, "v1", opts, &copy).unwrap()
     };
     let first = push();
-    assert!(first.blobs_total >= 4, "several packs, index, config, outboard: {first:?}");
-    assert_eq!(first.blobs_uploaded, first.blobs_total, "{first:?}");
+    assert!(first.blobs >= 4, "several packs, index, config, outboard: {first:?}");
+    assert_eq!(first.uploaded_blobs, first.blobs, "{first:?}");
     assert_eq!(first.pack.as_ref().map(|p| p.skipped), Some(false), "{first:?}");
     assert_eq!(dest.resolve_tag("v1").unwrap().to_string(), first.manifest);
     let second = push();
     assert_eq!(second.manifest, first.manifest, "unchanged directory, same image");
-    assert_eq!((second.bytes_sent, second.blobs_uploaded), (0, 0), "{second:?}");
+    assert_eq!((second.bytes_sent, second.uploaded_blobs), (0, 0), "{second:?}");
     let out = w.path("pulled");
     w.ok(&["pull", &format!("{}/vm/lib:v1", s.addr), out.to_str().unwrap()]);
     same_files(&snap, &out);
@@ -241,7 +241,7 @@ fn regression_issue_4_repush_unchanged_directory_skips_packing() {
     let again = w.push(snap.to_str().unwrap(), &dest, &[]);
     assert_eq!(again["pack"]["skipped"], true, "unchanged directory: not packed again: {again}");
     assert_eq!(again["manifest"], first["manifest"]);
-    assert_eq!((n(&again, "bytes_sent"), n(&again, "blobs_uploaded")), (0, 0), "{again}");
+    assert_eq!((n(&again, "bytes_sent"), n(&again, "uploaded_blobs")), (0, 0), "{again}");
 
     // Rewrite 2 blocks in place (same names, same sizes, same inodes): packed again, sent.
     w.ok(&["sample", snap.to_str().unwrap(), "--size", "16MiB", "--mutate", "2"]);
