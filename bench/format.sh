@@ -306,7 +306,7 @@ sweep() { # NAME DIR PACK_FLAGS NONZERO_BYTES LOGICAL_BYTES
     j=$("$SNAPCTL" inspect "oci:$O/sw-$cs:t" --json)
     ix=$(index_bytes "$O/sw-$cs")
     lay=$(bytes_in_layout "$O/sw-$cs")
-    echo "| $cs | $(jq '.totals.chunks' <<<"$j") | $(jq '.totals.zero' <<<"$j") | $(jq '.totals.stored' <<<"$j") | $ix | $(awk -v a="$ix" -v n="$(jq '.totals.chunks' <<<"$j")" 'BEGIN { printf "%.1f", a / n }') | $(jq '.metadata_bytes' <<<"$j") | $(jq '.own_pack_bytes' <<<"$j") | $(awk -v a="$lay" -v b="$4" 'BEGIN { printf "%.4f", a / b }') | $(awk -v a="$lay" -v b="$5" 'BEGIN { printf "%.4f", a / b }') |"
+    echo "| $cs | $(jq '.totals.chunks' <<<"$j") | $(jq '.totals.zero_chunks' <<<"$j") | $(jq '.totals.stored_chunks' <<<"$j") | $ix | $(awk -v a="$ix" -v n="$(jq '.totals.chunks' <<<"$j")" 'BEGIN { printf "%.1f", a / n }') | $(jq '.metadata_bytes' <<<"$j") | $(jq '.own_pack_bytes' <<<"$j") | $(awk -v a="$lay" -v b="$4" 'BEGIN { printf "%.4f", a / b }') | $(awk -v a="$lay" -v b="$5" 'BEGIN { printf "%.4f", a / b }') |"
   done
   echo
   rm -rf "$O"/sw-* "$O/un"

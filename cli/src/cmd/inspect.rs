@@ -38,18 +38,23 @@ pub struct InspectArgs {
 
 #[derive(Debug, Default, Serialize)]
 pub struct Counts {
+    /// Chunk positions (the `--json` vocabulary: `<what>_chunks` counts, README).
     pub chunks: u64,
-    pub zero: u64,
+    pub zero_chunks: u64,
     /// In this image's own packs.
-    pub stored: u64,
+    pub stored_chunks: u64,
     /// Recorded by this image but pointing into a base's or ancestor's packs.
-    pub referenced: u64,
+    pub referenced_chunks: u64,
     /// Not recorded by this image: inherited from the parent chain.
-    pub inherited: u64,
+    pub inherited_chunks: u64,
     /// Uncompressed bytes of non-zero chunks.
     pub data_bytes: u64,
-    /// Stored (possibly compressed) bytes of those chunks, wherever they live.
-    pub stored_bytes: u64,
+    /// Stored (possibly compressed) bytes of those chunks wherever they live: this
+    /// image's packs, its base's and its parent chain's (what a pull of it fetches).
+    pub chain_stored_bytes: u64,
+    /// Stored bytes of the chunks in this image's own packs (what pushing this layer
+    /// added; `stored_chunks` of them).
+    pub own_stored_bytes: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -195,28 +200,30 @@ pub fn counts(image: &Image) -> (Vec<Counts>, Counts) {
         for ch in &f.chunks {
             c.chunks += 1;
             match ch.at {
-                StoredAt::Zero if ch.depth == 0 => c.zero += 1,
-                StoredAt::Zero => c.inherited += 1,
+                StoredAt::Zero if ch.depth == 0 => c.zero_chunks += 1,
+                StoredAt::Zero => c.inherited_chunks += 1,
                 StoredAt::Pack { pack, stored_len, .. } => {
                     c.data_bytes += ch.len as u64;
-                    c.stored_bytes += stored_len as u64;
+                    c.chain_stored_bytes += stored_len as u64;
                     if ch.depth > 0 {
-                        c.inherited += 1;
+                        c.inherited_chunks += 1;
                     } else if own.contains(&image.packs[pack as usize].digest) {
-                        c.stored += 1;
+                        c.stored_chunks += 1;
+                        c.own_stored_bytes += stored_len as u64;
                     } else {
-                        c.referenced += 1;
+                        c.referenced_chunks += 1;
                     }
                 }
             }
         }
         total.chunks += c.chunks;
-        total.zero += c.zero;
-        total.stored += c.stored;
-        total.referenced += c.referenced;
-        total.inherited += c.inherited;
+        total.zero_chunks += c.zero_chunks;
+        total.stored_chunks += c.stored_chunks;
+        total.referenced_chunks += c.referenced_chunks;
+        total.inherited_chunks += c.inherited_chunks;
         total.data_bytes += c.data_bytes;
-        total.stored_bytes += c.stored_bytes;
+        total.chain_stored_bytes += c.chain_stored_bytes;
+        total.own_stored_bytes += c.own_stored_bytes;
         per.push(c);
     }
     (per, total)
@@ -276,7 +283,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
                 counts,
             })
             .collect(),
-        compression_ratio: if totals.stored_bytes == 0 { 1.0 } else { totals.data_bytes as f64 / totals.stored_bytes as f64 },
+        compression_ratio: if totals.chain_stored_bytes == 0 { 1.0 } else { totals.data_bytes as f64 / totals.chain_stored_bytes as f64 },
         totals,
         own_pack_bytes,
         metadata_bytes,
@@ -341,14 +348,24 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
             f.role,
             human(f.size),
             f.counts.chunks,
-            f.counts.zero,
-            f.counts.stored,
-            f.counts.referenced,
-            f.counts.inherited
+            f.counts.zero_chunks,
+            f.counts.stored_chunks,
+            f.counts.referenced_chunks,
+            f.counts.inherited_chunks
         )?;
     }
     let t = &out.totals;
-    outln!("{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}", "total", "", human(out.size), t.chunks, t.zero, t.stored, t.referenced, t.inherited)?;
+    outln!(
+        "{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}",
+        "total",
+        "",
+        human(out.size),
+        t.chunks,
+        t.zero_chunks,
+        t.stored_chunks,
+        t.referenced_chunks,
+        t.inherited_chunks
+    )?;
     if !out.referrers.is_empty() {
         outln!()?;
         outln!("{:<48} {:<73} {:>10}  TAG", "REFERRER (ARTIFACT TYPE)", "DIGEST", "SIZE")?;

@@ -458,7 +458,12 @@ fn inspect_and_diff() {
     assert_eq!(j["chain"].as_array().unwrap().len(), 1);
     let t = &j["totals"];
     assert_eq!(t["chunks"], 9);
-    assert!(t["stored"].as_u64().unwrap() <= 2 && t["inherited"].as_u64().unwrap() >= 7, "{t}");
+    assert!(t["stored_chunks"].as_u64().unwrap() <= 2 && t["inherited_chunks"].as_u64().unwrap() >= 7, "{t}");
+    // Issue 25: a layer's own bytes and its chain's are named apart (a layer of 2 changed
+    // chunks over 7 inherited ones).
+    let (own, chain) = (t["own_stored_bytes"].as_u64().unwrap(), t["chain_stored_bytes"].as_u64().unwrap());
+    assert!(own > 0 && own <= 2 << 20 && chain >= 3 * own, "a layer's own bytes against its chain's: {t}");
+    assert!(own <= j["own_pack_bytes"].as_u64().unwrap(), "own chunks' bytes are in its own packs: {j}");
     let r = run(snapctl().args(["diff", &a, &b, "--json"]));
     assert_eq!(r.code, 1, "different images: exit 1");
     let j: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
