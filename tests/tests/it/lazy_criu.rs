@@ -120,7 +120,7 @@ fn criu_lazy_restore_two_tasks_every_page_right() {
     assert_eq!(code, 0, "{}", d.log_text());
     assert_eq!(reps.len(), 2, "one report per task, none for the zombie: {reps:?}");
     assert!(d.log_text().contains("pid 99 is a zombie"), "{}", d.log_text());
-    let mut zero_faults = 0;
+    let (mut zero_faults, mut fetched_faults) = (0, 0);
     for (pid, sum) in [(11, &sums[0]), (12, &sums[1])] {
         let rep = report_of(&reps, pid);
         // The push is slow: the task usually exits (its memory goes) before it is done.
@@ -128,7 +128,10 @@ fn criu_lazy_restore_two_tasks_every_page_right() {
         assert_eq!(n(rep, &["present_pages"]), n(sum, &["present_pages"]), "{rep}");
         assert_eq!(n(rep, &["lazy_pages"]), n(sum, &["lazy_pages"]), "{rep}");
         assert_eq!((n(rep, &["verify_failures"]), n(rep, &["poisoned_pages"])), (0, 0), "{rep}");
-        assert!(n(rep, &["faults", "fetched"]) > 0, "faults were served from the image: {rep}");
+        // A task's faults come from the image: fetched, or from the chunk cache another
+        // task's faults or the prefetch filled first (which of the two is timing).
+        assert!(n(rep, &["faults", "fetched"]) + n(rep, &["faults", "cache_hit"]) > 0, "faults were served from the image: {rep}");
+        fetched_faults += n(rep, &["faults", "fetched"]);
         let stored = stored_bytes(&dir.path().join("layout"), &format!("pages-{pid}.img"));
         // Slices fetched before their chunk went whole (issue 16 §3) are counted apart.
         assert!(n(rep, &["bytes_fetched"]) - n(rep, &["slice_bytes"]) <= stored, "each chunk fetched whole at most once ({stored} stored): {rep}");
@@ -137,6 +140,7 @@ fn criu_lazy_restore_two_tasks_every_page_right() {
     // Zero pages are zero faults (UFFDIO_ZEROPAGE), never a fetch: the pages files hold no
     // zero chunks, so every zero the tasks read came from a zero fault.
     assert_eq!(zero_faults, vma_pages - present, "{reps:?}");
+    assert!(fetched_faults > 0, "some fault fetched from the image: {reps:?}");
 }
 
 /// The same through `snapctl serve`: pagemap and pages come over HTTP, verified.
