@@ -315,8 +315,10 @@ mod tests {
         let p = dir.join("docker-credential-fake");
         std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let mut c = Command::new(p);
-        c.arg("get");
+        // Run by sh, not executed itself: a file just written can be "busy" (ETXTBSY) while
+        // another test thread's fork still holds the writer's descriptor before its exec.
+        let mut c = Command::new("/bin/sh");
+        c.arg(p).arg("get");
         c
     }
 
