@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # A fleet of gVisor clones on one base (issue 22 §5): what each clone costs the store.
 #
-#   bash bench/fleet.sh [--clones 8] [--ticks 10] [--runsc /opt/snapctl-runsc/runsc] [--out DIR]
-#                       [--flags "--chunk-size 64KiB --compress zstd"]...
+#   bash bench/fleet.sh [--clones 8] [--ticks 10] [--heap-mib 8] [--runsc /opt/snapctl-runsc/runsc]
+#                       [--out DIR] [--flags "--base-delta off"]...
 #
-# One sandbox (tests/runtimes/counter.c: 8 MiB of random heap, a counter every 100 ms)
+# One sandbox (tests/runtimes/counter.c: --heap-mib MiB of random heap, default 8 (a 9 MB
+# checkpoint; 48 makes the 51 MB checkpoint of issue 22's table), a counter every 100 ms)
 # runs under trixie's runsc 2024 (`--platform=ptrace --network=none`) and is checkpointed
 # (`--compression=none --exclude-committed-zero-pages`: the split checkpoint.img +
 # pages_meta.img + pages.img). That checkpoint is the base. Each clone is restored from
@@ -17,15 +18,16 @@
 # Needs root (runsc) and gcc; uses target/release/snapctl if built, else target/debug.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-clones=8 ticks=10 runsc=/opt/snapctl-runsc/runsc out="" flagsets=("")
+clones=8 ticks=10 heap=8 runsc=/opt/snapctl-runsc/runsc out="" flagsets=("")
 while [ $# -gt 0 ]; do
   case "$1" in
     --clones) clones=$2; shift 2 ;;
     --ticks) ticks=$2; shift 2 ;;
+    --heap-mib) heap=$2; shift 2 ;;
     --runsc) runsc=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --flags) flagsets+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "fleet.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -49,7 +51,7 @@ cleanup() {
 trap cleanup EXIT
 rs() { "$runsc" --platform=ptrace --network=none --root "$root" "$@"; }
 
-gcc -O2 -static -o "$out/counter" tests/runtimes/counter.c
+gcc -O2 -static -DHEAP_MIB="${heap}u" -o "$out/counter" tests/runtimes/counter.c
 
 # An OCI bundle running /counter /out/progress with $2 bind-mounted at /out.
 bundle() {

@@ -406,7 +406,9 @@ pub fn resolve_chain(chain: &[ChainLink]) -> Result<(Vec<ResolvedFile>, Vec<Pack
                         let rec = r.next().expect("peeked");
                         let at = match rec.kind {
                             RecordKind::Zero => StoredAt::Zero,
-                            RecordKind::Stored { pack, offset, stored_len, codec } => StoredAt::Pack { pack: local[pack as usize], offset, stored_len, codec },
+                            RecordKind::Stored { pack, offset, stored_len, codec } => {
+                                StoredAt::Pack { pack: local[pack as usize], offset, stored_len, codec: codec.map_ref(|p| local[p as usize]) }
+                            }
                         };
                         ResolvedChunk { digest: rec.digest, len, at, depth: depth as u8 }
                     }
@@ -430,12 +432,16 @@ pub fn resolve_chain(chain: &[ChainLink]) -> Result<(Vec<ResolvedFile>, Vec<Pack
         below = Some(files);
     }
     // Drop packs no resolved chunk uses (an ancestor's pack whose chunks were all replaced).
+    // A `zstd-ref` chunk uses its reference's pack too.
     let files = below.unwrap_or_default();
     let mut used = vec![false; packs.len()];
     for f in &files {
         for c in &f.chunks {
-            if let StoredAt::Pack { pack, .. } = c.at {
+            if let StoredAt::Pack { pack, codec, .. } = c.at {
                 used[pack as usize] = true;
+                if let Some(rp) = codec.ref_pack() {
+                    used[rp as usize] = true;
+                }
             }
         }
     }
@@ -454,8 +460,9 @@ pub fn resolve_chain(chain: &[ChainLink]) -> Result<(Vec<ResolvedFile>, Vec<Pack
         .into_iter()
         .map(|mut f| {
             for c in &mut f.chunks {
-                if let StoredAt::Pack { pack, .. } = &mut c.at {
+                if let StoredAt::Pack { pack, codec, .. } = &mut c.at {
                     *pack = remap[*pack as usize];
+                    *codec = codec.map_ref(|rp| remap[rp as usize]);
                 }
             }
             f

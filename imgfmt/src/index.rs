@@ -24,9 +24,12 @@ use crate::{FormatError, MAX_CHUNK_SHIFT, MIN_CHUNK_SHIFT};
 pub const INDEX_MAGIC: [u8; 8] = *b"SNAPCIDX";
 /// The major version this build writes and reads. A different major is refused.
 pub const INDEX_MAJOR: u16 = 1;
-/// The minor version this build writes. Higher minors are read (they only add meaning to
-/// reserved bytes, which this version ignores).
+/// The minor version this build writes for an index without `zstd-ref` records. Higher
+/// minors are read (they only add meaning to reserved bytes, which this version ignores).
 pub const INDEX_MINOR: u16 = 0;
+/// The minor version of an index with a `zstd-ref` record (codec 3, whose reference pack
+/// is the record's bytes 28..32). Readers of minor 0 refuse such a record by its codec.
+pub const INDEX_MINOR_REF: u16 = 1;
 
 pub const HEADER_LEN: usize = 64;
 pub const FILE_ENTRY_LEN: usize = 32;
@@ -207,7 +210,8 @@ impl ChunkIndex {
         let mut out = Vec::with_capacity(self.encoded_len());
         out.extend_from_slice(&INDEX_MAGIC);
         out.extend_from_slice(&INDEX_MAJOR.to_le_bytes());
-        out.extend_from_slice(&INDEX_MINOR.to_le_bytes());
+        let has_ref = self.records.iter().any(|r| matches!(r.kind, RecordKind::Stored { codec: Codec::ZstdRef(_), .. }));
+        out.extend_from_slice(&if has_ref { INDEX_MINOR_REF } else { INDEX_MINOR }.to_le_bytes());
         out.push(self.hash.code());
         out.push(self.chunk_shift);
         out.push(if self.layer { FLAG_LAYER } else { 0 });
@@ -228,9 +232,9 @@ impl ChunkIndex {
         }
         for r in &self.records {
             out.extend_from_slice(&r.chunk.to_le_bytes());
-            let (pack, kind, codec, offset, len) = match r.kind {
-                RecordKind::Zero => (NO_PACK, 0u8, 0u8, 0u64, 0u32),
-                RecordKind::Stored { pack, offset, stored_len, codec } => (pack, 1, codec.code(), offset, stored_len),
+            let (pack, kind, codec, offset, len, ref_pack) = match r.kind {
+                RecordKind::Zero => (NO_PACK, 0u8, 0u8, 0u64, 0u32, 0u32),
+                RecordKind::Stored { pack, offset, stored_len, codec } => (pack, 1, codec.code(), offset, stored_len, codec.ref_pack().unwrap_or(0)),
             };
             out.extend_from_slice(&pack.to_le_bytes());
             out.push(kind);
@@ -238,7 +242,7 @@ impl ChunkIndex {
             out.extend_from_slice(&[0, 0]);
             out.extend_from_slice(&offset.to_le_bytes());
             out.extend_from_slice(&len.to_le_bytes());
-            out.extend_from_slice(&[0; 4]);
+            out.extend_from_slice(&ref_pack.to_le_bytes());
             out.extend_from_slice(&r.digest.0);
         }
         debug_assert_eq!(out.len(), self.encoded_len());
@@ -308,8 +312,8 @@ impl ChunkIndex {
                     RecordKind::Zero
                 }
                 1 => {
-                    let codec =
-                        Codec::from_code(codec_code).ok_or_else(|| FormatError::invalid("index record", format!("record {i}: unknown codec {codec_code}")))?;
+                    let codec = Codec::from_code(codec_code, u32_at(b, pos + 28))
+                        .ok_or_else(|| FormatError::invalid("index record", format!("record {i}: unknown codec {codec_code}")))?;
                     RecordKind::Stored { pack, offset, stored_len, codec }
                 }
                 k => return Err(FormatError::invalid("index record", format!("record {i}: unknown kind {k}"))),
@@ -356,6 +360,7 @@ impl ChunkIndex {
                     let raw = chunk_len(f.size, self.chunk_shift, r.chunk);
                     let len_ok = match codec {
                         Codec::Raw => stored_len as u64 == raw,
+                        Codec::ZstdRef(_) => stored_len as usize > crate::compress::REF_HEADER_LEN && (stored_len as u64) < raw,
                         _ => stored_len > 0 && (stored_len as u64) < raw,
                     };
                     if !len_ok {
@@ -367,6 +372,12 @@ impl ChunkIndex {
                     let p = self.packs.get(pack as usize).ok_or_else(|| {
                         FormatError::invalid("index record", format!("record {ri}: pack {pack} not in the {}-entry pack table", self.packs.len()))
                     })?;
+                    if let Some(rp) = codec.ref_pack().filter(|&rp| rp as usize >= self.packs.len()) {
+                        return Err(FormatError::invalid(
+                            "index record",
+                            format!("record {ri}: reference pack {rp} not in the {}-entry pack table", self.packs.len()),
+                        ));
+                    }
                     if offset.checked_add(stored_len as u64).is_none_or(|end| end > p.size) {
                         return Err(FormatError::OutOfBounds { file: fi as u32, record: ri, pack, offset, len: stored_len as u64, pack_size: p.size });
                     }

@@ -178,8 +178,8 @@ struct Distinct {
     pack: u32,
     offset: u64,
     stored_len: u32,
-    codec: Codec,
-    /// Its first (file, chunk) position, which names it in errors.
+    /// Its first (file, chunk) position, which names it in errors, and whose record says
+    /// how it is stored (its codec: see [`Ctx::codec`]).
     first: (u32, u64),
     /// Its other positions: `Plan::more[more]`.
     more: std::ops::Range<u32>,
@@ -233,11 +233,11 @@ impl Plan {
         let mut plan = Plan { distinct: Vec::with_capacity(groups), more: Vec::with_capacity(stored.len() - groups) };
         for g in stored.chunk_by(|a, b| same(a, b)) {
             let c = chunk(&g[0]);
-            let StoredAt::Pack { pack, offset, stored_len, codec } = c.at else { unreachable!("only stored positions were collected") };
+            let StoredAt::Pack { pack, offset, stored_len, .. } = c.at else { unreachable!("only stored positions were collected") };
             let start = u32::try_from(plan.more.len()).map_err(|_| too_many(plan.more.len()))?;
             plan.more.extend_from_slice(&g[1..]);
             let end = u32::try_from(plan.more.len()).map_err(|_| too_many(plan.more.len()))?;
-            plan.distinct.push(Distinct { digest: c.digest, len: c.len, pack, offset, stored_len, codec, first: g[0], more: start..end });
+            plan.distinct.push(Distinct { digest: c.digest, len: c.len, pack, offset, stored_len, first: g[0], more: start..end });
         }
         Ok(plan)
     }
@@ -902,7 +902,10 @@ impl Ctx<'_> {
             let s = (d.offset - start) as usize;
             // A slice of the range's buffer, not a copy: the chunk keeps it alive.
             let stored = buf.slice(s..s + d.stored_len as usize);
-            let chunk = match verify::verify_stored(self.algo, d.codec, stored, d.len, &d.digest) {
+            let chunk = match self
+                .reference(i, &stored)
+                .and_then(|r| verify::verify_stored_ref(self.algo, self.codec(d), stored, d.len, &d.digest, r.as_ref()).map_err(|_| ()))
+            {
                 Ok(c) => c,
                 // Bytes damaged in transit look the same as bytes damaged at rest; one
                 // fetch of the chunk alone tells them apart.
@@ -935,6 +938,39 @@ impl Ctx<'_> {
         })
     }
 
+    /// How distinct chunk `d` is stored: the codec of its first position's record.
+    fn codec(&self, d: &Distinct) -> Codec {
+        match self.image.files[d.first.0 as usize].chunks[d.first.1 as usize].at {
+            StoredAt::Pack { codec, .. } => codec,
+            StoredAt::Zero => Codec::Raw,
+        }
+    }
+
+    /// The reference of distinct chunk `i` when it is a `zstd-ref` chunk (`Ok(None)`
+    /// otherwise); `Err` when it could not be had, which the caller treats as bytes that
+    /// failed verification (one fetch of the chunk alone, [`Ctx::refetch`], then names why).
+    fn reference(&self, i: usize, stored: &[u8]) -> Result<Option<VerifiedChunk>, ()> {
+        match self.codec(&self.distinct[i]).ref_pack() {
+            Some(rp) => self.fetch_reference(rp, stored).map(Some).map_err(|_| ()),
+            None => Ok(None),
+        }
+    }
+
+    /// A `zstd-ref` chunk's reference, from the cache when it holds that chunk (a clone's
+    /// base was usually pulled first), else read from pack `rp`; checked either way.
+    fn fetch_reference(&self, rp: u32, stored: &[u8]) -> Result<VerifiedChunk, verify::RefError> {
+        let h = verify::ref_header(stored).map_err(|e| verify::RefError::Corrupt(e.to_string()))?;
+        if let Some(cache) = self.cache {
+            if let Ok(Some(c)) = cache.get(self.algo, &h.digest, h.len) {
+                return Ok(c);
+            }
+        }
+        let pack = &self.image.packs.get(rp as usize).ok_or_else(|| verify::RefError::Corrupt("its reference pack is not one the image lists".into()))?.digest;
+        let bytes = self.read_range(pack, h.offset, h.stored_len as usize).map_err(verify::RefError::Read)?;
+        self.c.bytes_fetched.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        verify::reference_of(self.algo, &h, bytes)
+    }
+
     /// Fetch one chunk alone after its bytes failed verification; a second failure is the
     /// answer (exit 1 in the CLI), naming the chunk's first file and position.
     fn refetch(&self, i: usize) -> Result<VerifiedChunk, UnpackError> {
@@ -950,7 +986,11 @@ impl Ctx<'_> {
             source,
         })?;
         self.c.bytes_fetched.fetch_add(buf.len() as u64, Ordering::Relaxed);
-        verify::verify_stored(self.algo, d.codec, buf, d.len, &d.digest).map_err(|(detail, actual)| {
+        let reference = match self.codec(d).ref_pack() {
+            Some(rp) => Some(self.fetch_reference(rp, &buf).map_err(|e| UnpackError::Verify(e.for_chunk(name, chunk, offset)))?),
+            None => None,
+        };
+        verify::verify_stored_ref(self.algo, self.codec(d), buf, d.len, &d.digest, reference.as_ref()).map_err(|(detail, actual)| {
             UnpackError::Verify(match actual {
                 Some(actual) => VerifyError::DigestMismatch { file: name.clone(), chunk, offset, expected: d.digest, actual },
                 None => VerifyError::Corrupt { file: name.clone(), chunk, offset, detail },
@@ -1058,7 +1098,7 @@ mod tests {
     use super::*;
 
     fn d(pack: u32, offset: u64, stored_len: u32) -> Distinct {
-        Distinct { digest: ChunkDigest::default(), len: stored_len, pack, offset, stored_len, codec: Codec::Raw, first: (0, 0), more: 0..0 }
+        Distinct { digest: ChunkDigest::default(), len: stored_len, pack, offset, stored_len, first: (0, 0), more: 0..0 }
     }
 
     fn ranges(w: &[Work]) -> Vec<(u32, u64, u64, usize)> {

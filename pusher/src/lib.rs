@@ -15,5 +15,8 @@ pub mod referrers;
 pub mod scan;
 
 pub use copy::{copy, CopyError, CopyOptions, PushReport, Target};
-pub use pack::{ensure_blob, pack, same_files, NotSameFiles, OnPack, PackError, PackOptions, PackReport, Related, DEFAULT_COMPACT_AFTER, DEFAULT_PACK_SIZE};
+pub use pack::{
+    ensure_blob, pack, same_files, NotSameFiles, OnPack, PackError, PackOptions, PackReport, Related, DEFAULT_BASE_DELTA_LEVEL, DEFAULT_COMPACT_AFTER,
+    DEFAULT_PACK_SIZE,
+};
 pub use push::{push, push_dir, DirOptions, PushError};

@@ -27,7 +27,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#define HEAP_BYTES (8u << 20)
+/* The heap's size: 8 MiB unless built with -DHEAP_MIB=N (bench/fleet.sh --heap-mib). */
+#ifndef HEAP_MIB
+#define HEAP_MIB 8u
+#endif
+#define HEAP_BYTES ((HEAP_MIB) << 20)
 
 static uint64_t fnv1a(const unsigned char *p, size_t n) {
     uint64_t h = 0xcbf29ce484222325ull;

@@ -15,7 +15,7 @@ use imgfmt::outboard::Outboard;
 use imgfmt::{media, resolve_chain, BlobSource, ChainLink, ChunkDigest, FormatError, HashAlgo, Image, OciDigest, PackRef, RecordKind, ResolvedFile, StoredAt};
 use serde::Serialize;
 
-use crate::chunk::verify_stored;
+use crate::chunk::verify_stored_ref;
 use crate::hash::{chunk_digest, is_zero, merge_slice_cvs, zero_digest};
 use crate::merkle::resolved_root;
 
@@ -203,7 +203,10 @@ struct Work {
     pack: u32,
     at: u64,
     stored_len: u32,
-    codec: Codec,
+    /// The codec's code and, for `zstd-ref`, its reference pack (kept apart: a `Codec` is
+    /// 8 bytes).
+    codec: u8,
+    ref_pack: u32,
     len: u32,
     digest: ChunkDigest,
     link: u8,
@@ -330,7 +333,8 @@ fn audit_links(src: &dyn BlobSource, image: &Image, report: &mut AuditReport) ->
                             pack: gp,
                             at: offset,
                             stored_len,
-                            codec,
+                            codec: codec.code(),
+                            ref_pack: codec.ref_pack().map_or(0, |rp| global[rp as usize]),
                             len: c.len,
                             digest: c.digest,
                             link: k as u8,
@@ -452,7 +456,29 @@ fn audit_chunks(src: &dyn BlobSource, image: &Image, work: &[Work], bad_packs: &
             };
             let check = |w: &Work, stored: bytes::Bytes| {
                 bytes.fetch_add(w.stored_len as u64, Ordering::Relaxed);
-                if let Err((detail, actual)) = verify_stored(algo, w.codec, stored, w.len, &w.digest) {
+                let codec = Codec::from_code(w.codec, w.ref_pack).expect("a decoded codec");
+                let reference = match codec.ref_pack() {
+                    Some(rp) => match image
+                        .packs
+                        .get(rp as usize)
+                        .ok_or(crate::chunk::RefError::Corrupt("its reference pack is not one the image lists".into()))
+                        .and_then(|p| crate::chunk::read_reference(src, algo, &p.digest, &stored))
+                    {
+                        Ok(r) => Some(r),
+                        Err(e) => {
+                            let f = match e {
+                                crate::chunk::RefError::Read(e) => {
+                                    Failure { kind: FailureKind::PackUnreadable, message: format!("its reference: {e}"), ..base(w) }
+                                }
+                                crate::chunk::RefError::Corrupt(detail) => Failure { kind: FailureKind::ChunkCorrupt, message: detail, ..base(w) },
+                            };
+                            Found::push(&failures, f);
+                            return;
+                        }
+                    },
+                    None => None,
+                };
+                if let Err((detail, actual)) = verify_stored_ref(algo, codec, stored, w.len, &w.digest, reference.as_ref()) {
                     let f = match actual {
                         Some(a) => Failure { message: format!("digest mismatch: expected {}, got {}", w.digest, a), ..base(w) },
                         None => Failure { kind: FailureKind::ChunkCorrupt, message: detail, ..base(w) },

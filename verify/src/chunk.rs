@@ -1,7 +1,7 @@
 //! Verified chunk reads.
 
 use bytes::Bytes;
-use imgfmt::compress::{decompress, Codec};
+use imgfmt::compress::{decompress, decompress_ref, Codec, RefHeader};
 use imgfmt::{BlobSource, ChunkDigest, ErrorKind, FormatError, HashAlgo, Image, StoredAt};
 
 use crate::hash::{chunk_digest, zero_digest};
@@ -83,7 +83,8 @@ impl VerifyError {
 }
 
 /// Decompress and check stored bytes (taken by value so a raw chunk is checked and
-/// handed out without a copy). `Err` carries (detail, actual digest if computed).
+/// handed out without a copy). `Err` carries (detail, actual digest if computed). A
+/// `zstd-ref` chunk needs its reference: see [`verify_stored_ref`].
 pub fn verify_stored(
     algo: HashAlgo,
     codec: Codec,
@@ -91,9 +92,27 @@ pub fn verify_stored(
     len: u32,
     expected: &ChunkDigest,
 ) -> Result<VerifiedChunk, (String, Option<ChunkDigest>)> {
+    verify_stored_ref(algo, codec, stored, len, expected, None)
+}
+
+/// [`verify_stored`] for any codec: a `zstd-ref` chunk is decoded against `reference`,
+/// the verified chunk its header names (see [`ref_header`] and [`read_reference`]).
+pub fn verify_stored_ref(
+    algo: HashAlgo,
+    codec: Codec,
+    stored: impl Into<Bytes>,
+    len: u32,
+    expected: &ChunkDigest,
+    reference: Option<&VerifiedChunk>,
+) -> Result<VerifiedChunk, (String, Option<ChunkDigest>)> {
     let stored: Bytes = stored.into();
     let raw = match codec {
         Codec::Raw if stored.len() == len as usize => stored,
+        Codec::ZstdRef(_) => {
+            let reference = reference.ok_or_else(|| ("a zstd-ref chunk read without its reference".to_string(), None))?;
+            let (_, frame) = RefHeader::decode(&stored, 1 << imgfmt::MAX_CHUNK_SHIFT).map_err(|e| (e.to_string(), None))?;
+            decompress_ref(frame, reference.as_bytes(), len as usize).map_err(|e| (e.to_string(), None))?.into()
+        }
         _ => decompress(codec, &stored, len as usize).map_err(|e| (e.to_string(), None))?.into(),
     };
     let d = chunk_digest(algo, &raw);
@@ -101,6 +120,45 @@ pub fn verify_stored(
         Ok(VerifiedChunk(raw))
     } else {
         Err(("digest mismatch".into(), Some(d)))
+    }
+}
+
+/// The header of a `zstd-ref` chunk's stored bytes: where its reference is stored.
+pub fn ref_header(stored: &[u8]) -> Result<RefHeader, FormatError> {
+    RefHeader::decode(stored, 1 << imgfmt::MAX_CHUNK_SHIFT).map(|(h, _)| h)
+}
+
+/// Read the reference a `zstd-ref` chunk's stored bytes name, from pack `pack` of `src`,
+/// and check it against the digest its header records. The reference is itself never a
+/// `zstd-ref` chunk (the header's codec is refused otherwise), so this never recurses.
+pub fn read_reference(src: &dyn BlobSource, algo: HashAlgo, pack: &imgfmt::OciDigest, stored: &[u8]) -> Result<VerifiedChunk, RefError> {
+    let h = ref_header(stored).map_err(|e| RefError::Corrupt(e.to_string()))?;
+    let bytes = src.read_range_unverified(pack, h.offset, h.stored_len as usize).map_err(RefError::Read)?;
+    reference_of(algo, &h, bytes)
+}
+
+/// Check a reference's stored bytes against the header that names it.
+pub fn reference_of(algo: HashAlgo, h: &RefHeader, stored: impl Into<Bytes>) -> Result<VerifiedChunk, RefError> {
+    verify_stored(algo, h.codec, stored, h.len, &h.digest)
+        .map_err(|(detail, _)| RefError::Corrupt(format!("its reference ({} bytes at {}): {detail}", h.stored_len, h.offset)))
+}
+
+/// Why a `zstd-ref` chunk's reference could not be had.
+#[derive(Debug)]
+pub enum RefError {
+    /// Reading the reference's pack failed.
+    Read(FormatError),
+    /// The header or the reference's bytes are not what they must be.
+    Corrupt(String),
+}
+
+impl RefError {
+    /// As the chunk's own error.
+    pub fn for_chunk(self, file: &str, chunk: u64, offset: u64) -> VerifyError {
+        match self {
+            RefError::Read(source) => VerifyError::Read { file: file.to_string(), chunk, offset, source },
+            RefError::Corrupt(detail) => VerifyError::Corrupt { file: file.to_string(), chunk, offset, detail },
+        }
     }
 }
 
@@ -134,7 +192,11 @@ pub fn read_chunk(src: &dyn BlobSource, image: &Image, file: usize, chunk: u64) 
                 offset,
                 source,
             })?;
-            verify_stored(algo, codec, buf, c.len, &c.digest).map_err(|(detail, actual)| match actual {
+            let reference = match codec.ref_pack() {
+                Some(rp) => Some(read_reference(src, algo, &image.packs[rp as usize].digest, &buf).map_err(|e| e.for_chunk(&f.name, chunk, offset))?),
+                None => None,
+            };
+            verify_stored_ref(algo, codec, buf, c.len, &c.digest, reference.as_ref()).map_err(|(detail, actual)| match actual {
                 Some(actual) => VerifyError::DigestMismatch { file: f.name.clone(), chunk, offset, expected: c.digest, actual },
                 None => VerifyError::Corrupt { file: f.name.clone(), chunk, offset, detail },
             })

@@ -65,6 +65,15 @@ pub struct PackFlags {
     /// Reference chunks that this base image (oci:PATH[:TAG]) already has instead of storing them.
     #[arg(long, value_name = "REF")]
     pub base: Option<String>,
+    /// With --base: a new chunk is also compressed with zstd against the base's chunk at
+    /// the same position (read from the base and verified), and stored that way when
+    /// smaller (codec `zstd-ref`, spec/format.md §7): a clone's chunk that differs from
+    /// its base's by a few bytes, or by shifted bytes, costs about those bytes. A first
+    /// pass is at level 3; a chunk that came to under a quarter of its size is compressed
+    /// again at LEVEL. A reader then also reads that base chunk. `off`: only identical
+    /// chunks are shared.
+    #[arg(long, value_name = "LEVEL|off", default_value_t = BaseDelta(Some(pusher::DEFAULT_BASE_DELTA_LEVEL)), value_parser = parse_base_delta)]
+    pub base_delta: BaseDelta,
     /// Make an incremental layer over this image: only changed chunks are recorded.
     /// [default: the image the destination tag holds, if it is of the same files]
     #[arg(long, value_name = "REF")]
@@ -122,6 +131,29 @@ fn parse_compact_after(s: &str) -> Result<CompactAfter, String> {
         return Ok(CompactAfter(None));
     }
     s.parse::<usize>().map(|n| CompactAfter(Some(n))).map_err(|_| format!("{s:?}: a number of packs, or off"))
+}
+
+/// `--base-delta`: a zstd level, or never.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BaseDelta(pub Option<i32>);
+
+impl std::fmt::Display for BaseDelta {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(n) => write!(f, "{n}"),
+            None => f.write_str("off"),
+        }
+    }
+}
+
+fn parse_base_delta(s: &str) -> Result<BaseDelta, String> {
+    if s.eq_ignore_ascii_case("off") {
+        return Ok(BaseDelta(None));
+    }
+    match s.parse::<i32>() {
+        Ok(n) if (1..=22).contains(&n) => Ok(BaseDelta(Some(n))),
+        _ => Err(format!("{s:?}: a zstd level 1..=22, or off")),
+    }
 }
 
 /// `--slice-size`: a size, or no outboard.
@@ -308,6 +340,7 @@ pub fn with_pack_options<R>(
         diff: f.diff,
         max_chain: f.max_chain as usize,
         compact_after: f.compact_after.0,
+        base_delta: f.base_delta.0,
         annotations,
         progress: Some(&tick),
         ..Default::default()

@@ -5,6 +5,7 @@ mod adversarial_files;
 mod adversarial_lazy;
 mod adversarial_registry;
 mod attached;
+mod base_delta;
 mod chain;
 mod cli;
 mod credentials;
