@@ -129,6 +129,12 @@ pub struct Image {
     /// Every pack any resolved chunk points into (deduplicated across the chain).
     pub packs: Vec<PackRef>,
     pub files: Vec<ResolvedFile>,
+    /// The base's outboard, when the manifest lists it (owner `base`): slice CVs of the
+    /// base's raw chunks this image shares, which its own outboard then leaves out (every
+    /// clone of a base would otherwise carry a copy of them).
+    pub base_outboard_blob: Option<Descriptor>,
+    /// That outboard, decoded, once [`Image::load_outboards`] read it.
+    pub base_outboard: Option<Arc<Outboard>>,
 }
 
 impl Image {
@@ -219,7 +225,8 @@ impl Image {
             }
         }
         find_outboards(&manifest, manifest_digest, &mut chain)?;
-        Ok(Image { manifest_digest: manifest_digest.clone(), manifest_bytes, manifest, chain, packs, files })
+        let base_outboard_blob = base_outboard(&manifest, manifest_digest, &chain[0])?;
+        Ok(Image { manifest_digest: manifest_digest.clone(), manifest_bytes, manifest, chain, packs, files, base_outboard_blob, base_outboard: None })
     }
 
     /// Every link's outboard, chain order: `Ok(None)` for a link without one, a link's
@@ -244,14 +251,35 @@ impl Image {
         got.into_iter().map(|m| m.into_inner().expect("poisoned").expect("every link is read")).collect()
     }
 
-    /// Read and decode every outboard the manifest lists ([`Image::read_outboards`]).
-    /// After this, [`Image::slice_cvs`] answers. Idempotent.
+    /// Read and decode every outboard the manifest lists ([`Image::read_outboards`], and
+    /// [`Image::read_base_outboard`]). After this, [`Image::slice_cvs`] answers. Idempotent.
     pub fn load_outboards(&mut self, src: &dyn BlobSource) -> Result<(), FormatError> {
         let read = self.read_outboards(src);
         for (link, r) in self.chain.iter_mut().zip(read) {
             link.outboard = r?;
         }
+        if self.base_outboard.is_none() {
+            self.base_outboard = self.read_base_outboard(src)?.map(Arc::new);
+        }
         Ok(())
+    }
+
+    /// Read, check (sha256, size, bound) and decode the base's outboard, when the
+    /// manifest lists one.
+    pub fn read_base_outboard(&self, src: &dyn BlobSource) -> Result<Option<Outboard>, FormatError> {
+        let Some(d) = &self.base_outboard_blob else { return Ok(None) };
+        let b = read_verified_blob(src, &d.digest, MAX_OUTBOARD_BYTES)?;
+        if b.len() as u64 != d.size {
+            return Err(FormatError::invalid("base outboard", format!("{} is {} bytes, the manifest says {}", d.digest, b.len(), d.size)));
+        }
+        let ob = Outboard::decode(&b).map_err(|e| FormatError::invalid("base outboard", format!("{}: {e}", d.digest)))?;
+        if ob.chunk_shift != self.chunk_shift() {
+            return Err(FormatError::invalid(
+                "base outboard",
+                format!("{}: chunk_shift {} but the image has {}", d.digest, ob.chunk_shift, self.chunk_shift()),
+            ));
+        }
+        Ok(Some(ob))
     }
 
     /// The recorded slice CVs of chunk `chunk` of file `file`, when it is stored raw (so a
@@ -262,8 +290,10 @@ impl Image {
     pub fn slice_cvs(&self, file: usize, chunk: u64) -> Option<SliceCvs<'_>> {
         let c = self.files.get(file)?.chunks.get(usize::try_from(chunk).ok()?)?;
         let StoredAt::Pack { codec: Codec::Raw, .. } = c.at else { return None };
-        let s = self.chain.get(c.depth as usize)?.outboard.as_deref()?.find(&c.digest)?;
-        (s.chunk_len == c.len).then_some(s)
+        // The link's own outboard, else the base's: a base-referencing image leaves the
+        // slices of the base's chunks to the base's outboard.
+        let own = self.chain.get(c.depth as usize)?.outboard.as_deref().and_then(|o| o.find(&c.digest)).filter(|s| s.chunk_len == c.len);
+        own.or_else(|| self.base_outboard.as_deref()?.find(&c.digest).filter(|s| s.chunk_len == c.len))
     }
 
     /// Every pack this image points into, with which chain link owns it.
@@ -319,6 +349,26 @@ fn prefetch_ancestors(src: &dyn BlobSource, manifest: &Manifest) -> HashMap<OciD
         },
     );
     got.into_inner().expect("poisoned")
+}
+
+/// The base's outboard the manifest lists (owner `base`), at most one, for a BLAKE3 image
+/// (a layer over a clone lists its parent's base's, whether or not it names a base itself).
+fn base_outboard(manifest: &Manifest, manifest_digest: &OciDigest, link: &ChainLink) -> Result<Option<Descriptor>, FormatError> {
+    let mut found: Option<Descriptor> = None;
+    for d in manifest.layers.iter().filter(|d| d.media_type == media::OUTBOARD && d.annotations.get(media::ANN_OWNER).is_some_and(|o| o == "base")) {
+        let bad = |detail: String| FormatError::invalid("manifest", format!("{manifest_digest}: base outboard {}: {detail}", d.digest));
+        if link.config.hash != crate::HashAlgo::Blake3 {
+            return Err(bad(format!("the image is {}, and only BLAKE3 has slice CVs", link.config.hash)));
+        }
+        if let Some(other) = &found {
+            return Err(bad(format!("a second base outboard (the first is {})", other.digest)));
+        }
+        if d.size > MAX_OUTBOARD_BYTES {
+            return Err(FormatError::TooLarge { what: "base outboard size", got: d.size, limit: MAX_OUTBOARD_BYTES });
+        }
+        found = Some(d.clone());
+    }
+    Ok(found)
 }
 
 /// Attach to each chain link the outboard the manifest lists for it. An outboard whose

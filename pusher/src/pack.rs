@@ -459,8 +459,21 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     let known = known_chunks(opts, chain_owner, &retired);
     let parent_files: HashMap<&str, &imgfmt::ResolvedFile> = opts.parent.iter().flat_map(|r| r.image.files.iter().map(|f| (f.name.as_str(), f))).collect();
     let mut slots = Slots::default();
-    let input = ChunkInput { opts, parent_files: &parent_files, known: &known, retired: &retired };
-    let (Chunked { placed, own_bytes, slices }, own_packs) = chunk_into_packs(dest, &sc.files, &input, &mut slots, &mut report)?;
+    // The base's outboard: the slice CVs of the base's chunks this image shares stay
+    // there (the manifest lists it) instead of being copied into every clone's outboard.
+    let base_outboard = match (&opts.base, opts.slice_shift) {
+        (Some(b), Some(shift)) if algo == HashAlgo::Blake3 => match b.image.chain[0].read_outboard(b.source) {
+            Ok(Some(ob)) if ob.slice_shift == shift => Some(ob),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!("the base's outboard could not be read ({e}): its slice CVs are copied into this image's");
+                None
+            }
+        },
+        _ => None,
+    };
+    let input = ChunkInput { opts, parent_files: &parent_files, known: &known, retired: &retired, base_outboard: base_outboard.as_ref() };
+    let (Chunked { placed, own_bytes, slices, base_outboard_used }, own_packs) = chunk_into_packs(dest, &sc.files, &input, &mut slots, &mut report)?;
     report.pack_bytes = own_bytes;
     report.packs = own_packs.len();
     let placement = Placement { files: &sc.files, placed: &placed, parent_files: &parent_files };
@@ -479,7 +492,7 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     }
     let (index, entries, roots) = placement.index(opts, rebase, &slots, &own_packs)?;
     let outboard = match slices {
-        Some(s) => outboard_of_pack(&index, s, opts, rebase)?,
+        Some(s) => outboard_of_pack(&index, s, opts, rebase, base_outboard.as_ref())?,
         None => None,
     };
     let image_root = verify::image_root(algo, sc.files.iter().zip(&roots).map(|(f, r)| (f.name.as_str(), f.size, *r)));
@@ -508,6 +521,17 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     let parent = opts.parent.as_ref().filter(|_| !rebase);
     if let Some(p) = parent {
         layers.extend(ancestor_layers(dest, p)?);
+    }
+    // The base's outboard, when this image leaves slices of the base's chunks to it, or
+    // when its parent did (the chunks it inherits, or records again when rebased).
+    let base_ob = match (&opts.base, &opts.parent) {
+        (Some(b), _) if base_outboard_used => b.image.chain[0].outboard_blob.clone().map(|d| (d, b.source)),
+        (_, Some(p)) => p.image.base_outboard_blob.clone().map(|d| (d, p.source)),
+        _ => None,
+    };
+    if let Some((d, src)) = base_ob {
+        ensure_blob(dest, src, &d.digest)?;
+        layers.push(Descriptor::new(media::OUTBOARD, d.digest, d.size).with_annotation(media::ANN_OWNER, "base"));
     }
     let foreign = foreign_packs(&slots, parent.map(|p| (p, &placement)));
     for (d, (size, owner, from_base)) in &foreign {
@@ -985,12 +1009,18 @@ fn image_config(opts: &PackOptions, rebase: bool, kind: Kind, files: Vec<FileEnt
 /// index lists the chain's chunks this packer did not hash: their CVs come from the
 /// outboards the chain already stored (an entry is trusted by a reader only once its
 /// CVs merge to the digest, §8.2).
-fn outboard_of_pack(index: &ChunkIndex, mut slices: SliceCvs, opts: &PackOptions, rebase: bool) -> Result<Option<Outboard>, PackError> {
+fn outboard_of_pack(
+    index: &ChunkIndex,
+    mut slices: SliceCvs,
+    opts: &PackOptions,
+    rebase: bool,
+    base_outboard: Option<&Outboard>,
+) -> Result<Option<Outboard>, PackError> {
     if rebase {
         let parent = opts.parent.as_ref().expect("rebase has a parent");
         inherit_slice_cvs(index, &parent.image, parent.source, &mut slices)?;
     }
-    outboard_of(index, slices, !rebase)
+    outboard_of(index, slices, !rebase, base_outboard)
 }
 
 /// The outboard of `index`: an entry for every raw record longer than a slice, from the
@@ -998,7 +1028,7 @@ fn outboard_of_pack(index: &ChunkIndex, mut slices: SliceCvs, opts: &PackOptions
 ///
 /// `complete`: every raw record was hashed by this packer, so a missing entry is a bug; a
 /// rebased index may name chunks no stored outboard covers, which readers then fetch whole.
-fn outboard_of(index: &ChunkIndex, mut slices: SliceCvs, complete: bool) -> Result<Option<Outboard>, PackError> {
+fn outboard_of(index: &ChunkIndex, mut slices: SliceCvs, complete: bool, base_outboard: Option<&Outboard>) -> Result<Option<Outboard>, PackError> {
     let slice = 1u64 << slices.shift;
     let mut entries = Vec::new();
     let mut done = std::collections::HashSet::new();
@@ -1010,6 +1040,8 @@ fn outboard_of(index: &ChunkIndex, mut slices: SliceCvs, complete: bool) -> Resu
         if let Some((len, cvs)) = slices.by_digest.remove(&r.digest) {
             entries.push((r.digest, len, cvs));
             done.insert(r.digest);
+        } else if base_outboard.and_then(|o| o.find(&r.digest)).is_some_and(|e| e.chunk_len == stored_len) {
+            // A base's chunk: its slices are in the base's outboard, which the manifest lists.
         } else if complete && !done.contains(&r.digest) {
             // Every raw record was hashed by this packer, which kept its CVs.
             return Err(PackError::Invalid(format!("internal: no slice CVs kept for raw chunk {}", r.digest)));
@@ -1057,6 +1089,8 @@ struct ChunkInput<'a> {
     /// The chain's packs a compaction retires: a chunk the parent has there is stored
     /// again, not inherited.
     retired: &'a HashSet<OciDigest>,
+    /// The base's own outboard (at this image's slice size), when it has one.
+    base_outboard: Option<&'a Outboard>,
 }
 
 impl ChunkInput<'_> {
@@ -1077,6 +1111,8 @@ struct Chunked {
     own_bytes: u64,
     /// Slice CVs of the raw chunks (when the image has an outboard).
     slices: Option<SliceCvs>,
+    /// Some raw chunk of the base's has its slice CVs in the base's outboard only.
+    base_outboard_used: bool,
 }
 
 /// Reads, digests and places every chunk, batch after batch, sending new chunks' bytes
@@ -1099,6 +1135,7 @@ struct Chunker<'a, 'i> {
     cur_slot: Option<u32>,
     cur_off: u64,
     total: u64,
+    base_outboard_used: bool,
 }
 
 impl<'a, 'i> Chunker<'a, 'i> {
@@ -1118,6 +1155,7 @@ impl<'a, 'i> Chunker<'a, 'i> {
             cur_slot: None,
             cur_off: 0,
             total: 0,
+            base_outboard_used: false,
         }
     }
 
@@ -1127,7 +1165,7 @@ impl<'a, 'i> Chunker<'a, 'i> {
         for f in files {
             placed.push(self.file(f)?);
         }
-        Ok(Chunked { placed, own_bytes: self.total, slices: self.slices })
+        Ok(Chunked { placed, own_bytes: self.total, slices: self.slices, base_outboard_used: self.base_outboard_used })
     }
 
     /// One file, a batch of chunks at a time.
@@ -1297,7 +1335,10 @@ impl<'a, 'i> Chunker<'a, 'i> {
                 };
                 let l = Loc { slot, offset: kc.offset, stored_len: kc.stored_len, codec };
                 self.own.insert(j.digest, l);
-                if let (Codec::Raw, Some(s), Some(cvs)) = (kc.codec, self.slices.as_mut(), j.cvs.take()) {
+                let in_base_outboard = kc.from_base && self.input.base_outboard.and_then(|o| o.find(&j.digest)).is_some_and(|e| e.chunk_len == j.len);
+                if in_base_outboard {
+                    self.base_outboard_used = true;
+                } else if let (Codec::Raw, Some(s), Some(cvs)) = (kc.codec, self.slices.as_mut(), j.cvs.take()) {
                     s.insert(j.digest, j.len, cvs);
                 }
                 self.report.deduplicated_chunks += 1;

@@ -289,6 +289,19 @@ fn audit_links(src: &dyn BlobSource, image: &Image, report: &mut AuditReport) ->
     let mut work: Vec<Work> = Vec::with_capacity(stored);
     // Read before the loop over links, several at a time (a round trip each).
     let mut outboards = image.read_outboards(src).into_iter().map(|r| r.map_err(|e| e.to_string()).transpose());
+    // The base's outboard (owner `base`), which holds the slice CVs of the base's chunks
+    // this image shares: read, decoded and every entry's CVs merged like a link's.
+    let base_ob = match image.read_base_outboard(src) {
+        Ok(o) => o,
+        Err(e) => {
+            let blob = image.base_outboard_blob.as_ref().map(|d| d.digest.to_string());
+            report.push_failure(Failure { blob, ..fail(FailureKind::Outboard, format!("base outboard: {e}")) });
+            None
+        }
+    };
+    if let (Some(ob), Some(d)) = (&base_ob, &image.base_outboard_blob) {
+        check_outboard_entries(ob, &d.digest.to_string(), "base outboard", report);
+    }
     for k in 0..image.chain.len() {
         let listed = work.len();
         let link = &image.chain[k];
@@ -302,7 +315,7 @@ fn audit_links(src: &dyn BlobSource, image: &Image, report: &mut AuditReport) ->
         let global: Vec<u32> = packs.iter().map(|p| image.pack_index(&p.digest).unwrap_or(u32::MAX)).collect();
         let who = if k == 0 { "image".to_string() } else { format!("ancestor {k} (config {})", link.config_digest) };
         audit_link_roots(image, k, &files, &who, report);
-        audit_outboard(link, outboards.next().flatten(), &who, shift, report);
+        audit_outboard(link, outboards.next().flatten(), base_ob.as_ref(), &who, shift, report);
         for (fi, f) in files.iter().enumerate() {
             for (ci, c) in f.chunks.iter().enumerate() {
                 match c.at {
@@ -523,7 +536,7 @@ type LinkOutboard = Option<Result<Arc<Outboard>, String>>;
 /// CVs merging to its digest (so its slices can be trusted once the chunk digest is), and
 /// an entry for every raw chunk this link's index records that is longer than a slice (so
 /// a lazy reader never falls back to whole chunks where the packer promised slices).
-fn audit_outboard(link: &ChainLink, ob: LinkOutboard, who: &str, shift: u8, report: &mut AuditReport) {
+fn audit_outboard(link: &ChainLink, ob: LinkOutboard, base_ob: Option<&Outboard>, who: &str, shift: u8, report: &mut AuditReport) {
     let Some(desc) = &link.outboard_blob else { return };
     let blob = desc.digest.to_string();
     let ob_fail = |message: String| Failure { blob: Some(blob.clone()), ..fail(FailureKind::Outboard, message) };
@@ -535,19 +548,7 @@ fn audit_outboard(link: &ChainLink, ob: LinkOutboard, who: &str, shift: u8, repo
             return;
         }
     };
-    for i in 0..ob.entries.len() {
-        let e = ob.entry(i);
-        report.outboard_entries_checked += 1;
-        let merged = merge_slice_cvs(e.cvs);
-        if merged != e.digest {
-            report.push_failure(ob_fail(format!(
-                "{who}: outboard entry {i}: the {} slice CVs of the {}-byte chunk {} merge to {merged}",
-                e.cvs.len(),
-                e.chunk_len,
-                e.digest
-            )));
-        }
-    }
+    check_outboard_entries(&ob, &blob, who, report);
     let slice = 1u64 << ob.slice_shift;
     for (fi, cf) in link.config.files.iter().enumerate() {
         for r in link.index.file_records(fi) {
@@ -555,7 +556,9 @@ fn audit_outboard(link: &ChainLink, ob: LinkOutboard, who: &str, shift: u8, repo
             if u64::from(stored_len) <= slice {
                 continue;
             }
-            let problem = match ob.find(&r.digest) {
+            // A base's chunk may have its entry in the base's outboard instead.
+            let entry = ob.find(&r.digest).or_else(|| base_ob.and_then(|b| b.find(&r.digest)).filter(|e| e.chunk_len == stored_len));
+            let problem = match entry {
                 None => format!("{who}: no outboard entry for this raw {stored_len}-byte chunk (digest {})", r.digest),
                 Some(e) if e.chunk_len != stored_len => {
                     format!("{who}: outboard entry for digest {} says {} bytes, the chunk has {stored_len}", r.digest, e.chunk_len)
@@ -563,6 +566,24 @@ fn audit_outboard(link: &ChainLink, ob: LinkOutboard, who: &str, shift: u8, repo
                 Some(_) => continue,
             };
             report.push_failure(Failure { file: Some(cf.name.clone()), chunk: Some(r.chunk), offset: Some(r.chunk << shift), ..ob_fail(problem) });
+        }
+    }
+}
+
+/// Rule 14: every entry's CVs merge to its digest.
+fn check_outboard_entries(ob: &Outboard, blob: &str, who: &str, report: &mut AuditReport) {
+    for i in 0..ob.entries.len() {
+        let e = ob.entry(i);
+        report.outboard_entries_checked += 1;
+        let merged = merge_slice_cvs(e.cvs);
+        if merged != e.digest {
+            report.push_failure(Failure {
+                blob: Some(blob.to_string()),
+                ..fail(
+                    FailureKind::Outboard,
+                    format!("{who}: outboard entry {i}: the {} slice CVs of the {}-byte chunk {} merge to {merged}", e.cvs.len(), e.chunk_len, e.digest),
+                )
+            });
         }
     }
 }

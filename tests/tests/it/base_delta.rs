@@ -90,6 +90,14 @@ fn regression_issue_22_a_clone_stores_what_differs_from_its_base() {
     assert_eq!((n(&j, "stored_chunks"), n(&j, "base_delta_chunks")), (2, 2), "{j}");
     assert_eq!(n(&j, "base_delta_bytes"), n(&j, "pack_bytes"));
     assert!(n(&j, "pack_bytes") < 8 << 10, "a clone's difference costs {} bytes", n(&j, "pack_bytes"));
+    // The slice CVs of the base's chunks it shares stay in the base's outboard, which its
+    // manifest lists: a clone carries no copy of them (3 chunks' worth before).
+    assert_eq!(n(&j, "outboard_entries"), 0, "{j}");
+    use imgfmt::BlobSource;
+    let layout = imgfmt::OciLayout::open(&fx.layout).unwrap();
+    let clone = imgfmt::Image::open(&layout, &layout.resolve_tag("clone").unwrap()).unwrap();
+    let base = imgfmt::Image::open(&layout, &layout.resolve_tag("base").unwrap()).unwrap();
+    assert_eq!(clone.base_outboard_blob.as_ref().map(|d| &d.digest), base.chain[0].outboard_blob.as_ref().map(|d| &d.digest));
 
     // Every reader gets the clone's exact bytes.
     ok(&run(snapctl().args(["verify", &fx.tag("clone")])));
@@ -205,4 +213,6 @@ fn regression_issue_22_a_clone_lazy_restores_from_its_differences() {
     assert_eq!(h.wait_exit(std::time::Duration::from_secs(30)), 0, "{}", h.log_text());
     let rep = &h.reports(1, std::time::Duration::from_secs(1))[0];
     assert_eq!(n(rep, &["verify_failures"]), 0, "{rep}");
+    // The base's chunks were served by verified slices, their CVs from the base's outboard.
+    assert!(n(rep, &["slice_bytes"]) > 0, "{rep}");
 }
