@@ -5,6 +5,7 @@ use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -143,6 +144,9 @@ pub const DEFAULT_BASE_DELTA_LEVEL: i32 = 12;
 /// Level of the first pass over every new chunk with a base counterpart; only a chunk that
 /// came to under a quarter of its size is compressed again at the `base_delta` level.
 const BASE_DELTA_FIRST_LEVEL: i32 = 3;
+/// zstd-ref tries after which, when fewer than a quarter paid, no more base chunks are
+/// read: an image packed with an unrelated `--base` reads at most this many of them.
+const BASE_DELTA_PROBATION: u64 = 32;
 
 /// Why the image a tag holds is not taken, by itself, as the parent of a new image of a
 /// directory (spec/transfer.md §2, "The tag's image as the parent").
@@ -249,6 +253,9 @@ pub struct PackReport {
     /// their stored bytes (headers included).
     pub base_delta_chunks: u64,
     pub base_delta_bytes: u64,
+    /// The base's chunks read to try that (after 32 tries of which fewer than a quarter
+    /// paid, no more are read: the image is no close relative of its base).
+    pub base_delta_reads: u64,
     pub seconds: f64,
 }
 
@@ -1136,6 +1143,9 @@ struct Chunker<'a, 'i> {
     cur_off: u64,
     total: u64,
     base_outboard_used: bool,
+    /// zstd-ref attempts so far, and those that were kept.
+    delta_tried: AtomicU64,
+    delta_paid: AtomicU64,
 }
 
 impl<'a, 'i> Chunker<'a, 'i> {
@@ -1156,6 +1166,8 @@ impl<'a, 'i> Chunker<'a, 'i> {
             cur_off: 0,
             total: 0,
             base_outboard_used: false,
+            delta_tried: AtomicU64::new(0),
+            delta_paid: AtomicU64::new(0),
         }
     }
 
@@ -1165,6 +1177,7 @@ impl<'a, 'i> Chunker<'a, 'i> {
         for f in files {
             placed.push(self.file(f)?);
         }
+        self.report.base_delta_reads = self.delta_tried.load(Ordering::Relaxed);
         Ok(Chunked { placed, own_bytes: self.total, slices: self.slices, base_outboard_used: self.base_outboard_used })
     }
 
@@ -1376,6 +1389,13 @@ impl<'a, 'i> Chunker<'a, 'i> {
             if codec.ref_pack().is_some() {
                 return;
             }
+            // An image that is no close relative of its base (most tries not paying) stops
+            // reading the base's chunks: from a remote base each is a range request.
+            let (tried, paid) = (self.delta_tried.load(Ordering::Relaxed), self.delta_paid.load(Ordering::Relaxed));
+            if tried >= BASE_DELTA_PROBATION && paid * 4 < tried {
+                return;
+            }
+            self.delta_tried.fetch_add(1, Ordering::Relaxed);
             let reference = match verify::read_chunk(b.source, &b.image, bfi, j.chunk) {
                 Ok(r) => r,
                 Err(e) => {
@@ -1394,6 +1414,7 @@ impl<'a, 'i> Chunker<'a, 'i> {
                 }
             }
             if REF_HEADER_LEN + frame.len() < best {
+                self.delta_paid.fetch_add(1, Ordering::Relaxed);
                 let h = RefHeader { offset, stored_len, len: bc.len, codec, digest: bc.digest };
                 let mut bytes = Vec::with_capacity(REF_HEADER_LEN + frame.len());
                 bytes.extend_from_slice(&h.encode());
@@ -1588,6 +1609,53 @@ mod tests {
         assert_eq!(done.unwrap(), vec![(OciDigest::of(&a), 3000)]);
         assert_eq!(announced, vec![OciDigest::of(&a)]);
         assert_eq!(names, vec![OciDigest::of(&a).hex().to_string()], "no temp file, no second pack");
+    }
+
+    fn noise(n: usize, mut x: u64) -> Vec<u8> {
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    /// An image packed with a base it is no close relative of reads 32 of the base's
+    /// chunks trying zstd-ref, then stops; one whose chunks are each the base's with a few
+    /// bytes changed reads (and stores as zstd-ref) every one.
+    #[test]
+    fn regression_issue_22_an_unrelated_base_is_read_only_on_probation() {
+        let t = tempfile::tempdir().unwrap();
+        let layout = OciLayout::open_or_create(t.path().join("layout")).unwrap();
+        let base_mem = noise(100 << 16, 1);
+        let (base, far, near) = (t.path().join("base"), t.path().join("far"), t.path().join("near"));
+        for (d, mem) in [
+            (&base, base_mem.clone()),
+            (&far, noise(100 << 16, 2)),
+            (&near, {
+                let mut m = base_mem.clone();
+                for c in 0..100 {
+                    m[(c << 16) + 17] ^= 0xff;
+                }
+                m
+            }),
+        ] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("mem"), mem).unwrap();
+        }
+        pack(&base, &layout, "base", &PackOptions { chunk_shift: 16, threads: 2, ..Default::default() }).unwrap();
+        let with_base = |dir: &Path, tag: &str| {
+            let b = Related { source: &layout, image: open(&layout, "base"), reference: "base".into() };
+            pack(dir, &layout, tag, &PackOptions { chunk_shift: 16, threads: 2, base: Some(b), ..Default::default() }).unwrap()
+        };
+        let r = with_base(&far, "far");
+        assert_eq!((r.stored_chunks, r.base_delta_chunks), (100, 0));
+        // Tries run two at a time, so a few may start before the count says stop.
+        assert!((BASE_DELTA_PROBATION..BASE_DELTA_PROBATION + 4).contains(&r.base_delta_reads), "{} base chunks read", r.base_delta_reads);
+        let r = with_base(&near, "near");
+        assert_eq!((r.stored_chunks, r.base_delta_chunks, r.base_delta_reads), (100, 100, 100));
     }
 
     /// A snapshot directory: `mem` of 8 chunks of 64 KiB (chunk `i` filled with `fill[i]`,

@@ -70,8 +70,9 @@ pub struct PackFlags {
     /// smaller (codec `zstd-ref`, spec/format.md §7): a clone's chunk that differs from
     /// its base's by a few bytes, or by shifted bytes, costs about those bytes. A first
     /// pass is at level 3; a chunk that came to under a quarter of its size is compressed
-    /// again at LEVEL. A reader then also reads that base chunk. `off`: only identical
-    /// chunks are shared.
+    /// again at LEVEL. A reader then also reads that base chunk. After 32 tries of which
+    /// fewer than a quarter paid (an image that is no close relative of its base), no more
+    /// of the base's chunks are read. `off`: only identical chunks are shared.
     #[arg(long, value_name = "LEVEL|off", default_value_t = BaseDelta(Some(pusher::DEFAULT_BASE_DELTA_LEVEL)), value_parser = parse_base_delta)]
     pub base_delta: BaseDelta,
     /// Make an incremental layer over this image: only changed chunks are recorded.
