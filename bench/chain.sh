@@ -103,9 +103,15 @@ if [ "$QUICK" = 1 ]; then OUT=$W/chain.md; fi
 exec > >(tee "$OUT")
 
 # ---------------------------------------------------------------- the chain (not timed)
+# Every hibernation is also pushed to the server as `bench/history:latest`, the tag a
+# platform pushes again and again, so the store holds the whole history as it would.
+start_server snapctl "$W/storage"
+HIST=127.0.0.1:$PORT/bench/history
+stored_bytes() { find "$W/storage/blobs" -type f -printf '%s\n' | awk '{s += $1} END {print s + 0}'; }
 log "sample $SIZE (no holes), then $LAYERS layers, each one 1 MiB block changed"
 "$SNAPCTL" sample "$W/snap" --size "$SIZE" --seed 1 --zero-fraction 0 >/dev/null 2>&1
 "$SNAPCTL" pack "$W/snap" "oci:$W/layout:l0" >/dev/null 2>&1
+"$SNAPCTL" push "oci:$W/layout:l0" "$HIST:latest" >/dev/null 2>&1
 REBASES=() COMPACTIONS=() DEPTH=0 DEEP=1 DEEPEST=0 t0=$(now) PACK_BYTES=0 COMPACTED_BYTES=0
 for i in $(seq 1 "$LAYERS"); do
   "$SNAPCTL" sample "$W/snap" --size "$SIZE" --mutate 1 --seed "$i" >/dev/null 2>&1
@@ -117,6 +123,8 @@ for i in $(seq 1 "$LAYERS"); do
   if [ "$(jq '.compacted // false' <<<"$rep")" = true ]; then COMPACTIONS+=("$i"); fi
   PACK_BYTES=$((PACK_BYTES + $(jq .pack_bytes <<<"$rep")))
   COMPACTED_BYTES=$((COMPACTED_BYTES + $(jq '.compacted_bytes // 0' <<<"$rep")))
+  "$SNAPCTL" push "oci:$W/layout:l$i" "$HIST:latest" >/dev/null 2>"$W/push.log" \
+    || { echo "chain.sh: push of layer $i failed: $(tail -5 "$W/push.log")" >&2; exit 2; }
   if [ "$i" = 1 ]; then cp --sparse=always "$W/snap/vm.mem" "$W/mem-l1"; fi
   # The last layer with the longest chain (not layer 1 or LAYERS themselves).
   if [ "$DEPTH" -ge "$DEEPEST" ] && [ "$i" -gt 1 ] && [ "$i" -lt "$LAYERS" ]; then
@@ -128,7 +136,28 @@ log "packed $LAYERS layers in $(since "$t0") s; rebased at ${REBASES[*]:-none}; 
 cp --sparse=always "$W/snap/vm.mem" "$W/mem-l$LAYERS"
 mv "$W/mem-deep" "$W/mem-l$DEEP"
 
-start_server snapctl "$W/storage"
+# ---------------------------------------------------------------- store growth (not timed)
+# What the store holds after the history, against what the image `latest` names now
+# needs: its distinct stored ranges (the chunks it reads, wherever they live) and its
+# metadata (configs, indexes, outboards of its chain, its manifest). Then `snapctl gc`
+# with default retention (untagged manifests go once older than the grace; --grace 0s
+# so that is now) and the store again: what is left beyond the image's own bytes is the
+# dead part of packs it still reads from.
+STORED_HISTORY=$(stored_bytes)
+LATEST_JSON=$("$SNAPCTL" inspect "$HIST:latest" --json)
+LATEST_DIGEST=$(jq -r .manifest <<<"$LATEST_JSON")
+MANIFEST_BYTES=$(curl -s "http://127.0.0.1:$PORT/v2/bench/history/manifests/latest" -H 'Accept: application/vnd.oci.image.manifest.v1+json' | wc -c)
+read -r META_BYTES PACK_LISTED <<<"$(curl -s "http://127.0.0.1:$PORT/v2/bench/history/manifests/latest" -H 'Accept: application/vnd.oci.image.manifest.v1+json' \
+  | jq -r '[(.config.size + ([.layers[] | select(.mediaType | test("pack") | not) | .size] | add // 0)), ([.layers[] | select(.mediaType | test("pack")) | .size] | add // 0)] | @tsv')"
+LIVE_BYTES=$(( $(jq .totals.chain_stored_bytes <<<"$LATEST_JSON") + META_BYTES + MANIFEST_BYTES ))
+GC_JSON=$("$SNAPCTL" gc --storage "$W/storage" --grace 0s --json 2>"$W/gc.log") \
+  || { echo "chain.sh: gc failed: $(tail -5 "$W/gc.log")" >&2; exit 2; }
+STORED_AFTER_GC=$(stored_bytes)
+LAYOUT_BYTES=$(find "$W/layout/blobs" -type f -printf '%s\n' | awk '{s += $1} END {print s + 0}')
+"$SNAPCTL" verify "$HIST:latest" >/dev/null 2>"$W/verify.log" \
+  || { echo "chain.sh: verify of latest after gc failed: $(tail -5 "$W/verify.log")" >&2; exit 2; }
+log "store: $STORED_HISTORY bytes after $LAYERS pushes of latest ($LATEST_DIGEST), $STORED_AFTER_GC after gc (manifests removed $(jq .manifests_removed <<<"$GC_JSON"), swept $(jq .swept <<<"$GC_JSON") blobs); latest needs $LIVE_BYTES"
+
 REG=127.0.0.1:$PORT/bench/chain
 "$SNAPCTL" push "oci:$W/layout:l1" "$REG:d1" >/dev/null 2>&1
 "$SNAPCTL" push "oci:$W/layout:l$LAYERS" "$REG:d$LAYERS" >/dev/null 2>&1
@@ -226,6 +255,12 @@ if [ -n "$RTT" ]; then
 else
   echo "All pushed to \`snapctl serve\` on loopback; fresh chunk cache for every pull and lazy restore."
 fi
+echo
+mib() { python3 -c "print(f'{$1 / 1048576:.1f} MiB')"; }
+echo "Store (\`snapctl serve\`, every layer pushed as \`bench/history:latest\` as it was packed): $(mib "$STORED_HISTORY") after $LAYERS pushes;"
+echo "after \`snapctl gc --grace 0s\` (default retention: untagged manifests go) $(mib "$STORED_AFTER_GC") ($(jq .manifests_removed <<<"$GC_JSON") manifests removed, $(jq .swept <<<"$GC_JSON") blobs swept)."
+echo "The newest image needs $(mib "$LIVE_BYTES") (its stored chunks $(mib "$(jq .totals.chain_stored_bytes <<<"$LATEST_JSON")") + metadata $(mib $((META_BYTES + MANIFEST_BYTES)))); the packs it lists hold $(mib "$PACK_LISTED"):"
+echo "after gc the store is $(ratio "$STORED_AFTER_GC" "$LIVE_BYTES")x what it needs, before gc $(ratio "$STORED_HISTORY" "$LIVE_BYTES")x. The local layout holds $(mib "$LAYOUT_BYTES") (no gc there)."
 echo
 echo "| command | layer 1 (s) | layer $DEEP (s) | ratio | layer $LAYERS (s) | ratio | runs: layer 1 / $DEEP / $LAYERS (s) |"
 echo "|---|---|---|---|---|---|---|"

@@ -15,7 +15,7 @@ set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 secs=${1:-${FUZZ_SECONDS:-20}}
-read -r -a targets <<<"${FUZZ_TARGETS:-chunk_index outboard image_config manifest decompress reference image_open criu_pagemap trace_json sign_policy sign_key sign_manifest}"
+read -r -a targets <<<"${FUZZ_TARGETS:-chunk_index outboard image_config manifest decompress reference image_open criu_pagemap trace_json sign_policy sign_key sign_manifest serve_config pulled_json}"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target-fuzz}
 export RUSTC_BOOTSTRAP=1
 
@@ -82,6 +82,15 @@ vec() { awk -v m="<!-- vector: $1 -->" '$0 == m {on = 1; next} on && /^```/ {if 
 for v in cosign.key cosign.pub; do vec "$v" | seed sign_key "$v"; done
 for v in tag-manifest referrer-manifest payload; do vec "$v" | tr -d '\n' | seed sign_manifest "$v"; done
 printf '%s' '{"default":[{"type":"reject"}],"transports":{"docker":{"r.io:5000/vm":[{"type":"sigstoreSigned","keyData":"eA==","signedIdentity":{"type":"matchRepository"}}],"r.io/a":[{"type":"sigstoreSigned","keyPaths":["/k"],"signedIdentity":{"type":"remapIdentity","prefix":"r.io/a","signedPrefix":"q.io/b"}}],"*.io":[{"type":"insecureAcceptAnything"}],"":[{"type":"signedBy","keyType":"GPGKeys","keyPath":"/g"}]},"oci":{"/srv":[{"type":"sigstoreSigned","keyPath":"/k","signedIdentity":{"type":"exactRepository","dockerRepository":"r.io/a"}}]}}}' | seed sign_policy policy
+# serve's configuration file: the example of spec/registry.md §4.1, and one key of every
+# kind (sizes, durations as text and numbers, zot's camelCase spellings).
+awk '/^```toml$/ {on = 1; next} on && /^```$/ {exit} on {print}' "$root/spec/registry.md" | seed serve_config spec-example
+printf '%s\n' 'storage = "s3://b/p"' 'max_manifest_bytes = "4MiB"' 'chunk_min_length = 5242880' 'header_timeout = "1h30m"' 'idle_timeout = 120' \
+  'log_format = "json"' '[gc]' 'interval = "0"' 'pull_flush = "5m"' '[retention]' 'dryRun = true' 'delay = "30d"' '[[retention.policies]]' \
+  'repositories = ["team/*", "tmp/**", "a?c"]' 'deleteUntagged = false' \
+  'keepTags = [{ patterns = ["v[0-9]+", "latest"], mostRecentlyPushedCount = 3, pulledWithin = "7d" }, { pushed_within = "720h" }]' | seed serve_config keys
+# A repository's pull times (spec/registry.md §4.3).
+printf '{"sha256:%s":1767225600,"sha256:%s":0,"not-a-digest":5}' "$(printf 'a%.0s' {1..64})" "$(printf '0%.0s' {1..64})" | seed pulled_json two
 for t in "${targets[@]}"; do echo "fuzz-smoke: $t: $(find "$corpus/$t" -type f | wc -l) seeds" >&2; done
 
 cd "$root/fuzz"

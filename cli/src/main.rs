@@ -129,8 +129,11 @@ impl Command {
 /// already hold it: the library errors put their source in their own message, so
 /// `{:#}` printed "X: File too large: X: File too large: File too large". Control
 /// characters are escaped: an error may quote a name, a header or a body from a peer.
+/// Line breaks stay (a TOML error draws the line it could not read under its message),
+/// each further line indented, so no line can pass for one of ours ("snapctl: …",
+/// "hint: …") whoever wrote it.
 fn describe(e: &anyhow::Error) -> String {
-    cmd::common::printable(&join_causes(e)).into_owned()
+    join_causes(e).trim_end().split('\n').map(cmd::common::printable).collect::<Vec<_>>().join("\n  ")
 }
 
 fn join_causes(e: &anyhow::Error) -> String {
@@ -166,6 +169,8 @@ mod tests {
         let lib = imgfmt::FormatError::Transient { what: "resolving h/r:v1".into(), source: "resolving h/r:v1: gave up after 6 attempts".into() };
         assert_eq!(describe(&anyhow::Error::new(lib).context("resolving h/r:v1")), "resolving h/r:v1: gave up after 6 attempts");
         let hostile = anyhow::anyhow!("registry said: \x1b[2J\nsnapctl: all good");
-        assert_eq!(describe(&hostile), "registry said: \\u{1b}[2J\\nsnapctl: all good");
+        assert_eq!(describe(&hostile), "registry said: \\u{1b}[2J\n  snapctl: all good");
+        let crlf = anyhow::anyhow!("a\r\nb");
+        assert_eq!(describe(&crlf), "a\\r\n  b");
     }
 }

@@ -75,21 +75,18 @@ pub enum EntryKind {
     PushLayouts,
     /// Resume state of chunked uploads (`uploads/`).
     Uploads,
-    /// Recorded lazy-restore traces a registry would not take (`traces/`).
-    Traces,
     /// Which repositories of a registry hold which blobs, for mounts (`known-blobs/`).
     KnownBlobs,
 }
 
 impl EntryKind {
-    pub const ALL: [EntryKind; 5] = [EntryKind::Chunks, EntryKind::PushLayouts, EntryKind::Uploads, EntryKind::Traces, EntryKind::KnownBlobs];
+    pub const ALL: [EntryKind; 4] = [EntryKind::Chunks, EntryKind::PushLayouts, EntryKind::Uploads, EntryKind::KnownBlobs];
 
     pub fn name(self) -> &'static str {
         match self {
             EntryKind::Chunks => "chunks",
             EntryKind::PushLayouts => "push-layouts",
             EntryKind::Uploads => "uploads",
-            EntryKind::Traces => "traces",
             EntryKind::KnownBlobs => "known-blobs",
         }
     }

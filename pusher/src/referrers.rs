@@ -15,6 +15,7 @@
 //! (a snapctl trace's working-set blob with it).
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::Arc;
 
 use imgfmt::manifest::MAX_MANIFEST_BYTES;
 use imgfmt::source::read_verified_blob;
@@ -34,7 +35,8 @@ pub const MAX_ATTACHED: usize = 4096;
 
 /// A store images are read from, with what is needed to find their referrers.
 pub enum Origin {
-    Registry(Box<RegistrySource>),
+    /// Shared with whoever opened it (one client: one connection pool, one login).
+    Registry(Arc<RegistrySource>),
     Layout(OciLayout),
 }
 

@@ -149,8 +149,8 @@ async fn read_raw(store: &dyn BlobStore, repo: &RepoName) -> Result<HashMap<OciD
         Err(e) if e.is_not_found() => return Ok(HashMap::new()),
         Err(e) => return Err(e),
     };
-    match serde_json::from_slice::<HashMap<String, u64>>(&raw) {
-        Ok(m) => Ok(m.into_iter().filter_map(|(d, t)| Some((d.parse().ok()?, t))).collect()),
+    match decode(&raw) {
+        Ok(m) => Ok(m),
         Err(e) => {
             // Only pull times: a damaged object costs what it recorded, never a request.
             tracing::warn!(%repo, %e, "unreadable pull times object; starting it again");
@@ -159,9 +159,22 @@ async fn read_raw(store: &dyn BlobStore, repo: &RepoName) -> Result<HashMap<OciD
     }
 }
 
-async fn write_raw(store: &dyn BlobStore, repo: &RepoName, m: &HashMap<OciDigest, u64>) -> Result<(), StoreError> {
+/// A `_pulled` object's entries: `{"sha256:…": <unix seconds>, …}`. Keys that are not
+/// digests are skipped (a later flush writes the object without them); anything else that
+/// is not that shape is an error. The caller bounds the input ([`MAX_PULLED_BYTES`]).
+pub fn decode(raw: &[u8]) -> Result<HashMap<OciDigest, u64>, serde_json::Error> {
+    let m = serde_json::from_slice::<HashMap<String, u64>>(raw)?;
+    Ok(m.into_iter().filter_map(|(d, t)| Some((d.parse().ok()?, t))).collect())
+}
+
+/// The `_pulled` object of `m`, keys in order.
+pub fn encode(m: &HashMap<OciDigest, u64>) -> Vec<u8> {
     let named: std::collections::BTreeMap<String, u64> = m.iter().map(|(d, t)| (d.to_string(), *t)).collect();
-    store.put(&layout::pulled(repo), Bytes::from(serde_json::to_vec(&named).expect("map serializes"))).await
+    serde_json::to_vec(&named).expect("map serializes")
+}
+
+async fn write_raw(store: &dyn BlobStore, repo: &RepoName, m: &HashMap<OciDigest, u64>) -> Result<(), StoreError> {
+    store.put(&layout::pulled(repo), Bytes::from(encode(m))).await
 }
 
 /// Merge `entries` into `repo`'s object (later time wins), checking they survived.

@@ -20,11 +20,11 @@ use super::common::{self, outln, parse_size};
 ///   push-layouts  a packed copy of each pushed directory: its packs only until the
 ///                 registry has them, then the metadata the next layer is made over
 ///   uploads       resume state of interrupted uploads
-///   traces        lazy-restore traces kept on this host (none yet: lazy stores each
-///                 trace beside its image, in the registry or the layout)
 ///   known-blobs   which repositories hold which blobs (for cross-repository mounts)
-/// A push layout a running push holds is never evicted. Removing the directory by hand is
-/// safe too (the next commands fetch or pack again).
+/// Lazy-restore traces are not kept here: lazy stores each trace beside its image (a
+/// referrer in the registry, or the layout's fallback tag). A push layout a running push
+/// holds is never evicted. Removing the directory by hand is safe too (the next commands
+/// fetch or pack again).
 ///
 /// Prints one line per kind (bytes are allocated bytes, what fills the disk); --json: the
 /// same as an object. Exit 0, or 2 if the cache could not be read.
@@ -77,7 +77,7 @@ pub struct PruneArgs {
 #[derive(Debug, Clone, clap::Args)]
 pub struct Budget {
     /// Bound on everything kept under the cache directory (chunks, push layouts, upload
-    /// state, traces); least recently used entries are evicted.
+    /// state, known blobs); least recently used entries are evicted.
     #[arg(long = "cache-size", value_name = "SIZE", value_parser = parse_size, default_value = "10GiB", env = "SNAPCTL_CACHE_SIZE", global = true)]
     pub cache_size: u64,
 }

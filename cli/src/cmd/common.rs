@@ -269,7 +269,7 @@ pub fn open_origin(reference: &str, plain_http: bool) -> anyhow::Result<(pusher:
             (pusher::referrers::Origin::Layout(OciLayout::open(&path).with_context(|| format!("opening {reference}"))?), selector)
         }
         Reference::Registry { host, repository, selector } => {
-            (pusher::referrers::Origin::Registry(Box::new(registry_client(&host, &repository, plain_http)?)), selector)
+            (pusher::referrers::Origin::Registry(std::sync::Arc::new(registry_client(&host, &repository, plain_http)?)), selector)
         }
     })
 }

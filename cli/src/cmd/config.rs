@@ -62,11 +62,21 @@ pub struct FileConfig {
     pub htpasswd_poll: Option<Duration>,
     #[serde(default, deserialize_with = "opt_duration")]
     pub stats_interval: Option<Duration>,
-    pub log_format: Option<super::serve::LogFormat>,
+    pub log_format: Option<LogFormat>,
     #[serde(default)]
     pub gc: GcSection,
     #[serde(default)]
     pub retention: RetentionConfig,
+}
+
+/// `serve --log-format` (`log_format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// `[gc]`.
@@ -121,7 +131,7 @@ impl FileConfig {
             anyhow::bail!("{}: {} bytes; a configuration file is at most {MAX_CONFIG_BYTES}", path.display(), meta.len());
         }
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let mut c: FileConfig = toml::from_str(&text).with_context(|| format!("{}: not a valid configuration", path.display()))?;
+        let mut c = FileConfig::parse(&text).with_context(|| format!("{}: not a valid configuration", path.display()))?;
         let dir = path.parent().unwrap_or(Path::new("."));
         let abs = |p: &mut Option<PathBuf>| {
             if let Some(x) = p.as_mut().filter(|x| x.is_relative()) {
@@ -135,6 +145,11 @@ impl FileConfig {
             *s = dir.join(&*s).to_string_lossy().into_owned();
         }
         Ok(c)
+    }
+
+    /// The file's text, as written (paths as they are).
+    pub fn parse(text: &str) -> Result<FileConfig, toml::de::Error> {
+        toml::from_str(text)
     }
 
     /// [`FileConfig::load`] of `path`, or an empty configuration.
@@ -202,7 +217,7 @@ mod tests {
         assert_eq!(c.chunk_min_length, Some(1 << 20));
         assert_eq!(c.idle_timeout, Some(Duration::from_secs(60)));
         assert_eq!(c.stats_interval, Some(Duration::ZERO));
-        assert_eq!(c.log_format, Some(super::super::serve::LogFormat::Json));
+        assert_eq!(c.log_format, Some(LogFormat::Json));
         assert_eq!(c.gc.interval, Some(Duration::from_secs(6 * 3600)));
         assert_eq!(c.gc.pull_flush, Some(Duration::from_secs(60)));
         assert!(c.retention.dry_run);

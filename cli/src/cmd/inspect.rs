@@ -7,7 +7,7 @@ use imgfmt::size::human;
 use imgfmt::{media, Image, StoredAt};
 use serde::Serialize;
 
-use super::common::{self, open_image_at, open_origin, outln};
+use super::common::{self, open_image_at, outln};
 
 /// Show an image: kind, files, sizes, chunk counts (zero / stored / referenced /
 /// inherited), compression ratio, roots, the base/parent chain, what is attached to it
@@ -231,14 +231,14 @@ pub fn counts(image: &Image) -> (Vec<Counts>, Counts) {
 
 pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
     let r: imgfmt::reference::Reference = a.image.parse()?;
-    let (o, store) = super::policy::open_with_store(&r, &a.image, false)?;
+    let (o, store, origin) = super::policy::open_with_store_and_origin(&r, &a.image, false)?;
     let digest = common::resolve(&o)?;
     if let Some(other) = artifact(&o, &digest)? {
         return print_artifact(&other, a.json);
     }
     let image = open_image_at(&o, &digest)?;
     let signatures = signatures(store.as_ref(), &image, &known_keys(&a, &r)?)?;
-    let referrers = match open_origin(&a.image, false).and_then(|(origin, _)| Ok(pusher::referrers::attached_tree(&origin, &image.manifest_digest)?)) {
+    let referrers = match pusher::referrers::attached_tree(&origin, &image.manifest_digest) {
         Ok(r) => r,
         Err(e) => {
             // The image is shown all the same; its attachments are a listing apart.

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use imgfmt::reference::{Reference, Selector};
 use imgfmt::{BlobSource, Descriptor, FormatError, Image, OciDigest, OciLayout};
+use pusher::referrers::Origin;
 use regclient::RegistrySource;
 
 use super::common::{self, Opened};
@@ -134,15 +135,22 @@ fn resolve(o: &Opened) -> anyhow::Result<OciDigest> {
 /// An opened reference and a signature store over the same registry client (one
 /// connection) or the same layout directory.
 pub fn open_with_store(r: &Reference, reference: &str, plain_http: bool) -> anyhow::Result<(Opened, Box<dyn sign::Store>)> {
+    open_with_store_and_origin(r, reference, plain_http).map(|(o, store, _)| (o, store))
+}
+
+/// [`open_with_store`], and the same client or directory as the origin its referrers are
+/// listed at: a second client would log in and connect again.
+pub fn open_with_store_and_origin(r: &Reference, reference: &str, plain_http: bool) -> anyhow::Result<(Opened, Box<dyn sign::Store>, Origin)> {
     Ok(match r {
         Reference::Layout { path, selector } => {
-            let layout = OciLayout::open(path).with_context(|| format!("opening {reference}"))?;
-            let store = LayoutStore(OciLayout::open(path).with_context(|| format!("opening {reference}"))?);
-            (Opened { source: Box::new(layout), selector: selector.clone(), reference: reference.into() }, Box::new(store))
+            let open = || OciLayout::open(path).with_context(|| format!("opening {reference}"));
+            let opened = Opened { source: Box::new(open()?), selector: selector.clone(), reference: reference.into() };
+            (opened, Box::new(LayoutStore(open()?)), Origin::Layout(open()?))
         }
         Reference::Registry { host, repository, selector } => {
             let c = Arc::new(common::registry_client(host, repository, plain_http)?);
-            (Opened { source: Box::new(c.clone()), selector: selector.clone(), reference: reference.into() }, Box::new(RegistryStore(c)))
+            let opened = Opened { source: Box::new(c.clone()), selector: selector.clone(), reference: reference.into() };
+            (opened, Box::new(RegistryStore(c.clone())), Origin::Registry(c))
         }
     })
 }

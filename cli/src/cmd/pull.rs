@@ -60,7 +60,7 @@ pub struct PullArgs {
     #[arg(long, conflicts_with = "no_cache")]
     pub cache_copy: bool,
     /// Bound on everything kept under the cache directory (chunks, push layouts, upload
-    /// state, traces: see `snapctl cache`); least recently used entries are evicted.
+    /// state, known blobs: see `snapctl cache`); least recently used entries are evicted.
     #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "10GiB", env = "SNAPCTL_CACHE_SIZE")]
     pub cache_size: u64,
     /// Range requests in flight from the start (and threads reading the cache).

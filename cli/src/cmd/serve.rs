@@ -171,15 +171,7 @@ impl ServeArgs {
     }
 }
 
-/// `serve --log-format`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    /// Human-readable lines.
-    Text,
-    /// One JSON object per line.
-    Json,
-}
+pub use super::config::LogFormat;
 
 /// The server's log filter when neither SNAPCTL_LOG nor RUST_LOG sets one: warnings, and
 /// one line per request.

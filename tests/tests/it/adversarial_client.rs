@@ -100,6 +100,30 @@ fn regression_issue_14_push_sends_no_token_to_another_origin() {
     assert_eq!(r.code, 2, "the upload server wants credentials it must not get: {r:?}");
 }
 
+/// Issue 22: `inspect` of a registry image opened the repository twice, the image with
+/// one client and the listing of what is attached to it with another: a second
+/// connection and login, a round trip more to a remote registry. With one client the
+/// registry challenges for credentials once, and the referrers are still listed.
+#[test]
+fn regression_issue_22_inspect_opens_its_source_once() {
+    let store = tempfile::tempdir().unwrap();
+    let upstream = Serve::start(store.path().to_str().unwrap(), &[], &[]);
+    let registry = FaultProxy::start(upstream.addr.as_str()).unwrap();
+    registry.require_basic("alice", "s3cret");
+    let w = Work::new();
+    w.credentials(&registry.addr, "alice", "s3cret");
+    let src = w.packed();
+    let dest = format!("{}/adv/inspect:v1", registry.addr);
+    w.ok(&["push", &src, &dest]);
+    let before = registry.log().len();
+    let out = w.ok(&["inspect", &dest, "--json"]);
+    let seen: Vec<_> = registry.log()[before..].to_vec();
+    let summary: Vec<String> = seen.iter().map(|s| format!("{} {} {}", s.status, s.method, s.target)).collect();
+    assert!(seen.iter().any(|s| s.target.contains("/referrers/") && s.status == 200), "the referrers were listed: {summary:#?}");
+    assert_eq!(seen.iter().filter(|s| s.status == 401).count(), 1, "one client, one challenge: {summary:#?}");
+    assert!(out.stdout.contains("\"referrers\""), "{out:?}");
+}
+
 /// Redirected range reads (a registry sending blob GETs to a CDN) carry no credentials
 /// either, and a pull through them still verifies every chunk.
 #[test]

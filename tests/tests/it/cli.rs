@@ -206,6 +206,27 @@ fn regression_issue_13_one_duration_grammar_for_every_flag() {
     }
 }
 
+/// Issue 22: an error of several lines (a TOML error draws the line it could not read
+/// under its message) was printed as one line with `\n` spelled out. Its lines are
+/// lines again, each after the first indented (no line of an error can pass for a
+/// `snapctl:` or `hint:` line of its own), and nothing is spelled as an escape.
+#[test]
+fn regression_issue_22_multi_line_errors_print_as_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("registry.toml");
+    std::fs::write(&config, "storage = \"./s\"\nno_such_key = 1\n").unwrap();
+    for cmd in ["serve", "gc"] {
+        let r = run(snapctl().args([cmd, "--config", config.to_str().unwrap()]));
+        assert_eq!(r.code, 2, "{r:?}");
+        assert!(!r.stderr.contains("\\n"), "{cmd}: a newline spelled out: {}", r.stderr);
+        let lines: Vec<&str> = r.stderr.lines().collect();
+        assert!(lines.len() >= 3, "{cmd}: the error's own lines: {}", r.stderr);
+        assert!(lines[0].starts_with("snapctl: ") && lines[0].contains("not a valid configuration"), "{cmd}: {}", r.stderr);
+        assert!(lines[1..].iter().all(|l| l.starts_with("  ")), "{cmd}: further lines indented: {}", r.stderr);
+        assert!(lines.iter().any(|l| l.contains("no_such_key = 1")), "{cmd}: the line it could not read: {}", r.stderr);
+    }
+}
+
 /// The two lines a command that could not reach a registry prints: the error, then the
 /// flag or check that fixes it.
 fn error_and_hint(r: &Run) -> (&str, &str) {

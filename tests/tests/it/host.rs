@@ -194,7 +194,22 @@ fn regression_issue_22_pushes_and_pulls_stay_within_the_budget() {
     assert_eq!(usage["limit_bytes"], budget, "{usage}");
     assert!(usage["total_bytes"].as_u64().unwrap() <= budget, "{usage}");
     let kinds: Vec<&str> = usage["kinds"].as_array().unwrap().iter().map(|k| k["kind"].as_str().unwrap()).collect();
-    assert_eq!(kinds, ["chunks", "push-layouts", "uploads", "traces", "known-blobs"]);
+    assert_eq!(kinds, ["chunks", "push-layouts", "uploads", "known-blobs"]);
+}
+
+/// Issue 22: `snapctl cache` listed a kind `traces` that was always empty: nothing puts a
+/// trace under the cache directory (lazy stores each trace beside its image). It lists
+/// the kinds the cache directory holds, and its help says where traces are.
+#[test]
+fn regression_issue_22_cache_lists_no_kind_nothing_fills() {
+    let w = Work::new();
+    let usage = Work::json(&w.ok(&["cache", "--json"]));
+    let kinds: Vec<&str> = usage["kinds"].as_array().unwrap().iter().map(|k| k["kind"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["chunks", "push-layouts", "uploads", "known-blobs"], "{usage}");
+    let text = w.ok(&["cache"]).stdout;
+    assert!(!text.lines().any(|l| l.starts_with("traces")), "{text}");
+    let help = w.ok(&["cache", "--help"]).stdout;
+    assert!(help.contains("traces are not kept here"), "{help}");
 }
 
 /// Issue 22 §2: an eviction killed half-way leaves a consistent cache. A prune is killed
