@@ -21,6 +21,7 @@
 #          daemon's own, `trace`, which with no trace streams the rest once misses look
 #          scattered; `none` gives faults alone, the rows before issue 16's stream)
 #          --run-pages N (the clustered guest's runs of contiguous pages; default 64)
+#          --huge (the same guest on 4 KiB pages and on 2 MiB huge pages, below)
 #
 # For each setting (RTT x cap) and run, each against a fresh proxy (so its byte counts are
 # the command's own) and a fresh, empty chunk cache (cold):
@@ -45,6 +46,15 @@
 #               the scattered restore records a trace (so no trace either)
 # And once per setting with a cap, the proxy's own ceiling: `curl` of the largest pack
 # through it (% of the cap a plain single download gets).
+# With --huge the lazy restores of each run are instead: clustered and scattered (as above,
+# no trace recorded, each cold) on 4 KiB pages, then the same two on 2 MiB huge pages
+# (fake_vmm --page-size 2MiB: MAP_HUGETLB, the handshake says 2097152), in alternating
+# order from run to run; no warm, replay or all rows. The image's size of huge pages is
+# reserved (/proc/sys/vm/nr_hugepages raised, given back at exit) and touched once before
+# the first run (a fresh pool page costs this VM a host fault at first touch, as
+# bench/lib/memory.sh describes for ordinary memory). An extra table gives per page size:
+# time, faults reaching the daemon, installs (faults that were not `present`), bytes
+# fetched.
 # Lazy time = daemon start (it opens the image through the proxy) to fake_vmm's exit
 # (every touched page checked against the original). Per row: median time, time / pull's
 # median time in the same setting, the vCPU's fault latency p50/p99 (fake_vmm: first
@@ -68,7 +78,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ARGV=("$@")
 RUNS=3 SIZE=2GiB RTTS="0 2 20 50" RATES="0 1gbit 200mbit" PCT=5 ALL=0 TAG="" KEEP=0 QUICK=0
 ONLY="" WINDOW="" PULL_ARGS="" NO_VERIFY=0
-LAZY_EXTRA="" PREFETCH="" RUN_PAGES=64
+LAZY_EXTRA="" PREFETCH="" RUN_PAGES=64 HUGE=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1; RUNS=1; SIZE=256MiB; RTTS="0 20"; RATES="0 1gbit" ;;
@@ -89,6 +99,7 @@ while [ $# -gt 0 ]; do
     --lazy-args) LAZY_EXTRA="$LAZY_EXTRA $2"; shift ;;
     --prefetch) PREFETCH="--prefetch $2"; shift ;;
     --run-pages) RUN_PAGES=$2; shift ;;
+    --huge) HUGE=1 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "wan.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -109,8 +120,13 @@ fi
 
 W=$(mktemp -d "${TMPDIR:-/tmp}/snapctl-wan.XXXXXX")
 PIDS=()
+HUGE_RESERVED=0
 cleanup() {
   for p in "${PIDS[@]:-}"; do [ -n "$p" ] && { kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; }; done
+  # Give back only what this run added (tests may hold some of their own meanwhile).
+  if [ "$HUGE_RESERVED" -gt 0 ]; then
+    flock /tmp/snapctl-tests-hugepages.lock sh -c "echo \$((\$(cat /proc/sys/vm/nr_hugepages) - $HUGE_RESERVED)) > /proc/sys/vm/nr_hugepages" || true
+  fi
   if [ "$KEEP" = 1 ]; then echo "kept $W" >&2; else rm -rf "$W"; fi
 }
 trap cleanup EXIT
@@ -176,6 +192,29 @@ start_server snapctl "$W/storage"
 rm -rf "$W/pushcache"
 MEM=$W/snap/vm.mem
 STORED=$(du -sb "$W/storage" | cut -f1)
+if [ "$HUGE" = 1 ]; then
+  # The guest's huge pages: the image's size, under the lock the tests use for theirs.
+  # The kernel may make fewer than asked (no free 2 MiB runs): what it made is given back
+  # at exit, whatever it is. Short, the page cache is dropped and memory compacted once
+  # before giving up (a busy host's free memory is mostly page cache, in 4 KiB pieces).
+  want=$(( (WARM_BYTES + (2 << 20) - 1) / (2 << 20) ))
+  for try in 1 2; do
+    got=$(flock /tmp/snapctl-tests-hugepages.lock sh -c "b=\$(cat /proc/sys/vm/nr_hugepages); echo \$((b + $want - $HUGE_RESERVED)) > /proc/sys/vm/nr_hugepages 2>/dev/null; echo \$((\$(cat /proc/sys/vm/nr_hugepages) - b))")
+    HUGE_RESERVED=$((HUGE_RESERVED + got))
+    [ "$HUGE_RESERVED" -ge "$want" ] && break
+    [ "$try" = 1 ] && { log "the kernel made $HUGE_RESERVED of $want huge pages; dropping the page cache, compacting memory"; sync; echo 3 > /proc/sys/vm/drop_caches; echo 1 > /proc/sys/vm/compact_memory; }
+  done
+  [ "$HUGE_RESERVED" -ge "$want" ] || { echo "wan.sh: --huge needs $want huge pages of 2 MiB, the kernel made $HUGE_RESERVED" >&2; exit 2; }
+  log "reserved $want huge pages of 2 MiB; touching them once"
+  python3 - "$want" <<'PY'
+import mmap, sys
+n = int(sys.argv[1]) << 21
+m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x40000)  # MAP_HUGETLB
+for o in range(0, n, 1 << 21):
+    m[o] = 1
+m.close()
+PY
+fi
 NONZERO=$(du -B1 "$MEM" | cut -f1)
 
 # ---------------------------------------------------------------- one timed command each
@@ -292,6 +331,16 @@ for rtt in $RTTS; do
       repo=bench/r$((++REPOS))
       "$SNAPCTL" push "$W/snap" "127.0.0.1:$PORT/$repo:v1" --cache "$W/pushcache" >/dev/null
       rm -rf "$W/pushcache"
+      if [ "$HUGE" = 1 ]; then
+        # The same guest on each page size, the order alternating from run to run.
+        sizes="4k 2m"; [ $((run % 2)) = 0 ] && sizes="2m 4k"
+        for ps in $sizes; do
+          pa=""; [ "$ps" = 2m ] && pa="--page-size 2MiB"
+          lazy_once "$setting" "$run" "$rtt" "$rate" "clustered_$ps" "$CLUSTER $pa" "$PREFETCH" cold "$repo"
+          lazy_once "$setting" "$run" "$rtt" "$rate" "scattered_$ps" "$SCATTER $pa" "$PREFETCH" cold "$repo"
+        done
+        continue
+      fi
       lazy_once "$setting" "$run" "$rtt" "$rate" clustered "$CLUSTER" "$PREFETCH" cold "$repo"
       # Before the scattered restore records a trace: cold, no trace.
       if [ "$ALL" = 1 ]; then lazy_once "$setting" "$run" "$rtt" "$rate" all "$SCATTER" "--prefetch all --prefetch-rate 0" cold "$repo"; fi
@@ -320,11 +369,14 @@ def rate_bps(r):
         if r.endswith(s):
             return float(r[: -len(s)]) * m
     return float(r) or None
-order = ["calibration", "pull", "pull_direct", "verify", "clustered", "scattered", "warm", "replay", "all"]
+order = ["calibration", "pull", "pull_direct", "verify", "clustered", "scattered", "warm", "replay", "all", "clustered_4k", "clustered_2m", "scattered_4k", "scattered_2m"]
 label = {"calibration": "`curl` of the largest pack (the proxy's ceiling)", "pull": "`snapctl pull`", "pull_direct": "`snapctl pull`, no proxy", "verify": "`snapctl verify` (reads every stored chunk)",
          "clustered": f"lazy, clustered (runs of {os.environ.get('RUN_PAGES', '64')} pages)", "scattered": "lazy, scattered (records a trace)",
          "warm": "lazy, scattered again, warm chunk cache", "replay": "lazy, scattered again, cold, `--prefetch trace`",
-         "all": "lazy, scattered, cold, no trace, `--prefetch all --prefetch-rate 0`"}
+         "all": "lazy, scattered, cold, no trace, `--prefetch all --prefetch-rate 0`",
+         "clustered_4k": f"lazy, clustered (runs of {os.environ.get('RUN_PAGES', '64')} pages), 4 KiB pages",
+         "clustered_2m": f"lazy, clustered (runs of {os.environ.get('RUN_PAGES', '64')} pages), 2 MiB huge pages",
+         "scattered_4k": "lazy, scattered, 4 KiB pages", "scattered_2m": "lazy, scattered, 2 MiB huge pages"}
 settings = []
 for r in runs:
     if r["setting"] not in settings:
@@ -378,6 +430,26 @@ for s in settings:
         share = med([r["bytes_down"] * 8 / r["seconds"] / cap for r in pr])
         goals.append(f"{where}: pull at {100 * share:.0f}% of the cap (goal >= 80%): {mark(share >= 0.8)}")
 print()
+if any(r["path"].endswith("_2m") for r in runs):
+    print("Huge pages: the same guest (same touches) on 4 KiB and on 2 MiB pages, medians per restore. "
+          "Faults: events the daemon read; installs: faults that were not `present` (each fills a whole unit: "
+          "a 1 MiB chunk on 4 KiB pages, a 2 MiB huge page on huge pages).\n")
+    print("| RTT | cap | pattern | time 4 KiB s | time 2 MiB s | 2 MiB / 4 KiB | faults 4 KiB | faults 2 MiB | installs 4 KiB | installs 2 MiB | MB fetched 4 KiB | MB fetched 2 MiB | MB prefetched 4 KiB | MB prefetched 2 MiB | vCPU fault p50 ms 4 KiB / 2 MiB |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for s in settings:
+        rs = [r for r in runs if r["setting"] == s]
+        for pat in ("clustered", "scattered"):
+            a = [r for r in rs if r["path"] == pat + "_4k"]
+            b = [r for r in rs if r["path"] == pat + "_2m"]
+            if not a or not b:
+                continue
+            m = lambda xs, k: med([x[k] for x in xs])
+            inst = lambda xs: med([x["faults"] - x["present_faults"] for x in xs])
+            cap = rate_bps(a[0]["rate"])
+            print(f"| {a[0]['rtt_ms']} ms | {'none' if not cap else a[0]['rate']} | {pat} | {f(m(a, 'seconds'))} | {f(m(b, 'seconds'))} | {f(m(b, 'seconds') / m(a, 'seconds'))}x "
+                  f"| {m(a, 'faults'):.0f} | {m(b, 'faults'):.0f} | {inst(a):.0f} | {inst(b):.0f} | {m(a, 'bytes_fetched') / 1e6:.0f} | {m(b, 'bytes_fetched') / 1e6:.0f} "
+                  f"| {m(a, 'prefetched_bytes') / 1e6:.0f} | {m(b, 'prefetched_bytes') / 1e6:.0f} | {ms(m(a, 'touch_p50_us'))} / {ms(m(b, 'touch_p50_us'))} |")
+    print()
 if goals:
     print("Goals (issue 16 §4; the cross-host setting is 20 ms, 1gbit):\n")
     for g in goals:

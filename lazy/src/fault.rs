@@ -364,10 +364,17 @@ impl Conn {
             (Key::Chunk(c), Done::Chunk(res, origin)) => {
                 match res {
                     // Fetched beside a slice, and no fault waits for it: install it
-                    // now, so the guest's next touches there do not fault.
+                    // now, so the guest's next touches there do not fault. A chunk of a
+                    // huge page fetched beside its sibling (a fault waits on that one)
+                    // is left for that fault: installing here would wait for the sibling
+                    // on this thread.
                     Ok(()) if faults.is_empty() => {
                         for span in self.inst.map.spans_of_chunk(c) {
-                            self.inst.prefetch_span(&span);
+                            if span.chunks(self.inst.map.chunk_shift).count() == 1 {
+                                self.inst.prefetch_span(&span);
+                            } else {
+                                q.arrived.origin.insert(c, origin);
+                            }
                         }
                     }
                     Ok(()) => {
@@ -458,6 +465,15 @@ impl Conn {
         if first {
             self.demand.missed(c);
             job_tx.send((key, Job::Chunk(c))).map_err(|_| pool_gone())?;
+        }
+        // A huge page needs several chunks: all of them are asked for at once (the fault
+        // waits on the first, then on the next still missing), not one round trip each.
+        for &other in need.iter().filter(|&&o| o != c && !q.arrived.origin.contains_key(&o) && !q.arrived.failed.contains_key(&o)) {
+            if let std::collections::hash_map::Entry::Vacant(e) = q.parked.entry(Key::Chunk(other)) {
+                e.insert(Vec::new());
+                self.demand.missed(other);
+                job_tx.send((Key::Chunk(other), Job::Chunk(other))).map_err(|_| pool_gone())?;
+            }
         }
         Ok(())
     }

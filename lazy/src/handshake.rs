@@ -10,7 +10,9 @@
 //! ```
 //!
 //! `page_size_kib` is Firecracker's older name for the same value, which despite its name
-//! has always been in bytes; `page_size` wins when both are present.
+//! has always been in bytes; `page_size` wins when both are present. A region's page size
+//! is 4096, or 2097152 for guest memory backed by 2 MiB huge pages (hugetlbfs): such a
+//! region faults and is filled a whole huge page at a time ([`PAGE_SIZES`]).
 
 use std::io::{IoSliceMut, Read};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -25,8 +27,18 @@ use serde::Deserialize;
 pub const MAX_HANDSHAKE_BYTES: usize = 64 << 10;
 /// Most regions one connection may register.
 pub const MAX_REGIONS: usize = 1024;
-/// Largest page size accepted (1 GiB huge pages).
-pub const MAX_PAGE_SIZE: u64 = 1 << 30;
+/// The base page size: a region of ordinary (4 KiB) pages.
+pub const BASE_PAGE_SIZE: u64 = 4096;
+/// A region backed by 2 MiB huge pages (hugetlbfs): faults come and installs go a whole
+/// huge page at a time.
+pub const HUGE_PAGE_SIZE: u64 = 2 << 20;
+/// The page sizes a region may have: Firecracker's two (no hugepages, or `2M` hugetlbfs).
+/// Anything else is refused at the handshake rather than met at the first fault, where an
+/// install of the wrong size fails and leaves the vCPU stalled. 1 GiB pages are not
+/// served: every install would hold a whole gigabyte of verified bytes at once.
+pub const PAGE_SIZES: [u64; 2] = [BASE_PAGE_SIZE, HUGE_PAGE_SIZE];
+/// Largest page size accepted.
+pub const MAX_PAGE_SIZE: u64 = HUGE_PAGE_SIZE;
 /// How long a connected client may take to send its handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -103,8 +115,8 @@ pub fn parse_regions(json: &[u8], file_size: u64) -> Result<Vec<Region>, Handsha
     for (index, m) in raw.iter().enumerate() {
         let bad = |detail: String| HandshakeError::BadRegion { index, detail };
         let page_size = m.page_size.or(m.page_size_kib).ok_or_else(|| bad("no page_size".into()))?;
-        if !page_size.is_power_of_two() || !(4096..=MAX_PAGE_SIZE).contains(&page_size) {
-            return Err(bad(format!("page size {page_size} is not a power of two in 4096..={MAX_PAGE_SIZE}")));
+        if !PAGE_SIZES.contains(&page_size) {
+            return Err(bad(format!("page size {page_size} is not served (only {BASE_PAGE_SIZE}: 4 KiB pages, or {HUGE_PAGE_SIZE}: 2 MiB huge pages)")));
         }
         if m.size == 0 {
             return Err(bad("size 0".into()));
@@ -214,6 +226,22 @@ mod tests {
     }
 
     #[test]
+    fn huge_page_regions_are_accepted_with_their_page_size() {
+        // Firecracker with `"huge_pages": "2M"`: both fields say 2 MiB, in bytes.
+        let j = format!(
+            r#"[{{"base_host_virt_addr":{},"size":{},"offset":{},"page_size":2097152,"page_size_kib":2097152}}]"#,
+            0x7f00_0020_0000u64,
+            4 * MIB,
+            2 * MIB
+        );
+        let r = parse_regions(j.as_bytes(), 6 * MIB).unwrap();
+        assert_eq!(r, vec![Region { base: 0x7f00_0020_0000, size: 4 * MIB, offset: 2 * MIB, page_size: HUGE_PAGE_SIZE }]);
+        // The older field alone carries it too.
+        let j = format!(r#"[{{"base_host_virt_addr":{},"size":{},"offset":0,"page_size_kib":2097152}}]"#, 2 * MIB, 2 * MIB);
+        assert_eq!(parse_regions(j.as_bytes(), 2 * MIB).unwrap()[0].page_size, HUGE_PAGE_SIZE);
+    }
+
+    #[test]
     fn old_field_name_is_bytes_too() {
         let j = r#"[{"base_host_virt_addr":4096,"size":8192,"offset":0,"page_size_kib":4096}]"#;
         assert_eq!(parse_regions(j.as_bytes(), 8192).unwrap()[0].page_size, 4096);
@@ -230,7 +258,21 @@ mod tests {
             (format!("[{}]", region_json(100, MIB, 0)), "not a multiple of the page size"),
             (format!("[{}]", region_json(4096, 0, 0)), "size 0"),
             (format!("[{},{}]", region_json(0x10000, MIB, 0), region_json(0x20000, MIB, MIB)), "overlaps"),
-            (r#"[{"base_host_virt_addr":4096,"size":4096,"offset":0,"page_size":3000}]"#.into(), "power of two"),
+            (r#"[{"base_host_virt_addr":4096,"size":4096,"offset":0,"page_size":3000}]"#.into(), "page size 3000 is not served"),
+            // Powers of two that are not a page size served here: 64 KiB, 1 GiB huge pages.
+            (r#"[{"base_host_virt_addr":0,"size":65536,"offset":0,"page_size":65536}]"#.into(), "page size 65536 is not served"),
+            (r#"[{"base_host_virt_addr":0,"size":1073741824,"offset":0,"page_size":1073741824}]"#.into(), "page size 1073741824 is not served"),
+            (r#"[{"base_host_virt_addr":0,"size":4096,"offset":0,"page_size":0}]"#.into(), "page size 0 is not served"),
+            // A huge-page region must be huge-page aligned in the address space and the file.
+            (
+                format!(r#"[{{"base_host_virt_addr":{},"size":{},"offset":0,"page_size":{}}}]"#, 2 * MIB + 4096, 2 * MIB, 2 * MIB),
+                "not a multiple of the page size",
+            ),
+            (
+                format!(r#"[{{"base_host_virt_addr":{},"size":{},"offset":{},"page_size":{}}}]"#, 2 * MIB, 2 * MIB, MIB, 2 * MIB),
+                "offset 0x100000 is not a multiple",
+            ),
+            (format!(r#"[{{"base_host_virt_addr":{},"size":{},"offset":0,"page_size":{}}}]"#, 2 * MIB, 3 * MIB, 2 * MIB), "size 0x300000 is not a multiple"),
             (r#"[{"base_host_virt_addr":4096,"size":4096,"offset":0}]"#.into(), "no page_size"),
             (r#"[{"base_host_virt_addr":-1,"size":4096,"offset":0,"page_size":4096}]"#.into(), "not valid JSON"),
         ];

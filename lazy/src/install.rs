@@ -530,12 +530,23 @@ impl Installer {
         !st.slice_pages.is_empty() && st.slice_pages.contains(&(addr & !(page - 1)))
     }
 
+    /// Whether slices can be installed in region `region`: its pages are no larger than
+    /// the system's base page. A huge page is filled whole or not at all, so slices there
+    /// are never installed (callers fill such spans whole: [`Installer::prefetch_span`]).
+    pub fn sliceable(&self, region: usize) -> bool {
+        self.map.regions[region].page_size <= self.io.sys_page()
+    }
+
     /// Install verified slices of chunk `c` wherever the process maps them, page by page
     /// where pages are missing (pages already present are skipped), never over memory the
-    /// guest removed (a fault there gets zeros). The unit is not marked installed.
+    /// guest removed (a fault there gets zeros). The unit is not marked installed. Spans in
+    /// huge-page regions are left alone ([`Installer::sliceable`]).
     pub fn install_slices(&self, c: u64, slices: &[VerifiedSlice], again: Again) -> Result<(), End> {
         let base = c << self.map.chunk_shift;
         for span in self.map.spans_of_chunk(c) {
+            if !self.sliceable(span.region) {
+                continue;
+            }
             let page = self.map.regions[span.region].page_size;
             'again: loop {
                 let mut st = self.state.lock().expect("poisoned");

@@ -237,6 +237,58 @@ mod tests {
         assert_eq!(s.chunks(20), 4..6);
     }
 
+    /// A 2 MiB-page region over 1 MiB chunks, starting 2 MiB into the file: every address
+    /// of a huge page (first byte, middle, last byte) maps to the same aligned span, which
+    /// needs the page's two chunks; both chunks name that one span.
+    #[test]
+    fn a_fault_anywhere_in_a_huge_page_is_served_by_the_whole_aligned_page() {
+        const HUGE: u64 = 2 * MIB;
+        let base = 0x7f00_0040_0000;
+        let m = MemoryMap { regions: vec![Region { base, size: 6 * MIB, offset: 2 * MIB, page_size: HUGE }], file_size: 8 * MIB, chunk_shift: 20 };
+        assert_eq!(m.unit_size(0), HUGE);
+        for addr in [base + 2 * MIB, base + 3 * MIB + 12345, base + 4 * MIB - 1] {
+            let s = m.span_at(addr).unwrap();
+            assert_eq!(s, Span { region: 0, unit: 2, host: base + 2 * MIB, len: HUGE, file_offset: 4 * MIB }, "{addr:#x}");
+            assert_eq!(s.host % HUGE, 0);
+            assert_eq!(s.chunks(20), 4..6);
+        }
+        assert_eq!(m.spans_of_chunk(4), m.spans_of_chunk(5));
+        assert_eq!(m.spans_of_chunk(4).len(), 1);
+        // The first huge page of the region is unit 1 of the file (file offset 2 MiB).
+        assert_eq!(m.span_at(base).unwrap().unit, 1);
+        assert!(m.span_at(base + 6 * MIB).is_none());
+        // A remove of one 4 KiB page inside a huge page forgets that whole page, only it.
+        assert_eq!(m.units_touching(base + 3 * MIB, base + 3 * MIB + 4096), vec![(0, 2)]);
+        assert_eq!(m.units_touching(base + 2 * MIB - 4096, base + 2 * MIB + 4096), vec![(0, 1), (0, 2)]);
+    }
+
+    /// Chunks larger than huge pages (4 MiB): the install unit is the chunk, two huge
+    /// pages, and it stays huge-page aligned; chunks smaller (64 KiB): a huge page needs 32.
+    #[test]
+    fn huge_page_units_against_larger_and_smaller_chunks() {
+        const HUGE: u64 = 2 * MIB;
+        let base = 0x4000_0000;
+        let big = MemoryMap { regions: vec![Region { base, size: 8 * MIB, offset: 0, page_size: HUGE }], file_size: 8 * MIB, chunk_shift: 22 };
+        let s = big.span_at(base + 5 * MIB).unwrap();
+        assert_eq!(s, Span { region: 0, unit: 1, host: base + 4 * MIB, len: 4 * MIB, file_offset: 4 * MIB });
+        assert_eq!((s.host % HUGE, s.len % HUGE), (0, 0));
+        let small = MemoryMap { chunk_shift: 16, ..big };
+        let s = small.span_at(base + 5 * MIB).unwrap();
+        assert_eq!(s, Span { region: 0, unit: 2, host: base + 4 * MIB, len: HUGE, file_offset: 4 * MIB });
+        assert_eq!(s.chunks(16), 64..96);
+        // A huge-page region beside a 4 KiB one: each keeps its own unit.
+        let mixed = MemoryMap {
+            regions: vec![
+                Region { base, size: 4 * MIB, offset: 0, page_size: HUGE },
+                Region { base: base + 64 * MIB, size: 4 * MIB, offset: 4 * MIB, page_size: 4096 },
+            ],
+            file_size: 8 * MIB,
+            chunk_shift: 20,
+        };
+        assert_eq!(mixed.span_at(base + MIB + 1).unwrap().len, HUGE);
+        assert_eq!(mixed.span_at(base + 64 * MIB + MIB + 1).unwrap(), Span { region: 1, unit: 5, host: base + 65 * MIB, len: MIB, file_offset: 5 * MIB });
+    }
+
     #[test]
     fn units_touched_by_a_remove() {
         let m = map();

@@ -9,7 +9,8 @@
 //!   RANGES_IN_FLIGHT readers: ranges of <= RANGE_BYTES of the blob, in order, each as the
 //!     background's window (crate::pacing) has room for it, before the stream's requests
 //!     -> verify::check_slice (entry merged to the chunk digest, slice CV) per slice
-//!     -> Installer::install_slices (pages still missing, never over removed memory)
+//!     -> Installer::install_slices (pages still missing, never over removed memory);
+//!        in huge-page memory the slice's whole page instead, from verified chunks
 //!     -> off the `Pending` set: a fault parked on the slice is woken by the install
 //! ```
 //! The blob is not trusted: a slice that fails its check is not installed, and a fault
@@ -325,9 +326,19 @@ fn install(inst: &Installer, chunk: u64, slices: &[verify::VerifiedSlice]) {
         std::thread::sleep(Duration::from_millis(1));
         Ok(())
     };
-    match inst.install_slices(chunk, slices, &mut again) {
-        Ok(()) => inst.rec.add(|c| &c.ws_slices, slices.len() as u64),
-        Err(e) => tracing::debug!("pid {}: working-set slices of chunk {chunk} not installed: {e}", inst.pid),
+    let spans = inst.map.spans_of_chunk(chunk);
+    if spans.iter().any(|s| inst.sliceable(s.region)) {
+        match inst.install_slices(chunk, slices, &mut again) {
+            Ok(()) => inst.rec.add(|c| &c.ws_slices, slices.len() as u64),
+            Err(e) => tracing::debug!("pid {}: working-set slices of chunk {chunk} not installed: {e}", inst.pid),
+        }
+    }
+    // A huge page is filled whole: where the chunk lies in huge-page memory, its slices
+    // only say the guest touched it, and the whole page goes in from verified chunks (as
+    // the stream installs it, counted as prefetched) before the slices leave the pending
+    // set.
+    for span in spans.iter().filter(|s| !inst.sliceable(s.region)) {
+        inst.prefetch_span(span);
     }
 }
 

@@ -164,3 +164,74 @@ pub fn have(program: &str) -> bool {
     }
     found
 }
+
+/// 2 MiB huge pages reserved for a test (`/proc/sys/vm/nr_hugepages` raised by `n`), given
+/// back on drop. Reservations by tests running at once, in this process or another, add up:
+/// each one adds its own and takes its own back under an exclusive lock of one file, so
+/// the machine's count ends where it started whatever order they finish in.
+pub struct HugePages {
+    n: u64,
+}
+
+const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
+/// One lock for every process on the machine that changes the count this way.
+const HUGEPAGES_LOCK: &str = "/tmp/snapctl-tests-hugepages.lock";
+
+fn with_hugepages_lock<T>(f: impl FnOnce() -> std::io::Result<T>) -> std::io::Result<T> {
+    use std::os::fd::AsRawFd;
+    let lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(HUGEPAGES_LOCK)?;
+    // SAFETY: flock on a descriptor we own; the lock goes with the descriptor at the end.
+    if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    f()
+}
+
+fn nr_hugepages() -> std::io::Result<u64> {
+    std::fs::read_to_string(NR_HUGEPAGES)?.trim().parse().map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{NR_HUGEPAGES}: {e}")))
+}
+
+impl HugePages {
+    /// Reserve `n` more 2 MiB huge pages. `None` (after a loud skip, or a failure under
+    /// [`require_peers`]) where the count cannot be raised (not root, no hugetlbfs) or the
+    /// kernel found fewer free pages than asked (memory too fragmented).
+    pub fn reserve(n: u64) -> Option<HugePages> {
+        let got = with_hugepages_lock(|| {
+            let before = nr_hugepages()?;
+            std::fs::write(NR_HUGEPAGES, (before + n).to_string())?;
+            let mut after = nr_hugepages()?;
+            if after < before + n {
+                // Free memory in 4 KiB pieces: compact it once and ask again.
+                std::fs::write("/proc/sys/vm/compact_memory", "1")?;
+                std::fs::write(NR_HUGEPAGES, (before + n).to_string())?;
+                after = nr_hugepages()?;
+            }
+            if after < before + n {
+                // Take back what was added: a test that cannot have them all runs none.
+                std::fs::write(NR_HUGEPAGES, before.min(after).to_string())?;
+                return Err(std::io::Error::other(format!("asked for {} huge pages, the kernel made {after}", before + n)));
+            }
+            Ok(())
+        });
+        match got {
+            Ok(()) => Some(HugePages { n }),
+            Err(e) => {
+                assert!(!require_peers(), "{n} huge pages of 2 MiB are required (SNAPCTL_REQUIRE_PEERS=1) but could not be reserved: {e}");
+                eprintln!("SKIP: {n} huge pages of 2 MiB could not be reserved ({e}); huge-page tests need root");
+                None
+            }
+        }
+    }
+}
+
+impl Drop for HugePages {
+    fn drop(&mut self) {
+        let r = with_hugepages_lock(|| {
+            let now = nr_hugepages()?;
+            std::fs::write(NR_HUGEPAGES, now.saturating_sub(self.n).to_string())
+        });
+        if let Err(e) = r {
+            eprintln!("warning: could not give back {} huge pages ({NR_HUGEPAGES}): {e}", self.n);
+        }
+    }
+}

@@ -24,6 +24,10 @@ use super::policy::{LayoutStore, RegistryStore};
 /// UFFDIO_COPY. Bytes that fail verification twice are never installed: the range is
 /// poisoned instead. Serves many VMs at once; runs until signalled (or see --once).
 ///
+/// page_size is 4096, or 2097152 for guest memory on 2 MiB huge pages (Firecracker's
+/// "huge_pages": "2M"): a fault there is served by its whole huge page, every chunk under
+/// it verified first. Any other page size is refused at the handshake.
+///
 /// With --criu-workdir DIR it takes the role of `criu lazy-pages` instead: it listens on
 /// DIR/lazy-pages.socket, where `criu restore --lazy-pages` sends each restored task's pid
 /// and userfaultfd, serves faults from the image's pagemap-<pid>.img and pages-<id>.img,

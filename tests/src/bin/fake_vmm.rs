@@ -2,7 +2,9 @@
 //! UFFD memory backend, and checks every byte it sees against the original memory file.
 //!
 //! ```text
-//!  guest "physical" memory (anonymous, private), two regions with a PROT_NONE gap:
+//!  guest "physical" memory (anonymous, private; with --page-size 2MiB on 2 MiB huge
+//!  pages, MAP_HUGETLB, as Firecracker's `"huge_pages": "2M"`), two regions with a
+//!  PROT_NONE gap:
 //!  [ region 0: file 0 .. a ]  <gap>  [ region 1: file a .. end ]
 //!        |  userfaultfd (MISSING, EVENT_REMOVE) + JSON mappings, one sendmsg
 //!        v
@@ -39,8 +41,11 @@ use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 use snapctl_tests::SplitMix64;
 use userfaultfd::{FeatureFlags, UffdBuilder};
 
-/// Guest page size: 4 KiB, as for a Firecracker guest without hugepages.
+/// What the guest touches and checks: its own 4 KiB pages, whatever backs them.
 const PAGE: u64 = 4096;
+/// The other backing page size: 2 MiB huge pages (hugetlbfs), whose faults the handler
+/// fills a whole huge page at a time.
+const HUGE_PAGE: u64 = 2 << 20;
 /// Virtual address space left unmapped (PROT_NONE) between regions, like the x86 MMIO gap
 /// below 4 GiB, scaled down. Touching it would fault without the handler ever hearing.
 const GAP: u64 = 256 << 20;
@@ -58,6 +63,15 @@ struct Args {
     /// last taking the rest), or OFF:LEN,OFF:LEN,... file ranges (sizes take K/M/G/KiB/MiB/GiB).
     #[arg(long, default_value = "2")]
     regions: String,
+    /// The pages backing guest memory: 4KiB, or 2MiB (MAP_HUGETLB: reserve huge pages
+    /// first, /proc/sys/vm/nr_hugepages; the mapping fails without them). Regions are then
+    /// whole huge pages, and the handshake sends this size for each one.
+    #[arg(long, default_value = "4KiB")]
+    page_size: String,
+    /// Send this page size in the handshake instead of --page-size's (a runtime that gets
+    /// it wrong: the handler must refuse it, not stall on it).
+    #[arg(long)]
+    handshake_page_size: Option<u64>,
     /// Threads touching pages ("vCPUs").
     #[arg(long, default_value_t = 4)]
     threads: usize,
@@ -103,19 +117,19 @@ fn parse_range(s: &str) -> anyhow::Result<(u64, u64)> {
     Ok((size(off)?, size(len)?))
 }
 
-/// File ranges of the regions, page-aligned, inside the (page-rounded) file.
-fn plan_regions(spec: &str, file_len: u64) -> anyhow::Result<Vec<(u64, u64)>> {
-    let total = file_len.div_ceil(PAGE) * PAGE;
+/// File ranges of the regions, aligned to the backing `page`, inside the (page-rounded) file.
+fn plan_regions(spec: &str, file_len: u64, page: u64) -> anyhow::Result<Vec<(u64, u64)>> {
+    let total = file_len.div_ceil(page) * page;
     ensure!(total > 0, "the memory file is empty");
     let ranges: Vec<(u64, u64)> = if let Ok(n) = spec.trim().parse::<u64>() {
         ensure!((1..=16).contains(&n), "--regions count must be 1..=16, got {n}");
-        let pages = total / PAGE;
-        ensure!(pages >= n, "{n} regions need at least {n} pages; the file has {pages}");
+        let pages = total / page;
+        ensure!(pages >= n, "{n} regions need at least {n} pages of {page} B; the file has {pages}");
         let per = pages / n;
         (0..n)
             .map(|i| {
-                let off = i * per * PAGE;
-                let len = if i + 1 == n { total - off } else { per * PAGE };
+                let off = i * per * page;
+                let len = if i + 1 == n { total - off } else { per * page };
                 (off, len)
             })
             .collect()
@@ -123,15 +137,18 @@ fn plan_regions(spec: &str, file_len: u64) -> anyhow::Result<Vec<(u64, u64)>> {
         spec.split(',').map(parse_range).collect::<anyhow::Result<_>>()?
     };
     for &(off, len) in &ranges {
-        ensure!(off % PAGE == 0 && len % PAGE == 0 && len > 0, "region {off}:{len} is not a non-empty run of 4 KiB pages");
+        ensure!(off % page == 0 && len % page == 0 && len > 0, "region {off}:{len} is not a non-empty run of {page} B pages");
         ensure!(off.checked_add(len).is_some_and(|e| e <= total), "region {off}:{len} goes past the memory file ({file_len} bytes)");
     }
     Ok(ranges)
 }
 
 /// Map the regions into one PROT_NONE reservation with a gap after each one, as anonymous
-/// private memory (what Firecracker maps for a UFFD backend). The mapping lives until exit.
-fn map_guest(ranges: &[(u64, u64)]) -> anyhow::Result<Vec<Region>> {
+/// private memory (what Firecracker maps for a UFFD backend), on huge pages when `page`
+/// is [`HUGE_PAGE`] (reserved at map time: no huge pages, no mapping, rather than a
+/// SIGBUS at some later touch). The mapping lives until exit.
+fn map_guest(ranges: &[(u64, u64)], page: u64) -> anyhow::Result<Vec<Region>> {
+    let backing = if page == HUGE_PAGE { libc::MAP_HUGETLB | libc::MAP_HUGE_2MB } else { libc::MAP_NORESERVE };
     const ALIGN: u64 = 2 << 20;
     let span: u64 = ranges.iter().map(|&(_, len)| len.div_ceil(ALIGN) * ALIGN + GAP).sum::<u64>() + ALIGN;
     // SAFETY: a fresh anonymous reservation; no existing memory is touched.
@@ -146,12 +163,13 @@ fn map_guest(ranges: &[(u64, u64)]) -> anyhow::Result<Vec<Region>> {
                 at as *mut libc::c_void,
                 size as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | backing,
                 -1,
                 0,
             )
         };
-        ensure!(p != libc::MAP_FAILED, "map region of {size} bytes: {}", std::io::Error::last_os_error());
+        let hint = if page == HUGE_PAGE { " (2 MiB huge pages: are enough reserved? /proc/sys/vm/nr_hugepages)" } else { "" };
+        ensure!(p != libc::MAP_FAILED, "map region of {size} bytes: {}{hint}", std::io::Error::last_os_error());
         regions.push(Region { base: at, size, offset });
         at += size.div_ceil(ALIGN) * ALIGN + GAP;
     }
@@ -293,11 +311,13 @@ fn run() -> anyhow::Result<u8> {
     ensure!(a.threads >= 1 && a.threads <= 256, "--threads must be 1..=256");
     let mem = File::open(&a.mem_file).with_context(|| format!("open {}", a.mem_file.display()))?;
     let file_len = mem.metadata()?.len();
-    let regions = map_guest(&plan_regions(&a.regions, file_len)?)?;
+    let page = imgfmt::size::parse_size(&a.page_size).map_err(anyhow::Error::msg)?;
+    ensure!(page == PAGE || page == HUGE_PAGE, "--page-size must be 4KiB or 2MiB, got {}", a.page_size);
+    let regions = map_guest(&plan_regions(&a.regions, file_len, page)?, page)?;
     let touches = plan_touches(&a.touch, &regions, a.seed, a.run_pages)?;
     let dontneed = a.dontneed.as_deref().map(parse_range).transpose()?;
     if let Some((off, len)) = dontneed {
-        ensure!(off % PAGE == 0 && len % PAGE == 0 && len > 0, "--dontneed must be whole pages");
+        ensure!(off % page == 0 && len % page == 0 && len > 0, "--dontneed must be whole pages of {page} B");
         ensure!(regions.iter().any(|r| off >= r.offset && off + len <= r.offset + r.size), "--dontneed {off}:{len} must lie inside one region");
     }
 
@@ -319,7 +339,7 @@ fn run() -> anyhow::Result<u8> {
         .map(|r| {
             serde_json::json!({
                 "base_host_virt_addr": r.base, "size": r.size, "offset": r.offset,
-                "page_size": PAGE, "page_size_kib": PAGE,
+                "page_size": a.handshake_page_size.unwrap_or(page), "page_size_kib": a.handshake_page_size.unwrap_or(page),
             })
         })
         .collect();
@@ -489,6 +509,7 @@ fn run() -> anyhow::Result<u8> {
         "dontneed_pages": dontneed_pages,
         "dontneed_nonzero": dontneed_nonzero,
         "threads": a.threads,
+        "page_size": page,
         "regions": regions.iter().map(|r| serde_json::json!({"base": r.base, "size": r.size, "offset": r.offset})).collect::<Vec<_>>(),
         "stalled": false,
     });
@@ -536,14 +557,18 @@ mod tests {
 
     #[test]
     fn regions_split_the_file_and_reject_bad_specs() {
-        assert_eq!(plan_regions("2", 16 << 20).unwrap(), vec![(0, 8 << 20), (8 << 20, 8 << 20)]);
+        assert_eq!(plan_regions("2", 16 << 20, PAGE).unwrap(), vec![(0, 8 << 20), (8 << 20, 8 << 20)]);
         // An odd page count: the last region takes the rest; a partial last page is rounded up.
-        assert_eq!(plan_regions("2", 3 * PAGE + 10).unwrap(), vec![(0, 2 * PAGE), (2 * PAGE, 2 * PAGE)]);
-        assert_eq!(plan_regions("0:1MiB,2MiB:1MiB", 4 << 20).unwrap(), vec![(0, 1 << 20), (2 << 20, 1 << 20)]);
-        assert!(plan_regions("0:1MiB,3MiB:2MiB", 4 << 20).is_err(), "past the end");
-        assert!(plan_regions("0:100", 4 << 20).is_err(), "not whole pages");
-        assert!(plan_regions("0", 4 << 20).is_err());
-        assert!(plan_regions("2", 0).is_err());
+        assert_eq!(plan_regions("2", 3 * PAGE + 10, PAGE).unwrap(), vec![(0, 2 * PAGE), (2 * PAGE, 2 * PAGE)]);
+        assert_eq!(plan_regions("0:1MiB,2MiB:1MiB", 4 << 20, PAGE).unwrap(), vec![(0, 1 << 20), (2 << 20, 1 << 20)]);
+        assert!(plan_regions("0:1MiB,3MiB:2MiB", 4 << 20, PAGE).is_err(), "past the end");
+        assert!(plan_regions("0:100", 4 << 20, PAGE).is_err(), "not whole pages");
+        assert!(plan_regions("0", 4 << 20, PAGE).is_err());
+        assert!(plan_regions("2", 0, PAGE).is_err());
+        // Huge pages: regions are whole 2 MiB pages (3 of them: 2 + the rest).
+        assert_eq!(plan_regions("2", 6 << 20, HUGE_PAGE).unwrap(), vec![(0, 2 << 20), (2 << 20, 4 << 20)]);
+        assert!(plan_regions("0:1MiB", 4 << 20, HUGE_PAGE).is_err(), "half a huge page");
+        assert!(plan_regions("1MiB:2MiB", 4 << 20, HUGE_PAGE).is_err(), "not huge-page aligned");
     }
 
     #[test]
