@@ -24,12 +24,14 @@ fuzz_target!(|data: &[u8]| {
     }
 });
 
-/// Whether every reserved byte of `b` (a decoded index) is zero.
+/// Whether `b` (a decoded index) is what the encoder writes: every reserved byte zero, and
+/// the minor version 1 exactly when a record is zstd-ref (codec 3, whose bytes 28..32 are
+/// its reference pack rather than reserved).
 fn canonical(b: &[u8]) -> bool {
     use imgfmt::index::{FILE_ENTRY_LEN, HEADER_LEN, PACK_ENTRY_LEN, RECORD_LEN};
     let files = u32::from_le_bytes(b[16..20].try_into().unwrap()) as usize;
     let packs = u32::from_le_bytes(b[20..24].try_into().unwrap()) as usize;
-    if b[10..12] != [0, 0] || b[15] != 0 || b[32..HEADER_LEN].iter().any(|&x| x != 0) {
+    if b[15] != 0 || b[32..HEADER_LEN].iter().any(|&x| x != 0) {
         return false;
     }
     let ft = HEADER_LEN;
@@ -37,5 +39,7 @@ fn canonical(b: &[u8]) -> bool {
         return false;
     }
     let rt = ft + files * FILE_ENTRY_LEN + packs * PACK_ENTRY_LEN;
-    b[rt..].chunks(RECORD_LEN).all(|r| r[14..16] == [0, 0] && r[28..32] == [0, 0, 0, 0])
+    let is_ref = |r: &[u8]| r[12] == 1 && r[13] == 3;
+    let minor = if b[rt..].chunks(RECORD_LEN).any(is_ref) { [1, 0] } else { [0, 0] };
+    b[10..12] == minor && b[rt..].chunks(RECORD_LEN).all(|r| r[14..16] == [0, 0] && (is_ref(r) || r[28..32] == [0, 0, 0, 0]))
 }
