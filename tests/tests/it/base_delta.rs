@@ -207,7 +207,9 @@ fn regression_issue_22_a_clone_lazy_restores_from_its_differences() {
     let fx = Fleet::new();
     fx.pack_clone("clone", &[]);
     let sock = fx.work.path().join("lazy.sock");
-    let mut h = Handler::lazy(&fx.tag("clone"), &sock, &["--once", "--prefetch", "none"]);
+    // A cache of its own: the host's would hold these chunks from an earlier run.
+    let cache = fx.work.path().join("lazy-cache");
+    let mut h = Handler::lazy(&fx.tag("clone"), &sock, &["--once", "--prefetch", "none", "--cache", cache.to_str().unwrap()]);
     let r = fake_vmm(&sock, &fx.clone.join("vm.mem"), &["--threads", "2", "--seed", "3"]);
     assert_clean(&r, (4 << 20) / 4096);
     assert_eq!(h.wait_exit(std::time::Duration::from_secs(30)), 0, "{}", h.log_text());
