@@ -93,20 +93,37 @@ impl ChainLink {
 
     /// Read, check (sha256, size, bounds) and decode this link's outboard, if it has one.
     pub fn read_outboard(&self, src: &dyn BlobSource) -> Result<Option<Outboard>, FormatError> {
-        let Some(d) = &self.outboard_blob else { return Ok(None) };
-        let b = read_verified_blob(src, &d.digest, self.outboard_limit())?;
-        if b.len() as u64 != d.size {
-            return Err(FormatError::invalid("outboard", format!("{} is {} bytes, the manifest says {}", d.digest, b.len(), d.size)));
-        }
-        let ob = Outboard::decode(&b).map_err(|e| FormatError::invalid("outboard", format!("{}: {e}", d.digest)))?;
-        if ob.chunk_shift != self.index.chunk_shift {
-            return Err(FormatError::invalid(
-                "outboard",
-                format!("{}: chunk_shift {} but the index {} has {}", d.digest, ob.chunk_shift, self.index_digest, self.index.chunk_shift),
-            ));
-        }
-        Ok(Some(ob))
+        Ok(self.read_outboard_bytes(src)?.map(|(_, ob)| ob))
     }
+
+    /// [`ChainLink::read_outboard`], with the blob's bytes (checked against its digest), for
+    /// a caller that also stores the blob.
+    pub fn read_outboard_bytes(&self, src: &dyn BlobSource) -> Result<Option<(Vec<u8>, Outboard)>, FormatError> {
+        let Some(d) = &self.outboard_blob else { return Ok(None) };
+        let whose = format!("the index {}", self.index_digest);
+        read_outboard_blob(src, d, self.outboard_limit(), (self.index.chunk_shift, &whose), "outboard").map(Some)
+    }
+}
+
+/// Read outboard blob `d` (at most `limit` bytes, its sha256 and size checked), decode it
+/// and check it is for chunks of `2^chunk_shift` bytes, the chunk size of `whose`; `what`
+/// names the blob in errors.
+fn read_outboard_blob(
+    src: &dyn BlobSource,
+    d: &Descriptor,
+    limit: u64,
+    (chunk_shift, whose): (u8, &str),
+    what: &'static str,
+) -> Result<(Vec<u8>, Outboard), FormatError> {
+    let b = read_verified_blob(src, &d.digest, limit)?;
+    if b.len() as u64 != d.size {
+        return Err(FormatError::invalid(what, format!("{} is {} bytes, the manifest says {}", d.digest, b.len(), d.size)));
+    }
+    let ob = Outboard::decode(&b).map_err(|e| FormatError::invalid(what, format!("{}: {e}", d.digest)))?;
+    if ob.chunk_shift != chunk_shift {
+        return Err(FormatError::invalid(what, format!("{}: chunk_shift {} but {whose} has {chunk_shift}", d.digest, ob.chunk_shift)));
+    }
+    Ok((b, ob))
 }
 
 /// Chain depth an `dev.snapctl.owner` value names: `self` 0, `parent` 1, `parent.parent` 2, …
@@ -268,18 +285,7 @@ impl Image {
     /// manifest lists one.
     pub fn read_base_outboard(&self, src: &dyn BlobSource) -> Result<Option<Outboard>, FormatError> {
         let Some(d) = &self.base_outboard_blob else { return Ok(None) };
-        let b = read_verified_blob(src, &d.digest, MAX_OUTBOARD_BYTES)?;
-        if b.len() as u64 != d.size {
-            return Err(FormatError::invalid("base outboard", format!("{} is {} bytes, the manifest says {}", d.digest, b.len(), d.size)));
-        }
-        let ob = Outboard::decode(&b).map_err(|e| FormatError::invalid("base outboard", format!("{}: {e}", d.digest)))?;
-        if ob.chunk_shift != self.chunk_shift() {
-            return Err(FormatError::invalid(
-                "base outboard",
-                format!("{}: chunk_shift {} but the image has {}", d.digest, ob.chunk_shift, self.chunk_shift()),
-            ));
-        }
-        Ok(Some(ob))
+        read_outboard_blob(src, d, MAX_OUTBOARD_BYTES, (self.chunk_shift(), "the image"), "base outboard").map(|(_, ob)| Some(ob))
     }
 
     /// The recorded slice CVs of chunk `chunk` of file `file`, when it is stored raw (so a
@@ -292,8 +298,8 @@ impl Image {
         let StoredAt::Pack { codec: Codec::Raw, .. } = c.at else { return None };
         // The link's own outboard, else the base's: a base-referencing image leaves the
         // slices of the base's chunks to the base's outboard.
-        let own = self.chain.get(c.depth as usize)?.outboard.as_deref().and_then(|o| o.find(&c.digest)).filter(|s| s.chunk_len == c.len);
-        own.or_else(|| self.base_outboard.as_deref()?.find(&c.digest).filter(|s| s.chunk_len == c.len))
+        let own = self.chain.get(c.depth as usize)?.outboard.as_deref().and_then(|o| o.find_chunk(&c.digest, c.len));
+        own.or_else(|| self.base_outboard.as_deref()?.find_chunk(&c.digest, c.len))
     }
 
     /// Every pack this image points into, with which chain link owns it.

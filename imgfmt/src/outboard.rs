@@ -281,6 +281,12 @@ impl Outboard {
         Some(self.entry(i))
     }
 
+    /// The entry for a chunk of digest `digest` and `len` bytes, if this outboard has one
+    /// (an entry of that digest with another length covers some other chunk).
+    pub fn find_chunk(&self, digest: &ChunkDigest, len: u32) -> Option<SliceCvs<'_>> {
+        self.find(digest).filter(|e| e.chunk_len == len)
+    }
+
     /// Entry `i` with its CVs.
     pub fn entry(&self, i: usize) -> SliceCvs<'_> {
         let e = &self.entries[i];

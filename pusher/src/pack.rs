@@ -469,8 +469,8 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     // The base's outboard: the slice CVs of the base's chunks this image shares stay
     // there (the manifest lists it) instead of being copied into every clone's outboard.
     let base_outboard = match (&opts.base, opts.slice_shift) {
-        (Some(b), Some(shift)) if algo == HashAlgo::Blake3 => match b.image.chain[0].read_outboard(b.source) {
-            Ok(Some(ob)) if ob.slice_shift == shift => Some(ob),
+        (Some(b), Some(shift)) if algo == HashAlgo::Blake3 => match b.image.chain[0].read_outboard_bytes(b.source) {
+            Ok(Some((bytes, ob))) if ob.slice_shift == shift => Some((bytes, ob)),
             Ok(_) => None,
             Err(e) => {
                 tracing::warn!("the base's outboard could not be read ({e}): its slice CVs are copied into this image's");
@@ -479,7 +479,7 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
         },
         _ => None,
     };
-    let input = ChunkInput { opts, parent_files: &parent_files, known: &known, retired: &retired, base_outboard: base_outboard.as_ref() };
+    let input = ChunkInput { opts, parent_files: &parent_files, known: &known, retired: &retired, base_outboard: base_outboard.as_ref().map(|(_, ob)| ob) };
     let (Chunked { placed, own_bytes, slices, base_outboard_used }, own_packs) = chunk_into_packs(dest, &sc.files, &input, &mut slots, &mut report)?;
     report.pack_bytes = own_bytes;
     report.packs = own_packs.len();
@@ -499,7 +499,7 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     }
     let (index, entries, roots) = placement.index(opts, rebase, &slots, &own_packs)?;
     let outboard = match slices {
-        Some(s) => outboard_of_pack(&index, s, opts, rebase, base_outboard.as_ref())?,
+        Some(s) => outboard_of_pack(&index, s, opts, rebase, base_outboard.as_ref().map(|(_, ob)| ob))?,
         None => None,
     };
     let image_root = verify::image_root(algo, sc.files.iter().zip(&roots).map(|(f, r)| (f.name.as_str(), f.size, *r)));
@@ -532,12 +532,26 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     // The base's outboard, when this image leaves slices of the base's chunks to it, or
     // when its parent did (the chunks it inherits, or records again when rebased).
     let base_ob = match (&opts.base, &opts.parent) {
-        (Some(b), _) if base_outboard_used => b.image.chain[0].outboard_blob.clone().map(|d| (d, b.source)),
-        (_, Some(p)) => p.image.base_outboard_blob.clone().map(|d| (d, p.source)),
+        (Some(b), _) if base_outboard_used => {
+            // Read (and checked against its digest) before packing: stored from those
+            // bytes, not read from the base again (a remote base's is megabytes).
+            let (bytes, _) = base_outboard.as_ref().expect("used only when read");
+            let d = b.image.chain[0].outboard_blob.clone().expect("read from the blob the base lists");
+            if !dest.has_blob(&d.digest) {
+                dest.put_blob(bytes)?;
+            }
+            Some(d)
+        }
+        (_, Some(p)) => match &p.image.base_outboard_blob {
+            Some(d) => {
+                ensure_blob(dest, p.source, &d.digest)?;
+                Some(d.clone())
+            }
+            None => None,
+        },
         _ => None,
     };
-    if let Some((d, src)) = base_ob {
-        ensure_blob(dest, src, &d.digest)?;
+    if let Some(d) = base_ob {
         layers.push(Descriptor::new(media::OUTBOARD, d.digest, d.size).with_annotation(media::ANN_OWNER, "base"));
     }
     let foreign = foreign_packs(&slots, parent.map(|p| (p, &placement)));
@@ -1047,7 +1061,7 @@ fn outboard_of(index: &ChunkIndex, mut slices: SliceCvs, complete: bool, base_ou
         if let Some((len, cvs)) = slices.by_digest.remove(&r.digest) {
             entries.push((r.digest, len, cvs));
             done.insert(r.digest);
-        } else if base_outboard.and_then(|o| o.find(&r.digest)).is_some_and(|e| e.chunk_len == stored_len) {
+        } else if base_outboard.and_then(|o| o.find_chunk(&r.digest, stored_len)).is_some() {
             // A base's chunk: its slices are in the base's outboard, which the manifest lists.
         } else if complete && !done.contains(&r.digest) {
             // Every raw record was hashed by this packer, which kept its CVs.
@@ -1348,7 +1362,7 @@ impl<'a, 'i> Chunker<'a, 'i> {
                 };
                 let l = Loc { slot, offset: kc.offset, stored_len: kc.stored_len, codec };
                 self.own.insert(j.digest, l);
-                let in_base_outboard = kc.from_base && self.input.base_outboard.and_then(|o| o.find(&j.digest)).is_some_and(|e| e.chunk_len == j.len);
+                let in_base_outboard = kc.from_base && self.input.base_outboard.and_then(|o| o.find_chunk(&j.digest, j.len)).is_some();
                 if in_base_outboard {
                     self.base_outboard_used = true;
                 } else if let (Codec::Raw, Some(s), Some(cvs)) = (kc.codec, self.slices.as_mut(), j.cvs.take()) {

@@ -557,7 +557,7 @@ fn audit_outboard(link: &ChainLink, ob: LinkOutboard, base_ob: Option<&Outboard>
                 continue;
             }
             // A base's chunk may have its entry in the base's outboard instead.
-            let entry = ob.find(&r.digest).or_else(|| base_ob.and_then(|b| b.find(&r.digest)).filter(|e| e.chunk_len == stored_len));
+            let entry = ob.find(&r.digest).or_else(|| base_ob.and_then(|b| b.find_chunk(&r.digest, stored_len)));
             let problem = match entry {
                 None => format!("{who}: no outboard entry for this raw {stored_len}-byte chunk (digest {})", r.digest),
                 Some(e) if e.chunk_len != stored_len => {
