@@ -116,7 +116,7 @@ fn regression_issue_22_keep_rules_and_gc_dry_run_json_per_manifest() {
 }
 
 /// Bytes of every file under `dir`.
-fn disk_bytes(dir: &Path) -> u64 {
+pub(crate) fn disk_bytes(dir: &Path) -> u64 {
     let mut n = 0;
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {

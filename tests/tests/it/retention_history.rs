@@ -268,7 +268,7 @@ fn retention_over_a_simulated_month_keeps_exactly_what_the_policy_says() {
     // Snapshots clients deleted left blobs no manifest lists before the run: the sweep
     // frees those too, and no verdict counts them.
     assert!(dry_bytes > 0 && dry_bytes <= dry.swept_bytes, "the verdicts' bytes ({dry_bytes}) are part of what the sweep frees ({})", dry.swept_bytes);
-    let before = dir_bytes(&reg.root.join("blobs"));
+    let before = crate::retention::disk_bytes(&reg.root.join("blobs"));
     let rep = reg.rt.block_on(registry::gc::run(reg.store.as_ref(), &opts)).unwrap();
     assert_eq!(rep.manifests_removed, expected_deleted.len(), "{:?}", rep.retention.manifests.iter().filter(|v| v.rule == Rule::InUse).collect::<Vec<_>>());
     assert_eq!(rep.swept_bytes, dry.swept_bytes);
@@ -296,7 +296,7 @@ fn retention_over_a_simulated_month_keeps_exactly_what_the_policy_says() {
         }
     }
     let unique_bytes: u64 = unique.values().sum();
-    let after = dir_bytes(&reg.root.join("blobs"));
+    let after = crate::retention::disk_bytes(&reg.root.join("blobs"));
     eprintln!(
         "blobs before retention {before} bytes, after {after}; kept images' unique bytes {unique_bytes} ({} manifests kept, {} deleted)",
         keep.len(),
@@ -329,21 +329,4 @@ fn retention_over_a_simulated_month_keeps_exactly_what_the_policy_says() {
         crate::lazy::assert_clean(&restore, (MEM / 4096) as u64);
         assert_eq!(h.wait_exit(Duration::from_secs(30)), 0, "lazy {reference}: {}", h.log_text());
     }
-}
-
-/// Bytes of every file under `dir`.
-fn dir_bytes(dir: &Path) -> u64 {
-    let mut n = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in fs::read_dir(&d).into_iter().flatten().flatten() {
-            let m = e.metadata().unwrap();
-            if m.is_dir() {
-                stack.push(e.path());
-            } else {
-                n += m.len();
-            }
-        }
-    }
-    n
 }
