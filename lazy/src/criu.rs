@@ -522,9 +522,8 @@ impl CriuDaemon {
             match listener.accept() {
                 Ok((s, _)) if !super::admit(&s, &self.opts) => drop(s),
                 Ok((s, _)) => break s,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::Interrupted => {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => super::wait_for_connection(&listener),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(LazyError::Io { context: "accepting the restore's connection".into(), source: e }),
             }
         };

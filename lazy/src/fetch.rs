@@ -73,6 +73,20 @@ pub enum FetchFailure {
     TimedOut { chunk: u64, seconds: f64 },
 }
 
+impl FetchFailure {
+    /// The same failure, said of chunk `chunk` (a range over several chunks failed).
+    pub fn for_chunk(&self, chunk: u64) -> FetchFailure {
+        let mut f = self.clone();
+        match &mut f {
+            FetchFailure::Integrity { chunk: c, .. }
+            | FetchFailure::Exhausted { chunk: c, .. }
+            | FetchFailure::Source { chunk: c, .. }
+            | FetchFailure::TimedOut { chunk: c, .. } => *c = chunk,
+        }
+        f
+    }
+}
+
 /// Side effects of one `get` the caller accounts for (only the caller that did the work
 /// reports them, so a shared fetch is counted once).
 #[derive(Debug, Clone, Copy, Default)]
@@ -353,13 +367,20 @@ impl Fetcher {
             return (g.clone().expect("set"), Origin::Cache, Work::default());
         }
         let (outcome, origin, work) = self.load(chunk, background);
-        if let Ok(c) = &outcome {
+        self.land(chunk, &flight, &outcome, origin, background);
+        (outcome, origin, work)
+    }
+
+    /// The end of a flight this caller led: the chunk into recent memory, its waiters woken,
+    /// the flight gone, and a chunk fetched from the source queued for the chunk cache.
+    fn land(&self, chunk: u64, flight: &Flight, outcome: &Outcome, origin: Origin, background: bool) {
+        if let Ok(c) = outcome {
             self.recent.lock().expect("poisoned").insert(chunk, c.clone());
         }
         *flight.done.lock().expect("poisoned") = Some(outcome.clone());
         flight.cv.notify_all();
         self.inflight.lock().expect("poisoned").remove(&chunk);
-        if let (Ok(v), Some(q), Origin::Fetched) = (&outcome, &self.puts, origin) {
+        if let (Ok(v), Some(q), Origin::Fetched) = (outcome, &self.puts, origin) {
             let c = self.image.files[self.file].chunks[chunk as usize];
             let item = (self.image.config().hash, c.digest, v.clone());
             if background {
@@ -371,7 +392,142 @@ impl Fetcher {
                 }
             }
         }
-        (outcome, origin, work)
+    }
+
+    /// Whether chunks `a` then `b` can be read with one range request: both stored plainly
+    /// (no reference to read besides) in the same pack, `b`'s bytes right after `a`'s.
+    pub fn adjacent(&self, a: u64, b: u64) -> bool {
+        let chunks = &self.image.files[self.file].chunks;
+        match (chunks.get(a as usize).map(|c| c.at), chunks.get(b as usize).map(|c| c.at)) {
+            (Some(StoredAt::Pack { pack: p, offset: o, stored_len: l, codec: ca }), Some(StoredAt::Pack { pack: q, offset: r, codec: cb, .. })) => {
+                p == q && o + u64::from(l) == r && ca.ref_pack().is_none() && cb.ref_pack().is_none()
+            }
+            _ => false,
+        }
+    }
+
+    /// For the background class: fetch `run`, chunks each [`adjacent`](Self::adjacent) to
+    /// the one before, with one range request per stretch of them that nobody holds or is
+    /// fetching, so the stream keeps few requests in flight for its bytes (on a bottleneck
+    /// that takes turns between connections, each request in flight is a turn a fault's
+    /// response waits for). Every chunk is verified on its own against its record before
+    /// it enters recent memory and the chunk cache; one that fails is fetched alone once
+    /// more, then refused (the run's read was its first chance, as [`get`](Self::get)
+    /// gives a chunk two). A fault on a chunk of the run
+    /// waits for the run. Chunks already in memory, in the cache or in flight are left to
+    /// their holder.
+    pub fn get_background_run(&self, run: &[u64]) -> Work {
+        let mut work = Work::default();
+        let mut i = 0;
+        while i < run.len() {
+            // The longest stretch from `i` this call can lead.
+            let mut led: Vec<(u64, Arc<Flight>)> = Vec::new();
+            while let Some(&c) = run.get(i) {
+                if led.last().is_some_and(|&(p, _)| !self.adjacent(p, c)) || !self.claim_background(c, &mut led) {
+                    break;
+                }
+                i += 1;
+            }
+            if led.is_empty() {
+                // Held elsewhere: the next stretch starts after it.
+                i += 1;
+                continue;
+            }
+            let w = self.fetch_stretch(&led);
+            work.bytes_fetched += w.bytes_fetched;
+            work.retries += w.retries;
+            work.verify_failures += w.verify_failures;
+        }
+        work
+    }
+
+    /// Lead the fetch of chunk `c` (pushed onto `led`), unless it is in recent memory, the
+    /// chunk cache (then it is put in recent memory) or another caller's flight.
+    fn claim_background(&self, c: u64, led: &mut Vec<(u64, Arc<Flight>)>) -> bool {
+        if self.recent.lock().expect("poisoned").map.contains_key(&c) {
+            return false;
+        }
+        let rec = self.image.files[self.file].chunks[c as usize];
+        if let Some(store) = &self.store {
+            if let Some(v) = store.get(self.image.config().hash, &rec.digest, rec.len) {
+                self.recent.lock().expect("poisoned").insert(c, Arc::new(v));
+                return false;
+            }
+        }
+        let mut m = self.inflight.lock().expect("poisoned");
+        if m.contains_key(&c) || self.recent.lock().expect("poisoned").map.contains_key(&c) {
+            return false;
+        }
+        let f = Arc::new(Flight { done: Mutex::new(None), cv: Condvar::new() });
+        m.insert(c, f.clone());
+        led.push((c, f));
+        true
+    }
+
+    /// One range request for the stretch `led` (adjacent chunks whose flights this caller
+    /// leads), each chunk verified on its own, every flight landed.
+    fn fetch_stretch(&self, led: &[(u64, Arc<Flight>)]) -> Work {
+        let chunks = &self.image.files[self.file].chunks;
+        let (first, last) = (led[0].0, led[led.len() - 1].0);
+        let (StoredAt::Pack { pack, offset: start, .. }, StoredAt::Pack { offset: l_off, stored_len: l_len, .. }) =
+            (chunks[first as usize].at, chunks[last as usize].at)
+        else {
+            unreachable!("a stretch holds stored chunks only")
+        };
+        let end = l_off + u64::from(l_len);
+        let src = self.background_source();
+        let digest = &self.image.packs[pack as usize].digest;
+        let name = &self.image.files[self.file].name;
+        let read = || -> Result<Vec<u8>, VerifyError> {
+            let mut buf = vec![0u8; (end - start) as usize];
+            src.read_at_unverified(digest, start, &mut buf).map_err(|source| VerifyError::Read {
+                file: name.clone(),
+                chunk: first,
+                offset: first << self.image.chunk_shift(),
+                source,
+            })?;
+            Ok(buf)
+        };
+        let (res, mut work) = self.retrying(first, end - start, read, |_| false);
+        let buf = match res {
+            Ok(buf) => buf,
+            Err(Stop::Failed(f)) => {
+                // The source gave up on the whole range: each chunk's waiters hear it as theirs.
+                for (c, flight) in led {
+                    let f = f.for_chunk(*c);
+                    self.land(*c, flight, &Err(f), Origin::Fetched, true);
+                }
+                return work;
+            }
+            Err(Stop::Declined(e)) => unreachable!("nothing declined: {e}"),
+        };
+        for (c, flight) in led {
+            let StoredAt::Pack { offset, stored_len, .. } = chunks[*c as usize].at else { unreachable!("stored") };
+            let at = (offset - start) as usize;
+            let stored = buf[at..at + stored_len as usize].to_vec();
+            let (outcome, w) = match verify::check_stored_chunk(src.as_ref(), &self.image, self.file, *c, stored) {
+                Ok(v) => (Ok(Arc::new(v)), Work::default()),
+                Err(e) => {
+                    // A damaged transfer or a damaged pack: this chunk alone, once more
+                    // (the run's read was its first chance), then refused.
+                    tracing::error!("VERIFY FAILURE: {e}; fetching the chunk alone");
+                    work.verify_failures += 1;
+                    let len = u64::from(stored_len);
+                    let (res, w) =
+                        self.retrying_after(Some(e.to_string()), *c, len, || verify::read_chunk(src.as_ref(), &self.image, self.file, *c), |_| false);
+                    match res {
+                        Ok(v) => (Ok(Arc::new(v)), w),
+                        Err(Stop::Failed(f)) => (Err(f), w),
+                        Err(Stop::Declined(e)) => unreachable!("nothing declined: {e}"),
+                    }
+                }
+            };
+            work.bytes_fetched += w.bytes_fetched;
+            work.retries += w.retries;
+            work.verify_failures += w.verify_failures;
+            self.land(*c, flight, &outcome, Origin::Fetched, true);
+        }
+        work
     }
 
     fn load(&self, chunk: u64, background: bool) -> (Outcome, Origin, Work) {
@@ -436,12 +592,24 @@ impl Fetcher {
         &self,
         chunk: u64,
         bytes: u64,
+        attempt: impl FnMut() -> Result<T, VerifyError>,
+        declined: impl Fn(&VerifyError) -> bool,
+    ) -> (Result<T, Stop>, Work) {
+        self.retrying_after(None, chunk, bytes, attempt, declined)
+    }
+
+    /// [`retrying`](Self::retrying), where `mismatch` is what an earlier read of the same
+    /// bytes failed verification with (then the next failure is the last).
+    fn retrying_after<T>(
+        &self,
+        mut mismatch: Option<String>,
+        chunk: u64,
+        bytes: u64,
         mut attempt: impl FnMut() -> Result<T, VerifyError>,
         declined: impl Fn(&VerifyError) -> bool,
     ) -> (Result<T, Stop>, Work) {
         let mut work = Work::default();
         let mut retry = self.policy.start();
-        let mut mismatch: Option<String> = None;
         loop {
             match attempt() {
                 Ok(v) => {
@@ -511,6 +679,8 @@ pub(crate) mod tests {
     pub struct Flaky {
         pub inner: Box<dyn BlobSource>,
         pub reads: AtomicU64,
+        /// Bytes of the reads that did not fail.
+        pub bytes: AtomicU64,
         pub fail: AtomicU64,
         pub corrupt: std::sync::atomic::AtomicBool,
         pub delay: Duration,
@@ -529,6 +699,7 @@ pub(crate) mod tests {
                 self.fail.fetch_sub(1, Ordering::SeqCst);
                 return Err(FormatError::Transient { what: "injected".into(), source: "connection reset".into() });
             }
+            self.bytes.fetch_add(buf.len() as u64, Ordering::SeqCst);
             self.inner.read_at_unverified(d, o, buf)?;
             if self.corrupt.load(Ordering::SeqCst) {
                 buf[0] ^= 1;
@@ -568,7 +739,7 @@ pub(crate) mod tests {
     }
 
     fn flaky(layout: imgfmt::OciLayout, delay: Duration) -> Arc<Flaky> {
-        Arc::new(Flaky { inner: Box::new(layout), reads: 0.into(), fail: 0.into(), corrupt: false.into(), delay })
+        Arc::new(Flaky { inner: Box::new(layout), reads: 0.into(), bytes: 0.into(), fail: 0.into(), corrupt: false.into(), delay })
     }
 
     #[test]
@@ -747,6 +918,75 @@ pub(crate) mod tests {
         let batches = store.batches.lock().unwrap().clone();
         assert_eq!(batches.iter().sum::<usize>() as u64, puts);
         assert_eq!(batches.iter().max(), Some(&PUT_BATCH), "{batches:?}");
+    }
+
+    /// The data chunks of [`sample_image`]`(n)` (every third is zero), in file order.
+    fn data_chunks(n: u64) -> Vec<u64> {
+        (0..n).filter(|c| c % 3 != 1).collect()
+    }
+
+    #[test]
+    fn a_background_run_is_one_request_and_each_chunk_is_verified() {
+        let (_d, mem, image, layout) = sample_image(9);
+        let src = flaky(layout, Duration::ZERO);
+        let f = fetcher(src.clone(), image, Duration::from_secs(5));
+        let run = data_chunks(9);
+        assert!(run.windows(2).all(|w| f.adjacent(w[0], w[1])), "a fresh pack stores the data chunks one after another");
+        assert!(!f.adjacent(0, 1) && !f.adjacent(2, 0), "a zero chunk, or a chunk before, is not adjacent");
+        let work = f.get_background_run(&run);
+        assert_eq!(src.reads.load(Ordering::SeqCst), 1, "one range request");
+        assert_eq!(work.bytes_fetched, run.iter().map(|&c| f.wire_bytes(c)).sum::<u64>());
+        for &c in &run {
+            let (o, origin, _) = f.get(c);
+            assert_eq!(origin, Origin::Cache);
+            assert_eq!(o.unwrap().as_bytes(), &mem[(c as usize) << 16..((c as usize) + 1) << 16]);
+        }
+        assert_eq!(src.reads.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_background_run_leaves_held_chunks_to_their_holder_and_reads_around_them() {
+        let (_d, _mem, image, layout) = sample_image(9);
+        let src = flaky(layout, Duration::ZERO);
+        let f = fetcher(src.clone(), image, Duration::from_secs(5));
+        assert!(f.get(3).0.is_ok());
+        let _ = f.get_background_run(&data_chunks(9));
+        assert_eq!(src.reads.load(Ordering::SeqCst), 3, "chunk 3 alone, then [0, 2] and [5, 6, 8]");
+        assert!(data_chunks(9).iter().all(|&c| f.has_recent(c)));
+    }
+
+    #[test]
+    fn a_fault_on_a_chunk_of_a_background_run_waits_for_the_run() {
+        let (_d, mem, image, layout) = sample_image(9);
+        let src = flaky(layout, Duration::from_millis(200));
+        let f = Arc::new(fetcher(src.clone(), image, Duration::from_secs(5)));
+        let g = f.clone();
+        let run = std::thread::spawn(move || g.get_background_run(&data_chunks(9)));
+        while !f.in_flight(6) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let (o, origin, work) = f.get(6);
+        assert_eq!((origin, work.bytes_fetched), (Origin::Cache, 0), "joined the run's flight");
+        assert_eq!(o.unwrap().as_bytes(), &mem[6 << 16..7 << 16]);
+        run.join().unwrap();
+        assert_eq!(src.reads.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_corrupt_chunk_in_a_background_run_is_fetched_alone_then_refused() {
+        let (_d, mem, image, layout) = sample_image(9);
+        let src = flaky(layout, Duration::ZERO);
+        // Every read's first byte is flipped: in the run's one read that is chunk 0's.
+        src.corrupt.store(true, Ordering::SeqCst);
+        let f = fetcher(src.clone(), image, Duration::from_secs(5));
+        let work = f.get_background_run(&data_chunks(9));
+        assert_eq!(work.verify_failures, 2, "the run's copy, then one of its own");
+        assert_eq!(src.reads.load(Ordering::SeqCst), 2);
+        assert!(!f.has_recent(0), "refused, never handed out");
+        for c in [2u64, 3, 5, 6, 8] {
+            let (o, _, _) = f.get(c);
+            assert_eq!(o.unwrap().as_bytes(), &mem[(c as usize) << 16..((c as usize) + 1) << 16]);
+        }
     }
 
     #[test]

@@ -708,6 +708,36 @@ impl Installer {
         st.installed.insert((span.region, span.unit));
     }
 
+    /// Whether chunk `c` still has a span to install (not every one installed or poisoned).
+    pub fn chunk_pending(&self, c: u64) -> bool {
+        let st = self.state.lock().expect("poisoned");
+        self.map.spans_of_chunk(c).iter().any(|s| !st.settled(s))
+    }
+
+    /// Prefetch `run`'s chunks (each adjacent to the one before in its pack: see
+    /// [`Fetcher::adjacent`]) with one range request per stretch not held elsewhere, then
+    /// install their spans as [`prefetch_span`](Self::prefetch_span) does. Bytes installed,
+    /// and chunks that had bytes installed.
+    pub fn prefetch_run(&self, run: &[u64]) -> (u64, u64) {
+        if run.len() > 1 && !self.gone() {
+            let work = self.fetcher.get_background_run(run);
+            self.account(&work);
+        }
+        let (mut bytes, mut chunks) = (0, 0);
+        for &c in run {
+            let mut b = 0;
+            for span in self.map.spans_of_chunk(c) {
+                if self.gone() {
+                    break;
+                }
+                b += self.prefetch_span(&span);
+            }
+            bytes += b;
+            chunks += u64::from(b > 0);
+        }
+        (bytes, chunks)
+    }
+
     /// Install one span ahead of the guest (prefetch). Returns the bytes installed; skips
     /// spans already installed, poisoned, or being changed (the fault path serves those).
     pub fn prefetch_span(&self, span: &Span) -> u64 {

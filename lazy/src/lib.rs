@@ -316,10 +316,7 @@ impl Daemon {
                         .map_err(io_err("spawning a connection thread"))?;
                     workers.push(h);
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    // Accept is polled so `stop` and `once` are noticed.
-                    std::thread::sleep(Duration::from_millis(20));
-                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wait_for_connection(&listener),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => tracing::warn!("accept: {e}"),
             }
@@ -594,6 +591,19 @@ fn rename_noreplace(from: &std::path::Path, to: &std::path::Path) -> std::io::Re
 /// (`snapctl lazy: {tag}listening on PATH`: tests and bench/lazy.sh wait for that line)
 /// and write `ready` (aside, then renamed, so a watcher never reads it half-written). The
 /// guard removes the socket file.
+/// Wait until `listener` has a connection to accept, or 20 ms (so the accept loop notices
+/// `stop` and `once`). A sleep instead cost a guest's wake up to 20 ms: the runtime's
+/// handshake and first fault sat in the socket's backlog until the next look.
+fn wait_for_connection(listener: &UnixListener) {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+    if poll(&mut fds, PollTimeout::from(20u8)).is_err() {
+        // EINTR or a poll that cannot be made: look again after the same 20 ms.
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn listen(path: &std::path::Path, ready: Option<&std::path::Path>, who: &str, tag: &str) -> Result<(UnixListener, RemoveOnDrop), LazyError> {
     if let Ok(m) = std::fs::symlink_metadata(path) {
         use std::os::unix::fs::FileTypeExt;

@@ -362,6 +362,11 @@ impl Background {
         got
     }
 
+    /// Bytes the background may have in flight now.
+    pub fn window(&self) -> u64 {
+        self.state.lock().expect("poisoned").ledbat.window()
+    }
+
     /// A request of `kind` took `took`.
     pub fn sample(&self, kind: Kind, took: Duration) {
         let mut st = self.state.lock().expect("poisoned");

@@ -177,14 +177,13 @@ pub fn check_zero_record(image: &Image, file: usize, chunk: u64) -> Result<(), V
 pub fn read_chunk(src: &dyn BlobSource, image: &Image, file: usize, chunk: u64) -> Result<VerifiedChunk, VerifyError> {
     let f = &image.files[file];
     let c = &f.chunks[chunk as usize];
-    let algo = image.config().hash;
     let offset = chunk << image.chunk_shift();
     match c.at {
         StoredAt::Zero => {
             check_zero_record(image, file, chunk)?;
             Ok(VerifiedChunk(vec![0u8; c.len as usize].into()))
         }
-        StoredAt::Pack { pack, offset: at, stored_len, codec } => {
+        StoredAt::Pack { pack, offset: at, stored_len, .. } => {
             let mut buf = vec![0u8; stored_len as usize];
             src.read_at_unverified(&image.packs[pack as usize].digest, at, &mut buf).map_err(|source| VerifyError::Read {
                 file: f.name.clone(),
@@ -192,14 +191,37 @@ pub fn read_chunk(src: &dyn BlobSource, image: &Image, file: usize, chunk: u64) 
                 offset,
                 source,
             })?;
-            let reference = match codec.ref_pack() {
-                Some(rp) => Some(read_reference(src, algo, &image.packs[rp as usize].digest, &buf).map_err(|e| e.for_chunk(&f.name, chunk, offset))?),
-                None => None,
-            };
-            verify_stored_ref(algo, codec, buf, c.len, &c.digest, reference.as_ref()).map_err(|(detail, actual)| match actual {
-                Some(actual) => VerifyError::DigestMismatch { file: f.name.clone(), chunk, offset, expected: c.digest, actual },
-                None => VerifyError::Corrupt { file: f.name.clone(), chunk, offset, detail },
-            })
+            check_stored_chunk(src, image, file, chunk, buf)
         }
     }
+}
+
+/// Check `stored`, the stored bytes of chunk `chunk` of file `file` (read by the caller,
+/// e.g. as part of one range request over several chunks), against its record: decoded
+/// (a `zstd-ref` chunk's reference is read from `src` and checked first) and hashed. The
+/// only way from bytes a caller read to a [`VerifiedChunk`] besides [`read_chunk`].
+pub fn check_stored_chunk(src: &dyn BlobSource, image: &Image, file: usize, chunk: u64, stored: Vec<u8>) -> Result<VerifiedChunk, VerifyError> {
+    let f = &image.files[file];
+    let c = &f.chunks[chunk as usize];
+    let algo = image.config().hash;
+    let offset = chunk << image.chunk_shift();
+    let StoredAt::Pack { stored_len, codec, .. } = c.at else {
+        return Err(VerifyError::Corrupt { file: f.name.clone(), chunk, offset, detail: "a zero chunk has no stored bytes".into() });
+    };
+    if stored.len() != stored_len as usize {
+        return Err(VerifyError::Corrupt {
+            file: f.name.clone(),
+            chunk,
+            offset,
+            detail: format!("{} stored bytes, the record says {stored_len}", stored.len()),
+        });
+    }
+    let reference = match codec.ref_pack() {
+        Some(rp) => Some(read_reference(src, algo, &image.packs[rp as usize].digest, &stored).map_err(|e| e.for_chunk(&f.name, chunk, offset))?),
+        None => None,
+    };
+    verify_stored_ref(algo, codec, stored, c.len, &c.digest, reference.as_ref()).map_err(|(detail, actual)| match actual {
+        Some(actual) => VerifyError::DigestMismatch { file: f.name.clone(), chunk, offset, expected: c.digest, actual },
+        None => VerifyError::Corrupt { file: f.name.clone(), chunk, offset, detail },
+    })
 }

@@ -14,7 +14,8 @@ mod slice;
 
 pub use audit::{audit, audit_against, file_holds, AuditOptions, AuditReport, Failure, FailureKind};
 pub use chunk::{
-    check_zero_record, read_chunk, read_reference, ref_header, reference_of, verify_stored, verify_stored_ref, RefError, VerifiedChunk, VerifyError,
+    check_stored_chunk, check_zero_record, read_chunk, read_reference, ref_header, reference_of, verify_stored, verify_stored_ref, RefError, VerifiedChunk,
+    VerifyError,
 };
 pub use hash::{chunk_digest, zero_digest};
 pub use merkle::{file_root, image_root, resolved_root};

@@ -194,6 +194,27 @@ fn parse_share(s: &str) -> Result<f64, String> {
 /// (listening, each connection, traces stored) and every library's warnings.
 pub const DEFAULT_LOG: &str = "warn,lazy=info";
 
+/// Connections the faults' client opens while the image is being opened: one per vCPU of a
+/// small guest, and the pacing's probe.
+const WARM_FAULT_CONNECTIONS: usize = 3;
+/// The same for the stream's and the replay's client (the pacing keeps about two requests
+/// of it in flight).
+const WARM_BACKGROUND_CONNECTIONS: usize = 2;
+
+/// Open `n` connections of `client` (and answer the registry's challenge, if it has one)
+/// while the image's metadata is read on another client: without it the guest's first
+/// faults paid a connection's set-up (a round trip, more with TLS) on top of their own
+/// round trip. `GET /v2/`, each on a thread of its own so they overlap; a failure is left
+/// to the first real request to report.
+fn warm_up(client: &Arc<regclient::RegistrySource>, n: usize) {
+    for _ in 0..n {
+        let c = client.clone();
+        let _ = std::thread::Builder::new().name("lazy-warm-up".into()).spawn(move || {
+            let _ = c.check_login();
+        });
+    }
+}
+
 pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     // Registry references get a client of their own so traces can be pushed as referrers
     // through it; layouts keep traces under the fallback tag.
@@ -216,13 +237,17 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
             // them with backoff inside --retry-budget and counts every retry.
             let mut faults = common::registry_client(&host, &repository, false)?;
             faults.set_retry_policy(lazy::RetryPolicy::never());
-            fault_source = Some(Arc::new(faults) as Arc<dyn imgfmt::BlobSource>);
+            let faults = Arc::new(faults);
+            warm_up(&faults, WARM_FAULT_CONNECTIONS);
+            fault_source = Some(faults as Arc<dyn imgfmt::BlobSource>);
             // The stream and the working-set replay read through a client of their own
             // (its own connections, and its own thread reading them), so a fault's small
             // response is never read behind the stream's megabytes.
             let mut background = common::registry_client(&host, &repository, false)?;
             background.set_retry_policy(lazy::RetryPolicy::never());
-            background_source = Some(Arc::new(background) as Arc<dyn imgfmt::BlobSource>);
+            let background = Arc::new(background);
+            warm_up(&background, WARM_BACKGROUND_CONNECTIONS);
+            background_source = Some(background as Arc<dyn imgfmt::BlobSource>);
             sig_store = Box::new(RegistryStore(src.clone()));
             let o = common::Opened { source: Box::new(src.clone()), selector, reference: a.image.clone() };
             (o, Some(Box::new(RegistryTraces(src))))

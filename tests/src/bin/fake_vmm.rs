@@ -286,6 +286,14 @@ struct Counters {
     mismatches: AtomicU64,
     poisoned: AtomicU64,
     zero: AtomicU64,
+    /// Microseconds since the Unix epoch when the first touch of any thread returned (0:
+    /// none yet): with the handshake's time, how long the guest waited for its first page.
+    first_touch_unix_us: AtomicU64,
+}
+
+/// Microseconds since the Unix epoch: comparable with a benchmark script's `date +%s.%N`.
+fn unix_us() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
 }
 
 fn percentile(sorted_ns: &[u64], p: f64) -> f64 {
@@ -345,10 +353,12 @@ fn run() -> anyhow::Result<u8> {
         .collect();
     let body = serde_json::to_vec(&mappings)?;
     let sock = connect(&a.socket)?;
+    let connected_unix_us = unix_us();
     let fds = [uffd.as_raw_fd()];
     let sent = sendmsg::<()>(sock.as_raw_fd(), &[IoSlice::new(&body)], &[ControlMessage::ScmRights(&fds)], MsgFlags::empty(), None)
         .context("sendmsg mappings + userfaultfd")?;
     ensure!(sent == body.len(), "short sendmsg: {sent} of {} bytes", body.len());
+    let handshake_unix_us = unix_us();
     std::thread::sleep(Duration::from_millis(a.pause_ms));
 
     let counters = Arc::new(Counters::default());
@@ -386,17 +396,21 @@ fn run() -> anyhow::Result<u8> {
     // has to fetch; zero pages it fills without fetching anything), with whether the page
     // was missing when the thread went to touch it (a fault) or already installed.
     let data_latencies: Arc<Mutex<Vec<(u64, bool)>>> = Arc::new(Mutex::new(Vec::new()));
+    let data_chunks: Arc<Mutex<Vec<u64>>> = Arc::new(Mutex::new(Vec::new()));
     let regions = Arc::new(regions);
     let mem = Arc::new(mem);
     let mut handles = Vec::new();
     for _ in 0..a.threads {
         let (touches, next, lat, regions, mem, c) = (touches.clone(), next.clone(), latencies.clone(), regions.clone(), mem.clone(), counters.clone());
         let data_lat = data_latencies.clone();
+        let chunks = data_chunks.clone();
         handles.push(std::thread::spawn(move || -> anyhow::Result<()> {
             let mut got = vec![0u8; PAGE as usize];
             let mut want = vec![0u8; PAGE as usize];
             let mut mine = Vec::new();
             let mut mine_data = Vec::new();
+            // The 1 MiB units (snapctl's default chunk) of the data pages touched.
+            let mut mine_chunks = Vec::new();
             loop {
                 // Shared cursor: together the threads follow the planned order closely.
                 let i = next.fetch_add(1, Ordering::Relaxed);
@@ -421,6 +435,7 @@ fn run() -> anyhow::Result<u8> {
                         original_page(&mem, file_len, off, &mut want)?;
                         if want.iter().any(|&b| b != 0) {
                             mine_data.push((took, missing));
+                            mine_chunks.push(off >> 20);
                         }
                         if got != want {
                             if c.mismatches.fetch_add(1, Ordering::SeqCst) < 5 {
@@ -432,10 +447,13 @@ fn run() -> anyhow::Result<u8> {
                         }
                     }
                 }
-                c.checked.fetch_add(1, Ordering::SeqCst);
+                if c.checked.fetch_add(1, Ordering::SeqCst) == 0 {
+                    let _ = c.first_touch_unix_us.compare_exchange(0, unix_us(), Ordering::SeqCst, Ordering::SeqCst);
+                }
             }
             lat.lock().expect("latency lock").extend(mine);
             data_lat.lock().expect("latency lock").extend(mine_data);
+            chunks.lock().expect("chunks lock").extend(mine_chunks);
             Ok(())
         }));
     }
@@ -481,6 +499,12 @@ fn run() -> anyhow::Result<u8> {
     let c = &counters;
     let (checked, mismatches, poisoned, zero) =
         (c.checked.load(Ordering::SeqCst), c.mismatches.load(Ordering::SeqCst), c.poisoned.load(Ordering::SeqCst), c.zero.load(Ordering::SeqCst));
+    let data_chunks_touched = {
+        let mut v = std::mem::take(&mut *data_chunks.lock().expect("chunks lock"));
+        v.sort_unstable();
+        v.dedup();
+        v.len()
+    };
     let summary = serde_json::json!({
         "pages_checked": checked,
         "mismatches": mismatches,
@@ -506,6 +530,14 @@ fn run() -> anyhow::Result<u8> {
             "max": percentile(&fault_lat, 1.0),
         },
         "pages_missing_at_touch": c.missing.load(Ordering::SeqCst),
+        // Distinct 1 MiB units of the file holding a data page touched: a lazy restore's
+        // least fetches (bench/wan.sh's latency floor).
+        "data_chunks_touched": data_chunks_touched,
+        // Microseconds since the Unix epoch: connected to the handler's socket, handshake
+        // sent, first touch returned.
+        "connected_unix_us": connected_unix_us,
+        "handshake_unix_us": handshake_unix_us,
+        "first_touch_unix_us": c.first_touch_unix_us.load(Ordering::SeqCst),
         "dontneed_pages": dontneed_pages,
         "dontneed_nonzero": dontneed_nonzero,
         "threads": a.threads,
@@ -540,7 +572,8 @@ fn connect(path: &std::path::Path) -> anyhow::Result<UnixStream> {
         match UnixStream::connect(path) {
             Ok(s) => return Ok(s),
             Err(e) if Instant::now() < deadline && matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) => {
-                std::thread::sleep(Duration::from_millis(20));
+                // Short: the benchmarks take the connect as the moment the handler was ready.
+                std::thread::sleep(Duration::from_millis(2));
             }
             Err(e) => return Err(e).with_context(|| format!("connect to {}", path.display())),
         }
