@@ -78,8 +78,11 @@ struct Queues<'a> {
     slicing: Slicing,
 }
 
-/// Fetch threads per connection: a slice and its chunk for each of a few vCPUs' faults.
-const FETCHERS: usize = 8;
+/// Fetch threads per connection: a slice and its chunk for each of 8 vCPUs' faults at once.
+/// With 8 threads, 8 vCPUs faulting together queued half their slices behind the others'
+/// chunks: a clustered guest's fault waited about two round trips (p50 57 ms at 20 ms,
+/// bench/wan.sh --vcpus 8).
+const FETCHERS: usize = 16;
 
 /// What the fetch pool is asked for.
 enum Job {
