@@ -34,25 +34,10 @@ while [ $# -gt 0 ]; do
   shift
 done
 
-TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
-SNAPCTL=${SNAPCTL:-$TARGET/release/snapctl}
-FAKE_VMM=${FAKE_VMM:-$TARGET/release/fake_vmm}
-NETEM=${NETEM:-$TARGET/release/netem_proxy}
-if [ ! -x "$SNAPCTL" ] || [ ! -x "$FAKE_VMM" ] || [ ! -x "$NETEM" ]; then
-  echo "building release binaries in $TARGET" >&2
-  (cd "$ROOT" && cargo build --release -q -p snapctl -p snapctl-tests --bin snapctl --bin fake_vmm --bin netem_proxy)
-fi
-
-W=$(mktemp -d "${TMPDIR:-/tmp}/snapctl-sign.XXXXXX")
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && { kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; }; done
-  rm -rf "$W"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-log() { echo "[$(date -u +%H:%M:%S) sign.sh] $*" >&2; }
-now() { date +%s.%N; }
+# shellcheck source=bench/lib/bins.sh
+source "$ROOT/bench/lib/bins.sh"
+release_bins
+work_dir sign.sh
 since() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.3f}')" "$1" "$(now)"; }
 
 SERVER_LOGS=$W

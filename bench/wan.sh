@@ -118,18 +118,11 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-for p in jq python3; do
-  command -v "$p" >/dev/null || { echo "wan.sh: $p not found (run scripts/setup.sh)" >&2; exit 2; }
-done
 
-TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
-SNAPCTL=${SNAPCTL:-$TARGET/release/snapctl}
-FAKE_VMM=${FAKE_VMM:-$TARGET/release/fake_vmm}
-NETEM=${NETEM:-$TARGET/release/netem_proxy}
-if [ ! -x "$SNAPCTL" ] || [ ! -x "$FAKE_VMM" ] || [ ! -x "$NETEM" ]; then
-  echo "building release binaries in $TARGET" >&2
-  (cd "$ROOT" && cargo build --release -q -p snapctl -p snapctl-tests --bin snapctl --bin fake_vmm --bin netem_proxy)
-fi
+# shellcheck source=bench/lib/bins.sh
+source "$ROOT/bench/lib/bins.sh"
+need wan.sh jq python3
+release_bins
 
 W=$(mktemp -d "${TMPDIR:-/tmp}/snapctl-wan.XXXXXX")
 PIDS=()
@@ -144,8 +137,7 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
-log() { echo "[$(date -u +%H:%M:%S) wan.sh] $*" >&2; }
-now() { date +%s.%N; }
+BENCH_NAME=wan.sh
 since() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.3f}')" "$1" "$(now)"; }
 
 SERVER_LOGS=$W
@@ -198,12 +190,7 @@ for a in sys.argv[1:]:
 print(json.dumps(d))' "$@" >> "$RUNLOG"; }
 
 # ---------------------------------------------------------------- the image
-log "sample $SIZE (half zero) + push to snapctl serve"
-"$SNAPCTL" sample "$W/snap" --size "$SIZE" --zero-fraction 0.5 --seed 2 >/dev/null
-start_server snapctl "$W/storage"
-"$SNAPCTL" push "$W/snap" "127.0.0.1:$PORT/bench/vm:v1" --cache "$W/pushcache" >/dev/null
-rm -rf "$W/pushcache"
-MEM=$W/snap/vm.mem
+serve_sample "$SIZE"
 STORED=$(du -sb "$W/storage" | cut -f1)
 if [ "$HUGE" = 1 ]; then
   # The guest's huge pages: the image's size, under the lock the tests use for theirs.

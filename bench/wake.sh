@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# Wake to the first page (issue 23 §3): how long a restored guest waits for its first data
+# page, cold (a host with no chunk cache), with `snapctl lazy`'s defaults, across a dialled
+# network (tests/src/netem.rs through netem_proxy; bench/wan.sh measures whole restores).
+#
+#   bash bench/wake.sh                       2 GiB image (half zero), RTT 0 2 20 50 ms,
+#                                            1 Gbit/s, 7 runs
+#   Options: --size SIZE  --rtts "0 20" (ms)  --rate 1gbit  --runs N  --tag NAME
+#
+# Per run, through a fresh proxy: `snapctl lazy REF --once --no-cache` started (t0), then
+# fake_vmm (one vCPU) connects, sends the handshake and touches one data page (a
+# different one each run, never zero: a zero page needs no fetch). fake_vmm reports, in
+# wall-clock microseconds: its connect (the daemon binds its socket once the image's
+# manifest, config, index and outboards are read and checked: that is "ready", the index
+# transfer plus the process's start), the handshake sent, and the touch returned. Goal:
+# the first page within 2 RTT of ready and of the handshake.
+#
+# Output: markdown on stdout and in bench/results/wake-DATE[-TAG].md, every run as JSON
+# lines in bench/results/wake-DATE[-TAG].jsonl. Needs root (userfaultfd), jq, python3.
+set -euo pipefail
+trap 'echo "wake.sh: line $LINENO failed: $BASH_COMMAND" >&2' ERR
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ARGV=("$@")
+SIZE=2GiB RTTS="0 2 20 50" RATE=1gbit RUNS=7 TAG=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --size) SIZE=$2; shift ;;
+    --rtts) RTTS=$2; shift ;;
+    --rate) RATE=$2; shift ;;
+    --runs) RUNS=$2; shift ;;
+    --tag) TAG=$2; shift ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "wake.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+# shellcheck source=bench/lib/bins.sh
+source "$ROOT/bench/lib/bins.sh"
+need wake.sh jq python3
+release_bins
+work_dir wake.sh
+SERVER_LOGS=$W
+# shellcheck source=bench/lib/servers.sh
+source "$ROOT/bench/lib/servers.sh"
+
+NAME=wake-$(date -u +%F)${TAG:+-$TAG}
+mkdir -p "$ROOT/bench/results"
+if [ -e "$ROOT/bench/results/$NAME.md" ] || [ -e "$ROOT/bench/results/$NAME.jsonl" ]; then NAME=$NAME-$(date -u +%H%M); fi
+OUT=$ROOT/bench/results/$NAME.md
+RUNLOG=$ROOT/bench/results/$NAME.jsonl
+: > "$RUNLOG"
+
+serve_sample "$SIZE"
+# Data pages (not all zero) at random, one per run and setting.
+N=$(( RUNS * $(wc -w <<<"$RTTS") ))
+mapfile -t PAGES < <(python3 - "$MEM" "$N" <<'PY'
+import os, random, sys
+path, n = sys.argv[1], int(sys.argv[2])
+pages = os.path.getsize(path) // 4096
+rng, out = random.Random(5), []
+with open(path, "rb") as f:
+    while len(out) < n:
+        p = rng.randrange(pages)
+        f.seek(p * 4096)
+        if any(f.read(4096)) and p not in out:
+            out.append(p)
+print("\n".join(map(str, out)))
+PY
+)
+
+i=0
+for rtt in $RTTS; do
+  for run in $(seq "$RUNS"); do
+    r=$rtt; [ "$r" = 0 ] || r=${rtt}ms
+    : > "$W/net.out"
+    "$NETEM" --upstream "127.0.0.1:$PORT" --rtt "$r" --rate "$RATE" >"$W/net.out" 2>"$W/net.log" &
+    np=$!
+    PIDS+=("$np")
+    for _ in $(seq 500); do [ -s "$W/net.out" ] && break; sleep 0.02; done
+    addr=$(head -1 "$W/net.out")
+    rm -f "$W/h.sock"
+    page=${PAGES[$i]}; i=$((i + 1))
+    t0=$(now)
+    "$SNAPCTL" lazy "$addr/bench/vm:v1" --socket "$W/h.sock" --once --no-cache >/dev/null 2>"$W/lazy.log" &
+    hp=$!
+    PIDS+=("$hp")
+    "$FAKE_VMM" --socket "$W/h.sock" --mem-file "$MEM" --threads 1 --touch "$page" --json --timeout 120 >"$W/vmm.json" 2>"$W/vmm.log" \
+      || { echo "wake.sh: fake_vmm failed: $(cat "$W/vmm.log")" >&2; exit 2; }
+    wait "$hp" || { echo "wake.sh: lazy failed: $(tail -3 "$W/lazy.log")" >&2; exit 2; }
+    kill "$np"; wait "$np" 2>/dev/null || true
+    [ "$(jq .mismatches "$W/vmm.json")" = 0 ] || { echo "wake.sh: wrong bytes" >&2; exit 1; }
+    jq -c --arg t0 "$t0" --argjson rtt "$rtt" --argjson run "$run" --argjson page "$page" \
+      '{rtt_ms: $rtt, run: $run, page: $page,
+        ready_ms: (.connected_unix_us / 1e3 - ($t0 | tonumber) * 1e3),
+        handshake_ms: (.handshake_unix_us / 1e3 - ($t0 | tonumber) * 1e3),
+        first_page_ms: (.first_touch_unix_us / 1e3 - ($t0 | tonumber) * 1e3)}' "$W/vmm.json" >> "$RUNLOG"
+    log "RTT $rtt ms, run $run: $(tail -1 "$RUNLOG")"
+  done
+done
+stop_server
+
+exec > >(tee "$OUT")
+echo "### $NAME: \`bash bench/wake.sh ${ARGV[*]}\`, $(date -u '+%Y-%m-%d %H:%M UTC')"
+echo
+echo "$(nproc) cores, load average at the end $(cut -d' ' -f1-3 /proc/loadavg), snapctl $(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- . 2>/dev/null || echo '+changes'); $SIZE image, cap $RATE, medians of $RUNS runs (min-max)."
+echo
+python3 - "$RUNLOG" <<'PY'
+import json, statistics, sys
+runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print("| RTT ms | ready (daemon start to socket: index transfer) ms | first page after ready ms | after the handshake ms | 2 RTT ms | within 2 RTT of both? |")
+print("|---:|---:|---:|---:|---:|---|")
+for rtt in dict.fromkeys(r["rtt_ms"] for r in runs):
+    rs = [r for r in runs if r["rtt_ms"] == rtt]
+    def m(f):
+        xs = [f(r) for r in rs]
+        return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})", statistics.median(xs)
+    ready, _ = m(lambda r: r["ready_ms"])
+    after, a = m(lambda r: r["first_page_ms"] - r["ready_ms"])
+    hs, h = m(lambda r: r["first_page_ms"] - r["handshake_ms"])
+    ok = max(a, h) <= 2 * rtt
+    print(f"| {rtt} | {ready} | {after} | {hs} | {2 * rtt} | {'yes' if ok else '**no**'} |")
+PY
+echo
+echo "Every run: \`bench/results/$NAME.jsonl\`."
