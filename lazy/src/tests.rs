@@ -227,15 +227,7 @@ fn tampered_pack_poisons_never_serves_wrong_bytes() {
 fn transient_failures_are_retried_and_bad_handshakes_do_not_kill_the_daemon() {
     let (dir, mem, image, layout) = sample_image(6);
     let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
-    let file = image.file("vm.mem").unwrap().0;
-    let data_bytes: u64 = image.files[file]
-        .chunks
-        .iter()
-        .map(|c| match c.at {
-            imgfmt::StoredAt::Pack { stored_len, .. } => u64::from(stored_len),
-            imgfmt::StoredAt::Zero => 0,
-        })
-        .sum();
+    let data_bytes = stored(&image, 0..6);
     let src = flaky(layout);
     src.fail.store(3, Ordering::SeqCst);
     let run = start(dir.path(), image, src.clone(), |o| o.prefetch = PrefetchMode::All, None);
@@ -584,6 +576,19 @@ fn metric(d: &Daemon, name: &str) -> u64 {
 }
 
 /// The daemon-wide count of chunks the stream installed.
+/// Bytes chunks `chunks` of the memory file move from the source (their stored lengths; 0
+/// for a zero chunk).
+fn stored(image: &imgfmt::Image, chunks: impl IntoIterator<Item = usize>) -> u64 {
+    let file = image.file("vm.mem").unwrap().0;
+    chunks
+        .into_iter()
+        .map(|c| match image.files[file].chunks[c].at {
+            imgfmt::StoredAt::Pack { stored_len, .. } => u64::from(stored_len),
+            imgfmt::StoredAt::Zero => 0,
+        })
+        .sum()
+}
+
 fn streamed(d: &Daemon) -> u64 {
     metric(d, "snapctl_lazy_streamed_chunks_total")
 }
@@ -604,13 +609,9 @@ fn regression_issue_16_stream_installs_every_data_chunk_verified() {
     blob.read_exact_at(&mut b, offset + 10).unwrap();
     blob.write_all_at(&[b[0] ^ 0x01], offset + 10).unwrap();
     let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
-    let stored = |c: usize| match image.files[file].chunks[c].at {
-        imgfmt::StoredAt::Pack { stored_len, .. } => u64::from(stored_len),
-        imgfmt::StoredAt::Zero => 0,
-    };
     let data: Vec<usize> = (0..48).filter(|c| c % 3 != 1).collect();
-    let data_bytes: u64 = data.iter().map(|&c| stored(c)).sum();
-    let tampered_bytes = stored(5);
+    let data_bytes = stored(&image, data.iter().copied());
+    let tampered_bytes = stored(&image, [5]);
     let src = Gauge::new(layout, Duration::from_millis(20));
     let run = start(dir.path(), image, src.clone(), |o| o.prefetch = PrefetchMode::All, None);
     let sock = guest.connect(&run.socket);
@@ -660,15 +661,7 @@ fn regression_issue_16_stream_installs_every_data_chunk_verified() {
 fn regression_issue_16_stream_keeps_its_depth_in_flight() {
     let (dir, mem, image, layout) = sample_image(96);
     let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
-    let file = image.file("vm.mem").unwrap().0;
-    let data_bytes: u64 = image.files[file]
-        .chunks
-        .iter()
-        .map(|c| match c.at {
-            imgfmt::StoredAt::Pack { stored_len, .. } => u64::from(stored_len),
-            imgfmt::StoredAt::Zero => 0,
-        })
-        .sum();
+    let data_bytes = stored(&image, 0..96);
     // 50 ms per request: a 10 Gbit/s link would hold hundreds of 64 KiB chunks; the
     // bound is --stream-jobs 8.
     let src = Gauge::new(layout, Duration::from_millis(50));
