@@ -177,6 +177,30 @@ impl Image {
     /// Open the image whose manifest has `manifest_digest`, reading its config, index and
     /// parent chain from `src`. Every metadata blob is checked against its digest.
     pub fn open(src: &dyn BlobSource, manifest_digest: &OciDigest) -> Result<Self, FormatError> {
+        Self::open_fetching(src, manifest_digest, false).map(|(image, _)| image)
+    }
+
+    /// [`Image::open`], then [`Image::load_outboards`], with the outboards of the image and
+    /// of its base read in the same round trip as the config and index (a restore that
+    /// serves faults by slice waits for all of them before it starts: one round trip less).
+    /// An outboard that cannot be read or checked does not fail the open: its error is
+    /// returned beside the image, which then has no outboards (readers fetch whole chunks).
+    pub fn open_with_outboards(src: &dyn BlobSource, manifest_digest: &OciDigest) -> Result<(Self, Result<(), FormatError>), FormatError> {
+        let (mut image, mut fetched) = Self::open_fetching(src, manifest_digest, true)?;
+        let loaded = image.load_outboards(&Fetched { src, blobs: std::sync::Mutex::new(std::mem::take(&mut fetched)) });
+        if loaded.is_err() {
+            for link in &mut image.chain {
+                link.outboard = None;
+            }
+            image.base_outboard = None;
+        }
+        Ok((image, loaded))
+    }
+
+    /// [`Image::open`], and with `outboards` the outboards of the image and of its base read
+    /// ahead (unverified), those small enough to read before their bound is known
+    /// ([`SPECULATIVE_OUTBOARD_BYTES`]).
+    fn open_fetching(src: &dyn BlobSource, manifest_digest: &OciDigest, outboards: bool) -> Result<(Self, HashMap<OciDigest, Vec<u8>>), FormatError> {
         let manifest_bytes = read_verified_blob(src, manifest_digest, MAX_MANIFEST_BYTES)?;
         let manifest = Manifest::decode(&manifest_bytes)?;
         if manifest.config.media_type != media::CONFIG {
@@ -185,7 +209,7 @@ impl Image {
         let mut chain = Vec::new();
         let mut config_digest = manifest.config.digest.clone();
         // Kept, not taken: unchanged layers over the same files have identical indexes.
-        let fetched = prefetch_ancestors(src, &manifest);
+        let Prefetched { verified: fetched, outboards: mut read_ahead } = prefetch_metadata(src, &manifest, outboards);
         let read = |d: &OciDigest, limit: u64| match fetched.get(d) {
             Some(b) => Ok(b.clone()),
             None => read_verified_blob(src, d, limit),
@@ -243,7 +267,13 @@ impl Image {
         }
         find_outboards(&manifest, manifest_digest, &mut chain)?;
         let base_outboard_blob = base_outboard(&manifest, manifest_digest, &chain[0])?;
-        Ok(Image { manifest_digest: manifest_digest.clone(), manifest_bytes, manifest, chain, packs, files, base_outboard_blob, base_outboard: None })
+        // Only the outboards the image has found stay (the walk has read the rest).
+        let found: std::collections::HashSet<&OciDigest> =
+            chain.iter().filter_map(|l| l.outboard_blob.as_ref()).chain(base_outboard_blob.as_ref()).map(|d| &d.digest).collect();
+        read_ahead.retain(|d, _| found.contains(d));
+        drop(found);
+        let image = Image { manifest_digest: manifest_digest.clone(), manifest_bytes, manifest, chain, packs, files, base_outboard_blob, base_outboard: None };
+        Ok((image, read_ahead))
     }
 
     /// Every link's outboard, chain order: `Ok(None)` for a link without one, a link's
@@ -318,43 +348,100 @@ pub type LinkOutboard = Result<Option<Arc<Outboard>>, FormatError>;
 /// Threads fetching a chain's configs, indexes and outboards at once.
 const PREFETCH_THREADS: usize = crate::source::SMALL_READS_IN_FLIGHT;
 
-/// The configs and indexes a layer's manifest lists as its ancestors' (owner `parent`,
-/// `parent.parent`, …), fetched in parallel and checked against their digests. Reading a
-/// chain link by link costs two round trips per ancestor, one after the other (130 for a
-/// chain of 64: seconds over a WAN, and most of a small pull's time on loopback). At most
-/// as many blobs as the longest chain has are fetched, so a manifest listing more cannot
-/// make a reader fetch more than the link-by-link walk could. A blob that fails here is
-/// left to the walk, which reads it again and reports the failure.
-fn prefetch_ancestors(src: &dyn BlobSource, manifest: &Manifest) -> HashMap<OciDigest, Vec<u8>> {
-    let is_ancestor = |o: &str| o.split('.').all(|p| p == "parent");
-    let mut seen = std::collections::HashSet::new();
-    let wanted: Vec<(&OciDigest, u64)> = manifest
+/// The largest outboard read before the index that bounds it ([`ChainLink::outboard_limit`])
+/// is known: 32 MiB covers 8 GiB of raw chunks. A larger one is read after the index, and
+/// one over its bound is never read; so a hostile manifest can make a reader fetch at most
+/// this much per outboard (two) that it would not have fetched.
+pub const SPECULATIVE_OUTBOARD_BYTES: u64 = 32 << 20;
+
+/// The config and index blobs the manifest lists for the image (its config, the index of
+/// owner `self`) and for its ancestors (owner `parent`, `parent.parent`, …), and with
+/// `outboards` the outboards of owner `self` and `base` up to [`SPECULATIVE_OUTBOARD_BYTES`],
+/// fetched in parallel and checked against their digests. Reading a chain link by link
+/// costs two round trips per link, one after the other (130 for a chain of 64: seconds over
+/// a WAN, and most of a small pull's time on loopback); config, index and outboard one
+/// after another cost a wake three. At most as many configs and indexes as the longest
+/// chain has are fetched, so a manifest listing more cannot make a reader fetch more than
+/// the link-by-link walk could. A blob that fails here is left to the walk, which reads it
+/// again and reports the failure.
+fn prefetch_metadata(src: &dyn BlobSource, manifest: &Manifest, outboards: bool) -> Prefetched {
+    let is_chain = |o: &str| o == "self" || o.split('.').all(|p| p == "parent");
+    let mut seen = std::collections::HashSet::from([&manifest.config.digest]);
+    let own_config = std::iter::once((&manifest.config.digest, MAX_CONFIG_BYTES));
+    let chain = manifest
         .layers
         .iter()
-        .filter(|d| d.annotations.get(media::ANN_OWNER).is_some_and(|o| is_ancestor(o)) && seen.insert(&d.digest))
+        .filter(|d| d.annotations.get(media::ANN_OWNER).is_some_and(|o| is_chain(o)) && seen.insert(&d.digest))
         .filter_map(|d| match d.media_type.as_str() {
             media::CONFIG => Some((&d.digest, MAX_CONFIG_BYTES)),
             media::INDEX => Some((&d.digest, MAX_INDEX_BYTES)),
             _ => None,
         })
-        .take(2 * MAX_CHAIN_DEPTH)
-        .collect();
-    if wanted.is_empty() {
-        return HashMap::new();
-    }
-    let got = std::sync::Mutex::new(HashMap::new());
+        .take(2 * MAX_CHAIN_DEPTH + 1);
+    let mut seen_outboards = std::collections::HashSet::new();
+    let own_outboards = manifest
+        .layers
+        .iter()
+        .filter(|d| {
+            outboards
+                && d.media_type == media::OUTBOARD
+                && d.size <= SPECULATIVE_OUTBOARD_BYTES
+                && d.annotations.get(media::ANN_OWNER).is_some_and(|o| o == "self" || o == "base")
+                && seen_outboards.insert(&d.digest)
+        })
+        .map(|d| (&d.digest, d.size))
+        .take(2);
+    let wanted: Vec<(&OciDigest, u64)> = own_config.chain(chain).collect();
+    let metadata = wanted.len();
+    let wanted: Vec<(&OciDigest, u64)> = wanted.into_iter().chain(own_outboards).collect();
+    let (got, unverified) = (std::sync::Mutex::new(HashMap::new()), std::sync::Mutex::new(HashMap::new()));
     crate::work::for_each_index(
         wanted.len(),
         PREFETCH_THREADS,
         || (),
         |_, i| {
             let (d, limit) = wanted[i];
-            if let Ok(b) = read_verified_blob(src, d, limit) {
+            if i >= metadata {
+                // Checked once, by the outboard's reader.
+                if let Ok(b) = src.read_blob_unverified(d, limit) {
+                    unverified.lock().expect("poisoned").insert(d.clone(), b);
+                }
+            } else if let Ok(b) = read_verified_blob(src, d, limit) {
                 got.lock().expect("poisoned").insert(d.clone(), b);
             }
         },
     );
-    got.into_inner().expect("poisoned")
+    Prefetched { verified: got.into_inner().expect("poisoned"), outboards: unverified.into_inner().expect("poisoned") }
+}
+
+/// What [`prefetch_metadata`] read: configs and indexes checked against their digests, and
+/// outboards as the source gave them (their reader checks them).
+struct Prefetched {
+    verified: HashMap<OciDigest, Vec<u8>>,
+    outboards: HashMap<OciDigest, Vec<u8>>,
+}
+
+/// A source whose blobs read ahead are served from memory, each once; every other read
+/// goes to `src`. The bytes are as unverified as `src`'s (the reader checks them).
+struct Fetched<'a> {
+    src: &'a dyn BlobSource,
+    blobs: std::sync::Mutex<HashMap<OciDigest, Vec<u8>>>,
+}
+
+impl crate::source::Forward for Fetched<'_> {
+    fn inner(&self) -> &dyn BlobSource {
+        self.src
+    }
+    fn read_blob_unverified(&self, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
+        match self.blobs.lock().expect("poisoned").remove(digest) {
+            Some(b) if b.len() as u64 > limit => Err(FormatError::TooLarge { what: "blob size", got: b.len() as u64, limit }),
+            Some(b) => Ok(b),
+            None => self.src.read_blob_unverified(digest, limit),
+        }
+    }
+    fn read_at_unverified(&self, digest: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+        self.src.read_at_unverified(digest, offset, buf)
+    }
 }
 
 /// The base's outboard the manifest lists (owner `base`), at most one, for a BLAKE3 image

@@ -84,6 +84,11 @@ pub trait TraceStore: Send + Sync {
     /// Store a trace, with its working-set blob when `working_set` is not empty; returns
     /// where it went and the trace manifest's digest.
     fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<(String, OciDigest), FormatError>;
+    /// Start looking for the traces of the image whose manifest is `manifest` before the
+    /// image itself is open, so the round trips of finding one overlap the image's own: a
+    /// later [`TraceStore::load`] of that image uses what was read. The default does
+    /// nothing (a local store answers at once).
+    fn prepare(&self, _manifest: &OciDigest) {}
 }
 
 /// The tag under which an OCI layout lists the traces of `image` (the referrers API's
@@ -145,8 +150,12 @@ fn believable_date<'a>(annotations: &'a std::collections::BTreeMap<String, Strin
 /// Its working set is kept only where the second layer is the working-set blob and that
 /// blob is there (`Ok((trace, false))`: it is not, and the trace holds its chunk order
 /// alone). `Err`: why the trace cannot be used.
-fn load_artifact(src: &dyn BlobSource, digest: &OciDigest, image: &Image, file: usize) -> Result<(Trace, bool), String> {
-    let bytes = imgfmt::source::read_verified_blob(src, digest, imgfmt::manifest::MAX_MANIFEST_BYTES).map_err(|e| e.to_string())?;
+fn load_artifact(src: &dyn BlobSource, digest: &OciDigest, image: &Image, file: usize, read_ahead: Option<Vec<u8>>) -> Result<(Trace, bool), String> {
+    // Bytes read ahead were checked against the digest when they were read.
+    let bytes = match read_ahead {
+        Some(b) => b,
+        None => imgfmt::source::read_verified_blob(src, digest, imgfmt::manifest::MAX_MANIFEST_BYTES).map_err(|e| e.to_string())?,
+    };
     let m = Manifest::decode(&bytes).map_err(|e| e.to_string())?;
     if let Some(t) = m.media_type.as_deref().filter(|t| *t != media::OCI_MANIFEST) {
         return Err(format!("media type {t}, not an OCI image manifest"));
@@ -167,16 +176,21 @@ fn load_artifact(src: &dyn BlobSource, digest: &OciDigest, image: &Image, file: 
     if layer.size > limit {
         return Err(format!("its trace is {} bytes, too large for this image's (at most {limit})", layer.size));
     }
-    let b = imgfmt::source::read_verified_blob(src, &layer.digest, limit).map_err(|e| e.to_string())?;
-    let mut t = Trace::decode(&b, image, file).map_err(|e| e.to_string())?;
+    let blob = m.layers.get(1).filter(|d| d.media_type == WORKING_SET_MEDIA_TYPE && d.size <= image.files[file].size);
+    // Whether the working-set blob is there is asked beside reading the trace (one round
+    // trip, not two); the answer counts only if the trace lists a working set.
+    let (b, present) = std::thread::scope(|s| {
+        let present = blob.map(|d| s.spawn(move || src.blob_size(&d.digest).is_ok_and(|n| n == d.size)));
+        let b = imgfmt::source::read_verified_blob(src, &layer.digest, limit);
+        (b, present.is_some_and(|h| h.join().unwrap_or(false)))
+    });
+    let mut t = Trace::decode(&b.map_err(|e| e.to_string())?, image, file).map_err(|e| e.to_string())?;
     t.manifest = Some(digest.clone());
     t.created = m.annotations.get(media::ANN_CREATED).cloned();
     if t.working_set.is_empty() {
         return Ok((t, true));
     }
     // Without its blob the list is of no use: the chunk order alone is replayed.
-    let blob = m.layers.get(1).filter(|d| d.media_type == WORKING_SET_MEDIA_TYPE && d.size <= image.files[file].size);
-    let present = blob.is_some_and(|d| src.blob_size(&d.digest).is_ok_and(|n| n == d.size));
     if present {
         t.working_set_blob = blob.cloned();
     } else {
@@ -185,17 +199,28 @@ fn load_artifact(src: &dyn BlobSource, digest: &OciDigest, image: &Image, file: 
     Ok((t, present))
 }
 
-/// The newest usable trace of `refs` (trace manifests in `src`): a date in the future counts
-/// as none (such a trace is tried last), and the newest [`MAX_TRACE_CANDIDATES`] are tried in
-/// turn until one is usable ([`load_artifact`]), preferring one whose working-set blob is
-/// there.
-fn newest_usable(src: &dyn BlobSource, refs: &[Descriptor], image: &Image, file: usize) -> Result<Option<Trace>, FormatError> {
+/// `refs` newest believable date first (RFC 3339 dates sort as strings); undated last, in
+/// the registry's order.
+fn by_date(refs: &[Descriptor]) -> Vec<&Descriptor> {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let latest = rfc3339(now + CLOCK_SKEW_SECS);
     let mut candidates: Vec<&Descriptor> = refs.iter().collect();
-    // Newest believable date first (RFC 3339 dates sort as strings); undated last, in
-    // the registry's order.
     candidates.sort_by(|a, b| believable_date(&b.annotations, &latest).cmp(&believable_date(&a.annotations, &latest)));
+    candidates
+}
+
+/// The newest usable trace of `refs` (trace manifests in `src`): a date in the future counts
+/// as none (such a trace is tried last), and the newest [`MAX_TRACE_CANDIDATES`] are tried in
+/// turn until one is usable ([`load_artifact`]), preferring one whose working-set blob is
+/// there. `read_ahead`: a trace manifest already read (and checked against its digest).
+fn newest_usable(
+    src: &dyn BlobSource,
+    refs: &[Descriptor],
+    image: &Image,
+    file: usize,
+    mut read_ahead: Option<(OciDigest, Vec<u8>)>,
+) -> Result<Option<Trace>, FormatError> {
+    let candidates = by_date(refs);
     if candidates.len() > MAX_TRACE_CANDIDATES {
         tracing::info!("{} traces of {}: looking at the newest {MAX_TRACE_CANDIDATES}", candidates.len(), image.manifest_digest);
     }
@@ -205,7 +230,8 @@ fn newest_usable(src: &dyn BlobSource, refs: &[Descriptor], image: &Image, file:
             tracing::warn!("skipping the trace {}: its manifest is {} bytes", d.digest, d.size);
             continue;
         }
-        match load_artifact(src, &d.digest, image, file) {
+        let ahead = read_ahead.take_if(|(m, _)| *m == d.digest).map(|(_, b)| b);
+        match load_artifact(src, &d.digest, image, file, ahead) {
             Ok((t, true)) => return Ok(Some(t)),
             Ok((t, false)) => {
                 tracing::warn!("the trace {}: its working-set blob is missing; looking for a trace with one", d.digest);
@@ -235,7 +261,7 @@ impl TraceStore for LayoutTraces {
     fn load(&self, image: &Image, file: usize) -> Result<Option<Trace>, FormatError> {
         let refs = self.0.referrers(&image.manifest_digest)?;
         let traces: Vec<Descriptor> = refs.into_iter().filter(|d| d.artifact_type.as_deref().is_none_or(|t| t == TRACE_MEDIA_TYPE)).collect();
-        newest_usable(&self.0, &traces, image, file)
+        newest_usable(&self.0, &traces, image, file, None)
     }
 
     fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<(String, OciDigest), FormatError> {
@@ -260,11 +286,47 @@ impl TraceStore for LayoutTraces {
 
 /// Traces in a registry: pushed as referrers of the image (the registry's referrers API,
 /// or the fallback tag the client maintains).
-pub struct RegistryTraces(pub Arc<regclient::RegistrySource>);
+pub struct RegistryTraces {
+    src: Arc<regclient::RegistrySource>,
+    /// What [`TraceStore::prepare`] read for one image, until its `load` takes it.
+    ahead: std::sync::Mutex<Option<ReadAhead>>,
+}
+
+/// The trace referrers of one image (or why they could not be listed), and the manifest
+/// of the newest of them, checked against its digest.
+struct ReadAhead {
+    subject: OciDigest,
+    refs: Result<Vec<Descriptor>, String>,
+    newest: Option<(OciDigest, Vec<u8>)>,
+}
+
+impl RegistryTraces {
+    pub fn new(src: Arc<regclient::RegistrySource>) -> Self {
+        RegistryTraces { src, ahead: std::sync::Mutex::new(None) }
+    }
+
+    /// The trace referrers of `manifest`.
+    fn list(&self, manifest: &OciDigest) -> Result<Vec<Descriptor>, String> {
+        self.src.list_referrers(manifest, Some(TRACE_MEDIA_TYPE)).map_err(|e| e.to_string())
+    }
+}
 
 impl TraceStore for RegistryTraces {
     fn describe(&self) -> String {
-        imgfmt::BlobSource::describe(self.0.as_ref())
+        imgfmt::BlobSource::describe(self.src.as_ref())
+    }
+
+    /// Lists the image's traces and reads the newest one's manifest: two of the four round
+    /// trips of loading a trace (the trace and whether its working set is there are asked
+    /// at once, after the image is open).
+    fn prepare(&self, manifest: &OciDigest) {
+        let refs = self.list(manifest);
+        let newest = refs.as_ref().ok().and_then(|r| by_date(r).first().copied().cloned()).filter(|d| d.size <= imgfmt::manifest::MAX_MANIFEST_BYTES);
+        let newest = newest.and_then(|d| {
+            let b = imgfmt::source::read_verified_blob(self.src.as_ref(), &d.digest, imgfmt::manifest::MAX_MANIFEST_BYTES).ok()?;
+            Some((d.digest, b))
+        });
+        *self.ahead.lock().expect("poisoned") = Some(ReadAhead { subject: manifest.clone(), refs, newest });
     }
 
     /// The newest usable trace. Anyone who may push may add a referrer, and its date is
@@ -274,8 +336,13 @@ impl TraceStore for RegistryTraces {
     /// listing asks the registry for trace artifacts only (`artifactType`; the client
     /// filters where the registry cannot).
     fn load(&self, image: &Image, file: usize) -> Result<Option<Trace>, FormatError> {
-        let refs = self.0.list_referrers(&image.manifest_digest, Some(TRACE_MEDIA_TYPE)).map_err(|e| invalid("trace referrers", e.to_string()))?;
-        newest_usable(self.0.as_ref(), &refs, image, file)
+        let ahead = self.ahead.lock().expect("poisoned").take().filter(|a| a.subject == image.manifest_digest);
+        let (refs, newest) = match ahead {
+            Some(a) => (a.refs, a.newest),
+            None => (self.list(&image.manifest_digest), None),
+        };
+        let refs = refs.map_err(|e| invalid("trace referrers", e))?;
+        newest_usable(self.src.as_ref(), &refs, image, file, newest)
     }
 
     fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<(String, OciDigest), FormatError> {
@@ -285,7 +352,7 @@ impl TraceStore for RegistryTraces {
         if !working_set.is_empty() {
             layers.push((WORKING_SET_MEDIA_TYPE, working_set));
         }
-        let d = self.0.push_referrer_layers(&image.manifest_digest, TRACE_MEDIA_TYPE, &layers, ann).map_err(|e| invalid("trace push", e.to_string()))?;
+        let d = self.src.push_referrer_layers(&image.manifest_digest, TRACE_MEDIA_TYPE, &layers, ann).map_err(|e| invalid("trace push", e.to_string()))?;
         Ok((format!("{} referrer {d}", self.describe()), d))
     }
 }

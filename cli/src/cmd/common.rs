@@ -299,14 +299,27 @@ pub fn open_image_in(source: &dyn BlobSource, selector: &Selector, reference: &s
         Selector::Tag(t) => source.resolve_tag(t).with_context(|| format!("resolving {reference}"))?,
         Selector::Digest(d) => d.clone(),
     };
-    source.blob_size(&digest).with_context(|| format!("{reference}: manifest {digest}"))?;
-    Image::open(source, &digest).map_err(|e| {
-        if is_integrity(&e) {
-            anyhow::Error::new(IntegrityError(format!("{reference}: {e}")))
-        } else {
-            anyhow::Error::new(e).context(format!("opening {reference}"))
+    Image::open(source, &digest).map_err(|e| opening_failed(e, reference, &digest))
+}
+
+/// [`open_image`], with the outboards read in the same round trip as the config and index
+/// ([`Image::open_with_outboards`]; their own failure beside the image).
+pub fn open_image_with_outboards(o: &Opened) -> anyhow::Result<(Image, Result<(), imgfmt::FormatError>)> {
+    let digest = resolve(o)?;
+    Image::open_with_outboards(o.source.as_ref(), &digest).map_err(|e| opening_failed(e, &o.reference, &digest))
+}
+
+/// Why an image could not be opened, as the CLI reports it. A missing manifest is an
+/// error (exit 2: there is nothing to check); anything else wrong with what it names,
+/// down to a blob it lists that is missing, is an integrity failure (exit 1).
+fn opening_failed(e: imgfmt::FormatError, reference: &str, manifest: &imgfmt::OciDigest) -> anyhow::Error {
+    match e {
+        imgfmt::FormatError::BlobNotFound(d) if &d == manifest => {
+            anyhow::Error::new(imgfmt::FormatError::BlobNotFound(d)).context(format!("{reference}: manifest {manifest}"))
         }
-    })
+        e if is_integrity(&e) => anyhow::Error::new(IntegrityError(format!("{reference}: {e}"))),
+        e => anyhow::Error::new(e).context(format!("opening {reference}")),
+    }
 }
 
 /// A byte progress bar on stderr, only when stderr is a terminal.

@@ -202,6 +202,10 @@ const WARM_FAULT_CONNECTIONS: usize = 3;
 /// of it in flight).
 const WARM_BACKGROUND_CONNECTIONS: usize = 2;
 
+/// The same for the client reading the image's metadata: beside the manifest's own
+/// connection, one each for the index and the outboard, read while the config is.
+const WARM_METADATA_CONNECTIONS: usize = 2;
+
 /// Open `n` connections of `client` (and answer the registry's challenge, if it has one)
 /// while the image's metadata is read on another client: without it the guest's first
 /// faults paid a connection's set-up (a round trip, more with TLS) on top of their own
@@ -216,11 +220,25 @@ fn warm_up(client: &Arc<regclient::RegistrySource>, n: usize) {
     }
 }
 
+/// The clients chunk reads go through, each opening its connections at once: the faults'
+/// and the background's (the stream and the working-set replay), so a fault's small
+/// response is never read behind the stream's megabytes. Neither retries on its own: the
+/// daemon retries chunk reads with backoff inside --retry-budget and counts every retry.
+fn chunk_clients_for(host: &str, repository: &str) -> anyhow::Result<(Arc<dyn imgfmt::BlobSource>, Arc<dyn imgfmt::BlobSource>)> {
+    let client = |warm: usize| -> anyhow::Result<Arc<regclient::RegistrySource>> {
+        let mut c = common::registry_client(host, repository, false)?;
+        c.set_retry_policy(lazy::RetryPolicy::never());
+        let c = Arc::new(c);
+        warm_up(&c, warm);
+        Ok(c)
+    };
+    Ok((client(WARM_FAULT_CONNECTIONS)?, client(WARM_BACKGROUND_CONNECTIONS)?))
+}
+
 pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     // Registry references get a client of their own so traces can be pushed as referrers
     // through it; layouts keep traces under the fallback tag.
-    let mut fault_source: Option<Arc<dyn imgfmt::BlobSource>> = None;
-    let mut background_source: Option<Arc<dyn imgfmt::BlobSource>> = None;
+    let mut chunk_clients = None;
     let sig_store: Box<dyn sign::Store>;
     let (mut o, traces): (common::Opened, Option<Box<dyn TraceStore>>) = match a.image.parse::<Reference>()? {
         Reference::Layout { path, selector } => {
@@ -234,39 +252,27 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
         }
         Reference::Registry { host, repository, selector } => {
             let src = Arc::new(common::registry_client(&host, &repository, false)?);
-            // Chunk reads get a client that does not retry on its own: the daemon retries
-            // them with backoff inside --retry-budget and counts every retry.
-            let mut faults = common::registry_client(&host, &repository, false)?;
-            faults.set_retry_policy(lazy::RetryPolicy::never());
-            let faults = Arc::new(faults);
-            warm_up(&faults, WARM_FAULT_CONNECTIONS);
-            fault_source = Some(faults as Arc<dyn imgfmt::BlobSource>);
-            // The stream and the working-set replay read through a client of their own
-            // (its own connections, and its own thread reading them), so a fault's small
-            // response is never read behind the stream's megabytes.
-            let mut background = common::registry_client(&host, &repository, false)?;
-            background.set_retry_policy(lazy::RetryPolicy::never());
-            let background = Arc::new(background);
-            warm_up(&background, WARM_BACKGROUND_CONNECTIONS);
-            background_source = Some(background as Arc<dyn imgfmt::BlobSource>);
+            // The config, index and outboards are read at once after the manifest.
+            warm_up(&src, WARM_METADATA_CONNECTIONS);
+            chunk_clients = Some(chunk_clients_for(&host, &repository)?);
             sig_store = Box::new(RegistryStore(src.clone()));
             let o = common::Opened { source: Box::new(src.clone()), selector, reference: a.image.clone() };
-            (o, Some(Box::new(RegistryTraces(src))))
+            (o, Some(Box::new(RegistryTraces::new(src))))
         }
     };
     // The policy decides before the socket exists: its signature reads overlap reading
     // the image's metadata, and no runtime's handshake is accepted for a refused image.
     let r: Reference = a.image.parse()?;
-    let mut image = a.policy.gate(&r, sig_store.as_ref(), &mut o, open_image)?;
-    // Outboards let a fault fetch a verified slice instead of its whole chunk, a recording
-    // restore keep the guest's working set by slice, and a later restore check that
-    // working set slice by slice before installing it. Without them (an old image, a blob
-    // that will not load) faults fetch whole chunks and traces are chunk orders only.
-    if a.slice_faults || a.record_trace || a.prefetch != PrefetchMode::None {
-        if let Err(e) = image.load_outboards(o.source.as_ref()) {
-            eprintln!("snapctl lazy: warning: {e}; faults fetch whole chunks, and no working set is recorded or replayed");
+    // Resolved once, here, so finding the image's trace (a registry's referrers: round
+    // trips of their own) goes on beside reading the image's metadata.
+    let digest = common::resolve(&o)?;
+    o.selector = imgfmt::reference::Selector::Digest(digest.clone());
+    let image = std::thread::scope(|s| {
+        if let Some(t) = traces.as_deref().filter(|_| a.prefetch != PrefetchMode::None) {
+            s.spawn(|| t.prepare(&digest));
         }
-    }
+        open_gated(&a, &r, sig_store.as_ref(), &mut o)
+    })?;
     let image = Arc::new(image);
     let store: Option<Arc<dyn lazy::ChunkStore>> = if a.no_cache {
         None
@@ -288,9 +294,9 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     opts.ready_file = a.ready_file.clone();
     opts.allow_uids = a.allow_uid.clone();
     opts.allow_gids = a.allow_gid.clone();
-    let src: Arc<dyn imgfmt::BlobSource> = match fault_source {
-        Some(s) => s,
-        None => Arc::from(o.source),
+    let (src, background_source): (Arc<dyn imgfmt::BlobSource>, _) = match chunk_clients {
+        Some((faults, background)) => (faults, Some(background)),
+        None => (Arc::from(o.source), None),
     };
     if let Some(workdir) = &a.criu_workdir {
         return run_criu(&a, image, src, store, workdir.clone(), opts);
@@ -360,6 +366,23 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
         }
     }))?;
     Ok(common::code(if failed.load(Ordering::Relaxed) { common::EXIT_FAILED } else { common::EXIT_OK }))
+}
+
+/// The image `o` names, once the policy accepts it (its signature reads overlap the
+/// image's). Outboards let a fault fetch a verified slice instead of its whole chunk, a
+/// recording restore keep the guest's working set by slice, and a later restore check that
+/// working set slice by slice before installing it; they are read beside the config and
+/// index. Without them (an old image, a blob that will not load) faults fetch whole chunks
+/// and traces are chunk orders only.
+fn open_gated(a: &LazyArgs, r: &Reference, store: &dyn sign::Store, o: &mut common::Opened) -> anyhow::Result<imgfmt::Image> {
+    if !(a.slice_faults || a.record_trace || a.prefetch != PrefetchMode::None) {
+        return a.policy.gate(r, store, o, open_image);
+    }
+    let (image, outboards) = a.policy.gate(r, store, o, common::open_image_with_outboards)?;
+    if let Err(e) = outboards {
+        eprintln!("snapctl lazy: warning: {e}; faults fetch whole chunks, and no working set is recorded or replayed");
+    }
+    Ok(image)
 }
 
 /// `--criu-workdir`: one `criu restore --lazy-pages`, every task it restores.

@@ -118,7 +118,7 @@ fn regression_issue_22_copy_carries_signatures_sboms_and_traces_to_snapctl_and_d
     let trace = lazy::Trace::new("vm.mem", image.config().chunk_size, vec![3, 0, 2]);
     let working_set = vec![0x5au8; 200_000];
     use lazy::TraceStore as _;
-    lazy::RegistryTraces(src.clone()).store(&image, &trace, &working_set).unwrap();
+    lazy::RegistryTraces::new(src.clone()).store(&image, &trace, &working_set).unwrap();
 
     // inspect lists them at the source.
     let listed = w.inspect(&format!("{}/vm:v1", a.addr));
@@ -148,7 +148,7 @@ fn regression_issue_22_copy_carries_signatures_sboms_and_traces_to_snapctl_and_d
         assert!(types(&listed["referrers"]).contains(&lazy::TRACE_MEDIA_TYPE.to_string()), "{listed}");
         let host = dest.split('/').next().unwrap();
         let dst = Arc::new(regclient::RegistrySource::new(host, "mirror/vm", true, None).unwrap());
-        let loaded = lazy::RegistryTraces(dst.clone()).load(&image, image.file("vm.mem").unwrap().0).unwrap().expect("the trace at the destination");
+        let loaded = lazy::RegistryTraces::new(dst.clone()).load(&image, image.file("vm.mem").unwrap().0).unwrap().expect("the trace at the destination");
         assert_eq!(loaded.chunks, trace.chunks);
         use imgfmt::BlobSource as _;
         let refs = dst.list_referrers(&image.manifest_digest, Some(lazy::TRACE_MEDIA_TYPE)).unwrap();
@@ -171,4 +171,46 @@ fn regression_issue_22_copy_carries_signatures_sboms_and_traces_to_snapctl_and_d
     ok(w.snapctl().args(["copy", &lay, &format!("{}/again/vm:v1", b.addr)]));
     assert_eq!(w.verify_sig(&format!("{}/again/vm@{digest}", b.addr), false).code, 0);
     assert!(discovered(&w, &format!("{}/again/vm@{digest}", b.addr)).contains(SBOM_TYPE));
+}
+
+/// A wake looks for the image's trace while it reads the image (`TraceStore::prepare`, then
+/// `load`): what it finds is what `load` alone finds, and a lookup made for another image
+/// is not used for this one (issue 23 §3, wake).
+#[test]
+fn regression_issue_23_a_trace_looked_up_ahead_is_the_one_load_finds() {
+    use lazy::TraceStore as _;
+    let w = Work { dir: tempfile::tempdir().unwrap() };
+    let a = Serve::start(w.path("a").to_str().unwrap(), &[], &[]);
+    let snap = w.path("snap");
+    ok(w.snapctl().arg("sample").arg(&snap).args(["--size", "4MiB"]));
+    let digest = ok(w.snapctl().arg("push").arg(&snap).arg(format!("{}/vm:v1", a.addr))).stdout.trim().to_owned();
+    ok(w.snapctl().arg("sample").arg(w.path("other")).args(["--size", "4MiB", "--seed", "9"]));
+    let other = ok(w.snapctl().arg("push").arg(w.path("other")).arg(format!("{}/vm:other", a.addr))).stdout.trim().to_owned();
+    let src = Arc::new(regclient::RegistrySource::new(&a.addr, "vm", true, None).unwrap());
+    let image = imgfmt::Image::open(src.as_ref(), &digest.parse().unwrap()).unwrap();
+    let file = image.file("vm.mem").unwrap().0;
+    let fresh = || lazy::RegistryTraces::new(Arc::new(regclient::RegistrySource::new(&a.addr, "vm", true, None).unwrap()));
+
+    // No trace yet: none, prepared or not.
+    let t = fresh();
+    t.prepare(&image.manifest_digest);
+    assert_eq!(t.load(&image, file).unwrap(), None);
+
+    let mut trace = lazy::Trace::new("vm.mem", image.config().chunk_size, vec![3, 0, 2]);
+    trace.working_set = vec![0, 4096];
+    lazy::RegistryTraces::new(src.clone()).store(&image, &trace, &vec![0x5au8; 8192]).unwrap();
+    let plain = fresh().load(&image, file).unwrap().expect("the stored trace");
+    assert_eq!((plain.chunks.clone(), plain.working_set.clone()), (trace.chunks.clone(), trace.working_set.clone()));
+    assert!(plain.working_set_blob.is_some(), "its working-set blob is there");
+
+    let t = fresh();
+    t.prepare(&image.manifest_digest);
+    assert_eq!(t.load(&image, file).unwrap().as_ref(), Some(&plain), "prepared, the same trace");
+    // Taken by that load: the next one looks again, and still finds it.
+    assert_eq!(t.load(&image, file).unwrap().as_ref(), Some(&plain));
+
+    // A lookup for another image (which has no trace) is not this image's answer.
+    let t = fresh();
+    t.prepare(&other.parse().unwrap());
+    assert_eq!(t.load(&image, file).unwrap().as_ref(), Some(&plain));
 }

@@ -199,7 +199,7 @@ fn retention_over_a_simulated_month_keeps_exactly_what_the_policy_says() {
             let ws: Vec<u8> = (0..2048).flat_map(|_| rng.next_u64().to_le_bytes()).collect();
             let trace = lazy::Trace::new("vm.mem", CHUNK as u64, vec![0, 1, 2]);
             use lazy::TraceStore as _;
-            let (_, td) = lazy::RegistryTraces(Arc::new(reg.client())).store(&image, &trace, &ws).unwrap();
+            let (_, td) = lazy::RegistryTraces::new(Arc::new(reg.client())).store(&image, &trace, &ws).unwrap();
             reg.stamp(&link_key(&td), t + Duration::from_secs(3600));
             traces.push((td, d.clone()));
         }

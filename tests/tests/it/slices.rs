@@ -340,3 +340,98 @@ fn pack_refuses_slice_sizes_it_cannot_write() {
     assert_eq!(r.code, 0, "{r:?}");
     assert_eq!(serde_json::from_str::<serde_json::Value>(&r.stdout).unwrap()["slice_size"], 16384);
 }
+
+/// A layout whose blob reads (the manifest's aside) each wait until `together` of them
+/// have started, or 10 s: reads made one after another would each wait out the 10 s, so
+/// `max_in_flight` tells whether they were made at once.
+struct Gate {
+    layout: OciLayout,
+    manifest: OciDigest,
+    together: usize,
+    state: std::sync::Mutex<(usize, usize, usize)>, // started, in flight, most in flight
+    cv: std::sync::Condvar,
+}
+
+impl imgfmt::source::Forward for Gate {
+    fn inner(&self) -> &dyn BlobSource {
+        &self.layout
+    }
+    fn read_blob_unverified(&self, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, imgfmt::FormatError> {
+        if *digest != self.manifest {
+            let mut s = self.state.lock().unwrap();
+            s.0 += 1;
+            s.1 += 1;
+            s.2 = s.2.max(s.1);
+            self.cv.notify_all();
+            let (mut s, _) = self.cv.wait_timeout_while(s, std::time::Duration::from_secs(10), |s| s.0 < self.together).unwrap();
+            s.1 -= 1;
+        }
+        self.layout.read_blob_unverified(digest, limit)
+    }
+}
+
+/// Waking a restore waits for the image's config, index and outboard: read one after
+/// another they cost three round trips, read at once one (issue 23 §3, wake).
+#[test]
+fn regression_issue_23_open_with_outboards_reads_config_index_and_outboard_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = write_source(dir.path());
+    let layout = OciLayout::open_or_create(dir.path().join("l")).unwrap();
+    pack(&src, &layout, "t", &opts_256k());
+    let d = layout.resolve_tag("t").unwrap();
+    let gate =
+        Gate { layout: OciLayout::open(dir.path().join("l")).unwrap(), manifest: d.clone(), together: 3, state: Default::default(), cv: Default::default() };
+    let (img, outboards) = Image::open_with_outboards(&gate, &d).unwrap();
+    outboards.unwrap();
+    let (started, _, most) = *gate.state.lock().unwrap();
+    assert_eq!((started, most), (3, 3), "config, index and outboard, each read once and all at once");
+    // The same image, slice for slice, as opening and then loading the outboards.
+    let want = open_loaded(&layout, "t");
+    for (fi, f) in want.files.iter().enumerate() {
+        for c in 0..f.chunks.len() as u64 {
+            assert_eq!(img.slice_cvs(fi, c).map(|s| s.slice_count()), want.slice_cvs(fi, c).map(|s| s.slice_count()), "{} chunk {c}", f.name);
+        }
+    }
+    let (fi, _) = img.file("vm.mem").unwrap();
+    assert_eq!(img.slice_cvs(fi, 0).map(|s| s.slice_count()), Some(64), "vm.mem's chunks are served by slice");
+
+    // A layer: its own outboard comes with its config and index, its parent's after them.
+    let mut mem = fs::read(src.join("vm.mem")).unwrap();
+    mem[256 * KIB + 10] ^= 0xff;
+    fs::write(src.join("vm.mem"), &mem).unwrap();
+    let parent = Related { source: &layout, image: Image::open(&layout, &d).unwrap(), reference: "t".into() };
+    pack(&src, &layout, "child", &PackOptions { parent: Some(parent), ..opts_256k() });
+    let child = layout.resolve_tag("child").unwrap();
+    let (img, outboards) = Image::open_with_outboards(&layout, &child).unwrap();
+    outboards.unwrap();
+    assert!(img.chain.iter().all(|l| l.outboard.is_some()), "every link's outboard is loaded");
+    let (fi, _) = img.file("vm.mem").unwrap();
+    for chunk in [0, 1] {
+        let got: Vec<u8> = verify::read_slices(&layout, &img, fi, chunk, 0..64).unwrap().iter().flat_map(|s| s.as_bytes().to_vec()).collect();
+        assert_eq!(got, mem[chunk as usize * 256 * KIB..(chunk as usize + 1) * 256 * KIB]);
+    }
+}
+
+/// An outboard read ahead that does not match its digest does not fail the open: the
+/// image comes without outboards (faults then fetch whole chunks) and the error beside it.
+#[test]
+fn regression_issue_23_a_damaged_outboard_read_ahead_leaves_the_image_without_slices() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = write_source(dir.path());
+    let lay = dir.path().join("l");
+    let layout = OciLayout::open_or_create(&lay).unwrap();
+    pack(&src, &layout, "t", &opts_256k());
+    let d = layout.resolve_tag("t").unwrap();
+    let img = Image::open(&layout, &d).unwrap();
+    let ob = img.chain[0].outboard_blob.clone().expect("an outboard");
+    let p = blob_path(&lay, &ob.digest);
+    let mut b = fs::read(&p).unwrap();
+    let last = b.len() - 1;
+    b[last] ^= 1;
+    fs::write(&p, &b).unwrap();
+    let (img, outboards) = Image::open_with_outboards(&layout, &d).unwrap();
+    let e = outboards.unwrap_err();
+    assert!(e.to_string().contains(&ob.digest.to_string()), "{e}");
+    assert!(img.chain.iter().all(|l| l.outboard.is_none()) && img.base_outboard.is_none());
+    assert!(img.files.iter().enumerate().all(|(fi, f)| (0..f.chunks.len() as u64).all(|c| img.slice_cvs(fi, c).is_none())));
+}
