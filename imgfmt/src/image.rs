@@ -152,6 +152,34 @@ pub struct Image {
     pub base_outboard_blob: Option<Descriptor>,
     /// That outboard, decoded, once [`Image::load_outboards`] read it.
     pub base_outboard: Option<Arc<Outboard>>,
+    /// Outboards put in place after the image was shared ([`Image::attach_outboards`]).
+    attached: std::sync::OnceLock<Outboards>,
+}
+
+/// Every outboard an image lists, read and checked: each chain link's (chain order; `None`
+/// for a link without one) and the base's.
+#[derive(Debug, Clone)]
+pub struct Outboards {
+    pub links: Vec<Option<Arc<Outboard>>>,
+    pub base: Option<Arc<Outboard>>,
+}
+
+/// Outboards still being read for an image ([`Image::open_outboards_later`]).
+pub struct PendingOutboards {
+    src: Arc<dyn BlobSource>,
+    reading: std::thread::JoinHandle<HashMap<OciDigest, Vec<u8>>>,
+}
+
+impl PendingOutboards {
+    /// Wait for the outboards read ahead, read any others the image lists (an ancestor's,
+    /// or one too large to read ahead), check them all, and put them in place in `image`,
+    /// the image they were opened with. An error leaves `image` without outboards.
+    pub fn finish(self, image: &Image) -> Result<(), FormatError> {
+        let ahead = self.reading.join().unwrap_or_default();
+        let outboards = image.read_all_outboards(&Fetched { src: self.src.as_ref(), blobs: std::sync::Mutex::new(ahead) })?;
+        image.attach_outboards(outboards);
+        Ok(())
+    }
 }
 
 impl Image {
@@ -177,39 +205,50 @@ impl Image {
     /// Open the image whose manifest has `manifest_digest`, reading its config, index and
     /// parent chain from `src`. Every metadata blob is checked against its digest.
     pub fn open(src: &dyn BlobSource, manifest_digest: &OciDigest) -> Result<Self, FormatError> {
-        Self::open_fetching(src, manifest_digest, false).map(|(image, _)| image)
+        let (bytes, manifest) = read_manifest(src, manifest_digest)?;
+        Self::open_decoded(src, manifest_digest, bytes, manifest)
     }
 
-    /// [`Image::open`], then [`Image::load_outboards`], with the outboards of the image and
-    /// of its base read in the same round trip as the config and index (a restore that
-    /// serves faults by slice waits for all of them before it starts: one round trip less).
-    /// An outboard that cannot be read or checked does not fail the open: its error is
-    /// returned beside the image, which then has no outboards (readers fetch whole chunks).
-    pub fn open_with_outboards(src: &dyn BlobSource, manifest_digest: &OciDigest) -> Result<(Self, Result<(), FormatError>), FormatError> {
-        let (mut image, mut fetched) = Self::open_fetching(src, manifest_digest, true)?;
-        let loaded = image.load_outboards(&Fetched { src, blobs: std::sync::Mutex::new(std::mem::take(&mut fetched)) });
-        if loaded.is_err() {
-            for link in &mut image.chain {
-                link.outboard = None;
-            }
-            image.base_outboard = None;
-        }
-        Ok((image, loaded))
+    /// [`Image::open`], returning once the config and index are read, with the outboards
+    /// of the image and of its base still being read (begun with the config and index):
+    /// [`PendingOutboards::finish`] puts them in place once they are in. Until then
+    /// [`Image::slice_cvs`] answers `None` and readers fetch whole chunks. A restore that
+    /// only serves faults takes its first one that much sooner.
+    pub fn open_outboards_later(src: Arc<dyn BlobSource>, manifest_digest: &OciDigest) -> Result<(Self, PendingOutboards), FormatError> {
+        let (bytes, manifest) = read_manifest(src.as_ref(), manifest_digest)?;
+        let (s2, m2) = (src.clone(), manifest.clone());
+        let reading = std::thread::Builder::new()
+            .name("outboards".into())
+            .spawn(move || read_ahead_outboards(s2.as_ref(), &m2))
+            .map_err(|e| FormatError::Io { context: "spawning a thread".into(), source: e })?;
+        let image = Self::open_decoded(src.as_ref(), manifest_digest, bytes, manifest)?;
+        Ok((image, PendingOutboards { src, reading }))
     }
 
-    /// [`Image::open`], and with `outboards` the outboards of the image and of its base read
-    /// ahead (unverified), those small enough to read before their bound is known
-    /// ([`SPECULATIVE_OUTBOARD_BYTES`]).
-    fn open_fetching(src: &dyn BlobSource, manifest_digest: &OciDigest, outboards: bool) -> Result<(Self, HashMap<OciDigest, Vec<u8>>), FormatError> {
-        let manifest_bytes = read_verified_blob(src, manifest_digest, MAX_MANIFEST_BYTES)?;
-        let manifest = Manifest::decode(&manifest_bytes)?;
-        if manifest.config.media_type != media::CONFIG {
-            return Err(FormatError::invalid("manifest", format!("{manifest_digest} has config type {:?}: not a snapctl image", manifest.config.media_type)));
-        }
+    /// Every outboard the image lists, read and checked ([`Image::read_outboards`],
+    /// [`Image::read_base_outboard`]), without changing the image.
+    pub fn read_all_outboards(&self, src: &dyn BlobSource) -> Result<Outboards, FormatError> {
+        let links = self.read_outboards(src).into_iter().collect::<Result<Vec<_>, _>>()?;
+        let base = match &self.base_outboard {
+            Some(b) => Some(b.clone()),
+            None => self.read_base_outboard(src)?.map(Arc::new),
+        };
+        Ok(Outboards { links, base })
+    }
+
+    /// Put outboards read for this image ([`Image::read_all_outboards`]) in place while it
+    /// is shared: [`Image::slice_cvs`] answers from them from then on. Once: `false` (and
+    /// nothing changes) if outboards were attached before.
+    pub fn attach_outboards(&self, outboards: Outboards) -> bool {
+        outboards.links.len() == self.chain.len() && self.attached.set(outboards).is_ok()
+    }
+
+    /// The image of an already read and checked manifest.
+    fn open_decoded(src: &dyn BlobSource, manifest_digest: &OciDigest, manifest_bytes: Vec<u8>, manifest: Manifest) -> Result<Self, FormatError> {
         let mut chain = Vec::new();
         let mut config_digest = manifest.config.digest.clone();
         // Kept, not taken: unchanged layers over the same files have identical indexes.
-        let Prefetched { verified: fetched, outboards: mut read_ahead } = prefetch_metadata(src, &manifest, outboards);
+        let fetched = prefetch_metadata(src, &manifest);
         let read = |d: &OciDigest, limit: u64| match fetched.get(d) {
             Some(b) => Ok(b.clone()),
             None => read_verified_blob(src, d, limit),
@@ -267,13 +306,17 @@ impl Image {
         }
         find_outboards(&manifest, manifest_digest, &mut chain)?;
         let base_outboard_blob = base_outboard(&manifest, manifest_digest, &chain[0])?;
-        // Only the outboards the image has found stay (the walk has read the rest).
-        let found: std::collections::HashSet<&OciDigest> =
-            chain.iter().filter_map(|l| l.outboard_blob.as_ref()).chain(base_outboard_blob.as_ref()).map(|d| &d.digest).collect();
-        read_ahead.retain(|d, _| found.contains(d));
-        drop(found);
-        let image = Image { manifest_digest: manifest_digest.clone(), manifest_bytes, manifest, chain, packs, files, base_outboard_blob, base_outboard: None };
-        Ok((image, read_ahead))
+        Ok(Image {
+            manifest_digest: manifest_digest.clone(),
+            manifest_bytes,
+            manifest,
+            chain,
+            packs,
+            files,
+            base_outboard_blob,
+            base_outboard: None,
+            attached: std::sync::OnceLock::new(),
+        })
     }
 
     /// Every link's outboard, chain order: `Ok(None)` for a link without one, a link's
@@ -328,8 +371,10 @@ impl Image {
         let StoredAt::Pack { codec: Codec::Raw, .. } = c.at else { return None };
         // The link's own outboard, else the base's: a base-referencing image leaves the
         // slices of the base's chunks to the base's outboard.
-        let own = self.chain.get(c.depth as usize)?.outboard.as_deref().and_then(|o| o.find_chunk(&c.digest, c.len));
-        own.or_else(|| self.base_outboard.as_deref()?.find_chunk(&c.digest, c.len))
+        let attached = self.attached.get();
+        let link = self.chain.get(c.depth as usize)?.outboard.as_deref().or_else(|| attached?.links.get(c.depth as usize)?.as_deref());
+        let own = link.and_then(|o| o.find_chunk(&c.digest, c.len));
+        own.or_else(|| self.base_outboard.as_deref().or_else(|| attached?.base.as_deref())?.find_chunk(&c.digest, c.len))
     }
 
     /// Every pack this image points into, with which chain link owns it.
@@ -355,70 +400,81 @@ const PREFETCH_THREADS: usize = crate::source::SMALL_READS_IN_FLIGHT;
 pub const SPECULATIVE_OUTBOARD_BYTES: u64 = 32 << 20;
 
 /// The config and index blobs the manifest lists for the image (its config, the index of
-/// owner `self`) and for its ancestors (owner `parent`, `parent.parent`, …), and with
-/// `outboards` the outboards of owner `self` and `base` up to [`SPECULATIVE_OUTBOARD_BYTES`],
-/// fetched in parallel and checked against their digests. Reading a chain link by link
-/// costs two round trips per link, one after the other (130 for a chain of 64: seconds over
-/// a WAN, and most of a small pull's time on loopback); config, index and outboard one
-/// after another cost a wake three. At most as many configs and indexes as the longest
+/// owner `self`) and for its ancestors (owner `parent`, `parent.parent`, …), fetched in
+/// parallel and checked against their digests. Reading a chain link by link costs two
+/// round trips per link, one after the other (130 for a chain of 64: seconds over a WAN,
+/// and most of a small pull's time on loopback). At most as many blobs as the longest
 /// chain has are fetched, so a manifest listing more cannot make a reader fetch more than
 /// the link-by-link walk could. A blob that fails here is left to the walk, which reads it
 /// again and reports the failure.
-fn prefetch_metadata(src: &dyn BlobSource, manifest: &Manifest, outboards: bool) -> Prefetched {
+fn prefetch_metadata(src: &dyn BlobSource, manifest: &Manifest) -> HashMap<OciDigest, Vec<u8>> {
     let is_chain = |o: &str| o == "self" || o.split('.').all(|p| p == "parent");
     let mut seen = std::collections::HashSet::from([&manifest.config.digest]);
-    let own_config = std::iter::once((&manifest.config.digest, MAX_CONFIG_BYTES));
-    let chain = manifest
-        .layers
-        .iter()
-        .filter(|d| d.annotations.get(media::ANN_OWNER).is_some_and(|o| is_chain(o)) && seen.insert(&d.digest))
-        .filter_map(|d| match d.media_type.as_str() {
-            media::CONFIG => Some((&d.digest, MAX_CONFIG_BYTES)),
-            media::INDEX => Some((&d.digest, MAX_INDEX_BYTES)),
-            _ => None,
-        })
-        .take(2 * MAX_CHAIN_DEPTH + 1);
-    let mut seen_outboards = std::collections::HashSet::new();
-    let own_outboards = manifest
+    let wanted: Vec<(&OciDigest, u64)> = std::iter::once((&manifest.config.digest, MAX_CONFIG_BYTES))
+        .chain(
+            manifest
+                .layers
+                .iter()
+                .filter(|d| d.annotations.get(media::ANN_OWNER).is_some_and(|o| is_chain(o)) && seen.insert(&d.digest))
+                .filter_map(|d| match d.media_type.as_str() {
+                    media::CONFIG => Some((&d.digest, MAX_CONFIG_BYTES)),
+                    media::INDEX => Some((&d.digest, MAX_INDEX_BYTES)),
+                    _ => None,
+                })
+                .take(2 * MAX_CHAIN_DEPTH + 1),
+        )
+        .collect();
+    read_all(src, &wanted, true)
+}
+
+/// The outboards of owner `self` and `base` the manifest lists (at most one each: a second
+/// is an error the open reports), those no larger than [`SPECULATIVE_OUTBOARD_BYTES`],
+/// read in parallel as the source gives them: their reader checks them once it knows
+/// their bound.
+fn read_ahead_outboards(src: &dyn BlobSource, manifest: &Manifest) -> HashMap<OciDigest, Vec<u8>> {
+    let mut seen = std::collections::HashSet::new();
+    let wanted: Vec<(&OciDigest, u64)> = manifest
         .layers
         .iter()
         .filter(|d| {
-            outboards
-                && d.media_type == media::OUTBOARD
+            d.media_type == media::OUTBOARD
                 && d.size <= SPECULATIVE_OUTBOARD_BYTES
                 && d.annotations.get(media::ANN_OWNER).is_some_and(|o| o == "self" || o == "base")
-                && seen_outboards.insert(&d.digest)
+                && seen.insert(&d.digest)
         })
         .map(|d| (&d.digest, d.size))
-        .take(2);
-    let wanted: Vec<(&OciDigest, u64)> = own_config.chain(chain).collect();
-    let metadata = wanted.len();
-    let wanted: Vec<(&OciDigest, u64)> = wanted.into_iter().chain(own_outboards).collect();
-    let (got, unverified) = (std::sync::Mutex::new(HashMap::new()), std::sync::Mutex::new(HashMap::new()));
+        .take(2)
+        .collect();
+    read_all(src, &wanted, false)
+}
+
+/// Blobs `wanted` (each with its size bound), [`PREFETCH_THREADS`] at a time; with
+/// `verified`, only those that match their digest. A blob that cannot be read is left out.
+fn read_all(src: &dyn BlobSource, wanted: &[(&OciDigest, u64)], verified: bool) -> HashMap<OciDigest, Vec<u8>> {
+    let got = std::sync::Mutex::new(HashMap::new());
     crate::work::for_each_index(
         wanted.len(),
         PREFETCH_THREADS,
         || (),
         |_, i| {
             let (d, limit) = wanted[i];
-            if i >= metadata {
-                // Checked once, by the outboard's reader.
-                if let Ok(b) = src.read_blob_unverified(d, limit) {
-                    unverified.lock().expect("poisoned").insert(d.clone(), b);
-                }
-            } else if let Ok(b) = read_verified_blob(src, d, limit) {
+            let b = if verified { read_verified_blob(src, d, limit) } else { src.read_blob_unverified(d, limit) };
+            if let Ok(b) = b {
                 got.lock().expect("poisoned").insert(d.clone(), b);
             }
         },
     );
-    Prefetched { verified: got.into_inner().expect("poisoned"), outboards: unverified.into_inner().expect("poisoned") }
+    got.into_inner().expect("poisoned")
 }
 
-/// What [`prefetch_metadata`] read: configs and indexes checked against their digests, and
-/// outboards as the source gave them (their reader checks them).
-struct Prefetched {
-    verified: HashMap<OciDigest, Vec<u8>>,
-    outboards: HashMap<OciDigest, Vec<u8>>,
+/// The manifest `digest`, checked against it, and decoded: a snapctl image's.
+fn read_manifest(src: &dyn BlobSource, digest: &OciDigest) -> Result<(Vec<u8>, Manifest), FormatError> {
+    let bytes = read_verified_blob(src, digest, MAX_MANIFEST_BYTES)?;
+    let manifest = Manifest::decode(&bytes)?;
+    if manifest.config.media_type != media::CONFIG {
+        return Err(FormatError::invalid("manifest", format!("{digest} has config type {:?}: not a snapctl image", manifest.config.media_type)));
+    }
+    Ok((bytes, manifest))
 }
 
 /// A source whose blobs read ahead are served from memory, each once; every other read

@@ -44,7 +44,7 @@ pub use compress::Compression;
 pub use config::{FileEntry, ImageConfig, Kind, Role};
 pub use digest::{ChunkDigest, HashAlgo, OciDigest, OciHasher};
 pub use error::{BoxError, ErrorKind, FormatError};
-pub use image::{resolve_chain, ChainLink, Image, ResolvedChunk, ResolvedFile, StoredAt};
+pub use image::{resolve_chain, ChainLink, Image, Outboards, PendingOutboards, ResolvedChunk, ResolvedFile, StoredAt};
 pub use index::{ChunkIndex, ChunkRecord, IndexFile, PackRef, RecordKind};
 pub use layout::OciLayout;
 pub use manifest::{Descriptor, Manifest};

@@ -446,6 +446,43 @@ fn regression_issue_16_scattered_faults_fetch_slices_not_chunks() {
     assert_eq!(rep.faults.fetched + rep.faults.cache_hit + rep.faults.present, 4, "{rep:?}");
 }
 
+/// A cold restore that only serves faults listens before the outboards are in (issue 23
+/// §3, wake): its faults fetch whole chunks until then, and slices once they are attached
+/// to the shared image.
+#[test]
+fn regression_issue_23_faults_fetch_whole_chunks_until_the_outboards_are_attached() {
+    let (dir, mem, image, layout) = sample_image(24);
+    let file = image.file("vm.mem").unwrap().0;
+    assert!(image.slice_cvs(file, 0).is_none(), "opened without its outboards");
+    let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
+    let src = slow(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap(), Duration::from_millis(30));
+    let run = start(
+        dir.path(),
+        image.clone(),
+        src.clone(),
+        |o| {
+            o.prefetch = PrefetchMode::None;
+            o.slice_faults = true;
+        },
+        None,
+    );
+    let sock = guest.connect(&run.socket);
+    let r = guest.region(0);
+    let at = |c: usize| c * K64 + 5 * 4096;
+    assert_eq!(r[at(0)..at(0) + 4096], mem[at(0)..at(0) + 4096]);
+    assert_eq!(src.reads.load(Ordering::SeqCst), 1, "the whole chunk: no slices yet");
+    assert!(image.attach_outboards(image.read_all_outboards(&layout).unwrap()));
+    assert!(!image.attach_outboards(image.read_all_outboards(&layout).unwrap()), "once");
+    assert!(image.slice_cvs(file, 3).is_some());
+    assert_eq!(r[at(3)..at(3) + 4096], mem[at(3)..at(3) + 4096]);
+    wait_for("every fetch accounted", || metric(&run.daemon, "snapctl_lazy_bytes_fetched_total") >= 4096 + 2 * K64 as u64);
+    assert_eq!(src.reads.load(Ordering::SeqCst), 3, "then a slice and its chunk");
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!((rep.bytes_fetched, rep.slice_bytes), (4096 + 2 * K64 as u64, 4096), "{rep:?}");
+    assert_eq!((rep.verify_failures, rep.poisoned_pages), (0, 0));
+}
+
 /// Issue 16 §3: a byte flipped inside one slice of a raw pack fails closed like a tampered
 /// chunk: the slice is fetched twice, then its span is poisoned; the guest never sees the
 /// byte. A slice fetched before it, verified, keeps its right bytes.

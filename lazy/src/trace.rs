@@ -86,9 +86,12 @@ pub trait TraceStore: Send + Sync {
     fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<(String, OciDigest), FormatError>;
     /// Start looking for the traces of the image whose manifest is `manifest` before the
     /// image itself is open, so the round trips of finding one overlap the image's own: a
-    /// later [`TraceStore::load`] of that image uses what was read. The default does
-    /// nothing (a local store answers at once).
-    fn prepare(&self, _manifest: &OciDigest) {}
+    /// later [`TraceStore::load`] of that image uses what was read. `false`: the store
+    /// holds no trace of it (a restore then need not wait for what only a replay needs).
+    /// The default does nothing and answers `true` (a local store answers at once).
+    fn prepare(&self, _manifest: &OciDigest) -> bool {
+        true
+    }
 }
 
 /// The tag under which an OCI layout lists the traces of `image` (the referrers API's
@@ -319,14 +322,16 @@ impl TraceStore for RegistryTraces {
     /// Lists the image's traces and reads the newest one's manifest: two of the four round
     /// trips of loading a trace (the trace and whether its working set is there are asked
     /// at once, after the image is open).
-    fn prepare(&self, manifest: &OciDigest) {
+    fn prepare(&self, manifest: &OciDigest) -> bool {
         let refs = self.list(manifest);
+        let none = refs.as_ref().is_ok_and(|r| r.is_empty());
         let newest = refs.as_ref().ok().and_then(|r| by_date(r).first().copied().cloned()).filter(|d| d.size <= imgfmt::manifest::MAX_MANIFEST_BYTES);
         let newest = newest.and_then(|d| {
             let b = imgfmt::source::read_verified_blob(self.src.as_ref(), &d.digest, imgfmt::manifest::MAX_MANIFEST_BYTES).ok()?;
             Some((d.digest, b))
         });
         *self.ahead.lock().expect("poisoned") = Some(ReadAhead { subject: manifest.clone(), refs, newest });
+        !none
     }
 
     /// The newest usable trace. Anyone who may push may add a referrer, and its date is

@@ -302,11 +302,11 @@ pub fn open_image_in(source: &dyn BlobSource, selector: &Selector, reference: &s
     Image::open(source, &digest).map_err(|e| opening_failed(e, reference, &digest))
 }
 
-/// [`open_image`], with the outboards read in the same round trip as the config and index
-/// ([`Image::open_with_outboards`]; their own failure beside the image).
-pub fn open_image_with_outboards(o: &Opened) -> anyhow::Result<(Image, Result<(), imgfmt::FormatError>)> {
+/// [`open_image`] through `src` (`o`'s source, shared), the outboards still being read
+/// when it returns ([`Image::open_outboards_later`]).
+pub fn open_image_outboards_later(src: std::sync::Arc<dyn BlobSource>, o: &Opened) -> anyhow::Result<(Image, imgfmt::PendingOutboards)> {
     let digest = resolve(o)?;
-    Image::open_with_outboards(o.source.as_ref(), &digest).map_err(|e| opening_failed(e, &o.reference, &digest))
+    Image::open_outboards_later(src, &digest).map_err(|e| opening_failed(e, &o.reference, &digest))
 }
 
 /// Why an image could not be opened, as the CLI reports it. A missing manifest is an

@@ -239,6 +239,7 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     // Registry references get a client of their own so traces can be pushed as referrers
     // through it; layouts keep traces under the fallback tag.
     let mut chunk_clients = None;
+    let metadata_source: Arc<dyn imgfmt::BlobSource>;
     let sig_store: Box<dyn sign::Store>;
     let (mut o, traces): (common::Opened, Option<Box<dyn TraceStore>>) = match a.image.parse::<Reference>()? {
         Reference::Layout { path, selector } => {
@@ -248,6 +249,7 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
                 reference: a.image.clone(),
             };
             sig_store = Box::new(LayoutStore(OciLayout::open(&path).with_context(|| format!("opening {}", a.image))?));
+            metadata_source = Arc::new(OciLayout::open(&path).with_context(|| format!("opening {}", a.image))?);
             (o, Some(Box::new(LayoutTraces(OciLayout::open(&path).with_context(|| format!("opening {}", path.display()))?))))
         }
         Reference::Registry { host, repository, selector } => {
@@ -256,6 +258,7 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
             warm_up(&src, WARM_METADATA_CONNECTIONS);
             chunk_clients = Some(chunk_clients_for(&host, &repository)?);
             sig_store = Box::new(RegistryStore(src.clone()));
+            metadata_source = src.clone();
             let o = common::Opened { source: Box::new(src.clone()), selector, reference: a.image.clone() };
             (o, Some(Box::new(RegistryTraces::new(src))))
         }
@@ -267,13 +270,25 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     // trips of their own) goes on beside reading the image's metadata.
     let digest = common::resolve(&o)?;
     o.selector = imgfmt::reference::Selector::Digest(digest.clone());
-    let image = std::thread::scope(|s| {
-        if let Some(t) = traces.as_deref().filter(|_| a.prefetch != PrefetchMode::None) {
-            s.spawn(|| t.prepare(&digest));
-        }
-        open_gated(&a, &r, sig_store.as_ref(), &mut o)
+    let (image, outboards, maybe_trace) = std::thread::scope(|s| {
+        let looking = traces.as_deref().filter(|_| a.prefetch != PrefetchMode::None).map(|t| s.spawn(|| t.prepare(&digest)));
+        let opened = open_gated(&a, &r, sig_store.as_ref(), &mut o, &metadata_source);
+        let maybe_trace = looking.is_some_and(|h| h.join().unwrap_or(true));
+        opened.map(|(image, outboards)| (image, outboards, maybe_trace))
     })?;
     let image = Arc::new(image);
+    if let Some(pending) = outboards {
+        // A recording restore keeps the working set by slice from the first fault, a replay
+        // plans its working set by slice, and a CRIU restore pushes its pages by slice:
+        // they wait for the outboards. A restore that only serves faults listens at once,
+        // and its faults fetch whole chunks until the outboards are in.
+        if a.record_trace || maybe_trace || a.criu_workdir.is_some() {
+            finish_outboards(pending, &image);
+        } else {
+            let i = image.clone();
+            std::thread::Builder::new().name("lazy-outboards".into()).spawn(move || finish_outboards(pending, &i)).context("spawning a thread")?;
+        }
+    }
     let store: Option<Arc<dyn lazy::ChunkStore>> = if a.no_cache {
         None
     } else {
@@ -371,18 +386,28 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
 /// The image `o` names, once the policy accepts it (its signature reads overlap the
 /// image's). Outboards let a fault fetch a verified slice instead of its whole chunk, a
 /// recording restore keep the guest's working set by slice, and a later restore check that
-/// working set slice by slice before installing it; they are read beside the config and
-/// index. Without them (an old image, a blob that will not load) faults fetch whole chunks
-/// and traces are chunk orders only.
-fn open_gated(a: &LazyArgs, r: &Reference, store: &dyn sign::Store, o: &mut common::Opened) -> anyhow::Result<imgfmt::Image> {
+/// working set slice by slice before installing it; their reads begin with the config's
+/// and index's (through `src`, `o`'s source) and end after this returns.
+fn open_gated(
+    a: &LazyArgs,
+    r: &Reference,
+    store: &dyn sign::Store,
+    o: &mut common::Opened,
+    src: &Arc<dyn imgfmt::BlobSource>,
+) -> anyhow::Result<(imgfmt::Image, Option<imgfmt::PendingOutboards>)> {
     if !(a.slice_faults || a.record_trace || a.prefetch != PrefetchMode::None) {
-        return a.policy.gate(r, store, o, open_image);
+        return a.policy.gate(r, store, o, open_image).map(|image| (image, None));
     }
-    let (image, outboards) = a.policy.gate(r, store, o, common::open_image_with_outboards)?;
-    if let Err(e) = outboards {
+    let (image, pending) = a.policy.gate(r, store, o, |o| common::open_image_outboards_later(src.clone(), o))?;
+    Ok((image, Some(pending)))
+}
+
+/// Put the outboards in place once they are in. Without them (an old image, a blob that
+/// will not load) faults fetch whole chunks and traces are chunk orders only.
+fn finish_outboards(pending: imgfmt::PendingOutboards, image: &imgfmt::Image) {
+    if let Err(e) = pending.finish(image) {
         eprintln!("snapctl lazy: warning: {e}; faults fetch whole chunks, and no working set is recorded or replayed");
     }
-    Ok(image)
 }
 
 /// `--criu-workdir`: one `criu restore --lazy-pages`, every task it restores.

@@ -193,7 +193,7 @@ fn regression_issue_23_a_trace_looked_up_ahead_is_the_one_load_finds() {
 
     // No trace yet: none, prepared or not.
     let t = fresh();
-    t.prepare(&image.manifest_digest);
+    assert!(!t.prepare(&image.manifest_digest), "the registry listed no trace");
     assert_eq!(t.load(&image, file).unwrap(), None);
 
     let mut trace = lazy::Trace::new("vm.mem", image.config().chunk_size, vec![3, 0, 2]);
@@ -204,13 +204,13 @@ fn regression_issue_23_a_trace_looked_up_ahead_is_the_one_load_finds() {
     assert!(plain.working_set_blob.is_some(), "its working-set blob is there");
 
     let t = fresh();
-    t.prepare(&image.manifest_digest);
+    assert!(t.prepare(&image.manifest_digest), "a trace is listed");
     assert_eq!(t.load(&image, file).unwrap().as_ref(), Some(&plain), "prepared, the same trace");
     // Taken by that load: the next one looks again, and still finds it.
     assert_eq!(t.load(&image, file).unwrap().as_ref(), Some(&plain));
 
     // A lookup for another image (which has no trace) is not this image's answer.
     let t = fresh();
-    t.prepare(&other.parse().unwrap());
+    assert!(!t.prepare(&other.parse().unwrap()));
     assert_eq!(t.load(&image, file).unwrap().as_ref(), Some(&plain));
 }

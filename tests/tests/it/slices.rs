@@ -6,6 +6,7 @@
 use std::fs;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use imgfmt::outboard::Outboard;
 use imgfmt::{media, BlobSource, Image, OciDigest, OciLayout, StoredAt};
@@ -370,19 +371,26 @@ impl imgfmt::source::Forward for Gate {
     }
 }
 
-/// Waking a restore waits for the image's config, index and outboard: read one after
-/// another they cost three round trips, read at once one (issue 23 §3, wake).
+/// Waking a restore waits for the image's config and index, and a replay also for its
+/// outboard: read one after another they cost three round trips, read at once one; and
+/// slices answer once the outboards are in (issue 23 §3, wake).
 #[test]
-fn regression_issue_23_open_with_outboards_reads_config_index_and_outboard_at_once() {
+fn regression_issue_23_the_outboard_is_read_with_the_config_and_index_and_attached_later() {
     let dir = tempfile::tempdir().unwrap();
     let src = write_source(dir.path());
     let layout = OciLayout::open_or_create(dir.path().join("l")).unwrap();
     pack(&src, &layout, "t", &opts_256k());
     let d = layout.resolve_tag("t").unwrap();
-    let gate =
-        Gate { layout: OciLayout::open(dir.path().join("l")).unwrap(), manifest: d.clone(), together: 3, state: Default::default(), cv: Default::default() };
-    let (img, outboards) = Image::open_with_outboards(&gate, &d).unwrap();
-    outboards.unwrap();
+    let gate = Arc::new(Gate {
+        layout: OciLayout::open(dir.path().join("l")).unwrap(),
+        manifest: d.clone(),
+        together: 3,
+        state: Default::default(),
+        cv: Default::default(),
+    });
+    let (img, pending) = Image::open_outboards_later(gate.clone(), &d).unwrap();
+    let (fi, _) = img.file("vm.mem").unwrap();
+    pending.finish(&img).unwrap();
     let (started, _, most) = *gate.state.lock().unwrap();
     assert_eq!((started, most), (3, 3), "config, index and outboard, each read once and all at once");
     // The same image, slice for slice, as opening and then loading the outboards.
@@ -392,7 +400,6 @@ fn regression_issue_23_open_with_outboards_reads_config_index_and_outboard_at_on
             assert_eq!(img.slice_cvs(fi, c).map(|s| s.slice_count()), want.slice_cvs(fi, c).map(|s| s.slice_count()), "{} chunk {c}", f.name);
         }
     }
-    let (fi, _) = img.file("vm.mem").unwrap();
     assert_eq!(img.slice_cvs(fi, 0).map(|s| s.slice_count()), Some(64), "vm.mem's chunks are served by slice");
 
     // A layer: its own outboard comes with its config and index, its parent's after them.
@@ -402,10 +409,10 @@ fn regression_issue_23_open_with_outboards_reads_config_index_and_outboard_at_on
     let parent = Related { source: &layout, image: Image::open(&layout, &d).unwrap(), reference: "t".into() };
     pack(&src, &layout, "child", &PackOptions { parent: Some(parent), ..opts_256k() });
     let child = layout.resolve_tag("child").unwrap();
-    let (img, outboards) = Image::open_with_outboards(&layout, &child).unwrap();
-    outboards.unwrap();
-    assert!(img.chain.iter().all(|l| l.outboard.is_some()), "every link's outboard is loaded");
+    let (img, pending) = Image::open_outboards_later(Arc::new(OciLayout::open(dir.path().join("l")).unwrap()), &child).unwrap();
     let (fi, _) = img.file("vm.mem").unwrap();
+    assert!((0..2).all(|c| img.slice_cvs(fi, c).is_none()), "no slices before the outboards are in");
+    pending.finish(&img).unwrap();
     for chunk in [0, 1] {
         let got: Vec<u8> = verify::read_slices(&layout, &img, fi, chunk, 0..64).unwrap().iter().flat_map(|s| s.as_bytes().to_vec()).collect();
         assert_eq!(got, mem[chunk as usize * 256 * KIB..(chunk as usize + 1) * 256 * KIB]);
@@ -413,7 +420,7 @@ fn regression_issue_23_open_with_outboards_reads_config_index_and_outboard_at_on
 }
 
 /// An outboard read ahead that does not match its digest does not fail the open: the
-/// image comes without outboards (faults then fetch whole chunks) and the error beside it.
+/// image stays without outboards (faults then fetch whole chunks), and the error names it.
 #[test]
 fn regression_issue_23_a_damaged_outboard_read_ahead_leaves_the_image_without_slices() {
     let dir = tempfile::tempdir().unwrap();
@@ -429,9 +436,8 @@ fn regression_issue_23_a_damaged_outboard_read_ahead_leaves_the_image_without_sl
     let last = b.len() - 1;
     b[last] ^= 1;
     fs::write(&p, &b).unwrap();
-    let (img, outboards) = Image::open_with_outboards(&layout, &d).unwrap();
-    let e = outboards.unwrap_err();
+    let (img, pending) = Image::open_outboards_later(Arc::new(layout), &d).unwrap();
+    let e = pending.finish(&img).unwrap_err();
     assert!(e.to_string().contains(&ob.digest.to_string()), "{e}");
-    assert!(img.chain.iter().all(|l| l.outboard.is_none()) && img.base_outboard.is_none());
     assert!(img.files.iter().enumerate().all(|(fi, f)| (0..f.chunks.len() as u64).all(|c| img.slice_cvs(fi, c).is_none())));
 }
