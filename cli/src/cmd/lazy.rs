@@ -147,7 +147,9 @@ pub struct LazyArgs {
     /// `on` (the default): a chunk's first miss (a raw chunk with an outboard entry) fetches
     /// the faulting 4 KiB slice, verified against the outboard, and the whole chunk beside
     /// it: the slice serves the fault without waiting for the chunk's bytes. `off`: every
-    /// fault waits for its whole chunk (spec/lazy.md "Slice faults").
+    /// fault waits for its whole chunk (spec/lazy.md "Slice faults"). A daemon that records
+    /// no trace and has none to replay listens once the image's index is read, before its
+    /// outboards arrive; until they do, faults fetch whole chunks.
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     pub slice_faults: bool,
     #[command(flatten)]
