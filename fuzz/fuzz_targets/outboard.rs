@@ -2,13 +2,32 @@
 //! whatever it accepts re-encodes to an accepted outboard equal to it (byte-identical when
 //! its reserved bytes are zero), every entry is found by its digest with CV runs that tile
 //! the chunk, and merging an entry's CVs (what `verify` does before trusting one) is safe.
+//! `OutboardTable::decode_prefix` on any prefix of the bytes, with their length as the
+//! blob's: never panics, and accepts exactly what `decode` accepts once the prefix holds the
+//! entries, with the same entries and CV ranges that hold the same CVs.
 #![no_main]
 
-use imgfmt::outboard::{slice_count, Outboard, ENTRY_LEN, HEADER_LEN};
+use imgfmt::outboard::{slice_count, Outboard, OutboardTable, ENTRY_LEN, HEADER_LEN};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(ob) = Outboard::decode(data) else { return };
+    let decoded = Outboard::decode(data);
+    let entries = data.get(16..20).map_or(0, |b| u64::from(u32::from_le_bytes(b.try_into().unwrap())));
+    let need = (OutboardTable::prefix_len(entries) as usize).min(data.len());
+    // A prefix one byte short of the entries, and one that holds them.
+    if need > 0 {
+        let _ = OutboardTable::decode_prefix(&data[..need - 1], data.len() as u64);
+    }
+    let table = OutboardTable::decode_prefix(&data[..need], data.len() as u64);
+    assert_eq!(table.is_ok(), decoded.is_ok(), "the table and the blob decoders disagree: {:?} / {:?}", table.as_ref().err(), decoded.as_ref().err());
+    let Ok(ob) = decoded else { return };
+    let table = table.unwrap();
+    assert_eq!(table.entries, ob.entries);
+    for i in 0..ob.entries.len() {
+        let (at, len) = table.cv_range(i);
+        table.set_cvs(i, &data[at as usize..at as usize + len]).expect("the CV range of an accepted blob");
+        assert_eq!(table.entry(i).unwrap().cvs, ob.entry(i).cvs);
+    }
     let enc = ob.encode();
     assert_eq!(enc.len(), ob.encoded_len());
     assert_eq!(enc.len(), data.len(), "the decoder checks the exact length");

@@ -14,7 +14,7 @@ use crate::digest::{ChunkDigest, OciDigest};
 use crate::index::{chunk_count, chunk_len, ChunkIndex, PackRef, RecordKind, MAX_INDEX_BYTES};
 use crate::manifest::{Descriptor, Manifest, MAX_MANIFEST_BYTES};
 use crate::media;
-use crate::outboard::{self, Outboard, SliceCvs, MAX_OUTBOARD_BYTES, MIN_SLICE_SHIFT};
+use crate::outboard::{self, Outboard, OutboardTable, SliceCvs, SliceShape, MAX_OUTBOARD_BYTES, MIN_SLICE_SHIFT};
 use crate::reference::Selector;
 use crate::source::{read_verified_blob, BlobSource};
 use crate::FormatError;
@@ -154,6 +154,31 @@ pub struct Image {
     pub base_outboard: Option<Arc<Outboard>>,
     /// Outboards put in place after the image was shared ([`Image::attach_outboards`]).
     attached: std::sync::OnceLock<Outboards>,
+    /// Outboards' entries read without their CVs ([`OutboardsAhead::Tables`]), each
+    /// entry's CVs read when a slice of its chunk is first wanted
+    /// ([`Image::read_slice_cvs`]).
+    tables: Option<Arc<Tables>>,
+}
+
+/// How [`Image::open_outboards_later`] reads ahead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutboardsAhead {
+    /// The whole outboards of the image and its base, beside the config and index: for a
+    /// reader that will want most of them ([`PendingOutboards::finish`]).
+    Whole,
+    /// Only the entries of every outboard the chain lists, beside the config and index;
+    /// a chunk's CVs are read when a slice of it is first wanted. For a reader that wants
+    /// slices of a few chunks (a restore serving faults): it never moves the whole blobs,
+    /// whose bytes would sit in front of its first faults' on the link.
+    Tables,
+}
+
+/// The outboard tables of an image's chain links (chain order; `None` for a link without
+/// an outboard or whose table could not be read) and of its base, with their blobs.
+#[derive(Debug)]
+struct Tables {
+    links: Vec<Option<(OciDigest, OutboardTable)>>,
+    base: Option<(OciDigest, OutboardTable)>,
 }
 
 /// Every outboard an image lists, read and checked: each chain link's (chain order; `None`
@@ -167,7 +192,7 @@ pub struct Outboards {
 /// Outboards still being read for an image ([`Image::open_outboards_later`]).
 pub struct PendingOutboards {
     src: Arc<dyn BlobSource>,
-    reading: std::thread::JoinHandle<HashMap<OciDigest, Vec<u8>>>,
+    reading: Option<std::thread::JoinHandle<HashMap<OciDigest, Vec<u8>>>>,
 }
 
 impl PendingOutboards {
@@ -175,7 +200,7 @@ impl PendingOutboards {
     /// or one too large to read ahead), check them all, and put them in place in `image`,
     /// the image they were opened with. An error leaves `image` without outboards.
     pub fn finish(self, image: &Image) -> Result<(), FormatError> {
-        let ahead = self.reading.join().unwrap_or_default();
+        let ahead = self.reading.map(|r| r.join().unwrap_or_default()).unwrap_or_default();
         let outboards = image.read_all_outboards(&Fetched { src: self.src.as_ref(), blobs: std::sync::Mutex::new(ahead) })?;
         image.attach_outboards(outboards);
         Ok(())
@@ -209,20 +234,43 @@ impl Image {
         Self::open_decoded(src, manifest_digest, bytes, manifest)
     }
 
-    /// [`Image::open`], returning once the config and index are read, with the outboards
-    /// of the image and of its base still being read (begun with the config and index):
-    /// [`PendingOutboards::finish`] puts them in place once they are in. Until then
-    /// [`Image::slice_cvs`] answers `None` and readers fetch whole chunks. A restore that
-    /// only serves faults takes its first one that much sooner.
-    pub fn open_outboards_later(src: Arc<dyn BlobSource>, manifest_digest: &OciDigest) -> Result<(Self, PendingOutboards), FormatError> {
+    /// [`Image::open`], returning once the config and index are read, without waiting for
+    /// the outboards, whose reads begin with the config's and index's (`ahead` says which
+    /// reads). [`PendingOutboards::finish`] reads what is left of them and puts them in
+    /// place. Until then [`Image::slice_cvs`] answers `None`, or, with
+    /// [`OutboardsAhead::Tables`], answers for chunks whose CVs [`Image::read_slice_cvs`]
+    /// read. A restore that only serves faults takes its first one that much sooner.
+    pub fn open_outboards_later(src: Arc<dyn BlobSource>, manifest_digest: &OciDigest, ahead: OutboardsAhead) -> Result<(Self, PendingOutboards), FormatError> {
         let (bytes, manifest) = read_manifest(src.as_ref(), manifest_digest)?;
         let (s2, m2) = (src.clone(), manifest.clone());
         let reading = std::thread::Builder::new()
             .name("outboards".into())
-            .spawn(move || read_ahead_outboards(s2.as_ref(), &m2))
+            .spawn(move || match ahead {
+                OutboardsAhead::Whole => read_ahead_outboards(s2.as_ref(), &m2),
+                OutboardsAhead::Tables => read_ahead_tables(s2.as_ref(), &m2),
+            })
             .map_err(|e| FormatError::Io { context: "spawning a thread".into(), source: e })?;
-        let image = Self::open_decoded(src.as_ref(), manifest_digest, bytes, manifest)?;
-        Ok((image, PendingOutboards { src, reading }))
+        let mut image = Self::open_decoded(src.as_ref(), manifest_digest, bytes, manifest)?;
+        if ahead == OutboardsAhead::Whole {
+            return Ok((image, PendingOutboards { src, reading: Some(reading) }));
+        }
+        let prefixes = reading.join().unwrap_or_default();
+        let table = |d: &Descriptor| {
+            let t = OutboardTable::decode_prefix(prefixes.get(&d.digest)?, d.size).ok()?;
+            (t.chunk_shift == image.chunk_shift()).then(|| (d.digest.clone(), t))
+        };
+        let links = image.chain.iter().map(|l| l.outboard_blob.as_ref().and_then(table)).collect();
+        let base = image.base_outboard_blob.as_ref().and_then(table);
+        image.tables = Some(Arc::new(Tables { links, base }));
+        Ok((image, PendingOutboards { src, reading: None }))
+    }
+
+    /// Whether every outboard the image lists has its table ([`OutboardsAhead::Tables`]):
+    /// then a chunk's slices can be read and checked without the whole blobs, and
+    /// [`PendingOutboards::finish`] need not run.
+    pub fn slices_on_demand(&self) -> bool {
+        let Some(t) = &self.tables else { return false };
+        self.chain.iter().zip(&t.links).all(|(l, t)| l.outboard_blob.is_none() || t.is_some()) && (self.base_outboard_blob.is_none() || t.base.is_some())
     }
 
     /// Every outboard the image lists, read and checked ([`Image::read_outboards`],
@@ -316,6 +364,7 @@ impl Image {
             base_outboard_blob,
             base_outboard: None,
             attached: std::sync::OnceLock::new(),
+            tables: None,
         })
     }
 
@@ -367,14 +416,58 @@ impl Image {
     /// and before [`Image::load_outboards`]: the reader then fetches the whole chunk.
     /// **Not checked** against the digest: `verify` does that before trusting a slice.
     pub fn slice_cvs(&self, file: usize, chunk: u64) -> Option<SliceCvs<'_>> {
-        let c = self.files.get(file)?.chunks.get(usize::try_from(chunk).ok()?)?;
-        let StoredAt::Pack { codec: Codec::Raw, .. } = c.at else { return None };
+        let c = self.raw_chunk(file, chunk)?;
         // The link's own outboard, else the base's: a base-referencing image leaves the
         // slices of the base's chunks to the base's outboard.
         let attached = self.attached.get();
         let link = self.chain.get(c.depth as usize)?.outboard.as_deref().or_else(|| attached?.links.get(c.depth as usize)?.as_deref());
         let own = link.and_then(|o| o.find_chunk(&c.digest, c.len));
-        own.or_else(|| self.base_outboard.as_deref().or_else(|| attached?.base.as_deref())?.find_chunk(&c.digest, c.len))
+        let whole = own.or_else(|| self.base_outboard.as_deref().or_else(|| attached?.base.as_deref())?.find_chunk(&c.digest, c.len));
+        whole.or_else(|| {
+            let (_, t, i) = self.table_entry(c)?;
+            t.entry(i)
+        })
+    }
+
+    /// How chunk `chunk` of file `file` divides into slices, when it has an outboard entry
+    /// ([`Image::slice_cvs`]'s, or a table's whose CVs are not read yet).
+    pub fn slice_shape(&self, file: usize, chunk: u64) -> Option<SliceShape> {
+        if let Some(cvs) = self.slice_cvs(file, chunk) {
+            return Some(cvs.shape());
+        }
+        let (_, t, i) = self.table_entry(self.raw_chunk(file, chunk)?)?;
+        Some(t.shape(i))
+    }
+
+    /// Read the CVs of chunk `chunk` of file `file` from its outboard table's blob (one
+    /// range request, unverified: `verify` merges them to the digest before trusting
+    /// them), unless [`Image::slice_cvs`] has them. `Ok(false)`: the chunk has no entry
+    /// to read (no table, or none of its digest).
+    pub fn read_slice_cvs(&self, src: &dyn BlobSource, file: usize, chunk: u64) -> Result<bool, FormatError> {
+        if self.slice_cvs(file, chunk).is_some() {
+            return Ok(true);
+        }
+        let Some((blob, t, i)) = self.raw_chunk(file, chunk).and_then(|c| self.table_entry(c)) else { return Ok(false) };
+        let (offset, len) = t.cv_range(i);
+        t.set_cvs(i, &src.read_range_unverified(blob, offset, len)?)?;
+        Ok(true)
+    }
+
+    /// A stored raw chunk (the only kind with slices).
+    fn raw_chunk(&self, file: usize, chunk: u64) -> Option<&ResolvedChunk> {
+        let c = self.files.get(file)?.chunks.get(usize::try_from(chunk).ok()?)?;
+        matches!(c.at, StoredAt::Pack { codec: Codec::Raw, .. }).then_some(c)
+    }
+
+    /// The outboard table with an entry for chunk `c` (its link's, else the base's), its
+    /// blob and the entry's number.
+    fn table_entry(&self, c: &ResolvedChunk) -> Option<(&OciDigest, &OutboardTable, usize)> {
+        fn find<'t>(t: &'t Option<(OciDigest, OutboardTable)>, c: &ResolvedChunk) -> Option<(&'t OciDigest, &'t OutboardTable, usize)> {
+            let (d, t) = t.as_ref()?;
+            Some((d, t, t.find_chunk(&c.digest, c.len)?))
+        }
+        let t = self.tables.as_deref()?;
+        t.links.get(c.depth as usize).and_then(|l| find(l, c)).or_else(|| find(&t.base, c))
     }
 
     /// Every pack this image points into, with which chain link owns it.
@@ -431,6 +524,60 @@ fn prefetch_metadata(src: &dyn BlobSource, manifest: &Manifest) -> HashMap<OciDi
 /// is an error the open reports), those no larger than [`SPECULATIVE_OUTBOARD_BYTES`],
 /// read in parallel as the source gives them: their reader checks them once it knows
 /// their bound.
+/// The start of every outboard blob of the chain and the base ([`OutboardsAhead::Tables`]):
+/// enough for its header and, for the usual shapes, its entries
+/// ([`table_prefix_len`]); where the header says the entries go on, the rest of them when
+/// that is at most [`TABLE_REST_BYTES`] more. Unverified (a table needs no trust of its
+/// own: [`OutboardTable`]). At most as many blobs as a chain can have links, plus the
+/// base's, and only those the read-ahead of whole outboards would also consider, so a
+/// hostile manifest can make a reader fetch at most 66 × 1 MiB it would not have fetched.
+fn read_ahead_tables(src: &dyn BlobSource, manifest: &Manifest) -> HashMap<OciDigest, Vec<u8>> {
+    let is_ours = |o: &str| o == "self" || o == "base" || o.split('.').all(|p| p == "parent");
+    let mut seen = std::collections::HashSet::new();
+    let wanted: Vec<&Descriptor> = manifest
+        .layers
+        .iter()
+        .filter(|d| {
+            d.media_type == media::OUTBOARD
+                && d.size <= SPECULATIVE_OUTBOARD_BYTES
+                && d.annotations.get(media::ANN_OWNER).is_some_and(|o| is_ours(o))
+                && seen.insert(&d.digest)
+        })
+        .take(MAX_CHAIN_DEPTH + 2)
+        .collect();
+    let got = std::sync::Mutex::new(HashMap::new());
+    crate::work::for_each_index(
+        wanted.len(),
+        PREFETCH_THREADS,
+        || (),
+        |_, i| {
+            let d = wanted[i];
+            let Ok(mut b) = src.read_range_unverified(&d.digest, 0, table_prefix_len(d.size) as usize).map(|b| b.to_vec()) else { return };
+            let entries = (b.len() >= outboard::HEADER_LEN).then(|| u64::from(crate::index::u32_at(&b, 16)));
+            let need = OutboardTable::prefix_len(entries.unwrap_or(0)).min(d.size);
+            if need > b.len() as u64 && need - b.len() as u64 <= TABLE_REST_BYTES {
+                match src.read_range_unverified(&d.digest, b.len() as u64, (need - b.len() as u64) as usize) {
+                    Ok(rest) => b.extend_from_slice(&rest),
+                    Err(_) => return,
+                }
+            }
+            got.lock().expect("poisoned").insert(d.digest.clone(), b);
+        },
+    );
+    got.into_inner().expect("poisoned")
+}
+
+/// Bytes read from the start of an outboard blob of `size` bytes for its table: 1/64 of
+/// it (the entries are 48 bytes against a 1 MiB chunk's 8 KiB of CVs at 4 KiB slices:
+/// 1/172), at least 64 KiB, at most the blob.
+fn table_prefix_len(size: u64) -> u64 {
+    (size / 64).max(64 << 10).min(size)
+}
+
+/// The most read again for the rest of an outboard's entries when its first read did not
+/// hold them all (small chunks: the entries are a larger part of the blob).
+const TABLE_REST_BYTES: u64 = 512 << 10;
+
 fn read_ahead_outboards(src: &dyn BlobSource, manifest: &Manifest) -> HashMap<OciDigest, Vec<u8>> {
     let mut seen = std::collections::HashSet::new();
     let wanted: Vec<(&OciDigest, u64)> = manifest

@@ -44,11 +44,11 @@ pub use compress::Compression;
 pub use config::{FileEntry, ImageConfig, Kind, Role};
 pub use digest::{ChunkDigest, HashAlgo, OciDigest, OciHasher};
 pub use error::{BoxError, ErrorKind, FormatError};
-pub use image::{resolve_chain, ChainLink, Image, Outboards, PendingOutboards, ResolvedChunk, ResolvedFile, StoredAt};
+pub use image::{resolve_chain, ChainLink, Image, Outboards, OutboardsAhead, PendingOutboards, ResolvedChunk, ResolvedFile, StoredAt};
 pub use index::{ChunkIndex, ChunkRecord, IndexFile, PackRef, RecordKind};
 pub use layout::OciLayout;
 pub use manifest::{Descriptor, Manifest};
-pub use outboard::{Outboard, SliceCvs};
+pub use outboard::{Outboard, OutboardTable, SliceCvs, SliceShape};
 pub use retry::RetryPolicy;
 pub use source::BlobSource;
 

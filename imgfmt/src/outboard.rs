@@ -111,7 +111,40 @@ pub struct SliceCvs<'a> {
     memo: &'a OnceLock<bool>,
 }
 
+/// How a chunk with an outboard entry divides into slices: what a reader plans a slice
+/// fetch by before it has the entry's CVs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SliceShape {
+    pub chunk_len: u32,
+    pub slice_shift: u8,
+}
+
+impl SliceShape {
+    pub fn slice_size(&self) -> u64 {
+        1u64 << self.slice_shift
+    }
+    pub fn slice_count(&self) -> u32 {
+        slice_count(u64::from(self.chunk_len), self.slice_shift) as u32
+    }
+    /// Byte range of slice `i` within the chunk (the last may be short).
+    pub fn slice_range(&self, i: u32) -> std::ops::Range<u64> {
+        let s = self.slice_size();
+        let start = u64::from(i) * s;
+        start..(start + s).min(u64::from(self.chunk_len))
+    }
+}
+
+impl OutboardTable {
+    /// Entry `i`'s slices.
+    pub fn shape(&self, i: usize) -> SliceShape {
+        SliceShape { chunk_len: self.entries[i].chunk_len, slice_shift: self.slice_shift }
+    }
+}
+
 impl SliceCvs<'_> {
+    pub fn shape(&self) -> SliceShape {
+        SliceShape { chunk_len: self.chunk_len, slice_shift: self.slice_shift }
+    }
     pub fn slice_size(&self) -> u64 {
         1u64 << self.slice_shift
     }
@@ -140,6 +173,163 @@ fn check_shifts(chunk_shift: u8, slice_shift: u8) -> Result<(), FormatError> {
         return Err(FormatError::invalid("outboard slice_shift", format!("{slice_shift} outside {MIN_SLICE_SHIFT}..={}", chunk_shift - 1)));
     }
     Ok(())
+}
+
+/// The entries' invariants ([`Outboard::validate`]) against a CV table of `cv_count` CVs.
+fn check_entries(chunk_shift: u8, slice_shift: u8, entries: &[OutboardEntry], cv_count: u64) -> Result<(), FormatError> {
+    check_shifts(chunk_shift, slice_shift)?;
+    let slice = 1u64 << slice_shift;
+    let chunk = 1u64 << chunk_shift;
+    let mut next = 0u64;
+    for (i, e) in entries.iter().enumerate() {
+        if i > 0 && entries[i - 1].digest >= e.digest {
+            return Err(FormatError::invalid("outboard entries", format!("entry {i} ({}) is not after entry {} in digest order", e.digest, i - 1)));
+        }
+        let len = u64::from(e.chunk_len);
+        if len <= slice || len > chunk {
+            return Err(FormatError::invalid(
+                "outboard entry",
+                format!("entry {i} ({}): chunk_len {len} must be over one slice ({slice}) and at most one chunk ({chunk})", e.digest),
+            ));
+        }
+        if e.first_cv != next {
+            return Err(FormatError::invalid(
+                "outboard entry",
+                format!("entry {i} ({}): first_cv {} but the entries before it end at {next}", e.digest, e.first_cv),
+            ));
+        }
+        // At most 2^12 slices per chunk and 2^22 entries: no overflow.
+        next += slice_count(len, slice_shift);
+    }
+    if next != cv_count {
+        return Err(FormatError::invalid("outboard", format!("entries cover {next} CVs, the table has {cv_count}")));
+    }
+    Ok(())
+}
+
+/// The header of an outboard blob `blob_len` bytes long, checked as [`Outboard::decode`]
+/// checks it: `(chunk_shift, slice_shift, entry_count, cv_count)`.
+fn decode_header(b: &[u8], blob_len: u64) -> Result<(u8, u8, u64, u64), FormatError> {
+    OUTBOARD_BLOB.check_header(&b[..b.len().min(HEADER_LEN)])?;
+    // Only BLAKE3 is a tree whose slices' CVs merge into the chunk digest.
+    if b[12] != HashAlgo::Blake3.code() {
+        return Err(FormatError::invalid("outboard hash algorithm", format!("code {}: only 1 (BLAKE3) has slice CVs", b[12])));
+    }
+    let (chunk_shift, slice_shift) = (b[13], b[14]);
+    check_shifts(chunk_shift, slice_shift)?;
+    let entry_count = u64::from(u32_at(b, 16));
+    let cv_count = u64_at(b, 24);
+    let max_entries = MAX_OUTBOARD_BYTES / ENTRY_LEN as u64;
+    if entry_count > max_entries {
+        return Err(FormatError::TooLarge { what: "outboard entry_count", got: entry_count, limit: max_entries });
+    }
+    let max_cvs = MAX_OUTBOARD_BYTES / CV_LEN as u64;
+    if cv_count > max_cvs {
+        return Err(FormatError::TooLarge { what: "outboard cv_count", got: cv_count, limit: max_cvs });
+    }
+    // Both counts are bounded above, so this cannot overflow.
+    let expected = HEADER_LEN as u64 + ENTRY_LEN as u64 * entry_count + CV_LEN as u64 * cv_count;
+    if blob_len != expected {
+        return Err(FormatError::Truncated { what: "outboard blob", got: blob_len, expected });
+    }
+    Ok((chunk_shift, slice_shift, entry_count, cv_count))
+}
+
+/// Entries `0 .. count` of an outboard whose bytes `b` hold at least its header and them.
+fn decode_entries(b: &[u8], count: u64) -> Vec<OutboardEntry> {
+    b[HEADER_LEN..HEADER_LEN + ENTRY_LEN * count as usize]
+        .chunks_exact(ENTRY_LEN)
+        .map(|e| OutboardEntry { digest: ChunkDigest(e[..32].try_into().expect("32 bytes")), chunk_len: u32_at(e, 32), first_cv: u64_at(e, 40) })
+        .collect()
+}
+
+/// An outboard's header and entries without its CVs, decoded from the start of the blob,
+/// with each entry's CVs read on their own when a reader first needs them
+/// ([`OutboardTable::cv_range`], [`OutboardTable::set_cvs`]). The entries are 48 bytes a
+/// chunk against the CVs' 32 per slice (8 KiB for a 1 MiB chunk at 4 KiB slices), so a
+/// restore that faults in a few chunks reads a few KiB of CVs instead of the whole blob.
+/// Nothing here is trusted: as with [`Outboard`], an entry's CVs are used only once they
+/// merged to the chunk's digest (`verify`), so a forged table, like a forged blob, can
+/// only make readers fall back to whole chunks.
+#[derive(Debug)]
+pub struct OutboardTable {
+    pub chunk_shift: u8,
+    pub slice_shift: u8,
+    /// Sorted by digest, unique, checked as [`Outboard::validate`] checks them.
+    pub entries: Vec<OutboardEntry>,
+    /// Where the CV table starts in the blob.
+    cvs_at: u64,
+    /// Per entry: its CVs once read.
+    read: Vec<OnceLock<ReadCvs>>,
+}
+
+/// An entry's CVs as read, and whether they merged (`verify`'s memo, as [`Outboard`]'s).
+#[derive(Debug)]
+struct ReadCvs {
+    cvs: Box<[Cv]>,
+    merged: OnceLock<bool>,
+}
+
+impl OutboardTable {
+    /// Bytes of the blob to read for its header and up to `entries` entries.
+    pub fn prefix_len(entries: u64) -> u64 {
+        HEADER_LEN as u64 + ENTRY_LEN as u64 * entries
+    }
+
+    /// Decode the table from `prefix`, the first bytes of an outboard blob of `blob_len`
+    /// bytes (its size as the manifest lists it). The header is checked as
+    /// [`Outboard::decode`] checks it (its counts must give exactly `blob_len`), then the
+    /// entries. A prefix too short for every entry is [`FormatError::Truncated`].
+    pub fn decode_prefix(prefix: &[u8], blob_len: u64) -> Result<Self, FormatError> {
+        if blob_len > MAX_OUTBOARD_BYTES {
+            return Err(FormatError::TooLarge { what: "outboard blob size", got: blob_len, limit: MAX_OUTBOARD_BYTES });
+        }
+        if prefix.len() < HEADER_LEN {
+            return Err(FormatError::Truncated { what: "outboard header", got: prefix.len() as u64, expected: HEADER_LEN as u64 });
+        }
+        let (chunk_shift, slice_shift, entry_count, cv_count) = decode_header(prefix, blob_len)?;
+        let need = Self::prefix_len(entry_count);
+        if (prefix.len() as u64) < need {
+            return Err(FormatError::Truncated { what: "outboard entries", got: prefix.len() as u64, expected: need });
+        }
+        let entries = decode_entries(prefix, entry_count);
+        check_entries(chunk_shift, slice_shift, &entries, cv_count)?;
+        let read = (0..entries.len()).map(|_| OnceLock::new()).collect();
+        Ok(OutboardTable { chunk_shift, slice_shift, entries, cvs_at: need, read })
+    }
+
+    /// The entry of a chunk of digest `digest` and `len` bytes, by number.
+    pub fn find_chunk(&self, digest: &ChunkDigest, len: u32) -> Option<usize> {
+        let i = self.entries.binary_search_by(|e| e.digest.cmp(digest)).ok()?;
+        (self.entries[i].chunk_len == len).then_some(i)
+    }
+
+    /// Entry `i`'s CVs in the blob: `(offset, length)`.
+    pub fn cv_range(&self, i: usize) -> (u64, usize) {
+        let e = &self.entries[i];
+        let n = slice_count(u64::from(e.chunk_len), self.slice_shift);
+        (self.cvs_at + e.first_cv * CV_LEN as u64, (n * CV_LEN as u64) as usize)
+    }
+
+    /// Keep `bytes`, read from [`OutboardTable::cv_range`], as entry `i`'s CVs (not
+    /// checked: `verify` merges them to the digest before trusting one). The first CVs kept
+    /// stay; bytes of the wrong length are refused.
+    pub fn set_cvs(&self, i: usize, bytes: &[u8]) -> Result<(), FormatError> {
+        let (_, len) = self.cv_range(i);
+        if bytes.len() != len {
+            return Err(FormatError::Truncated { what: "outboard entry CVs", got: bytes.len() as u64, expected: len as u64 });
+        }
+        let cvs: Box<[Cv]> = bytes.chunks_exact(CV_LEN).map(|c| c.try_into().expect("32 bytes")).collect();
+        let _ = self.read[i].set(ReadCvs { cvs, merged: OnceLock::new() });
+        Ok(())
+    }
+
+    /// Entry `i` with its CVs, once they were read.
+    pub fn entry(&self, i: usize) -> Option<SliceCvs<'_>> {
+        let e = &self.entries[i];
+        let r = self.read[i].get()?;
+        Some(SliceCvs { digest: e.digest, chunk_len: e.chunk_len, slice_shift: self.slice_shift, cvs: &r.cvs, memo: &r.merged })
+    }
 }
 
 impl Outboard {
@@ -203,37 +393,9 @@ impl Outboard {
     /// own size (which callers bound by [`MAX_OUTBOARD_BYTES`] before reading it).
     pub fn decode(b: &[u8]) -> Result<Self, FormatError> {
         OUTBOARD_BLOB.check_header(b)?;
-        // Only BLAKE3 is a tree whose slices' CVs merge into the chunk digest.
-        if b[12] != HashAlgo::Blake3.code() {
-            return Err(FormatError::invalid("outboard hash algorithm", format!("code {}: only 1 (BLAKE3) has slice CVs", b[12])));
-        }
-        let (chunk_shift, slice_shift) = (b[13], b[14]);
-        check_shifts(chunk_shift, slice_shift)?;
-        let entry_count = u64::from(u32_at(b, 16));
-        let cv_count = u64_at(b, 24);
-        let max_entries = MAX_OUTBOARD_BYTES / ENTRY_LEN as u64;
-        if entry_count > max_entries {
-            return Err(FormatError::TooLarge { what: "outboard entry_count", got: entry_count, limit: max_entries });
-        }
-        let max_cvs = MAX_OUTBOARD_BYTES / CV_LEN as u64;
-        if cv_count > max_cvs {
-            return Err(FormatError::TooLarge { what: "outboard cv_count", got: cv_count, limit: max_cvs });
-        }
-        // Both counts are bounded above, so this cannot overflow.
-        let expected = HEADER_LEN as u64 + ENTRY_LEN as u64 * entry_count + CV_LEN as u64 * cv_count;
-        if b.len() as u64 != expected {
-            return Err(FormatError::Truncated { what: "outboard blob", got: b.len() as u64, expected });
-        }
-        let mut entries = Vec::with_capacity(entry_count as usize);
-        let mut pos = HEADER_LEN;
-        for _ in 0..entry_count {
-            entries.push(OutboardEntry {
-                digest: ChunkDigest(b[pos..pos + 32].try_into().expect("32 bytes")),
-                chunk_len: u32_at(b, pos + 32),
-                first_cv: u64_at(b, pos + 40),
-            });
-            pos += ENTRY_LEN;
-        }
+        let (chunk_shift, slice_shift, entry_count, _) = decode_header(b, b.len() as u64)?;
+        let entries = decode_entries(b, entry_count);
+        let pos = HEADER_LEN + ENTRY_LEN * entries.len();
         let cvs = b[pos..].chunks_exact(CV_LEN).map(|c| c.try_into().expect("32 bytes")).collect();
         let merged = (0..entries.len()).map(|_| OnceLock::new()).collect();
         let ob = Outboard { chunk_shift, slice_shift, entries, cvs, merged };
@@ -245,34 +407,7 @@ impl Outboard {
     /// unique, each chunk longer than one slice and at most one chunk, each `first_cv` the
     /// sum of the runs before it, and the runs covering exactly the CV table.
     pub fn validate(&self) -> Result<(), FormatError> {
-        check_shifts(self.chunk_shift, self.slice_shift)?;
-        let slice = 1u64 << self.slice_shift;
-        let chunk = 1u64 << self.chunk_shift;
-        let mut next = 0u64;
-        for (i, e) in self.entries.iter().enumerate() {
-            if i > 0 && self.entries[i - 1].digest >= e.digest {
-                return Err(FormatError::invalid("outboard entries", format!("entry {i} ({}) is not after entry {} in digest order", e.digest, i - 1)));
-            }
-            let len = u64::from(e.chunk_len);
-            if len <= slice || len > chunk {
-                return Err(FormatError::invalid(
-                    "outboard entry",
-                    format!("entry {i} ({}): chunk_len {len} must be over one slice ({slice}) and at most one chunk ({chunk})", e.digest),
-                ));
-            }
-            if e.first_cv != next {
-                return Err(FormatError::invalid(
-                    "outboard entry",
-                    format!("entry {i} ({}): first_cv {} but the entries before it end at {next}", e.digest, e.first_cv),
-                ));
-            }
-            // At most 2^12 slices per chunk and 2^22 entries: no overflow.
-            next += slice_count(len, self.slice_shift);
-        }
-        if next != self.cvs.len() as u64 {
-            return Err(FormatError::invalid("outboard", format!("entries cover {next} CVs, the table has {}", self.cvs.len())));
-        }
-        Ok(())
+        check_entries(self.chunk_shift, self.slice_shift, &self.entries, self.cvs.len() as u64)
     }
 
     /// The entry for chunk digest `digest`, if this outboard has one.
@@ -309,6 +444,33 @@ mod tests {
             vec![(ChunkDigest([9; 32]), 65536, (0..16).map(cv).collect()), (ChunkDigest([3; 32]), 10240, vec![cv(100), cv(101), cv(102)])],
         )
         .unwrap()
+    }
+
+    /// The table decoded from the blob's start has the blob's entries; each entry's CVs,
+    /// read from its range, are the blob's; a prefix short of the entries, a size the
+    /// header does not give, and CVs of the wrong length are refused.
+    #[test]
+    fn a_table_from_the_blobs_start_reads_each_entrys_cvs_by_range() {
+        let ob = sample();
+        let b = ob.encode();
+        let need = OutboardTable::prefix_len(2) as usize;
+        let t = OutboardTable::decode_prefix(&b[..need], b.len() as u64).unwrap();
+        assert_eq!(t.entries, ob.entries);
+        for i in 0..2 {
+            assert!(t.entry(i).is_none(), "no CVs before they are read");
+            let (at, len) = t.cv_range(i);
+            assert!(t.set_cvs(i, &b[at as usize..at as usize + len - 1]).is_err());
+            t.set_cvs(i, &b[at as usize..at as usize + len]).unwrap();
+            assert_eq!(t.entry(i).unwrap().cvs, ob.entry(i).cvs);
+            assert_eq!(t.shape(i), ob.entry(i).shape());
+        }
+        assert_eq!(t.find_chunk(&ChunkDigest([9; 32]), 65536), Some(1));
+        assert_eq!(t.find_chunk(&ChunkDigest([9; 32]), 4096), None);
+        let short = OutboardTable::decode_prefix(&b[..need - 1], b.len() as u64).unwrap_err();
+        assert!(matches!(short, FormatError::Truncated { what: "outboard entries", .. }), "{short}");
+        assert!(OutboardTable::decode_prefix(&b, b.len() as u64 + 32).is_err());
+        assert!(OutboardTable::decode_prefix(&b[..20], b.len() as u64).is_err());
+        assert!(OutboardTable::decode_prefix(&b, MAX_OUTBOARD_BYTES + 1).is_err());
     }
 
     #[test]

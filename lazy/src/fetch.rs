@@ -295,9 +295,9 @@ impl Fetcher {
 
     /// Bytes a fetch of slices `slices` of chunk `chunk` moves (0 where it has no slices).
     pub fn slice_bytes(&self, chunk: u64, slices: Range<u32>) -> u64 {
-        match self.image.slice_cvs(self.file, chunk) {
-            Some(cvs) if slices.start < slices.end && slices.end <= cvs.slice_count() => {
-                cvs.slice_range(slices.end - 1).end - cvs.slice_range(slices.start).start
+        match self.image.slice_shape(self.file, chunk) {
+            Some(shape) if slices.start < slices.end && slices.end <= shape.slice_count() => {
+                shape.slice_range(slices.end - 1).end - shape.slice_range(slices.start).start
             }
             _ => 0,
         }

@@ -62,14 +62,16 @@ impl Slicing {
             return None;
         }
         let (region, _) = map.locate(addr)?;
-        let cvs = image.slice_cvs(file, c)?;
+        // The shape only: the CVs may not be read yet (an image opened with outboard
+        // tables reads them beside the slices).
+        let shape = image.slice_shape(file, c)?;
         // A huge page needs more than a slice, and a unit larger than the chunk needs more
         // than the chunk: both go whole.
-        if map.regions[region].page_size > cvs.slice_size() || map.unit_size(region) != map.chunk_size() {
+        if map.regions[region].page_size > shape.slice_size() || map.unit_size(region) != map.chunk_size() {
             return None;
         }
-        let count = cvs.slice_count();
-        let shift = cvs.slice_shift;
+        let count = shape.slice_count();
+        let shift = shape.slice_shift;
         let slice_of = |addr: u64| -> Option<u32> {
             let (_, off) = map.locate(addr)?;
             (off >> map.chunk_shift == c).then(|| ((off - (c << map.chunk_shift)) >> shift) as u32)

@@ -71,20 +71,44 @@ impl VerifiedSlice {
 /// Read slices `slices` of chunk `chunk` of file `file` of `image` from `src` with one
 /// range request, verified. Needs [`Image::load_outboards`] first; a chunk without a usable
 /// entry (not raw, no outboard, no entry) is [`VerifyError::NoSlices`]: fetch it whole.
+///
+/// An image opened with outboard tables ([`imgfmt::OutboardsAhead::Tables`]) may not have
+/// the chunk's CVs yet: they are read beside the slices (two range requests at once, one
+/// round trip), and checked like any others. A failed CV read is [`VerifyError::NoSlices`].
 pub fn read_slices(src: &dyn BlobSource, image: &Image, file: usize, chunk: u64, slices: Range<u32>) -> Result<Vec<VerifiedSlice>, VerifyError> {
-    let cvs = checked_entry(image, file, chunk)?;
     let f = &image.files[file];
     let chunk_offset = chunk << image.chunk_shift();
-    let count = cvs.slice_count();
+    let no_slices = || VerifyError::NoSlices { file: f.name.clone(), chunk, offset: chunk_offset };
+    let shape = image.slice_shape(file, chunk).ok_or_else(no_slices)?;
+    let count = shape.slice_count();
     if slices.start >= slices.end || slices.end > count {
         return Err(VerifyError::SliceRange { file: f.name.clone(), chunk, offset: chunk_offset, start: slices.start, end: slices.end, count });
     }
-    let StoredAt::Pack { pack, offset: at, .. } = f.chunks[chunk as usize].at else { unreachable!("slice_cvs answers only for stored raw chunks") };
-    let start = cvs.slice_range(slices.start).start;
-    let end = cvs.slice_range(slices.end - 1).end;
+    let StoredAt::Pack { pack, offset: at, .. } = f.chunks[chunk as usize].at else { unreachable!("slice_shape answers only for stored raw chunks") };
+    let start = shape.slice_range(slices.start).start;
+    let end = shape.slice_range(slices.end - 1).end;
     let len = (end - start) as usize;
     let read = |source| VerifyError::Read { file: f.name.clone(), chunk, offset: chunk_offset, source };
-    let bytes = src.read_range_unverified(&image.packs[pack as usize].digest, at + start, len).map_err(read)?;
+    let read_bytes = || src.read_range_unverified(&image.packs[pack as usize].digest, at + start, len).map_err(read);
+    let bytes = if image.slice_cvs(file, chunk).is_some() {
+        read_bytes()?
+    } else {
+        let (cvs, bytes) = std::thread::scope(|s| {
+            let cvs = s.spawn(|| image.read_slice_cvs(src, file, chunk));
+            let bytes = read_bytes();
+            (cvs.join(), bytes)
+        });
+        if !matches!(cvs, Ok(Ok(true))) {
+            return Err(no_slices());
+        }
+        bytes?
+    };
+    let cvs = checked_entry(image, file, chunk)?;
+    // The whole outboards may have been put in place since the shape was read; a blob
+    // whose entry disagrees with its table's gets no slices.
+    if cvs.shape() != shape {
+        return Err(no_slices());
+    }
     if bytes.len() != len {
         return Err(read(imgfmt::FormatError::Truncated { what: "slice range", got: bytes.len() as u64, expected: len as u64 }));
     }

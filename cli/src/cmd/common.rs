@@ -303,10 +303,14 @@ pub fn open_image_in(source: &dyn BlobSource, selector: &Selector, reference: &s
 }
 
 /// [`open_image`] through `src` (`o`'s source, shared), the outboards still being read
-/// when it returns ([`Image::open_outboards_later`]).
-pub fn open_image_outboards_later(src: std::sync::Arc<dyn BlobSource>, o: &Opened) -> anyhow::Result<(Image, imgfmt::PendingOutboards)> {
+/// when it returns, as `ahead` says ([`Image::open_outboards_later`]).
+pub fn open_image_outboards_later(
+    src: std::sync::Arc<dyn BlobSource>,
+    o: &Opened,
+    ahead: imgfmt::OutboardsAhead,
+) -> anyhow::Result<(Image, imgfmt::PendingOutboards)> {
     let digest = resolve(o)?;
-    Image::open_outboards_later(src, &digest).map_err(|e| opening_failed(e, &o.reference, &digest))
+    Image::open_outboards_later(src, &digest, ahead).map_err(|e| opening_failed(e, &o.reference, &digest))
 }
 
 /// Why an image could not be opened, as the CLI reports it. A missing manifest is an

@@ -286,6 +286,10 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
         // and its faults fetch whole chunks until the outboards are in.
         if a.record_trace || maybe_trace || a.criu_workdir.is_some() {
             finish_outboards(pending, &image);
+        } else if image.slices_on_demand() {
+            // Every outboard's entries are in: a fault reads its chunk's CVs beside its
+            // slice, and the whole blobs never cross the link.
+            drop(pending);
         } else {
             let i = image.clone();
             std::thread::Builder::new().name("lazy-outboards".into()).spawn(move || finish_outboards(pending, &i)).context("spawning a thread")?;
@@ -400,7 +404,11 @@ fn open_gated(
     if !(a.slice_faults || a.record_trace || a.prefetch != PrefetchMode::None) {
         return a.policy.gate(r, store, o, open_image).map(|image| (image, None));
     }
-    let (image, pending) = a.policy.gate(r, store, o, |o| common::open_image_outboards_later(src.clone(), o))?;
+    // A recording or CRIU restore wants every chunk's slice CVs at once: the whole blobs,
+    // read beside the config and index. A restore serving faults reads only the
+    // outboards' entries, and a chunk's CVs when it first faults (spec/lazy.md "Waking").
+    let ahead = if a.record_trace || a.criu_workdir.is_some() { imgfmt::OutboardsAhead::Whole } else { imgfmt::OutboardsAhead::Tables };
+    let (image, pending) = a.policy.gate(r, store, o, |o| common::open_image_outboards_later(src.clone(), o, ahead))?;
     Ok((image, Some(pending)))
 }
 

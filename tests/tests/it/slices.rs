@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use imgfmt::outboard::Outboard;
-use imgfmt::{media, BlobSource, Image, OciDigest, OciLayout, StoredAt};
+use imgfmt::{media, BlobSource, Image, OciDigest, OciLayout, OutboardsAhead, StoredAt};
 use pusher::{PackOptions, Related};
 use snapctl_tests::{run, snapctl, SplitMix64};
 use verify::VerifyError;
@@ -388,7 +388,7 @@ fn regression_issue_23_the_outboard_is_read_with_the_config_and_index_and_attach
         state: Default::default(),
         cv: Default::default(),
     });
-    let (img, pending) = Image::open_outboards_later(gate.clone(), &d).unwrap();
+    let (img, pending) = Image::open_outboards_later(gate.clone(), &d, OutboardsAhead::Whole).unwrap();
     let (fi, _) = img.file("vm.mem").unwrap();
     pending.finish(&img).unwrap();
     let (started, _, most) = *gate.state.lock().unwrap();
@@ -409,7 +409,7 @@ fn regression_issue_23_the_outboard_is_read_with_the_config_and_index_and_attach
     let parent = Related { source: &layout, image: Image::open(&layout, &d).unwrap(), reference: "t".into() };
     pack(&src, &layout, "child", &PackOptions { parent: Some(parent), ..opts_256k() });
     let child = layout.resolve_tag("child").unwrap();
-    let (img, pending) = Image::open_outboards_later(Arc::new(OciLayout::open(dir.path().join("l")).unwrap()), &child).unwrap();
+    let (img, pending) = Image::open_outboards_later(Arc::new(OciLayout::open(dir.path().join("l")).unwrap()), &child, OutboardsAhead::Whole).unwrap();
     let (fi, _) = img.file("vm.mem").unwrap();
     assert!((0..2).all(|c| img.slice_cvs(fi, c).is_none()), "no slices before the outboards are in");
     pending.finish(&img).unwrap();
@@ -436,8 +436,98 @@ fn regression_issue_23_a_damaged_outboard_read_ahead_leaves_the_image_without_sl
     let last = b.len() - 1;
     b[last] ^= 1;
     fs::write(&p, &b).unwrap();
-    let (img, pending) = Image::open_outboards_later(Arc::new(layout), &d).unwrap();
+    let (img, pending) = Image::open_outboards_later(Arc::new(layout), &d, OutboardsAhead::Whole).unwrap();
     let e = pending.finish(&img).unwrap_err();
     assert!(e.to_string().contains(&ob.digest.to_string()), "{e}");
     assert!(img.files.iter().enumerate().all(|(fi, f)| (0..f.chunks.len() as u64).all(|c| img.slice_cvs(fi, c).is_none())));
+}
+
+/// A source over a layout that logs each read (`None`: a whole blob; else the range) and,
+/// with `flip`, changes the first byte of every range read of an outboard from past its
+/// start (a chunk's CVs).
+struct Logged {
+    layout: OciLayout,
+    outboards: Vec<OciDigest>,
+    flip: bool,
+    reads: std::sync::Mutex<Vec<Read>>,
+}
+
+/// A blob read: its digest and range (`None`: the whole blob).
+type Read = (OciDigest, Option<(u64, usize)>);
+
+impl imgfmt::source::Forward for Logged {
+    fn inner(&self) -> &dyn BlobSource {
+        &self.layout
+    }
+    fn read_blob_unverified(&self, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, imgfmt::FormatError> {
+        self.reads.lock().unwrap().push((digest.clone(), None));
+        self.layout.read_blob_unverified(digest, limit)
+    }
+    fn read_at_unverified(&self, digest: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), imgfmt::FormatError> {
+        self.reads.lock().unwrap().push((digest.clone(), Some((offset, buf.len()))));
+        self.layout.read_at_unverified(digest, offset, buf)?;
+        if self.flip && offset > 0 && self.outboards.contains(digest) {
+            buf[0] ^= 1;
+        }
+        Ok(())
+    }
+}
+
+/// A restore that only serves faults opens the image with its outboards' entries alone
+/// (no whole outboard is read, a layer's and its parent's alike), and a chunk's first
+/// slice read brings that chunk's CVs beside it, one range of 64 CVs; the slices are the
+/// source's. CVs changed on the way are caught before a byte is handed out (issue 23 §3,
+/// wake: the whole outboards' bytes no longer sit in front of the first fault's).
+#[test]
+fn regression_issue_23_a_fault_reads_its_chunks_cvs_beside_its_slice_and_no_whole_outboard() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = write_source(dir.path());
+    let lay = dir.path().join("l");
+    let layout = OciLayout::open_or_create(&lay).unwrap();
+    pack(&src, &layout, "t", &opts_256k());
+    let d = layout.resolve_tag("t").unwrap();
+    let mut mem = fs::read(src.join("vm.mem")).unwrap();
+    mem[10] ^= 0xff;
+    fs::write(src.join("vm.mem"), &mem).unwrap();
+    let parent = Related { source: &layout, image: Image::open(&layout, &d).unwrap(), reference: "t".into() };
+    pack(&src, &layout, "child", &PackOptions { parent: Some(parent), ..opts_256k() });
+    let child = layout.resolve_tag("child").unwrap();
+    let outboards: Vec<OciDigest> =
+        Image::open(&layout, &child).unwrap().chain.iter().filter_map(|l| l.outboard_blob.as_ref().map(|o| o.digest.clone())).collect();
+    assert_eq!(outboards.len(), 2, "the layer's outboard and its parent's");
+    let logged = |flip| Arc::new(Logged { layout: OciLayout::open(&lay).unwrap(), outboards: outboards.clone(), flip, reads: Default::default() });
+
+    let source = logged(false);
+    let (img, pending) = Image::open_outboards_later(source.clone(), &child, OutboardsAhead::Tables).unwrap();
+    drop(pending);
+    assert!(img.slices_on_demand());
+    let (fi, _) = img.file("vm.mem").unwrap();
+    // Chunk 0 is the layer's own (changed), chunk 1 its parent's.
+    assert_eq!(img.files[fi].chunks[0].depth, 0);
+    assert_eq!(img.files[fi].chunks[1].depth, 1);
+    for chunk in [0u64, 1] {
+        assert!(img.slice_cvs(fi, chunk).is_none(), "no CVs before a slice of the chunk is read");
+        assert_eq!(img.slice_shape(fi, chunk).map(|s| s.slice_count()), Some(64));
+        let before = source.reads.lock().unwrap().len();
+        let got: Vec<u8> = verify::read_slices(source.as_ref(), &img, fi, chunk, 3..5).unwrap().iter().flat_map(|s| s.as_bytes().to_vec()).collect();
+        let at = chunk as usize * 256 * KIB;
+        assert_eq!(got, mem[at + 3 * 4096..at + 5 * 4096]);
+        let cv_reads: Vec<_> = source.reads.lock().unwrap()[before..].iter().filter(|(d, _)| outboards.contains(d)).cloned().collect();
+        assert_eq!(cv_reads.len(), 1, "one read of the chunk's CVs: {cv_reads:?}");
+        assert_eq!(cv_reads[0].1.map(|r| r.1), Some(64 * 32));
+        assert!(img.slice_cvs(fi, chunk).is_some(), "the CVs stay for the next fault");
+        // The next slice read of the chunk reads no CVs.
+        let before = source.reads.lock().unwrap().len();
+        verify::read_slices(source.as_ref(), &img, fi, chunk, 9..10).unwrap();
+        assert!(source.reads.lock().unwrap()[before..].iter().all(|(d, _)| !outboards.contains(d)));
+    }
+    let reads = source.reads.lock().unwrap();
+    assert!(reads.iter().all(|(d, r)| !outboards.contains(d) || r.is_some()), "no whole outboard was read: {reads:?}");
+
+    let source = logged(true);
+    let (img, _) = Image::open_outboards_later(source.clone(), &child, OutboardsAhead::Tables).unwrap();
+    for chunk in [0u64, 1] {
+        let e = verify::read_slices(source.as_ref(), &img, fi, chunk, 3..5).unwrap_err();
+        assert!(matches!(e, VerifyError::OutboardMismatch { .. }), "{e}");
+    }
 }
