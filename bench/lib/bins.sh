@@ -3,7 +3,8 @@
 #
 #   need NAME TOOL...       exit 2 naming the first TOOL not on PATH (NAME: the script)
 #   release_bins            sets TARGET, SNAPCTL, FAKE_VMM and NETEM (each may be given in
-#                           the environment), building the release binaries if one is missing
+#                           the environment), building the release binaries unless they are
+#                           current (SNAPCTL_BINS_GIVEN=1: use them as they are)
 #   work_dir NAME           sets W (a fresh temporary directory) and PIDS (processes to stop);
 #                           at exit every PIDS entry is stopped and W removed
 #   serve_sample SIZE       `snapctl sample` of SIZE (half zero, seed 2) in $W/snap, pushed
@@ -25,10 +26,15 @@ release_bins() {
   SNAPCTL=${SNAPCTL:-$TARGET/release/snapctl}
   FAKE_VMM=${FAKE_VMM:-$TARGET/release/fake_vmm}
   NETEM=${NETEM:-$TARGET/release/netem_proxy}
-  if [ ! -x "$SNAPCTL" ] || [ ! -x "$FAKE_VMM" ] || [ ! -x "$NETEM" ]; then
-    echo "building release binaries in $TARGET" >&2
+  # Always through cargo (a no-op when they are current): a binary left from an older
+  # checkout would be measured under this checkout's commit.
+  if [ -z "${SNAPCTL_BINS_GIVEN:-}" ]; then
+    echo "building release binaries in $TARGET (if not current)" >&2
     (cd "$ROOT" && cargo build --release -q -p snapctl -p snapctl-tests --bin snapctl --bin fake_vmm --bin netem_proxy)
   fi
+  for b in "$SNAPCTL" "$FAKE_VMM" "$NETEM"; do
+    [ -x "$b" ] || { echo "release_bins: $b is missing" >&2; exit 2; }
+  done
 }
 
 BENCH_NAME=bench

@@ -205,8 +205,10 @@ const WARM_FAULT_CONNECTIONS: usize = 3;
 const WARM_BACKGROUND_CONNECTIONS: usize = 2;
 
 /// The same for the client reading the image's metadata: beside the manifest's own
-/// connection, one each for the index and the outboard, read while the config is.
-const WARM_METADATA_CONNECTIONS: usize = 2;
+/// connection (the config's next), one each for the index, the outboard's entries and the
+/// trace lookup, all read at once. One fewer and the last of them waits for a new
+/// connection: a round trip more before the socket is bound.
+const WARM_METADATA_CONNECTIONS: usize = 3;
 
 /// Open `n` connections of `client` (and answer the registry's challenge, if it has one)
 /// while the image's metadata is read on another client: without it the guest's first
