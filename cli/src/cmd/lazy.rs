@@ -148,8 +148,8 @@ pub struct LazyArgs {
     /// the faulting 4 KiB slice, verified against the outboard, and the whole chunk beside
     /// it: the slice serves the fault without waiting for the chunk's bytes. `off`: every
     /// fault waits for its whole chunk (spec/lazy.md "Slice faults"). A daemon that records
-    /// no trace and has none to replay listens once the image's index is read, before its
-    /// outboards arrive; until they do, faults fetch whole chunks.
+    /// no trace and has none to replay reads only the outboards' entries before it listens,
+    /// and a chunk's CVs beside its first slice (spec/lazy.md "Waking").
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     pub slice_faults: bool,
     #[command(flatten)]
