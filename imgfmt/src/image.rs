@@ -501,14 +501,13 @@ pub const SPECULATIVE_OUTBOARD_BYTES: u64 = 32 << 20;
 /// the link-by-link walk could. A blob that fails here is left to the walk, which reads it
 /// again and reports the failure.
 fn prefetch_metadata(src: &dyn BlobSource, manifest: &Manifest) -> HashMap<OciDigest, Vec<u8>> {
-    let is_chain = |o: &str| o == "self" || o.split('.').all(|p| p == "parent");
     let mut seen = std::collections::HashSet::from([&manifest.config.digest]);
     let wanted: Vec<(&OciDigest, u64)> = std::iter::once((&manifest.config.digest, MAX_CONFIG_BYTES))
         .chain(
             manifest
                 .layers
                 .iter()
-                .filter(|d| d.annotations.get(media::ANN_OWNER).is_some_and(|o| is_chain(o)) && seen.insert(&d.digest))
+                .filter(|d| d.annotations.get(media::ANN_OWNER).is_some_and(|o| owner_depth(o).is_some()) && seen.insert(&d.digest))
                 .filter_map(|d| match d.media_type.as_str() {
                     media::CONFIG => Some((&d.digest, MAX_CONFIG_BYTES)),
                     media::INDEX => Some((&d.digest, MAX_INDEX_BYTES)),
@@ -532,36 +531,47 @@ fn prefetch_metadata(src: &dyn BlobSource, manifest: &Manifest) -> HashMap<OciDi
 /// base's, and only those the read-ahead of whole outboards would also consider, so a
 /// hostile manifest can make a reader fetch at most 66 × 1 MiB it would not have fetched.
 fn read_ahead_tables(src: &dyn BlobSource, manifest: &Manifest) -> HashMap<OciDigest, Vec<u8>> {
-    let is_ours = |o: &str| o == "self" || o == "base" || o.split('.').all(|p| p == "parent");
+    let wanted = outboards_to_read_ahead(manifest, |o| o == "base" || owner_depth(o).is_some(), MAX_CHAIN_DEPTH + 2);
+    read_each(&wanted, |d| {
+        let mut b = src.read_range_unverified(&d.digest, 0, table_prefix_len(d.size) as usize).ok()?.to_vec();
+        let need = OutboardTable::table_len(&b).unwrap_or(0).min(d.size);
+        if need > b.len() as u64 && need - b.len() as u64 <= TABLE_REST_BYTES {
+            b.extend_from_slice(&src.read_range_unverified(&d.digest, b.len() as u64, (need - b.len() as u64) as usize).ok()?);
+        }
+        Some((d.digest.clone(), b))
+    })
+}
+
+/// The outboards the manifest lists whose owner `owner` accepts, no larger than
+/// [`SPECULATIVE_OUTBOARD_BYTES`], each once, at most `most`: what may be read before the
+/// indexes that bound them are.
+fn outboards_to_read_ahead(manifest: &Manifest, owner: impl Fn(&str) -> bool, most: usize) -> Vec<&Descriptor> {
     let mut seen = std::collections::HashSet::new();
-    let wanted: Vec<&Descriptor> = manifest
+    manifest
         .layers
         .iter()
         .filter(|d| {
             d.media_type == media::OUTBOARD
                 && d.size <= SPECULATIVE_OUTBOARD_BYTES
-                && d.annotations.get(media::ANN_OWNER).is_some_and(|o| is_ours(o))
+                && d.annotations.get(media::ANN_OWNER).is_some_and(|o| owner(o))
                 && seen.insert(&d.digest)
         })
-        .take(MAX_CHAIN_DEPTH + 2)
-        .collect();
+        .take(most)
+        .collect()
+}
+
+/// `read` of each of `items`, [`PREFETCH_THREADS`] at a time: the blobs it answers, by
+/// digest (a `None` is left out).
+fn read_each<T: Sync>(items: &[T], read: impl Fn(&T) -> Option<(OciDigest, Vec<u8>)> + Sync) -> HashMap<OciDigest, Vec<u8>> {
     let got = std::sync::Mutex::new(HashMap::new());
     crate::work::for_each_index(
-        wanted.len(),
+        items.len(),
         PREFETCH_THREADS,
         || (),
         |_, i| {
-            let d = wanted[i];
-            let Ok(mut b) = src.read_range_unverified(&d.digest, 0, table_prefix_len(d.size) as usize).map(|b| b.to_vec()) else { return };
-            let entries = (b.len() >= outboard::HEADER_LEN).then(|| u64::from(crate::index::u32_at(&b, 16)));
-            let need = OutboardTable::prefix_len(entries.unwrap_or(0)).min(d.size);
-            if need > b.len() as u64 && need - b.len() as u64 <= TABLE_REST_BYTES {
-                match src.read_range_unverified(&d.digest, b.len() as u64, (need - b.len() as u64) as usize) {
-                    Ok(rest) => b.extend_from_slice(&rest),
-                    Err(_) => return,
-                }
+            if let Some((d, b)) = read(&items[i]) {
+                got.lock().expect("poisoned").insert(d, b);
             }
-            got.lock().expect("poisoned").insert(d.digest.clone(), b);
         },
     );
     got.into_inner().expect("poisoned")
@@ -579,39 +589,18 @@ fn table_prefix_len(size: u64) -> u64 {
 const TABLE_REST_BYTES: u64 = 512 << 10;
 
 fn read_ahead_outboards(src: &dyn BlobSource, manifest: &Manifest) -> HashMap<OciDigest, Vec<u8>> {
-    let mut seen = std::collections::HashSet::new();
-    let wanted: Vec<(&OciDigest, u64)> = manifest
-        .layers
-        .iter()
-        .filter(|d| {
-            d.media_type == media::OUTBOARD
-                && d.size <= SPECULATIVE_OUTBOARD_BYTES
-                && d.annotations.get(media::ANN_OWNER).is_some_and(|o| o == "self" || o == "base")
-                && seen.insert(&d.digest)
-        })
-        .map(|d| (&d.digest, d.size))
-        .take(2)
-        .collect();
+    let wanted: Vec<(&OciDigest, u64)> =
+        outboards_to_read_ahead(manifest, |o| o == "self" || o == "base", 2).into_iter().map(|d| (&d.digest, d.size)).collect();
     read_all(src, &wanted, false)
 }
 
 /// Blobs `wanted` (each with its size bound), [`PREFETCH_THREADS`] at a time; with
 /// `verified`, only those that match their digest. A blob that cannot be read is left out.
 fn read_all(src: &dyn BlobSource, wanted: &[(&OciDigest, u64)], verified: bool) -> HashMap<OciDigest, Vec<u8>> {
-    let got = std::sync::Mutex::new(HashMap::new());
-    crate::work::for_each_index(
-        wanted.len(),
-        PREFETCH_THREADS,
-        || (),
-        |_, i| {
-            let (d, limit) = wanted[i];
-            let b = if verified { read_verified_blob(src, d, limit) } else { src.read_blob_unverified(d, limit) };
-            if let Ok(b) = b {
-                got.lock().expect("poisoned").insert(d.clone(), b);
-            }
-        },
-    );
-    got.into_inner().expect("poisoned")
+    read_each(wanted, |&(d, limit)| {
+        let b = if verified { read_verified_blob(src, d, limit) } else { src.read_blob_unverified(d, limit) };
+        Some((d.clone(), b.ok()?))
+    })
 }
 
 /// The manifest `digest`, checked against it, and decoded: a snapctl image's.

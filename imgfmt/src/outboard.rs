@@ -276,6 +276,12 @@ impl OutboardTable {
         HEADER_LEN as u64 + ENTRY_LEN as u64 * entries
     }
 
+    /// Bytes of the blob its header and all its entries take, as the header at the start
+    /// of `prefix` counts them (unchecked); `None` when `prefix` is shorter than a header.
+    pub fn table_len(prefix: &[u8]) -> Option<u64> {
+        (prefix.len() >= HEADER_LEN).then(|| Self::prefix_len(u64::from(u32_at(prefix, 16))))
+    }
+
     /// Decode the table from `prefix`, the first bytes of an outboard blob of `blob_len`
     /// bytes (its size as the manifest lists it). The header is checked as
     /// [`Outboard::decode`] checks it (its counts must give exactly `blob_len`), then the

@@ -49,6 +49,17 @@ fn open_loaded(layout: &OciLayout, tag: &str) -> Image {
     img
 }
 
+/// Change byte `at` of the source's `vm.mem` and pack it as `child`, a layer over `parent`:
+/// the new `vm.mem` and the layer's manifest.
+fn pack_layer(src: &Path, layout: &OciLayout, parent: &str, at: usize) -> (Vec<u8>, OciDigest) {
+    let mut mem = fs::read(src.join("vm.mem")).unwrap();
+    mem[at] ^= 0xff;
+    fs::write(src.join("vm.mem"), &mem).unwrap();
+    let image = Image::open(layout, &layout.resolve_tag(parent).unwrap()).unwrap();
+    pack(src, layout, "child", &PackOptions { parent: Some(Related { source: layout, image, reference: parent.into() }), ..opts_256k() });
+    (mem, layout.resolve_tag("child").unwrap())
+}
+
 fn opts_256k() -> PackOptions<'static> {
     PackOptions { chunk_shift: 18, ..Default::default() }
 }
@@ -403,12 +414,7 @@ fn regression_issue_23_the_outboard_is_read_with_the_config_and_index_and_attach
     assert_eq!(img.slice_cvs(fi, 0).map(|s| s.slice_count()), Some(64), "vm.mem's chunks are served by slice");
 
     // A layer: its own outboard comes with its config and index, its parent's after them.
-    let mut mem = fs::read(src.join("vm.mem")).unwrap();
-    mem[256 * KIB + 10] ^= 0xff;
-    fs::write(src.join("vm.mem"), &mem).unwrap();
-    let parent = Related { source: &layout, image: Image::open(&layout, &d).unwrap(), reference: "t".into() };
-    pack(&src, &layout, "child", &PackOptions { parent: Some(parent), ..opts_256k() });
-    let child = layout.resolve_tag("child").unwrap();
+    let (mem, child) = pack_layer(&src, &layout, "t", 256 * KIB + 10);
     let (img, pending) = Image::open_outboards_later(Arc::new(OciLayout::open(dir.path().join("l")).unwrap()), &child, OutboardsAhead::Whole).unwrap();
     let (fi, _) = img.file("vm.mem").unwrap();
     assert!((0..2).all(|c| img.slice_cvs(fi, c).is_none()), "no slices before the outboards are in");
@@ -485,13 +491,7 @@ fn regression_issue_23_a_fault_reads_its_chunks_cvs_beside_its_slice_and_no_whol
     let lay = dir.path().join("l");
     let layout = OciLayout::open_or_create(&lay).unwrap();
     pack(&src, &layout, "t", &opts_256k());
-    let d = layout.resolve_tag("t").unwrap();
-    let mut mem = fs::read(src.join("vm.mem")).unwrap();
-    mem[10] ^= 0xff;
-    fs::write(src.join("vm.mem"), &mem).unwrap();
-    let parent = Related { source: &layout, image: Image::open(&layout, &d).unwrap(), reference: "t".into() };
-    pack(&src, &layout, "child", &PackOptions { parent: Some(parent), ..opts_256k() });
-    let child = layout.resolve_tag("child").unwrap();
+    let (mem, child) = pack_layer(&src, &layout, "t", 10);
     let outboards: Vec<OciDigest> =
         Image::open(&layout, &child).unwrap().chain.iter().filter_map(|l| l.outboard_blob.as_ref().map(|o| o.digest.clone())).collect();
     assert_eq!(outboards.len(), 2, "the layer's outboard and its parent's");
