@@ -716,13 +716,30 @@ impl Installer {
 
     /// Prefetch `run`'s chunks (each adjacent to the one before in its pack: see
     /// [`Fetcher::adjacent`]) with one range request per stretch not held elsewhere, then
-    /// install their spans as [`prefetch_span`](Self::prefetch_span) does. Bytes installed,
-    /// and chunks that had bytes installed.
-    pub fn prefetch_run(&self, run: &[u64]) -> (u64, u64) {
-        if run.len() > 1 && !self.gone() {
-            let work = self.fetcher.get_background_run(run);
+    /// install their spans as [`prefetch_span`](Self::prefetch_span) does, calling
+    /// `fetched` in between (when the run's bytes have arrived). Bytes installed, and
+    /// chunks that had bytes installed.
+    pub fn prefetch_run(&self, run: &[u64], fetched: impl FnOnce()) -> (u64, u64) {
+        if !self.gone() {
+            let work = match run {
+                [c] if matches!(self.fetcher.is_zero(*c), Ok(false)) => {
+                    let (outcome, _, work) = self.fetcher.get_background(*c);
+                    self.account(&work);
+                    if outcome.is_err() {
+                        // Refused or given up: not installed here (installing would fetch
+                        // it again); a fault there takes the fault path's fetch.
+                        fetched();
+                        return (0, 0);
+                    }
+                    Work::default()
+                }
+                [_] => Work::default(),
+                _ => self.fetcher.get_background_run(run),
+            };
             self.account(&work);
         }
+        // The bytes are off the link: installing them uses none of it.
+        fetched();
         let (mut bytes, mut chunks) = (0, 0);
         for &c in run {
             let mut b = 0;
@@ -822,6 +839,33 @@ mod tests {
         let remote = libc::iovec { iov_base: unsafe { base.add(off) } as *mut libc::c_void, iov_len: 4096 };
         // SAFETY: both iovecs describe live memory of this process.
         unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) == -1 }
+    }
+
+    /// The stream's request gives its room in the background's window back once its bytes
+    /// have arrived, not after installing them: the installs (a copy into the guest per
+    /// page) use none of the link, and holding the room through them kept the window's
+    /// bytes off the link for that long. A single chunk and a run of adjacent ones alike.
+    #[test]
+    fn regression_issue_23_a_stream_run_is_fetched_before_its_room_goes_back_and_installed_after() {
+        let (dir, mem, image, _layout) = sample_image(8);
+        let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
+        let src = flaky(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap());
+        let inst = installer(&guest, image, src.clone());
+        let data: Vec<u64> = (0..8).filter(|&c| !inst.fetcher.is_zero(c).unwrap()).collect();
+        let pair = data.windows(2).find(|w| inst.fetcher.adjacent(w[0], w[1])).expect("two adjacent data chunks").to_vec();
+        let single = vec![*data.iter().find(|c| !pair.contains(c)).expect("a third data chunk")];
+        for run in [single, pair] {
+            let reads = src.reads.load(SeqCst);
+            let mut at_fetched = None;
+            let (bytes, chunks) = inst.prefetch_run(&run, || at_fetched = Some((src.reads.load(SeqCst) - reads, run.iter().all(|&c| inst.chunk_pending(c)))));
+            assert_eq!(at_fetched, Some((1, true)), "{run:?}: one read done, nothing installed yet, when the room goes back");
+            assert_eq!((bytes, chunks), (run.len() as u64 * K64 as u64, run.len() as u64), "{run:?}");
+            assert!(run.iter().all(|&c| !inst.chunk_pending(c)), "{run:?}: installed after");
+            for &c in &run {
+                let at = c as usize * K64;
+                assert_eq!(guest.region(0)[at..at + K64], mem[at..at + K64], "chunk {c}");
+            }
+        }
     }
 
     /// The installer on its own, against anonymous memory registered with userfaultfd and

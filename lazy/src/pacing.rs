@@ -12,7 +12,8 @@
 //!     -> queueing = time - its kind's base; current = least of the last CURRENT_FILTER
 //!     -> Ledbat::sample -> window (bytes)
 //! faults' fetches: counted against the window while in flight (they take it first)
-//! stream / replay: Background::acquire(bytes) before each request, released when done,
+//! stream / replay: Background::acquire(bytes) before each request, released when its bytes
+//!   have arrived (the stream: before they are installed; the replay: once installed),
 //!   while the window holds it beside the faults' bytes; the replay goes before the stream
 //! ```
 //!
@@ -30,7 +31,9 @@
 //! faults' chunks the link rather than a share of it beside the stream.
 //!
 //! The constants, and why (spec/lazy.md "Pacing the background"):
-//! - [`TARGET_SHARE`] (10 %) of the base delay, at least [`MIN_TARGET`]: the stream may add
+//! - [`TARGET_SHARE`] (10 %) of the base delay, at least [`MIN_TARGET`], widened to
+//!   [`WIDE_TARGET_SHARE`] (20 %) once the guest's misses say it needs most of the image
+//!   (its restore then waits for the stream's bytes, not for a fault's): the stream may add
 //!   at most a quarter of the round trip to a fault's wait. The window holds the queue
 //!   about its target, not under it (the filter takes the least of several samples, and a
 //!   fault's slice also waits behind a piece of each request in flight): at 20 % a fault's
@@ -58,6 +61,14 @@ use imgfmt::{BlobSource, OciDigest};
 
 /// Queueing delay the background may cause, as a share of the base delay (the round trip).
 pub const TARGET_SHARE: f64 = 0.1;
+/// The same once the guest's misses say it needs most of the image
+/// ([`crate::prefetch::NEEDS_MOST_AFTER`]): the stream's progress is then that guest's
+/// restore time, and a fault's wait is worth less than the stream's bytes. Measured at
+/// 20 ms and 1 Gbit/s with two vCPUs (bench/wan.sh, 2 GiB, scattered): 10 % throughout
+/// took 1.28-1.48x a pull, 20 % throughout 0.96-1.0x, while a clustered guest's first
+/// touches (which never widen) would have waited 4-6 ms more at 20 %, over a quarter of
+/// the round trip.
+pub const WIDE_TARGET_SHARE: f64 = 0.2;
 /// Least target: the bottleneck moves bytes in pieces (a packet train, `netem`'s ~1 ms
 /// pieces), and on a loaded host a probe's time varies by about this much without any
 /// queue; a target below it would see queueing that is not there.
@@ -95,6 +106,9 @@ pub struct Ledbat {
     chunk: f64,
     /// Most bytes in flight (`--stream-jobs` chunks).
     max: f64,
+    /// The target's share of the base delay: [`TARGET_SHARE`], widened to
+    /// [`WIDE_TARGET_SHARE`].
+    share: f64,
     window: f64,
     slow_start: bool,
     /// Per [`Kind`]: (minute it began, least delay in it), oldest first.
@@ -117,6 +131,7 @@ impl Ledbat {
         Ledbat {
             chunk,
             max,
+            share: TARGET_SHARE,
             window: (INIT_WINDOW * chunk).min(max),
             slow_start: true,
             base: [VecDeque::new(), VecDeque::new()],
@@ -145,7 +160,17 @@ impl Ledbat {
 
     /// The queueing delay the background may cause.
     pub fn target(&self) -> Duration {
-        self.base().map_or(MIN_TARGET, |b| b.mul_f64(TARGET_SHARE).max(MIN_TARGET))
+        self.base().map_or(MIN_TARGET, |b| b.mul_f64(self.share).max(MIN_TARGET))
+    }
+
+    /// Let the background cause [`WIDE_TARGET_SHARE`] of the base delay from now on.
+    pub fn widen(&mut self) {
+        self.share = self.share.max(WIDE_TARGET_SHARE);
+    }
+
+    /// Whether [`widen`](Self::widen) was called.
+    pub fn widened(&self) -> bool {
+        self.share > TARGET_SHARE
     }
 
     /// Bytes the background may have in flight.
@@ -234,6 +259,8 @@ pub struct PacingReport {
     pub most_bytes: u64,
     /// The largest window reached.
     pub most_window: u64,
+    /// The target was widened ([`Background::widen`]).
+    pub widened: bool,
 }
 
 struct State {
@@ -367,6 +394,11 @@ impl Background {
         self.state.lock().expect("poisoned").ledbat.window()
     }
 
+    /// The guest needs most of the image: widen the target (once; later calls do nothing).
+    pub fn widen(&self) {
+        self.state.lock().expect("poisoned").ledbat.widen();
+    }
+
     /// A request of `kind` took `took`.
     pub fn sample(&self, kind: Kind, took: Duration) {
         let mut st = self.state.lock().expect("poisoned");
@@ -387,6 +419,7 @@ impl Background {
             cuts: st.ledbat.cuts,
             most_bytes: st.most_bytes,
             most_window: st.most_window,
+            widened: st.ledbat.widened(),
         }
     }
 
@@ -441,6 +474,30 @@ mod tests {
         let mut l = Ledbat::new(MIB, 32);
         l.sample(Kind::Probe, Duration::from_micros(300), t, 0);
         assert_eq!(l.target(), MIN_TARGET, "loopback");
+    }
+
+    /// A guest that needs most of the image widens the target to its wide share, once and
+    /// for good; the floor still holds.
+    #[test]
+    fn regression_issue_23_widening_raises_the_target_to_the_wide_share() {
+        let mut l = Ledbat::new(MIB, 32);
+        let t = Instant::now();
+        l.sample(Kind::Probe, Duration::from_millis(100), t, 0);
+        assert_eq!(l.target(), Duration::from_millis(10));
+        l.widen();
+        assert_eq!(l.target(), Duration::from_millis(20));
+        l.widen();
+        assert_eq!(l.target(), Duration::from_millis(20), "widening twice is widening once");
+        let mut l = Ledbat::new(MIB, 32);
+        l.widen();
+        l.sample(Kind::Probe, Duration::from_millis(5), t, 0);
+        assert_eq!(l.target(), MIN_TARGET, "5 ms x 20 % is under the floor");
+        // Through the shared state, as the stream's dispatcher widens it.
+        let bg = Background::new(MIB, 32);
+        bg.sample(Kind::Probe, Duration::from_millis(50));
+        assert_eq!(bg.report().target, Duration::from_millis(5));
+        bg.widen();
+        assert_eq!(bg.report().target, Duration::from_millis(10));
     }
 
     #[test]

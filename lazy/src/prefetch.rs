@@ -104,6 +104,18 @@ pub const DEFAULT_STREAM_AFTER: f64 = 0.0;
 /// above the clustered guest's 23 %) gets the rest streamed.
 pub const REPLAY_STREAM_AFTER: f64 = 0.3;
 
+/// Share of the file's data chunks a guest has missed after which it is taken to need most
+/// of the image, and the stream's pacing is widened ([`crate::pacing::WIDE_TARGET_SHARE`]).
+/// Such a guest (single pages all over its memory) waits a round trip for every chunk the
+/// stream has not reached yet, so how soon the stream has everything is its restore's
+/// time, and the faults' own whole-chunk fetches already hold about as much queue as the
+/// narrow target allows: at 20 ms and 1 Gbit/s with two vCPUs the window shrank to 1–3
+/// MiB, the stream moved 10–20 % of the image and the restore took 1.3–1.5× a pull
+/// (BENCHMARKS.md "The stream yields to the guest"). 15 %: bench/wan.sh's clustered
+/// guests (runs of 256 pages: 10–11 % of the data chunks) never reach it; its scattered
+/// guest (nearly every data chunk) does within a few hundred milliseconds.
+pub const NEEDS_MOST_AFTER: f64 = 0.15;
+
 /// When a restore's misses look scattered enough that streaming the rest of the image
 /// beats faulting it in: once the distinct data chunks that faults had to wait for reach
 /// a fraction of the file's data chunks (and at least [`MIN_MISSES`]).
@@ -120,6 +132,8 @@ pub const REPLAY_STREAM_AFTER: f64 = 0.3;
 pub struct Detector {
     /// Distinct misses at which it fires (`u64::MAX`: never).
     need: u64,
+    /// Distinct misses at which the guest is taken to need most of the image.
+    most: u64,
     seen: Vec<bool>,
     count: u64,
     fired: bool,
@@ -138,7 +152,14 @@ impl Detector {
     pub fn with_counts(chunks: u64, data: u64, fraction: f64) -> Detector {
         let need =
             if fraction.is_nan() || fraction > 1.0 { u64::MAX } else { ((fraction.max(0.0) * data as f64).ceil() as u64).max(MIN_MISSES).min(data.max(1)) };
-        Detector { need, seen: vec![false; chunks as usize], count: 0, fired: false }
+        let most = ((NEEDS_MOST_AFTER * data as f64).ceil() as u64).max(MIN_MISSES).min(data.max(1));
+        Detector { need, most, seen: vec![false; chunks as usize], count: 0, fired: false }
+    }
+
+    /// Whether the misses so far say the guest needs most of the image
+    /// ([`NEEDS_MOST_AFTER`] of its data chunks missed).
+    pub fn needs_most(&self) -> bool {
+        self.count >= self.most
     }
 
     /// A fault had to wait for (data) chunk `chunk`. True exactly once: when the misses
@@ -196,11 +217,20 @@ pub(crate) struct Demand {
     go: AtomicBool,
     /// Microseconds since `started` (+1) at which `go` was set; 0 not yet.
     go_at_us: AtomicU64,
+    /// Set once the detector says the guest needs most of the image.
+    needs_most: AtomicBool,
 }
 
 impl Demand {
     pub fn new(started: Instant, detector: Option<Detector>) -> Demand {
-        Demand { started, parked_faults: AtomicU64::new(0), detector: Mutex::new(detector), go: AtomicBool::new(false), go_at_us: AtomicU64::new(0) }
+        Demand {
+            started,
+            parked_faults: AtomicU64::new(0),
+            detector: Mutex::new(detector),
+            go: AtomicBool::new(false),
+            go_at_us: AtomicU64::new(0),
+            needs_most: AtomicBool::new(false),
+        }
     }
 
     /// `faults` wait for the fetch pool now.
@@ -216,10 +246,21 @@ impl Demand {
     /// A fault had to wait for chunk `c` to be fetched: tell the detector, and let the
     /// stream of the rest go once it says the misses look scattered.
     pub fn missed(&self, c: u64) {
-        let fire = self.detector.lock().expect("poisoned").as_mut().is_some_and(|d| d.miss(c));
+        let (fire, most) = match self.detector.lock().expect("poisoned").as_mut() {
+            Some(d) => (d.miss(c), d.needs_most()),
+            None => (false, false),
+        };
         if fire {
             self.go();
         }
+        if most {
+            self.needs_most.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the misses say the guest needs most of the image ([`NEEDS_MOST_AFTER`]).
+    pub fn needs_most(&self) -> bool {
+        self.needs_most.load(Ordering::Relaxed)
     }
 
     /// Let the stream of the rest of the image go (once; later calls do nothing).
@@ -284,9 +325,9 @@ pub(crate) fn run(
             let (inst, job_rx, done_tx) = (&inst, &job_rx, done_tx.clone());
             let spawned = std::thread::Builder::new().name("lazy-stream".into()).spawn_scoped(s, move || loop {
                 let Ok((run, rest, permit)) = job_rx.lock().expect("poisoned").recv() else { return };
-                let (bytes, chunks) = inst.prefetch_run(&run);
-                // The request is over: its room goes back before the dispatcher hears.
-                drop(permit);
+                // The request's room in the window goes back once its bytes have arrived:
+                // checking and installing them uses none of the link.
+                let (bytes, chunks) = inst.prefetch_run(&run, || drop(permit));
                 if rest && bytes > 0 {
                     inst.rec.add(|k| &k.streamed_chunks, chunks);
                     inst.rec.add(|k| &k.streamed_bytes, bytes);
@@ -303,8 +344,12 @@ pub(crate) fn run(
         drop(done_tx);
         let t0 = Instant::now();
         let (mut next, mut in_flight, mut installed, mut most) = (0usize, 0usize, 0u64, 0usize);
-        let mut wanting = None;
+        let (mut wanting, mut widened) = (None, false);
         'dispatch: while !ended() {
+            if !widened && demand.needs_most() {
+                bg.widen();
+                widened = true;
+            }
             let mut waiting_for_go = false;
             // The probes run while there are requests to make.
             let work = next < order.len() && (next < traced || demand.going());
@@ -457,6 +502,20 @@ mod tests {
             assert_eq!(fired, vec![MIN_MISSES as usize - 1]);
             // Clustered 5 % (runs of 64 pages): about a quarter of the data chunks, never
             // enough to stream.
+            // Needing most of the image: at 15 % of the data chunks, for the scattered guest;
+            // never for one clustered in runs of 256 pages (bench/wan.sh's clustered guest).
+            let mut d = Detector::with_counts(chunks, data, DEFAULT_STREAM_AFTER);
+            let first = scattered.iter().position(|&c| {
+                d.miss(c);
+                d.needs_most()
+            });
+            assert_eq!(first, Some((data as f64 * NEEDS_MOST_AFTER).ceil() as usize - 1), "needs most from the 15 % miss on");
+            let wide = data_misses(chunks, 5, 256, seed);
+            let mut d = Detector::with_counts(chunks, data, DEFAULT_STREAM_AFTER);
+            wide.iter().for_each(|&c| {
+                d.miss(c);
+            });
+            assert!(!d.needs_most(), "seed {seed}: runs of 256 pages missed {} of {data} data chunks", wide.len());
             let clustered = data_misses(chunks, 5, 64, seed);
             assert!((data / 8..data * 3 / 10).contains(&(clustered.len() as u64)), "{}", clustered.len());
             let mut d = Detector::with_counts(chunks, data, REPLAY_STREAM_AFTER);
@@ -492,6 +551,9 @@ mod tests {
         assert!(!d.going(), "{} distinct misses are not enough", MIN_MISSES - 1);
         d.missed(MIN_MISSES);
         assert!(d.going());
+        assert!(!d.needs_most(), "{} of 100 data chunks missed", MIN_MISSES + 1);
+        (0..100).for_each(|c| d.missed(c));
+        assert!(d.needs_most(), "all of them missed");
         let at = d.went_after().expect("the time it went");
         assert!(at <= t0.elapsed());
         d.go();
@@ -499,7 +561,7 @@ mod tests {
         // Without a detector, misses never let it go; `go` does (`--prefetch all`).
         let d = Demand::new(Instant::now(), None);
         (0..100).for_each(|c| d.missed(c));
-        assert!(!d.going());
+        assert!(!d.going() && !d.needs_most());
         d.go();
         assert!(d.going());
     }

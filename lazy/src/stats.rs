@@ -231,6 +231,9 @@ pub struct Pacing {
     pub most_bytes: u64,
     /// The largest window reached, in bytes.
     pub most_window: u64,
+    /// Whether the target was widened because the guest needs most of the image
+    /// (`target_ms` is then the wide one).
+    pub widened: bool,
 }
 
 impl From<crate::pacing::PacingReport> for Pacing {
@@ -242,6 +245,7 @@ impl From<crate::pacing::PacingReport> for Pacing {
             cuts: r.cuts,
             most_bytes: r.most_bytes,
             most_window: r.most_window,
+            widened: r.widened,
         }
     }
 }

@@ -809,6 +809,8 @@ fn regression_issue_16_scattered_misses_start_the_stream() {
     drop(sock);
     let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
     assert!(rep.stream_started_s.is_some(), "{rep:?}");
+    // 16 of 64 data chunks missed is over NEEDS_MOST_AFTER: the pacing was widened.
+    assert!(rep.pacing.widened, "{rep:?}");
     assert_eq!((rep.faults.fetched, rep.streamed_chunks), (16, data.len() as u64 - 16), "{rep:?}");
     assert_eq!(src.reads.load(Ordering::SeqCst), data.len() as u64);
 }

@@ -5,13 +5,28 @@
 //! HOST ──► Transport::plain_http_for ──► http://HOST   (loopback by default, --plain-http)
 //!                                   └──► https://HOST  (elsewhere; loopback with --ca-file,
 //!                                                       --insecure or --tls-verify=true)
-//! trust: Mozilla's roots + the system's (or SSL_CERT_FILE / SSL_CERT_DIR) + --ca-file
+//! trust: Mozilla's roots + the system's (or SSL_CERT_FILE / SSL_CERT_DIR) + --ca-file,
+//!        read at the first TLS handshake, once per process (LazyRoots)
 //! a failed connection ──► unreachable(): Some(why) fails at once; None is retried
 //! ```
+//!
+//! Why the roots wait for a handshake: reading the system's store (a PEM bundle and a
+//! directory of ~150 files, each parsed) took 8–25 ms per client here, and a process
+//! builds several clients (`snapctl lazy`: the metadata's, the faults' and the
+//! background's) before its first request. Read at build time, every client paid it, in
+//! sequence, before the daemon could bind its socket; a plain-HTTP registry (loopback)
+//! never needs them at all, unless it redirects a blob to HTTPS storage.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::WebPkiServerVerifier;
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
 
 /// How to reach registries: the scheme and what TLS trusts. The default is the rule of
 /// [`Transport::plain_http_for`] with the built-in and system trust roots.
@@ -39,22 +54,101 @@ impl Transport {
         self.plain_http || (crate::is_loopback(host) && !self.tls_on_loopback && !self.insecure && self.ca_files.is_empty())
     }
 
-    /// `builder` with this transport's trust settings.
-    pub(crate) fn apply(&self, mut builder: reqwest::blocking::ClientBuilder) -> Result<reqwest::blocking::ClientBuilder, String> {
+    /// `builder` with this transport's trust settings. The CA files are read now (a bad
+    /// one is an error before any request); the built-in roots at the first handshake.
+    pub(crate) fn apply(&self, builder: reqwest::blocking::ClientBuilder) -> Result<reqwest::blocking::ClientBuilder, String> {
+        let mut extra = Vec::new();
         for path in &self.ca_files {
             let pem = std::fs::read(path).map_err(|e| format!("reading the CA file {}: {e}", path.display()))?;
-            let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| format!("the CA file {}: {e}", path.display()))?;
+            let certs = CertificateDer::pem_slice_iter(&pem).collect::<Result<Vec<_>, _>>().map_err(|e| format!("the CA file {}: {e}", path.display()))?;
             if certs.is_empty() {
                 return Err(format!("the CA file {}: no PEM certificate in it", path.display()));
             }
-            for c in certs {
-                builder = builder.add_root_certificate(c);
-            }
+            extra.extend(certs);
         }
         if self.insecure {
-            builder = builder.danger_accept_invalid_certs(true);
+            // reqwest's own verifier that accepts any certificate (it reads the roots to
+            // no purpose; only test registries are reached this way).
+            return Ok(builder.danger_accept_invalid_certs(true));
         }
-        Ok(builder)
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let verifier = Arc::new(LazyRoots { extra, provider: provider.clone(), verifier: OnceLock::new() });
+        let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("TLS versions: {e}"))?
+            .dangerous()
+            .with_custom_certificate_verifier(verifier)
+            .with_no_client_auth();
+        // What reqwest offers with its http2 feature (enabled in Cargo.toml).
+        tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(builder.use_preconfigured_tls(tls))
+    }
+}
+
+/// Mozilla's roots and the system's, read once per process, at the first TLS handshake of
+/// any client (see the module doc).
+fn built_in_roots() -> &'static RootCertStore {
+    static ROOTS: OnceLock<RootCertStore> = OnceLock::new();
+    ROOTS.get_or_init(|| {
+        let mut roots = RootCertStore::empty();
+        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+        // The system's store (SSL_CERT_FILE / SSL_CERT_DIR when set, as OpenSSL reads
+        // them); a certificate that does not parse is skipped, as reqwest skips it.
+        let loaded = rustls_native_certs::load_native_certs();
+        let (added, ignored) = roots.add_parsable_certificates(loaded.certs);
+        tracing::debug!(added, ignored, errors = loaded.errors.len(), "read the system's TLS roots");
+        roots
+    })
+}
+
+/// A verifier that reads its roots at its first use: WebPKI's, over the built-in roots and
+/// a transport's CA files. Signatures are checked with the provider's algorithms, which
+/// need no roots.
+#[derive(Debug)]
+struct LazyRoots {
+    /// Certificates of `--ca-file`, trusted besides the built-in roots.
+    extra: Vec<CertificateDer<'static>>,
+    provider: Arc<CryptoProvider>,
+    verifier: OnceLock<Result<Arc<WebPkiServerVerifier>, String>>,
+}
+
+impl LazyRoots {
+    fn verifier(&self) -> Result<&Arc<WebPkiServerVerifier>, rustls::Error> {
+        self.verifier
+            .get_or_init(|| {
+                let mut roots = built_in_roots().clone();
+                for c in &self.extra {
+                    roots.add(c.clone()).map_err(|e| format!("a CA certificate: {e}"))?;
+                }
+                WebPkiServerVerifier::builder_with_provider(Arc::new(roots), self.provider.clone()).build().map_err(|e| format!("TLS trust roots: {e}"))
+            })
+            .as_ref()
+            .map_err(|e| rustls::Error::General(e.clone()))
+    }
+}
+
+impl ServerCertVerifier for LazyRoots {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        self.verifier()?.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+    }
+
+    fn verify_tls12_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
+    }
+
+    fn verify_tls13_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider.signature_verification_algorithms.supported_schemes()
     }
 }
 

@@ -326,6 +326,29 @@ fn regression_issue_25_tls_on_loopback_with_a_ca_file() {
     assert!(r.code == 2 && r.stderr.contains("--plain-http") && r.stderr.contains("cannot be used with"), "{r:?}");
 }
 
+/// Issue 23 §3 (wake): every registry client read the system's TLS roots when it was built
+/// (a bundle and a directory of ~150 files, each parsed), and `snapctl lazy` builds three
+/// before it binds its socket, so a plain-HTTP registry's restore paid it three times
+/// over. The roots are now read at the first TLS handshake, once per process. Seen from
+/// outside: a system store that does not parse (one broken certificate) stopped even a
+/// plain-HTTP command ("builder error"); now only a TLS handshake would read it.
+#[test]
+fn regression_issue_23_a_plain_http_registry_never_reads_the_tls_roots() {
+    let w = Work::new();
+    let (_, a) = w.packed("snap", "2MiB", "a");
+    let storage = w.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    let s = Serve::start(storage.to_str().unwrap(), &[], &[]);
+    let remote = format!("{}/vm/plain:v1", s.addr);
+    let pushed = w.ok(&["push", &a, &remote]).stdout;
+    let (bad, empty) = (w.path("bad.pem"), w.path("no-certs"));
+    std::fs::write(&bad, "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n").unwrap();
+    std::fs::create_dir_all(&empty).unwrap();
+    let r = run(w.cmd().env("SSL_CERT_FILE", &bad).env("SSL_CERT_DIR", &empty).args(["inspect", &remote, "--json"]));
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(r.stdout.contains(pushed.trim()), "{r:?}");
+}
+
 /// Issue 25 §2: a registry's 500 reached the user as "HTTP 500 Internal Server Error";
 /// what it said (here "No space left on device") is lost. It now ends the error line,
 /// and the upload the push gave up is deleted at the registry rather than left for it to

@@ -237,7 +237,10 @@ fn working_set_recorded_on_small_pages_replays_into_huge_pages() {
 
     let sock = dir.path().join("replay.sock");
     let mut h = Handler::lazy(&image, &sock, &["--once", "--no-cache"]);
-    let mut vmm = vec!["--page-size", "2MiB"];
+    // The guest waits before its first touch, so the replay (which starts after the
+    // handshake) installs the huge pages first: otherwise the guest's faults may fetch
+    // them before the replay reaches them, and the replay has nothing left to install.
+    let mut vmm = vec!["--page-size", "2MiB", "--pause-ms", "2000"];
     vmm.extend_from_slice(&touch);
     assert_clean(&fake_vmm(&sock, &mem, &vmm), pages.len() as u64);
     assert_eq!(h.wait_exit(Duration::from_secs(30)), 0, "{}", h.log_text());
