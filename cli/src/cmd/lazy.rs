@@ -90,10 +90,13 @@ pub struct LazyArgs {
     /// window that grows while a request as small as a fault's comes back within a tenth of
     /// the round trip (at least 2 ms) of the quickest one seen, and shrinks while it takes
     /// longer (LEDBAT, RFC 6817; a delay of a round trip more is a loss and halves it); the
-    /// faults' own fetches take the window first. A request reads a run of chunks stored
-    /// one after another (at most half the window and 8 MiB), so the window's bytes are in
-    /// few requests. This flag bounds the window, in chunks: raise it for long, fast paths
-    /// (32 x 1 MiB covers 1 Gbit/s at 250 ms); lower it to spare a shared registry.
+    /// faults' own fetches take the window first. Once the guest has missed 15% of the
+    /// image's data chunks it needs most of the image, and the target widens to a fifth of
+    /// the round trip. A request reads a run of chunks stored one after another (at most
+    /// half the window and 8 MiB), so the window's bytes are in few requests. This flag
+    /// bounds the window, in chunks: raise it for long, fast paths (at 50 ms and 1 Gbit/s
+    /// the default bound, not the pacing, is what a guest needing the whole image meets);
+    /// lower it to spare a shared registry.
     #[arg(long, default_value_t = lazy::prefetch::DEFAULT_STREAM_JOBS, value_name = "N", value_parser = parse_jobs)]
     pub stream_jobs: usize,
     /// With --prefetch trace: stream the rest of the image once faults have waited for this
