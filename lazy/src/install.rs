@@ -724,14 +724,14 @@ impl Installer {
             let work = match run {
                 [c] if matches!(self.fetcher.is_zero(*c), Ok(false)) => {
                     let (outcome, _, work) = self.fetcher.get_background(*c);
-                    self.account(&work);
                     if outcome.is_err() {
                         // Refused or given up: not installed here (installing would fetch
                         // it again); a fault there takes the fault path's fetch.
+                        self.account(&work);
                         fetched();
                         return (0, 0);
                     }
-                    Work::default()
+                    work
                 }
                 [_] => Work::default(),
                 _ => self.fetcher.get_background_run(run),

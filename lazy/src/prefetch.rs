@@ -150,10 +150,10 @@ impl Detector {
 
     /// A detector for a file of `chunks` chunks of which `data` are not zero.
     pub fn with_counts(chunks: u64, data: u64, fraction: f64) -> Detector {
-        let need =
-            if fraction.is_nan() || fraction > 1.0 { u64::MAX } else { ((fraction.max(0.0) * data as f64).ceil() as u64).max(MIN_MISSES).min(data.max(1)) };
-        let most = ((NEEDS_MOST_AFTER * data as f64).ceil() as u64).max(MIN_MISSES).min(data.max(1));
-        Detector { need, most, seen: vec![false; chunks as usize], count: 0, fired: false }
+        // `fraction` of the data chunks, at least MIN_MISSES, at most all of them.
+        let misses = |fraction: f64| ((fraction.max(0.0) * data as f64).ceil() as u64).max(MIN_MISSES).min(data.max(1));
+        let need = if fraction.is_nan() || fraction > 1.0 { u64::MAX } else { misses(fraction) };
+        Detector { need, most: misses(NEEDS_MOST_AFTER), seen: vec![false; chunks as usize], count: 0, fired: false }
     }
 
     /// Whether the misses so far say the guest needs most of the image
