@@ -26,6 +26,10 @@
 #          no --record-trace, so the stream installs whole chunks ahead of the guest)
 #          --vcpus "2 4 8" (fake_vmm's touching threads; each count gets the lazy restores
 #          below, from a repository of its own; default 2)
+#          --rows "plain variant" (only these lazy rows, for a quick comparison; warm and
+#          replay need scattered before them; default: every row the options ask for)
+#          --variant "ARGS" (also "variant": the plain restore with ARGS added, e.g.
+#          "--stream-jobs 64", measured beside the defaults in the same run)
 #
 # For each setting (RTT x cap) and run, each against a fresh proxy (so its byte counts are
 # the command's own) and a fresh, empty chunk cache (cold):
@@ -89,7 +93,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ARGV=("$@")
 RUNS=3 SIZE=2GiB RTTS="0 2 20 50" RATES="0 1gbit 200mbit" PCT=5 ALL=0 TAG="" KEEP=0 QUICK=0
 ONLY="" WINDOW="" PULL_ARGS="" NO_VERIFY=0
-LAZY_EXTRA="" PREFETCH="" RUN_PAGES=64 HUGE=0 VCPUS=2 THREADS=2 PLAIN=0
+LAZY_EXTRA="" PREFETCH="" RUN_PAGES=64 HUGE=0 VCPUS=2 THREADS=2 PLAIN=0 ROWS="" VARIANT=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1; RUNS=1; SIZE=256MiB; RTTS="0 20"; RATES="0 1gbit" ;;
@@ -113,6 +117,8 @@ while [ $# -gt 0 ]; do
     --huge) HUGE=1 ;;
     --vcpus) VCPUS=$2; shift ;;
     --plain) PLAIN=1 ;;
+    --rows) ROWS=$2; shift ;;
+    --variant) VARIANT=$2; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "wan.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -318,6 +324,8 @@ calibrate() {
   log "  curl of the largest pack: $secs s, $(jq .bytes_down <<<"$NET_STATS") B"
 }
 
+# row NAME: whether --rows asks for this lazy row (every row when --rows is not given).
+row() { [ -z "$ROWS" ] || [[ " $ROWS " == *" $1 "* ]]; }
 REPOS=0
 CLUSTER="--touch $PCT% --run-pages $RUN_PAGES"
 SCATTER="--touch $PCT% --run-pages 1"
@@ -346,14 +354,17 @@ for rtt in $RTTS; do
         done
         continue
       fi
-      lazy_once "$setting" "$run" "$rtt" "$rate" clustered "$CLUSTER" "$PREFETCH" cold "$repo"
-      lazy_once "$setting" "$run" "$rtt" "$rate" nostream "$CLUSTER" "--prefetch none" cold "$repo"
-      # Before the scattered restore records a trace: cold, no trace.
-      if [ "$PLAIN" = 1 ]; then lazy_once "$setting" "$run" "$rtt" "$rate" plain "$SCATTER" "$PREFETCH" cold "$repo"; fi
-      if [ "$ALL" = 1 ]; then lazy_once "$setting" "$run" "$rtt" "$rate" all "$SCATTER" "--prefetch all --prefetch-rate 0" cold "$repo"; fi
-      lazy_once "$setting" "$run" "$rtt" "$rate" scattered "$SCATTER" "$PREFETCH --record-trace" fill "$repo"
-      lazy_once "$setting" "$run" "$rtt" "$rate" warm "$SCATTER" "--prefetch none" warm "$repo"
-      lazy_once "$setting" "$run" "$rtt" "$rate" replay "$SCATTER" "--prefetch trace" cold "$repo"
+      if row clustered; then lazy_once "$setting" "$run" "$rtt" "$rate" clustered "$CLUSTER" "$PREFETCH" cold "$repo"; fi
+      if row nostream; then lazy_once "$setting" "$run" "$rtt" "$rate" nostream "$CLUSTER" "--prefetch none" cold "$repo"; fi
+      # Before the scattered restore records a trace: cold, no trace. The variant and the
+      # defaults alternate in order from run to run.
+      if [ $((run % 2)) = 0 ] && [ -n "$VARIANT" ] && row variant; then lazy_once "$setting" "$run" "$rtt" "$rate" variant "$SCATTER" "$PREFETCH $VARIANT" cold "$repo"; fi
+      if [ "$PLAIN" = 1 ] && row plain; then lazy_once "$setting" "$run" "$rtt" "$rate" plain "$SCATTER" "$PREFETCH" cold "$repo"; fi
+      if [ $((run % 2)) = 1 ] && [ -n "$VARIANT" ] && row variant; then lazy_once "$setting" "$run" "$rtt" "$rate" variant "$SCATTER" "$PREFETCH $VARIANT" cold "$repo"; fi
+      if [ "$ALL" = 1 ] && row all; then lazy_once "$setting" "$run" "$rtt" "$rate" all "$SCATTER" "--prefetch all --prefetch-rate 0" cold "$repo"; fi
+      if row scattered; then lazy_once "$setting" "$run" "$rtt" "$rate" scattered "$SCATTER" "$PREFETCH --record-trace" fill "$repo"; fi
+      if row warm; then lazy_once "$setting" "$run" "$rtt" "$rate" warm "$SCATTER" "--prefetch none" warm "$repo"; fi
+      if row replay; then lazy_once "$setting" "$run" "$rtt" "$rate" replay "$SCATTER" "--prefetch trace" cold "$repo"; fi
       done
     done
   done
@@ -367,7 +378,7 @@ echo
 echo "$(nproc) cores, kernel $(uname -r), load average at the end $(cut -d' ' -f1-3 /proc/loadavg), snapctl $(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- . 2>/dev/null || echo '+changes'); medians of $RUNS run(s)."
 echo "Image: \`snapctl sample --size $SIZE --zero-fraction 0.5\`: $NONZERO B allocated in vm.mem, $STORED B in the registry's storage. Guest: fake_vmm, 2 vCPU threads, $PCT% of the pages."
 echo
-RUN_PAGES=$RUN_PAGES python3 - "$RUNLOG" <<'PY'
+RUN_PAGES=$RUN_PAGES VARIANT=$VARIANT python3 - "$RUNLOG" <<'PY'
 import json, os, statistics, sys
 runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 med = lambda xs: statistics.median(xs) if xs else None
@@ -377,11 +388,12 @@ def rate_bps(r):
         if r.endswith(s):
             return float(r[: -len(s)]) * m
     return float(r) or None
-order = ["calibration", "pull", "pull_direct", "verify", "clustered", "nostream", "plain", "scattered", "warm", "replay", "all", "clustered_4k", "clustered_2m", "scattered_4k", "scattered_2m"]
+order = ["calibration", "pull", "pull_direct", "verify", "clustered", "nostream", "plain", "variant", "scattered", "warm", "replay", "all", "clustered_4k", "clustered_2m", "scattered_4k", "scattered_2m"]
 label = {"calibration": "`curl` of the largest pack (the proxy's ceiling)", "pull": "`snapctl pull`", "pull_direct": "`snapctl pull`, no proxy", "verify": "`snapctl verify` (reads every stored chunk)",
          "clustered": f"lazy, clustered (runs of {os.environ.get('RUN_PAGES', '64')} pages)", "scattered": "lazy, scattered (records a trace)",
          "nostream": "lazy, clustered, `--prefetch none` (no stream)",
          "plain": "lazy, scattered, the daemon's defaults exactly (no `--record-trace`)",
+         "variant": f"lazy, scattered, the defaults and `{os.environ.get('VARIANT', '')}`",
          "warm": "lazy, scattered again, warm chunk cache", "replay": "lazy, scattered again, cold, `--prefetch trace`",
          "all": "lazy, scattered, cold, no trace, `--prefetch all --prefetch-rate 0`",
          "clustered_4k": f"lazy, clustered (runs of {os.environ.get('RUN_PAGES', '64')} pages), 4 KiB pages",
@@ -430,8 +442,6 @@ for s in settings:
     for v in VS:
       t = lambda p: med([r["seconds"] for r in rs if r["path"] == p and r.get("vcpus", 2) == v])
       where = f"{rs[0]['rtt_ms']} ms, {rs[0]['rate'] if rate_bps(rs[0]['rate']) else 'no cap'}, {v} vCPUs"
-      if not t("clustered"):
-          continue
       cl = [r for r in rs if r["path"] == "clustered" and r.get("vcpus", 2) == v]
       cap = rate_bps(rs[0]["rate"])
       # Issue 23 §3's latency floor: the data chunks touched, one round trip each, vCPUs
@@ -456,7 +466,7 @@ for s in settings:
                            f"{hs * 1000:.0f} ms after the handshake) (goal <= 2 RTT = {2 * rtt_s * 1000:.0f} ms after each): "
                            f"{mark(after_ready <= 2 * rtt_s + 0.002 and hs <= 2 * rtt_s + 0.002)}")
       ns = [r for r in rs if r["path"] == "nostream" and r.get("vcpus", 2) == v]
-      if ns and rs[0]["rtt_ms"]:
+      if ns and cl and rs[0]["rtt_ms"]:
           a, b = med([r["touch_p50_us"] for r in cl]), med([r["touch_p50_us"] for r in ns])
           goals.append(f"{where}: clustered first-touch p50 {a / 1000:.1f} ms with the stream, {b / 1000:.1f} ms without "
                        f"(p99 {med([r['touch_p99_us'] for r in cl]) / 1000:.1f} / {med([r['touch_p99_us'] for r in ns]) / 1000:.1f} ms): "
@@ -464,7 +474,7 @@ for s in settings:
       if pull_t and t("clustered"):
           goals.append(f"{where}: clustered {pull_t / t('clustered'):.2f}x faster than pull (issue 16: >= 5x cross-host: {mark(pull_t / t('clustered') >= 5)}; "
                        f"issue 23: >= 3x at 20 ms: {mark(pull_t / t('clustered') >= 3) if rs[0]['rtt_ms'] == 20 else 'not set here'})")
-      for p in ("scattered", "plain"):
+      for p in ("scattered", "plain", "variant"):
           if pull_t and t(p):
               goals.append(f"{where}: {p} {t(p) / pull_t:.2f}x pull's time (goal <= 1.1x): {mark(t(p) / pull_t <= 1.1)}")
       if pull_t and t("replay") and t("scattered"):

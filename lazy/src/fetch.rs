@@ -415,9 +415,10 @@ impl Fetcher {
     /// more, then refused (the run's read was its first chance, as [`get`](Self::get)
     /// gives a chunk two). A fault on a chunk of the run
     /// waits for the run. Chunks already in memory, in the cache or in flight are left to
-    /// their holder.
-    pub fn get_background_run(&self, run: &[u64]) -> Work {
-        let mut work = Work::default();
+    /// their holder. Returns the work and the chunks of the run it refused (or gave up on),
+    /// which nobody should fetch again just to install them.
+    pub fn get_background_run(&self, run: &[u64]) -> (Work, Vec<u64>) {
+        let (mut work, mut refused) = (Work::default(), Vec::new());
         let mut i = 0;
         while i < run.len() {
             // The longest stretch from `i` this call can lead.
@@ -433,12 +434,12 @@ impl Fetcher {
                 i += 1;
                 continue;
             }
-            let w = self.fetch_stretch(&led);
+            let w = self.fetch_stretch(&led, &mut refused);
             work.bytes_fetched += w.bytes_fetched;
             work.retries += w.retries;
             work.verify_failures += w.verify_failures;
         }
-        work
+        (work, refused)
     }
 
     /// Lead the fetch of chunk `c` (pushed onto `led`), unless it is in recent memory, the
@@ -465,8 +466,9 @@ impl Fetcher {
     }
 
     /// One range request for the stretch `led` (adjacent chunks whose flights this caller
-    /// leads), each chunk verified on its own, every flight landed.
-    fn fetch_stretch(&self, led: &[(u64, Arc<Flight>)]) -> Work {
+    /// leads), each chunk verified on its own, every flight landed; the chunks that failed
+    /// go onto `refused`.
+    fn fetch_stretch(&self, led: &[(u64, Arc<Flight>)], refused: &mut Vec<u64>) -> Work {
         let chunks = &self.image.files[self.file].chunks;
         let (first, last) = (led[0].0, led[led.len() - 1].0);
         let (StoredAt::Pack { pack, offset: start, .. }, StoredAt::Pack { offset: l_off, stored_len: l_len, .. }) =
@@ -496,6 +498,7 @@ impl Fetcher {
                 for (c, flight) in led {
                     let f = f.for_chunk(*c);
                     self.land(*c, flight, &Err(f), Origin::Fetched, true);
+                    refused.push(*c);
                 }
                 return work;
             }
@@ -525,6 +528,9 @@ impl Fetcher {
             work.bytes_fetched += w.bytes_fetched;
             work.retries += w.retries;
             work.verify_failures += w.verify_failures;
+            if outcome.is_err() {
+                refused.push(*c);
+            }
             self.land(*c, flight, &outcome, Origin::Fetched, true);
         }
         work
@@ -933,7 +939,8 @@ pub(crate) mod tests {
         let run = data_chunks(9);
         assert!(run.windows(2).all(|w| f.adjacent(w[0], w[1])), "a fresh pack stores the data chunks one after another");
         assert!(!f.adjacent(0, 1) && !f.adjacent(2, 0), "a zero chunk, or a chunk before, is not adjacent");
-        let work = f.get_background_run(&run);
+        let (work, refused) = f.get_background_run(&run);
+        assert!(refused.is_empty());
         assert_eq!(src.reads.load(Ordering::SeqCst), 1, "one range request");
         assert_eq!(work.bytes_fetched, run.iter().map(|&c| f.wire_bytes(c)).sum::<u64>());
         for &c in &run {
@@ -961,7 +968,7 @@ pub(crate) mod tests {
         let src = flaky(layout, Duration::from_millis(200));
         let f = Arc::new(fetcher(src.clone(), image, Duration::from_secs(5)));
         let g = f.clone();
-        let run = std::thread::spawn(move || g.get_background_run(&data_chunks(9)));
+        let run = std::thread::spawn(move || g.get_background_run(&data_chunks(9)).0);
         while !f.in_flight(6) {
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -979,8 +986,9 @@ pub(crate) mod tests {
         // Every read's first byte is flipped: in the run's one read that is chunk 0's.
         src.corrupt.store(true, Ordering::SeqCst);
         let f = fetcher(src.clone(), image, Duration::from_secs(5));
-        let work = f.get_background_run(&data_chunks(9));
+        let (work, refused) = f.get_background_run(&data_chunks(9));
         assert_eq!(work.verify_failures, 2, "the run's copy, then one of its own");
+        assert_eq!(refused, vec![0], "refused: the caller must not fetch it again to install it");
         assert_eq!(src.reads.load(Ordering::SeqCst), 2);
         assert!(!f.has_recent(0), "refused, never handed out");
         for c in [2u64, 3, 5, 6, 8] {

@@ -717,9 +717,11 @@ impl Installer {
     /// Prefetch `run`'s chunks (each adjacent to the one before in its pack: see
     /// [`Fetcher::adjacent`]) with one range request per stretch not held elsewhere, then
     /// install their spans as [`prefetch_span`](Self::prefetch_span) does, calling
-    /// `fetched` in between (when the run's bytes have arrived). Bytes installed, and
-    /// chunks that had bytes installed.
+    /// `fetched` in between (when the run's bytes have arrived). A chunk the fetch refused
+    /// is not installed (a fault there takes the fault path). Bytes installed, and chunks
+    /// that had bytes installed.
     pub fn prefetch_run(&self, run: &[u64], fetched: impl FnOnce()) -> (u64, u64) {
+        let mut refused = Vec::new();
         if !self.gone() {
             let work = match run {
                 [c] if matches!(self.fetcher.is_zero(*c), Ok(false)) => {
@@ -734,14 +736,20 @@ impl Installer {
                     work
                 }
                 [_] => Work::default(),
-                _ => self.fetcher.get_background_run(run),
+                _ => {
+                    let (work, r) = self.fetcher.get_background_run(run);
+                    refused = r;
+                    work
+                }
             };
             self.account(&work);
         }
         // The bytes are off the link: installing them uses none of it.
         fetched();
         let (mut bytes, mut chunks) = (0, 0);
-        for &c in run {
+        // A chunk the run's fetch refused is not installed here either: installing would
+        // fetch it again, and a fault there takes the fault path's fetch.
+        for &c in run.iter().filter(|c| !refused.contains(c)) {
             let mut b = 0;
             for span in self.map.spans_of_chunk(c) {
                 if self.gone() {
@@ -866,6 +874,28 @@ mod tests {
                 assert_eq!(guest.region(0)[at..at + K64], mem[at..at + K64], "chunk {c}");
             }
         }
+    }
+
+    /// A chunk of a stream run that fails its check is read alone once more and refused;
+    /// installing the run must not read it a third time (nor count two more verify
+    /// failures) to find out again: the guest's fault there takes the fault path.
+    #[test]
+    fn regression_issue_23_a_chunk_a_run_refused_is_not_fetched_again_to_install_it() {
+        let (dir, mem, image, _layout) = sample_image(8);
+        let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
+        let src = flaky(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap());
+        let inst = installer(&guest, image, src.clone());
+        let data: Vec<u64> = (0..8).filter(|&c| !inst.fetcher.is_zero(c).unwrap()).collect();
+        let pair = data.windows(2).find(|w| inst.fetcher.adjacent(w[0], w[1])).expect("two adjacent data chunks").to_vec();
+        // Every read's first byte flipped: in the run's read, that is the first chunk's.
+        src.corrupt.store(true, SeqCst);
+        let reads = src.reads.load(SeqCst);
+        let (bytes, chunks) = inst.prefetch_run(&pair, || {});
+        assert_eq!(src.reads.load(SeqCst) - reads, 2, "the run's read, then the refused chunk's own; no third");
+        assert_eq!((bytes, chunks), (K64 as u64, 1), "the good chunk installed");
+        assert!(inst.chunk_pending(pair[0]), "the refused chunk is left to the fault path");
+        let at = pair[1] as usize * K64;
+        assert_eq!(guest.region(0)[at..at + K64], mem[at..at + K64]);
     }
 
     /// The installer on its own, against anonymous memory registered with userfaultfd and

@@ -483,6 +483,7 @@ impl Daemon {
             report.trace_digest = trace.as_ref().and_then(|t| t.manifest.as_ref()).map(|d| d.to_string());
         }
         report.stream_depth = stream_run.depth as u64;
+        report.stream_threads = stream_run.threads as u64;
         report.stream_rtt_ms = stream_run.rtt.map(|d| d.as_secs_f64() * 1e3);
         report.pacing = pacing.into();
         report.working_set_s = replayed.map(|at: Instant| at.duration_since(started).as_secs_f64());

@@ -289,6 +289,9 @@ impl Demand {
 pub(crate) struct StreamRun {
     /// Most requests it kept in flight (0: it had nothing to do).
     pub depth: usize,
+    /// Worker threads it started: one for each request that found every worker busy, so
+    /// never more than `depth`.
+    pub threads: usize,
     pub rtt: Option<Duration>,
 }
 
@@ -321,27 +324,29 @@ pub(crate) fn run(
     let (done_tx, done_rx) = mpsc::channel::<u64>();
     let ended = || stop.load(Ordering::Relaxed) || inst.gone();
     std::thread::scope(|s| {
-        for _ in 0..max_jobs.max(1) {
+        // A worker per request in flight, started when a request finds every worker busy:
+        // a guest whose stream never starts costs no threads, and none start beside its
+        // first faults.
+        let start = || {
             let (inst, job_rx, done_tx) = (&inst, &job_rx, done_tx.clone());
-            let spawned = std::thread::Builder::new().name("lazy-stream".into()).spawn_scoped(s, move || loop {
-                let Ok((run, rest, permit)) = job_rx.lock().expect("poisoned").recv() else { return };
-                // The request's room in the window goes back once its bytes have arrived:
-                // checking and installing them uses none of the link.
-                let (bytes, chunks) = inst.prefetch_run(&run, || drop(permit));
-                if rest && bytes > 0 {
-                    inst.rec.add(|k| &k.streamed_chunks, chunks);
-                    inst.rec.add(|k| &k.streamed_bytes, bytes);
-                }
-                if done_tx.send(bytes).is_err() {
-                    return;
-                }
-            });
-            if spawned.is_err() {
-                // Out of threads: those running do the work.
-                break;
-            }
-        }
-        drop(done_tx);
+            std::thread::Builder::new()
+                .name("lazy-stream".into())
+                .spawn_scoped(s, move || loop {
+                    let Ok((run, rest, permit)) = job_rx.lock().expect("poisoned").recv() else { return };
+                    // The request's room in the window goes back once its bytes have arrived:
+                    // checking and installing them uses none of the link.
+                    let (bytes, chunks) = inst.prefetch_run(&run, || drop(permit));
+                    if rest && bytes > 0 {
+                        inst.rec.add(|k| &k.streamed_chunks, chunks);
+                        inst.rec.add(|k| &k.streamed_bytes, bytes);
+                    }
+                    if done_tx.send(bytes).is_err() {
+                        return;
+                    }
+                })
+                .is_ok()
+        };
+        let mut workers = 0usize;
         let t0 = Instant::now();
         let (mut next, mut in_flight, mut installed, mut most) = (0usize, 0usize, 0u64, 0usize);
         let (mut wanting, mut widened) = (None, false);
@@ -387,6 +392,13 @@ pub(crate) fn run(
                     bytes += b;
                 }
                 let Some(permit) = bg.try_acquire(bytes, Class::Stream) else { break };
+                if in_flight >= workers && workers < max_jobs.max(1) && start() {
+                    workers += 1;
+                }
+                if workers == 0 {
+                    // Out of threads: nothing would ever take the request.
+                    break 'dispatch;
+                }
                 let n = run.len();
                 if job_tx.send((run, next >= traced, permit)).is_err() {
                     break 'dispatch;
@@ -418,7 +430,7 @@ pub(crate) fn run(
         }
         drop(wanting);
         drop(job_tx);
-        StreamRun { depth: most, rtt }
+        StreamRun { depth: most, threads: workers, rtt }
     })
 }
 

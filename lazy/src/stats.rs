@@ -274,6 +274,8 @@ pub struct ConnReport {
     /// Most requests the stream kept in flight (sized from the timed round trip; 0: no
     /// stream ran).
     pub stream_depth: u64,
+    /// Worker threads the stream started (at most `stream_depth`; 0: none ran).
+    pub stream_threads: u64,
     /// The round trip timed before the stream began, in milliseconds (`null`: not timed).
     pub stream_rtt_ms: Option<f64>,
     /// How the background class (stream and replay) was paced.
@@ -327,6 +329,7 @@ impl ConnReport {
             streamed_bytes: l(&c.streamed_bytes),
             stream_started_s: None,
             stream_depth: 0,
+            stream_threads: 0,
             stream_rtt_ms: None,
             pacing: Pacing::default(),
             slice_fetches: l(&c.slice_fetches),

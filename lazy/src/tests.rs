@@ -722,6 +722,8 @@ fn regression_issue_16_stream_keeps_its_depth_in_flight() {
     let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
     assert_eq!(rep.streamed_chunks, data, "{rep:?}");
     assert!((1..=8).contains(&rep.stream_depth), "{rep:?}");
+    // A worker for each request that found every worker busy: never more than were in flight.
+    assert!((1..=rep.stream_depth).contains(&rep.stream_threads), "{rep:?}");
     // The window's bound is 8 chunks' bytes; the stream's bytes in flight reach it, or all
     // of the image's stored bytes when they are fewer (the sample's chunks compress well).
     assert!(rep.pacing.most_bytes >= data_bytes.min(4 * K64 as u64), "{rep:?}");
@@ -813,6 +815,28 @@ fn regression_issue_16_scattered_misses_start_the_stream() {
     assert!(rep.pacing.widened, "{rep:?}");
     assert_eq!((rep.faults.fetched, rep.streamed_chunks), (16, data.len() as u64 - 16), "{rep:?}");
     assert_eq!(src.reads.load(Ordering::SeqCst), data.len() as u64);
+    assert_eq!((rep.stream_depth, rep.stream_threads), (1, 1), "--stream-jobs 1: {rep:?}");
+}
+
+/// A guest whose misses never start the stream costs no stream threads: they start with
+/// the stream's requests, not with the connection (at wake, 32 thread starts beside the
+/// first fault took the cores of a small host).
+#[test]
+fn regression_issue_23_a_stream_that_never_starts_starts_no_threads() {
+    let (dir, mem, image, layout) = sample_image(96);
+    let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
+    let run = start(dir.path(), image, Gauge::new(layout, Duration::ZERO), |o| o.prefetch = PrefetchMode::Trace, None);
+    let sock = guest.connect(&run.socket);
+    // Three misses of 64 data chunks: under the default --stream-after.
+    let r = guest.region(0);
+    for c in [0usize, 2, 3] {
+        assert_eq!(r[c * K64 + 4096], mem[c * K64 + 4096]);
+    }
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(rep.stream_started_s, None, "{rep:?}");
+    assert_eq!((rep.streamed_chunks, rep.stream_depth, rep.stream_threads), (0, 0, 0), "{rep:?}");
+    assert_eq!(rep.faults.fetched, 3, "{rep:?}");
 }
 
 /// Like `sample_image`, but every 4 KiB page of a data chunk is different (its page number
