@@ -69,7 +69,9 @@
 # "ready" is daemon start to fake_vmm's connect (the daemon binds its socket once the image's
 # manifest, config and index are fetched and checked: the index transfer, plus the process's
 # start); handshake to first touch is fake_vmm's own. The goal: first touch within 2 RTT of
-# ready, and of the handshake.
+# ready, and of the handshake, with no slack (until 2026-12-05 these lines allowed 2 ms
+# more). The first touch here is often a zero page, which needs no fetch: bench/wake.sh
+# times a data page, and is what BENCHMARKS.md judges the wake by.
 # Lazy time = daemon start (it opens the image through the proxy) to fake_vmm's exit
 # (every touched page checked against the original). Per row: median time, time / pull's
 # median time in the same setting, the vCPU's fault latency p50/p99 (fake_vmm: first
@@ -464,7 +466,7 @@ for s in settings:
               goals.append(f"{where}: {p} wake {med([r['wake_s'] for r in pr]) * 1000:.0f} ms from daemon start (ready, index fetched: "
                            f"{med([r['ready_s'] for r in pr]) * 1000:.0f} ms; first touch {after_ready * 1000:.0f} ms after; "
                            f"{hs * 1000:.0f} ms after the handshake) (goal <= 2 RTT = {2 * rtt_s * 1000:.0f} ms after each): "
-                           f"{mark(after_ready <= 2 * rtt_s + 0.002 and hs <= 2 * rtt_s + 0.002)}")
+                           f"{mark(after_ready <= 2 * rtt_s and hs <= 2 * rtt_s)} (the first touch is often a zero page; bench/wake.sh times a data page)")
       ns = [r for r in rs if r["path"] == "nostream" and r.get("vcpus", 2) == v]
       if ns and cl and rs[0]["rtt_ms"]:
           a, b = med([r["touch_p50_us"] for r in cl]), med([r["touch_p50_us"] for r in ns])

@@ -34,6 +34,12 @@ impl Work {
         assert_eq!(r.code, 0, "snapctl {args:?}: {r:?}");
         r
     }
+    /// A `snapctl serve` (with `extra` flags) storing into the new directory `dir` here.
+    fn serve(&self, dir: &str, extra: &[&str]) -> Serve {
+        let storage = self.path(dir);
+        std::fs::create_dir_all(&storage).unwrap();
+        Serve::start(storage.to_str().unwrap(), extra, &[])
+    }
     /// `snapctl sample` of `size` into a new directory, packed as `oci:<dir>/l:<tag>`.
     fn packed(&self, name: &str, size: &str, tag: &str) -> (PathBuf, String) {
         let src = self.path(name);
@@ -63,9 +69,8 @@ fn regression_issue_13_closed_stdout_ends_quietly_with_status_0() {
     w.ok(&["sample", src.to_str().unwrap(), "--size", "2MiB", "--mutate", "2"]);
     let b = format!("oci:{}:b", w.path("l").display());
     w.ok(&["pack", src.to_str().unwrap(), &b, "--parent", &a]);
+    let s = w.serve("storage", &[]);
     let storage = w.path("storage");
-    std::fs::create_dir_all(&storage).unwrap();
-    let s = Serve::start(storage.to_str().unwrap(), &[], &[]);
     let remote = format!("{}/vm/pipe:v1", s.addr);
     w.ok(&["push", &a, &remote]);
     let (src_s, st, lay2) = (src.to_str().unwrap(), storage.to_str().unwrap(), format!("oci:{}:c", w.path("l2").display()));
@@ -115,9 +120,7 @@ const SMALL_PIECE: &str = "64KiB";
 fn regression_issue_13_client_warnings_reach_stderr() {
     let w = Work::new();
     let (_, a) = w.packed("snap", "2MiB", "a");
-    let storage = w.path("storage");
-    std::fs::create_dir_all(&storage).unwrap();
-    let s = Serve::start(storage.to_str().unwrap(), &[], &[]);
+    let s = w.serve("storage", &[]);
     let push = |n: u32, env: &[(&str, &str)]| -> Run {
         // A fresh cache per push (so nothing is mounted from an earlier repository), where
         // `uploads` is a file: the resume state cannot be saved.
@@ -152,9 +155,7 @@ fn regression_issue_13_client_warnings_reach_stderr() {
 fn regression_issue_13_docker_transport_prefix_is_a_registry_reference() {
     let w = Work::new();
     let (_, a) = w.packed("snap", "2MiB", "a");
-    let storage = w.path("storage");
-    std::fs::create_dir_all(&storage).unwrap();
-    let s = Serve::start(storage.to_str().unwrap(), &[], &[]);
+    let s = w.serve("storage", &[]);
     let remote = format!("docker://{}/vm/skopeo:v1", s.addr);
     let pushed = w.ok(&["push", &a, &remote]).stdout;
     let r = w.ok(&["inspect", &remote, "--json"]);
@@ -278,9 +279,7 @@ fn regression_issue_25_tls_on_loopback_with_a_ca_file() {
     let Some(ca) = TestCa::make() else { return };
     let w = Work::new();
     let (_, a) = w.packed("snap", "2MiB", "a");
-    let storage = w.path("storage");
-    std::fs::create_dir_all(&storage).unwrap();
-    let s = Serve::start(storage.to_str().unwrap(), &["--tls-cert", ca.cert.to_str().unwrap(), "--tls-key", ca.key.to_str().unwrap()], &[]);
+    let s = w.serve("storage", &["--tls-cert", ca.cert.to_str().unwrap(), "--tls-key", ca.key.to_str().unwrap()]);
     let remote = format!("{}/vm/tls:v1", s.addr);
     let ca_file = ca.ca.to_str().unwrap();
 
@@ -313,9 +312,7 @@ fn regression_issue_25_tls_on_loopback_with_a_ca_file() {
     w.ok(&["inspect", &format!("localhost:{}/vm/tls:v1", s.addr.rsplit_once(':').unwrap().1), "--tls-verify=false"]);
 
     // HTTPS to a plain registry.
-    let plain_storage = w.path("plain");
-    std::fs::create_dir_all(&plain_storage).unwrap();
-    let p = Serve::start(plain_storage.to_str().unwrap(), &[], &[]);
+    let p = w.serve("plain", &[]);
     let r = run(w.cmd().args(["inspect", &format!("{}/vm/x:v1", p.addr), "--insecure"]));
     assert_eq!(r.code, 2, "{r:?}");
     let (error, hint) = error_and_hint(&r);
@@ -336,9 +333,7 @@ fn regression_issue_25_tls_on_loopback_with_a_ca_file() {
 fn regression_issue_23_a_plain_http_registry_never_reads_the_tls_roots() {
     let w = Work::new();
     let (_, a) = w.packed("snap", "2MiB", "a");
-    let storage = w.path("storage");
-    std::fs::create_dir_all(&storage).unwrap();
-    let s = Serve::start(storage.to_str().unwrap(), &[], &[]);
+    let s = w.serve("storage", &[]);
     let remote = format!("{}/vm/plain:v1", s.addr);
     let pushed = w.ok(&["push", &a, &remote]).stdout;
     let (bad, empty) = (w.path("bad.pem"), w.path("no-certs"));
@@ -357,9 +352,7 @@ fn regression_issue_23_a_plain_http_registry_never_reads_the_tls_roots() {
 fn regression_issue_25_the_registrys_words_reach_the_user() {
     let w = Work::new();
     let (_, a) = w.packed("snap", "2MiB", "a");
-    let storage = w.path("storage");
-    std::fs::create_dir_all(&storage).unwrap();
-    let s = Serve::start(storage.to_str().unwrap(), &[], &[]);
+    let s = w.serve("storage", &[]);
     let proxy = FaultProxy::start(s.addr.as_str()).unwrap();
     let full = "write /srv/registry/_uploads/x: No space left on device";
     proxy.add(Rule::new(Fault::StatusSaying { code: 500, message: full.into() }).on(Match::new("PUT", "/blobs/uploads/")).times(u64::MAX));
@@ -378,9 +371,7 @@ fn regression_issue_25_the_registrys_words_reach_the_user() {
 fn regression_issue_25_debug_log_has_a_line_per_request_and_retry() {
     let w = Work::new();
     let (_, a) = w.packed("snap", "2MiB", "a");
-    let storage = w.path("storage");
-    std::fs::create_dir_all(&storage).unwrap();
-    let s = Serve::start(storage.to_str().unwrap(), &[], &[]);
+    let s = w.serve("storage", &[]);
     let remote = format!("{}/vm/log:v1", s.addr);
     w.ok(&["push", &a, &remote]);
     let proxy = FaultProxy::start(s.addr.as_str()).unwrap();
@@ -475,9 +466,7 @@ fn regression_issue_25_login_asks_on_a_terminal_and_names_a_wrong_password() {
     let w = Work::new();
     let pw = w.path("htpasswd");
     htpasswd(&pw, &[("alice", "s3cret")]);
-    let storage = w.path("storage");
-    std::fs::create_dir_all(&storage).unwrap();
-    let s = Serve::start(storage.to_str().unwrap(), &["--htpasswd", pw.to_str().unwrap()], &[]);
+    let s = w.serve("storage", &["--htpasswd", pw.to_str().unwrap()]);
     let prompt = format!("Password for alice at {}: ", s.addr);
 
     let login = || {
@@ -531,9 +520,7 @@ fn regression_issue_25_inspect_describes_other_artifacts() {
     let Some(oras) = oras() else { return };
     let w = Work::new();
     let (_, a) = w.packed("snap", "2MiB", "a");
-    let storage = w.path("storage");
-    std::fs::create_dir_all(&storage).unwrap();
-    let s = Serve::start(storage.to_str().unwrap(), &[], &[]);
+    let s = w.serve("storage", &[]);
     let remote = format!("{}/vm/art:v1", s.addr);
     let snapshot = w.ok(&["push", &a, &remote]).stdout.trim().to_string();
     std::fs::write(w.path("sbom.spdx.json"), br#"{"spdxVersion":"SPDX-2.3"}"#).unwrap();
