@@ -57,8 +57,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match &cli.command {
         Command::Serve(a) => cmd::common::init_logging_as(cmd::serve::DEFAULT_LOG, true, a.log_json()),
-        // A daemon's people want its progress (listening, each VM, traces stored) as well.
-        Command::Lazy(_) => cmd::common::init_logging(cmd::lazy::DEFAULT_LOG, false),
+        // A daemon's people want its progress (listening, each VM, traces stored) as well,
+        // and, as for `serve`, when each thing happened: a daemon runs for months, and a
+        // wake's steps are milliseconds apart.
+        Command::Lazy(_) => cmd::common::init_logging(cmd::lazy::DEFAULT_LOG, true),
         _ => cmd::common::init_logging("warn", false),
     }
     if let Some(r) = cli.command.registry_flags() {

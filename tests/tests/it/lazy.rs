@@ -316,6 +316,25 @@ fn lazy_restore_every_page_zero_chunks_never_fetched() {
     assert_eq!(n(rep, &["poisoned_pages"]), 0, "{rep}");
 }
 
+/// The daemon runs for months and a wake's steps are milliseconds apart: its log lines say
+/// when, in UTC to the microsecond, as `snapctl serve`'s do.
+#[test]
+fn regression_issue_23_the_daemons_log_lines_carry_the_time() {
+    if !lazy_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (_, image) = packed_sample(dir.path(), "2MiB", "3");
+    let h = Handler::lazy(&image, &dir.path().join("lazy.sock"), &[]);
+    let log = h.log_text();
+    let line = log.lines().find(|l| l.contains("listening on")).expect("a listening line");
+    let (stamp, rest) = line.split_once(' ').unwrap();
+    // RFC 3339 in UTC: 2026-12-05T07:14:58.654639Z.
+    let shape = stamp.bytes().map(|b| if b.is_ascii_digit() { b'9' } else { b }).collect::<Vec<u8>>();
+    assert_eq!(String::from_utf8(shape).unwrap(), "9999-99-99T99:99:99.999999Z", "{line}");
+    assert!(rest.trim_start().starts_with("INFO lazy: listening on"), "{line}");
+}
+
 /// `--slice-faults`: on (the default) lets a chunk's first miss fetch its slice beside the
 /// whole chunk (issue 16 §3); off fetches whole chunks only.
 #[test]
