@@ -6,6 +6,10 @@
 #   bash bench/wake.sh                       2 GiB image (half zero), RTT 0 2 20 50 ms,
 #                                            1 Gbit/s, 7 runs
 #   Options: --size SIZE  --rtts "0 20" (ms)  --rate 1gbit  --runs N  --tag NAME
+#            --replay: first record a trace (a restore with --record-trace, the guest
+#            touching 5% of its pages, no proxy), so every restore timed replays it: the
+#            wake of a sandbox woken again, which reads its trace and whole outboards
+#            before it listens (spec/lazy.md "Waking")
 #
 # Per run, through a fresh proxy: first the peer, the index transfer: `curl` fetching the
 # manifest and then the index on one new connection (3 round trips and the bytes), and a
@@ -28,7 +32,7 @@ trap 'echo "wake.sh: line $LINENO failed: $BASH_COMMAND" >&2' ERR
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ARGV=("$@")
-SIZE=2GiB RTTS="0 2 20 50" RATE=1gbit RUNS=7 TAG=""
+SIZE=2GiB RTTS="0 2 20 50" RATE=1gbit RUNS=7 TAG="" REPLAY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --size) SIZE=$2; shift ;;
@@ -36,6 +40,7 @@ while [ $# -gt 0 ]; do
     --rate) RATE=$2; shift ;;
     --runs) RUNS=$2; shift ;;
     --tag) TAG=$2; shift ;;
+    --replay) REPLAY=1 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "wake.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -80,6 +85,17 @@ print("\n".join(map(str, out)))
 PY
 )
 
+if [ "$REPLAY" = 1 ]; then
+  rm -f "$W/h.sock"
+  "$SNAPCTL" lazy "127.0.0.1:$PORT/bench/vm:v1" --socket "$W/h.sock" --once --no-cache --record-trace >/dev/null 2>"$W/record.log" &
+  rp=$!
+  PIDS+=("$rp")
+  "$FAKE_VMM" --socket "$W/h.sock" --mem-file "$MEM" --threads 2 --touch 5% --json --timeout 300 >"$W/vmm.json" 2>"$W/vmm.log" \
+    || { echo "wake.sh: fake_vmm failed recording the trace: $(cat "$W/vmm.log")" >&2; exit 2; }
+  wait "$rp" || { echo "wake.sh: the recording restore failed: $(tail -3 "$W/record.log")" >&2; exit 2; }
+  grep -q "working set of" "$W/record.log" || { echo "wake.sh: no trace was stored: $(tail -3 "$W/record.log")" >&2; exit 2; }
+  log "recorded: $(grep -o 'trace of .*stored' "$W/record.log")"
+fi
 i=0
 for rtt in $RTTS; do
   for run in $(seq "$RUNS"); do
@@ -106,6 +122,7 @@ for rtt in $RTTS; do
     "$FAKE_VMM" --socket "$W/h.sock" --mem-file "$MEM" --threads 1 --touch "$page" --json --timeout 120 >"$W/vmm.json" 2>"$W/vmm.log" \
       || { echo "wake.sh: fake_vmm failed: $(cat "$W/vmm.log")" >&2; exit 2; }
     wait "$hp" || { echo "wake.sh: lazy failed: $(tail -3 "$W/lazy.log")" >&2; exit 2; }
+    if [ "$REPLAY" = 1 ]; then grep -q "using the trace" "$W/lazy.log" || { echo "wake.sh: the restore found no trace to replay: $(tail -3 "$W/lazy.log")" >&2; exit 2; }; fi
     kill "$np"; wait "$np" 2>/dev/null || true
     [ "$(jq .mismatches "$W/vmm.json")" = 0 ] || { echo "wake.sh: wrong bytes" >&2; exit 1; }
     jq -c --arg t0 "$t0" --argjson rtt "$rtt" --argjson run "$run" --argjson page "$page" --argjson index "$index_ms" --argjson one "$page_ms" \
@@ -121,7 +138,7 @@ stop_server
 exec > >(tee "$OUT")
 echo "### $NAME: \`bash bench/wake.sh ${ARGV[*]}\`, $(date -u '+%Y-%m-%d %H:%M UTC')"
 echo
-echo "$(nproc) cores, load average at the end $(cut -d' ' -f1-3 /proc/loadavg), snapctl $(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- . 2>/dev/null || echo '+changes'); $SIZE image, cap $RATE, medians of $RUNS runs (min-max)."
+echo "$(nproc) cores, load average at the end $(cut -d' ' -f1-3 /proc/loadavg), snapctl $(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- . 2>/dev/null || echo '+changes'); $SIZE image, cap $RATE, medians of $RUNS runs (min-max)$([ "$REPLAY" = 1 ] && echo "; every restore replays a recorded trace (--replay)")."
 echo
 python3 - "$RUNLOG" <<'PY'
 import json, statistics, sys

@@ -78,7 +78,7 @@ use imgfmt::{BlobSource, Image};
 pub use fetch::{ChunkStore, FetchFailure, RetryPolicy, DEFAULT_RETRY};
 pub use prefetch::PrefetchMode;
 pub use stats::{ConnReport, Counters, End};
-pub use trace::{LayoutTraces, RegistryTraces, Trace, TraceStore, TRACE_MEDIA_TYPE};
+pub use trace::{LayoutTraces, LoadedAhead, RegistryTraces, Trace, TraceStore, TRACE_MEDIA_TYPE};
 
 use fault::Conn;
 use install::Installer;

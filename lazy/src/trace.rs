@@ -153,12 +153,8 @@ fn believable_date<'a>(annotations: &'a std::collections::BTreeMap<String, Strin
 /// Its working set is kept only where the second layer is the working-set blob and that
 /// blob is there (`Ok((trace, false))`: it is not, and the trace holds its chunk order
 /// alone). `Err`: why the trace cannot be used.
-fn load_artifact(src: &dyn BlobSource, digest: &OciDigest, image: &Image, file: usize, read_ahead: Option<Vec<u8>>) -> Result<(Trace, bool), String> {
-    // Bytes read ahead were checked against the digest when they were read.
-    let bytes = match read_ahead {
-        Some(b) => b,
-        None => imgfmt::source::read_verified_blob(src, digest, imgfmt::manifest::MAX_MANIFEST_BYTES).map_err(|e| e.to_string())?,
-    };
+fn load_artifact(src: &dyn BlobSource, digest: &OciDigest, image: &Image, file: usize) -> Result<(Trace, bool), String> {
+    let bytes = imgfmt::source::read_verified_blob(src, digest, imgfmt::manifest::MAX_MANIFEST_BYTES).map_err(|e| e.to_string())?;
     let m = Manifest::decode(&bytes).map_err(|e| e.to_string())?;
     if let Some(t) = m.media_type.as_deref().filter(|t| *t != media::OCI_MANIFEST) {
         return Err(format!("media type {t}, not an OCI image manifest"));
@@ -215,14 +211,8 @@ fn by_date(refs: &[Descriptor]) -> Vec<&Descriptor> {
 /// The newest usable trace of `refs` (trace manifests in `src`): a date in the future counts
 /// as none (such a trace is tried last), and the newest [`MAX_TRACE_CANDIDATES`] are tried in
 /// turn until one is usable ([`load_artifact`]), preferring one whose working-set blob is
-/// there. `read_ahead`: a trace manifest already read (and checked against its digest).
-fn newest_usable(
-    src: &dyn BlobSource,
-    refs: &[Descriptor],
-    image: &Image,
-    file: usize,
-    mut read_ahead: Option<(OciDigest, Vec<u8>)>,
-) -> Result<Option<Trace>, FormatError> {
+/// there.
+fn newest_usable(src: &dyn BlobSource, refs: &[Descriptor], image: &Image, file: usize) -> Result<Option<Trace>, FormatError> {
     let candidates = by_date(refs);
     if candidates.len() > MAX_TRACE_CANDIDATES {
         tracing::info!("{} traces of {}: looking at the newest {MAX_TRACE_CANDIDATES}", candidates.len(), image.manifest_digest);
@@ -233,8 +223,7 @@ fn newest_usable(
             tracing::warn!("skipping the trace {}: its manifest is {} bytes", d.digest, d.size);
             continue;
         }
-        let ahead = read_ahead.take_if(|(m, _)| *m == d.digest).map(|(_, b)| b);
-        match load_artifact(src, &d.digest, image, file, ahead) {
+        match load_artifact(src, &d.digest, image, file) {
             Ok((t, true)) => return Ok(Some(t)),
             Ok((t, false)) => {
                 tracing::warn!("the trace {}: its working-set blob is missing; looking for a trace with one", d.digest);
@@ -264,7 +253,7 @@ impl TraceStore for LayoutTraces {
     fn load(&self, image: &Image, file: usize) -> Result<Option<Trace>, FormatError> {
         let refs = self.0.referrers(&image.manifest_digest)?;
         let traces: Vec<Descriptor> = refs.into_iter().filter(|d| d.artifact_type.as_deref().is_none_or(|t| t == TRACE_MEDIA_TYPE)).collect();
-        newest_usable(&self.0, &traces, image, file, None)
+        newest_usable(&self.0, &traces, image, file)
     }
 
     fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<(String, OciDigest), FormatError> {
@@ -295,12 +284,10 @@ pub struct RegistryTraces {
     ahead: std::sync::Mutex<Option<ReadAhead>>,
 }
 
-/// The trace referrers of one image (or why they could not be listed), and the manifest
-/// of the newest of them, checked against its digest.
+/// The trace referrers of one image, or why they could not be listed.
 struct ReadAhead {
     subject: OciDigest,
     refs: Result<Vec<Descriptor>, String>,
-    newest: Option<(OciDigest, Vec<u8>)>,
 }
 
 impl RegistryTraces {
@@ -319,18 +306,15 @@ impl TraceStore for RegistryTraces {
         imgfmt::BlobSource::describe(self.src.as_ref())
     }
 
-    /// Lists the image's traces and reads the newest one's manifest: two of the four round
-    /// trips of loading a trace (the trace and whether its working set is there are asked
-    /// at once, after the image is open).
+    /// Lists the image's traces: the first of the three round trips of loading a trace,
+    /// as long as the image's config and index take. The rest (the newest trace's
+    /// manifest, then its trace and whether its working set is there, asked at once) is
+    /// `load`'s, which a replaying daemon runs while the whole outboards arrive: read here,
+    /// the manifest put a round trip in front of the outboards' request.
     fn prepare(&self, manifest: &OciDigest) -> bool {
         let refs = self.list(manifest);
         let none = refs.as_ref().is_ok_and(|r| r.is_empty());
-        let newest = refs.as_ref().ok().and_then(|r| by_date(r).first().copied().cloned()).filter(|d| d.size <= imgfmt::manifest::MAX_MANIFEST_BYTES);
-        let newest = newest.and_then(|d| {
-            let b = imgfmt::source::read_verified_blob(self.src.as_ref(), &d.digest, imgfmt::manifest::MAX_MANIFEST_BYTES).ok()?;
-            Some((d.digest, b))
-        });
-        *self.ahead.lock().expect("poisoned") = Some(ReadAhead { subject: manifest.clone(), refs, newest });
+        *self.ahead.lock().expect("poisoned") = Some(ReadAhead { subject: manifest.clone(), refs });
         !none
     }
 
@@ -342,12 +326,12 @@ impl TraceStore for RegistryTraces {
     /// filters where the registry cannot).
     fn load(&self, image: &Image, file: usize) -> Result<Option<Trace>, FormatError> {
         let ahead = self.ahead.lock().expect("poisoned").take().filter(|a| a.subject == image.manifest_digest);
-        let (refs, newest) = match ahead {
-            Some(a) => (a.refs, a.newest),
-            None => (self.list(&image.manifest_digest), None),
+        let refs = match ahead {
+            Some(a) => a.refs,
+            None => self.list(&image.manifest_digest),
         };
         let refs = refs.map_err(|e| invalid("trace referrers", e))?;
-        newest_usable(self.src.as_ref(), &refs, image, file, newest)
+        newest_usable(self.src.as_ref(), &refs, image, file)
     }
 
     fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<(String, OciDigest), FormatError> {
@@ -362,9 +346,78 @@ impl TraceStore for RegistryTraces {
     }
 }
 
+/// A trace store whose trace for one file was read ahead, beside the outboards, by
+/// [`LoadedAhead::read`]: the daemon's own `load` then takes it without a round trip.
+/// A replaying daemon waits for both before it listens, and the trace's round trip needs
+/// nothing of the outboards, so the two overlap. Everything else goes to the store.
+pub struct LoadedAhead {
+    store: Box<dyn TraceStore>,
+    loaded: std::sync::Mutex<Option<(OciDigest, usize, Result<Option<Trace>, FormatError>)>>,
+}
+
+impl LoadedAhead {
+    /// Load file `file`'s trace of `image` from `store` now.
+    pub fn read(store: Box<dyn TraceStore>, image: &Image, file: usize) -> LoadedAhead {
+        let r = store.load(image, file);
+        LoadedAhead { store, loaded: std::sync::Mutex::new(Some((image.manifest_digest.clone(), file, r))) }
+    }
+}
+
+impl TraceStore for LoadedAhead {
+    fn describe(&self) -> String {
+        self.store.describe()
+    }
+    /// The trace read ahead, once, for the image and file it was read for; any other
+    /// load reads the store.
+    fn load(&self, image: &Image, file: usize) -> Result<Option<Trace>, FormatError> {
+        let taken = self.loaded.lock().expect("poisoned").take();
+        match taken {
+            Some((m, f, r)) if m == image.manifest_digest && f == file => r,
+            _ => self.store.load(image, file),
+        }
+    }
+    fn store(&self, image: &Image, trace: &Trace, working_set: &[u8]) -> Result<(String, OciDigest), FormatError> {
+        self.store.store(image, trace, working_set)
+    }
+    fn prepare(&self, manifest: &OciDigest) -> bool {
+        self.store.prepare(manifest)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A trace read ahead answers the first load of its image and file, once, without
+    /// reading the store; the next load reads the store again.
+    #[test]
+    fn regression_issue_23_a_trace_read_beside_the_outboards_is_the_one_the_daemon_loads() {
+        struct Counting(LayoutTraces, Arc<std::sync::atomic::AtomicUsize>);
+        impl TraceStore for Counting {
+            fn describe(&self) -> String {
+                self.0.describe()
+            }
+            fn load(&self, image: &Image, file: usize) -> Result<Option<Trace>, FormatError> {
+                self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.0.load(image, file)
+            }
+            fn store(&self, image: &Image, trace: &Trace, ws: &[u8]) -> Result<(String, OciDigest), FormatError> {
+                self.0.store(image, trace, ws)
+            }
+        }
+        let (_d, _mem, image, layout) = crate::fetch::tests::sample_image(6);
+        let file = image.file("vm.mem").unwrap().0;
+        let (_, digest) = LayoutTraces(OciLayout::open(layout.root()).unwrap()).store(&image, &Trace::new("vm.mem", 1 << 16, vec![4, 0, 2]), &[]).unwrap();
+        let loads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let ahead = LoadedAhead::read(Box::new(Counting(LayoutTraces(layout), loads.clone())), &image, file);
+        let n = || loads.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(n(), 1, "read once, ahead");
+        let first = ahead.load(&image, file).unwrap().expect("the trace read ahead");
+        assert_eq!((first.manifest.as_ref(), n()), (Some(&digest), 1), "taken from what was read ahead");
+        let again = ahead.load(&image, file).unwrap().expect("from the store");
+        assert_eq!((again.manifest.as_ref(), n()), (Some(&digest), 2), "once only; then the store");
+        assert!(ahead.describe().starts_with("oci:"), "the store's name: {}", ahead.describe());
+    }
 
     #[test]
     fn trace_round_trips_through_a_layout_and_is_checked() {

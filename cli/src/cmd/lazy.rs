@@ -10,7 +10,7 @@ use anyhow::{bail, Context as _};
 use imgfmt::reference::Reference;
 use imgfmt::{OciLayout, Role};
 use lazy::criu::{CriuDaemon, CriuReport};
-use lazy::{ConnReport, Daemon, LayoutTraces, LazyOptions, PrefetchMode, RegistryTraces, RetryPolicy, TraceStore};
+use lazy::{ConnReport, Daemon, LayoutTraces, LazyOptions, LoadedAhead, PrefetchMode, RegistryTraces, RetryPolicy, TraceStore};
 
 use super::common::{self, open_image};
 use super::policy::{LayoutStore, RegistryStore};
@@ -284,12 +284,24 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
         opened.map(|(image, outboards)| (image, outboards, maybe_trace))
     })?;
     let image = Arc::new(image);
+    let mut traces = traces;
     if let Some(pending) = outboards {
         // A recording restore keeps the working set by slice from the first fault, a replay
         // plans its working set by slice, and a CRIU restore pushes its pages by slice:
         // they wait for the outboards. A restore that only serves faults listens at once,
         // and its faults fetch whole chunks until the outboards are in.
-        if a.record_trace || maybe_trace || a.criu_workdir.is_some() {
+        if maybe_trace && a.criu_workdir.is_none() && traces.is_some() {
+            // The trace's own round trip (its blob, and whether its working set is there)
+            // needs nothing of the outboards: read it while their bytes arrive.
+            let file = memory_file(&a, &image)?;
+            let store = traces.take().expect("checked");
+            traces = Some(std::thread::scope(|s| {
+                let reading = s.spawn(|| finish_outboards(pending, &image));
+                let ahead = LoadedAhead::read(store, &image, file);
+                let _ = reading.join();
+                Box::new(ahead) as Box<dyn TraceStore>
+            }));
+        } else if a.record_trace || maybe_trace || a.criu_workdir.is_some() {
             finish_outboards(pending, &image);
         } else if image.slices_on_demand() {
             // Every outboard's entries are in: a fault reads its chunk's CVs beside its
@@ -327,17 +339,7 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     if let Some(workdir) = &a.criu_workdir {
         return run_criu(&a, image, src, store, workdir.clone(), opts);
     }
-    let file = match &a.file {
-        Some(name) => image.file(name).with_context(|| format!("{}: no file named {name:?}", a.image))?.0,
-        None => {
-            let mem: Vec<usize> = image.files.iter().enumerate().filter(|(_, f)| f.role == Role::Memory).map(|(i, _)| i).collect();
-            match mem.as_slice() {
-                [i] => *i,
-                [] => bail!("{}: no file has role memory; name one with --file", a.image),
-                _ => bail!("{}: several memory files; name one with --file", a.image),
-            }
-        }
-    };
+    let file = memory_file(&a, &image)?;
     let daemon = Daemon::new(image.clone(), file, src, store, traces, opts)?;
     if let Some(bg) = background_source {
         daemon.set_background_source(bg);
@@ -392,6 +394,21 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
         }
     }))?;
     Ok(common::code(if failed.load(Ordering::Relaxed) { common::EXIT_FAILED } else { common::EXIT_OK }))
+}
+
+/// The file to serve: `--file`, else the image's one file with role memory.
+fn memory_file(a: &LazyArgs, image: &imgfmt::Image) -> anyhow::Result<usize> {
+    Ok(match &a.file {
+        Some(name) => image.file(name).with_context(|| format!("{}: no file named {name:?}", a.image))?.0,
+        None => {
+            let mem: Vec<usize> = image.files.iter().enumerate().filter(|(_, f)| f.role == Role::Memory).map(|(i, _)| i).collect();
+            match mem.as_slice() {
+                [i] => *i,
+                [] => bail!("{}: no file has role memory; name one with --file", a.image),
+                _ => bail!("{}: several memory files; name one with --file", a.image),
+            }
+        }
+    })
 }
 
 /// The image `o` names, once the policy accepts it (its signature reads overlap the
