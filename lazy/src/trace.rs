@@ -352,8 +352,11 @@ impl TraceStore for RegistryTraces {
 /// nothing of the outboards, so the two overlap. Everything else goes to the store.
 pub struct LoadedAhead {
     store: Box<dyn TraceStore>,
-    loaded: std::sync::Mutex<Option<(OciDigest, usize, Result<Option<Trace>, FormatError>)>>,
+    loaded: std::sync::Mutex<Option<ReadTrace>>,
 }
+
+/// What [`LoadedAhead::read`] read: for which image manifest and file, and the answer.
+type ReadTrace = (OciDigest, usize, Result<Option<Trace>, FormatError>);
 
 impl LoadedAhead {
     /// Load file `file`'s trace of `image` from `store` now.
