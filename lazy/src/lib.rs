@@ -70,7 +70,7 @@ use std::os::fd::{FromRawFd, IntoRawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use imgfmt::{BlobSource, Image};
@@ -167,6 +167,11 @@ pub struct Daemon {
     total: AtomicU64,
     /// The trace replayed, shared (never copied) by every connection.
     replay: Mutex<Option<Replay>>,
+    /// A trace is on its way ([`Daemon::expect_replay`]): connections that start before it
+    /// arrives wait for it on a thread of their own, beside their faults.
+    coming: AtomicBool,
+    /// Notified when the trace arrives or will not ([`Daemon::set_replay`]).
+    arrived: Condvar,
     traces: Option<Box<dyn TraceStore>>,
     stop: Arc<AtomicBool>,
     /// Accept no more connections; return once those being served have ended.
@@ -198,6 +203,27 @@ impl Replay {
     }
 }
 
+/// The trace `store` holds for file `file` of `image`, said on stderr; a trace that cannot
+/// be used costs speed, not correctness: it is logged and left out.
+fn load_trace(store: &dyn TraceStore, image: &Image, file: usize) -> Option<Trace> {
+    let t = match store.load(image, file) {
+        Ok(t) => t?,
+        Err(e) => {
+            tracing::warn!("ignoring the trace in {}: {e}", store.describe());
+            return None;
+        }
+    };
+    tracing::info!(
+        "using the trace {} (created {}): {} chunks, a working set of {} slices, {} zero chunks",
+        t.manifest.as_ref().map_or_else(|| "?".to_string(), |d| d.to_string()),
+        t.created.as_deref().unwrap_or("?"),
+        t.chunks.len(),
+        t.working_set.len(),
+        t.zero_chunks.len()
+    );
+    Some(t)
+}
+
 impl Daemon {
     /// Serve file `file` of `image` (read from `src`), with an optional chunk cache and an
     /// optional place to find and keep prefetch traces.
@@ -213,26 +239,9 @@ impl Daemon {
             return Err(LazyError::Invalid(format!("no file #{file} in the image")));
         }
         let trace = match (&traces, opts.prefetch) {
-            (Some(t), PrefetchMode::Trace | PrefetchMode::All) => match t.load(&image, file) {
-                Ok(tr) => tr,
-                Err(e) => {
-                    // A bad trace costs speed, not correctness: go on without it.
-                    tracing::warn!("ignoring the trace in {}: {e}", t.describe());
-                    None
-                }
-            },
+            (Some(t), PrefetchMode::Trace | PrefetchMode::All) => load_trace(t.as_ref(), &image, file),
             _ => None,
         };
-        if let Some(t) = &trace {
-            tracing::info!(
-                "using the trace {} (created {}): {} chunks, a working set of {} slices, {} zero chunks",
-                t.manifest.as_ref().map_or_else(|| "?".to_string(), |d| d.to_string()),
-                t.created.as_deref().unwrap_or("?"),
-                t.chunks.len(),
-                t.working_set.len(),
-                t.zero_chunks.len()
-            );
-        }
         let replay = trace.map(|t| Replay::new(&image, file, &opts, t));
         let mut memory = opts.memory_bytes;
         if opts.record_trace {
@@ -249,6 +258,8 @@ impl Daemon {
             active: AtomicU64::new(0),
             total: AtomicU64::new(0),
             replay: Mutex::new(replay),
+            coming: AtomicBool::new(false),
+            arrived: Condvar::new(),
             traces,
             stop: Arc::new(AtomicBool::new(false)),
             draining: AtomicBool::new(false),
@@ -257,6 +268,42 @@ impl Daemon {
 
     pub fn has_trace(&self) -> bool {
         self.replay.lock().expect("poisoned").is_some()
+    }
+
+    /// Say that a trace to replay is on its way (its outboards and trace still being read
+    /// when the socket is bound): a connection that starts before
+    /// [`set_replay`](Self::set_replay) serves its faults at once and replays the working
+    /// set once it arrives.
+    pub fn expect_replay(&self) {
+        self.coming.store(true, Ordering::Relaxed);
+    }
+
+    /// The trace read from `store` for this daemon's file, now that the image's outboards
+    /// are in place (a working set is planned by slice against them), or none if there is
+    /// none or it cannot be used. Wakes the connections waiting for it.
+    pub fn set_replay(&self, store: &dyn TraceStore) {
+        let image = &self.fetcher.image;
+        let replay = match self.opts.prefetch {
+            PrefetchMode::Trace | PrefetchMode::All => {
+                load_trace(store, image, self.fetcher.file).map(|t| Replay::new(image, self.fetcher.file, &self.opts, t))
+            }
+            PrefetchMode::None => None,
+        };
+        let mut r = self.replay.lock().expect("poisoned");
+        if replay.is_some() {
+            *r = replay;
+        }
+        self.coming.store(false, Ordering::Relaxed);
+        self.arrived.notify_all();
+    }
+
+    /// The replay once it is known, waiting while it is on its way, until `stop`.
+    fn replay_when_known(&self, stop: &AtomicBool) -> Option<(Arc<Trace>, Option<Arc<workingset::Plan>>)> {
+        let mut r = self.replay.lock().expect("poisoned");
+        while self.coming.load(Ordering::Relaxed) && !stop.load(Ordering::Relaxed) {
+            r = self.arrived.wait_timeout(r, Duration::from_millis(20)).expect("poisoned").0;
+        }
+        r.as_ref().map(|r| (r.trace.clone(), r.plan.clone()))
     }
 
     /// Read the background class (the stream, the working-set replay) through `src`, a
@@ -406,17 +453,20 @@ impl Daemon {
 
         // Shared, not copied: what a connection holds of a trace is a reference to it, and
         // what it makes of it (the stream's order, the pending slices) is sized by the image.
-        let (trace, plan) = match &*self.replay.lock().expect("poisoned") {
+        let (mut trace, plan) = match &*self.replay.lock().expect("poisoned") {
             Some(r) => (Some(r.trace.clone()), r.plan.clone()),
             None => (None, None),
         };
+        // A trace still on its way: its working set is replayed when it arrives, and until
+        // then the stream holds back as it does beside a replay.
+        let late = trace.is_none() && self.coming.load(Ordering::Relaxed) && !self.opts.record_trace;
         let chunk_trace = if plan.is_some() { None } else { trace.as_deref() };
         let (mut order, traced) = prefetch::stream_order(self.opts.prefetch, chunk_trace, &image, self.fetcher.file);
         let mut detector = None;
         match (self.opts.prefetch, self.opts.stream_after) {
             (PrefetchMode::All, _) => {}
             (PrefetchMode::Trace, Some(f)) => {
-                let f = if plan.is_some() { f.max(prefetch::REPLAY_STREAM_AFTER) } else { f };
+                let f = if plan.is_some() || late { f.max(prefetch::REPLAY_STREAM_AFTER) } else { f };
                 detector = Some(prefetch::Detector::new(&image, self.fetcher.file, f));
             }
             // Nothing will let the rest go.
@@ -443,7 +493,7 @@ impl Daemon {
             imgfmt::StoredAt::Pack { pack, .. } => image.packs.get(pack as usize).map(|p| p.digest.clone()),
             imgfmt::StoredAt::Zero => None,
         });
-        let prober = probe_blob.filter(|_| !order.is_empty() || plan.is_some()).map(|blob| {
+        let prober = probe_blob.filter(|_| !order.is_empty() || plan.is_some() || late).map(|blob| {
             let (b, s, src) = (bg.clone(), stop_prefetch.clone(), self.fetcher.source());
             std::thread::Builder::new().name("lazy-probe".into()).spawn(move || b.probe(src.as_ref(), &blob, &s))
         });
@@ -451,12 +501,29 @@ impl Daemon {
             let (i, d, b, s, rate, jobs) = (inst.clone(), demand.clone(), bg.clone(), stop_prefetch.clone(), self.opts.prefetch_rate, self.opts.stream_jobs);
             std::thread::Builder::new().name("lazy-prefetch".into()).spawn(move || prefetch::run(i, d, b, order, traced, jobs, rate, s))
         });
-        let replayer = plan.map(|p| {
-            tracing::info!("pid {}: replaying a working set of {} slices and {} zero chunks", hs.pid, p.slices(), p.zero_chunks());
-            conn.ws.arm(&p);
-            let (i, ws, b, s, src) = (inst.clone(), conn.ws.clone(), bg.clone(), stop_prefetch.clone(), self.fetcher.background_source());
-            std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || workingset::replay(i, ws, p, src, b, s))
-        });
+        let replayer = if late {
+            // Armed once it arrives: a fault on a slice before then fetches it, and the
+            // replay finds that page installed.
+            let (d, pid, i, ws, b, s, src) =
+                (self.clone(), hs.pid, inst.clone(), conn.ws.clone(), bg.clone(), stop_prefetch.clone(), self.fetcher.background_source());
+            Some(std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || {
+                let p = d.replay_when_known(&s)?.1?;
+                tracing::info!(
+                    "pid {pid}: replaying a working set of {} slices and {} zero chunks, which arrived after the guest",
+                    p.slices(),
+                    p.zero_chunks()
+                );
+                ws.arm(&p);
+                workingset::replay(i, ws, p, src, b, s)
+            }))
+        } else {
+            plan.map(|p| {
+                tracing::info!("pid {}: replaying a working set of {} slices and {} zero chunks", hs.pid, p.slices(), p.zero_chunks());
+                conn.ws.arm(&p);
+                let (i, ws, b, s, src) = (inst.clone(), conn.ws.clone(), bg.clone(), stop_prefetch.clone(), self.fetcher.background_source());
+                std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || workingset::replay(i, ws, p, src, b, s))
+            })
+        };
         if let Some(Err(e)) = &replayer {
             // No replay will install them: the faults fetch for themselves.
             tracing::warn!("pid {}: no working-set replay: {e}", hs.pid);
@@ -479,6 +546,9 @@ impl Daemon {
         let pacing = bg.report();
         self.active.fetch_sub(1, Ordering::Relaxed);
         let mut report = ConnReport::from_counters(hs.pid, &counters, t0.elapsed().as_secs_f64(), ended);
+        if late {
+            trace = self.replay.lock().expect("poisoned").as_ref().map(|r| r.trace.clone());
+        }
         if self.opts.prefetch != PrefetchMode::None {
             report.trace_digest = trace.as_ref().and_then(|t| t.manifest.as_ref()).map(|d| d.to_string());
         }

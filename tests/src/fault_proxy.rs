@@ -17,6 +17,7 @@
 //! | [`Fault::Truncate`] | the full head (with the original `Content-Length`), N body bytes, then FIN |
 //! | [`Fault::FlipByte`] | the full, well-framed response with one body byte XOR 0xFF |
 //! | [`Fault::Drip`] | the full head at once, then the body one byte at a time, slowly |
+//! | [`Fault::Delay`] | the response, whole and correct, after the request waited in the proxy |
 //! | [`Fault::Redirect`] | an injected redirect to the same target on another origin; the request never reaches upstream |
 //! | [`Fault::MoveLocation`] | the response with its `Location` header moved to another origin (a registry handing uploads elsewhere) |
 //!
@@ -85,6 +86,12 @@ pub enum Fault {
     Drip {
         /// Wait before each body byte.
         every: Duration,
+    },
+    /// Hold the request `by` before forwarding it: a registry (or a link) slow to answer
+    /// this one request, everything else on time.
+    Delay {
+        /// How long the request waits.
+        by: Duration,
     },
     /// Do not forward the request; answer `code` (301, 302, 303, 307, 308) with
     /// `Location: {to}{target}` (`to` an origin such as `http://127.0.0.1:PORT`).
@@ -687,6 +694,10 @@ fn relay(sh: &Shared, client: TcpStream, tracked: &Tracked) -> io::Result<()> {
             continue;
         }
 
+        if let Some(Fault::Delay { by }) = &fault {
+            sh.counters.faults.fetch_add(1, Ordering::Relaxed);
+            std::thread::sleep(*by);
+        }
         // Forward the request.
         if upstream.is_none() {
             let u = TcpStream::connect(sh.upstream)?;

@@ -285,14 +285,20 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     })?;
     let image = Arc::new(image);
     let mut traces = traces;
+    // A replay listens at once, as a restore that only serves faults does: its outboards
+    // and trace are read after the socket is bound, and its working set replayed when they
+    // are in (the guest's first faults are served meanwhile).
+    let mut replay_later = None;
     if let Some(pending) = outboards {
-        // A recording restore keeps the working set by slice from the first fault, a replay
-        // plans its working set by slice, and a CRIU restore pushes its pages by slice:
-        // they wait for the outboards. A restore that only serves faults listens at once,
-        // and its faults fetch whole chunks until the outboards are in.
-        if maybe_trace && a.criu_workdir.is_none() && traces.is_some() {
-            // The trace's own round trip (its blob, and whether its working set is there)
-            // needs nothing of the outboards: read it while their bytes arrive.
+        // A recording restore keeps the working set by slice from the first fault, and a
+        // CRIU restore pushes its pages by slice: they wait for the outboards. A restore
+        // that only serves faults listens at once, and its faults fetch whole chunks until
+        // the outboards are in.
+        if maybe_trace && !a.record_trace && a.criu_workdir.is_none() && traces.is_some() {
+            replay_later = Some((pending, traces.take().expect("checked")));
+        } else if maybe_trace && a.criu_workdir.is_none() && traces.is_some() {
+            // The trace's own round trips (its manifest, its JSON, whether its working set
+            // is there) need nothing of the outboards: read it while their bytes arrive.
             let file = memory_file(&a, &image)?;
             let store = traces.take().expect("checked");
             traces = Some(std::thread::scope(|s| {
@@ -344,12 +350,34 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     if let Some(bg) = background_source {
         daemon.set_background_source(bg);
     }
+    let replay_coming = replay_later.is_some();
+    if let Some((pending, store)) = replay_later {
+        daemon.expect_replay();
+        let (d, i) = (daemon.clone(), image.clone());
+        std::thread::Builder::new()
+            .name("lazy-trace".into())
+            .spawn(move || {
+                let ahead = std::thread::scope(|s| {
+                    let reading = s.spawn(|| finish_outboards(pending, &i));
+                    let ahead = LoadedAhead::read(store, &i, file);
+                    let _ = reading.join();
+                    ahead
+                });
+                d.set_replay(&ahead);
+            })
+            .context("spawning a thread")?;
+    }
     eprintln!(
         "snapctl lazy: serving {} of {} ({}){}",
         image.files[file].name,
         a.image,
         imgfmt::size::human(image.files[file].size),
-        if daemon.has_trace() && a.prefetch != PrefetchMode::None { ", with a recorded prefetch trace" } else { "" }
+        match (daemon.has_trace(), replay_coming, a.prefetch) {
+            (_, _, PrefetchMode::None) => "",
+            (true, _, _) => ", with a recorded prefetch trace",
+            (false, true, _) => ", reading its prefetch trace (replayed once read and checked)",
+            (false, false, _) => "",
+        }
     );
     if let Some(addr) = &a.metrics {
         let bound = daemon.serve_metrics(addr)?;

@@ -579,9 +579,69 @@ fn lazy_trace_round_trips_through_both_registries() {
         let rep = &h.reports(1, Duration::from_secs(1))[0];
         // Found and loaded from the registry. (Whether the prefetcher gets ahead of this
         // fast a guest is timing: a 16 MiB restore can finish before it installs a chunk.)
-        assert!(h.log_text().contains("with a recorded prefetch trace"), "{name}: the trace was found: {rep}\n{}", h.log_text());
+        assert!(h.log_text().contains("using the trace sha256:"), "{name}: the trace was found: {rep}\n{}", h.log_text());
         assert_eq!(n(rep, &["verify_failures"]), 0, "{name}: {rep}");
     }
+}
+
+/// A restore that replays a trace listens as soon as the image's config and index are
+/// checked, as one with no trace does: its whole outboards and its trace are read after the
+/// socket is bound, and the working set is replayed into a guest already running once they
+/// are in (spec/lazy.md "Waking"). Before, it listened only after both: a wake a round trip
+/// and the outboards' bytes later. Here the whole outboard's read (its second `GET`: the
+/// first reads its table) waits 3 s in a proxy.
+#[test]
+fn regression_issue_23_a_replay_listens_before_its_outboards_and_trace_and_replays_when_they_arrive() {
+    if !uffd_usable() || !lazy_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (snap, layout_ref) = packed_sample(dir.path(), "16MiB", "31");
+    let mem = snap.join("vm.mem");
+    let serve = Serve::start(dir.path().join("storage").to_str().unwrap(), &[], &[]);
+    let direct = format!("{}/sandboxes/vm:v1", serve.addr);
+    let r = run(snapctl().args(["push", &layout_ref, &direct]));
+    assert_eq!(r.code, 0, "push: {r:?}");
+    let touch = ["--threads", "2", "--touch", "10%", "--run-pages", "64", "--seed", "3"];
+    let sock = dir.path().join("rec.sock");
+    let mut h = Handler::lazy(&direct, &sock, &["--once", "--record-trace", "--no-cache"]);
+    assert_eq!(fake_vmm(&sock, &mem, &touch).code, 0);
+    assert_eq!(h.wait_exit(Duration::from_secs(30)), 0, "{}", h.log_text());
+    assert!(h.log_text().contains("working set of"), "a working set was recorded: {}", h.log_text());
+
+    let manifest: Value = reqwest::blocking::Client::new()
+        .get(format!("http://{}/v2/sandboxes/vm/manifests/v1", serve.addr))
+        .header("Accept", "application/vnd.oci.image.manifest.v1+json")
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    let layers = manifest["layers"].as_array().unwrap();
+    let outboard = layers.iter().find(|l| l["mediaType"] == imgfmt::media::OUTBOARD).expect("an outboard")["digest"].as_str().unwrap().to_string();
+    let proxy = FaultProxy::start(serve.addr.as_str()).unwrap();
+    proxy.add(Rule::new(Fault::Delay { by: Duration::from_secs(3) }).on(Match::new("GET", &outboard)).nth(2));
+
+    let sock = dir.path().join("replay.sock");
+    let t0 = Instant::now();
+    let mut h = Handler::lazy(&format!("{}/sandboxes/vm:v1", proxy.addr), &sock, &["--once", "--no-cache"]);
+    let listening = t0.elapsed();
+    assert!(listening < Duration::from_secs(3), "listening after {listening:?}: it waited for the whole outboard");
+    let early = h.log_text();
+    assert!(early.contains("reading its prefetch trace"), "{early}");
+    assert!(!early.contains("using the trace"), "the socket is bound before the trace is read: {early}");
+    // The guest waits 4 s after its handshake, so the working set arrives while it runs.
+    let mut args = touch.to_vec();
+    args.extend(["--pause-ms", "4000"]);
+    let r = fake_vmm(&sock, &mem, &args);
+    assert_eq!(r.code, 0, "{r:?}");
+    assert_eq!(h.wait_exit(Duration::from_secs(30)), 0, "{}", h.log_text());
+    let log = h.log_text();
+    assert!(log.contains("which arrived after the guest"), "replayed once in: {log}");
+    let rep = &h.reports(1, Duration::from_secs(1))[0];
+    assert!(n(rep, &["working_set_slices"]) > 0, "the working set was installed: {rep}");
+    assert!(rep["trace_digest"].as_str().is_some_and(|d| d.starts_with("sha256:")), "which trace, in --json: {rep}");
+    assert_eq!(n(rep, &["verify_failures"]), 0, "{rep}");
+    assert!(proxy.log().iter().any(|s| s.fault.is_some()), "the outboard's read was held");
 }
 
 /// SIGTERM to a daemon serving a guest: it stops taking connections (the socket goes), but
