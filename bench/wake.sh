@@ -122,7 +122,7 @@ for rtt in $RTTS; do
     "$FAKE_VMM" --socket "$W/h.sock" --mem-file "$MEM" --threads 1 --touch "$page" --json --timeout 120 >"$W/vmm.json" 2>"$W/vmm.log" \
       || { echo "wake.sh: fake_vmm failed: $(cat "$W/vmm.log")" >&2; exit 2; }
     wait "$hp" || { echo "wake.sh: lazy failed: $(tail -3 "$W/lazy.log")" >&2; exit 2; }
-    if [ "$REPLAY" = 1 ]; then grep -q "using the trace" "$W/lazy.log" || { echo "wake.sh: the restore found no trace to replay: $(tail -3 "$W/lazy.log")" >&2; exit 2; }; fi
+    if [ "$REPLAY" = 1 ]; then grep -q "prefetch trace" "$W/lazy.log" || { echo "wake.sh: the restore found no trace to replay: $(tail -3 "$W/lazy.log")" >&2; exit 2; }; fi
     kill "$np"; wait "$np" 2>/dev/null || true
     [ "$(jq .mismatches "$W/vmm.json")" = 0 ] || { echo "wake.sh: wrong bytes" >&2; exit 1; }
     jq -c --arg t0 "$t0" --argjson rtt "$rtt" --argjson run "$run" --argjson page "$page" --argjson index "$index_ms" --argjson one "$page_ms" \
