@@ -9,7 +9,7 @@
 #            --replay: first record a trace (a restore with --record-trace, the guest
 #            touching 5% of its pages, no proxy), so every restore timed replays it: the
 #            wake of a sandbox woken again, which reads its trace and whole outboards
-#            before it listens (spec/lazy.md "Waking")
+#            after it listens (spec/lazy.md "Waking")
 #
 # Per run, through a fresh proxy: first the peer, the index transfer: `curl` fetching the
 # manifest and then the index on one new connection (3 round trips and the bytes), and a
@@ -64,10 +64,10 @@ RUNLOG=$ROOT/bench/results/$NAME.jsonl
 
 serve_sample "$SIZE"
 ACCEPT="Accept: application/vnd.oci.image.manifest.v1+json"
-INDEX=$(curl -sf -H "$ACCEPT" "http://127.0.0.1:$PORT/v2/bench/vm/manifests/v1" \
-  | jq -r '.layers[] | select(.mediaType == "application/vnd.snapctl.snapshot.index.v1" and .annotations["dev.snapctl.owner"] == "self") | .digest')
+MANIFEST=$(curl -sf -H "$ACCEPT" "http://127.0.0.1:$PORT/v2/bench/vm/manifests/v1")
+INDEX=$(jq -r '.layers[] | select(.mediaType == "application/vnd.snapctl.snapshot.index.v1" and .annotations["dev.snapctl.owner"] == "self") | .digest' <<<"$MANIFEST")
 [ -n "$INDEX" ] || { echo "wake.sh: no index in the manifest" >&2; exit 2; }
-BIGGEST=$(curl -sf -H "$ACCEPT" "http://127.0.0.1:$PORT/v2/bench/vm/manifests/v1" | jq -r '.layers | max_by(.size) | .digest')
+BIGGEST=$(jq -r '.layers | max_by(.size) | .digest' <<<"$MANIFEST")
 # Data pages (not all zero) at random, one per run and setting.
 N=$(( RUNS * $(wc -w <<<"$RTTS") ))
 mapfile -t PAGES < <(python3 - "$MEM" "$N" <<'PY'

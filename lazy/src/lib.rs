@@ -501,29 +501,33 @@ impl Daemon {
             let (i, d, b, s, rate, jobs) = (inst.clone(), demand.clone(), bg.clone(), stop_prefetch.clone(), self.opts.prefetch_rate, self.opts.stream_jobs);
             std::thread::Builder::new().name("lazy-prefetch".into()).spawn(move || prefetch::run(i, d, b, order, traced, jobs, rate, s))
         });
-        let replayer = if late {
-            // Armed once it arrives: a fault on a slice before then fetches it, and the
-            // replay finds that page installed.
+        // A plan in hand is armed before the fault loop reads its first fault; one still on
+        // its way is armed when it arrives: a fault on a slice before then fetches it, and
+        // the replay finds that page installed.
+        if let Some(p) = &plan {
+            tracing::info!("pid {}: replaying a working set of {} slices and {} zero chunks", hs.pid, p.slices(), p.zero_chunks());
+            conn.ws.arm(p);
+        }
+        let replayer = (plan.is_some() || late).then(|| {
             let (d, pid, i, ws, b, s, src) =
                 (self.clone(), hs.pid, inst.clone(), conn.ws.clone(), bg.clone(), stop_prefetch.clone(), self.fetcher.background_source());
-            Some(std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || {
-                let p = d.replay_when_known(&s)?.1?;
-                tracing::info!(
-                    "pid {pid}: replaying a working set of {} slices and {} zero chunks, which arrived after the guest",
-                    p.slices(),
-                    p.zero_chunks()
-                );
-                ws.arm(&p);
+            std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || {
+                let p = match plan {
+                    Some(p) => p,
+                    None => {
+                        let p = d.replay_when_known(&s)?.1?;
+                        tracing::info!(
+                            "pid {pid}: replaying a working set of {} slices and {} zero chunks, which arrived after the guest",
+                            p.slices(),
+                            p.zero_chunks()
+                        );
+                        ws.arm(&p);
+                        p
+                    }
+                };
                 workingset::replay(i, ws, p, src, b, s)
-            }))
-        } else {
-            plan.map(|p| {
-                tracing::info!("pid {}: replaying a working set of {} slices and {} zero chunks", hs.pid, p.slices(), p.zero_chunks());
-                conn.ws.arm(&p);
-                let (i, ws, b, s, src) = (inst.clone(), conn.ws.clone(), bg.clone(), stop_prefetch.clone(), self.fetcher.background_source());
-                std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || workingset::replay(i, ws, p, src, b, s))
             })
-        };
+        });
         if let Some(Err(e)) = &replayer {
             // No replay will install them: the faults fetch for themselves.
             tracing::warn!("pid {}: no working-set replay: {e}", hs.pid);

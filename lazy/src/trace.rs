@@ -348,8 +348,9 @@ impl TraceStore for RegistryTraces {
 
 /// A trace store whose trace for one file was read ahead, beside the outboards, by
 /// [`LoadedAhead::read`]: the daemon's own `load` then takes it without a round trip.
-/// A replaying daemon waits for both before it listens, and the trace's round trip needs
-/// nothing of the outboards, so the two overlap. Everything else goes to the store.
+/// A replay plans its working set only once both are in (and a recording restore listens
+/// only then), and the trace's round trips need nothing of the outboards, so the two
+/// overlap. Everything else goes to the store.
 pub struct LoadedAhead {
     store: Box<dyn TraceStore>,
     loaded: std::sync::Mutex<Option<ReadTrace>>,

@@ -297,16 +297,9 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
         if maybe_trace && !a.record_trace && a.criu_workdir.is_none() && traces.is_some() {
             replay_later = Some((pending, traces.take().expect("checked")));
         } else if maybe_trace && a.criu_workdir.is_none() && traces.is_some() {
-            // The trace's own round trips (its manifest, its JSON, whether its working set
-            // is there) need nothing of the outboards: read it while their bytes arrive.
+            // A recording restore that found a trace (its chunk order leads the stream).
             let file = memory_file(&a, &image)?;
-            let store = traces.take().expect("checked");
-            traces = Some(std::thread::scope(|s| {
-                let reading = s.spawn(|| finish_outboards(pending, &image));
-                let ahead = LoadedAhead::read(store, &image, file);
-                let _ = reading.join();
-                Box::new(ahead) as Box<dyn TraceStore>
-            }));
+            traces = Some(Box::new(outboards_beside_trace(pending, &image, traces.take().expect("checked"), file)));
         } else if a.record_trace || maybe_trace || a.criu_workdir.is_some() {
             finish_outboards(pending, &image);
         } else if image.slices_on_demand() {
@@ -356,15 +349,7 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
         let (d, i) = (daemon.clone(), image.clone());
         std::thread::Builder::new()
             .name("lazy-trace".into())
-            .spawn(move || {
-                let ahead = std::thread::scope(|s| {
-                    let reading = s.spawn(|| finish_outboards(pending, &i));
-                    let ahead = LoadedAhead::read(store, &i, file);
-                    let _ = reading.join();
-                    ahead
-                });
-                d.set_replay(&ahead);
-            })
+            .spawn(move || d.set_replay(&outboards_beside_trace(pending, &i, store, file)))
             .context("spawning a thread")?;
     }
     eprintln!(
@@ -460,6 +445,18 @@ fn open_gated(
     let ahead = if a.record_trace || a.criu_workdir.is_some() { imgfmt::OutboardsAhead::Whole } else { imgfmt::OutboardsAhead::Tables };
     let (image, pending) = a.policy.gate(r, store, o, |o| common::open_image_outboards_later(src.clone(), o, ahead))?;
     Ok((image, Some(pending)))
+}
+
+/// Put the outboards in place once they are in, and meanwhile read file `file`'s trace from
+/// `store`: the trace's own round trips (its manifest, its JSON, whether its working set is
+/// there) need nothing of the outboards, so they overlap the outboards' bytes.
+fn outboards_beside_trace(pending: imgfmt::PendingOutboards, image: &imgfmt::Image, store: Box<dyn TraceStore>, file: usize) -> LoadedAhead {
+    std::thread::scope(|s| {
+        let reading = s.spawn(|| finish_outboards(pending, image));
+        let ahead = LoadedAhead::read(store, image, file);
+        let _ = reading.join();
+        ahead
+    })
 }
 
 /// Put the outboards in place once they are in. Without them (an old image, a blob that

@@ -16,7 +16,7 @@ use snapctl_tests::fault_proxy::{Fault, FaultProxy, Match, Rule};
 use snapctl_tests::registry_support::Serve;
 use snapctl_tests::{run, snapctl, snapctl_bin, uffd_usable};
 
-use crate::lazy::{assert_clean, fake_vmm, lazy_available, n, packed_sample, Handler, MIB};
+use crate::lazy::{assert_clean, fake_vmm, lazy_available, n, packed_sample, recorded_in_a_registry, Handler, Recorded, MIB, TRACE_TOUCH};
 
 /// Index of the first 1 MiB chunk of `mem` that is all zeros (`zero`) or holds data.
 fn first_chunk(mem: &Path, zero: bool) -> u64 {
@@ -148,20 +148,7 @@ fn regression_issue_21_a_far_future_trace_does_not_win_and_unusable_ones_are_ski
     if !uffd_usable() || !lazy_available() {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let (snap, layout_ref) = packed_sample(dir.path(), "16MiB", "29");
-    let mem = snap.join("vm.mem");
-    let serve = Serve::start(dir.path().join("storage").to_str().unwrap(), &[], &[]);
-    let image = format!("{}/sandboxes/vm:v1", serve.addr);
-    let r = run(snapctl().args(["push", &layout_ref, &image]));
-    assert_eq!(r.code, 0, "push: {r:?}");
-    let subject_digest = r.stdout.trim().to_string();
-    let touch = ["--threads", "2", "--touch", "10%", "--run-pages", "64", "--seed", "3"];
-    let sock = dir.path().join("rec.sock");
-    let mut h = Handler::lazy(&image, &sock, &["--once", "--record-trace", "--prefetch", "none", "--no-cache"]);
-    let r = fake_vmm(&sock, &mem, &touch);
-    assert_eq!(r.code, 0, "{r:?}");
-    assert_eq!(h.wait_exit(Duration::from_secs(30)), 0, "{}", h.log_text());
+    let Recorded { serve, mem, image, digest: subject_digest, dir, .. } = recorded_in_a_registry("29", &["--prefetch", "none"]);
     let listing: Value = reqwest::blocking::get(format!("http://{}/v2/sandboxes/vm/referrers/{subject_digest}", serve.addr)).unwrap().json().unwrap();
     let real = listing["manifests"][0]["digest"].as_str().expect("the recorded trace is a referrer").to_string();
     let real_manifest: Value = reqwest::blocking::get(format!("http://{}/v2/sandboxes/vm/manifests/{real}", serve.addr)).unwrap().json().unwrap();
@@ -192,7 +179,7 @@ fn regression_issue_21_a_far_future_trace_does_not_win_and_unusable_ones_are_ski
 
     let sock = dir.path().join("replay.sock");
     let mut h = Handler::lazy(&image, &sock, &["--once", "--prefetch", "trace", "--no-cache"]);
-    let r = fake_vmm(&sock, &mem, &touch);
+    let r = fake_vmm(&sock, &mem, &TRACE_TOUCH);
     assert_eq!(r.code, 0, "{r:?}");
     assert_eq!(h.wait_exit(Duration::from_secs(30)), 0, "{}", h.log_text());
     let log = h.log_text();

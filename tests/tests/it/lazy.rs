@@ -201,6 +201,44 @@ pub(crate) fn n(v: &Value, path: &[&str]) -> u64 {
     x.as_u64().unwrap_or_else(|| panic!("{path:?} is not a number in {v}"))
 }
 
+/// How the guests that record and replay traces touch a 16 MiB sample: 10% of its pages,
+/// in runs of 64, two vCPUs.
+pub(crate) const TRACE_TOUCH: [&str; 8] = ["--threads", "2", "--touch", "10%", "--run-pages", "64", "--seed", "3"];
+
+/// A 16 MiB sample pushed to a fresh `snapctl serve` as `sandboxes/vm:v1`, and a trace of
+/// it recorded there by one restore (`snapctl lazy --once --record-trace --no-cache` and
+/// `record`) of a guest touching [`TRACE_TOUCH`].
+pub(crate) struct Recorded {
+    pub(crate) serve: Serve,
+    /// The sample's memory file, which every guest checks its pages against.
+    pub(crate) mem: PathBuf,
+    /// `ADDR/sandboxes/vm:v1`, straight to `serve`.
+    pub(crate) image: String,
+    /// The pushed image manifest's digest.
+    pub(crate) digest: String,
+    /// The recording daemon's stderr.
+    pub(crate) log: String,
+    /// Declared last, so it outlives the server storing into it.
+    pub(crate) dir: tempfile::TempDir,
+}
+
+pub(crate) fn recorded_in_a_registry(seed: &str, record: &[&str]) -> Recorded {
+    let dir = tempfile::tempdir().unwrap();
+    let (snap, layout_ref) = packed_sample(dir.path(), "16MiB", seed);
+    let mem = snap.join("vm.mem");
+    let serve = Serve::start(dir.path().join("storage").to_str().unwrap(), &[], &[]);
+    let image = format!("{}/sandboxes/vm:v1", serve.addr);
+    let r = run(snapctl().args(["push", &layout_ref, &image]));
+    assert_eq!(r.code, 0, "push: {r:?}");
+    let digest = r.stdout.trim().to_string();
+    let sock = dir.path().join("rec.sock");
+    let mut h = Handler::lazy(&image, &sock, &[&["--once", "--record-trace", "--no-cache"], record].concat());
+    let r = fake_vmm(&sock, &mem, &TRACE_TOUCH);
+    assert_eq!(r.code, 0, "{r:?}");
+    assert_eq!(h.wait_exit(Duration::from_secs(30)), 0, "{}", h.log_text());
+    Recorded { serve, mem, image, digest, log: h.log_text(), dir }
+}
+
 /// A sample Firecracker-like snapshot (vm.mem half holes) packed into a layout: (snapshot
 /// dir, layout reference).
 pub(crate) fn packed_sample(dir: &Path, size: &str, seed: &str) -> (PathBuf, String) {
@@ -595,19 +633,8 @@ fn regression_issue_23_a_replay_listens_before_its_outboards_and_trace_and_repla
     if !uffd_usable() || !lazy_available() {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let (snap, layout_ref) = packed_sample(dir.path(), "16MiB", "31");
-    let mem = snap.join("vm.mem");
-    let serve = Serve::start(dir.path().join("storage").to_str().unwrap(), &[], &[]);
-    let direct = format!("{}/sandboxes/vm:v1", serve.addr);
-    let r = run(snapctl().args(["push", &layout_ref, &direct]));
-    assert_eq!(r.code, 0, "push: {r:?}");
-    let touch = ["--threads", "2", "--touch", "10%", "--run-pages", "64", "--seed", "3"];
-    let sock = dir.path().join("rec.sock");
-    let mut h = Handler::lazy(&direct, &sock, &["--once", "--record-trace", "--no-cache"]);
-    assert_eq!(fake_vmm(&sock, &mem, &touch).code, 0);
-    assert_eq!(h.wait_exit(Duration::from_secs(30)), 0, "{}", h.log_text());
-    assert!(h.log_text().contains("working set of"), "a working set was recorded: {}", h.log_text());
+    let Recorded { serve, mem, log, dir, .. } = recorded_in_a_registry("31", &[]);
+    assert!(log.contains("working set of"), "a working set was recorded: {log}");
 
     let manifest: Value = reqwest::blocking::Client::new()
         .get(format!("http://{}/v2/sandboxes/vm/manifests/v1", serve.addr))
@@ -630,7 +657,7 @@ fn regression_issue_23_a_replay_listens_before_its_outboards_and_trace_and_repla
     assert!(early.contains("reading its prefetch trace"), "{early}");
     assert!(!early.contains("using the trace"), "the socket is bound before the trace is read: {early}");
     // The guest waits 4 s after its handshake, so the working set arrives while it runs.
-    let mut args = touch.to_vec();
+    let mut args = TRACE_TOUCH.to_vec();
     args.extend(["--pause-ms", "4000"]);
     let r = fake_vmm(&sock, &mem, &args);
     assert_eq!(r.code, 0, "{r:?}");
