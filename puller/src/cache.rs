@@ -691,14 +691,7 @@ impl ChunkCache {
         let unique = format!("{}-{id}-{nanos}", std::process::id());
         let pins_path = self.base.join(PINS_DIR);
         let (file, name) = pins::create(&self.pins_dir, &unique, label, chunks).map_err(io(&pins_path))?;
-        let pin = Pin {
-            file,
-            dir: self.pins_dir.try_clone().map_err(io(&pins_path))?,
-            name,
-            id,
-            own: self.own_pins.clone(),
-            chunks: chunks.len(),
-        };
+        let pin = Pin { file, dir: self.pins_dir.try_clone().map_err(io(&pins_path))?, name, id, own: self.own_pins.clone(), chunks: chunks.len() };
         self.own_pins.lock().unwrap_or_else(|p| p.into_inner()).insert(id, Arc::new(chunks.iter().copied().collect()));
         self.measure_pins();
         Ok(pin)
@@ -727,7 +720,12 @@ impl ChunkCache {
 
     /// Allocated bytes of the entries (copy and reference) of `digest`.
     fn entry_bytes(&self, algo: HashAlgo, digest: &ChunkDigest) -> u64 {
-        [self.entry_path(algo, digest), self.ref_path(algo, digest)].iter().filter_map(|p| fs::symlink_metadata(p).ok()).filter(|m| m.is_file()).map(|m| m.blocks() * 512).sum()
+        [self.entry_path(algo, digest), self.ref_path(algo, digest)]
+            .iter()
+            .filter_map(|p| fs::symlink_metadata(p).ok())
+            .filter(|m| m.is_file())
+            .map(|m| m.blocks() * 512)
+            .sum()
     }
 
     /// Whether a pin this handle holds names `digest`.
@@ -1212,7 +1210,8 @@ impl ChunkCache {
                     if md.is_file() {
                         let name = f.file_name();
                         let hex = name.to_str().map(|n| n.strip_suffix(REF_SUFFIX).unwrap_or(n)).unwrap_or_default();
-                        let held = !pinned.is_empty() && ChunkDigest::parse_with(&format!("{}:{hex}", algo.name()), algo).is_ok_and(|d| pinned.contains(&(algo, d)));
+                        let held =
+                            !pinned.is_empty() && ChunkDigest::parse_with(&format!("{}:{hex}", algo.name()), algo).is_ok_and(|d| pinned.contains(&(algo, d)));
                         out.push(Entry {
                             path: f.path(),
                             allocated: md.blocks() * 512,
