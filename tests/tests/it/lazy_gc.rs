@@ -122,3 +122,53 @@ fn regression_issue_35_a_lazy_restore_outlives_distribution_gc_once_its_image_is
     // Every page, and the first three again.
     assert_clean(&r, 16 * MIB / 4096 + 3);
 }
+
+/// Issue 35 §1: while a lazy daemon runs, its image's chunks are pinned in the cache across
+/// processes: `snapctl cache prune --all` leaves them, `snapctl cache --json` counts them
+/// as pinned. A daemon killed with -9 leaves a pin nobody holds: the next command that
+/// reads the cache deletes it, and the chunks are ordinary entries again.
+#[test]
+fn regression_issue_35_a_running_restore_pins_its_chunks_against_prune_all() {
+    if !uffd_usable() || !lazy_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (snap, image) = packed_sample(dir.path(), "16MiB", "43");
+    let cache = dir.path().join("cache");
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let sock = dir.path().join("lazy.sock");
+    let mut h = Handler::lazy(&image, &sock, &["--cache", cache.to_str().unwrap(), "--metrics", &metrics]);
+    let go = dir.path().join("go");
+    let guest = guest_waiting_for(&sock, &snap.join("vm.mem"), &go);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while metric(&metrics, "snapctl_lazy_fill_done") != Some(1) {
+        assert!(Instant::now() < deadline, "the fill never finished: {}", h.log_text());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let cache_cmd = |args: &[&str]| {
+        let r = run(snapctl().args(["cache", "--cache", cache.to_str().unwrap()]).args(args));
+        assert_eq!(r.code, 0, "{r:?}");
+        r
+    };
+    let usage = |r: &snapctl_tests::Run| -> serde_json::Value { serde_json::from_str(&r.stdout).unwrap() };
+    let pruned = cache_cmd(&["prune", "--all", "--json"]);
+    let u = usage(&pruned);
+    let chunks = u["kinds"][0]["entries"].as_u64().unwrap();
+    assert!(chunks > 0, "prune --all left the pinned chunks: {u}");
+    assert_eq!((u["pins"].as_u64(), u["kinds"][0]["in_use"].as_u64()), (Some(1), Some(chunks)), "{u}");
+    assert!(u["pinned_bytes"].as_u64().unwrap() >= chunks * MIB, "{u}");
+    assert!(pruned.stderr.contains("in use kept"), "{}", pruned.stderr);
+    assert!(cache_cmd(&[]).stdout.contains("chunks kept for 1 running restore(s)"));
+
+    std::fs::write(&go, b"").unwrap();
+    assert_clean(&guest.join().unwrap(), 16 * MIB / 4096 + 3);
+
+    // Killed outright: its pin is nobody's, and goes with the next look.
+    h.child.kill().unwrap();
+    h.child.wait().unwrap();
+    let u = usage(&cache_cmd(&["--json"]));
+    assert_eq!((u["pins"].as_u64(), u["pinned_bytes"].as_u64()), (Some(0), Some(0)), "{u}");
+    assert!(std::fs::read_dir(cache.join("chunks/v1/pins")).unwrap().next().is_none(), "the dead daemon's pin file was deleted");
+    let u = usage(&cache_cmd(&["prune", "--all", "--json"]));
+    assert_eq!(u["kinds"][0]["entries"].as_u64(), Some(0), "{u}");
+}
