@@ -440,6 +440,27 @@ impl Daemon {
         });
     }
 
+    /// The connection's fill thread (spec/lazy.md "The fill"), in the order of `trace` then
+    /// the file's; `None` when the daemon has no fill, it is done, or no thread started.
+    fn spawn_fill(
+        self: &Arc<Self>,
+        trace: Option<&Trace>,
+        inst: &Arc<Installer>,
+        demand: &Arc<prefetch::Demand>,
+        bg: &Arc<pacing::Background>,
+        stop: &Arc<AtomicBool>,
+    ) -> Option<std::thread::JoinHandle<()>> {
+        let fill = self.fill.clone().filter(|f| !f.done())?;
+        let store = self.fetcher.store()?.clone();
+        let order = prefetch::prefetch_order(PrefetchMode::All, trace, &self.fetcher.image, self.fetcher.file);
+        let (d, dm, b, s, i) = (self.clone(), demand.clone(), bg.clone(), stop.clone(), inst.clone());
+        let spawned = std::thread::Builder::new().name("lazy-fill".into()).spawn(move || {
+            let ended = || s.load(Ordering::Relaxed) || i.gone() || d.stop.load(Ordering::Relaxed);
+            fill::Filler { fill: &fill, fetcher: &d.fetcher, store: store.as_ref(), bg: &b, demand: &dm, counters: &d.counters, ended: &ended }.run(&order)
+        });
+        spawned.map_err(|e| tracing::warn!("pid {}: no fill of the chunk cache: {e}", inst.pid)).ok()
+    }
+
     /// Handle one connection from handshake to release. Returns whether the handshake
     /// succeeded (so the connection counts for `once`).
     fn connection(self: &Arc<Self>, mut stream: UnixStream, on_report: &(dyn Fn(&ConnReport) + Send + Sync)) -> bool {
@@ -522,24 +543,20 @@ impl Daemon {
             imgfmt::StoredAt::Pack { pack, .. } => image.packs.get(pack as usize).map(|p| p.digest.clone()),
             imgfmt::StoredAt::Zero => None,
         });
-        let filling = self.fill.as_ref().filter(|f| !f.done()).cloned();
-        let prober = probe_blob.filter(|_| !order.is_empty() || plan.is_some() || late || filling.is_some()).map(|blob| {
+        let filling = self.fill.as_ref().is_some_and(|f| !f.done());
+        let prober = probe_blob.filter(|_| !order.is_empty() || plan.is_some() || late || filling).map(|blob| {
             let (b, s, src) = (bg.clone(), stop_prefetch.clone(), self.fetcher.source());
             std::thread::Builder::new().name("lazy-probe".into()).spawn(move || b.probe(src.as_ref(), &blob, &s))
         });
-        // The fill's order: the trace's chunks first, then file order (zero chunks never).
-        let fill_order = filling.as_ref().map(|_| prefetch::prefetch_order(PrefetchMode::All, trace.as_deref(), &image, self.fetcher.file));
+        // Whenever the stream ends (or with none), the fill may go.
+        let over = prefetch::StreamOver(demand.clone());
         let prefetcher = (!order.is_empty()).then(|| {
             let (i, d, b, s, rate, jobs) = (inst.clone(), demand.clone(), bg.clone(), stop_prefetch.clone(), self.opts.prefetch_rate, self.opts.stream_jobs);
             std::thread::Builder::new().name("lazy-prefetch".into()).spawn(move || {
-                let run = prefetch::run(i, d.clone(), b, order, traced, jobs, rate, s);
-                d.end_stream();
-                run
+                let _over = over;
+                prefetch::run(i, d, b, order, traced, jobs, rate, s)
             })
         });
-        if !matches!(prefetcher, Some(Ok(_))) {
-            demand.end_stream();
-        }
         // A plan in hand is armed before the fault loop reads its first fault; one still on
         // its way is armed when it arrives: a fault on a slice before then fetches it, and
         // the replay finds that page installed.
@@ -547,21 +564,13 @@ impl Daemon {
             tracing::info!("pid {}: replaying a working set of {} slices and {} zero chunks", hs.pid, p.slices(), p.zero_chunks());
             conn.ws.arm(p);
         }
-        if plan.is_some() || late {
-            demand.set_replaying(true);
-        }
         let replayer = (plan.is_some() || late).then(|| {
-            let (d, pid, i, ws, b, s, src, dm) =
-                (self.clone(), hs.pid, inst.clone(), conn.ws.clone(), bg.clone(), stop_prefetch.clone(), self.fetcher.background_source(), demand.clone());
+            let (d, pid, i, ws, b, s, src) =
+                (self.clone(), hs.pid, inst.clone(), conn.ws.clone(), bg.clone(), stop_prefetch.clone(), self.fetcher.background_source());
+            // The fill waits while the replay runs (or its thread is not started), no longer.
+            let replaying = prefetch::Demand::replaying(&demand);
             std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || {
-                // The fill waits while the replay runs, and no longer.
-                struct Over(Arc<prefetch::Demand>);
-                impl Drop for Over {
-                    fn drop(&mut self) {
-                        self.0.set_replaying(false);
-                    }
-                }
-                let _over = Over(dm);
+                let _replaying = replaying;
                 let p = match plan {
                     Some(p) => p,
                     None => {
@@ -582,18 +591,8 @@ impl Daemon {
             // No replay will install them: the faults fetch for themselves.
             tracing::warn!("pid {}: no working-set replay: {e}", hs.pid);
             conn.ws.disarm();
-            demand.set_replaying(false);
         }
-        let filler = filling.zip(fill_order).zip(self.fetcher.store().cloned()).map(|((fill, order), store)| {
-            let (d, dm, b, s, i) = (self.clone(), demand.clone(), bg.clone(), stop_prefetch.clone(), inst.clone());
-            std::thread::Builder::new().name("lazy-fill".into()).spawn(move || {
-                let ended = || s.load(Ordering::Relaxed) || i.gone() || d.stop.load(Ordering::Relaxed);
-                fill::Filler { fill: &fill, fetcher: &d.fetcher, store: store.as_ref(), bg: &b, demand: &dm, counters: &d.counters, ended: &ended }.run(&order)
-            })
-        });
-        if let Some(Err(e)) = &filler {
-            tracing::warn!("pid {}: no fill of the chunk cache: {e}", hs.pid);
-        }
+        let filler = self.spawn_fill(trace.as_deref(), &inst, &demand, &bg, &stop_prefetch);
         let ended = conn.run(stream, &self.stop);
         inst.set_gone();
         stop_prefetch.store(true, Ordering::Relaxed);
@@ -605,7 +604,7 @@ impl Daemon {
         if let Some(Ok(h)) = replayer {
             replayed = h.join().ok().flatten();
         }
-        if let Some(Ok(h)) = filler {
+        if let Some(h) = filler {
             let _ = h.join();
         }
         if let Some(Ok(h)) = prober {

@@ -250,14 +250,10 @@ impl Demand {
         }
     }
 
-    /// A working-set replay starts (`true`) or is over (`false`).
-    pub fn set_replaying(&self, on: bool) {
-        self.replaying.store(on, Ordering::Relaxed);
-    }
-
-    /// The stream of the rest is over (or there is none).
-    pub fn end_stream(&self) {
-        self.stream_over.store(true, Ordering::Relaxed);
+    /// A working-set replay runs until the guard is dropped.
+    pub fn replaying(me: &Arc<Demand>) -> Replaying {
+        me.replaying.store(true, Ordering::Relaxed);
+        Replaying(me.clone())
     }
 
     /// Whether the link is the fill's to use: no fault has waited for the fetch pool for
@@ -314,6 +310,25 @@ impl Demand {
             0 => None,
             us => Some(Duration::from_micros(us - 1)),
         }
+    }
+}
+
+/// Held while a working-set replay runs (or is about to): the fill waits meanwhile.
+pub(crate) struct Replaying(Arc<Demand>);
+
+impl Drop for Replaying {
+    fn drop(&mut self) {
+        self.0.replaying.store(false, Ordering::Relaxed);
+    }
+}
+
+/// Dropped when the stream of the rest is over (its thread's end, or at once with no
+/// stream): the fill may go from then on.
+pub(crate) struct StreamOver(pub Arc<Demand>);
+
+impl Drop for StreamOver {
+    fn drop(&mut self) {
+        self.0.stream_over.store(true, Ordering::Relaxed);
     }
 }
 
