@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::lazy::{assert_clean, lazy_available, packed_sample, Handler, Restore, MIB};
-use snapctl_tests::registry_support::Distribution;
+use snapctl_tests::registry_support::{Distribution, Serve};
 use snapctl_tests::{free_port, have, run, snapctl, uffd_usable};
 
 /// The guest's first touches: three pages of data chunks, fewer misses than start the
@@ -171,4 +171,62 @@ fn regression_issue_35_a_running_restore_pins_its_chunks_against_prune_all() {
     assert!(std::fs::read_dir(cache.join("chunks/v1/pins")).unwrap().next().is_none(), "the dead daemon's pin file was deleted");
     let u = usage(&cache_cmd(&["prune", "--all", "--json"]));
     assert_eq!(u["kinds"][0]["entries"].as_u64(), Some(0), "{u}");
+}
+
+/// Issue 35 §1, `snapctl serve`: a guest restored lazily from a tag that moves on keeps every
+/// page right through three gc runs with a 1 s grace after the tag moved. The fill is off,
+/// so what keeps the image's packs is the lease the daemon holds on its manifest (taken at
+/// the wake, renewed, honoured by serve's gc as if the manifest were tagged). Once the
+/// daemon has ended cleanly (its lease released), the next gc after the grace deletes the
+/// image. Before, the first gc deleted it and the guest's untouched data pages were poisoned.
+#[test]
+fn regression_issue_35_a_lazy_restore_keeps_every_page_through_three_serve_gcs() {
+    if !uffd_usable() || !lazy_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (snap, layout_ref) = packed_sample(&dir.path().join("a"), "16MiB", "44");
+    let (_, next_ref) = packed_sample(&dir.path().join("b"), "16MiB", "45");
+    let storage = dir.path().join("storage");
+    let serve = Serve::start(storage.to_str().unwrap(), &[], &[]);
+    let image = format!("{}/sbx/vm:latest", serve.addr);
+    let r = run(snapctl().args(["push", &layout_ref, &image]));
+    assert_eq!(r.code, 0, "push: {r:?}");
+    let digest = r.stdout.trim().to_string();
+    let packs = manifest_layers(&serve.addr, "sbx/vm", &digest).expect("pushed");
+
+    let sock = dir.path().join("lazy.sock");
+    let cache = dir.path().join("cache");
+    let mut h = Handler::lazy(&image, &sock, &["--cache", cache.to_str().unwrap(), "--fill", "off"]);
+    let go = dir.path().join("go");
+    let guest = guest_waiting_for(&sock, &snap.join("vm.mem"), &go);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !h.log_text().contains("lease on") {
+        assert!(Instant::now() < deadline, "no lease taken: {}", h.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(h.log_text().contains(&format!("sbx/vm@{digest} at the registry: 900 s")), "{}", h.log_text());
+
+    // The next hibernation moves the tag; gc runs three times with a 1 s grace.
+    let r = run(snapctl().args(["push", &next_ref, &image]));
+    assert_eq!(r.code, 0, "push: {r:?}");
+    let gc = || {
+        std::thread::sleep(Duration::from_millis(1200));
+        let r = run(snapctl().args(["gc", "--storage", storage.to_str().unwrap(), "--grace", "1s", "--json"]));
+        assert_eq!(r.code, 0, "gc: {r:?}");
+    };
+    for _ in 0..3 {
+        gc();
+        assert!(manifest_layers(&serve.addr, "sbx/vm", &digest).is_some(), "gc kept the leased manifest");
+        assert!(packs.iter().all(|p| blob_status(&serve.addr, "sbx/vm", p) == 200), "gc kept its blobs");
+    }
+    std::fs::write(&go, b"").unwrap();
+    assert_clean(&guest.join().unwrap(), 16 * MIB / 4096 + 3);
+
+    // A clean exit releases the lease: the image is the gc's once the grace has passed.
+    // SAFETY: kill(2) with a pid and a signal number touches no memory.
+    assert_eq!(unsafe { libc::kill(h.child.id() as i32, libc::SIGTERM) }, 0);
+    assert_eq!(h.wait_exit(Duration::from_secs(30)), 0, "{}", h.log_text());
+    gc();
+    assert!(manifest_layers(&serve.addr, "sbx/vm", &digest).is_none(), "released, the untagged manifest goes");
 }
