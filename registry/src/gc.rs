@@ -39,6 +39,7 @@ use crate::inuse::{self, GC_STALE, LEASE_STALE};
 use crate::layout::{self, RepoKey};
 use crate::name::{RepoName, Tag};
 use crate::pulls::{self, PullLog};
+use crate::restore_lease;
 use crate::retention::{self, Action, Inventory, ManifestFacts, Plan, Retention, Rule, TagFacts};
 use crate::server::manifest_refs;
 use crate::store::{BlobStore, ObjectMeta, StoreError};
@@ -271,6 +272,8 @@ struct Scan {
     layer_links: Vec<(String, OciDigest)>,
     /// `_referrers` keys: (repository, referrer) → keys naming it.
     referrer_keys: HashMap<(String, OciDigest), Vec<String>>,
+    /// `_leases` keys: (key, when written, repository, manifest).
+    lease_keys: Vec<(String, SystemTime, RepoName, OciDigest)>,
 }
 
 async fn scan(store: &dyn BlobStore, run: &mut GcRun, report: &mut GcReport) -> Result<Scan, GcError> {
@@ -299,6 +302,12 @@ async fn scan(store: &dyn BlobStore, run: &mut GcRun, report: &mut GcReport) -> 
             RepoKey::Pulled(r) => {
                 let p = pulls::read(store, &r).await?;
                 out.inv.repos.entry(r.to_string()).or_default().pulled = p;
+            }
+            RepoKey::Lease(r, d) => {
+                if let Some(end) = restore_lease::read(store, &m).await? {
+                    out.inv.repos.entry(r.to_string()).or_default().leased.insert(d.clone(), end);
+                }
+                out.lease_keys.push((m.key.clone(), m.modified, r, d));
             }
         }
     }
@@ -386,6 +395,9 @@ pub(crate) async fn mark(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOption
     plan.dry_run = plan.dry_run || opts.dry_run;
     if !retention_dry {
         apply(store, run, opts, &scan, &mut plan, report).await?;
+        if !opts.dry_run {
+            drop_spent_leases(store, &scan, &plan, run.started, opts.delay()).await?;
+        }
     }
     // Roots: what the plan keeps; with retention in dry run, everything (nothing goes).
     let mut todo: Vec<OciDigest> = if retention_dry {
@@ -411,6 +423,38 @@ pub(crate) async fn mark(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOption
     report.marked = out.reachable.len();
     out.plan = plan;
     Ok(out)
+}
+
+/// Delete the restore lease objects that no longer count: unreadable ones, those of a
+/// manifest that is gone (and whose lease ended), and those that ended more than `delay`
+/// before the run started.
+async fn drop_spent_leases(store: &dyn BlobStore, scan: &Scan, plan: &Plan, started: SystemTime, delay: Duration) -> Result<(), GcError> {
+    let deleted = retention::deleted_by_repo(plan);
+    for (key, written, r, d) in &scan.lease_keys {
+        let repo = scan.inv.repos.get(r.as_str());
+        let end = repo.and_then(|x| x.leased.get(d));
+        let linked = repo.is_some_and(|x| x.manifests.contains_key(d)) && !deleted.get(r.as_str()).is_some_and(|g| g.contains(d));
+        let spent = match end {
+            None => true,
+            Some(end) => (!linked && *end <= started) || end.checked_add(delay).is_some_and(|t| t <= started),
+        };
+        if !spent {
+            continue;
+        }
+        // Renewed since the scan: a live restore's, not the one judged.
+        match store.head(key).await {
+            Ok(now) if now.modified == *written => {}
+            Ok(_) => continue,
+            Err(e) if e.is_not_found() => continue,
+            Err(e) => return Err(e.into()),
+        }
+        tracing::debug!(%r, %d, "drop a spent restore lease");
+        match store.delete(key).await {
+            Err(e) if !e.is_not_found() => return Err(e.into()),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// A planned deletion of manifest `d` from repository `repo`, with what keeps it should

@@ -15,6 +15,7 @@
 //! reload     htpasswd changes taken while serving (polled, or on SIGHUP)
 //! stats      the store's totals (bytes, blobs, manifests, dedup), scanned in the background
 //! pulls      when manifests were last pulled (in memory, written in batches)
+//! restore_lease  a running restore's hold on the manifest it reads (Snapctl-Lease)
 //! retention  which tags and manifests gc keeps: policies, snapshot chains, referrers
 //! gc         retention, then mark and sweep of unreachable blobs
 //! inuse      what live requests rely on, so a running gc keeps it
@@ -32,6 +33,7 @@ pub mod metrics;
 pub mod name;
 pub mod pulls;
 pub mod reload;
+pub mod restore_lease;
 pub mod retention;
 pub mod server;
 pub mod stats;

@@ -26,7 +26,9 @@
 //!    the layer's manifest marks them; the parent's manifest is read by nothing.
 //! 3. **Untagged manifests** (no tag at the start of the run) go when `delete_untagged`
 //!    (default true) and they are older than `delay`; otherwise they are kept, with what
-//!    they need (step 2).
+//!    they need (step 2). A manifest a running restore holds a lease on
+//!    ([`crate::restore_lease`]) is kept as if tagged until the lease ends, and its delay
+//!    counts from that end.
 //! 4. **Referrers live and die with their subject.** A referrer of a kept manifest is kept
 //!    (step 2); of a manifest deleted now, it goes now; of a subject that is not in the
 //!    repository (deleted earlier, or never pushed), it goes when `delete_referrers`
@@ -261,6 +263,8 @@ pub struct RepoFacts {
     pub referrer_entries: Vec<(OciDigest, OciDigest)>,
     /// When each manifest was last pulled (from `_pulled`).
     pub pulled: HashMap<OciDigest, SystemTime>,
+    /// When each restore lease on a manifest ends (from `_leases/`, crate::restore_lease).
+    pub leased: HashMap<OciDigest, SystemTime>,
 }
 
 /// A tag: its target and when it was last pushed.
@@ -350,7 +354,14 @@ pub enum Rule {
         #[serde(rename = "of")]
         subject: OciDigest,
     },
-    /// Keep: untagged, but younger than the delay.
+    /// Keep: a running restore holds a lease on it (`Snapctl-Lease`) until `lease_until`.
+    Leased {
+        /// When the lease ends (unix seconds).
+        #[serde(rename = "lease_until")]
+        until: u64,
+    },
+    /// Keep: untagged, but younger than the delay (counted from the end of its last lease,
+    /// if it had one).
     UntaggedWithinDelay {
         /// How old it is.
         age_seconds: u64,
@@ -506,6 +517,12 @@ fn age(now: SystemTime, t: SystemTime) -> Duration {
     now.duration_since(t).unwrap_or_default()
 }
 
+/// Where the delay of manifest `d` (pushed at `pushed`) counts from: its push, or the end
+/// of its last restore lease when that is later.
+fn since(repo: &RepoFacts, d: &OciDigest, pushed: SystemTime) -> SystemTime {
+    repo.leased.get(d).map_or(pushed, |end| pushed.max(*end))
+}
+
 /// Which keep_tags entry and rule keep each tag (`None`: not kept) of `tags`.
 fn judge_tags(
     retention: &Retention,
@@ -625,6 +642,13 @@ fn plan_repo(
         tag_rules.insert((*t).clone(), rule);
     }
 
+    // Leased: kept as if tagged while the lease runs.
+    for (d, end) in &repo.leased {
+        if *end > now && repo.manifests.contains_key(d) {
+            keep(d, Rule::Leased { until: unix(*end) }, &mut rules, &mut work);
+        }
+    }
+
     // What kept manifests need, until nothing more is kept.
     let closure = |rules: &mut HashMap<OciDigest, Rule>, work: &mut Vec<OciDigest>, tag_rules: &mut BTreeMap<String, Rule>| {
         while let Some(d) = work.pop() {
@@ -655,7 +679,7 @@ fn plan_repo(
             continue;
         }
         let subject = inv.manifests.get(d).and_then(|f| f.subject.clone());
-        let a = age(now, *pushed);
+        let a = age(now, since(repo, d, *pushed));
         let rule = match subject {
             // A present subject decides (it is kept or goes in this run).
             Some(s) if repo.manifests.contains_key(&s) => continue,
@@ -705,7 +729,7 @@ fn plan_repo(
                     match by_subject {
                         Some(s) if tags.iter().all(|t| attached.contains_key(t)) => Rule::SubjectGone { subject: s.clone() },
                         _ if !tags.is_empty() => Rule::NotKept { tags: tags.clone() },
-                        _ => Rule::Untagged { age_seconds: age(now, *pushed).as_secs() },
+                        _ => Rule::Untagged { age_seconds: age(now, since(repo, d, *pushed)).as_secs() },
                     }
                 }
             },

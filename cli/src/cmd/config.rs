@@ -92,6 +92,9 @@ pub struct GcSection {
     /// serve: how often recorded pull times are written.
     #[serde(default, deserialize_with = "opt_duration")]
     pub pull_flush: Option<Duration>,
+    /// serve: the longest restore lease granted (`Snapctl-Lease`).
+    #[serde(default, deserialize_with = "opt_duration")]
+    pub max_lease: Option<Duration>,
 }
 
 /// serve's gc schedule when the file sets none.

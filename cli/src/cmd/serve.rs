@@ -255,6 +255,7 @@ fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
         htpasswd_poll: args.htpasswd_poll.or(file.htpasswd_poll).unwrap_or(Duration::from_secs(2)),
         stats_interval: args.stats_interval.or(file.stats_interval).unwrap_or(Duration::from_secs(300)),
         build: registry::metrics::BuildInfo { version: env!("CARGO_PKG_VERSION").to_owned(), commit: env!("SNAPCTL_COMMIT").to_owned() },
+        max_lease: file.gc.max_lease.unwrap_or(registry::restore_lease::DEFAULT_MAX_LEASE),
     };
     Ok(Settings {
         storage: args.storage.or(file.storage).unwrap_or_else(|| "./snapctl-registry".into()),
