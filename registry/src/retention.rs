@@ -209,27 +209,37 @@ fn check_glob(g: &str) -> Result<(), String> {
 
 /// Whether repository `name` matches `glob`: components separated by `/`; `**` matches any
 /// number of components (none included), `*` any run of characters within one, `?` one.
+/// Linear in the name for each star: a name chosen by whoever may push cannot make gc
+/// backtrack (O(glob × name) at worst, both bounded).
 pub fn glob_matches(glob: &str, name: &str) -> bool {
-    fn comp(p: &[u8], s: &[u8]) -> bool {
-        match (p.first(), s.first()) {
-            (None, None) => true,
-            (Some(b'*'), _) => comp(&p[1..], s) || (!s.is_empty() && comp(p, &s[1..])),
-            (Some(b'?'), Some(_)) => comp(&p[1..], &s[1..]),
-            (Some(a), Some(b)) if a == b => comp(&p[1..], &s[1..]),
-            _ => false,
-        }
-    }
-    fn segs(p: &[&str], s: &[&str]) -> bool {
-        match (p.first(), s.first()) {
-            (None, None) => true,
-            (Some(&"**"), _) => segs(&p[1..], s) || (!s.is_empty() && segs(p, &s[1..])),
-            (Some(a), Some(b)) => comp(a.as_bytes(), b.as_bytes()) && segs(&p[1..], &s[1..]),
-            _ => false,
-        }
-    }
     let p: Vec<&str> = glob.split('/').collect();
     let s: Vec<&str> = name.split('/').collect();
-    segs(&p, &s)
+    wildcard(&p, &s, |c| *c == "**", |c, n| wildcard(c.as_bytes(), n.as_bytes(), |b| *b == b'*', |a, b| a == b || *a == b'?'))
+}
+
+/// The classic two-pointer wildcard match: `star` elements of `p` match any run of `s`,
+/// the others one element each (`one`). On a mismatch only the last star is widened: a
+/// match that needs an earlier star to take more exists only if one taking more at the
+/// last star does, so nothing is tried twice.
+fn wildcard<P, S>(p: &[P], s: &[S], star: impl Fn(&P) -> bool, one: impl Fn(&P, &S) -> bool) -> bool {
+    let (mut pi, mut si) = (0, 0);
+    let mut last_star: Option<(usize, usize)> = None; // (star's index in p, where its run ends in s)
+    while si < s.len() {
+        if pi < p.len() && star(&p[pi]) {
+            last_star = Some((pi, si));
+            pi += 1;
+        } else if pi < p.len() && one(&p[pi], &s[si]) {
+            pi += 1;
+            si += 1;
+        } else if let Some((sp, end)) = last_star {
+            last_star = Some((sp, end + 1));
+            pi = sp + 1;
+            si = end + 1;
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(star)
 }
 
 /// The subject a tag is named after: `sha256-<hex>` (the OCI referrers fallback index)
