@@ -343,6 +343,8 @@ async fn scan(store: &dyn BlobStore, run: &mut GcRun, report: &mut GcReport) -> 
             subject: refs.subject,
             ..ManifestFacts::default()
         };
+        facts.layer_types =
+            json.get("layers").and_then(|v| v.as_array()).into_iter().flatten().filter_map(|l| l.get("mediaType")?.as_str().map(str::to_owned)).collect();
         for (child, is_manifest) in refs.children {
             if is_manifest {
                 todo.push(child.clone());
@@ -569,8 +571,11 @@ async fn apply(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOptions, scan: &
     let mut to_delete: Vec<usize> = Vec::new();
     for i in doomed_tags {
         let t = &plan.tags[i];
-        let subject = retention::tag_subject(&t.tag);
-        if still_kept(&t.repository, &t.target) || subject.is_some_and(|s| still_kept(&t.repository, &s)) {
+        let subject = match &t.rule {
+            Rule::SubjectGone { subject } => Some(subject),
+            _ => None,
+        };
+        if still_kept(&t.repository, &t.target) || subject.is_some_and(|s| still_kept(&t.repository, s)) {
             tag_flips.push(i);
         } else {
             to_delete.push(i);

@@ -15,9 +15,12 @@
 //!    [`KeepTags`] entry keeps it: it matches the entry's `patterns` (anchored regexes;
 //!    none = every tag) and, when the entry has rules, at least one of them holds
 //!    (`pushed_within`, `pulled_within`, among the `most_recently_pushed_count` or
-//!    `most_recently_pulled_count` tags the patterns match). Tags named after a subject
-//!    (`sha256-<hex>`, `sha256-<hex>.sig`, `.att`, `.sbom`, … : cosign's tag scheme and
-//!    the OCI referrers fallback) are not judged by `keep_tags`: they follow their subject.
+//!    `most_recently_pulled_count` tags the patterns match). Attachments are not judged
+//!    by `keep_tags`: they follow their subject. An attachment is told by what its
+//!    manifest is, not by its name alone ([`attached_subject`]): `sha256-<hex>.sig`
+//!    (`.att`, `.sbom`, …: cosign's tag scheme) pointing at a cosign signature,
+//!    attestation or SBOM, and `sha256-<hex>` pointing at an index of that subject's
+//!    referrers (the OCI referrers fallback).
 //! 2. **What kept manifests need.** A kept manifest keeps the manifests an index lists,
 //!    the base of a snapctl snapshot (`base.manifest` in its config: `verify` audits it),
 //!    its referrers (manifests whose `subject` it is) and the tags named after it.
@@ -253,6 +256,37 @@ pub fn tag_subject(tag: &str) -> Option<OciDigest> {
     format!("{alg}:{hex}").parse().ok()
 }
 
+/// Layer media types of what cosign attaches under its tag scheme: a signature (simple
+/// signing), an attestation (DSSE envelope), an SBOM (`cosign attach sbom`).
+const COSIGN_LAYER_TYPES: &[&str] = &[
+    "application/vnd.dev.cosign.simplesigning.v1+json",
+    "application/vnd.dsse.envelope.v1+json",
+    "text/spdx",
+    "text/spdx+xml",
+    "text/spdx+json",
+    "application/vnd.cyclonedx",
+    "application/vnd.cyclonedx+xml",
+    "application/vnd.cyclonedx+json",
+    "application/vnd.syft+json",
+];
+
+/// The subject tag `tag` (pointing at `target`) is attached to, when it is an attachment:
+/// named after its subject ([`tag_subject`]) *and* pointing at what that name stands for.
+/// `sha256-<hex>.<suffix>` must point at a manifest whose every layer is a cosign
+/// signature, attestation or SBOM; `sha256-<hex>` at an image index whose every entry is
+/// a referrer of that subject (the OCI referrers fallback). Any other tag, a CI's
+/// content-hash tag `sha256-<hex>` on an image included, is an ordinary tag.
+pub fn attached_subject(tag: &str, target: &OciDigest, inv: &Inventory) -> Option<OciDigest> {
+    let subject = tag_subject(tag)?;
+    let facts = inv.manifests.get(target)?;
+    let is_attachment = if tag.contains('.') {
+        !facts.layer_types.is_empty() && facts.layer_types.iter().all(|t| COSIGN_LAYER_TYPES.contains(&t.as_str()))
+    } else {
+        !facts.children.is_empty() && facts.children.iter().all(|c| inv.manifests.get(c).and_then(|m| m.subject.as_ref()) == Some(&subject))
+    };
+    is_attachment.then_some(subject)
+}
+
 /// What gc read from the store: everything retention decides on.
 #[derive(Debug, Default, Clone)]
 pub struct Inventory {
@@ -295,6 +329,8 @@ pub struct ManifestFacts {
     pub artifact_type: Option<String>,
     /// `config`, `layers` and `blobs` descriptors (foreign layers excluded).
     pub blobs: Vec<OciDigest>,
+    /// The `mediaType` of each of `layers`.
+    pub layer_types: Vec<String>,
     /// Manifests an index lists.
     pub children: Vec<OciDigest>,
     /// `subject`.
@@ -601,11 +637,12 @@ fn plan_repo(
     let delete_referrers = pol.and_then(|p| p.delete_referrers).unwrap_or(true);
     let judged = pol.and_then(|p| p.keep_tags.as_ref()).is_some_and(|k| !k.is_empty());
 
-    // Tags named after a subject follow it; the others are judged by keep_tags.
+    // Attachments (signatures, the referrers fallback) follow their subject; the other
+    // tags are judged by keep_tags.
     let mut attached: BTreeMap<&String, OciDigest> = BTreeMap::new();
     let mut regular: Vec<(&String, &TagFacts)> = Vec::new();
     for (t, f) in &repo.tags {
-        match tag_subject(t) {
+        match attached_subject(t, &f.target, inv) {
             Some(s) => {
                 attached.insert(t, s);
             }

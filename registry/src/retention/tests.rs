@@ -57,6 +57,11 @@ fn referrer_of(s: &OciDigest) -> ManifestFacts {
     ManifestFacts { subject: Some(s.clone()), artifact_type: Some("application/vnd.example".into()), ..Default::default() }
 }
 
+/// A cosign signature manifest (it names no subject: its tag does).
+fn cosign_signature() -> ManifestFacts {
+    ManifestFacts { layer_types: vec!["application/vnd.dev.cosign.simplesigning.v1+json".into()], ..Default::default() }
+}
+
 /// No policy: tags and what they need stay; an untagged manifest goes once older than the
 /// delay, and with it its referrers and the tags named after it.
 #[test]
@@ -70,9 +75,9 @@ fn defaults_keep_what_is_tagged_and_needed_and_collect_the_rest_after_the_delay(
     let trace_live = i.manifest("vm", "trace-live", DAY, referrer_of(&live));
     let trace_old = i.manifest("vm", "trace-old", DAY, referrer_of(&old));
     let sig_of_trace = i.manifest("vm", "sig-of-trace", DAY, referrer_of(&trace_live));
-    let cosign_live = i.manifest("vm", "cosign-live", DAY, ManifestFacts::default());
+    let cosign_live = i.manifest("vm", "cosign-live", DAY, cosign_signature());
     i.tag("vm", &format!("sha256-{}.sig", live.hex()), &cosign_live, DAY);
-    let cosign_old = i.manifest("vm", "cosign-old", DAY, ManifestFacts::default());
+    let cosign_old = i.manifest("vm", "cosign-old", DAY, cosign_signature());
     i.tag("vm", &format!("sha256-{}.sig", old.hex()), &cosign_old, DAY);
     let idx_child = i.manifest("vm", "child", 5 * DAY, ManifestFacts::default());
     let idx = i.manifest("vm", "index", 5 * DAY, ManifestFacts { children: vec![idx_child.clone()], ..Default::default() });
@@ -117,7 +122,7 @@ fn a_referrer_of_a_missing_subject_waits_for_the_delay() {
     let missing = d("never pushed");
     let young = i.manifest("vm", "young", 10 * Duration::from_secs(60), referrer_of(&missing));
     let old = i.manifest("vm", "old", DAY, referrer_of(&missing));
-    let sig = i.manifest("vm", "sig", DAY, ManifestFacts::default());
+    let sig = i.manifest("vm", "sig", DAY, cosign_signature());
     i.tag("vm", &format!("sha256-{}.sig", missing.hex()), &sig, DAY);
     let p = i.plan(RetentionConfig::default(), HOUR);
     assert_eq!(verdict(&p, "vm", &young).rule, Rule::SubjectMissingWithinDelay { subject: missing.clone(), age_seconds: 600 });
@@ -160,7 +165,7 @@ fn keep_tags_rules() {
     i.pulled("app", &m["v1"], HOUR);
     i.pulled("app", &m["v2"], 20 * DAY);
     i.pulled("app", &m["dev-a"], DAY);
-    let sig = i.manifest("app", "sig-of-v2", 5 * DAY, ManifestFacts::default());
+    let sig = i.manifest("app", "sig-of-v2", 5 * DAY, cosign_signature());
     i.tag("app", &format!("sha256-{}.sig", m["v2"].hex()), &sig, 5 * DAY);
     let toml = r#"
         delay = "1h"
@@ -342,6 +347,37 @@ fn subject_named_tags() {
     assert_eq!(tag_subject("sha256-abc.sig"), None);
     assert_eq!(tag_subject("latest"), None);
     assert_eq!(tag_subject(&format!("md5-{}", s.hex())), None);
+}
+
+/// Issue 35: with no retention policy, gc deleted a tagged image whose tag has the shape
+/// `sha256-<64 hex>` (a CI's content-hash tag): taken by its name for the referrers
+/// fallback tag of a subject that is gone. An attachment is now told by what its manifest
+/// is; nothing tagged goes without a policy.
+#[test]
+fn regression_issue_35_a_content_hash_tag_on_an_image_is_an_ordinary_tag() {
+    let mut i = Inv::new();
+    let gone = d("a subject that is not in the repository");
+    let image = i.manifest("ci", "image", 30 * DAY, ManifestFacts { blobs: vec![d("config"), d("layer")], ..Default::default() });
+    i.tag("ci", &format!("sha256-{}", gone.hex()), &image, 30 * DAY);
+    let signed_image = i.manifest("ci", "signed-image", 30 * DAY, ManifestFacts::default());
+    i.tag("ci", &format!("sha256-{}.sig", gone.hex()), &signed_image, 30 * DAY);
+    // Real attachments of the missing subject still go with it.
+    let sig = i.manifest("ci", "sig", 30 * DAY, cosign_signature());
+    let other = d("another missing subject");
+    i.tag("ci", &format!("sha256-{}.sig", other.hex()), &sig, 30 * DAY);
+    let referrer = i.manifest("ci", "referrer", 30 * DAY, referrer_of(&other));
+    let fallback = i.manifest("ci", "fallback", 30 * DAY, ManifestFacts { children: vec![referrer.clone()], ..Default::default() });
+    i.tag("ci", &format!("sha256-{}", other.hex()), &fallback, 30 * DAY);
+
+    let p = i.plan(RetentionConfig::default(), HOUR);
+    for (m, t) in [(&image, format!("sha256-{}", gone.hex())), (&signed_image, format!("sha256-{}.sig", gone.hex()))] {
+        assert_eq!(verdict(&p, "ci", m).rule, Rule::Tagged { tag: t.clone(), entry: None, by: None }, "{p:#?}");
+        assert_eq!(tag_verdict(&p, "ci", &t).action, Action::Keep);
+    }
+    for m in [&sig, &fallback, &referrer] {
+        assert_eq!(verdict(&p, "ci", m).rule, Rule::SubjectGone { subject: other.clone() }, "{p:#?}");
+    }
+    assert_eq!(p.deleted_manifests().count(), 3);
 }
 
 /// zot's camelCase keys are accepted beside snake_case; unknown keys are refused.
