@@ -1378,10 +1378,12 @@ async fn token(State(s): State<Arc<Server>>, client: Client, uri: Uri, headers: 
 }
 
 /// `/metrics` on the API listener: with auth enabled, for users only (a scraper sends
-/// Basic credentials).
+/// Basic credentials); the store's totals only for users who may pull every repository.
 async fn metrics(State(s): State<Arc<Server>>, client: Client, uri: Uri, headers: HeaderMap) -> Response {
+    let mut every_repository = true;
     if s.cfg.auth.is_some() {
-        let user = match s.identify(&uri, &headers, client_ip(client)).await {
+        let id = s.identify(&uri, &headers, client_ip(client)).await;
+        let user = match &id {
             Ok(Identity::User(_)) => true,
             Ok(Identity::Token { sub, .. }) => !sub.is_empty(),
             _ => false,
@@ -1391,17 +1393,24 @@ async fn metrics(State(s): State<Arc<Server>>, client: Client, uri: Uri, headers
                 .with_header(header::WWW_AUTHENTICATE, "Basic realm=\"snapctl\"")
                 .into_response();
         }
+        every_repository = id.ok().and_then(|id| s.readable(&id)) == Some(Readable::All);
     }
-    open_metrics(State(s)).await
+    render_metrics(&s, every_repository)
 }
 
 /// `/metrics` for anyone who can reach it (the metrics listener).
 async fn open_metrics(State(s): State<Arc<Server>>) -> Response {
+    render_metrics(&s, true)
+}
+
+/// The metrics text; with `store_totals`, the store's totals (which tell about every
+/// repository) too.
+fn render_metrics(s: &Server, store_totals: bool) -> Response {
     let mut text = s.metrics.render();
     if let Some(a) = &s.cfg.auth {
         text.push_str(&crate::metrics::render_auth(&a.stats()));
     }
-    if let Some(t) = s.stats.latest() {
+    if let Some(t) = s.stats.latest().filter(|_| store_totals) {
         text.push_str(&crate::metrics::render_store(&t));
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
