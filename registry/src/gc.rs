@@ -67,9 +67,14 @@ pub struct GcOptions {
     pub retention: Retention,
 }
 
+/// gc's grace period when nothing sets one.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(3600);
+/// `serve`'s gc schedule when nothing sets one.
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(24 * 3600);
+
 impl Default for GcOptions {
     fn default() -> GcOptions {
-        GcOptions { grace: Duration::from_secs(3600), upload_ttl: crate::server::DEFAULT_UPLOAD_TTL, dry_run: false, retention: Retention::default() }
+        GcOptions { grace: DEFAULT_GRACE, upload_ttl: crate::server::DEFAULT_UPLOAD_TTL, dry_run: false, retention: Retention::default() }
     }
 }
 
@@ -132,6 +137,8 @@ pub enum GcError {
     },
     /// could not refresh _gc/run for {0:?}; stopped before deleting more (servers may already treat this run as dead)
     Stalled(Duration),
+    /// stopped before it finished (a signal); its marks are removed, and the next run picks up from the start
+    Stopped,
 }
 
 /// One gc run's hold on the store: `_gc/run`, refreshed as the run goes.
@@ -232,13 +239,30 @@ pub(crate) struct Marked {
 
 /// Run gc over `store`.
 pub async fn run(store: &dyn BlobStore, opts: &GcOptions) -> Result<GcReport, GcError> {
+    run_until(store, opts, std::future::pending()).await
+}
+
+/// Run gc over `store` until done or until `stop` resolves (`snapctl gc` on SIGTERM or
+/// SIGINT): then the run stops between two store operations, removes its marks and
+/// `_gc/run` (servers need not wait for them to go stale, the next gc need not wait to
+/// start), and answers [`GcError::Stopped`]. What it deleted before stays deleted; what
+/// it had not decided stays.
+pub async fn run_until(store: &dyn BlobStore, opts: &GcOptions, stop: impl std::future::Future<Output = ()>) -> Result<GcReport, GcError> {
     let mut run = GcRun::start(store, opts.dry_run).await?;
     let mut report = GcReport::default();
-    let res = async {
-        let marked = mark(store, &mut run, opts, &mut report).await?;
-        sweep(store, &mut run, opts, marked, &mut report).await
+    let res = {
+        let work = async {
+            let marked = mark(store, &mut run, opts, &mut report).await?;
+            sweep(store, &mut run, opts, marked, &mut report).await
+        };
+        tokio::select! {
+            r = work => r,
+            _ = stop => Err(GcError::Stopped),
+        }
+    };
+    if matches!(res, Err(GcError::Stopped)) {
+        tracing::warn!("gc stopped before it finished; removing its marks");
     }
-    .await;
     run.finish(store).await;
     res?;
     if !opts.dry_run {
@@ -859,10 +883,11 @@ impl Schedule {
                         None
                     }
                 };
-                let due = last.unwrap_or(started) + self.interval;
+                // A due time past the clock's range is never.
+                let due = last.unwrap_or(started).checked_add(self.interval);
                 let now = SystemTime::now();
                 let mut wait = check;
-                if now >= due {
+                if due.is_some_and(|due| now >= due) {
                     r.store(true, Relaxed);
                     if let Err(e) = pulls.flush(store.as_ref()).await {
                         tracing::warn!(%e, "writing pull times before gc");
@@ -883,7 +908,7 @@ impl Schedule {
                         Err(e) => tracing::warn!(%e, "scheduled gc failed"),
                     }
                     r.store(false, Relaxed);
-                } else {
+                } else if let Some(due) = due {
                     wait = wait.min(due.duration_since(now).unwrap_or_default());
                 }
                 tokio::select! {

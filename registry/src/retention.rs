@@ -49,7 +49,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use imgfmt::OciDigest;
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
 /// The `[retention]` table of the configuration file (zot's `retention`, keys in
 /// snake_case; zot's camelCase spellings are accepted too).
@@ -62,7 +62,7 @@ pub struct RetentionConfig {
     pub dry_run: bool,
     /// Untagged manifests and referrers whose subject is missing go only once older than
     /// this. `None`: gc's grace period.
-    #[serde(default, deserialize_with = "opt_duration")]
+    #[serde(default, deserialize_with = "crate::units::opt_duration")]
     pub delay: Option<Duration>,
     /// Checked in order; a repository takes the first whose `repositories` match.
     #[serde(default)]
@@ -104,27 +104,15 @@ pub struct KeepTags {
     #[serde(default, alias = "mostRecentlyPulledCount")]
     pub most_recently_pulled_count: Option<usize>,
     /// Keep tags pushed within this long.
-    #[serde(default, alias = "pushedWithin", deserialize_with = "opt_duration")]
+    #[serde(default, alias = "pushedWithin", deserialize_with = "crate::units::opt_duration")]
     pub pushed_within: Option<Duration>,
     /// Keep tags whose manifest was pulled within this long.
-    #[serde(default, alias = "pulledWithin", deserialize_with = "opt_duration")]
+    #[serde(default, alias = "pulledWithin", deserialize_with = "crate::units::opt_duration")]
     pub pulled_within: Option<Duration>,
 }
 
-/// A duration as the CLI writes them (`720h`, `30d`, `90s`) or a number of seconds.
-fn opt_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Raw {
-        Seconds(u64),
-        Text(String),
-    }
-    match Option::<Raw>::deserialize(d)? {
-        None => Ok(None),
-        Some(Raw::Seconds(s)) => Ok(Some(Duration::from_secs(s))),
-        Some(Raw::Text(t)) => imgfmt::size::parse_duration(&t).map(Some).map_err(serde::de::Error::custom),
-    }
-}
+/// The longest `delay`, `pushed_within` or `pulled_within` accepted: ten years.
+pub const MAX_DURATION: crate::units::Bound = crate::units::Bound { key: "[retention] delay", max: Duration::from_secs(3650 * 86_400), max_text: "3650d" };
 
 /// A configuration that cannot be used.
 #[derive(Debug, thiserror::Error, displaydoc::Display)]
@@ -138,6 +126,17 @@ pub enum RetentionError {
         glob: String,
         /// What is wrong.
         reason: String,
+    },
+    /// {0}
+    Duration(#[from] crate::units::TooLong),
+    /// retention policy {policy}, keep_tags entry {entry}: {rule} = 0 keeps no tag, and the policy has no `repositories`, so every tag of every repository would go ("0" does not mean "no limit": leave the rule out to keep every tag the patterns match; to delete tags everywhere on purpose, write repositories = ["**"])
+    KeepsNothingEverywhere {
+        /// Index of the policy (0-based).
+        policy: usize,
+        /// Index of the keep_tags entry (0-based).
+        entry: usize,
+        /// `most_recently_pushed_count` or `most_recently_pulled_count`.
+        rule: &'static str,
     },
     /// retention policy {policy}, keep_tags entry {entry}: pattern {pattern:?}: {reason}
     Pattern {
@@ -163,6 +162,7 @@ pub struct Retention {
 impl Retention {
     /// Check globs and compile patterns.
     pub fn new(config: RetentionConfig) -> Result<Retention, RetentionError> {
+        MAX_DURATION.check(config.delay)?;
         let mut patterns = Vec::new();
         for (pi, p) in config.policies.iter().enumerate() {
             for g in &p.repositories {
@@ -170,6 +170,12 @@ impl Retention {
             }
             let mut per_entry = Vec::new();
             for (ei, e) in p.keep_tags.iter().flatten().enumerate() {
+                for (rule, w) in [("pushed_within", e.pushed_within), ("pulled_within", e.pulled_within)] {
+                    MAX_DURATION.check_as(format!("retention policy {pi}, keep_tags entry {ei}: {rule}"), w)?;
+                }
+                if let Some(rule) = e.zero_count().filter(|_| p.repositories.is_empty()) {
+                    return Err(RetentionError::KeepsNothingEverywhere { policy: pi, entry: ei, rule });
+                }
                 let mut res = Vec::new();
                 for pat in &e.patterns {
                     // Bounded compile: a pattern is configuration, but a huge one should fail
@@ -189,9 +195,40 @@ impl Retention {
         Ok(Retention { config, patterns })
     }
 
+    /// What an operator should hear before a run: the keep_tags rules that keep no tag
+    /// (a count of 0), each named with the repositories it applies to.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (pi, p) in self.config.policies.iter().enumerate() {
+            for (ei, e) in p.keep_tags.iter().flatten().enumerate() {
+                if let Some(rule) = e.zero_count() {
+                    out.push(format!(
+                        "retention policy {pi} ({}), keep_tags entry {ei}: {rule} = 0 keeps no tag; every tag that entry judges goes",
+                        p.repositories.join(", ")
+                    ));
+                }
+            }
+        }
+        out
+    }
+
     /// The index of the policy for `repo` (the first that matches), if any.
     pub fn policy_for(&self, repo: &str) -> Option<usize> {
         self.config.policies.iter().position(|p| p.repositories.is_empty() || p.repositories.iter().any(|g| glob_matches(g, repo)))
+    }
+}
+
+impl KeepTags {
+    /// The count rule that makes this entry keep no tag at all, when one does: a count of
+    /// 0 and no other rule (`pushed_within`, `pulled_within`, another count) that could
+    /// keep one.
+    fn zero_count(&self) -> Option<&'static str> {
+        let counts = [("most_recently_pushed_count", self.most_recently_pushed_count), ("most_recently_pulled_count", self.most_recently_pulled_count)];
+        let keeps_some = self.pushed_within.is_some() || self.pulled_within.is_some() || counts.iter().any(|(_, n)| n.is_some_and(|n| n > 0));
+        if keeps_some {
+            return None;
+        }
+        counts.iter().find(|(_, n)| *n == Some(0)).map(|(rule, _)| *rule)
     }
 }
 

@@ -445,3 +445,41 @@ fn the_plan_is_plain_data() {
         assert_eq!(serde_json::from_str::<TagVerdict>(&j).unwrap(), t, "{j}");
     }
 }
+
+/// Issue 35: a keep count of 0 in a policy with no `repositories` list deleted every tag
+/// of every repository with no warning (0 reads as "no limit" to many). Refused unless the
+/// policy names its repositories, `["**"]` for all of them on purpose; then `warnings`
+/// says it (gc prints them).
+#[test]
+fn regression_issue_35_a_count_of_zero_for_every_repository_is_refused_unless_written_on_purpose() {
+    let cfg = |repos: &str, entry: &str| {
+        toml::from_str::<RetentionConfig>(&format!("[[policies]]\n{repos}\nkeep_tags = [{{ patterns = [\"v.*\"] }}, {{ {entry} }}]\n")).unwrap()
+    };
+    for rule in ["most_recently_pushed_count", "most_recently_pulled_count"] {
+        let e = Retention::new(cfg("", &format!("{rule} = 0"))).unwrap_err();
+        assert!(matches!(e, RetentionError::KeepsNothingEverywhere { policy: 0, entry: 1, .. }), "{e}");
+        let text = e.to_string();
+        assert!(text.contains(&format!("{rule} = 0")) && text.contains("repositories = [\"**\"]"), "{text}");
+        let on_purpose = Retention::new(cfg("repositories = [\"**\"]", &format!("{rule} = 0"))).unwrap();
+        let w = on_purpose.warnings();
+        assert!(w.len() == 1 && w[0].contains(&format!("{rule} = 0 keeps no tag")) && w[0].contains("(**)"), "{w:?}");
+    }
+    for keeps_some in [
+        "most_recently_pushed_count = 0, pushed_within = \"1d\"",
+        "most_recently_pushed_count = 0, most_recently_pulled_count = 2",
+        "most_recently_pushed_count = 3",
+    ] {
+        let r = Retention::new(cfg("", keeps_some)).unwrap_or_else(|e| panic!("{keeps_some}: {e}"));
+        assert!(r.warnings().is_empty(), "{keeps_some}");
+    }
+}
+
+/// Issue 35: durations past any sense are refused at load, naming the key and the bound.
+#[test]
+fn regression_issue_35_retention_durations_are_bounded_at_load() {
+    let e = Retention::new(toml::from_str("delay = 9223372036854775807").unwrap()).unwrap_err().to_string();
+    assert_eq!(e, "[retention] delay = 9223372036854775807s: longer than 3650d, the most it may be");
+    let e = Retention::new(toml::from_str("[[policies]]\nkeep_tags = [{ pulled_within = \"4000d\" }]").unwrap()).unwrap_err().to_string();
+    assert!(e.starts_with("retention policy 0, keep_tags entry 0: pulled_within = "), "{e}");
+    Retention::new(toml::from_str("delay = \"3650d\"\n[[policies]]\nkeep_tags = [{ pushed_within = \"3650d\" }]").unwrap()).unwrap();
+}

@@ -127,3 +127,18 @@ async fn regression_issue_35_a_lease_needs_a_digest_pull_access_and_a_valid_valu
     let stored: serde_json::Value = serde_json::from_slice(&std::fs::read(&key).unwrap()).unwrap();
     assert_eq!(stored, json!({"seconds": 60}));
 }
+
+/// A lease counts as a pull of its manifest, even taken by a HEAD (which alone is not a
+/// pull): `pulled_within` keeps what a running restore reads.
+#[tokio::test]
+async fn a_lease_counts_as_a_pull() {
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let d = sample_image(&c, &s, "vm", "v1", "pulled by lease").await;
+    let other = sample_image(&c, &s, "vm", "v2", "only looked at").await;
+    assert_eq!(c.head(s.u(&format!("/v2/vm/manifests/{other}"))).send().await.unwrap().status(), StatusCode::OK);
+    assert_eq!(echoed(&lease(&c, &s, "vm", &d.to_string(), "60", true).await).as_deref(), Some("60"));
+    let dir = s.stop().await; // writes the pulls recorded in memory
+    let pulled = crate::pulls::read(&FsStore::open(dir.path()).unwrap(), &RepoName::parse("vm").unwrap()).await.unwrap();
+    assert!(pulled.contains_key(&d) && !pulled.contains_key(&other), "{pulled:?}");
+}
