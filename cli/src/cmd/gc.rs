@@ -17,8 +17,10 @@ use super::common::{self, outln, parse_duration, printable};
 ///
 /// Retention first (spec/registry.md §4.1): every tag is kept unless a policy of --config
 /// says otherwise (keep_tags), with what kept images need (index children, a snapshot's
-/// base, referrers such as signatures and traces); untagged manifests older than the
-/// delay (default: --grace) go, and referrers go with their subject. Then marks from the
+/// base, referrers such as signatures and traces), and so is a manifest a running restore
+/// holds a lease on (spec/registry.md §4.7); untagged manifests older than the delay
+/// (default: --grace; after a lease, from its end) go, and referrers go with their
+/// subject. Then marks from the
 /// kept manifests (config, layers, index children) and deletes unmarked blobs older
 /// than --grace that no request relied on (a HEAD that found it, a mount, an upload of the
 /// same bytes, a manifest PUT) since --grace before gc started. Safe to run against live
