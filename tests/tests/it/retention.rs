@@ -405,3 +405,20 @@ fn regression_issue_35_gc_stopped_by_a_signal_removes_its_marks() {
         ok(w.cmd().args(["gc", "--storage", storage.to_str().unwrap()]));
     }
 }
+
+/// Issue 35: `most_recently_pushed_count = 0` in a policy with no `repositories` list
+/// deleted every tag of every repository, with no warning. `gc` refuses that file and
+/// says how to write it on purpose; written so, `gc --dry-run` warns.
+#[test]
+fn regression_issue_35_a_keep_count_of_zero_everywhere_is_refused_or_warned_about() {
+    let w = Work::new();
+    let storage = w.path("store");
+    let cfg = w.path("zero.toml");
+    fs::write(&cfg, "[[retention.policies]]\nkeep_tags = [{ most_recently_pushed_count = 0 }]\n").unwrap();
+    let r = run(w.cmd().args(["gc", "--storage", storage.to_str().unwrap(), "--config", cfg.to_str().unwrap(), "--dry-run"]));
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("most_recently_pushed_count = 0 keeps no tag") && r.stderr.contains("repositories = [\"**\"]"), "{}", r.stderr);
+    fs::write(&cfg, "[[retention.policies]]\nrepositories = [\"**\"]\nkeep_tags = [{ most_recently_pushed_count = 0 }]\n").unwrap();
+    let r = ok(w.cmd().args(["gc", "--storage", storage.to_str().unwrap(), "--config", cfg.to_str().unwrap(), "--dry-run"]));
+    assert!(r.stderr.lines().any(|l| l.starts_with("warning: ") && l.contains("most_recently_pushed_count = 0 keeps no tag")), "{}", r.stderr);
+}
