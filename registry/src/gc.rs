@@ -595,11 +595,7 @@ async fn apply(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOptions, scan: &
     let mut to_delete: Vec<usize> = Vec::new();
     for i in doomed_tags {
         let t = &plan.tags[i];
-        let subject = match &t.rule {
-            Rule::SubjectGone { subject } => Some(subject),
-            _ => None,
-        };
-        if still_kept(&t.repository, &t.target) || subject.is_some_and(|s| still_kept(&t.repository, s)) {
+        if still_kept(&t.repository, &t.target) || t.rule.gone_subject().is_some_and(|s| still_kept(&t.repository, s)) {
             tag_flips.push(i);
         } else {
             to_delete.push(i);

@@ -488,6 +488,14 @@ pub enum Rule {
 }
 
 impl Rule {
+    /// The subject a `subject_gone` verdict names.
+    pub fn gone_subject(&self) -> Option<&OciDigest> {
+        match self {
+            Rule::SubjectGone { subject } => Some(subject),
+            _ => None,
+        }
+    }
+
     /// What the rule does.
     pub fn action(&self) -> Action {
         match self {
@@ -659,6 +667,21 @@ fn judge_tags(
     verdict
 }
 
+/// A repository's tags: attachments (signatures, the referrers fallback), which follow
+/// their subject, by subject; and the others, which keep_tags judges.
+type SplitTags<'a> = (BTreeMap<&'a String, OciDigest>, Vec<(&'a String, &'a TagFacts)>);
+
+fn split_attachments<'a>(repo: &'a RepoFacts, inv: &Inventory) -> SplitTags<'a> {
+    let (mut attached, mut regular) = (BTreeMap::new(), Vec::new());
+    for (t, f) in &repo.tags {
+        match attached_subject(t, &f.target, inv) {
+            Some(s) => drop(attached.insert(t, s)),
+            None => regular.push((t, f)),
+        }
+    }
+    (attached, regular)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn plan_repo(
     retention: &Retention,
@@ -674,18 +697,7 @@ fn plan_repo(
     let delete_referrers = pol.and_then(|p| p.delete_referrers).unwrap_or(true);
     let judged = pol.and_then(|p| p.keep_tags.as_ref()).is_some_and(|k| !k.is_empty());
 
-    // Attachments (signatures, the referrers fallback) follow their subject; the other
-    // tags are judged by keep_tags.
-    let mut attached: BTreeMap<&String, OciDigest> = BTreeMap::new();
-    let mut regular: Vec<(&String, &TagFacts)> = Vec::new();
-    for (t, f) in &repo.tags {
-        match attached_subject(t, &f.target, inv) {
-            Some(s) => {
-                attached.insert(t, s);
-            }
-            None => regular.push((t, f)),
-        }
-    }
+    let (attached, regular) = split_attachments(repo, inv);
     let mut attached_to: HashMap<&OciDigest, Vec<&String>> = HashMap::new();
     for (t, s) in &attached {
         attached_to.entry(s).or_default().push(t);
