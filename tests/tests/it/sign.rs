@@ -631,3 +631,53 @@ fn regression_issue_35_an_unreadable_default_policy_refuses_instead_of_accepting
     let dest = dir.path().join("dest-insecure");
     ok(&run(snapctl().arg("unpack").arg(&lay).arg(&dest).arg("--insecure-policy").env("HOME", &home)));
 }
+
+/// `copy` adds the source's signatures to those the destination's `sha256-<hex>.sig`
+/// already holds (the merge `snapctl sign` uses), each once, instead of replacing the tag:
+/// the destination's own signer keeps its signature, so a destination policy requiring it
+/// still accepts the image, and cosign verifies every signer's key there. Signed in the
+/// tag scheme only (`--no-referrer`), so the tag is the only place a signature can be.
+#[test]
+fn regression_issue_35_copy_keeps_the_destinations_signatures() {
+    let w = World::new();
+    let (ka, pa) = w.key("a");
+    let (kb, pb) = w.key("b");
+    let (kc, pc) = w.key("c");
+    let digest = w.push("vm/src:v1");
+    let (src, dest) = (w.r("vm/src:v1"), w.r("vm/dest:v1"));
+    let layers = |repo: &str| -> usize {
+        let m = w.client(repo).get_manifest(&sig_tag(&digest), 1 << 20).unwrap().expect("a signature tag");
+        serde_json::from_slice::<serde_json::Value>(&m).unwrap()["layers"].as_array().unwrap().len()
+    };
+    ok(&w.sn(&["sign", &src, "--key", &ka, "--no-referrer"]));
+    ok(&w.sn(&["copy", &src, &dest]));
+    // The destination's own signer.
+    ok(&w.sn(&["sign", &dest, "--key", &kb, "--no-referrer"]));
+    assert_eq!(layers("vm/dest"), 2);
+    let policy = w.policy("dest.json", &format!("{}/vm/dest", w.serve.addr), &pb, None);
+    ok(&w.sn(&["verify", &dest, "--policy", &policy]));
+    // Copied again: nothing new from the source, nothing lost at the destination.
+    ok(&w.sn(&["copy", &src, &dest]));
+    assert_eq!(layers("vm/dest"), 2, "the copy replaced the destination's signatures");
+    ok(&w.sn(&["verify", &dest, "--policy", &policy]));
+    // The source gains a signer: the copy brings it beside the two already there.
+    ok(&w.sn(&["sign", &src, "--key", &kc, "--no-referrer"]));
+    ok(&w.sn(&["copy", &src, &dest]));
+    assert_eq!(layers("vm/dest"), 3);
+    ok(&w.sn(&["verify", &dest, "--policy", &policy]));
+    if cosign_available() {
+        for public in [&pa, &pb, &pc] {
+            ok(&cosign_verify(public, &dest, &[]));
+        }
+    }
+    // A layout destination the same way.
+    let lay = format!("oci:{}:v1", w.s("lay"));
+    ok(&w.sn(&["copy", &src, &lay]));
+    ok(&w.sn(&["sign", &lay, "--key", &kb, "--identity", "registry.example.com/vm/dest:v1"]));
+    ok(&w.sn(&["copy", &src, &lay]));
+    let layout = imgfmt::OciLayout::open(w.path("lay")).unwrap();
+    let sigd = imgfmt::BlobSource::resolve_tag(&layout, &sig_tag(&digest)).unwrap();
+    let m = imgfmt::source::read_verified_blob(&layout, &sigd, 1 << 20).unwrap();
+    let m: serde_json::Value = serde_json::from_slice(&m).unwrap();
+    assert_eq!(m["layers"].as_array().unwrap().len(), 3, "{m}");
+}
