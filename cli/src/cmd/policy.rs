@@ -7,8 +7,10 @@
 //! `$SNAPCTL_POLICY`), else `$HOME/.config/containers/policy.json`, else
 //! `/etc/containers/policy.json`. With none of them every image is accepted, as before
 //! signatures existed (skopeo and podman refuse to run without a policy file instead;
-//! snapctl keeps working for its users who have never written one). `--insecure-policy`
-//! ignores every file.
+//! snapctl keeps working for its users who have never written one). Only a file that is
+//! plainly not there counts as none: one that cannot be looked at (a dangling symlink, a
+//! symlink loop, a directory that may not be searched) is an error, never "accept".
+//! `--insecure-policy` ignores every file.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -29,7 +31,7 @@ pub struct PolicyFlags {
     /// `snapctl sign --help`). Checked before anything is written, cached or served;
     /// a refusal exits 1 naming the rule. [default: $SNAPCTL_POLICY, else
     /// ~/.config/containers/policy.json, else /etc/containers/policy.json; with none of
-    /// them every image is accepted]
+    /// them every image is accepted; one there that cannot be read is an error]
     #[arg(long, value_name = "FILE", env = "SNAPCTL_POLICY")]
     pub policy: Option<PathBuf>,
     /// Consult no policy file at all (skopeo's --insecure-policy).
