@@ -235,7 +235,7 @@ fn merge_signature_tag(src: &dyn BlobSource, digest: &OciDigest, tag: &str, targ
     let theirs = sign::manifest::decode(&theirs).map_err(|e| refuse(format!("the destination's is malformed ({e}); delete the tag to replace it")))?;
     let (ours, _) = crate::copy::manifest_blobs(src, digest)?;
     let ours = sign::manifest::decode(&ours).map_err(|e| refuse(format!("the source's is malformed ({e})")))?;
-    let Some((config, bytes)) = sign::manifest::tag_manifest(Some(&theirs), ours.layers.iter().cloned()).map_err(|e| refuse(e.to_string()))? else {
+    let Some(merged) = sign::manifest::tag_manifest(Some(&theirs), ours.layers.iter().cloned()).map_err(|e| refuse(e.to_string()))? else {
         return Ok(true);
     };
     for l in &ours.layers {
@@ -243,13 +243,13 @@ fn merge_signature_tag(src: &dyn BlobSource, digest: &OciDigest, tag: &str, targ
     }
     match target {
         Target::Registry(r) => {
-            r.push_small_blob(&config)?;
-            r.put_manifest(tag, &bytes)?;
+            r.push_small_blob(&merged.config)?;
+            r.put_manifest(tag, &merged.manifest)?;
         }
         Target::Layout(l) => {
-            l.put_blob(&config)?;
-            let d = l.put_blob(&bytes)?;
-            l.set_tag(tag, Descriptor::new(media::OCI_MANIFEST, d, bytes.len() as u64))?;
+            l.put_blob(&merged.config)?;
+            let d = l.put_blob(&merged.manifest)?;
+            l.set_tag(tag, Descriptor::new(media::OCI_MANIFEST, d, merged.manifest.len() as u64))?;
         }
     }
     tracing::info!(%tag, store = %target.describe(), had = theirs.layers.len(), "copied signatures added to the destination's");

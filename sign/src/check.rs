@@ -438,10 +438,10 @@ pub fn sign(
     };
     let tag_signatures = match merged {
         None => existing.as_ref().map_or(0, count),
-        Some((config, bytes)) => {
-            store.put_blob(&config).map_err(serr)?;
-            store.put_tagged_manifest(&tag, &bytes).map_err(serr)?;
-            manifest::decode(&bytes).map(|m| count(&m)).unwrap_or(0)
+        Some(t) => {
+            store.put_blob(&t.config).map_err(serr)?;
+            store.put_tagged_manifest(&tag, &t.manifest).map_err(serr)?;
+            manifest::decode(&t.manifest).map(|m| count(&m)).unwrap_or(0)
         }
     };
     let mut referrer_digest = None;

@@ -131,11 +131,11 @@ pub fn tag_config(layers: &[Descriptor]) -> Vec<u8> {
 /// A tag-scheme manifest: `existing` (if any) with each of `add` appended that it does not
 /// hold yet (the same payload with the same signature), and its config. This is the one
 /// way signatures are added to a tag, by `sign` (one new layer) and by `copy` (the
-/// source's layers into the destination's): other signers keep theirs. Returns
-/// (config bytes, manifest bytes), or `None` when nothing is new (the tag stays as it is);
+/// source's layers into the destination's): other signers keep theirs. Returns the
+/// manifest and its config, or `None` when nothing is new (the tag stays as it is);
 /// a result over [`MAX_SIGNATURE_LAYERS`] or [`MAX_SIGNATURE_MANIFEST_BYTES`] is refused,
 /// since no reader would read it.
-pub fn tag_manifest(existing: Option<&Manifest>, add: impl IntoIterator<Item = Descriptor>) -> Result<Option<(Vec<u8>, Vec<u8>)>, ManifestError> {
+pub fn tag_manifest(existing: Option<&Manifest>, add: impl IntoIterator<Item = Descriptor>) -> Result<Option<TagManifest>, ManifestError> {
     let mut layers = existing.map(|m| m.layers.clone()).unwrap_or_default();
     let before = layers.len();
     for l in add {
@@ -163,7 +163,14 @@ pub fn tag_manifest(existing: Option<&Manifest>, add: impl IntoIterator<Item = D
     if bytes.len() as u64 > MAX_SIGNATURE_MANIFEST_BYTES {
         return Err(ManifestError::TooLarge { got: bytes.len() as u64, limit: MAX_SIGNATURE_MANIFEST_BYTES });
     }
-    Ok(Some((config, bytes)))
+    Ok(Some(TagManifest { config, manifest: bytes }))
+}
+
+/// A tag-scheme manifest's bytes and its config's, as [`tag_manifest`] builds them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TagManifest {
+    pub config: Vec<u8>,
+    pub manifest: Vec<u8>,
 }
 
 /// Two layers carry the same signature: the same payload and the same signature value.
@@ -194,9 +201,9 @@ mod tests {
     #[test]
     fn appending_keeps_other_signers_layers() {
         let a = signature_layer(b"pa", b"sa");
-        let (_, first) = tag_manifest(None, [a.clone()]).unwrap().unwrap();
+        let first = tag_manifest(None, [a.clone()]).unwrap().unwrap().manifest;
         let m = decode(&first).unwrap();
-        let (config, second) = tag_manifest(Some(&m), [signature_layer(b"pb", b"sb")]).unwrap().unwrap();
+        let TagManifest { config, manifest: second } = tag_manifest(Some(&m), [signature_layer(b"pb", b"sb")]).unwrap().unwrap();
         let m2 = decode(&second).unwrap();
         assert_eq!(m2.layers.len(), 2);
         assert_eq!(m2.layers[0], a);
@@ -213,21 +220,21 @@ mod tests {
     #[test]
     fn merging_another_manifests_layers_keeps_both_and_adds_each_signature_once() {
         let (a, b, c) = (signature_layer(b"pa", b"sa"), signature_layer(b"pb", b"sb"), signature_layer(b"pa", b"other key"));
-        let ours = decode(&tag_manifest(None, [a.clone(), b.clone()]).unwrap().unwrap().1).unwrap();
+        let ours = decode(&tag_manifest(None, [a.clone(), b.clone()]).unwrap().unwrap().manifest).unwrap();
         // The same payload signed by another key is another signature.
-        let (_, merged) = tag_manifest(Some(&ours), [b.clone(), c.clone(), a.clone()]).unwrap().unwrap();
+        let merged = tag_manifest(Some(&ours), [b.clone(), c.clone(), a.clone()]).unwrap().unwrap().manifest;
         assert_eq!(decode(&merged).unwrap().layers, vec![a.clone(), b.clone(), c]);
         // Nothing new: the tag is left as it is.
         assert!(tag_manifest(Some(&ours), [a, b]).unwrap().is_none());
         // A merge no reader would read is refused.
-        let full = decode(&tag_manifest(None, (0..MAX_SIGNATURE_LAYERS).map(|i| signature_layer(&[i as u8], b"s"))).unwrap().unwrap().1).unwrap();
+        let full = decode(&tag_manifest(None, (0..MAX_SIGNATURE_LAYERS).map(|i| signature_layer(&[i as u8], b"s"))).unwrap().unwrap().manifest).unwrap();
         assert!(matches!(tag_manifest(Some(&full), [signature_layer(b"one more", b"s")]), Err(ManifestError::TooManyLayers { .. })));
     }
 
     #[test]
     fn bounds_are_refused_before_anything_is_fetched() {
         let many: Vec<Descriptor> = (0..MAX_SIGNATURE_LAYERS + 1).map(|i| signature_layer(&[i as u8], b"s")).collect();
-        let mut m = decode(&tag_manifest(None, [many[0].clone()]).unwrap().unwrap().1).unwrap();
+        let mut m = decode(&tag_manifest(None, [many[0].clone()]).unwrap().unwrap().manifest).unwrap();
         m.layers = many;
         assert!(matches!(decode(&m.encode()), Err(ManifestError::TooManyLayers { .. })));
         m.layers.truncate(1);
