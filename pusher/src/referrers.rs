@@ -6,7 +6,9 @@
 //!     (referrers API, else the fallback              else added to the fallback index
 //!      index tagged sha256-<hex>)                    (distribution 2.8 has no API)
 //!   tags named after the subject      ──copy──►  the same tag (digests are kept, so the
-//!     (cosign: sha256-<hex>.sig/.att/.sbom)          name still matches the subject)
+//!     (cosign: sha256-<hex>.sig/.att/.sbom)          name still matches the subject); a .sig
+//!                                                    the destination has gets the source's
+//!                                                    signatures added, none of its own lost
 //!   and what is attached to those (a signature of an SBOM), a few levels deep
 //! ```
 //!
