@@ -6,7 +6,7 @@
 #   bash scripts/setup.sh --tests   # also the real peers the tests and benchmarks talk to
 #
 # Everything it installs is listed here (BUILD_APT, TEST_APT, PIP_PKGS, the trixie prefixes,
-# s3s-fs, cargo-fuzz), so that scripts/fresh-check.sh can remove exactly that and prove these
+# s3s-fs, cargo-machete, cargo-fuzz), so that scripts/fresh-check.sh can remove exactly that and prove these
 # commands on a machine that never saw them.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -42,11 +42,12 @@ TEST_APT=(
 )
 PIP_PKGS=(oras "moto[server]")       # OCI artifact client; S3 server
 # Installed by tools, not here, listed for fresh-check: the trixie prefixes
-# (install-trixie.sh), cargo binaries (s3s-fs below, cargo-fuzz by fuzz-smoke.sh).
+# (install-trixie.sh), cargo binaries (s3s-fs and cargo-machete below, cargo-fuzz by
+# fuzz-smoke.sh).
 PREFIXES=("${SNAPCTL_CRIU_PREFIX:-/opt/snapctl-criu}" "${SNAPCTL_RUNSC_PREFIX:-/opt/snapctl-runsc}"
   "${SNAPCTL_COSIGN_PREFIX:-/opt/snapctl-cosign}" "${SNAPCTL_ORAS_PREFIX:-/opt/snapctl-oras}"
   "${SNAPCTL_SKOPEO_PREFIX:-/opt/snapctl-skopeo}")
-CARGO_BINS=(s3s-fs cargo-fuzz)
+CARGO_BINS=(s3s-fs cargo-machete cargo-fuzz)
 if [ "$list" = 1 ]; then
   printf 'build-apt %s\n' "${BUILD_APT[@]}"
   printf 'test-apt %s\n' "${TEST_APT[@]}"
@@ -87,4 +88,10 @@ python3 -m pip install -q --disable-pip-version-check "${PIP_PKGS[@]}" >/dev/nul
 # CPU) only when moto_server is unavailable; SNAPCTL_INSTALL_S3S=1 forces it.
 if ! command -v s3s-fs >/dev/null 2>&1 && { ! command -v moto_server >/dev/null 2>&1 || [ "${SNAPCTL_INSTALL_S3S:-0}" = 1 ]; }; then
   cargo install -q s3s-fs@0.14.1 --locked --features binary
+fi
+
+# cargo-machete: scripts/test.sh fails on a dependency no crate uses.
+if ! cargo machete --version >/dev/null 2>&1; then
+  echo "setup: installing cargo-machete" >&2
+  cargo install -q cargo-machete@0.9.2 --locked
 fi

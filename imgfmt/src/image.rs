@@ -15,7 +15,6 @@ use crate::index::{chunk_count, chunk_len, ChunkIndex, PackRef, RecordKind, MAX_
 use crate::manifest::{Descriptor, Manifest, MAX_MANIFEST_BYTES};
 use crate::media;
 use crate::outboard::{self, Outboard, OutboardTable, SliceCvs, SliceShape, MAX_OUTBOARD_BYTES, MIN_SLICE_SHIFT};
-use crate::reference::Selector;
 use crate::source::{read_verified_blob, BlobSource};
 use crate::FormatError;
 
@@ -216,15 +215,6 @@ impl Image {
     }
     pub fn chunk_shift(&self) -> u8 {
         self.config().chunk_shift()
-    }
-
-    /// Open the manifest a selector names.
-    pub fn open_selector(src: &dyn BlobSource, sel: &Selector) -> Result<Self, FormatError> {
-        let digest = match sel {
-            Selector::Tag(t) => src.resolve_tag(t)?,
-            Selector::Digest(d) => d.clone(),
-        };
-        Self::open(src, &digest)
     }
 
     /// Open the image whose manifest has `manifest_digest`, reading its config, index and
