@@ -1306,11 +1306,6 @@ struct Written {
     path: PathBuf,
 }
 
-/// Parse `SIZE` for `--cache-size` (`10GiB`, `512M`, bytes).
-pub fn parse_limit(s: &str) -> Result<u64, String> {
-    imgfmt::size::parse_size(s)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

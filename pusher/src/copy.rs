@@ -82,10 +82,9 @@ pub struct PushReport {
     /// already packed).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pack: Option<PackStep>,
-    /// `copy`: the referrers and subject-named tags carried with the image
-    /// ([`crate::referrers`]).
+    /// `copy`: the referrers and subject-named tags carried with the image.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub referrers: Vec<crate::referrers::Attached>,
+    pub referrers: Vec<crate::attached::Attached>,
 }
 
 /// The packing step of `push DIR` (spec/transfer.md §2).

@@ -8,6 +8,7 @@
 //!   -> dedup (own, base, parent) -> pack writer (sha256 as it writes) -> index, config, manifest
 //! ```
 
+mod attached;
 pub mod copy;
 mod pack;
 pub mod push;

@@ -25,6 +25,7 @@ use imgfmt::{media, BlobSource, Descriptor, FormatError, OciDigest, OciLayout};
 use regclient::RegistrySource;
 use serde::Serialize;
 
+pub use crate::attached::Attached;
 use crate::copy::{copy_after, CopyError, CopyOptions, Target};
 
 /// Tag suffixes cosign attaches under (`sha256-<hex>.sig` and so on).
@@ -49,36 +50,6 @@ impl Origin {
             Origin::Registry(r) => r.as_ref(),
             Origin::Layout(l) => l,
         }
-    }
-}
-
-/// A manifest attached to a subject.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Attached {
-    /// What it is attached to.
-    pub subject: OciDigest,
-    /// The attached manifest.
-    pub digest: OciDigest,
-    #[serde(rename = "mediaType")]
-    pub media_type: String,
-    #[serde(rename = "artifactType", skip_serializing_if = "Option::is_none")]
-    pub artifact_type: Option<String>,
-    /// Length of the manifest.
-    pub size: u64,
-    /// The tag it is found under (cosign's scheme); absent for an OCI 1.1 referrer.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tag: Option<String>,
-    /// Annotations of its referrers descriptor (kept in a destination's fallback index).
-    #[serde(skip)]
-    pub annotations: BTreeMap<String, String>,
-}
-
-impl Attached {
-    fn descriptor(&self) -> Descriptor {
-        let mut d = Descriptor::new(&self.media_type, self.digest.clone(), self.size);
-        d.artifact_type = self.artifact_type.clone();
-        d.annotations = self.annotations.clone();
-        d
     }
 }
 

@@ -36,15 +36,7 @@ const MAX_ANSWER: u64 = 1 << 20;
 /// The helper timeout: `SNAPCTL_CREDENTIAL_HELPER_TIMEOUT` (`90s`, `2m`, or seconds),
 /// else [`DEFAULT_HELPER_TIMEOUT`].
 pub fn helper_timeout() -> Duration {
-    let Ok(v) = std::env::var("SNAPCTL_CREDENTIAL_HELPER_TIMEOUT") else { return DEFAULT_HELPER_TIMEOUT };
-    let v = v.trim();
-    match v.parse::<u64>().map(Duration::from_secs).or_else(|_| humantime::parse_duration(v)) {
-        Ok(d) if !d.is_zero() => d,
-        _ => {
-            tracing::warn!("SNAPCTL_CREDENTIAL_HELPER_TIMEOUT={v:?} is not a duration: using {} s", DEFAULT_HELPER_TIMEOUT.as_secs());
-            DEFAULT_HELPER_TIMEOUT
-        }
-    }
+    crate::env_duration("SNAPCTL_CREDENTIAL_HELPER_TIMEOUT").unwrap_or(DEFAULT_HELPER_TIMEOUT)
 }
 
 /// What a finished helper said.

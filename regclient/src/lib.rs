@@ -24,9 +24,7 @@
 //! from Docker's config and its credential helpers, and retries transient failures (connection
 //! errors, 408, 429 honouring `Retry-After`, 5xx) with exponential backoff and jitter,
 //! within a wall-clock retry budget ([`retry_budget`]). Every request has a deadline for
-//! the whole of it, answer body included ([`RequestDeadline`]; a caller with its own retry
-//! loop, like the lazy server's, sets it with [`RegistrySource::set_request_deadline`]),
-//! because a registry dripping bytes moves on every read and a per-read timeout never fires.
+//! the whole of it, answer body included ([`RequestDeadline`]), because a registry dripping bytes moves on every read and a per-read timeout never fires.
 //! A registry that cannot be reached in a way no retry fixes (nothing listening or no such
 //! host before it ever answered, a certificate not trusted, HTTP spoken to HTTPS) fails at
 //! once ([`Unreachable`]). With `debug` logging every request is one line (method, URL,
@@ -202,10 +200,9 @@ pub fn default_retry_policy() -> RetryPolicy {
 
 /// A duration from the environment (`90s`, `2m`, `500ms`, or seconds); `None` when unset
 /// or unreadable (with a warning) or zero.
-fn env_duration(name: &str) -> Option<Duration> {
+pub(crate) fn env_duration(name: &str) -> Option<Duration> {
     let v = std::env::var(name).ok()?;
-    let v = v.trim();
-    match v.parse::<u64>().map(Duration::from_secs).or_else(|_| humantime::parse_duration(v)) {
+    match imgfmt::size::parse_duration(&v) {
         Ok(d) if !d.is_zero() => Some(d),
         _ => {
             tracing::warn!("{name}={v:?} is not a duration above 0: ignored");
@@ -276,8 +273,9 @@ impl RegistrySource {
         Self::build(host, repository, transport.plain_http_for(host), transport, creds)
     }
 
-    /// [`RegistrySource::connect`], credentials from Docker's config as
-    /// [`RegistrySource::with_docker_credentials`] takes them.
+    /// [`RegistrySource::connect`], credentials from Docker's config
+    /// (`$DOCKER_CONFIG/config.json` or `~/.docker/config.json`) and the credential helpers
+    /// it names, looked up when the registry first asks for them.
     pub fn connect_with_docker_credentials(host: &str, repository: &str, transport: &Transport) -> Result<Self, FormatError> {
         let c = Self::connect(host, repository, transport, None)?;
         *c.creds.lock().expect("poisoned") = CredentialSource::DockerConfig;
@@ -313,15 +311,6 @@ impl RegistrySource {
         })
     }
 
-    /// A client whose credentials come from Docker's config (`$DOCKER_CONFIG/config.json`
-    /// or `~/.docker/config.json`) and the credential helpers it names, looked up when the
-    /// registry first asks for them.
-    pub fn with_docker_credentials(host: &str, repository: &str, plain_http: bool) -> Result<Self, FormatError> {
-        let c = Self::new(host, repository, plain_http, None)?;
-        *c.creds.lock().expect("poisoned") = CredentialSource::DockerConfig;
-        Ok(c)
-    }
-
     /// The credentials, looked up once (under the lock: parallel requests that meet their
     /// first challenge together run a helper once).
     fn credentials(&self) -> Result<Option<Credentials>, ClientError> {
@@ -350,16 +339,6 @@ impl RegistrySource {
     /// within [`retry_budget`]).
     pub fn set_retry_policy(&mut self, policy: RetryPolicy) {
         self.retry = policy;
-    }
-
-    /// How long one request may take, whole (default: [`RequestDeadline::from_env`]).
-    pub fn set_request_deadline(&mut self, deadline: RequestDeadline) {
-        self.deadline = deadline;
-    }
-
-    /// This client's request deadline.
-    pub fn request_deadline(&self) -> RequestDeadline {
-        self.deadline
     }
 
     /// A client error as this source's error, naming this registry when it wants a login.

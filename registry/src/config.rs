@@ -284,7 +284,7 @@ impl FileConfig {
         bounds::UPLOAD_TTL.check(self.upload_ttl)?;
         Ok(GcOptions {
             grace: self.gc.grace.unwrap_or(crate::gc::DEFAULT_GRACE),
-            upload_ttl: self.upload_ttl.unwrap_or(crate::server::DEFAULT_UPLOAD_TTL),
+            upload_ttl: self.upload_ttl.unwrap_or(crate::upload::DEFAULT_UPLOAD_TTL),
             dry_run,
             retention: self.retention()?,
         })

@@ -39,9 +39,9 @@ use crate::inuse::{self, GC_STALE, LEASE_STALE};
 use crate::layout::{self, RepoKey};
 use crate::name::{RepoName, Tag};
 use crate::pulls::{self, PullLog};
+use crate::refs::manifest_refs;
 use crate::restore_lease;
 use crate::retention::{self, Action, Inventory, ManifestFacts, Plan, Retention, Rule, TagFacts};
-use crate::server::manifest_refs;
 use crate::store::{BlobStore, ObjectMeta, StoreError};
 
 /// How often a running gc refreshes `_gc/run`.
@@ -74,7 +74,7 @@ pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(24 * 3600);
 
 impl Default for GcOptions {
     fn default() -> GcOptions {
-        GcOptions { grace: DEFAULT_GRACE, upload_ttl: crate::server::DEFAULT_UPLOAD_TTL, dry_run: false, retention: Retention::default() }
+        GcOptions { grace: DEFAULT_GRACE, upload_ttl: crate::upload::DEFAULT_UPLOAD_TTL, dry_run: false, retention: Retention::default() }
     }
 }
 

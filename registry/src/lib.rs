@@ -35,6 +35,7 @@ pub mod layout;
 pub mod metrics;
 pub mod name;
 pub mod pulls;
+pub mod refs;
 pub mod reload;
 pub mod restore_lease;
 pub mod retention;

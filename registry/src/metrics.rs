@@ -23,7 +23,7 @@
 //! - `snapctl_http_request_duration_seconds{route,method}` histogram: time to the response
 //!   head, by route class ([`ROUTES`]) and method label
 //! - `snapctl_build_info{version,commit}` gauge, always 1
-//! - `snapctl_store_*` gauges from the last store scan ([`render_store`], `crate::stats`)
+//! - `snapctl_store_*` gauges from the last store scan (rendered by `crate::stats::Totals`)
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -127,26 +127,6 @@ impl Default for BuildInfo {
 /// A Prometheus label value, escaped.
 fn label(v: &str) -> String {
     v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
-}
-
-/// Store gauges for the last scan (`crate::stats`): bytes, blobs, manifests,
-/// repositories, logical bytes, the dedup ratio and when the scan ran.
-pub fn render_store(t: &crate::stats::Totals) -> String {
-    let mut o = String::new();
-    let gauges: [(&str, &str, String); 8] = [
-        ("snapctl_store_bytes", "Bytes the store holds under blobs/ (blobs and manifests, each once).", t.stored_bytes.to_string()),
-        ("snapctl_store_blobs", "Objects under blobs/ (blobs and manifests).", t.blobs.to_string()),
-        ("snapctl_store_manifests", "Manifests, counted once per repository holding them.", t.manifests.to_string()),
-        ("snapctl_store_repositories", "Repositories in the catalog.", t.repositories.to_string()),
-        ("snapctl_store_logical_bytes", "Bytes a pull of every manifest of every repository would transfer.", t.logical_bytes.to_string()),
-        ("snapctl_store_dedup_ratio", "Logical bytes over stored bytes (0 when empty).", format!("{:.4}", t.dedup_ratio())),
-        ("snapctl_store_scan_timestamp_seconds", "When the store totals were taken (Unix time).", t.scanned_at.to_string()),
-        ("snapctl_store_scan_seconds", "How long taking the store totals took.", format!("{:.3}", t.scan_ms as f64 / 1000.0)),
-    ];
-    for (name, help, v) in gauges {
-        let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-    }
-    o
 }
 
 /// All counters of one server.

@@ -60,11 +60,8 @@ pub const REFERRERS_PAGE: usize = 100;
 /// annotation bound) is skipped.
 const MAX_REFERRER_DESCRIPTOR: u64 = MAX_REFERRER_ANNOTATIONS as u64 + 4096;
 
-/// Default idle time after which an upload session is removed: long enough for a client
-/// to come back after a network failure or a crash and resume, short enough that an
-/// abandoned upload does not hold its bytes for a day (`snapctl push` deletes a session it
-/// gives up on, when no rerun could take it over; a killed one cannot).
-pub const DEFAULT_UPLOAD_TTL: Duration = Duration::from_secs(15 * 60);
+pub use crate::refs::{manifest_refs, ManifestRefs};
+pub use crate::upload::DEFAULT_UPLOAD_TTL;
 
 /// Default interval between checks of the htpasswd file for changes.
 pub const DEFAULT_HTPASSWD_POLL: Duration = Duration::from_secs(2);
@@ -1285,50 +1282,6 @@ fn accepts(h: &HeaderMap, mt: &str) -> bool {
     !any_header
 }
 
-/// What a manifest points at.
-#[derive(Debug, Default)]
-pub struct ManifestRefs {
-    /// (digest, is_manifest): config and layers are blobs; index entries are manifests.
-    pub children: Vec<(OciDigest, bool)>,
-    /// The `subject`, if any.
-    pub subject: Option<OciDigest>,
-}
-
-/// Descriptors referenced by an image manifest or index (docker v2 included).
-pub fn manifest_refs(json: &serde_json::Value) -> Result<ManifestRefs, ApiError> {
-    let desc = |v: &serde_json::Value| -> Result<OciDigest, ApiError> {
-        let d = v.get("digest").and_then(|d| d.as_str()).ok_or_else(|| ApiError::bad(Code::ManifestInvalid, "descriptor without digest"))?;
-        d.parse().map_err(|e| ApiError::bad(Code::ManifestInvalid, format!("descriptor: {e}")))
-    };
-    let mut r = ManifestRefs::default();
-    if !json.is_object() {
-        return Err(ApiError::bad(Code::ManifestInvalid, "manifest is not a JSON object"));
-    }
-    if let Some(c) = json.get("config") {
-        r.children.push((desc(c)?, false));
-    }
-    for key in ["layers", "blobs"] {
-        if let Some(ls) = json.get(key).and_then(|v| v.as_array()) {
-            for l in ls {
-                // Foreign layers live elsewhere (`urls`); they need not be in the registry.
-                if l.get("urls").is_some_and(|u| u.as_array().is_some_and(|a| !a.is_empty())) {
-                    continue;
-                }
-                r.children.push((desc(l)?, false));
-            }
-        }
-    }
-    if let Some(ms) = json.get("manifests").and_then(|v| v.as_array()) {
-        for m in ms {
-            r.children.push((desc(m)?, true));
-        }
-    }
-    if let Some(s) = json.get("subject") {
-        r.subject = Some(desc(s)?);
-    }
-    Ok(r)
-}
-
 /// The client key the listener put in a request's extensions (none when the router is
 /// served some other way).
 type Client = Option<axum::Extension<listen::ClientAddr>>;
@@ -1411,7 +1364,7 @@ fn render_metrics(s: &Server, store_totals: bool) -> Response {
         text.push_str(&crate::metrics::render_auth(&a.stats()));
     }
     if let Some(t) = s.stats.latest().filter(|_| store_totals) {
-        text.push_str(&crate::metrics::render_store(&t));
+        text.push_str(&t.render_prometheus());
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }

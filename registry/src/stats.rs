@@ -15,6 +15,7 @@
 //! ([`LOGICAL_CACHE_CAP`]; forgotten wholesale when full, so the next scan reads them again).
 
 use std::collections::HashMap;
+use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -55,6 +56,26 @@ pub struct Totals {
 }
 
 impl Totals {
+    /// Prometheus gauges of these totals: bytes, blobs, manifests,
+    /// repositories, logical bytes, the dedup ratio and when the scan ran.
+    pub fn render_prometheus(&self) -> String {
+        let mut o = String::new();
+        let gauges: [(&str, &str, String); 8] = [
+            ("snapctl_store_bytes", "Bytes the store holds under blobs/ (blobs and manifests, each once).", self.stored_bytes.to_string()),
+            ("snapctl_store_blobs", "Objects under blobs/ (blobs and manifests).", self.blobs.to_string()),
+            ("snapctl_store_manifests", "Manifests, counted once per repository holding them.", self.manifests.to_string()),
+            ("snapctl_store_repositories", "Repositories in the catalog.", self.repositories.to_string()),
+            ("snapctl_store_logical_bytes", "Bytes a pull of every manifest of every repository would transfer.", self.logical_bytes.to_string()),
+            ("snapctl_store_dedup_ratio", "Logical bytes over stored bytes (0 when empty).", format!("{:.4}", self.dedup_ratio())),
+            ("snapctl_store_scan_timestamp_seconds", "When the store totals were taken (Unix time).", self.scanned_at.to_string()),
+            ("snapctl_store_scan_seconds", "How long taking the store totals took.", format!("{:.3}", self.scan_ms as f64 / 1000.0)),
+        ];
+        for (name, help, v) in gauges {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        }
+        o
+    }
+
     /// logical / stored: how many times over sharing stores the data (1.0 = no sharing;
     /// 0 when the store is empty).
     pub fn dedup_ratio(&self) -> f64 {

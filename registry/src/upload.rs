@@ -40,6 +40,12 @@ use crate::metrics::Metrics;
 use crate::name::RepoName;
 use crate::store::{BlobStore, StoreError};
 
+/// Default idle time after which an upload session is removed: long enough for a client
+/// to come back after a network failure or a crash and resume, short enough that an
+/// abandoned upload does not hold its bytes for a day (`snapctl push` deletes a session it
+/// gives up on, when no rerun could take it over; a killed one cannot).
+pub const DEFAULT_UPLOAD_TTL: Duration = Duration::from_secs(15 * 60);
+
 /// What `state.json` holds.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct UploadState {

@@ -60,12 +60,6 @@ pub enum VerifyError {
 }
 
 impl VerifyError {
-    /// Whether this is the storage saying no (I/O, missing blob), rather than content
-    /// that failed its check.
-    pub fn is_read_error(&self) -> bool {
-        matches!(self, VerifyError::Read { .. })
-    }
-
     /// What a caller can do about this error: a read keeps its source's kind (a transient
     /// one is worth retrying; a pack shorter than the index says is an integrity failure
     /// like a digest mismatch); a chunk that asked for slices it cannot have is refused.

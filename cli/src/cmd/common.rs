@@ -55,6 +55,16 @@ pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
+/// The policy refused an image (exit 1).
+#[derive(Debug)]
+pub struct PolicyRefused(pub String);
+impl std::fmt::Display for PolicyRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+impl std::error::Error for PolicyRefused {}
+
 /// Exit code for an error that reached `main`, from the kind of the error's outermost
 /// verdict ([`error_kind`]): 1 when the content failed its check, 2 for anything else.
 pub fn exit_code_for(e: &anyhow::Error) -> u8 {
@@ -70,7 +80,7 @@ pub fn exit_code_for(e: &anyhow::Error) -> u8 {
 /// an error (exit 2), whatever its kind: it is not a verification's answer.
 pub fn error_kind(e: &anyhow::Error) -> Option<ErrorKind> {
     e.chain().find_map(|c| {
-        if c.is::<IntegrityError>() || c.is::<super::policy::PolicyRefused>() {
+        if c.is::<IntegrityError>() || c.is::<PolicyRefused>() {
             Some(ErrorKind::Integrity)
         } else if let Some(v) = c.downcast_ref::<verify::VerifyError>() {
             Some(v.kind())

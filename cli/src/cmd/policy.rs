@@ -21,7 +21,7 @@ use imgfmt::{BlobSource, Descriptor, FormatError, Image, OciDigest, OciLayout};
 use pusher::referrers::Origin;
 use regclient::RegistrySource;
 
-use super::common::{self, Opened};
+use super::common::{self, Opened, PolicyRefused};
 
 /// Which images may be restored (shared by pull, unpack, copy, verify and lazy).
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -38,16 +38,6 @@ pub struct PolicyFlags {
     #[arg(long, conflicts_with = "policy")]
     pub insecure_policy: bool,
 }
-
-/// The policy refused an image (exit 1).
-#[derive(Debug)]
-pub struct PolicyRefused(pub String);
-impl std::fmt::Display for PolicyRefused {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-impl std::error::Error for PolicyRefused {}
 
 /// Where the policy is looked for when `--policy` is not given, in containers tools' order.
 fn default_policy_candidates() -> Vec<PathBuf> {

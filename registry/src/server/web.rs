@@ -26,6 +26,7 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
+use imgfmt::size::human;
 use imgfmt::OciDigest;
 
 use super::{param, query, Server};
@@ -73,20 +74,6 @@ pub fn esc(s: &str) -> String {
 /// A query-string value, percent-encoded.
 fn q(s: &str) -> String {
     form_urlencoded::byte_serialize(s.as_bytes()).collect()
-}
-
-fn human(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let (mut v, mut u) = (n as f64, 0);
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
 }
 
 fn time(t: std::time::SystemTime) -> String {
