@@ -292,8 +292,14 @@ pub fn open_image(o: &Opened) -> anyhow::Result<Image> {
 
 /// The manifest digest the reference names (its tag resolved).
 pub fn resolve(o: &Opened) -> anyhow::Result<imgfmt::OciDigest> {
-    Ok(match &o.selector {
-        Selector::Tag(t) => o.source.resolve_tag(t).with_context(|| format!("resolving {}", o.reference))?,
+    resolve_in(o.source.as_ref(), &o.selector, &o.reference)
+}
+
+/// The manifest digest `selector` names in `source` (named `reference` in messages): the
+/// one place a tag becomes a digest.
+pub fn resolve_in(source: &dyn BlobSource, selector: &Selector, reference: &str) -> anyhow::Result<imgfmt::OciDigest> {
+    Ok(match selector {
+        Selector::Tag(t) => source.resolve_tag(t).with_context(|| format!("resolving {reference}"))?,
         Selector::Digest(d) => d.clone(),
     })
 }
@@ -305,10 +311,7 @@ pub fn open_image_at(o: &Opened, digest: &imgfmt::OciDigest) -> anyhow::Result<I
 
 /// [`open_image`] of `selector` in `source` (named `reference` in messages).
 pub fn open_image_in(source: &dyn BlobSource, selector: &Selector, reference: &str) -> anyhow::Result<Image> {
-    let digest = match selector {
-        Selector::Tag(t) => source.resolve_tag(t).with_context(|| format!("resolving {reference}"))?,
-        Selector::Digest(d) => d.clone(),
-    };
+    let digest = resolve_in(source, selector, reference)?;
     Image::open(source, &digest).map_err(|e| opening_failed(e, reference, &digest))
 }
 

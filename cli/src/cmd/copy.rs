@@ -64,10 +64,7 @@ pub fn copy_refs(src: &str, dest: &str, flags: &TransferFlags, policy: &super::p
 pub fn copy_image(src: &str, dest: &str, flags: &TransferFlags, policy: &super::policy::PolicyFlags, referrers: bool) -> anyhow::Result<pusher::PushReport> {
     let (origin, selector) = open_origin(src, flags.registry.plain_http)?;
     let source = origin.source();
-    let digest = match &selector {
-        Selector::Tag(t) => source.resolve_tag(t).with_context(|| format!("resolving {src}"))?,
-        Selector::Digest(d) => d.clone(),
-    };
+    let digest = super::common::resolve_in(source, &selector, src)?;
     policy.check(src, &digest, flags.registry.plain_http)?;
     let (tag, by_digest) = match dest.parse::<Reference>()? {
         Reference::Layout { selector, .. } | Reference::Registry { selector, .. } => match selector {

@@ -121,7 +121,7 @@ impl PolicyFlags {
     /// beside it. `open`'s result is returned only once the policy has accepted the image.
     pub fn gate<T>(&self, r: &Reference, store: &dyn sign::Store, o: &mut Opened, open: impl FnOnce(&Opened) -> anyhow::Result<T>) -> anyhow::Result<T> {
         let Some(policy) = self.load()? else { return open(o) };
-        let digest = resolve(o)?;
+        let digest = common::resolve(o)?;
         o.selector = Selector::Digest(digest.clone());
         let identity = sign::ImageIdentity::of(r).map_err(|e| anyhow::anyhow!("{}: {e}", o.reference))?;
         let (checked, opened) = std::thread::scope(|s| {
@@ -163,13 +163,6 @@ fn accepted(r: Result<sign::Accepted, sign::CheckError>, reference: &str) -> any
         Err(e @ sign::CheckError::Refused { .. }) => Err(anyhow::Error::new(PolicyRefused(e.to_string()))),
         Err(e) => Err(anyhow::Error::new(e)),
     }
-}
-
-fn resolve(o: &Opened) -> anyhow::Result<OciDigest> {
-    Ok(match &o.selector {
-        Selector::Tag(t) => o.source.resolve_tag(t).with_context(|| format!("resolving {}", o.reference))?,
-        Selector::Digest(d) => d.clone(),
-    })
 }
 
 /// An opened reference and a signature store over the same registry client (one

@@ -192,10 +192,7 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
     if a.src.starts_with("oci:") {
         let Reference::Layout { path, selector } = a.src.parse::<Reference>()? else { unreachable!("oci: prefix") };
         let layout = OciLayout::open(&path).with_context(|| format!("opening {}", a.src))?;
-        let digest = match selector {
-            Selector::Tag(t) => layout.resolve_tag(&t).with_context(|| format!("resolving {}", a.src))?,
-            Selector::Digest(d) => d,
-        };
+        let digest = common::resolve_in(&layout, &selector, &a.src)?;
         transfer(&layout, &digest, &pusher::Target::Registry(&dest), Some(&tag), &a.transfer, "push")?;
         super::cache::keep_within_budget(&a.transfer.cache_dir(), a.budget.cache_size);
     } else if !Path::new(&a.src).exists() && matches!(a.src.parse::<Reference>(), Ok(Reference::Registry { .. })) {

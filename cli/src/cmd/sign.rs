@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context as _};
-use imgfmt::reference::{Reference, Selector};
+use imgfmt::reference::Reference;
 use imgfmt::{Descriptor, OciDigest};
 
 use super::common::{self, outln};
@@ -167,10 +167,7 @@ pub fn run_sign(a: SignArgs) -> anyhow::Result<ExitCode> {
     };
     let key = load_private_key(&a.key)?;
     let (o, store) = open_with_store(&r, &a.image, a.registry.plain_http)?;
-    let digest: OciDigest = match &o.selector {
-        Selector::Tag(t) => o.source.resolve_tag(t).with_context(|| format!("resolving {}", a.image))?,
-        Selector::Digest(d) => d.clone(),
-    };
+    let digest: OciDigest = super::common::resolve(&o)?;
     // The subject descriptor needs the manifest's media type and size: read it (checked).
     let manifest =
         imgfmt::source::read_verified_blob(o.source.as_ref(), &digest, imgfmt::manifest::MAX_MANIFEST_BYTES).with_context(|| format!("reading {}", a.image))?;
