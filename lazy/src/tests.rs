@@ -1432,7 +1432,7 @@ fn a_prepared_image_is_served_by_a_front_end_that_is_not_the_cli() {
     drop(sock);
     let rep = run.reports.recv_timeout(Duration::from_secs(10)).expect("a report");
     assert_eq!((rep.verify_failures, rep.poisoned_pages), (0, 0));
-    assert_eq!(rep.faults.fetched, (0..24).filter(|c| c % 3 != 1).count() as u64, "{rep:?}");
+    assert!(rep.slice_fetches > 0, "first misses served by slice: the outboards' tables were read before the socket: {rep:?}");
 }
 
 #[test]
