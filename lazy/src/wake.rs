@@ -113,7 +113,7 @@ pub struct Woken<D> {
 /// CRIU restore) need it; see the module's doc.
 pub fn prepare<F: Front>(front: &F, reference: &Reference, opts: LazyOptions, criu: bool) -> Result<Prepared, F::Error> {
     let Reached { store, clients, traces, selector } = reach(front, reference)?;
-    let traces = Some(traces as Box<dyn TraceStore>);
+    let traces: Option<Box<dyn TraceStore>> = Some(traces);
     // Resolved once, here, so finding the image's trace (a registry's referrers: round
     // trips of their own) goes on beside reading the image's metadata.
     let digest = front.resolve(&store.metadata(), selector)?;
