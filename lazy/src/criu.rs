@@ -181,6 +181,30 @@ pub struct CriuReport {
     pub forked_from: Option<i32>,
 }
 
+impl CriuReport {
+    /// The task's summary as one line for people (`pid N done (...): ...`).
+    pub fn summary(&self) -> String {
+        let c = &self.conn;
+        format!(
+            "pid {} done ({}): {} faults ({} zero, {} cache, {} fetched, {} present), {} fetched, {} pushed, latency p50 {}us p99 {}us, {} verify failures, {} pages poisoned{}",
+            c.pid,
+            c.ended,
+            c.faults.total,
+            c.faults.zero,
+            c.faults.cache_hit,
+            c.faults.fetched,
+            c.faults.present,
+            imgfmt::size::human(c.bytes_fetched),
+            imgfmt::size::human(c.prefetched_bytes),
+            c.latency_us.p50,
+            c.latency_us.p99,
+            c.verify_failures,
+            c.poisoned_pages,
+            self.error.as_deref().map(|e| format!("; ERROR: {e}")).unwrap_or_default()
+        )
+    }
+}
+
 /// An error resolving or creating names beneath the work directory, its kind kept.
 fn dest_err(e: puller::UnpackError) -> LazyError {
     match e {

@@ -25,12 +25,16 @@
 //! through a `snapctl serve`'s gc; other registries keep it only while a tag names it.
 //!
 //! Two front doors share that fault path: [`Daemon`] speaks Firecracker's UFFD handshake,
-//! [`criu::CriuDaemon`] takes the place of `criu lazy-pages`. One daemon serves many
+//! [`criu::CriuDaemon`] takes the place of `criu lazy-pages`. Both are woken the same way
+//! ([`wake::prepare`], then [`wake::Prepared::serve`] or [`wake::Prepared::serve_criu`]):
+//! a front end (the CLI) gives its clients' transport, its policy's gate and its messages
+//! ([`wake::Front`]) and its flags ([`LazyOptions`]), and the library does the rest. One daemon serves many
 //! connections over one image, one chunk cache and one in-flight map. The wire contract
 //! and the `--json` summary are in `spec/lazy.md`.
 //!
 //! | module | its one job |
 //! | --- | --- |
+//! | [`wake`] | before the first connection: clients, resolve, lease, the front end's gate, outboards and trace, the daemon |
 //! | this file | the Firecracker front door: socket, admission, a thread per connection, metrics |
 //! | [`criu`] | the CRIU front door (`criu lazy-pages`): protocol, per-task setup, the push after restore |
 //! | `fault` | one connection's fault loop: reads the userfaultfd, parks faults on a fetch pool |
@@ -74,6 +78,7 @@ mod slicing;
 pub mod stats;
 pub mod trace;
 mod uffdio;
+pub mod wake;
 pub mod workingset;
 
 use std::os::fd::{FromRawFd, IntoRawFd};

@@ -379,6 +379,28 @@ impl ConnReport {
     pub fn integrity_failed(&self) -> bool {
         self.verify_failures > 0 || self.poisoned_pages > 0
     }
+
+    /// The connection's summary as one line for people (`pid N done (...): ...`).
+    pub fn summary(&self) -> String {
+        format!(
+            "pid {} done ({}): {} faults ({} zero, {} cache, {} fetched, {} present), {} fetched, latency p50 {}us p99 {}us max {}us, {} retries, {} verify failures, {} pages poisoned, {:.2}s",
+            self.pid,
+            self.ended,
+            self.faults.total,
+            self.faults.zero,
+            self.faults.cache_hit,
+            self.faults.fetched,
+            self.faults.present,
+            imgfmt::size::human(self.bytes_fetched),
+            self.latency_us.p50,
+            self.latency_us.p99,
+            self.latency_us.max,
+            self.retries,
+            self.verify_failures,
+            self.poisoned_pages,
+            self.seconds
+        )
+    }
 }
 
 /// The daemon's counters as Prometheus text exposition.

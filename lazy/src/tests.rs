@@ -1366,3 +1366,97 @@ fn regression_issue_21_a_dripping_metrics_client_does_not_block_a_scrape() {
 }
 
 mod fill;
+
+/// A front end over OCI layouts only, as a test or a tool without the CLI would write one.
+struct LayoutFront;
+
+impl wake::Front for LayoutFront {
+    type Error = LazyError;
+    fn layout(&self, path: &std::path::Path) -> Result<imgfmt::OciLayout, LazyError> {
+        imgfmt::OciLayout::open(path).map_err(|e| LazyError::Invalid(e.to_string()))
+    }
+    fn registry(&self, host: &str, _: &str) -> Result<regclient::RegistrySource, LazyError> {
+        Err(LazyError::Invalid(format!("{host}: no registries here")))
+    }
+    fn resolve(&self, source: &Arc<dyn imgfmt::BlobSource>, selector: &imgfmt::reference::Selector) -> Result<imgfmt::OciDigest, LazyError> {
+        match selector {
+            imgfmt::reference::Selector::Tag(t) => source.resolve_tag(t).map_err(|e| LazyError::Invalid(e.to_string())),
+            imgfmt::reference::Selector::Digest(d) => Ok(d.clone()),
+        }
+    }
+    fn open(&self, at: &wake::Opening<'_>) -> Result<(Image, Option<imgfmt::PendingOutboards>), LazyError> {
+        let src = at.store.metadata();
+        let opened = match at.outboards {
+            None => Image::open(src.as_ref(), at.digest).map(|i| (i, None)),
+            Some(ahead) => Image::open_outboards_later(src, at.digest, ahead).map(|(i, p)| (i, Some(p))),
+        };
+        opened.map_err(|e| LazyError::Invalid(e.to_string()))
+    }
+    fn memory_file(&self, image: &Image) -> Result<usize, LazyError> {
+        image.file("vm.mem").map(|f| f.0).ok_or_else(|| LazyError::Invalid("no vm.mem".into()))
+    }
+}
+
+/// Prepare the sample's layout image through [`LayoutFront`] and serve it on a socket in
+/// `dir`, as `snapctl lazy oci:DIR/layout:t` does.
+fn prepare_and_serve(dir: &std::path::Path, opts: impl FnOnce(&mut LazyOptions)) -> (Running, bool) {
+    let socket = dir.join(format!("uffd-{}.sock", rand::random::<u32>()));
+    let mut o = LazyOptions::new(socket.clone());
+    o.ready_file = Some(dir.join("ready"));
+    let _ = std::fs::remove_file(dir.join("ready"));
+    opts(&mut o);
+    let reference: imgfmt::reference::Reference = format!("oci:{}:t", dir.join("layout").display()).parse().unwrap();
+    let prepared = wake::prepare(&LayoutFront, &reference, o, false).unwrap();
+    let file = prepared.image.file("vm.mem").unwrap().0;
+    let woken = prepared.serve(file, None).unwrap();
+    let (daemon, coming) = (woken.daemon.clone(), woken.replay_coming);
+    let (tx, rx) = mpsc::channel();
+    let tx = Mutex::new(tx);
+    let d = daemon.clone();
+    let thread = std::thread::spawn(move || {
+        let _woken = woken;
+        d.run(Arc::new(move |r: &ConnReport| tx.lock().unwrap().send(r.clone()).unwrap()))
+    });
+    wait_for("the daemon ready", || dir.join("ready").exists());
+    (Running { daemon, socket, reports: rx, thread: Some(thread) }, coming)
+}
+
+#[test]
+fn a_prepared_image_is_served_by_a_front_end_that_is_not_the_cli() {
+    let (dir, mem, _, _) = sample_image(24);
+    let Some(guest) = Guest::new(&[(mem.len(), 0)]) else { return };
+    let (run, coming) = prepare_and_serve(dir.path(), |o| o.prefetch = PrefetchMode::None);
+    assert!(!coming, "no trace to read");
+    let sock = guest.connect(&run.socket);
+    assert!(guest.region(0) == &mem[..], "every page as the snapshot holds it");
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).expect("a report");
+    assert_eq!((rep.verify_failures, rep.poisoned_pages), (0, 0));
+    assert!(rep.slice_fetches > 0, "first misses served by slice: the outboards' tables were read before the socket: {rep:?}");
+}
+
+#[test]
+fn a_prepared_image_with_a_recorded_working_set_listens_first_and_replays_it() {
+    let (dir, mem, image) = distinct_image(24);
+    if Guest::new(&[(4096, 0)]).is_none() {
+        return;
+    }
+    let pages = scattered_pages();
+    let t = record_working_set(dir.path(), &mem, &image, &pages, true);
+    let data = pages.iter().filter(|&&p| data_page(p)).count() as u64;
+    assert_eq!(t.working_set.len() as u64, data);
+
+    let guest = Guest::new(&[(mem.len(), 0)]).unwrap();
+    let (run, coming) = prepare_and_serve(dir.path(), |o| o.stream_after = None);
+    assert!(coming, "the trace is read once the socket is bound");
+    let sock = guest.connect(&run.socket);
+    wait_for("the working set installed", || metric(&run.daemon, "snapctl_lazy_working_set_slices_total") == data);
+    for &p in &pages {
+        assert_eq!(guest.region(0)[p * 4096..(p + 1) * 4096], mem[p * 4096..(p + 1) * 4096], "page {p}");
+    }
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).expect("a report");
+    assert_eq!(rep.working_set_slices, data, "{rep:?}");
+    assert!(rep.working_set_s.is_some() && rep.trace_digest.is_some(), "{rep:?}");
+    assert_eq!((rep.verify_failures, rep.poisoned_pages), (0, 0));
+}

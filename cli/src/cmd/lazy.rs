@@ -1,19 +1,21 @@
 //! `snapctl lazy`: the userfaultfd page-fault server for restoring VMs (spec/lazy.md).
 
+mod criu;
+mod front;
+mod stop;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Context as _};
+use anyhow::Context as _;
 use imgfmt::reference::Reference;
-use imgfmt::{OciLayout, Role};
-use lazy::criu::{CriuDaemon, CriuReport};
-use lazy::{ConnReport, Daemon, LayoutTraces, LazyOptions, LoadedAhead, PrefetchMode, RegistryTraces, RetryPolicy, TraceStore};
+use lazy::wake::{self, Front as _};
+use lazy::{ConnReport, LazyOptions, PrefetchMode, RetryPolicy};
 
-use super::common::{self, open_image};
-use super::policy::{LayoutStore, RegistryStore};
+use super::common;
 
 /// Serve a restoring VM's memory page faults from the image's verified chunks.
 ///
@@ -214,129 +216,56 @@ fn parse_share(s: &str) -> Result<f64, String> {
 /// (listening, each connection, traces stored) and every library's warnings.
 pub const DEFAULT_LOG: &str = "warn,lazy=info";
 
-/// Connections the faults' client opens while the image is being opened: one per vCPU of a
-/// small guest, and the pacing's probe.
-const WARM_FAULT_CONNECTIONS: usize = 3;
-/// The same for the stream's and the replay's client (the pacing keeps about two requests
-/// of it in flight).
-const WARM_BACKGROUND_CONNECTIONS: usize = 2;
-
-/// The same for the client reading the image's metadata: beside the manifest's own
-/// connection (the config's next), one each for the index, the outboard's entries and the
-/// trace lookup, all read at once. One fewer and the last of them waits for a new
-/// connection: a round trip more before the socket is bound.
-const WARM_METADATA_CONNECTIONS: usize = 3;
-
-/// Open `n` connections of `client` (and answer the registry's challenge, if it has one)
-/// while the image's metadata is read on another client: without it the guest's first
-/// faults paid a connection's set-up (a round trip, more with TLS) on top of their own
-/// round trip. `GET /v2/`, each on a thread of its own so they overlap; a failure is left
-/// to the first real request to report.
-fn warm_up(client: &Arc<regclient::RegistrySource>, n: usize) {
-    for _ in 0..n {
-        let c = client.clone();
-        let _ = std::thread::Builder::new().name("lazy-warm-up".into()).spawn(move || {
-            let _ = c.check_login();
-        });
-    }
-}
-
-/// The clients chunk reads go through, each opening its connections at once: the faults'
-/// and the background's (the stream and the working-set replay), so a fault's small
-/// response is never read behind the stream's megabytes. Neither retries on its own: the
-/// daemon retries chunk reads with backoff inside --retry-budget and counts every retry.
-fn chunk_clients_for(host: &str, repository: &str) -> anyhow::Result<(Arc<dyn imgfmt::BlobSource>, Arc<dyn imgfmt::BlobSource>)> {
-    let client = |warm: usize| -> anyhow::Result<Arc<regclient::RegistrySource>> {
-        let mut c = common::registry_client(host, repository, false)?;
-        c.set_retry_policy(lazy::RetryPolicy::never());
-        let c = Arc::new(c);
-        warm_up(&c, warm);
-        Ok(c)
-    };
-    Ok((client(WARM_FAULT_CONNECTIONS)?, client(WARM_BACKGROUND_CONNECTIONS)?))
-}
-
 pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
-    // Registry references get a client of their own so traces can be pushed as referrers
-    // through it; layouts keep traces under the fallback tag.
-    let mut chunk_clients = None;
-    let mut lease_client = None;
-    let metadata_source: Arc<dyn imgfmt::BlobSource>;
-    let sig_store: Box<dyn sign::Store>;
-    let (mut o, traces): (common::Opened, Option<Box<dyn TraceStore>>) = match a.image.parse::<Reference>()? {
-        Reference::Layout { path, selector } => {
-            let o = common::Opened {
-                source: Box::new(OciLayout::open(&path).with_context(|| format!("opening {}", a.image))?),
-                selector,
-                reference: a.image.clone(),
-            };
-            sig_store = Box::new(LayoutStore(OciLayout::open(&path).with_context(|| format!("opening {}", a.image))?));
-            metadata_source = Arc::new(OciLayout::open(&path).with_context(|| format!("opening {}", a.image))?);
-            (o, Some(Box::new(LayoutTraces(OciLayout::open(&path).with_context(|| format!("opening {}", path.display()))?))))
-        }
-        Reference::Registry { host, repository, selector } => {
-            let src = Arc::new(common::registry_client(&host, &repository, false)?);
-            // The config, index and outboards are read at once after the manifest.
-            warm_up(&src, WARM_METADATA_CONNECTIONS);
-            chunk_clients = Some(chunk_clients_for(&host, &repository)?);
-            sig_store = Box::new(RegistryStore(src.clone()));
-            metadata_source = src.clone();
-            lease_client = Some(src.clone());
-            let o = common::Opened { source: Box::new(src.clone()), selector, reference: a.image.clone() };
-            (o, Some(Box::new(RegistryTraces::new(src))))
-        }
-    };
-    // The policy decides before the socket exists: its signature reads overlap reading
-    // the image's metadata, and no runtime's handshake is accepted for a refused image.
     let r: Reference = a.image.parse()?;
-    // Resolved once, here, so finding the image's trace (a registry's referrers: round
-    // trips of their own) goes on beside reading the image's metadata.
-    let digest = common::resolve(&o)?;
-    o.selector = imgfmt::reference::Selector::Digest(digest.clone());
-    // Held until the daemon ends cleanly (then released): the registry keeps the image
-    // through its gc meanwhile, if it honours leases.
-    let _lease = lease_client.map(|c| lazy::Lease::take(c, digest.clone()));
-    let (image, outboards, maybe_trace) = std::thread::scope(|s| {
-        let looking = traces.as_deref().filter(|_| a.prefetch != PrefetchMode::None).map(|t| s.spawn(|| t.prepare(&digest)));
-        let opened = open_gated(&a, &r, sig_store.as_ref(), &mut o, &metadata_source);
-        let maybe_trace = looking.is_some_and(|h| h.join().unwrap_or(true));
-        opened.map(|(image, outboards)| (image, outboards, maybe_trace))
-    })?;
-    let image = Arc::new(image);
-    let mut traces = traces;
-    // A replay listens at once, as a restore that only serves faults does: its outboards
-    // and trace are read after the socket is bound, and its working set replayed when they
-    // are in (the guest's first faults are served meanwhile).
-    let mut replay_later = None;
-    if let Some(pending) = outboards {
-        // A recording restore keeps the working set by slice from the first fault, and a
-        // CRIU restore pushes its pages by slice: they wait for the outboards. A restore
-        // that only serves faults listens at once, and its faults fetch whole chunks until
-        // the outboards are in.
-        if maybe_trace && !a.record_trace && a.criu_workdir.is_none() && traces.is_some() {
-            replay_later = Some((pending, traces.take().expect("checked")));
-        } else if maybe_trace && a.criu_workdir.is_none() && traces.is_some() {
-            // A recording restore that found a trace (its chunk order leads the stream).
-            let file = memory_file(&a, &image)?;
-            traces = Some(Box::new(outboards_beside_trace(pending, &image, traces.take().expect("checked"), file)));
-        } else if a.record_trace || maybe_trace || a.criu_workdir.is_some() {
-            finish_outboards(pending, &image);
-        } else if image.slices_on_demand() {
-            // Every outboard's entries are in: a fault reads its chunk's CVs beside its
-            // slice, and the whole blobs never cross the link.
-            drop(pending);
-        } else {
-            let i = image.clone();
-            std::thread::Builder::new().name("lazy-outboards".into()).spawn(move || finish_outboards(pending, &i)).context("spawning a thread")?;
-        }
+    let cli = front::Cli { image: &a.image, reference: &r, file: a.file.as_deref(), policy: &a.policy };
+    let prepared = wake::prepare(&cli, &r, options(&a), a.criu_workdir.is_some())?;
+    let store = chunk_store(&a)?;
+    if let Some(workdir) = &a.criu_workdir {
+        let f = criu::CriuFlags { image: &a.image, workdir: workdir.clone(), prepare: a.criu_prepare, metrics: a.metrics.as_deref(), json: a.json };
+        return criu::run(f, prepared, store);
     }
-    let store: Option<Arc<dyn lazy::ChunkStore>> = if a.no_cache {
-        None
-    } else {
-        let dir = a.cache.clone().unwrap_or_else(puller::ChunkCache::default_dir);
-        let limit = a.cache_size.unwrap_or(puller::cache::DEFAULT_LIMIT);
-        Some(Arc::new(puller::ChunkCache::open(&dir, limit).with_context(|| format!("opening the chunk cache {}", dir.display()))?))
+    let file = cli.memory_file(&prepared.image)?;
+    let image = prepared.image.clone();
+    let woken = prepared.serve(file, store)?;
+    let daemon = woken.daemon.clone();
+    let trace = match (daemon.has_trace(), woken.replay_coming, a.prefetch) {
+        (_, _, PrefetchMode::None) => "",
+        (true, _, _) => ", with a recorded prefetch trace",
+        (false, true, _) => ", reading its prefetch trace (replayed once read and checked)",
+        (false, false, _) => "",
     };
+    let f = &image.files[file];
+    eprintln!("snapctl lazy: serving {} of {} ({}){trace}", f.name, a.image, imgfmt::size::human(f.size));
+    if let Some(addr) = &a.metrics {
+        let bound = daemon.serve_metrics(addr)?;
+        eprintln!("snapctl lazy: metrics on http://{bound}/metrics");
+    }
+    let d2 = daemon.clone();
+    stop::on_terminate(move || {
+        eprintln!(
+            "snapctl lazy: stopping: no new connections; waiting for the {} being served to end (a guest whose handler goes away reads untouched memory as zeros); signal again to exit now",
+            d2.active()
+        );
+        d2.drain();
+    })?;
+    let failed = Arc::new(AtomicBool::new(false));
+    daemon.run(on_report(a.json, failed.clone()))?;
+    Ok(common::code(if failed.load(Ordering::Relaxed) { common::EXIT_FAILED } else { common::EXIT_OK }))
+}
+
+/// The chunk cache the flags name, if any.
+fn chunk_store(a: &LazyArgs) -> anyhow::Result<Option<Arc<dyn lazy::ChunkStore>>> {
+    if a.no_cache {
+        return Ok(None);
+    }
+    let dir = a.cache.clone().unwrap_or_else(puller::ChunkCache::default_dir);
+    let limit = a.cache_size.unwrap_or(puller::cache::DEFAULT_LIMIT);
+    Ok(Some(Arc::new(puller::ChunkCache::open(&dir, limit).with_context(|| format!("opening the chunk cache {}", dir.display()))?)))
+}
+
+/// The daemon's options as the flags say.
+fn options(a: &LazyArgs) -> LazyOptions {
     let mut opts = LazyOptions::new(a.socket.clone().unwrap_or_default());
     opts.prefetch = a.prefetch;
     opts.prefetch_rate = a.prefetch_rate;
@@ -351,250 +280,21 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     opts.ready_file = a.ready_file.clone();
     opts.allow_uids = a.allow_uid.clone();
     opts.allow_gids = a.allow_gid.clone();
-    let (src, background_source): (Arc<dyn imgfmt::BlobSource>, _) = match chunk_clients {
-        Some((faults, background)) => (faults, Some(background)),
-        None => (Arc::from(o.source), None),
-    };
-    if let Some(workdir) = &a.criu_workdir {
-        return run_criu(&a, image, src, store, workdir.clone(), opts);
-    }
-    let file = memory_file(&a, &image)?;
-    let daemon = Daemon::new(image.clone(), file, src, store, traces, opts)?;
-    if let Some(bg) = background_source {
-        daemon.set_background_source(bg);
-    }
-    let replay_coming = replay_later.is_some();
-    if let Some((pending, store)) = replay_later {
-        daemon.expect_replay();
-        let (d, i) = (daemon.clone(), image.clone());
-        std::thread::Builder::new()
-            .name("lazy-trace".into())
-            .spawn(move || d.set_replay(&outboards_beside_trace(pending, &i, store, file)))
-            .context("spawning a thread")?;
-    }
-    eprintln!(
-        "snapctl lazy: serving {} of {} ({}){}",
-        image.files[file].name,
-        a.image,
-        imgfmt::size::human(image.files[file].size),
-        match (daemon.has_trace(), replay_coming, a.prefetch) {
-            (_, _, PrefetchMode::None) => "",
-            (true, _, _) => ", with a recorded prefetch trace",
-            (false, true, _) => ", reading its prefetch trace (replayed once read and checked)",
-            (false, false, _) => "",
-        }
-    );
-    if let Some(addr) = &a.metrics {
-        let bound = daemon.serve_metrics(addr)?;
-        eprintln!("snapctl lazy: metrics on http://{bound}/metrics");
-    }
-    let d2 = daemon.clone();
-    on_terminate(move || {
-        eprintln!(
-            "snapctl lazy: stopping: no new connections; waiting for the {} being served to end (a guest whose handler goes away reads untouched memory as zeros); signal again to exit now",
-            d2.active()
-        );
-        d2.drain();
-    })?;
-    let failed = Arc::new(AtomicBool::new(false));
-    let (json, f2) = (a.json, failed.clone());
-    daemon.run(Arc::new(move |r: &ConnReport| {
+    opts
+}
+
+/// Each finished connection's summary on stderr (and with --json on stdout); `failed` is
+/// set when a chunk failed verification.
+fn on_report(json: bool, failed: Arc<AtomicBool>) -> Arc<dyn Fn(&ConnReport) + Send + Sync> {
+    Arc::new(move |r: &ConnReport| {
         if r.integrity_failed() {
-            f2.store(true, Ordering::Relaxed);
+            failed.store(true, Ordering::Relaxed);
         }
-        eprintln!(
-            "snapctl lazy: pid {} done ({}): {} faults ({} zero, {} cache, {} fetched, {} present), {} fetched, latency p50 {}us p99 {}us max {}us, {} retries, {} verify failures, {} pages poisoned, {:.2}s",
-            r.pid,
-            r.ended,
-            r.faults.total,
-            r.faults.zero,
-            r.faults.cache_hit,
-            r.faults.fetched,
-            r.faults.present,
-            imgfmt::size::human(r.bytes_fetched),
-            r.latency_us.p50,
-            r.latency_us.p99,
-            r.latency_us.max,
-            r.retries,
-            r.verify_failures,
-            r.poisoned_pages,
-            r.seconds
-        );
+        eprintln!("snapctl lazy: {}", r.summary());
         if json {
             // A page server keeps serving when its report reader has gone: a guest
             // still faulting must not lose its handler over a closed pipe.
             let _ = common::print_json_line(r);
         }
-    }))?;
-    Ok(common::code(if failed.load(Ordering::Relaxed) { common::EXIT_FAILED } else { common::EXIT_OK }))
-}
-
-/// The file to serve: `--file`, else the image's one file with role memory.
-fn memory_file(a: &LazyArgs, image: &imgfmt::Image) -> anyhow::Result<usize> {
-    Ok(match &a.file {
-        Some(name) => image.file(name).with_context(|| format!("{}: no file named {name:?}", a.image))?.0,
-        None => {
-            let mem: Vec<usize> = image.files.iter().enumerate().filter(|(_, f)| f.role == Role::Memory).map(|(i, _)| i).collect();
-            match mem.as_slice() {
-                [i] => *i,
-                [] => bail!("{}: no file has role memory; name one with --file", a.image),
-                _ => bail!("{}: several memory files; name one with --file", a.image),
-            }
-        }
     })
-}
-
-/// The image `o` names, once the policy accepts it (its signature reads overlap the
-/// image's). Outboards let a fault fetch a verified slice instead of its whole chunk, a
-/// recording restore keep the guest's working set by slice, and a later restore check that
-/// working set slice by slice before installing it; their reads begin with the config's
-/// and index's (through `src`, `o`'s source) and end after this returns.
-fn open_gated(
-    a: &LazyArgs,
-    r: &Reference,
-    store: &dyn sign::Store,
-    o: &mut common::Opened,
-    src: &Arc<dyn imgfmt::BlobSource>,
-) -> anyhow::Result<(imgfmt::Image, Option<imgfmt::PendingOutboards>)> {
-    if !(a.slice_faults || a.record_trace || a.prefetch != PrefetchMode::None) {
-        return a.policy.gate(r, store, o, open_image).map(|image| (image, None));
-    }
-    // A recording or CRIU restore wants every chunk's slice CVs at once: the whole blobs,
-    // read beside the config and index. A restore serving faults reads only the
-    // outboards' entries, and a chunk's CVs when it first faults (spec/lazy.md "Waking").
-    let ahead = if a.record_trace || a.criu_workdir.is_some() { imgfmt::OutboardsAhead::Whole } else { imgfmt::OutboardsAhead::Tables };
-    let (image, pending) = a.policy.gate(r, store, o, |o| common::open_image_outboards_later(src.clone(), o, ahead))?;
-    Ok((image, Some(pending)))
-}
-
-/// Put the outboards in place once they are in, and meanwhile read file `file`'s trace from
-/// `store`: the trace's own round trips (its manifest, its JSON, whether its working set is
-/// there) need nothing of the outboards, so they overlap the outboards' bytes.
-fn outboards_beside_trace(pending: imgfmt::PendingOutboards, image: &imgfmt::Image, store: Box<dyn TraceStore>, file: usize) -> LoadedAhead {
-    std::thread::scope(|s| {
-        let reading = s.spawn(|| finish_outboards(pending, image));
-        let ahead = LoadedAhead::read(store, image, file);
-        let _ = reading.join();
-        ahead
-    })
-}
-
-/// Put the outboards in place once they are in. Without them (an old image, a blob that
-/// will not load) faults fetch whole chunks and traces are chunk orders only.
-fn finish_outboards(pending: imgfmt::PendingOutboards, image: &imgfmt::Image) {
-    if let Err(e) = pending.finish(image) {
-        eprintln!("snapctl lazy: warning: {e}; faults fetch whole chunks, and no working set is recorded or replayed");
-    }
-}
-
-/// `--criu-workdir`: one `criu restore --lazy-pages`, every task it restores.
-fn run_criu(
-    a: &LazyArgs,
-    image: Arc<imgfmt::Image>,
-    src: Arc<dyn imgfmt::BlobSource>,
-    store: Option<Arc<dyn lazy::ChunkStore>>,
-    workdir: PathBuf,
-    opts: LazyOptions,
-) -> anyhow::Result<ExitCode> {
-    if image.config().kind != imgfmt::Kind::Criu {
-        eprintln!("snapctl lazy: warning: {} is a {} image, not criu", a.image, image.config().kind);
-    }
-    let daemon = CriuDaemon::new(image, src, store, workdir.clone(), opts);
-    if let Some(addr) = &a.metrics {
-        let bound = daemon.serve_metrics(addr)?;
-        eprintln!("snapctl lazy: metrics on http://{bound}/metrics");
-    }
-    let prepared = if a.criu_prepare {
-        let t0 = std::time::Instant::now();
-        std::fs::create_dir_all(&workdir).with_context(|| format!("creating {}", workdir.display()))?;
-        let p = daemon.prepare_workdir().with_context(|| format!("preparing {} for criu restore --lazy-pages", workdir.display()))?;
-        eprintln!(
-            "snapctl lazy: criu: wrote {} files ({}) into {} in {:.2}s; {} of lazy pages left to serve",
-            p.paths.len(),
-            imgfmt::size::human(p.bytes_written),
-            workdir.display(),
-            t0.elapsed().as_secs_f64(),
-            imgfmt::size::human(p.lazy_bytes_left)
-        );
-        Some(p)
-    } else {
-        None
-    };
-    let d2 = daemon.clone();
-    on_terminate(move || {
-        eprintln!("snapctl lazy: criu: stopping once the restore being served (if any) is done; signal again to exit now (its tasks would then read untouched memory as zeros)");
-        d2.drain();
-    })?;
-    let result = serve_criu(a, &daemon);
-    if let Some(p) = &prepared {
-        daemon.remove_prepared(p);
-    }
-    result
-}
-
-/// On the first SIGTERM or SIGINT, `drain` (from a thread of its own); on a second, exit at
-/// once with status 2. Stopping a page server while a guest still faults would let the
-/// kernel zero-fill that guest's untouched memory, so the first signal only stops taking
-/// new work.
-fn on_terminate(drain: impl Fn() + Send + 'static) -> anyhow::Result<()> {
-    let hit = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-        // Registered first, so it sees the flag as it was before this signal set it.
-        signal_hook::flag::register_conditional_shutdown(sig, common::EXIT_ERROR as i32, hit.clone()).context("installing a signal handler")?;
-        signal_hook::flag::register(sig, hit.clone()).context("installing a signal handler")?;
-    }
-    std::thread::Builder::new()
-        .name("lazy-signals".into())
-        .spawn(move || {
-            while !hit.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            drain();
-        })
-        .context("spawning the signal thread")?;
-    Ok(())
-}
-
-/// Serve the restore; the exit code from the tasks' reports.
-fn serve_criu(a: &LazyArgs, daemon: &Arc<CriuDaemon>) -> anyhow::Result<ExitCode> {
-    let (failed, errored) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
-    let (json, f2, e2) = (a.json, failed.clone(), errored.clone());
-    daemon.run(Arc::new(move |r: &CriuReport| {
-        let c = &r.conn;
-        if c.integrity_failed() {
-            f2.store(true, Ordering::Relaxed);
-        }
-        if r.error.is_some() {
-            e2.store(true, Ordering::Relaxed);
-        }
-        eprintln!(
-            "snapctl lazy: criu: pid {} done ({}): {} faults ({} zero, {} cache, {} fetched, {} present), {} fetched, {} pushed, latency p50 {}us p99 {}us, {} verify failures, {} pages poisoned{}",
-            c.pid,
-            c.ended,
-            c.faults.total,
-            c.faults.zero,
-            c.faults.cache_hit,
-            c.faults.fetched,
-            c.faults.present,
-            imgfmt::size::human(c.bytes_fetched),
-            imgfmt::size::human(c.prefetched_bytes),
-            c.latency_us.p50,
-            c.latency_us.p99,
-            c.verify_failures,
-            c.poisoned_pages,
-            r.error.as_deref().map(|e| format!("; ERROR: {e}")).unwrap_or_default()
-        );
-        if json {
-            // A page server keeps serving when its report reader has gone: a guest
-            // still faulting must not lose its handler over a closed pipe.
-            let _ = common::print_json_line(r);
-        }
-    }))?;
-    Ok(common::code(if errored.load(Ordering::Relaxed) {
-        common::EXIT_ERROR
-    } else if failed.load(Ordering::Relaxed) {
-        common::EXIT_FAILED
-    } else {
-        common::EXIT_OK
-    }))
 }
