@@ -10,6 +10,7 @@ pub mod generate;
 pub mod inspect;
 pub mod lazy;
 pub mod login;
+pub mod mount;
 pub mod pack;
 pub mod policy;
 pub mod pull;
