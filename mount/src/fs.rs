@@ -88,6 +88,11 @@ impl Shared {
         }
     }
 
+    /// Files open now (an mmap keeps its file open until unmapped).
+    pub fn open_handles(&self) -> usize {
+        self.handles.lock().expect("poisoned").len()
+    }
+
     pub(crate) fn tree(&self) -> std::sync::RwLockReadGuard<'_, Tree> {
         self.tree.read().unwrap_or_else(|p| p.into_inner())
     }

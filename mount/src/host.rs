@@ -272,11 +272,12 @@ impl Host {
             .collect()
     }
 
-    /// Whether the daemon goes on: DIRs are shown (or none was added yet), and the host
-    /// mount has not been unmounted under it.
+    /// Whether the daemon goes on: DIRs are shown, files are open (a DIR detached with
+    /// files open), or none was added yet; and the host mount has not been unmounted under it.
     pub fn running(&self) -> bool {
         let session_alive = self.session.lock().expect("poisoned").as_ref().is_some_and(|s| !s.guard.is_finished());
-        session_alive && (!self.added_any.load(Relaxed) || !self.binds.lock().expect("poisoned").is_empty())
+        let in_use = !self.added_any.load(Relaxed) || !self.binds.lock().expect("poisoned").is_empty() || self.shared.open_handles() > 0;
+        session_alive && in_use
     }
 
     /// Block until the daemon ends ([`Host::running`]), then unmount the host file system

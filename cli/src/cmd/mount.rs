@@ -132,8 +132,8 @@ fn prefetch_name(m: PrefetchMode) -> &'static str {
 pub const DEFAULT_LOG: &str = "warn,mount=info";
 
 pub fn run(a: MountArgs) -> anyhow::Result<ExitCode> {
-    let dir = mount::target::check_dir(&a.dir)?;
     mount::target::check_host()?;
+    let dir = mount::target::check_dir(&a.dir)?;
     let (o, image) = a.policy.open_image(&a.image, false)?;
     if image.files.is_empty() {
         anyhow::bail!("{}: the image has no files: nothing to mount", common::printable(&a.image));

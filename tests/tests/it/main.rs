@@ -16,6 +16,7 @@ mod host;
 mod lazy;
 mod lazy_criu;
 mod lazy_huge;
+mod mount;
 mod netem;
 mod operator;
 mod pull;
