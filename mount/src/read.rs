@@ -138,3 +138,63 @@ fn read_map(served: &Served, file: usize, base_file: usize, offset: u64, out: &m
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+    use std::sync::Arc;
+
+    use imgfmt::{BlobSource, Image, OciLayout, RetryPolicy};
+
+    use super::*;
+    use crate::{Fetcher, Served};
+
+    fn open(layout: &OciLayout, tag: &str) -> Image {
+        Image::open(layout, &layout.resolve_tag(tag).unwrap()).unwrap()
+    }
+
+    /// spec/mount.md §4's worked example: a 16 MiB base and a clone that rewrote pages 1,
+    /// 2 and 700.
+    #[test]
+    fn the_clone_layout_matches_the_spec_worked_example() {
+        let t = tempfile::tempdir().unwrap();
+        let (base_dir, clone_dir) = (t.path().join("base"), t.path().join("clone"));
+        std::fs::create_dir_all(&base_dir).unwrap();
+        let mut mem = vec![0u8; 16 << 20];
+        for (i, b) in mem.iter_mut().enumerate() {
+            *b = (i * 7 + i / 4096) as u8;
+        }
+        std::fs::write(base_dir.join("vm.mem"), &mem).unwrap();
+        std::fs::create_dir_all(&clone_dir).unwrap();
+        std::fs::write(clone_dir.join("vm.mem"), &mem).unwrap();
+        let f = std::fs::OpenOptions::new().write(true).open(clone_dir.join("vm.mem")).unwrap();
+        for p in [1u64, 2, 700] {
+            f.write_all_at(&[0xee; 4096], p * 4096).unwrap();
+        }
+        let layout = OciLayout::open_or_create(t.path().join("l")).unwrap();
+        pusher::pack(&base_dir, &layout, "base", &Default::default()).unwrap();
+        let base = pusher::Related { source: &layout, image: open(&layout, "base"), reference: "base".into() };
+        pusher::pack(&clone_dir, &layout, "clone", &pusher::PackOptions { base: Some(base), ..Default::default() }).unwrap();
+
+        let src: Arc<dyn BlobSource> = Arc::new(OciLayout::open(t.path().join("l")).unwrap());
+        let fetcher = |i: Image| -> Arc<dyn ChunkSource> { Arc::new(Fetcher::new(Arc::new(i), src.clone(), None, RetryPolicy::never(), 64 << 20)) };
+        let served = Served {
+            name: "clone".into(),
+            reference: "clone".into(),
+            chunks: fetcher(open(&layout, "clone")),
+            base: Some(fetcher(open(&layout, "base"))),
+            counters: Default::default(),
+            added: std::time::Instant::now(),
+        };
+        let map = read(&served, Content::PageMap { file: 0, base_file: 0 }, 512, 0, 4096, Need::Read).unwrap();
+        assert_eq!(map.len(), 512);
+        let set: Vec<(usize, u8)> = map.iter().copied().enumerate().filter(|(_, b)| *b != 0).collect();
+        assert_eq!(set, vec![(0, 0x06), (87, 0x10)]);
+        assert_eq!(served.chunks.counters().fetched_chunks.load(std::sync::atomic::Ordering::Relaxed), 2, "chunks 0 and 2 only");
+
+        let pages = read(&served, Content::Pages { file: 0, base_file: 0 }, 16 << 20, 0, 3 << 20, Need::Read).unwrap();
+        let own = |r: std::ops::Range<usize>| pages[r].iter().all(|&b| b == 0xee);
+        assert!(own(4096..12288) && own(2867200..2871296));
+        assert!(pages[..4096].iter().chain(&pages[12288..2867200]).chain(&pages[2871296..]).all(|&b| b == 0), "zeros elsewhere");
+    }
+}
