@@ -295,7 +295,7 @@ impl ChunkSource for Fetcher {
     fn fill(&self, file: usize, chunk: u64) -> Result<(), ChunkFailure> {
         let rec = self.image.files[file].chunks[chunk as usize];
         let cached = |s: &Arc<ChunkCache>| s.contains_unverified(self.image.config().hash, &rec.digest);
-        if rec.at == StoredAt::Zero || self.store.as_ref().is_none_or(|s| cached(s)) {
+        if rec.at == StoredAt::Zero || self.store.as_ref().is_none_or(cached) {
             return Ok(());
         }
         self.counters.filled_chunks.fetch_add(1, Relaxed);
