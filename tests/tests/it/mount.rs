@@ -587,3 +587,57 @@ fn each_bad_input_is_one_line_and_exit_2_and_leaves_nothing_mounted() {
     let r = run(Command::new("unshare").args(["--mount", "--propagation", "private", "sh", "-c", &script]).env("SNAPCTL_MOUNT_HOST", place.host()));
     check(&r, 2, "no /dev/fuse on this host");
 }
+
+/// gVisor: trixie's runsc (2024, the split checkpoint format) restores a checkpoint whose
+/// directory is a snapctl mount, and the restored program continues its count with its
+/// heap intact (as the pull round trip in runsc.rs checks).
+#[test]
+fn runsc_2024_restores_from_a_mounted_checkpoint_and_the_counter_continues() {
+    use crate::runsc::{bundle, skip, Runsc};
+    use snapctl_tests::counter::{self, ticks, wait_for_count};
+    if !mount_usable() || !snapctl_tests::have("gcc") {
+        return;
+    }
+    let bin = std::env::var_os("SNAPCTL_RUNSC_SPLIT").map(PathBuf::from).unwrap_or_else(|| "/opt/snapctl-runsc/runsc".into());
+    if !bin.is_file() {
+        return skip(&format!("no runsc 2024 at {} (run `bash scripts/install-trixie.sh runsc`, or set SNAPCTL_RUNSC_SPLIT)", bin.display()));
+    }
+    let place = Place::new();
+    let t = place.path();
+    let counter = match counter::build(t) {
+        Ok(c) => c,
+        Err(e) => return skip(&e),
+    };
+    let (bundle_a, out_a) = (t.join("a/bundle"), t.join("a/out"));
+    bundle(&bin, &bundle_a, &counter, &out_a);
+    let mut host_a = Runsc { bin: bin.clone(), root: t.join("a/runsc"), ids: vec![] };
+    let id_a = format!("snapctl-mount-a-{}", std::process::id());
+    let r = host_a.start(&id_a, &["run", "-detach", "--bundle", bundle_a.to_str().unwrap(), &id_a]);
+    if r.code != 0 {
+        return skip(&format!("runsc run failed (ptrace platform unavailable?): {}", r.stderr.trim()));
+    }
+    wait_for_count(&out_a.join("progress"), 5, "before checkpoint");
+    let ckpt = t.join("a/ckpt");
+    fs::create_dir_all(&ckpt).unwrap();
+    let r = run(host_a.cmd().args(["checkpoint", "--compression=none", "--exclude-committed-zero-pages", "--image-path"]).arg(&ckpt).arg(&id_a));
+    assert_eq!(r.code, 0, "runsc checkpoint: {}", r.stderr);
+    let at_checkpoint = ticks(&out_a.join("progress")).last().cloned().expect("ticks before checkpoint");
+    let r = run(host_a.cmd().args(["delete", "-force", &id_a]));
+    assert_eq!(r.code, 0, "runsc delete: {}", r.stderr);
+    let image = pack(&place, &ckpt, "v1", &["--kind", "gvisor"]);
+    fs::remove_dir_all(&ckpt).unwrap();
+
+    let dir = place.dir("restore");
+    let mut m = Mounted::start(&place, &image, &dir, &[]);
+    let (bundle_b, out_b) = (t.join("b/bundle"), t.join("b/out"));
+    bundle(&bin, &bundle_b, &counter, &out_b);
+    let mut host_b = Runsc { bin, root: t.join("b/runsc"), ids: vec![] };
+    let id_b = format!("snapctl-mount-b-{}", std::process::id());
+    let r = host_b.start(&id_b, &["restore", "-detach", "--image-path", dir.to_str().unwrap(), "--bundle", bundle_b.to_str().unwrap(), &id_b]);
+    assert_eq!(r.code, 0, "runsc restore from the mount: {}\n{}", r.stderr, m.log_text());
+    counter::assert_continued(&out_b.join("progress"), 0, &at_checkpoint, "restored from the mount");
+    drop(host_b);
+    let (r, code, report) = m.umount(&place);
+    assert_eq!((r.code, code), (0, 0), "{r:?} {}", m.log_text());
+    assert_eq!(n(&report, "read_failures"), 0, "{report}");
+}
