@@ -23,19 +23,21 @@ use crate::Served;
 /// How long the fill waits at a time while readers are being answered.
 const YIELD: Duration = Duration::from_millis(50);
 
-/// The fill's order: `(file, chunk)` of every stored chunk, the trace's first.
-pub fn order(image: &Image, mode: PrefetchMode, trace: Option<(usize, &Trace)>) -> Vec<(usize, u64)> {
+/// The fill's order: `(file, chunk)` of every stored chunk, the trace's first; and how
+/// many came from the trace.
+pub fn order(image: &Image, mode: PrefetchMode, trace: Option<(usize, &Trace)>) -> (Vec<(usize, u64)>, usize) {
     if mode == PrefetchMode::None {
-        return Vec::new();
+        return (Vec::new(), 0);
     }
     let mut seen: Vec<Vec<bool>> = image.files.iter().map(|f| vec![false; f.chunks.len()]).collect();
     let mut out = Vec::new();
-    if let Some((file, t)) = trace {
+    if let Some((file, t)) = trace.filter(|_| mode == PrefetchMode::Trace) {
         for c in lazy::prefetch::prefetch_order(PrefetchMode::Trace, Some(t), image, file) {
             seen[file][c as usize] = true;
             out.push((file, c));
         }
     }
+    let traced = out.len();
     for (f, file) in image.files.iter().enumerate() {
         for (c, ch) in file.chunks.iter().enumerate() {
             if !seen[f][c] && ch.at != StoredAt::Zero {
@@ -43,7 +45,7 @@ pub fn order(image: &Image, mode: PrefetchMode, trace: Option<(usize, &Trace)>) 
             }
         }
     }
-    out
+    (out, traced)
 }
 
 /// Fill the cache with `order`'s chunks of `served` until done or `stop`, yielding while

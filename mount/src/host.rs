@@ -201,7 +201,10 @@ impl Host {
         self.binds.lock().expect("poisoned").insert(dir.clone(), Bind { name: name.clone(), served: served.clone() });
         self.added_any.store(true, Relaxed);
         if fresh {
-            let order = fill::order(&o.image, o.prefetch, o.trace.as_ref().map(|(f, t)| (*f, t)));
+            let (order, traced) = fill::order(&o.image, o.prefetch, o.trace.as_ref().map(|(f, t)| (*f, t)));
+            if !order.is_empty() {
+                tracing::info!("{name}: filling the chunk cache: {} chunks, {traced} of them first from its trace", order.len());
+            }
             fill::spawn(served, order, self.shared.active_reads.clone(), self.stop_fill.clone());
         }
         tracing::info!("{} ({}) shown in {}", name, o.reference, dir.display());

@@ -351,7 +351,26 @@ fn opened(source: Arc<dyn imgfmt::BlobSource>, image: Arc<Image>, reference: Str
             None
         }
     });
-    Opened { reference, image, source, base, prefetch, trace: None }
+    let trace = if prefetch == PrefetchMode::Trace { memory_trace(&reference, &image) } else { None };
+    Opened { reference, image, source, base, prefetch, trace }
+}
+
+/// The recorded trace of the image's memory file (its one file of role memory), for the
+/// fill's order; none when there is no such file or trace, or it cannot be read (logged).
+fn memory_trace(reference: &str, image: &Image) -> Option<(usize, lazy::Trace)> {
+    let mut memory = image.files.iter().enumerate().filter(|(_, f)| f.role == imgfmt::Role::Memory);
+    let (file, _) = memory.next().filter(|_| memory.next().is_none())?;
+    let store: Box<dyn lazy::TraceStore> = match reference.parse::<Reference>().ok()? {
+        Reference::Layout { path, .. } => Box::new(lazy::LayoutTraces(imgfmt::OciLayout::open(&path).ok()?)),
+        Reference::Registry { host, repository, .. } => Box::new(lazy::RegistryTraces::new(Arc::new(common::registry_client(&host, &repository, false).ok()?))),
+    };
+    match store.load(image, file) {
+        Ok(t) => t.map(|t| (file, t)),
+        Err(e) => {
+            tracing::warn!("{reference}: ignoring its trace: {e}");
+            None
+        }
+    }
 }
 
 /// Opens the references later `snapctl mount`s send to this daemon (their policy was

@@ -641,3 +641,28 @@ fn runsc_2024_restores_from_a_mounted_checkpoint_and_the_counter_continues() {
     assert_eq!((r.code, code), (0, 0), "{r:?} {}", m.log_text());
     assert_eq!(n(&report, "read_failures"), 0, "{report}");
 }
+
+/// `--prefetch trace`: the fill takes the memory file's recorded trace first (a trace a
+/// lazy restore recorded in a registry), and the files read right.
+#[test]
+fn the_fill_takes_the_recorded_trace_first() {
+    if !mount_usable() || !snapctl_tests::uffd_usable() {
+        return;
+    }
+    let rec = crate::lazy::recorded_in_a_registry("9", &[]);
+    let place = Place::new();
+    let dir = place.dir("d");
+    let mut m = Mounted::start(&place, &rec.image, &dir, &["--prefetch", "trace"]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !m.log_text().contains("fill done") {
+        assert!(Instant::now() < deadline, "no fill: {}", m.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = m.log_text();
+    let traced: u64 = log.split(" of them first from its trace").next().and_then(|s| s.rsplit(' ').next()).and_then(|n| n.parse().ok()).unwrap_or(0);
+    assert!(traced > 0, "the trace leads the fill: {log}");
+    assert!(fs::read(dir.join("vm.mem")).unwrap() == fs::read(&rec.mem).unwrap());
+    let (_, code, report) = m.umount(&place);
+    assert_eq!(code, 0);
+    assert!(n(&report, "filled_chunks") > 0 && n(&report, "read_failures") == 0, "{report}");
+}
