@@ -666,3 +666,42 @@ fn the_fill_takes_the_recorded_trace_first() {
     assert_eq!(code, 0);
     assert!(n(&report, "filled_chunks") > 0 && n(&report, "read_failures") == 0, "{report}");
 }
+
+/// `--daemon` returns once DIR shows the image; SIGTERM to a foreground mount unmounts DIR
+/// only once its open file is closed.
+#[test]
+fn daemon_returns_once_mounted_and_sigterm_waits_for_open_files() {
+    if !mount_usable() {
+        return;
+    }
+    let place = Place::new();
+    let snap = place.path().join("snap");
+    assert_eq!(run(snapctl().arg("sample").arg(&snap).args(["--size", "4MiB", "--seed", "12"])).code, 0);
+    let image = pack(&place, &snap, "v1", &[]);
+    let dir = place.dir("d");
+    let r = run(place.snapctl().args(["mount", &image]).arg(&dir).arg("--cache").arg(place.cache()).arg("--daemon"));
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(mounted_at(&dir).is_some(), "DIR shows the image when --daemon returns");
+    assert!(fs::read(dir.join("vm.mem")).unwrap() == fs::read(snap.join("vm.mem")).unwrap());
+    let r = run(place.snapctl().args(["umount", "--json"]).arg(&dir));
+    assert_eq!(r.code, 0, "{r:?}");
+    let report: Value = serde_json::from_str(r.stdout.trim()).unwrap();
+    assert_eq!(n(&report, "read_failures"), 0, "{report}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !mounts_under(place.path()).is_empty() {
+        assert!(Instant::now() < deadline, "the daemon did not end with its last DIR: {:?}", mounts_under(place.path()));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    let mut m = Mounted::start(&place, &image, &dir, &[]);
+    let f = fs::File::open(dir.join("vm.state")).unwrap();
+    // SAFETY: kill sends a signal to our own child; no memory is involved.
+    assert_eq!(unsafe { libc::kill(m.child.id() as i32, libc::SIGTERM) }, 0);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(m.child.try_wait().unwrap().is_none() && mounted_at(&dir).is_some(), "a file is open: DIR stays");
+    drop(f);
+    let (code, report) = m.finish(Duration::from_secs(20));
+    assert_eq!(code, 0, "{}", m.log_text());
+    assert_eq!(report["dir"], dir.to_str().unwrap(), "{report}");
+    assert!(mounts_under(place.path()).is_empty());
+}
