@@ -15,8 +15,8 @@ fuzz_target!(|data: &[u8]| {
         let again = manifest::decode(&m.encode()).expect("an accepted manifest re-encodes");
         assert_eq!(again, m);
         // Appending a signature keeps the layers already there.
-        let (_, appended) = manifest::tag_manifest(Some(&m), manifest::signature_layer(b"p", b"s"));
-        if let Ok(a) = manifest::decode(&appended) {
+        if let Ok(Some(appended)) = manifest::tag_manifest(Some(&m), [manifest::signature_layer(b"p", b"s")]) {
+            let a = manifest::decode(&appended.manifest).expect("a merge is within the bounds readers apply");
             assert_eq!(&a.layers[..m.layers.len()], &m.layers[..]);
         }
     }

@@ -24,7 +24,7 @@ pub enum Target<'a> {
 }
 
 impl Target<'_> {
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             Target::Registry(r) => r.describe(),
             Target::Layout(l) => l.describe(),
@@ -121,6 +121,8 @@ pub enum CopyError {
     Unsupported(String),
     /// blob {digest}: the manifest says {manifest} bytes, the source has {actual}
     SizeMismatch { digest: OciDigest, manifest: u64, actual: u64 },
+    /// {store}: cannot add the copied signatures to tag {tag}, not replacing it (its signatures would be lost): {reason}
+    SignatureTag { store: String, tag: String, reason: String },
 }
 
 impl CopyError {

@@ -6,7 +6,9 @@
 //!     (referrers API, else the fallback              else added to the fallback index
 //!      index tagged sha256-<hex>)                    (distribution 2.8 has no API)
 //!   tags named after the subject      ──copy──►  the same tag (digests are kept, so the
-//!     (cosign: sha256-<hex>.sig/.att/.sbom)          name still matches the subject)
+//!     (cosign: sha256-<hex>.sig/.att/.sbom)          name still matches the subject); a .sig
+//!                                                    the destination has gets the source's
+//!                                                    signatures added, none of its own lost
 //!   and what is attached to those (a signature of an SBOM), a few levels deep
 //! ```
 //!
@@ -171,6 +173,14 @@ pub fn copy_attached(origin: &Origin, subject: &OciDigest, target: &Target, opts
     let mut carried = Vec::new();
     let mut to_index: BTreeMap<OciDigest, Vec<Descriptor>> = BTreeMap::new();
     for a in found {
+        let merged = match a.tag.as_deref() {
+            Some(t) if t.ends_with(".sig") => merge_signature_tag(origin.source(), &a.digest, t, target, &quiet)?,
+            _ => false,
+        };
+        if merged {
+            carried.push(a);
+            continue;
+        }
         match copy_after(origin.source(), &a.digest, target, a.tag.as_deref(), &quiet, &[]) {
             Ok(_) => {}
             Err(CopyError::Unsupported(why)) => {
@@ -197,4 +207,53 @@ pub fn copy_attached(origin: &Origin, subject: &OciDigest, target: &Target, opts
         }
     }
     Ok(carried)
+}
+
+/// The manifest tagged `tag` at `target` (unverified: a tag names no digest), if any.
+fn tagged_at(target: &Target, tag: &str) -> Result<Option<Vec<u8>>, CopyError> {
+    let limit = sign::manifest::MAX_SIGNATURE_MANIFEST_BYTES;
+    Ok(match target {
+        Target::Registry(r) => r.get_manifest(tag, limit)?,
+        Target::Layout(l) => match l.resolve_tag(tag) {
+            Ok(d) => Some(read_verified_blob(*l, &d, limit)?),
+            Err(FormatError::TagNotFound { .. }) => None,
+            Err(e) => return Err(e.into()),
+        },
+    })
+}
+
+/// A cosign signature tag (`sha256-<hex>.sig`) that `target` holds already, for another
+/// manifest than `digest` at `src`: the source's signature layers are added to the
+/// destination's with the same merge `snapctl sign` uses, so the signers the destination
+/// had keep their signatures (a copy never drops one). Returns false when there is
+/// nothing to merge with (the tag is absent there, or names this very manifest): the
+/// caller copies the tag as it is.
+fn merge_signature_tag(src: &dyn BlobSource, digest: &OciDigest, tag: &str, target: &Target, opts: &CopyOptions) -> Result<bool, CopyError> {
+    let Some(theirs) = tagged_at(target, tag)? else { return Ok(false) };
+    if &OciDigest::of(&theirs) == digest {
+        return Ok(false);
+    }
+    let refuse = |reason: String| CopyError::SignatureTag { store: target.describe(), tag: tag.into(), reason };
+    let theirs = sign::manifest::decode(&theirs).map_err(|e| refuse(format!("the destination's is malformed ({e}); delete the tag to replace it")))?;
+    let (ours, _) = crate::copy::manifest_blobs(src, digest)?;
+    let ours = sign::manifest::decode(&ours).map_err(|e| refuse(format!("the source's is malformed ({e})")))?;
+    let Some(merged) = sign::manifest::tag_manifest(Some(&theirs), ours.layers.iter().cloned()).map_err(|e| refuse(e.to_string()))? else {
+        return Ok(true);
+    };
+    for l in &ours.layers {
+        crate::copy::send_blob(src, l, target, opts)?;
+    }
+    match target {
+        Target::Registry(r) => {
+            r.push_small_blob(&merged.config)?;
+            r.put_manifest(tag, &merged.manifest)?;
+        }
+        Target::Layout(l) => {
+            l.put_blob(&merged.config)?;
+            let d = l.put_blob(&merged.manifest)?;
+            l.set_tag(tag, Descriptor::new(media::OCI_MANIFEST, d, merged.manifest.len() as u64))?;
+        }
+    }
+    tracing::info!(%tag, store = %target.describe(), had = theirs.layers.len(), "copied signatures added to the destination's");
+    Ok(true)
 }

@@ -361,6 +361,8 @@ pub enum SignError {
     Store { store: String, source: FormatError },
     /// {store}: the signature manifest at tag {tag} is malformed ({reason}); not replacing it (other signers' signatures would be lost): delete the tag first
     ExistingMalformed { store: String, tag: String, reason: String },
+    /// {store}: the signature manifest at tag {tag} cannot take another signature: {reason}
+    Full { store: String, tag: String, reason: crate::manifest::ManifestError },
     /// signing: {0}
     Key(#[from] crate::key::KeyError),
 }
@@ -428,13 +430,19 @@ pub fn sign(
         }
     };
     store.put_blob(&payload).map_err(serr)?;
-    let tag_signatures = if already_signed {
-        existing.as_ref().map_or(0, |m| m.layers.iter().filter(|l| l.media_type == SIMPLE_SIGNING_TYPE).count())
+    let count = |m: &imgfmt::Manifest| m.layers.iter().filter(|l| l.media_type == SIMPLE_SIGNING_TYPE).count();
+    let merged = if already_signed {
+        None
     } else {
-        let (config, bytes) = manifest::tag_manifest(existing.as_ref(), layer.clone());
-        store.put_blob(&config).map_err(serr)?;
-        store.put_tagged_manifest(&tag, &bytes).map_err(serr)?;
-        manifest::decode(&bytes).map(|m| m.layers.iter().filter(|l| l.media_type == SIMPLE_SIGNING_TYPE).count()).unwrap_or(0)
+        manifest::tag_manifest(existing.as_ref(), [layer.clone()]).map_err(|reason| SignError::Full { store: store.describe(), tag: tag.clone(), reason })?
+    };
+    let tag_signatures = match merged {
+        None => existing.as_ref().map_or(0, count),
+        Some(t) => {
+            store.put_blob(&t.config).map_err(serr)?;
+            store.put_tagged_manifest(&tag, &t.manifest).map_err(serr)?;
+            manifest::decode(&t.manifest).map(|m| count(&m)).unwrap_or(0)
+        }
     };
     let mut referrer_digest = None;
     if referrer {

@@ -68,7 +68,7 @@ mod spec_example {
         assert!(public.verify(&payload.encode(), &key.sign(&payload.encode()).unwrap()), "a fresh signature verifies too");
         let layer = crate::manifest::signature_layer(&payload.encode(), &sig);
         assert_eq!(serde_json::to_string(&layer).unwrap(), v("layer"));
-        let (config, manifest) = crate::manifest::tag_manifest(None, layer.clone());
+        let crate::manifest::TagManifest { config, manifest } = crate::manifest::tag_manifest(None, [layer.clone()]).unwrap().expect("a first signature");
         assert_eq!(String::from_utf8(config).unwrap(), v("tag-config"));
         assert_eq!(String::from_utf8(manifest.clone()).unwrap(), v("tag-manifest"));
         assert_eq!(imgfmt::OciDigest::of(&manifest).to_string(), v("tag-manifest-digest"));

@@ -12,7 +12,8 @@
 //!          annotations {"dev.cosignproject.cosign/signature": base64 of the ASN.1 ECDSA signature}
 //! ```
 //!
-//! A new signature is appended to the layers already there (other signers keep theirs).
+//! A new signature is appended to the layers already there (other signers keep theirs),
+//! by `sign` and by `copy` alike ([`tag_manifest`]).
 //!
 //! **Referrer** (cosign's `--registry-referrers-mode=oci-1-1`): an OCI image manifest with
 //! `subject` naming the image and `artifactType`
@@ -127,11 +128,27 @@ pub fn tag_config(layers: &[Descriptor]) -> Vec<u8> {
     serde_json::to_vec(&c).expect("serializes")
 }
 
-/// A tag-scheme manifest: `existing` (if any) with `layer` appended, and its config.
-/// Returns (config bytes, manifest bytes).
-pub fn tag_manifest(existing: Option<&Manifest>, layer: Descriptor) -> (Vec<u8>, Vec<u8>) {
+/// A tag-scheme manifest: `existing` (if any) with each of `add` appended that it does not
+/// hold yet (the same payload with the same signature), and its config. This is the one
+/// way signatures are added to a tag, by `sign` (one new layer) and by `copy` (the
+/// source's layers into the destination's): other signers keep theirs. Returns the
+/// manifest and its config, or `None` when nothing is new (the tag stays as it is);
+/// a result over [`MAX_SIGNATURE_LAYERS`] or [`MAX_SIGNATURE_MANIFEST_BYTES`] is refused,
+/// since no reader would read it.
+pub fn tag_manifest(existing: Option<&Manifest>, add: impl IntoIterator<Item = Descriptor>) -> Result<Option<TagManifest>, ManifestError> {
     let mut layers = existing.map(|m| m.layers.clone()).unwrap_or_default();
-    layers.push(layer);
+    let before = layers.len();
+    for l in add {
+        if !layers.iter().any(|h| same_signature(h, &l)) {
+            layers.push(l);
+        }
+    }
+    if existing.is_some() && layers.len() == before {
+        return Ok(None);
+    }
+    if layers.len() > MAX_SIGNATURE_LAYERS {
+        return Err(ManifestError::TooManyLayers { got: layers.len(), limit: MAX_SIGNATURE_LAYERS });
+    }
     let config = tag_config(&layers);
     let m = Manifest {
         schema_version: 2,
@@ -142,7 +159,24 @@ pub fn tag_manifest(existing: Option<&Manifest>, layer: Descriptor) -> (Vec<u8>,
         subject: None,
         annotations: existing.map(|m| m.annotations.clone()).unwrap_or_default(),
     };
-    (config, m.encode())
+    let bytes = m.encode();
+    if bytes.len() as u64 > MAX_SIGNATURE_MANIFEST_BYTES {
+        return Err(ManifestError::TooLarge { got: bytes.len() as u64, limit: MAX_SIGNATURE_MANIFEST_BYTES });
+    }
+    Ok(Some(TagManifest { config, manifest: bytes }))
+}
+
+/// A tag-scheme manifest's bytes and its config's, as [`tag_manifest`] builds them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TagManifest {
+    pub config: Vec<u8>,
+    pub manifest: Vec<u8>,
+}
+
+/// Two layers carry the same signature: the same payload and the same signature value.
+/// (The payload alone is not enough: two keys may sign identical payloads.)
+fn same_signature(a: &Descriptor, b: &Descriptor) -> bool {
+    a.digest == b.digest && a.annotations.get(SIGNATURE_ANNOTATION) == b.annotations.get(SIGNATURE_ANNOTATION)
 }
 
 /// A referrer manifest for one signature of `subject`. Returns the manifest's bytes (its
@@ -167,9 +201,9 @@ mod tests {
     #[test]
     fn appending_keeps_other_signers_layers() {
         let a = signature_layer(b"pa", b"sa");
-        let (_, first) = tag_manifest(None, a.clone());
+        let first = tag_manifest(None, [a.clone()]).unwrap().unwrap().manifest;
         let m = decode(&first).unwrap();
-        let (config, second) = tag_manifest(Some(&m), signature_layer(b"pb", b"sb"));
+        let TagManifest { config, manifest: second } = tag_manifest(Some(&m), [signature_layer(b"pb", b"sb")]).unwrap().unwrap();
         let m2 = decode(&second).unwrap();
         assert_eq!(m2.layers.len(), 2);
         assert_eq!(m2.layers[0], a);
@@ -184,9 +218,23 @@ mod tests {
     }
 
     #[test]
+    fn merging_another_manifests_layers_keeps_both_and_adds_each_signature_once() {
+        let (a, b, c) = (signature_layer(b"pa", b"sa"), signature_layer(b"pb", b"sb"), signature_layer(b"pa", b"other key"));
+        let ours = decode(&tag_manifest(None, [a.clone(), b.clone()]).unwrap().unwrap().manifest).unwrap();
+        // The same payload signed by another key is another signature.
+        let merged = tag_manifest(Some(&ours), [b.clone(), c.clone(), a.clone()]).unwrap().unwrap().manifest;
+        assert_eq!(decode(&merged).unwrap().layers, vec![a.clone(), b.clone(), c]);
+        // Nothing new: the tag is left as it is.
+        assert!(tag_manifest(Some(&ours), [a, b]).unwrap().is_none());
+        // A merge no reader would read is refused.
+        let full = decode(&tag_manifest(None, (0..MAX_SIGNATURE_LAYERS).map(|i| signature_layer(&[i as u8], b"s"))).unwrap().unwrap().manifest).unwrap();
+        assert!(matches!(tag_manifest(Some(&full), [signature_layer(b"one more", b"s")]), Err(ManifestError::TooManyLayers { .. })));
+    }
+
+    #[test]
     fn bounds_are_refused_before_anything_is_fetched() {
         let many: Vec<Descriptor> = (0..MAX_SIGNATURE_LAYERS + 1).map(|i| signature_layer(&[i as u8], b"s")).collect();
-        let mut m = decode(&tag_manifest(None, many[0].clone()).1).unwrap();
+        let mut m = decode(&tag_manifest(None, [many[0].clone()]).unwrap().unwrap().manifest).unwrap();
         m.layers = many;
         assert!(matches!(decode(&m.encode()), Err(ManifestError::TooManyLayers { .. })));
         m.layers.truncate(1);

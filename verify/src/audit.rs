@@ -126,7 +126,7 @@ impl Default for AuditOptions {
 
 /// Failures an audit lists; more are counted in [`AuditReport::failures_unlisted`]. A
 /// hostile image can make every one of its 4 M chunks fail, and a listed failure costs a
-/// few hundred bytes (issue 14): the first thousand say what is wrong as well.
+/// few hundred bytes: the first thousand say what is wrong as well.
 pub const MAX_LISTED_FAILURES: usize = 1000;
 
 #[derive(Debug, Default, Clone, Serialize)]
@@ -204,7 +204,8 @@ struct Work {
     at: u64,
     stored_len: u32,
     /// The codec's code and, for `zstd-ref`, its reference pack (kept apart: a `Codec` is
-    /// 8 bytes).
+    /// 8 bytes): an index into the image's pack table, or past its end into the
+    /// [`References`] an ancestor's replaced chunk reads that the image does not list.
     codec: u8,
     ref_pack: u32,
     len: u32,
@@ -263,10 +264,11 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
             format!("manifest annotation {} = {}, config root {}", media::ANN_ROOT, ann.map(String::as_str).unwrap_or(""), image.config().root),
         ));
     }
-    let mut work = audit_links(src, image, report)?;
+    let (mut work, refs) = audit_links(src, image, report)?;
     let bad_packs = audit_pack_sizes(src, image, report);
-    work.retain(|w| !bad_packs.contains(&w.pack));
-    let (found, bytes) = audit_chunks(src, image, &work, &bad_packs, opts);
+    let absent = refs.absent(src, image.packs.len());
+    work.retain(|w| !bad_packs.contains(&w.pack) && !(Codec::from_code(w.codec, w.ref_pack).and_then(Codec::ref_pack).is_some_and(|rp| absent.contains(&rp))));
+    let (found, bytes) = audit_chunks(src, image, &work, &refs, &bad_packs, opts);
     for f in found.list {
         report.push_failure(f);
     }
@@ -276,9 +278,43 @@ fn audit_one(src: &dyn BlobSource, image: &Image, opts: &AuditOptions, report: &
     Ok(())
 }
 
+/// Reference packs of an ancestor's replaced `zstd-ref` chunks that the image's pack table
+/// does not hold (the image does not read them, so its manifest need not list them),
+/// numbered after the image's packs.
+#[derive(Default)]
+struct References(Vec<PackRef>);
+
+impl References {
+    /// The index [`Work::ref_pack`] holds for reference pack `p` of an ancestor's own table:
+    /// its index in the image's table, else one past it in this list.
+    fn index(&mut self, image: &Image, p: &PackRef) -> u32 {
+        image.pack_index(&p.digest).unwrap_or_else(|| {
+            let i = self.0.iter().position(|q| q.digest == p.digest).unwrap_or_else(|| {
+                self.0.push(p.clone());
+                self.0.len() - 1
+            });
+            (image.packs.len() + i) as u32
+        })
+    }
+
+    /// The pack a [`Work::ref_pack`] names.
+    fn get<'a>(&'a self, image: &'a Image, rp: u32) -> Option<&'a PackRef> {
+        let rp = rp as usize;
+        image.packs.get(rp).or_else(|| self.0.get(rp.checked_sub(image.packs.len())?))
+    }
+
+    /// Indexes (as [`Self::index`] gives them) of the listed packs `src` does not have: the
+    /// chunks that read them are not checked (nothing of the image's is there).
+    fn absent(&self, src: &dyn BlobSource, own: usize) -> HashSet<u32> {
+        let absent = |p: &PackRef| matches!(src.blob_size(&p.digest), Err(e) if e.kind() == imgfmt::ErrorKind::NotFound);
+        self.0.iter().enumerate().filter(|(_, p)| absent(p)).map(|(i, _)| (own + i) as u32).collect()
+    }
+}
+
 /// Roots of every link of the chain, the references between links and each link's
-/// outboard, checked into `report`; returns each distinct stored range to check once.
-fn audit_links(src: &dyn BlobSource, image: &Image, report: &mut AuditReport) -> Result<Vec<Work>, FormatError> {
+/// outboard, checked into `report`; returns each distinct stored range to check once, and
+/// the reference packs that are not the image's.
+fn audit_links(src: &dyn BlobSource, image: &Image, report: &mut AuditReport) -> Result<(Vec<Work>, References), FormatError> {
     let algo = image.config().hash;
     let shift = image.chunk_shift();
     // Each distinct stored range once, kept sorted and deduplicated after each link: an
@@ -287,6 +323,7 @@ fn audit_links(src: &dyn BlobSource, image: &Image, report: &mut AuditReport) ->
     // order, names it.
     let stored = image.files.iter().flat_map(|f| &f.chunks).filter(|c| matches!(c.at, StoredAt::Pack { .. })).count();
     let mut work: Vec<Work> = Vec::with_capacity(stored);
+    let mut refs = References::default();
     // Read before the loop over links, several at a time (a round trip each).
     let mut outboards = image.read_outboards(src).into_iter().map(|r| r.map_err(|e| e.to_string()).transpose());
     // The base's outboard (owner `base`), which holds the slice CVs of the base's chunks
@@ -313,6 +350,8 @@ fn audit_links(src: &dyn BlobSource, image: &Image, report: &mut AuditReport) ->
         };
         // Ancestors' packs in the image's table (or not part of the image: u32::MAX).
         let global: Vec<u32> = packs.iter().map(|p| image.pack_index(&p.digest).unwrap_or(u32::MAX)).collect();
+        // The link's packs as `zstd-ref` references, looked up once each when first read.
+        let mut as_ref: Vec<Option<u32>> = vec![None; packs.len()];
         let who = if k == 0 { "image".to_string() } else { format!("ancestor {k} (config {})", link.config_digest) };
         audit_link_roots(image, k, &files, &who, report);
         audit_outboard(link, outboards.next().flatten(), base_ob.as_ref(), &who, shift, report);
@@ -347,7 +386,9 @@ fn audit_links(src: &dyn BlobSource, image: &Image, report: &mut AuditReport) ->
                             at: offset,
                             stored_len,
                             codec: codec.code(),
-                            ref_pack: codec.ref_pack().map_or(0, |rp| global[rp as usize]),
+                            // Resolved in the link's own table: the reference of a chunk the
+                            // image replaced need not be in the image's.
+                            ref_pack: codec.ref_pack().map_or(0, |rp| *as_ref[rp as usize].get_or_insert_with(|| refs.index(image, &packs[rp as usize]))),
                             len: c.len,
                             digest: c.digest,
                             link: k as u8,
@@ -361,7 +402,7 @@ fn audit_links(src: &dyn BlobSource, image: &Image, report: &mut AuditReport) ->
         work.sort_unstable_by_key(|w| (w.key(), w.link, w.file, w.chunk));
         work.dedup_by_key(|w| w.key());
     }
-    Ok(work)
+    Ok((work, refs))
 }
 
 /// Link `k`'s file roots and content root recomputed from `files` (its resolution) and
@@ -425,7 +466,7 @@ fn audit_pack_sizes(src: &dyn BlobSource, image: &Image, report: &mut AuditRepor
 /// Every stored range of `work` read (neighbours in one range request, `opts.in_flight`
 /// at once) and checked against its digest (and with `--blob-digests`, every pack not in `bad_packs` re-hashed whole
 /// beside them). Returns the failures, sorted, and the stored bytes checked.
-fn audit_chunks(src: &dyn BlobSource, image: &Image, work: &[Work], bad_packs: &HashSet<u32>, opts: &AuditOptions) -> (Found, u64) {
+fn audit_chunks(src: &dyn BlobSource, image: &Image, work: &[Work], refs: &References, bad_packs: &HashSet<u32>, opts: &AuditOptions) -> (Found, u64) {
     let algo = image.config().hash;
     let shift = image.chunk_shift();
     let name = |w: &Work| image.chain[w.link as usize].config.files[w.file as usize].name.clone();
@@ -471,9 +512,8 @@ fn audit_chunks(src: &dyn BlobSource, image: &Image, work: &[Work], bad_packs: &
                 bytes.fetch_add(w.stored_len as u64, Ordering::Relaxed);
                 let codec = Codec::from_code(w.codec, w.ref_pack).expect("a decoded codec");
                 let reference = match codec.ref_pack() {
-                    Some(rp) => match image
-                        .packs
-                        .get(rp as usize)
+                    Some(rp) => match refs
+                        .get(image, rp)
                         .ok_or(crate::chunk::RefError::Corrupt("its reference pack is not one the image lists".into()))
                         .and_then(|p| crate::chunk::read_reference(src, algo, &p.digest, &stored))
                     {

@@ -23,7 +23,8 @@ use super::push::{transfer_then, TransferFlags};
 /// source's referrers API or fallback tag, and tags named after it (cosign's
 /// sha256-<hex>.sig, .att, .sbom), and what is attached to those. At a destination without
 /// the referrers API (distribution 2.8) the referrers are listed in the fallback index.
-/// `snapctl inspect` lists them.
+/// `snapctl inspect` lists them. A sha256-<hex>.sig the destination has already keeps its
+/// signatures: the source's are added to it, as `snapctl sign` adds one.
 ///
 /// Examples:
 ///   snapctl copy oci:./images:vm1 registry.example.com/vm/base:v1

@@ -7,8 +7,10 @@
 //! `$SNAPCTL_POLICY`), else `$HOME/.config/containers/policy.json`, else
 //! `/etc/containers/policy.json`. With none of them every image is accepted, as before
 //! signatures existed (skopeo and podman refuse to run without a policy file instead;
-//! snapctl keeps working for its users who have never written one). `--insecure-policy`
-//! ignores every file.
+//! snapctl keeps working for its users who have never written one). Only a file that is
+//! plainly not there counts as none: one that cannot be looked at (a dangling symlink, a
+//! symlink loop, a directory that may not be searched) is an error, never "accept".
+//! `--insecure-policy` ignores every file.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -29,7 +31,7 @@ pub struct PolicyFlags {
     /// `snapctl sign --help`). Checked before anything is written, cached or served;
     /// a refusal exits 1 naming the rule. [default: $SNAPCTL_POLICY, else
     /// ~/.config/containers/policy.json, else /etc/containers/policy.json; with none of
-    /// them every image is accepted]
+    /// them every image is accepted; one there that cannot be read is an error]
     #[arg(long, value_name = "FILE", env = "SNAPCTL_POLICY")]
     pub policy: Option<PathBuf>,
     /// Consult no policy file at all (skopeo's --insecure-policy).
@@ -47,10 +49,54 @@ impl std::fmt::Display for PolicyRefused {
 }
 impl std::error::Error for PolicyRefused {}
 
-/// Where the policy comes from when `--policy` is not given: containers tools' order.
-pub fn default_policy_path() -> Option<PathBuf> {
+/// Where the policy is looked for when `--policy` is not given, in containers tools' order.
+fn default_policy_candidates() -> Vec<PathBuf> {
     let user = std::env::var_os("HOME").map(|h| Path::new(&h).join(".config/containers/policy.json"));
-    user.into_iter().chain([PathBuf::from("/etc/containers/policy.json")]).find(|p| p.exists())
+    user.into_iter().chain([PathBuf::from("/etc/containers/policy.json")]).collect()
+}
+
+/// The first of `candidates` that exists. Only a file that is plainly not there (no such
+/// file or directory, with no dangling symlink on the way) means "look at the next one";
+/// a candidate that cannot be looked at (a dangling symlink, a symlink loop, a path
+/// component that is not a directory, a directory that may not be searched) is an error,
+/// never "no policy": a policy that cannot be read must not let every image through.
+pub fn find_policy(candidates: &[PathBuf]) -> anyhow::Result<Option<PathBuf>> {
+    for p in candidates {
+        match std::fs::metadata(p) {
+            Ok(_) => return Ok(Some(p.clone())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if let Some(link) = dangling_symlink(p) {
+                    let to = std::fs::read_link(&link).map(|t| t.display().to_string()).unwrap_or_else(|_| "?".into());
+                    anyhow::bail!(
+                        "policy {}: {} is a symlink to {to}, which does not exist; fix or remove the link, \
+                         or name a policy with --policy (--insecure-policy to consult none)",
+                        p.display(),
+                        link.display()
+                    );
+                }
+            }
+            Err(e) => anyhow::bail!(
+                "policy {}: cannot be read ({e}); make it readable or remove it, \
+                 or name a policy with --policy (--insecure-policy to consult none)",
+                p.display()
+            ),
+        }
+    }
+    Ok(None)
+}
+
+/// The first component of `p` (itself or a parent) that is a symlink to nothing, if any.
+fn dangling_symlink(p: &Path) -> Option<PathBuf> {
+    let mut prefixes: Vec<&Path> = p.ancestors().collect();
+    prefixes.reverse();
+    for prefix in prefixes {
+        match std::fs::symlink_metadata(prefix) {
+            Ok(m) if m.file_type().is_symlink() && std::fs::metadata(prefix).is_err() => return Some(prefix.into()),
+            Ok(_) => {}
+            Err(_) => return None,
+        }
+    }
+    None
 }
 
 impl PolicyFlags {
@@ -59,7 +105,11 @@ impl PolicyFlags {
         if self.insecure_policy {
             return Ok(None);
         }
-        let Some(path) = self.policy.clone().or_else(default_policy_path) else {
+        let found = match &self.policy {
+            Some(p) => Some(p.clone()),
+            None => find_policy(&default_policy_candidates())?,
+        };
+        let Some(path) = found else {
             tracing::debug!("no policy file: every image is accepted");
             return Ok(None);
         };
@@ -222,5 +272,67 @@ impl sign::Store for LayoutStore {
     }
     fn put_referrer(&self, _: &OciDigest, _: &[u8]) -> Result<bool, FormatError> {
         Ok(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two candidates in a scratch directory, as `$HOME`'s and `/etc`'s would be; the second
+    /// holds a policy, so "the first is absent" and "the first could not be read" differ.
+    fn candidates(dir: &Path) -> Vec<PathBuf> {
+        let system = dir.join("etc/containers/policy.json");
+        std::fs::create_dir_all(system.parent().unwrap()).unwrap();
+        std::fs::write(&system, r#"{"default":[{"type":"reject"}]}"#).unwrap();
+        vec![dir.join("home/.config/containers/policy.json"), system]
+    }
+
+    fn refused(c: &[PathBuf], says: &str) {
+        let e = find_policy(c).expect_err("a policy that cannot be read was taken as absent");
+        let m = format!("{e:#}");
+        assert!(m.contains(&c[0].display().to_string()) && m.contains(says) && m.contains("--policy"), "{m}");
+    }
+
+    #[test]
+    fn absent_candidates_are_skipped_and_none_at_all_is_no_policy() {
+        let d = tempfile::tempdir().unwrap();
+        let c = candidates(d.path());
+        assert_eq!(find_policy(&c).unwrap(), Some(c[1].clone()));
+        std::fs::remove_file(&c[1]).unwrap();
+        assert_eq!(find_policy(&c).unwrap(), None);
+    }
+
+    /// A dangling symlink (the file itself, or a directory on its path) is stat's ENOENT,
+    /// but it says a policy was meant to be there: an error, never the next candidate.
+    #[test]
+    fn regression_issue_35_a_dangling_symlink_policy_is_an_error_not_no_policy() {
+        let d = tempfile::tempdir().unwrap();
+        let c = candidates(d.path());
+        std::fs::create_dir_all(c[0].parent().unwrap()).unwrap();
+        std::os::unix::fs::symlink(d.path().join("gone.json"), &c[0]).unwrap();
+        refused(&c, "does not exist");
+        std::fs::remove_file(&c[0]).unwrap();
+        std::fs::remove_dir(c[0].parent().unwrap()).unwrap();
+        std::os::unix::fs::symlink(d.path().join("gone-dir"), c[0].parent().unwrap()).unwrap();
+        refused(&c, "does not exist");
+    }
+
+    /// A directory on the path that may not be searched is EACCES for a user; root searches
+    /// every directory, so the test uses what fails for root too: a path component that is
+    /// a regular file (ENOTDIR) and a symlink loop (ELOOP). All three are the same branch:
+    /// any stat error but ENOENT.
+    #[test]
+    fn regression_issue_35_a_policy_path_that_cannot_be_looked_at_is_an_error() {
+        let d = tempfile::tempdir().unwrap();
+        let c = candidates(d.path());
+        let containers = c[0].parent().unwrap();
+        std::fs::create_dir_all(containers.parent().unwrap()).unwrap();
+        std::fs::write(containers, b"not a directory").unwrap();
+        refused(&c, "cannot be read");
+        std::fs::remove_file(containers).unwrap();
+        std::fs::create_dir(containers).unwrap();
+        std::os::unix::fs::symlink(&c[0], &c[0]).unwrap();
+        refused(&c, "cannot be read");
     }
 }

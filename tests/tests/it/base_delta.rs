@@ -218,3 +218,56 @@ fn regression_issue_22_a_clone_lazy_restores_from_its_differences() {
     // The base's chunks were served by verified slices, their CVs from the base's outboard.
     assert!(n(rep, &["slice_bytes"]) > 0, "{rep}");
 }
+
+/// A layer over a clone that rewrote the clone's `zstd-ref` chunk (vm.mem chunk 2): that
+/// chunk is the clone's alone now, but its difference still sits in a pack the layer uses
+/// (beside the clone's other difference, vm.state chunk 0), and its reference is a base
+/// pack the layer does not list. The audit of the clone (an ancestor) finds that reference
+/// in the clone's own pack table, not in the layer's: verify exits 0, as unpack agrees. A
+/// damaged difference of the replaced chunk is still found and named; and where the
+/// reference pack is not in the store at all (the layer copied alone), there is nothing
+/// of the layer's to check there, and verify still exits 0.
+#[test]
+fn regression_issue_35_a_layer_rewriting_a_clones_delta_chunk_verifies() {
+    use imgfmt::BlobSource;
+    let fx = Fleet::new();
+    fx.pack_clone("clone", &[]);
+    let mut mem = fs::read(fx.clone.join("vm.mem")).unwrap();
+    mem[2 << 20..3 << 20].copy_from_slice(&noise(1 << 20, 11));
+    fs::write(fx.clone.join("vm.mem"), &mem).unwrap();
+    ok(&run(snapctl().arg("pack").arg(&fx.clone).arg(fx.tag("layer")).args(["--parent", &fx.tag("clone")])));
+
+    // The chain is the one described: the clone's chunk 2 is a zstd-ref in a pack the
+    // layer lists, against a base pack the layer does not list.
+    let layout = imgfmt::OciLayout::open(&fx.layout).unwrap();
+    let clone = imgfmt::Image::open(&layout, &layout.resolve_tag("clone").unwrap()).unwrap();
+    let layer = imgfmt::Image::open(&layout, &layout.resolve_tag("layer").unwrap()).unwrap();
+    let imgfmt::StoredAt::Pack { pack, offset, stored_len, codec } = clone.file("vm.mem").unwrap().1.chunks[2].at else { panic!("chunk 2 is stored") };
+    let (delta_pack, ref_pack) = (&clone.packs[pack as usize].digest, &clone.packs[codec.ref_pack().expect("a zstd-ref chunk") as usize].digest);
+    assert!(layer.pack_index(delta_pack).is_some(), "the layer still uses the clone's delta pack");
+    assert!(layer.pack_index(ref_pack).is_none(), "the layer does not list the replaced chunk's reference pack");
+    assert_ne!(layer.file("vm.mem").unwrap().1.chunks[2].digest, clone.file("vm.mem").unwrap().1.chunks[2].digest);
+
+    let r = run(snapctl().args(["verify", &fx.tag("layer")]));
+    assert_eq!(r.code, 0, "a valid layer over a clone is reported corrupt: {r:?}");
+    let out = fx.work.path().join("out-layer");
+    ok(&run(snapctl().args(["unpack", &fx.tag("layer")]).arg(&out)));
+    fx.assert_restored(&out);
+
+    // The layer alone in a registry (its manifest's blobs, not the base's chunk-2 pack).
+    let storage = tempfile::tempdir().unwrap();
+    let serve = Serve::start(storage.path().to_str().unwrap(), &[], &[]);
+    let remote = format!("{}/fleet/vm:layer", serve.addr);
+    ok(&run(snapctl().args(["copy", &fx.tag("layer"), &remote])));
+    let client = regclient::RegistrySource::new(&serve.addr, "fleet/vm", true, None).unwrap();
+    assert!(client.blob_size(ref_pack).is_err(), "the registry has the replaced chunk's reference pack: the case is not tested");
+    let r = run(snapctl().args(["verify", &remote]));
+    assert_eq!(r.code, 0, "{r:?}");
+
+    // The replaced chunk's difference damaged: found, naming the clone's file and chunk.
+    flip(&fx.layout, delta_pack, offset + stored_len as u64 - 3);
+    let r = run(snapctl().args(["verify", &fx.tag("layer")]));
+    assert_eq!(r.code, 1, "{r:?}");
+    assert!(r.stderr.contains("vm.mem: chunk 2 at offset 2097152"), "the failure names the chunk: {}", r.stderr);
+    ok(&run(snapctl().args(["unpack", &fx.tag("layer")]).arg(fx.work.path().join("out-damaged"))));
+}

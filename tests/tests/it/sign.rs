@@ -580,3 +580,104 @@ fn a_policy_named_but_missing_is_an_error() {
     let r = run(snapctl().args(["verify", &lay, "--policy", "/x", "--insecure-policy"]));
     assert_eq!(r.code, 2, "{r:?}");
 }
+
+/// The default policy fails closed: with no `--policy`, a `$HOME/.config/containers/policy.json`
+/// that is there but cannot be looked at is an error (exit 2, naming the file and what to
+/// do), never "no policy, accept everything". The cases are the ones that hold for root
+/// too (tests run as root, who may search any directory; a user's unsearchable directory
+/// is the same stat error path): a dangling symlink (the reject-everything policy it
+/// points at was moved away), a path component that is a regular file (ENOTDIR), and a
+/// symlink loop (ELOOP). The home candidate comes before `/etc`'s, so the machine's own
+/// `/etc/containers/policy.json` plays no part.
+#[test]
+fn regression_issue_35_an_unreadable_default_policy_refuses_instead_of_accepting() {
+    let dir = tempfile::tempdir().unwrap();
+    let home = dir.path().join("home");
+    let (snap, lay) = (dir.path().join("snap"), format!("oci:{}:v1", dir.path().join("lay").display()));
+    ok(&run(snapctl().arg("sample").arg(&snap).args(["--size", "1MiB"])));
+    ok(&run(snapctl().arg("pack").arg(&snap).arg(&lay)));
+    let containers = home.join(".config/containers");
+    let user_policy = containers.join("policy.json");
+    let unpack = |what: &str| {
+        let dest = dir.path().join(format!("dest-{what}"));
+        let r = run(snapctl().arg("unpack").arg(&lay).arg(&dest).env("HOME", &home).env_remove("SNAPCTL_POLICY"));
+        assert!(!dest.exists(), "{what}: unpack wrote {} before refusing", dest.display());
+        r
+    };
+    // What the link means to point at: a policy that rejects everything (refused, exit 1).
+    let shared = dir.path().join("shared");
+    std::fs::create_dir_all(&shared).unwrap();
+    std::fs::write(shared.join("policy.json"), r#"{"default":[{"type":"reject"}]}"#).unwrap();
+    std::fs::create_dir_all(&containers).unwrap();
+    std::os::unix::fs::symlink(shared.join("policy.json"), &user_policy).unwrap();
+    let r = unpack("linked");
+    assert!(r.code == 1 && r.stderr.contains("reject"), "{r:?}");
+    // The policy moved away: the link dangles.
+    std::fs::rename(&shared, dir.path().join("shared-moved")).unwrap();
+    let r = unpack("dangling");
+    assert!(r.code == 2 && r.stderr.contains(".config/containers/policy.json") && r.stderr.contains("does not exist"), "{r:?}");
+    assert!(r.stderr.contains("--policy"), "the error says what to do: {}", r.stderr);
+    // A symlink loop.
+    std::fs::remove_file(&user_policy).unwrap();
+    std::os::unix::fs::symlink(&user_policy, &user_policy).unwrap();
+    let r = unpack("loop");
+    assert!(r.code == 2 && r.stderr.contains(".config/containers/policy.json") && r.stderr.contains("cannot be read"), "{r:?}");
+    // A path component that is not a directory.
+    std::fs::remove_dir_all(&containers).unwrap();
+    std::fs::write(&containers, b"not a directory").unwrap();
+    let r = unpack("notdir");
+    assert!(r.code == 2 && r.stderr.contains(".config/containers/policy.json") && r.stderr.contains("cannot be read"), "{r:?}");
+    // --insecure-policy still consults nothing.
+    let dest = dir.path().join("dest-insecure");
+    ok(&run(snapctl().arg("unpack").arg(&lay).arg(&dest).arg("--insecure-policy").env("HOME", &home)));
+}
+
+/// `copy` adds the source's signatures to those the destination's `sha256-<hex>.sig`
+/// already holds (the merge `snapctl sign` uses), each once, instead of replacing the tag:
+/// the destination's own signer keeps its signature, so a destination policy requiring it
+/// still accepts the image, and cosign verifies every signer's key there. Signed in the
+/// tag scheme only (`--no-referrer`), so the tag is the only place a signature can be.
+#[test]
+fn regression_issue_35_copy_keeps_the_destinations_signatures() {
+    let w = World::new();
+    let (ka, pa) = w.key("a");
+    let (kb, pb) = w.key("b");
+    let (kc, pc) = w.key("c");
+    let digest = w.push("vm/src:v1");
+    let (src, dest) = (w.r("vm/src:v1"), w.r("vm/dest:v1"));
+    let layers = |repo: &str| -> usize {
+        let m = w.client(repo).get_manifest(&sig_tag(&digest), 1 << 20).unwrap().expect("a signature tag");
+        serde_json::from_slice::<serde_json::Value>(&m).unwrap()["layers"].as_array().unwrap().len()
+    };
+    ok(&w.sn(&["sign", &src, "--key", &ka, "--no-referrer"]));
+    ok(&w.sn(&["copy", &src, &dest]));
+    // The destination's own signer.
+    ok(&w.sn(&["sign", &dest, "--key", &kb, "--no-referrer"]));
+    assert_eq!(layers("vm/dest"), 2);
+    let policy = w.policy("dest.json", &format!("{}/vm/dest", w.serve.addr), &pb, None);
+    ok(&w.sn(&["verify", &dest, "--policy", &policy]));
+    // Copied again: nothing new from the source, nothing lost at the destination.
+    ok(&w.sn(&["copy", &src, &dest]));
+    assert_eq!(layers("vm/dest"), 2, "the copy replaced the destination's signatures");
+    ok(&w.sn(&["verify", &dest, "--policy", &policy]));
+    // The source gains a signer: the copy brings it beside the two already there.
+    ok(&w.sn(&["sign", &src, "--key", &kc, "--no-referrer"]));
+    ok(&w.sn(&["copy", &src, &dest]));
+    assert_eq!(layers("vm/dest"), 3);
+    ok(&w.sn(&["verify", &dest, "--policy", &policy]));
+    if cosign_available() {
+        for public in [&pa, &pb, &pc] {
+            ok(&cosign_verify(public, &dest, &[]));
+        }
+    }
+    // A layout destination the same way.
+    let lay = format!("oci:{}:v1", w.s("lay"));
+    ok(&w.sn(&["copy", &src, &lay]));
+    ok(&w.sn(&["sign", &lay, "--key", &kb, "--identity", "registry.example.com/vm/dest:v1"]));
+    ok(&w.sn(&["copy", &src, &lay]));
+    let layout = imgfmt::OciLayout::open(w.path("lay")).unwrap();
+    let sigd = imgfmt::BlobSource::resolve_tag(&layout, &sig_tag(&digest)).unwrap();
+    let m = imgfmt::source::read_verified_blob(&layout, &sigd, 1 << 20).unwrap();
+    let m: serde_json::Value = serde_json::from_slice(&m).unwrap();
+    assert_eq!(m["layers"].as_array().unwrap().len(), 3, "{m}");
+}
