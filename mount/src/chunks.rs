@@ -148,6 +148,9 @@ pub struct Fetcher {
     /// Chunks that failed verification twice: refused without another fetch.
     refused: Mutex<HashSet<ChunkDigest>>,
     counters: FetchCounters,
+    /// The image's chunks, pinned in the chunk cache for as long as the image is presented:
+    /// the kernel may drop its page cache and read again at any time.
+    _pin: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Drop for Fetcher {
@@ -183,6 +186,13 @@ impl Fetcher {
             }
             None => (None, None),
         };
+        let _pin = store.as_ref().and_then(|s| {
+            let algo = image.config().hash;
+            let mut chunks: Vec<_> = image.files.iter().flat_map(|f| &f.chunks).filter(|c| c.at != StoredAt::Zero).map(|c| (algo, c.digest)).collect();
+            chunks.sort_unstable_by_key(|(_, d)| *d);
+            chunks.dedup();
+            ChunkStore::pin(s.as_ref(), &format!("snapctl mount (pid {}) presenting {}", std::process::id(), image.manifest_digest), &chunks)
+        });
         Fetcher {
             image,
             src,
@@ -194,6 +204,7 @@ impl Fetcher {
             recent: Mutex::new(Recent { map: HashMap::new(), order: VecDeque::new(), bytes: 0, limit: memory_bytes }),
             refused: Mutex::new(HashSet::new()),
             counters: FetchCounters::default(),
+            _pin,
         }
     }
 

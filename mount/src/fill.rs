@@ -12,7 +12,7 @@
 //! ```
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use imgfmt::{Image, StoredAt};
@@ -48,22 +48,23 @@ pub fn order(image: &Image, mode: PrefetchMode, trace: Option<(usize, &Trace)>) 
     (out, traced)
 }
 
-/// Fill the cache with `order`'s chunks of `served` until done or `stop`, yielding while
+/// Fill the cache with `order`'s chunks of `served` until done, `stop`, or the image is
+/// no longer presented (nothing else holds it: its pin goes with it), yielding while
 /// `active` reads are being answered. A chunk that cannot be had is logged and skipped (a
 /// reader that needs it gets its own verdict).
-pub fn run(served: &Served, order: &[(usize, u64)], active: &AtomicU64, stop: &AtomicBool) {
+pub fn run(served: &Weak<Served>, order: &[(usize, u64)], active: &AtomicU64, stop: &AtomicBool) {
     for &(file, chunk) in order {
         while active.load(Relaxed) > 0 && !stop.load(Relaxed) {
             std::thread::sleep(YIELD);
         }
-        if stop.load(Relaxed) {
-            return;
-        }
+        let Some(served) = served.upgrade().filter(|_| !stop.load(Relaxed)) else { return };
         if let Err(e) = served.chunks.fill(file, chunk) {
             tracing::warn!("{}: fill: {e}", served.name);
         }
     }
-    tracing::info!("{}: fill done: {} chunks", served.name, order.len());
+    if let Some(served) = served.upgrade() {
+        tracing::info!("{}: fill done: {} chunks", served.name, order.len());
+    }
 }
 
 /// [`run`] on a thread of its own.
@@ -71,7 +72,7 @@ pub fn spawn(served: Arc<Served>, order: Vec<(usize, u64)>, active: Arc<AtomicU6
     if order.is_empty() {
         return;
     }
-    let name = served.name.clone();
+    let (name, served) = (served.name.clone(), Arc::downgrade(&served));
     if let Err(e) = std::thread::Builder::new().name("mount-fill".into()).spawn(move || run(&served, &order, &active, &stop)) {
         tracing::warn!("{name}: no fill (cannot start its thread: {e})");
     }

@@ -705,3 +705,47 @@ fn daemon_returns_once_mounted_and_sigterm_waits_for_open_files() {
     assert_eq!(report["dir"], dir.to_str().unwrap(), "{report}");
     assert!(mounts_under(place.path()).is_empty());
 }
+
+/// Issue 38 §3: while an image is mounted its chunks are pinned in the host cache, so
+/// `snapctl cache prune --all` beside the mount keeps every one (the kernel may drop its page
+/// cache and read again at any time). A new mount then reads every byte with nothing fetched;
+/// once nothing is mounted the pin is gone and prune --all empties the cache.
+#[test]
+fn regression_issue_38_a_mounted_images_chunks_stay_in_the_cache_through_prune_all() {
+    if !mount_usable() {
+        return;
+    }
+    let place = Place::new();
+    let snap = place.path().join("snap");
+    assert_eq!(run(snapctl().arg("sample").arg(&snap).args(["--size", "8MiB", "--seed", "13"])).code, 0);
+    let image = pack(&place, &snap, "v1", &[]);
+    let want = stored_chunks(&place.path().join("layout"), "v1", "vm.mem");
+    let cache = place.cache();
+    let cache_cmd = |args: &[&str]| -> Value {
+        let r = run(snapctl().arg("cache").arg("--cache").arg(&cache).args(args).arg("--json"));
+        assert_eq!(r.code, 0, "{r:?}");
+        serde_json::from_str(&r.stdout).unwrap()
+    };
+    let entries = |u: &Value| u["kinds"][0]["entries"].as_u64().unwrap_or(0);
+    let dir = place.dir("d");
+    let mut m = Mounted::start(&place, &image, &dir, &["--prefetch", "all"]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !m.log_text().contains("fill done") || entries(&cache_cmd(&[])) < want {
+        assert!(Instant::now() < deadline, "the fill never put the image in the cache: {}", m.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let u = cache_cmd(&["prune", "--all"]);
+    assert!(entries(&u) >= want, "prune --all beside a mount deleted its chunks: {u}");
+    assert_eq!(u["pins"].as_u64(), Some(1), "{u}");
+    assert!(fs::read(dir.join("vm.mem")).unwrap() == fs::read(snap.join("vm.mem")).unwrap());
+    let (_, code, _) = m.umount(&place);
+    assert_eq!(code, 0);
+
+    let mut m = Mounted::start(&place, &image, &dir, &["--prefetch", "none"]);
+    assert!(fs::read(dir.join("vm.mem")).unwrap() == fs::read(snap.join("vm.mem")).unwrap());
+    let (_, code, report) = m.umount(&place);
+    assert_eq!(code, 0);
+    assert_eq!(n(&report, "fetched_chunks"), 0, "every chunk from the cache the prune left: {report}");
+    let u = cache_cmd(&["prune", "--all"]);
+    assert_eq!((u["pins"].as_u64(), entries(&u)), (Some(0), 0), "nothing mounted, nothing pinned: {u}");
+}
