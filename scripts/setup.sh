@@ -39,6 +39,7 @@ TEST_APT=(
   gnuplot-nox                        # bench/plots.sh: BENCHMARKS.md's plots (SVG)
   runsc                              # gVisor 2022 (one checkpoint.img), tests/tests/it/runsc.rs
   chromium                           # headless browser for the registry's web view test
+  fuse3 util-linux                   # snapctl mount's tests: fusermount3, umount, unshare, setpriv
 )
 PIP_PKGS=(oras "moto[server]")       # OCI artifact client; S3 server
 # Installed by tools, not here, listed for fresh-check: the trixie prefixes

@@ -46,6 +46,8 @@ enum Command {
     Login(cmd::login::LoginArgs),
     Logout(cmd::login::LogoutArgs),
     Lazy(cmd::lazy::LazyArgs),
+    Mount(cmd::mount::MountArgs),
+    Umount(cmd::mount::UmountArgs),
     Cache(cmd::cache::CacheArgs),
     Sign(cmd::sign::SignArgs),
     Key(cmd::sign::KeyArgs),
@@ -61,6 +63,7 @@ fn main() -> ExitCode {
         // and, as for `serve`, when each thing happened: a daemon runs for months, and a
         // wake's steps are milliseconds apart.
         Command::Lazy(_) => cmd::common::init_logging(cmd::lazy::DEFAULT_LOG, true),
+        Command::Mount(_) => cmd::common::init_logging(cmd::mount::DEFAULT_LOG, true),
         _ => cmd::common::init_logging("warn", false),
     }
     if let Some(r) = cli.command.registry_flags() {
@@ -81,6 +84,8 @@ fn main() -> ExitCode {
         Command::Login(a) => cmd::login::run_login(a),
         Command::Logout(a) => cmd::login::run_logout(a),
         Command::Lazy(a) => cmd::lazy::run(a),
+        Command::Mount(a) => cmd::mount::run(a),
+        Command::Umount(a) => cmd::mount::run_umount(a),
         Command::Cache(a) => cmd::cache::run(a),
         Command::Sign(a) => cmd::sign::run_sign(a),
         Command::Key(a) => cmd::sign::run_key(a),
@@ -114,10 +119,12 @@ impl Command {
             Command::Copy(a) => Some(&a.transfer.registry),
             Command::Login(a) => Some(&a.registry),
             Command::Lazy(a) => Some(&a.registry),
+            Command::Mount(a) => Some(&a.registry),
             Command::Sign(a) => Some(&a.registry),
             Command::Serve(_)
             | Command::Key(_)
             | Command::Cache(_)
+            | Command::Umount(_)
             | Command::Sample(_)
             | Command::Gc(_)
             | Command::Logout(_)

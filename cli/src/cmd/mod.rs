@@ -9,6 +9,7 @@ pub mod generate;
 pub mod inspect;
 pub mod lazy;
 pub mod login;
+pub mod mount;
 pub mod pack;
 pub mod policy;
 pub mod pull;

@@ -54,8 +54,30 @@ const GAP: u64 = 256 << 20;
 #[command(about = "A Firecracker-like runtime restoring guest memory through userfaultfd")]
 struct Args {
     /// The page-fault handler's Unix socket (as Firecracker's mem_backend.backend_path).
-    #[arg(long)]
-    socket: PathBuf,
+    #[arg(long, required_unless_present = "map_file")]
+    socket: Option<PathBuf>,
+    /// Restore from a file instead of a page-fault handler, as a runtime with a File
+    /// memory backend does: map this file MAP_PRIVATE (its clean pages shared with every
+    /// other process mapping it), overlay --pages, check, write --write-pages of its own,
+    /// wait --hold-ms, and check again (its own writes seen, nobody else's).
+    #[arg(long, conflicts_with = "socket")]
+    map_file: Option<PathBuf>,
+    /// With --map-file: the clone's own pages (a file of the memory's size; the pages
+    /// --page-map names are copied over the mapping, copy-on-write).
+    #[arg(long, requires = "page_map")]
+    pages: Option<PathBuf>,
+    /// With --pages: a bit per 4 KiB page (least significant bit first), set where the
+    /// page comes from --pages.
+    #[arg(long, requires = "pages")]
+    page_map: Option<PathBuf>,
+    /// With --map-file: this many pages (picked by --seed) written with bytes of this
+    /// process's own after the first check.
+    #[arg(long, default_value_t = 0)]
+    write_pages: u64,
+    /// With --map-file: milliseconds to keep the mapping between writing and the second
+    /// check (other processes write meanwhile).
+    #[arg(long, default_value_t = 0)]
+    hold_ms: u64,
     /// The original memory file: the truth each page is compared with.
     #[arg(long)]
     mem_file: PathBuf,
@@ -325,6 +347,10 @@ fn main() -> ExitCode {
 fn run() -> anyhow::Result<u8> {
     let a = Args::parse();
     ensure!(a.threads >= 1 && a.threads <= 256, "--threads must be 1..=256");
+    if let Some(map) = &a.map_file {
+        return run_mapped(&a, map);
+    }
+    let socket = a.socket.clone().expect("clap requires --socket without --map-file");
     let mem = File::open(&a.mem_file).with_context(|| format!("open {}", a.mem_file.display()))?;
     let file_len = mem.metadata()?.len();
     let page = imgfmt::size::parse_size(&a.page_size).map_err(anyhow::Error::msg)?;
@@ -363,7 +389,7 @@ fn run() -> anyhow::Result<u8> {
         })
         .collect();
     let body = serde_json::to_vec(&mappings)?;
-    let sock = connect(&a.socket)?;
+    let sock = connect(&socket)?;
     let connected_unix_us = unix_us();
     let fds = [uffd.as_raw_fd()];
     let sent = sendmsg::<()>(sock.as_raw_fd(), &[IoSlice::new(&body)], &[ControlMessage::ScmRights(&fds)], MsgFlags::empty(), None)
@@ -585,6 +611,113 @@ fn run() -> anyhow::Result<u8> {
     } else {
         0
     })
+}
+
+/// The bytes this process writes into page `page` (`--write-pages`): its pid and the page.
+fn own_page(page: u64, buf: &mut [u8]) {
+    let mut rng = SplitMix64(u64::from(std::process::id()) << 32 ^ page);
+    for c in buf.chunks_mut(8) {
+        c.copy_from_slice(&rng.next_u64().to_le_bytes()[..c.len()]);
+    }
+}
+
+/// `--map-file`: restore from a mapped file (and a clone's own pages over it), check every
+/// page against --mem-file, write pages of our own, wait, check again. Exit 0 all right,
+/// 1 a wrong byte, 3 pages unreadable (an EIO from the file system: SIGBUS on a touch).
+fn run_mapped(a: &Args, map: &std::path::Path) -> anyhow::Result<u8> {
+    let truth = File::open(&a.mem_file).with_context(|| format!("open {}", a.mem_file.display()))?;
+    let len = truth.metadata()?.len();
+    let f = File::open(map).with_context(|| format!("open {}", map.display()))?;
+    ensure!(f.metadata()?.len() >= len, "{} is shorter than {}", map.display(), a.mem_file.display());
+    let size = len.div_ceil(PAGE) * PAGE;
+    ensure!(size > 0, "the memory file is empty");
+    // SAFETY: a fresh private mapping of a file we opened; nothing else refers to it.
+    let base = unsafe { libc::mmap(std::ptr::null_mut(), size as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE, f.as_raw_fd(), 0) };
+    ensure!(base != libc::MAP_FAILED, "mmap {}: {}", map.display(), std::io::Error::last_os_error());
+    let base = base as u64;
+    let pages = size / PAGE;
+    let mut overlaid = 0u64;
+    if let (Some(p), Some(m)) = (&a.pages, &a.page_map) {
+        let own = File::open(p).with_context(|| format!("open {}", p.display()))?;
+        let bits = std::fs::read(m).with_context(|| format!("read {}", m.display()))?;
+        ensure!(bits.len() as u64 >= pages.div_ceil(8), "{}: {} bytes, {} pages need {}", m.display(), bits.len(), pages, pages.div_ceil(8));
+        let mut buf = vec![0u8; PAGE as usize];
+        for pg in (0..pages).filter(|pg| bits[(pg / 8) as usize] & (1 << (pg % 8)) != 0) {
+            original_page(&own, own.metadata()?.len(), pg * PAGE, &mut buf)?;
+            // SAFETY: page `pg` lies inside our private mapping; writing it copies it on write.
+            unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), (base + pg * PAGE) as *mut u8, PAGE as usize) };
+            overlaid += 1;
+        }
+    }
+    let mut written: Vec<u64> = (0..pages).collect();
+    SplitMix64(a.seed ^ u64::from(std::process::id())).shuffle(&mut written);
+    written.truncate(a.write_pages.min(pages) as usize);
+    written.sort_unstable();
+    let start = Instant::now();
+    let (first, poisoned1) = check_mapped(base, pages, &truth, len, &[])?;
+    let mut buf = vec![0u8; PAGE as usize];
+    for &pg in &written {
+        own_page(pg, &mut buf);
+        // SAFETY: as above: our own private mapping.
+        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), (base + pg * PAGE) as *mut u8, PAGE as usize) };
+    }
+    std::thread::sleep(Duration::from_millis(a.hold_ms));
+    let (second, poisoned2) = check_mapped(base, pages, &truth, len, &written)?;
+    let summary = serde_json::json!({
+        "pages_checked": pages * 2,
+        "mismatches": first + second,
+        "poisoned": poisoned1 + poisoned2,
+        "overlaid_pages": overlaid,
+        "written_pages": written.len(),
+        "seconds": start.elapsed().as_secs_f64(),
+        "stalled": false,
+    });
+    if a.json {
+        println!("{summary}");
+    }
+    eprintln!(
+        "fake_vmm: mapped {}: {} mismatches, {} unreadable, {overlaid} pages overlaid, {} written",
+        map.display(),
+        first + second,
+        poisoned1 + poisoned2,
+        written.len()
+    );
+    Ok(if first + second > 0 {
+        1
+    } else if poisoned1 + poisoned2 > 0 {
+        3
+    } else {
+        0
+    })
+}
+
+/// Compare every page of the mapping at `base` with the truth (or, for the pages in
+/// `own`, sorted, with this process's own bytes): (mismatches, unreadable pages).
+fn check_mapped(base: u64, pages: u64, truth: &File, len: u64, own: &[u64]) -> anyhow::Result<(u64, u64)> {
+    let (mut got, mut want) = (vec![0u8; PAGE as usize], vec![0u8; PAGE as usize]);
+    let (mut bad, mut unreadable) = (0u64, 0u64);
+    for pg in 0..pages {
+        if let Read::Poisoned(errno) = read_guest_page(base + pg * PAGE, &mut got) {
+            if unreadable < 5 {
+                eprintln!("fake_vmm: page at offset {:#x} unreadable (errno {errno})", pg * PAGE);
+            }
+            unreadable += 1;
+            continue;
+        }
+        if own.binary_search(&pg).is_ok() {
+            own_page(pg, &mut want);
+        } else {
+            original_page(truth, len, pg * PAGE, &mut want)?;
+        }
+        if got != want {
+            if bad < 5 {
+                let at = got.iter().zip(&want).position(|(x, y)| x != y).unwrap_or(0);
+                eprintln!("fake_vmm: MISMATCH at offset {:#x}", pg * PAGE + at as u64);
+            }
+            bad += 1;
+        }
+    }
+    Ok((bad, unreadable))
 }
 
 /// Connect to the handler's socket, waiting briefly for it to appear (a handler that is

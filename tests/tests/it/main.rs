@@ -17,6 +17,7 @@ mod lazy;
 mod lazy_criu;
 mod lazy_gc;
 mod lazy_huge;
+mod mount;
 mod netem;
 mod operator;
 mod pull;

@@ -24,20 +24,20 @@ use snapctl_tests::registry_support::Serve;
 use snapctl_tests::{have, require_peers, run, snapctl};
 
 /// Skip with a note, or fail when peers are required.
-fn skip(why: &str) {
+pub(crate) fn skip(why: &str) {
     assert!(!require_peers(), "runsc round trip cannot run (SNAPCTL_REQUIRE_PEERS=1): {why}");
     eprintln!("SKIP: runsc round trip: {why}");
 }
 
 /// One `runsc` binary and state root ("a host"); kills and deletes its containers on drop.
-struct Runsc {
-    bin: PathBuf,
-    root: PathBuf,
-    ids: Vec<String>,
+pub(crate) struct Runsc {
+    pub(crate) bin: PathBuf,
+    pub(crate) root: PathBuf,
+    pub(crate) ids: Vec<String>,
 }
 
 impl Runsc {
-    fn cmd(&self) -> Command {
+    pub(crate) fn cmd(&self) -> Command {
         let mut c = Command::new(&self.bin);
         c.args(["--platform=ptrace", "--network=none", "--root"]).arg(&self.root);
         c.stdin(Stdio::null());
@@ -47,7 +47,7 @@ impl Runsc {
     /// Run `args` (a detached `run` or `restore` of container `id`), recording `id` for
     /// cleanup. Output goes to a file, not a pipe: the detached sandbox inherits it and
     /// keeps it open, so reading a pipe to EOF would wait for the container to die.
-    fn start(&mut self, id: &str, args: &[&str]) -> snapctl_tests::Run {
+    pub(crate) fn start(&mut self, id: &str, args: &[&str]) -> snapctl_tests::Run {
         self.ids.push(id.to_string());
         std::fs::create_dir_all(&self.root).unwrap();
         let log = self.root.join(format!("{id}.log"));
@@ -67,7 +67,7 @@ impl Drop for Runsc {
 }
 
 /// An OCI bundle at `dir` running `/counter /out/progress`, with `out` bind-mounted at /out.
-fn bundle(runsc: &Path, dir: &Path, counter: &Path, out: &Path) {
+pub(crate) fn bundle(runsc: &Path, dir: &Path, counter: &Path, out: &Path) {
     let rootfs = dir.join("rootfs");
     std::fs::create_dir_all(&rootfs).unwrap();
     std::fs::create_dir_all(out).unwrap();

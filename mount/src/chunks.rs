@@ -1,0 +1,372 @@
+//! Verified chunks of one image, for reads and the fill: recent memory -> chunk cache ->
+//! source, single-flight (any number of readers and the fill asking for one chunk cause
+//! one fetch), retried inside a time budget, fetched once more on a digest mismatch and
+//! then refused for good.
+//!
+//! [`ChunkSource`] is the seam: the file system asks it for "the verified bytes of chunk
+//! `c` of file `f`" and knows nothing of where they come from. [`Fetcher`] is today's
+//! implementation, over the public pieces other crates offer (`verify::read_chunk`, a
+//! [`lazy::ChunkStore`]); a fetcher with slices and the page server's pacing can take its
+//! place without the file system noticing.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::{Arc, Condvar, Mutex};
+
+use imgfmt::{BlobSource, ChunkDigest, HashAlgo, Image, RetryPolicy, StoredAt};
+use lazy::ChunkStore;
+use puller::ChunkCache;
+use verify::{VerifiedChunk, VerifyError};
+
+/// Who asks: a reader waits in front; the fill waits for room in the cache's queue (so a
+/// filled image is all in the cache), a reader never does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    Read,
+    Fill,
+}
+
+/// Why there are no verified bytes for a chunk.
+#[derive(Debug, Clone, thiserror::Error, displaydoc::Display)]
+pub enum ChunkFailure {
+    /// {file}: chunk {chunk} at offset {offset}: failed verification twice, never served: {detail}
+    Integrity { file: String, chunk: u64, offset: u64, detail: String },
+    /// {file}: chunk {chunk} at offset {offset}: {detail}
+    Source { file: String, chunk: u64, offset: u64, detail: String },
+}
+
+/// What the fetcher did, for the report.
+#[derive(Debug, Default)]
+pub struct FetchCounters {
+    /// Chunks read from the source (each verified).
+    pub fetched_chunks: AtomicU64,
+    /// Stored bytes those moved.
+    pub bytes_fetched: AtomicU64,
+    /// Chunks found in recent memory, the chunk cache, or another caller's fetch.
+    pub cache_hits: AtomicU64,
+    /// Reads of the source whose bytes did not match their digest.
+    pub verify_failures: AtomicU64,
+    /// Source reads retried.
+    pub retries: AtomicU64,
+    /// Chunks the background fill asked for that were not local yet.
+    pub filled_chunks: AtomicU64,
+}
+
+/// A chunk's verified bytes: a zero chunk (its record checked against the digest of
+/// zeros, nothing fetched) or a stored one.
+#[derive(Debug, Clone)]
+pub enum ChunkBytes {
+    Zeros(u32),
+    Verified(Arc<VerifiedChunk>),
+}
+
+impl ChunkBytes {
+    pub fn len(&self) -> usize {
+        match self {
+            ChunkBytes::Zeros(n) => *n as usize,
+            ChunkBytes::Verified(c) => c.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copy bytes `from..from + out.len()` of the chunk into `out`.
+    pub fn copy_to(&self, from: usize, out: &mut [u8]) {
+        match self {
+            ChunkBytes::Zeros(_) => out.fill(0),
+            ChunkBytes::Verified(c) => out.copy_from_slice(&c.as_bytes()[from..from + out.len()]),
+        }
+    }
+    /// The chunk's bytes, `None` for zeros.
+    pub fn data(&self) -> Option<&[u8]> {
+        match self {
+            ChunkBytes::Zeros(_) => None,
+            ChunkBytes::Verified(c) => Some(c.as_bytes()),
+        }
+    }
+}
+
+/// Verified bytes of chunk `chunk` of file `file` of one image.
+pub trait ChunkSource: Send + Sync {
+    fn image(&self) -> &Arc<Image>;
+    fn chunk(&self, file: usize, chunk: u64, need: Need) -> Result<ChunkBytes, ChunkFailure>;
+    /// Bring a stored chunk into the host's chunk cache if it is not there (the fill).
+    fn fill(&self, file: usize, chunk: u64) -> Result<(), ChunkFailure> {
+        self.chunk(file, chunk, Need::Fill).map(|_| ())
+    }
+    fn counters(&self) -> &FetchCounters;
+}
+
+type Outcome = Result<Arc<VerifiedChunk>, ChunkFailure>;
+
+struct Flight {
+    done: Mutex<Option<Outcome>>,
+    cv: Condvar,
+}
+
+/// Recently used chunks by digest, first in first out, bounded in bytes.
+struct Recent {
+    map: HashMap<ChunkDigest, Arc<VerifiedChunk>>,
+    order: VecDeque<ChunkDigest>,
+    bytes: u64,
+    limit: u64,
+}
+
+impl Recent {
+    fn insert(&mut self, d: ChunkDigest, c: Arc<VerifiedChunk>) {
+        if self.limit == 0 || self.map.contains_key(&d) {
+            return;
+        }
+        self.bytes += c.len() as u64;
+        self.map.insert(d, c);
+        self.order.push_back(d);
+        while self.bytes > self.limit {
+            let Some(old) = self.order.pop_front() else { break };
+            if let Some(c) = self.map.remove(&old) {
+                self.bytes -= c.len() as u64;
+            }
+        }
+    }
+}
+
+/// Chunks a fetch put in the queue for the chunk cache's writer thread.
+type PutItem = (HashAlgo, ChunkDigest, Arc<VerifiedChunk>);
+/// Chunks waiting for the cache's writer at most: a read never waits for the disk.
+const PUT_QUEUE: usize = 64;
+
+/// [`ChunkSource`] over an image's source and the host's chunk cache.
+pub struct Fetcher {
+    image: Arc<Image>,
+    src: Arc<dyn BlobSource>,
+    store: Option<Arc<ChunkCache>>,
+    puts: Mutex<Option<SyncSender<PutItem>>>,
+    putter: Mutex<Option<std::thread::JoinHandle<()>>>,
+    policy: RetryPolicy,
+    inflight: Mutex<HashMap<ChunkDigest, Arc<Flight>>>,
+    recent: Mutex<Recent>,
+    /// Chunks that failed verification twice: refused without another fetch.
+    refused: Mutex<HashSet<ChunkDigest>>,
+    counters: FetchCounters,
+    /// The image's chunks, pinned in the chunk cache for as long as the image is presented:
+    /// the kernel may drop its page cache and read again at any time.
+    _pin: Option<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+impl Drop for Fetcher {
+    /// The queued puts go down before the fetcher does: a mount that ends keeps what it fetched.
+    fn drop(&mut self) {
+        drop(self.puts.lock().map(|mut p| p.take()));
+        if let Some(h) = self.putter.lock().ok().and_then(|mut h| h.take()) {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Fetcher {
+    /// `memory_bytes` of recently used chunks are kept in memory (the page cache keeps
+    /// what readers read; this serves the rest of a chunk a read fetched for part of it).
+    pub fn new(image: Arc<Image>, src: Arc<dyn BlobSource>, store: Option<Arc<ChunkCache>>, policy: RetryPolicy, memory_bytes: u64) -> Fetcher {
+        let (puts, putter) = match &store {
+            Some(st) => {
+                let (tx, rx) = sync_channel::<PutItem>(PUT_QUEUE);
+                let st = st.clone();
+                let h = std::thread::Builder::new()
+                    .name("mount-cache-put".into())
+                    .spawn(move || {
+                        while let Ok(first) = rx.recv() {
+                            let batch = imgfmt::work::batch_after(first, &rx, 32);
+                            for (algo, d, c) in &batch {
+                                ChunkStore::put_many(st.as_ref(), *algo, &[(*d, c.as_ref())]);
+                            }
+                        }
+                    })
+                    .ok();
+                (h.is_some().then_some(tx), h)
+            }
+            None => (None, None),
+        };
+        let _pin = store.as_ref().and_then(|s| {
+            let algo = image.config().hash;
+            let mut chunks: Vec<_> = image.files.iter().flat_map(|f| &f.chunks).filter(|c| c.at != StoredAt::Zero).map(|c| (algo, c.digest)).collect();
+            chunks.sort_unstable_by_key(|(_, d)| *d);
+            chunks.dedup();
+            ChunkStore::pin(s.as_ref(), &format!("snapctl mount (pid {}) presenting {}", std::process::id(), image.manifest_digest), &chunks)
+        });
+        Fetcher {
+            image,
+            src,
+            store,
+            puts: Mutex::new(puts),
+            putter: Mutex::new(putter),
+            policy,
+            inflight: Mutex::new(HashMap::new()),
+            recent: Mutex::new(Recent { map: HashMap::new(), order: VecDeque::new(), bytes: 0, limit: memory_bytes }),
+            refused: Mutex::new(HashSet::new()),
+            counters: FetchCounters::default(),
+            _pin,
+        }
+    }
+
+    fn failure_at(&self, file: usize, chunk: u64) -> (String, u64) {
+        (self.image.files[file].name.clone(), chunk << self.image.chunk_shift())
+    }
+
+    /// Lead a flight: the cache, else the source (retried, verified twice at most).
+    fn load(&self, file: usize, chunk: u64) -> (Outcome, bool) {
+        let rec = self.image.files[file].chunks[chunk as usize];
+        let algo = self.image.config().hash;
+        if let Some(v) = self.store.as_ref().and_then(|s| ChunkStore::get(s.as_ref(), algo, &rec.digest, rec.len)) {
+            return (Ok(Arc::new(v)), false);
+        }
+        let (name, offset) = self.failure_at(file, chunk);
+        let stored = match rec.at {
+            StoredAt::Pack { stored_len, .. } => u64::from(stored_len),
+            StoredAt::Zero => 0,
+        };
+        let mut retry = self.policy.start();
+        let mut mismatch: Option<String> = None;
+        loop {
+            match verify::read_chunk(self.src.as_ref(), &self.image, file, chunk) {
+                Ok(v) => {
+                    self.counters.fetched_chunks.fetch_add(1, Relaxed);
+                    self.counters.bytes_fetched.fetch_add(stored, Relaxed);
+                    return (Ok(Arc::new(v)), true);
+                }
+                Err(e @ VerifyError::Read { .. }) if e.kind().is_transient() => {
+                    let Some(wait) = retry.failed(None) else {
+                        let detail = format!("the source still fails after {:.0}s: {e}", retry.elapsed().as_secs_f64());
+                        return (Err(ChunkFailure::Source { file: name, chunk, offset, detail }), false);
+                    };
+                    if retry.failures() == 1 {
+                        tracing::warn!("{e}; retrying");
+                    }
+                    self.counters.retries.fetch_add(1, Relaxed);
+                    std::thread::sleep(wait);
+                }
+                Err(e @ VerifyError::Read { .. }) if !e.kind().is_integrity() => {
+                    return (Err(ChunkFailure::Source { file: name, chunk, offset, detail: e.to_string() }), false);
+                }
+                Err(e) => {
+                    self.counters.bytes_fetched.fetch_add(stored, Relaxed);
+                    self.counters.verify_failures.fetch_add(1, Relaxed);
+                    tracing::error!("VERIFY FAILURE: {e}");
+                    if let Some(first) = mismatch {
+                        self.refused.lock().expect("poisoned").insert(rec.digest);
+                        let detail = format!("{first}; then {e}");
+                        return (Err(ChunkFailure::Integrity { file: name, chunk, offset, detail }), false);
+                    }
+                    // A damaged transfer deserves a second chance; a damaged pack no third.
+                    mismatch = Some(e.to_string());
+                }
+            }
+        }
+    }
+
+    /// Queue a chunk fetched from the source for the chunk cache.
+    fn queue_put(&self, digest: ChunkDigest, c: &Arc<VerifiedChunk>, need: Need) {
+        let puts = self.puts.lock().expect("poisoned");
+        let Some(q) = puts.as_ref() else { return };
+        let item = (self.image.config().hash, digest, c.clone());
+        match need {
+            // The fill's chunks all reach the cache: it is not on a reader's path.
+            Need::Fill => {
+                let q = q.clone();
+                drop(puts);
+                let _ = q.send(item);
+            }
+            // A reader's chunk is skipped when the disk is behind.
+            Need::Read => {
+                if let Err(TrySendError::Disconnected(_)) = q.try_send(item) {
+                    tracing::debug!("chunk cache writer gone");
+                }
+            }
+        }
+    }
+}
+
+impl ChunkSource for Fetcher {
+    fn image(&self) -> &Arc<Image> {
+        &self.image
+    }
+
+    fn chunk(&self, file: usize, chunk: u64, need: Need) -> Result<ChunkBytes, ChunkFailure> {
+        let rec = self.image.files[file].chunks[chunk as usize];
+        if rec.at == StoredAt::Zero {
+            return verify::check_zero_record(&self.image, file, chunk).map(|()| ChunkBytes::Zeros(rec.len)).map_err(|e| {
+                let (file, offset) = self.failure_at(file, chunk);
+                ChunkFailure::Integrity { file, chunk, offset, detail: e.to_string() }
+            });
+        }
+        self.stored(file, chunk, need).map(ChunkBytes::Verified)
+    }
+
+    /// A chunk the cache holds is left there unread (whoever reads it re-hashes it); one it
+    /// lacks is fetched (or waited for) and queued for it, and not kept in recent memory.
+    fn fill(&self, file: usize, chunk: u64) -> Result<(), ChunkFailure> {
+        let rec = self.image.files[file].chunks[chunk as usize];
+        let cached = |s: &Arc<ChunkCache>| s.contains_unverified(self.image.config().hash, &rec.digest);
+        if rec.at == StoredAt::Zero || self.store.as_ref().is_none_or(cached) {
+            return Ok(());
+        }
+        self.counters.filled_chunks.fetch_add(1, Relaxed);
+        self.stored(file, chunk, Need::Fill).map(|_| ())
+    }
+
+    fn counters(&self) -> &FetchCounters {
+        &self.counters
+    }
+}
+
+impl Fetcher {
+    /// A stored chunk: recent memory, another caller's flight, or a flight of our own.
+    fn stored(&self, file: usize, chunk: u64, need: Need) -> Outcome {
+        let rec = self.image.files[file].chunks[chunk as usize];
+        if let Some(c) = self.recent.lock().expect("poisoned").map.get(&rec.digest) {
+            self.counters.cache_hits.fetch_add(1, Relaxed);
+            return Ok(c.clone());
+        }
+        if self.refused.lock().expect("poisoned").contains(&rec.digest) {
+            let (file, offset) = self.failure_at(file, chunk);
+            return Err(ChunkFailure::Integrity { file, chunk, offset, detail: "refused earlier (see the first failure above)".into() });
+        }
+        let (flight, leader) = {
+            let mut m = self.inflight.lock().expect("poisoned");
+            match m.get(&rec.digest) {
+                Some(f) => (f.clone(), false),
+                None => {
+                    if let Some(c) = self.recent.lock().expect("poisoned").map.get(&rec.digest) {
+                        self.counters.cache_hits.fetch_add(1, Relaxed);
+                        return Ok(c.clone());
+                    }
+                    let f = Arc::new(Flight { done: Mutex::new(None), cv: Condvar::new() });
+                    m.insert(rec.digest, f.clone());
+                    (f, true)
+                }
+            }
+        };
+        if !leader {
+            let mut g = flight.done.lock().expect("poisoned");
+            while g.is_none() {
+                g = flight.cv.wait(g).expect("poisoned");
+            }
+            self.counters.cache_hits.fetch_add(1, Relaxed);
+            return g.clone().expect("set");
+        }
+        let (outcome, fetched) = self.load(file, chunk);
+        if let Ok(c) = &outcome {
+            if need == Need::Read {
+                self.recent.lock().expect("poisoned").insert(rec.digest, c.clone());
+            }
+            if fetched {
+                self.queue_put(rec.digest, c, need);
+            } else {
+                self.counters.cache_hits.fetch_add(1, Relaxed);
+            }
+        }
+        *flight.done.lock().expect("poisoned") = Some(outcome.clone());
+        flight.cv.notify_all();
+        self.inflight.lock().expect("poisoned").remove(&rec.digest);
+        outcome
+    }
+}
