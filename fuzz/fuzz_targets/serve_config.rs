@@ -1,21 +1,20 @@
-//! The configuration file of `serve` and `gc` (`--config FILE`, TOML): `cli`'s parser
-//! (`cli/src/cmd/config.rs`, built here from its source file so the fuzz crate does not
-//! build the binary), then the retention policies checked and compiled as serve and gc
-//! do (`registry::retention::Retention::new`). Never panics, whatever the text; globs the
-//! policies accept match repository names without blowing up, and a glob without
-//! wildcards matches itself.
+//! The configuration file of `serve` and `gc` (`--config FILE`, TOML):
+//! `registry::config`'s parser, then the settings resolved and checked as serve and gc do
+//! (defaults, duration bounds, retention policies compiled). Never panics, whatever the
+//! text; globs the policies accept match repository names without blowing up, and a glob
+//! without wildcards matches itself.
 #![no_main]
 
-#[allow(dead_code)]
-#[path = "../../cli/src/cmd/config.rs"]
-mod config;
-
 use libfuzzer_sys::fuzz_target;
+use registry::config::FileConfig;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else { return };
-    let Ok(c) = config::FileConfig::parse(text) else { return };
+    let Ok(c) = FileConfig::parse(text) else { return };
+    let _ = c.gc_options(true);
+    let _ = c.clone().serve_settings();
     let Ok(retention) = c.retention() else { return };
+    let _ = retention.warnings();
     for p in &retention.config.policies {
         for g in &p.repositories {
             let plain = !g.contains(['*', '?']);

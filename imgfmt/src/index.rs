@@ -93,7 +93,7 @@ pub struct ChunkRecord {
 }
 
 // A record decodes to no more than its encoded size: what a client holds for an index is
-// bounded by the index blob (spec/format.md §12, issue 14).
+// bounded by the index blob (spec/format.md §12).
 const _: () = assert!(std::mem::size_of::<ChunkRecord>() <= RECORD_LEN);
 
 /// A decoded (structurally valid) chunk index.
@@ -393,8 +393,8 @@ impl ChunkIndex {
             }
         }
         // Stored ranges in (pack, offset, length) order, as 4-byte record numbers (the
-        // records are at most 4 Mi): sorting copies of the ranges held 24 bytes per record
-        // more, a third of the decoded index again (issue 14).
+        // records are at most 4 Mi): sorting copies of the ranges would hold 24 bytes per
+        // record more, a third of the decoded index again.
         let range = |i: u32| match self.records[i as usize].kind {
             RecordKind::Stored { pack, offset, stored_len, .. } => (pack, offset, stored_len as u64),
             RecordKind::Zero => unreachable!("only stored records are sorted"),

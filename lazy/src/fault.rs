@@ -436,17 +436,31 @@ impl Conn {
                                 q.arrived.origin.insert(c, origin);
                             }
                         }
+                        // The install woke the faults parked on a slice of this chunk:
+                        // they are served (and counted, as this fetch) now, not when
+                        // their slice comes, by which time the peer may be gone.
+                        let mut woken = Vec::new();
+                        for (k, v) in q.parked.iter_mut() {
+                            if matches!(k, Key::Slices(s, _) if *s == c) {
+                                woken.append(v);
+                            }
+                        }
+                        if !woken.is_empty() {
+                            q.arrived.origin.insert(c, origin);
+                        }
+                        woken
                     }
                     Ok(()) => {
                         q.arrived.origin.insert(c, origin);
+                        faults
                     }
                     // No fault waits: the next one on this chunk fetches it again.
-                    Err(_) if faults.is_empty() => {}
+                    Err(_) if faults.is_empty() => faults,
                     Err(f) => {
                         q.arrived.failed.insert(c, f);
+                        faults
                     }
                 }
-                faults
             }
             (Key::Slices(c, id), Done::Slices(res)) => {
                 q.slicing.finished(id);

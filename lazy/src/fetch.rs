@@ -28,6 +28,18 @@ pub trait ChunkStore: Send + Sync {
             self.put(algo, d, c);
         }
     }
+    /// Whether the store holds `digest` (not verified: a hint; a read re-checks). The fill
+    /// ([`crate::fill`]) skips what it holds.
+    fn contains(&self, algo: HashAlgo, digest: &imgfmt::ChunkDigest) -> bool;
+    /// Keep `chunks` in the store for as long as the returned guard lives: a running
+    /// restore's image, kept out of every eviction (`None`: the store keeps nothing so).
+    fn pin(&self, _label: &str, _chunks: &[(HashAlgo, imgfmt::ChunkDigest)]) -> Option<Box<dyn std::any::Any + Send + Sync>> {
+        None
+    }
+    /// Bytes the store may still take of pinned chunks, measured now (`None`: no bound).
+    fn pinned_room(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// The per-host chunk cache is the daemon's store. A cache that cannot be read or written
@@ -48,6 +60,22 @@ impl ChunkStore for puller::ChunkCache {
         for e in self.put_batch(algo, items).into_iter().filter_map(Result::err) {
             tracing::warn!("chunk not cached: {e}");
         }
+    }
+    fn contains(&self, algo: HashAlgo, digest: &imgfmt::ChunkDigest) -> bool {
+        self.contains_unverified(algo, digest)
+    }
+    fn pin(&self, label: &str, chunks: &[(HashAlgo, imgfmt::ChunkDigest)]) -> Option<Box<dyn std::any::Any + Send + Sync>> {
+        match puller::ChunkCache::pin(self, label, chunks) {
+            Ok(p) => Some(Box::new(p)),
+            Err(e) => {
+                tracing::warn!("the image's chunks are not pinned in the cache (an eviction may delete them): {e}");
+                None
+            }
+        }
+    }
+    fn pinned_room(&self) -> Option<u64> {
+        self.measure_pins();
+        Some(puller::ChunkCache::pinned_room(self))
     }
 }
 
@@ -261,6 +289,11 @@ impl Fetcher {
         }
     }
 
+    /// The chunk cache chunks are kept in between restores, if any.
+    pub fn store(&self) -> Option<&Arc<dyn ChunkStore>> {
+        self.store.as_ref()
+    }
+
     /// How long a fault may wait for a chunk (`--retry-budget`; `None`: no bound).
     pub fn budget(&self) -> Option<Duration> {
         self.policy.budget
@@ -418,13 +451,32 @@ impl Fetcher {
     /// their holder. Returns the work and the chunks of the run it refused (or gave up on),
     /// which nobody should fetch again just to install them.
     pub fn get_background_run(&self, run: &[u64]) -> (Work, Vec<u64>) {
+        self.background_run(run, None)
+    }
+
+    /// For the fill ([`crate::fill`]): fetch `run` as [`get_background_run`](Self::get_background_run)
+    /// does (one range request per stretch, single-flight with the faults and the stream,
+    /// each chunk verified on its own), but hand the verified chunks to the caller, to be put
+    /// in the chunk cache, instead of keeping them in recent memory or queueing them: the
+    /// fill must not push the guest's chunks out of memory. A chunk in recent memory is
+    /// handed over without a fetch; one the store holds or another caller is fetching is
+    /// left alone. Returns the work and the chunks, in run order.
+    pub fn fill_run(&self, run: &[u64]) -> (Work, Vec<(u64, Arc<VerifiedChunk>)>) {
+        let mut got = Vec::new();
+        let (work, _) = self.background_run(run, Some(&mut got));
+        (work, got)
+    }
+
+    /// [`get_background_run`](Self::get_background_run), or with `fill` the fill's variant
+    /// ([`fill_run`](Self::fill_run)): verified chunks go into `fill`.
+    fn background_run(&self, run: &[u64], mut fill: Option<&mut Vec<(u64, Arc<VerifiedChunk>)>>) -> (Work, Vec<u64>) {
         let (mut work, mut refused) = (Work::default(), Vec::new());
         let mut i = 0;
         while i < run.len() {
             // The longest stretch from `i` this call can lead.
             let mut led: Vec<(u64, Arc<Flight>)> = Vec::new();
             while let Some(&c) = run.get(i) {
-                if led.last().is_some_and(|&(p, _)| !self.adjacent(p, c)) || !self.claim_background(c, &mut led) {
+                if led.last().is_some_and(|&(p, _)| !self.adjacent(p, c)) || !self.claim_background(c, &mut led, fill.as_deref_mut()) {
                     break;
                 }
                 i += 1;
@@ -434,7 +486,7 @@ impl Fetcher {
                 i += 1;
                 continue;
             }
-            let w = self.fetch_stretch(&led, &mut refused);
+            let w = self.fetch_stretch(&led, &mut refused, fill.as_deref_mut());
             work.bytes_fetched += w.bytes_fetched;
             work.retries += w.retries;
             work.verify_failures += w.verify_failures;
@@ -443,17 +495,27 @@ impl Fetcher {
     }
 
     /// Lead the fetch of chunk `c` (pushed onto `led`), unless it is in recent memory, the
-    /// chunk cache (then it is put in recent memory) or another caller's flight.
-    fn claim_background(&self, c: u64, led: &mut Vec<(u64, Arc<Flight>)>) -> bool {
-        if self.recent.lock().expect("poisoned").map.contains_key(&c) {
+    /// chunk cache (then it is put in recent memory) or another caller's flight. For the
+    /// fill: a chunk in recent memory goes into `fill`, and one the cache holds is skipped
+    /// without a read.
+    fn claim_background(&self, c: u64, led: &mut Vec<(u64, Arc<Flight>)>, fill: Option<&mut Vec<(u64, Arc<VerifiedChunk>)>>) -> bool {
+        if let Some(v) = self.recent.lock().expect("poisoned").map.get(&c) {
+            if let Some(f) = fill {
+                f.push((c, v.clone()));
+            }
             return false;
         }
         let rec = self.image.files[self.file].chunks[c as usize];
-        if let Some(store) = &self.store {
-            if let Some(v) = store.get(self.image.config().hash, &rec.digest, rec.len) {
-                self.recent.lock().expect("poisoned").insert(c, Arc::new(v));
-                return false;
+        let algo = self.image.config().hash;
+        match (&self.store, fill.is_some()) {
+            (Some(store), true) if store.contains(algo, &rec.digest) => return false,
+            (Some(store), false) => {
+                if let Some(v) = store.get(algo, &rec.digest, rec.len) {
+                    self.recent.lock().expect("poisoned").insert(c, Arc::new(v));
+                    return false;
+                }
             }
+            _ => {}
         }
         let mut m = self.inflight.lock().expect("poisoned");
         if m.contains_key(&c) || self.recent.lock().expect("poisoned").map.contains_key(&c) {
@@ -467,8 +529,9 @@ impl Fetcher {
 
     /// One range request for the stretch `led` (adjacent chunks whose flights this caller
     /// leads), each chunk verified on its own, every flight landed; the chunks that failed
-    /// go onto `refused`.
-    fn fetch_stretch(&self, led: &[(u64, Arc<Flight>)], refused: &mut Vec<u64>) -> Work {
+    /// go onto `refused`. With `fill`, the verified chunks go there instead of into recent
+    /// memory and the cache's queue.
+    fn fetch_stretch(&self, led: &[(u64, Arc<Flight>)], refused: &mut Vec<u64>, mut fill: Option<&mut Vec<(u64, Arc<VerifiedChunk>)>>) -> Work {
         let chunks = &self.image.files[self.file].chunks;
         let (first, last) = (led[0].0, led[led.len() - 1].0);
         let (StoredAt::Pack { pack, offset: start, .. }, StoredAt::Pack { offset: l_off, stored_len: l_len, .. }) =
@@ -497,7 +560,7 @@ impl Fetcher {
                 // The source gave up on the whole range: each chunk's waiters hear it as theirs.
                 for (c, flight) in led {
                     let f = f.for_chunk(*c);
-                    self.land(*c, flight, &Err(f), Origin::Fetched, true);
+                    self.land_for(*c, flight, &Err(f), fill.as_deref_mut());
                     refused.push(*c);
                 }
                 return work;
@@ -531,9 +594,21 @@ impl Fetcher {
             if outcome.is_err() {
                 refused.push(*c);
             }
-            self.land(*c, flight, &outcome, Origin::Fetched, true);
+            self.land_for(*c, flight, &outcome, fill.as_deref_mut());
         }
         work
+    }
+
+    /// Land a background flight: the stream's into recent memory and the cache's queue, the
+    /// fill's into `fill` (its waiters woken either way).
+    fn land_for(&self, chunk: u64, flight: &Flight, outcome: &Outcome, fill: Option<&mut Vec<(u64, Arc<VerifiedChunk>)>>) {
+        let Some(fill) = fill else { return self.land(chunk, flight, outcome, Origin::Fetched, true) };
+        if let Ok(v) = outcome {
+            fill.push((chunk, v.clone()));
+        }
+        *flight.done.lock().expect("poisoned") = Some(outcome.clone());
+        flight.cv.notify_all();
+        self.inflight.lock().expect("poisoned").remove(&chunk);
     }
 
     fn load(&self, chunk: u64, background: bool) -> (Outcome, Origin, Work) {
@@ -856,6 +931,9 @@ pub(crate) mod tests {
     impl ChunkStore for StuckStore {
         fn get(&self, _: HashAlgo, _: &imgfmt::ChunkDigest, _: u32) -> Option<VerifiedChunk> {
             None
+        }
+        fn contains(&self, _: HashAlgo, _: &imgfmt::ChunkDigest) -> bool {
+            false
         }
         fn put(&self, algo: HashAlgo, d: &imgfmt::ChunkDigest, c: &VerifiedChunk) {
             self.put_many(algo, &[(*d, c)]);

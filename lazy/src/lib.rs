@@ -16,7 +16,13 @@
 //!   prefetcher:  trace chunks, then the rest (at once with `all`, or after a few
 //!                misses) -> up to 32 requests in flight, fewer while faults
 //!                wait -> same fetch and install path, gaps only
+//!   fill:        once faults settle, the rest of the file into the chunk cache (not into
+//!                the guest), paced as the stream is, pinned there while the daemon runs
 //! ```
+//!
+//! How long a restore depends on its registry: until the fill has put every data chunk in
+//! the chunk cache ([`fill`]). Meanwhile a [`lease`] the daemon renews keeps the image
+//! through a `snapctl serve`'s gc; other registries keep it only while a tag names it.
 //!
 //! Two front doors share that fault path: [`Daemon`] speaks Firecracker's UFFD handshake,
 //! [`criu::CriuDaemon`] takes the place of `criu lazy-pages`. One daemon serves many
@@ -34,6 +40,8 @@
 //! | `fetch` | verified chunks: recent memory -> chunk cache -> source, single-flight, retried |
 //! | [`prefetch`] | what goes ahead of the guest and when: the stream, its pacing, the detector |
 //! | [`workingset`] | replay of a recorded working set |
+//! | `fill` | the rest of the served file into the chunk cache, so the restore stops depending on the registry |
+//! | [`lease`] | the restore's lease on its image at the registry, renewed while the daemon runs |
 //! | [`trace`] | the trace format and where traces are kept (layout tag, registry referrers) |
 //! | `record` | what a recording restore keeps until its trace is stored |
 //! | [`map`], [`handshake`], [`pagemap`], [`stats`] | address arithmetic, the handshake, CRIU's pagemap, counters |
@@ -53,8 +61,10 @@
 pub mod criu;
 mod fault;
 mod fetch;
+mod fill;
 pub mod handshake;
 mod install;
+pub mod lease;
 pub mod map;
 pub mod pacing;
 pub mod pagemap;
@@ -76,8 +86,10 @@ use std::time::{Duration, Instant};
 use imgfmt::{BlobSource, Image};
 
 pub use fetch::{ChunkStore, FetchFailure, RetryPolicy, DEFAULT_RETRY};
+pub use fill::FILL_SETTLE;
+pub use lease::{Lease, LEASE_SECONDS};
 pub use prefetch::PrefetchMode;
-pub use stats::{ConnReport, Counters, End};
+pub use stats::{ConnReport, Counters, End, FillReport};
 pub use trace::{LayoutTraces, LoadedAhead, RegistryTraces, Trace, TraceStore, TRACE_MEDIA_TYPE};
 
 use fault::Conn;
@@ -121,6 +133,9 @@ pub struct LazyOptions {
     /// (spec/lazy.md "Slice faults"); off: whole chunks. The outboards must be loaded
     /// either way for working sets to be recorded and replayed.
     pub slice_faults: bool,
+    /// Finish the served file into the chunk cache in the background (spec/lazy.md "The
+    /// fill"), so the restore stops depending on the registry. Needs a chunk cache.
+    pub fill: bool,
     pub retry: RetryPolicy,
     /// Recently used chunks kept in memory, in bytes.
     pub memory_bytes: u64,
@@ -147,6 +162,7 @@ impl LazyOptions {
             stream_after: Some(prefetch::DEFAULT_STREAM_AFTER),
             record_trace: false,
             slice_faults: true,
+            fill: true,
             retry: fetch::DEFAULT_RETRY,
             memory_bytes: 256 << 20,
             once: false,
@@ -176,6 +192,10 @@ pub struct Daemon {
     stop: Arc<AtomicBool>,
     /// Accept no more connections; return once those being served have ended.
     draining: AtomicBool,
+    /// The fill of the chunk cache, shared by the connections (`None`: off, or no cache).
+    fill: Option<Arc<fill::Fill>>,
+    /// The served file's chunks, pinned in the chunk cache while the daemon lives.
+    _pin: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 /// A trace to replay and its working set's plan, made once and shared by every connection.
@@ -249,7 +269,14 @@ impl Daemon {
             // in recent memory: every data chunk the guest touches must stay there.
             memory = memory.max(image.files[file].chunks.iter().filter(|c| !matches!(c.at, imgfmt::StoredAt::Zero)).map(|c| u64::from(c.len)).sum());
         }
+        // The image's chunks stay in the cache while the daemon runs, whoever evicts.
+        let pin = store.as_ref().and_then(|s| {
+            let f = &image.files[file];
+            let chunks: Vec<_> = f.chunks.iter().filter(|c| !matches!(c.at, imgfmt::StoredAt::Zero)).map(|c| (image.config().hash, c.digest)).collect();
+            s.pin(&format!("snapctl lazy (pid {}) serving {} of {}", std::process::id(), f.name, image.manifest_digest), &chunks)
+        });
         let fetcher = Arc::new(fetch::Fetcher::new(image, file, src, store, opts.retry, memory));
+        let fill = (opts.fill && fetcher.store().is_some()).then(|| Arc::new(fill::Fill::new(&fetcher)));
         Ok(Arc::new(Daemon {
             fetcher,
             opts,
@@ -263,6 +290,8 @@ impl Daemon {
             traces,
             stop: Arc::new(AtomicBool::new(false)),
             draining: AtomicBool::new(false),
+            fill,
+            _pin: pin,
         }))
     }
 
@@ -411,6 +440,27 @@ impl Daemon {
         });
     }
 
+    /// The connection's fill thread (spec/lazy.md "The fill"), in the order of `trace` then
+    /// the file's; `None` when the daemon has no fill, it is done, or no thread started.
+    fn spawn_fill(
+        self: &Arc<Self>,
+        trace: Option<&Trace>,
+        inst: &Arc<Installer>,
+        demand: &Arc<prefetch::Demand>,
+        bg: &Arc<pacing::Background>,
+        stop: &Arc<AtomicBool>,
+    ) -> Option<std::thread::JoinHandle<()>> {
+        let fill = self.fill.clone().filter(|f| !f.done())?;
+        let store = self.fetcher.store()?.clone();
+        let order = prefetch::prefetch_order(PrefetchMode::All, trace, &self.fetcher.image, self.fetcher.file);
+        let (d, dm, b, s, i) = (self.clone(), demand.clone(), bg.clone(), stop.clone(), inst.clone());
+        let spawned = std::thread::Builder::new().name("lazy-fill".into()).spawn(move || {
+            let ended = || s.load(Ordering::Relaxed) || i.gone() || d.stop.load(Ordering::Relaxed);
+            fill::Filler { fill: &fill, fetcher: &d.fetcher, store: store.as_ref(), bg: &b, demand: &dm, counters: &d.counters, ended: &ended }.run(&order)
+        });
+        spawned.map_err(|e| tracing::warn!("pid {}: no fill of the chunk cache: {e}", inst.pid)).ok()
+    }
+
     /// Handle one connection from handshake to release. Returns whether the handshake
     /// succeeded (so the connection counts for `once`).
     fn connection(self: &Arc<Self>, mut stream: UnixStream, on_report: &(dyn Fn(&ConnReport) + Send + Sync)) -> bool {
@@ -493,13 +543,19 @@ impl Daemon {
             imgfmt::StoredAt::Pack { pack, .. } => image.packs.get(pack as usize).map(|p| p.digest.clone()),
             imgfmt::StoredAt::Zero => None,
         });
-        let prober = probe_blob.filter(|_| !order.is_empty() || plan.is_some() || late).map(|blob| {
+        let filling = self.fill.as_ref().is_some_and(|f| !f.done());
+        let prober = probe_blob.filter(|_| !order.is_empty() || plan.is_some() || late || filling).map(|blob| {
             let (b, s, src) = (bg.clone(), stop_prefetch.clone(), self.fetcher.source());
             std::thread::Builder::new().name("lazy-probe".into()).spawn(move || b.probe(src.as_ref(), &blob, &s))
         });
+        // Whenever the stream ends (or with none), the fill may go.
+        let over = prefetch::StreamOver(demand.clone());
         let prefetcher = (!order.is_empty()).then(|| {
             let (i, d, b, s, rate, jobs) = (inst.clone(), demand.clone(), bg.clone(), stop_prefetch.clone(), self.opts.prefetch_rate, self.opts.stream_jobs);
-            std::thread::Builder::new().name("lazy-prefetch".into()).spawn(move || prefetch::run(i, d, b, order, traced, jobs, rate, s))
+            std::thread::Builder::new().name("lazy-prefetch".into()).spawn(move || {
+                let _over = over;
+                prefetch::run(i, d, b, order, traced, jobs, rate, s)
+            })
         });
         // A plan in hand is armed before the fault loop reads its first fault; one still on
         // its way is armed when it arrives: a fault on a slice before then fetches it, and
@@ -511,7 +567,10 @@ impl Daemon {
         let replayer = (plan.is_some() || late).then(|| {
             let (d, pid, i, ws, b, s, src) =
                 (self.clone(), hs.pid, inst.clone(), conn.ws.clone(), bg.clone(), stop_prefetch.clone(), self.fetcher.background_source());
+            // The fill waits while the replay runs (or its thread is not started), no longer.
+            let replaying = prefetch::Demand::replaying(&demand);
             std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || {
+                let _replaying = replaying;
                 let p = match plan {
                     Some(p) => p,
                     None => {
@@ -533,6 +592,7 @@ impl Daemon {
             tracing::warn!("pid {}: no working-set replay: {e}", hs.pid);
             conn.ws.disarm();
         }
+        let filler = self.spawn_fill(trace.as_deref(), &inst, &demand, &bg, &stop_prefetch);
         let ended = conn.run(stream, &self.stop);
         inst.set_gone();
         stop_prefetch.store(true, Ordering::Relaxed);
@@ -543,6 +603,9 @@ impl Daemon {
         let mut replayed = None;
         if let Some(Ok(h)) = replayer {
             replayed = h.join().ok().flatten();
+        }
+        if let Some(h) = filler {
+            let _ = h.join();
         }
         if let Some(Ok(h)) = prober {
             let _ = h.join();
@@ -562,6 +625,7 @@ impl Daemon {
         report.pacing = pacing.into();
         report.working_set_s = replayed.map(|at: Instant| at.duration_since(started).as_secs_f64());
         report.stream_started_s = demand.went_after().map(|d| d.as_secs_f64());
+        report.fill = stats::FillReport::of(&self.counters);
         if self.opts.record_trace {
             let (mut t, ws_bytes) = inst.take_recording().take_trace(&file.name, 1 << image.chunk_shift());
             report.working_set_recorded = t.working_set.len() as u64;

@@ -15,6 +15,7 @@
 //! stream / replay: Background::acquire(bytes) before each request, released when its bytes
 //!   have arrived (the stream: before they are installed; the replay: once installed),
 //!   while the window holds it beside the faults' bytes; the replay goes before the stream
+//! fill: the same window, after the replay (and it waits while the stream streams)
 //! ```
 //!
 //! Why delay, measured on the faults' own path: a fault's request waits behind whatever
@@ -241,11 +242,13 @@ impl Ledbat {
     }
 }
 
-/// Who asks for room: the replay's requests go before the stream's.
+/// Who asks for room: the replay's requests go before the stream's, and the fill's
+/// ([`crate::fill`]) after both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Class {
     Replay,
     Stream,
+    Fill,
 }
 
 /// What [`Background`] measured, for the connection's report.
@@ -353,7 +356,7 @@ impl Background {
     }
 
     fn take(self: &Arc<Self>, st: &mut State, bytes: u64, class: Class) -> Option<Permit> {
-        if class == Class::Stream && st.replay_waiting > 0 {
+        if class != Class::Replay && st.replay_waiting > 0 {
             return None;
         }
         // The faults' fetches count against the window first: the background has what is

@@ -219,6 +219,12 @@ pub(crate) struct Demand {
     go_at_us: AtomicU64,
     /// Set once the detector says the guest needs most of the image.
     needs_most: AtomicBool,
+    /// Microseconds since `started` at which faults last waited for the fetch pool.
+    busy_at_us: AtomicU64,
+    /// A working-set replay is running (or waiting for its trace).
+    replaying: AtomicBool,
+    /// The stream is over (done, stopped, or there was none).
+    stream_over: AtomicBool,
 }
 
 impl Demand {
@@ -230,12 +236,35 @@ impl Demand {
             go: AtomicBool::new(false),
             go_at_us: AtomicU64::new(0),
             needs_most: AtomicBool::new(false),
+            busy_at_us: AtomicU64::new(0),
+            replaying: AtomicBool::new(false),
+            stream_over: AtomicBool::new(false),
         }
     }
 
     /// `faults` wait for the fetch pool now.
     pub fn publish(&self, faults: u64) {
         self.parked_faults.store(faults, Ordering::Relaxed);
+        if faults > 0 {
+            self.busy_at_us.store(self.started.elapsed().as_micros() as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// A working-set replay runs until the guard is dropped.
+    pub fn replaying(me: &Arc<Demand>) -> Replaying {
+        me.replaying.store(true, Ordering::Relaxed);
+        Replaying(me.clone())
+    }
+
+    /// Whether the link is the fill's to use: no fault has waited for the fetch pool for
+    /// `settle` (nor since the connection started), no working-set replay is running, and
+    /// no stream of the rest is under way.
+    pub fn quiet(&self, settle: Duration) -> bool {
+        let since_busy = self.started.elapsed().saturating_sub(Duration::from_micros(self.busy_at_us.load(Ordering::Relaxed)));
+        self.parked_faults() == 0
+            && since_busy >= settle
+            && !self.replaying.load(Ordering::Relaxed)
+            && (!self.going() || self.stream_over.load(Ordering::Relaxed))
     }
 
     /// Faults waiting for the fetch pool.
@@ -281,6 +310,25 @@ impl Demand {
             0 => None,
             us => Some(Duration::from_micros(us - 1)),
         }
+    }
+}
+
+/// Held while a working-set replay runs (or is about to): the fill waits meanwhile.
+pub(crate) struct Replaying(Arc<Demand>);
+
+impl Drop for Replaying {
+    fn drop(&mut self) {
+        self.0.replaying.store(false, Ordering::Relaxed);
+    }
+}
+
+/// Dropped when the stream of the rest is over (its thread's end, or at once with no
+/// stream): the fill may go from then on.
+pub(crate) struct StreamOver(pub Arc<Demand>);
+
+impl Drop for StreamOver {
+    fn drop(&mut self) {
+        self.0.stream_over.store(true, Ordering::Relaxed);
     }
 }
 

@@ -148,6 +148,11 @@ pub struct Counters {
     /// Slices of the working-set blob that failed their check and were not installed (the
     /// blob is a hint: not part of `verify_failures`).
     pub ws_rejected: AtomicU64,
+    /// Daemon-wide only: chunks the fill put in the chunk cache, their bytes, and whether
+    /// every data chunk of the file is there (1) or not yet (0).
+    pub filled_chunks: AtomicU64,
+    pub filled_bytes: AtomicU64,
+    pub fill_done: AtomicU64,
     pub latency: Histogram,
 }
 
@@ -250,6 +255,25 @@ impl From<crate::pacing::PacingReport> for Pacing {
     }
 }
 
+/// The `fill` object of a connection's report: the daemon's fill of the chunk cache so far
+/// (see spec/lazy.md "The fill").
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct FillReport {
+    /// Chunks the fill put in the chunk cache, and their bytes.
+    pub chunks: u64,
+    pub bytes: u64,
+    /// Every data chunk of the file is in the chunk cache: the restore no longer depends on
+    /// the registry.
+    pub done: bool,
+}
+
+impl FillReport {
+    /// The daemon's fill as its counters say.
+    pub fn of(c: &Counters) -> FillReport {
+        FillReport { chunks: c.filled_chunks.load(Relaxed), bytes: c.filled_bytes.load(Relaxed), done: c.fill_done.load(Relaxed) == 1 }
+    }
+}
+
 /// The `--json` line printed when a connection ends (see spec/lazy.md).
 #[derive(Debug, Clone, Serialize)]
 pub struct ConnReport {
@@ -299,6 +323,8 @@ pub struct ConnReport {
     pub working_set_s: Option<f64>,
     /// Slices recorded into the working set stored with the trace (with --record-trace).
     pub working_set_recorded: u64,
+    /// The daemon's fill of the chunk cache when the connection ended.
+    pub fill: FillReport,
     pub latency_us: Latency,
     pub seconds: f64,
     /// Why the connection ended.
@@ -340,6 +366,7 @@ impl ConnReport {
             working_set_rejected_slices: l(&c.ws_rejected),
             working_set_s: None,
             working_set_recorded: 0,
+            fill: FillReport::default(),
             latency_us: c.latency.latency(),
             seconds,
             ended,
@@ -374,9 +401,16 @@ pub fn prometheus(c: &Counters, connections_active: u64, connections_total: u64)
         ("snapctl_lazy_working_set_slices_total", "Slices the replay of a recorded working set installed.", &c.ws_slices),
         ("snapctl_lazy_working_set_waits_total", "Faults that waited for the working-set replay instead of fetching.", &c.ws_waits),
         ("snapctl_lazy_working_set_rejected_slices_total", "Slices of a working-set blob that failed their check and were not installed.", &c.ws_rejected),
+        ("snapctl_lazy_filled_chunks_total", "Chunks the fill put in the chunk cache.", &c.filled_chunks),
+        ("snapctl_lazy_filled_bytes_total", "Bytes of the chunks the fill put in the chunk cache.", &c.filled_bytes),
     ] {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", l(v));
     }
+    let _ = writeln!(
+        out,
+        "# HELP snapctl_lazy_fill_done Whether the served file is whole in the chunk cache (the restore no longer depends on the registry).\n# TYPE snapctl_lazy_fill_done gauge\nsnapctl_lazy_fill_done {}",
+        l(&c.fill_done)
+    );
     let _ = writeln!(
         out,
         "# HELP snapctl_lazy_connections Connections being served.\n# TYPE snapctl_lazy_connections gauge\nsnapctl_lazy_connections {connections_active}"

@@ -55,7 +55,7 @@ impl Guest {
         format!("[{}]", r.join(","))
     }
 
-    fn connect(&self, socket: &std::path::Path) -> UnixStream {
+    pub(crate) fn connect(&self, socket: &std::path::Path) -> UnixStream {
         use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
         let s = UnixStream::connect(socket).expect("connect");
         let j = self.json();
@@ -80,10 +80,10 @@ impl Drop for Guest {
     }
 }
 
-struct Running {
-    daemon: Arc<Daemon>,
-    socket: std::path::PathBuf,
-    reports: mpsc::Receiver<ConnReport>,
+pub(crate) struct Running {
+    pub(crate) daemon: Arc<Daemon>,
+    pub(crate) socket: std::path::PathBuf,
+    pub(crate) reports: mpsc::Receiver<ConnReport>,
     thread: Option<std::thread::JoinHandle<Result<(), LazyError>>>,
 }
 
@@ -103,6 +103,18 @@ fn start(
     opts: impl FnOnce(&mut LazyOptions),
     traces: Option<Box<dyn TraceStore>>,
 ) -> Running {
+    start_with_store(dir, image, src, None, opts, traces)
+}
+
+/// [`start`] with a chunk cache.
+pub(crate) fn start_with_store(
+    dir: &std::path::Path,
+    image: Arc<Image>,
+    src: Arc<dyn imgfmt::BlobSource>,
+    store: Option<Arc<dyn ChunkStore>>,
+    opts: impl FnOnce(&mut LazyOptions),
+    traces: Option<Box<dyn TraceStore>>,
+) -> Running {
     let socket = dir.join(format!("uffd-{}.sock", rand::random::<u32>()));
     let mut o = LazyOptions::new(socket.clone());
     o.retry = RetryPolicy { first_backoff: Duration::from_millis(1), max_backoff: Duration::from_millis(20), ..RetryPolicy::stall(Duration::from_secs(2)) };
@@ -110,7 +122,7 @@ fn start(
     let _ = std::fs::remove_file(dir.join("ready"));
     opts(&mut o);
     let file = image.file("vm.mem").unwrap().0;
-    let daemon = Daemon::new(image, file, src, None, traces, o).unwrap();
+    let daemon = Daemon::new(image, file, src, store, traces, o).unwrap();
     let (tx, rx) = mpsc::channel();
     let tx = Mutex::new(tx);
     let d = daemon.clone();
@@ -597,7 +609,7 @@ pub(crate) fn resident(p: *mut u8, len: usize) -> Vec<bool> {
 }
 
 /// Poll `cond` until it holds (a generous bound: this is about hanging, not speed).
-fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+pub(crate) fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
     let t0 = Instant::now();
     while !cond() {
         assert!(t0.elapsed() < Duration::from_secs(30), "{what}: never happened");
@@ -606,7 +618,7 @@ fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
 }
 
 /// A daemon-wide counter from the metrics text.
-fn metric(d: &Daemon, name: &str) -> u64 {
+pub(crate) fn metric(d: &Daemon, name: &str) -> u64 {
     let t = d.metrics_text();
     let line = t.lines().find(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with(' '))).expect("metric");
     line.rsplit(' ').next().unwrap().parse().unwrap()
@@ -1352,3 +1364,5 @@ fn regression_issue_21_a_dripping_metrics_client_does_not_block_a_scrape() {
     }
     assert!(looked, "the host was too busy to look five times over");
 }
+
+mod fill;

@@ -6,6 +6,7 @@
 //! <root>/chunks/v1/<algo>/<2 hex>/<64 hex>   one chunk's bytes, nothing else
 //! <root>/chunks/v1/tmp/<pid>.<seq>.<nanos>.tmp   a put in progress (or a crash's leftover)
 //! <root>/chunks/v1/lock                      flock'd for the eviction pass
+//! <root>/chunks/v1/pins/<pid>-<seq>-<nanos>.pin   chunks a running restore keeps (flock'd)
 //! ```
 //!
 //! A put writes a temp file, `fdatasync`s it, renames it under its digest and fsyncs the
@@ -18,7 +19,15 @@
 //! same least-recently-used eviction, under one budget (`--cache-size`; spec/cache.md
 //! §7). A push layout in use (a push holds its [`imgfmt::file::UseLock`]) is left alone;
 //! one being evicted is renamed away first, so a kill in the middle leaves either the
-//! whole layout under its name or a leftover the next pass removes.
+//! whole layout under its name or a leftover the next pass removes. A file being written
+//! (a stamp's or a state file's temp of a live process) is never an entry.
+//!
+//! **Pins.** A running restore pins the chunks of the file it serves ([`ChunkCache::pin`]):
+//! a pin file under `chunks/v1/pins/` that its process holds locked while it lives. Every
+//! pass, of any process, leaves the chunks of live pins alone (`prune --all` too) and
+//! deletes the pins of processes that are gone. Pinned bytes count toward the budget: a
+//! pinned chunk that would take the pinned bytes past the limit is not stored
+//! ([`ChunkCache::pinned_room`] says how much room is left).
 //!
 //! Whoever else can write into the cache directory cannot make it write, touch or delete
 //! anything outside it: `chunks/v1` and `tmp/` are opened beneath the root without
@@ -36,6 +45,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+mod pins;
+
 use imgfmt::compress::Codec;
 use imgfmt::file::{Dir, UseLock};
 use imgfmt::{ChunkDigest, HashAlgo};
@@ -50,6 +61,10 @@ const VERSION_DIR: &str = "chunks/v1";
 const MAX_ENTRY: u64 = 1 << imgfmt::MAX_CHUNK_SHIFT;
 /// A temp file whose writer is gone, or this old, is a crash's leftover.
 const STALE_TEMP: Duration = Duration::from_secs(3600);
+/// A small file's temp (a stamp, a state file) younger than this is taken as being written
+/// even when its writer's pid is not seen here (another pid namespace): such a write takes
+/// milliseconds.
+const STALE_WRITE: Duration = Duration::from_secs(60);
 /// Recency is the entry's mtime, refreshed on a hit at most this often (so hot chunks do
 /// not cost a metadata write per read).
 const TOUCH_EVERY: Duration = Duration::from_secs(60);
@@ -63,6 +78,12 @@ const UPLOADS: &str = "uploads";
 const KNOWN_BLOBS: &str = "known-blobs";
 /// A push layout being deleted is first renamed to `.evicting-<32 hex>-<pid>-<nanos>`.
 const EVICTING_PREFIX: &str = ".evicting-";
+/// Small files under the cache root (stamps, upload state, known-blobs records) are written
+/// to `.tmp-<pid>-<n>-<nanos>` beside their name and renamed over it
+/// (`imgfmt::layout::write_atomic_mode`).
+const WRITE_TEMP_PREFIX: &str = ".tmp-";
+/// Under `chunks/v1`: the pins of running restores.
+const PINS_DIR: &str = "pins";
 
 /// What an entry of the cache directory is: the kinds `snapctl cache` lists, all under
 /// one budget.
@@ -100,7 +121,8 @@ pub struct KindUsage {
     pub entries: u64,
     /// Allocated bytes.
     pub bytes: u64,
-    /// Entries in use (a push layout a push holds): never evicted.
+    /// Entries in use (a push layout a push holds, a chunk a running restore pins, a file
+    /// being written): never evicted.
     pub in_use: u64,
 }
 
@@ -111,6 +133,10 @@ pub struct Usage {
     pub limit_bytes: u64,
     pub total_bytes: u64,
     pub total_entries: u64,
+    /// Allocated bytes of the chunk entries live pins name (part of `total_bytes`).
+    pub pinned_bytes: u64,
+    /// Live pins: restores running on this host that keep their image's chunks here.
+    pub pins: u64,
     /// One row per kind, in [`EntryKind::ALL`] order.
     pub kinds: Vec<KindUsage>,
 }
@@ -155,6 +181,8 @@ pub struct CacheStats {
     pub stale_refs: u64,
     /// Stray temp files of crashed writers removed.
     pub stray_temps_removed: u64,
+    /// Pinned chunks not stored because the pinned bytes would have passed the limit.
+    pub pinned_over_budget: u64,
     pub bytes_allocated: u64,
     pub limit_bytes: u64,
 }
@@ -205,6 +233,44 @@ impl Drop for PreparedRefs<'_> {
     }
 }
 
+/// The chunks of each pin a handle holds, by pin: what its puts count toward the budget.
+type OwnPins = Arc<Mutex<std::collections::HashMap<u64, Arc<pins::Pinned>>>>;
+
+/// Chunks kept in the cache while this lives ([`ChunkCache::pin`]): no eviction pass of any
+/// process deletes them, `snapctl cache prune --all` included. Dropped, its pin file goes;
+/// the pin file of a process that was killed is deleted by the next pass (its lock is free).
+#[derive(Debug)]
+pub struct Pin {
+    /// The pin file, locked shared for as long as the pin lives.
+    file: File,
+    dir: Dir,
+    name: OsString,
+    id: u64,
+    own: OwnPins,
+    chunks: usize,
+}
+
+impl Pin {
+    /// Chunks the pin names.
+    pub fn chunks(&self) -> usize {
+        self.chunks
+    }
+
+    /// The pin file.
+    pub fn path(&self) -> PathBuf {
+        self.dir.display_path(&self.name)
+    }
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        self.own.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+        // Removed while still locked, then closed: no pass takes it for a dead holder's.
+        let _ = self.dir.remove_file(&self.name);
+        let _ = self.file.unlock();
+    }
+}
+
 /// A per-host, content-addressed chunk cache. `Send + Sync`: share one with an `Arc` or
 /// by reference across threads; several processes may open the same directory.
 #[derive(Debug)]
@@ -218,6 +284,14 @@ pub struct ChunkCache {
     /// create, rename and remove through these, never through the paths.
     base_dir: Dir,
     tmp_dir: Dir,
+    /// `chunks/v1/pins`, opened like `tmp`.
+    pins_dir: Dir,
+    /// The chunks of the pins this handle holds.
+    own_pins: OwnPins,
+    /// Allocated bytes of pinned chunk entries (every live pin's, every process's): measured
+    /// by the last pass or [`ChunkCache::measure_pins`], plus this handle's pinned puts since.
+    pinned: AtomicU64,
+    pinned_over: AtomicU64,
     limit: u64,
     hits: AtomicU64,
     misses: AtomicU64,
@@ -290,6 +364,8 @@ struct Entry {
     kind: EntryKind,
     /// A push layout (`path` is its directory), not a file.
     layout: bool,
+    /// In use, never evicted: a chunk a live pin names, a file a live process is writing.
+    held: bool,
 }
 
 impl ChunkCache {
@@ -302,12 +378,17 @@ impl ChunkCache {
         // The root is the caller's to choose; beneath it, a symlink is refused.
         let base_dir = Dir::create_all(dir).and_then(|d| d.create_dir_all(Path::new(VERSION_DIR))).map_err(io(&base))?;
         let tmp_dir = base_dir.create_dir_all(Path::new("tmp")).map_err(io(&tmp))?;
+        let pins_dir = base_dir.create_dir_all(Path::new(PINS_DIR)).map_err(io(&base.join(PINS_DIR)))?;
         let c = ChunkCache {
             root: dir.to_path_buf(),
             base,
             tmp,
             base_dir,
             tmp_dir,
+            pins_dir,
+            own_pins: Arc::default(),
+            pinned: AtomicU64::new(0),
+            pinned_over: AtomicU64::new(0),
             limit: limit_bytes,
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
@@ -599,6 +680,59 @@ impl ChunkCache {
         self.entry_path(algo, digest).is_file() || self.ref_path(algo, digest).is_file()
     }
 
+    /// Pin `chunks` in the cache for as long as the returned [`Pin`] lives: every eviction
+    /// pass, of this process or another, leaves their entries alone (`prune --all` too), and
+    /// this handle's puts of them count toward [`ChunkCache::pinned_room`]. `label` says
+    /// whose pin it is (one line in the pin file, for whoever looks). A killed process's pin
+    /// is deleted by the next pass. Chunks not in the cache yet are pinned once put.
+    pub fn pin(&self, label: &str, chunks: &[(HashAlgo, ChunkDigest)]) -> Result<Pin, CacheError> {
+        let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_nanos();
+        let id = self.seq.fetch_add(1, Ordering::Relaxed);
+        let unique = format!("{}-{id}-{nanos}", std::process::id());
+        let pins_path = self.base.join(PINS_DIR);
+        let (file, name) = pins::create(&self.pins_dir, &unique, label, chunks).map_err(io(&pins_path))?;
+        let pin = Pin { file, dir: self.pins_dir.try_clone().map_err(io(&pins_path))?, name, id, own: self.own_pins.clone(), chunks: chunks.len() };
+        self.own_pins.lock().unwrap_or_else(|p| p.into_inner()).insert(id, Arc::new(chunks.iter().copied().collect()));
+        self.measure_pins();
+        Ok(pin)
+    }
+
+    /// Measure the allocated bytes of the chunk entries that live pins name (every
+    /// process's), and count from that from now on; returns it.
+    pub fn measure_pins(&self) -> u64 {
+        let (pinned, _) = pins::live(&self.pins_dir, false, writer_runs);
+        let bytes = pinned.iter().map(|(a, d)| self.entry_bytes(*a, d)).sum();
+        self.pinned.store(bytes, Ordering::Relaxed);
+        bytes
+    }
+
+    /// Bytes pinned chunks may still take: the limit less the pinned bytes (as last
+    /// measured, plus this handle's pinned puts since). A pinned chunk whose put would pass
+    /// it is not stored (counted in [`CacheStats::pinned_over_budget`]).
+    pub fn pinned_room(&self) -> u64 {
+        self.limit.saturating_sub(self.pinned.load(Ordering::Relaxed))
+    }
+
+    /// The limit this handle keeps the cache within.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// Allocated bytes of the entries (copy and reference) of `digest`.
+    fn entry_bytes(&self, algo: HashAlgo, digest: &ChunkDigest) -> u64 {
+        [self.entry_path(algo, digest), self.ref_path(algo, digest)]
+            .iter()
+            .filter_map(|p| fs::symlink_metadata(p).ok())
+            .filter(|m| m.is_file())
+            .map(|m| m.blocks() * 512)
+            .sum()
+    }
+
+    /// Whether a pin this handle holds names `digest`.
+    fn own_pinned(&self, algo: HashAlgo, digest: &ChunkDigest) -> bool {
+        self.own_pins.lock().unwrap_or_else(|p| p.into_inner()).values().any(|s| s.contains(&(algo, *digest)))
+    }
+
     /// Store a verified chunk durably: temp file, fdatasync, atomic rename (a crash can
     /// forget a chunk but never leave a torn one under its name). Idempotent; safe across
     /// processes. All-zero chunks are not stored (callers make zeros locally).
@@ -681,6 +815,9 @@ impl ChunkCache {
             }
             self.puts.fetch_add(1, Ordering::Relaxed);
             added += allocated;
+            if self.own_pinned(algo, &items[k].0) {
+                self.pinned.fetch_add(allocated, Ordering::Relaxed);
+            }
         }
         if let Err(e) = self.grew(added) {
             // The chunks are stored; only the pass failed. Report it on the last put.
@@ -727,6 +864,13 @@ impl ChunkCache {
                 return Ok(None);
             }
         }
+        // Pinned bytes count toward the budget, and no pass can evict them: a pinned chunk
+        // that would take them past the limit is not stored (the restore keeps fetching it).
+        let blocks = (bytes.len() as u64).div_ceil(4096) * 4096;
+        if self.pinned.load(Ordering::Relaxed) + blocks > self.limit && self.own_pinned(algo, digest) {
+            self.pinned_over.fetch_add(1, Ordering::Relaxed);
+            return Ok(None);
+        }
         let hex = digest.to_hex();
         let (dir, created) = self.prefix_dir(algo, &hex)?;
         if created {
@@ -752,6 +896,7 @@ impl ChunkCache {
             damaged: self.damaged.load(Ordering::Relaxed),
             stale_refs: self.stale_refs.load(Ordering::Relaxed),
             stray_temps_removed: self.strays.load(Ordering::Relaxed),
+            pinned_over_budget: self.pinned_over.load(Ordering::Relaxed),
             bytes_allocated: self.allocated.load(Ordering::Relaxed),
             limit_bytes: self.limit,
         }
@@ -788,14 +933,19 @@ impl ChunkCache {
     pub fn usage(&self) -> Result<Usage, CacheError> {
         let _one = self.evicting.lock().unwrap_or_else(|p| p.into_inner());
         let _lock = self.pass_lock()?;
-        let entries = self.scan()?;
+        let (pinned, pins) = pins::live(&self.pins_dir, true, writer_runs);
+        let entries = self.scan(&pinned)?;
         let mut kinds: Vec<KindUsage> = EntryKind::ALL.iter().map(|&kind| KindUsage { kind, entries: 0, bytes: 0, in_use: 0 }).collect();
+        let mut pinned_bytes = 0;
         for e in &entries {
             let k = &mut kinds[EntryKind::ALL.iter().position(|&x| x == e.kind).expect("every kind is listed")];
             k.entries += 1;
             k.bytes += e.allocated;
-            if e.layout && !push_layout_free(&e.path) {
+            if e.held || (e.layout && !push_layout_free(&e.path)) {
                 k.in_use += 1;
+            }
+            if e.held && e.kind == EntryKind::Chunks {
+                pinned_bytes += e.allocated;
             }
         }
         Ok(Usage {
@@ -803,6 +953,8 @@ impl ChunkCache {
             limit_bytes: self.limit,
             total_bytes: kinds.iter().map(|k| k.bytes).sum(),
             total_entries: kinds.iter().map(|k| k.entries).sum(),
+            pinned_bytes,
+            pins,
             kinds,
         })
     }
@@ -831,8 +983,11 @@ impl ChunkCache {
     fn evict_down_to(&self, over: u64, target: u64) -> Result<Pruned, CacheError> {
         self.since_scan.store(0, Ordering::Relaxed);
         let mut pruned = Pruned { leftovers_removed: self.remove_leftovers(), ..Default::default() };
-        let mut entries = self.scan()?;
+        // Pins of processes that are gone go now; the live ones' chunks stay whatever the target.
+        let (pinned, _) = pins::live(&self.pins_dir, true, writer_runs);
+        let mut entries = self.scan(&pinned)?;
         let mut total: u64 = entries.iter().map(|e| e.allocated).sum();
+        self.pinned.store(entries.iter().filter(|e| e.held && e.kind == EntryKind::Chunks).map(|e| e.allocated).sum(), Ordering::Relaxed);
         if total > over {
             entries.sort_by_key(|e| e.used);
             for e in entries {
@@ -864,6 +1019,9 @@ impl ChunkCache {
 
     /// Delete one entry; `false` when it is a push layout in use (left alone).
     fn evict(&self, e: &Entry) -> std::io::Result<bool> {
+        if e.held {
+            return Ok(false);
+        }
         if !e.layout {
             return fs::remove_file(&e.path).map(|()| true);
         }
@@ -925,15 +1083,53 @@ impl ChunkCache {
         removed
     }
 
+    /// Regular files directly in `dir` (not through a symlink), as entries of `kind`.
+    fn scan_files(&self, dir: &Path, kind: EntryKind, out: &mut Vec<Entry>) {
+        if !fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir()) {
+            return;
+        }
+        let Ok(names) = fs::read_dir(dir) else { return };
+        for e in names.flatten() {
+            let Ok(md) = e.metadata() else { continue };
+            if md.is_file() {
+                out.extend(self.file_entry(e.path(), &md, kind));
+            }
+        }
+    }
+
     /// Every entry the budget covers: chunk entries under `<root>/chunks/v1/<algo>/<xx>/`,
     /// push layouts, upload state and known-blobs records.
-    fn scan(&self) -> Result<Vec<Entry>, CacheError> {
-        let mut out = self.scan_chunks()?;
+    /// Chunk entries `pinned` names are held. Temps of small files being written are held
+    /// while their writer runs; those of writers that are gone are leftovers, removed.
+    fn scan(&self, pinned: &pins::Pinned) -> Result<Vec<Entry>, CacheError> {
+        let mut out = self.scan_chunks(pinned)?;
         self.scan_push_layouts(&mut out);
         for (dir, kind) in [(UPLOADS, EntryKind::Uploads), (KNOWN_BLOBS, EntryKind::KnownBlobs)] {
-            scan_files(&self.root.join(dir), kind, &mut out);
+            self.scan_files(&self.root.join(dir), kind, &mut out);
         }
         Ok(out)
+    }
+
+    /// A file `name` of `kind` (not a push layout's part) seen by a scan: an entry, a file
+    /// being written (held), or a dead writer's temp (removed, `None`).
+    fn file_entry(&self, path: PathBuf, md: &fs::Metadata, kind: EntryKind) -> Option<Entry> {
+        let held = match path.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix(WRITE_TEMP_PREFIX)) {
+            None => false,
+            Some(rest) => {
+                let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
+                // A writer in another pid namespace is not seen in /proc: a temp that young
+                // is its write under way all the same.
+                let young = md.modified().ok().and_then(|m| m.elapsed().ok()).is_some_and(|age| age < STALE_WRITE);
+                if !pid.is_some_and(writer_runs) && !young {
+                    if fs::remove_file(&path).is_ok() {
+                        self.strays.fetch_add(1, Ordering::Relaxed);
+                    }
+                    return None;
+                }
+                true
+            }
+        };
+        Some(Entry { path, allocated: md.blocks() * 512, used: md.modified().unwrap_or(SystemTime::UNIX_EPOCH), kind, layout: false, held })
     }
 
     /// `push-layouts/`: one entry per layout key, its directory, stamp and lock together
@@ -969,13 +1165,7 @@ impl ChunkCache {
                 slot.0 += bytes;
                 slot.1 = slot.1.max(used);
             } else if md.is_file() {
-                out.push(Entry {
-                    path: e.path(),
-                    allocated: md.blocks() * 512,
-                    used: md.modified().unwrap_or(SystemTime::UNIX_EPOCH),
-                    kind: EntryKind::PushLayouts,
-                    layout: false,
-                });
+                out.extend(self.file_entry(e.path(), &md, EntryKind::PushLayouts));
             }
         }
         for (key, (allocated, used)) in layouts {
@@ -984,12 +1174,12 @@ impl ChunkCache {
             if !pl.join(&key).exists() && !pl.join(format!("{key}.stamp.json")).exists() {
                 continue;
             }
-            out.push(Entry { path: pl.join(key), allocated, used, kind: EntryKind::PushLayouts, layout: true });
+            out.push(Entry { path: pl.join(key), allocated, used, kind: EntryKind::PushLayouts, layout: true, held: false });
         }
     }
 
-    /// Every entry under `<root>/chunks/v1/<algo>/<xx>/`.
-    fn scan_chunks(&self) -> Result<Vec<Entry>, CacheError> {
+    /// Every entry under `<root>/chunks/v1/<algo>/<xx>/`; those `pinned` names are held.
+    fn scan_chunks(&self, pinned: &pins::Pinned) -> Result<Vec<Entry>, CacheError> {
         let mut out = Vec::new();
         for algo in [HashAlgo::Blake3, HashAlgo::Sha256] {
             let adir = self.base.join(algo.name());
@@ -1010,8 +1200,7 @@ impl ChunkCache {
                     if let Some(rest) = f.file_name().to_str().and_then(|n| n.strip_prefix(REF_TEMP_PREFIX)) {
                         // A reference write that never got renamed: its writer crashed.
                         let pid: Option<u32> = rest.split('.').next().and_then(|p| p.parse().ok());
-                        let gone = pid.is_none_or(|p| p != std::process::id() && !Path::new(&format!("/proc/{p}")).exists());
-                        if gone && fs::remove_file(f.path()).is_ok() {
+                        if !pid.is_some_and(writer_runs) && fs::remove_file(f.path()).is_ok() {
                             self.strays.fetch_add(1, Ordering::Relaxed);
                         }
                         continue;
@@ -1019,12 +1208,17 @@ impl ChunkCache {
                     // Vanished since the listing (evicted or damaged elsewhere): skip.
                     let Ok(md) = f.metadata() else { continue };
                     if md.is_file() {
+                        let name = f.file_name();
+                        let hex = name.to_str().map(|n| n.strip_suffix(REF_SUFFIX).unwrap_or(n)).unwrap_or_default();
+                        let held =
+                            !pinned.is_empty() && ChunkDigest::parse_with(&format!("{}:{hex}", algo.name()), algo).is_ok_and(|d| pinned.contains(&(algo, d)));
                         out.push(Entry {
                             path: f.path(),
                             allocated: md.blocks() * 512,
                             used: md.modified().unwrap_or(SystemTime::UNIX_EPOCH),
                             kind: EntryKind::Chunks,
                             layout: false,
+                            held,
                         });
                     }
                 }
@@ -1041,17 +1235,12 @@ impl ChunkCache {
         // Listed and removed through the descriptor opened (symlink-free) at open: names
         // only ever of the cache's own temp directory.
         let Ok(names) = self.tmp_dir.names() else { return Ok(()) };
-        let me = std::process::id();
         for os_name in names {
             let name = os_name.to_string_lossy();
             let pid: Option<u32> = name.split('.').next().and_then(|p| p.parse().ok());
             let modified = fs::symlink_metadata(self.tmp.join(&os_name)).ok().and_then(|m| m.modified().ok());
             let old = modified.is_none_or(|m| m.elapsed().unwrap_or_default() > STALE_TEMP);
-            let writer_gone = match pid {
-                Some(p) if p == me => false,
-                Some(p) => !Path::new(&format!("/proc/{p}")).exists(),
-                None => true,
-            };
+            let writer_gone = !pid.is_some_and(writer_runs);
             if (old || writer_gone) && self.tmp_dir.remove_file(&os_name).is_ok() {
                 self.strays.fetch_add(1, Ordering::Relaxed);
             }
@@ -1071,18 +1260,10 @@ fn touch(entry: &File, modified: Option<SystemTime>) {
     }
 }
 
-/// Regular files directly in `dir` (not through a symlink), as entries of `kind`.
-fn scan_files(dir: &Path, kind: EntryKind, out: &mut Vec<Entry>) {
-    if !fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir()) {
-        return;
-    }
-    let Ok(names) = fs::read_dir(dir) else { return };
-    for e in names.flatten() {
-        let Ok(md) = e.metadata() else { continue };
-        if md.is_file() {
-            out.push(Entry { path: e.path(), allocated: md.blocks() * 512, used: md.modified().unwrap_or(SystemTime::UNIX_EPOCH), kind, layout: false });
-        }
-    }
+/// Whether process `pid` runs on this host (this process does): the writer of a temp file
+/// named after it may still be writing.
+fn writer_runs(pid: u32) -> bool {
+    pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists()
 }
 
 /// Allocated bytes of everything under `dir` (symlinks counted as themselves, never
@@ -1353,7 +1534,7 @@ mod tests {
         assert_eq!(c.stats().puts, 21);
         assert_eq!(fs::read_dir(dir.path().join("chunks/v1/tmp")).unwrap().count(), 0, "no temp left");
         // The estimate counts what the batch added, as a rescan measures it.
-        let measured: u64 = c.scan().unwrap().iter().map(|e| e.allocated).sum();
+        let measured: u64 = c.scan(&pins::Pinned::new()).unwrap().iter().map(|e| e.allocated).sum();
         // (The duplicate's second copy replaced the first: estimated twice, measured once.)
         let est = c.stats().bytes_allocated;
         assert!(est >= measured && est - measured <= 16384, "estimate {est}, measured {measured}");
@@ -1423,7 +1604,7 @@ mod tests {
             set_mtime(d, t0 + Duration::from_secs(i as u64));
             set_mtime(&chunks[0].0, SystemTime::now());
         }
-        let measured: u64 = c.scan().unwrap().iter().map(|e| e.allocated).sum();
+        let measured: u64 = c.scan(&pins::Pinned::new()).unwrap().iter().map(|e| e.allocated).sum();
         assert!(measured <= 10 * len as u64 + 1000, "over the limit: {measured}");
         assert!(c.stats().evictions >= 20);
         assert!(c.contains_unverified(HashAlgo::Blake3, &chunks[0].0), "the recently used entry survived");
@@ -1432,7 +1613,7 @@ mod tests {
         // A smaller limit on reopen shrinks the cache.
         let small = ChunkCache::open(dir.path(), 2 * len as u64 + 1000).unwrap();
         assert!(small.stats().bytes_allocated <= 2 * len as u64 + 1000);
-        let measured: u64 = small.scan().unwrap().iter().map(|e| e.allocated).sum();
+        let measured: u64 = small.scan(&pins::Pinned::new()).unwrap().iter().map(|e| e.allocated).sum();
         assert_eq!(measured, small.stats().bytes_allocated);
     }
 
@@ -1597,5 +1778,113 @@ mod tests {
         assert!(live.exists());
         c2.put(HashAlgo::Blake3, &d, &ch).unwrap();
         assert!(c2.get(HashAlgo::Blake3, &d, 4096).unwrap().is_some());
+    }
+
+    /// Issue 35 §1: the chunks a running restore pins stay through every eviction, the
+    /// budget's and `prune --all` alike, from another handle (another process, as far as
+    /// the files and locks go); once the pin is dropped they are entries like any other.
+    #[test]
+    fn regression_issue_35_pinned_chunks_survive_every_eviction_while_their_pin_lives() {
+        let dir = tempfile::tempdir().unwrap();
+        let holder = ChunkCache::open(dir.path(), DEFAULT_LIMIT).unwrap();
+        let chunks: Vec<_> = (0..4u8).map(|i| chunk(i, 64 << 10)).collect();
+        for (d, c) in &chunks {
+            holder.put(HashAlgo::Blake3, d, c).unwrap();
+        }
+        let pin = holder.pin("lazy test\nsecond line", &[(HashAlgo::Blake3, chunks[0].0), (HashAlgo::Blake3, chunks[1].0)]).unwrap();
+        assert_eq!(pin.chunks(), 2);
+        assert!(fs::read_to_string(pin.path()).unwrap().starts_with("snapctl-pin v1 lazy test second line\nblake3:"), "one line of label, then the chunks");
+        let other = ChunkCache::open(dir.path(), DEFAULT_LIMIT).unwrap();
+        let usage = other.usage().unwrap();
+        assert_eq!((usage.pins, usage.kinds[0].in_use), (1, 2), "{usage:?}");
+        assert!(usage.pinned_bytes >= 128 << 10, "{usage:?}");
+        let pruned = other.prune(0).unwrap();
+        assert_eq!((pruned.entries_evicted, pruned.in_use_kept), (2, 2), "{pruned:?}");
+        for (k, (d, _)) in chunks.iter().enumerate() {
+            assert_eq!(other.contains_unverified(HashAlgo::Blake3, d), k < 2, "chunk {k}");
+        }
+        // Put while pinned (after the pin): pinned too.
+        other.maintain(true).unwrap();
+        assert!(holder.get(HashAlgo::Blake3, &chunks[0].0, 64 << 10).unwrap().is_some());
+        drop(pin);
+        assert_eq!(fs::read_dir(dir.path().join("chunks/v1/pins")).unwrap().count(), 0, "the pin file goes with the pin");
+        assert_eq!(other.prune(0).unwrap().entries_evicted, 2);
+        assert!(!other.contains_unverified(HashAlgo::Blake3, &chunks[0].0));
+    }
+
+    /// Issue 35 §1: the pin of a process that is gone (its file is there, nobody holds its
+    /// lock: a daemon killed with -9) pins nothing and is deleted by the next pass; a pin
+    /// being written by a dead process likewise.
+    #[test]
+    fn regression_issue_35_a_dead_holders_pin_is_removed_and_pins_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = ChunkCache::open(dir.path(), DEFAULT_LIMIT).unwrap();
+        let (d, ch) = chunk(9, 8192);
+        c.put(HashAlgo::Blake3, &d, &ch).unwrap();
+        let pins = dir.path().join("chunks/v1/pins");
+        let dead = pins.join("4000000-1-1.pin");
+        fs::write(&dead, format!("snapctl-pin v1 killed\n{}\n", d.display_with(HashAlgo::Blake3))).unwrap();
+        let writing = pins.join(".4000000-2-1.tmp");
+        fs::write(&writing, "snapctl-pin v1 killed while writing\n").unwrap();
+        assert_eq!(c.usage().unwrap().pins, 0, "a pin nobody holds is no pin");
+        assert!(!dead.exists() && !writing.exists(), "a pass deletes them");
+        fs::write(&dead, format!("snapctl-pin v1 killed\n{}\n", d.display_with(HashAlgo::Blake3))).unwrap();
+        assert_eq!(c.prune(0).unwrap().entries_evicted, 1);
+        assert!(!c.contains_unverified(HashAlgo::Blake3, &d) && !dead.exists());
+    }
+
+    /// Issue 35 §1: pinned bytes count toward the budget and no pass can free them, so a
+    /// pinned chunk that would take them past the limit is not stored; the room left says so.
+    #[test]
+    fn regression_issue_35_pinned_puts_stop_at_the_budget() {
+        let dir = tempfile::tempdir().unwrap();
+        let len = 64 << 10;
+        let chunks: Vec<_> = (0..6u8).map(|i| chunk(i, len)).collect();
+        let c = ChunkCache::open(dir.path(), 3 * len as u64 + 4096).unwrap();
+        let pin = c.pin("budget", &chunks.iter().map(|(d, _)| (HashAlgo::Blake3, *d)).collect::<Vec<_>>()).unwrap();
+        assert_eq!(c.pinned_room(), c.limit());
+        for (d, ch) in &chunks {
+            c.put(HashAlgo::Blake3, d, ch).unwrap();
+        }
+        let stored = chunks.iter().filter(|(d, _)| c.contains_unverified(HashAlgo::Blake3, d)).count();
+        assert_eq!(stored, 3, "{:?}", c.stats());
+        assert_eq!(c.stats().pinned_over_budget, 3);
+        assert!(c.pinned_room() < len as u64);
+        assert_eq!(c.measure_pins(), 3 * len as u64);
+        // Unpinned chunks still come and go within the budget.
+        let (d, ch) = chunk(42, len);
+        c.put(HashAlgo::Blake3, &d, &ch).unwrap();
+        assert!(c.usage().unwrap().total_bytes <= c.limit() + len as u64);
+        drop(pin);
+    }
+
+    /// Issue 35 §6: a small file being written under the cache root (a stamp's or an upload
+    /// state's temp, renamed over its name when written) is not an entry to evict while its
+    /// writer runs: `prune --all` deleted it and the push failed at its rename. A dead
+    /// writer's old temp is a leftover, removed.
+    #[test]
+    fn regression_issue_35_files_being_written_are_never_evicted() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let me = std::process::id();
+        let mut live = Vec::new();
+        for (d, k) in [(PUSH_LAYOUTS, 0), (UPLOADS, 1), (KNOWN_BLOBS, 2)] {
+            fs::create_dir_all(root.join(d)).unwrap();
+            let p = root.join(d).join(format!(".tmp-{me}-{k}-5"));
+            fs::write(&p, b"{}").unwrap();
+            live.push(p);
+        }
+        let dead = root.join(UPLOADS).join(".tmp-4000000-0-5");
+        fs::write(&dead, b"{}").unwrap();
+        OpenOptions::new().write(true).open(&dead).unwrap().set_modified(SystemTime::now() - Duration::from_secs(3600)).unwrap();
+        let c = ChunkCache::open(root, DEFAULT_LIMIT).unwrap();
+        let pruned = c.prune(0).unwrap();
+        assert_eq!(pruned.in_use_kept, 3, "{pruned:?}");
+        for p in &live {
+            assert!(p.exists(), "{} is being written", p.display());
+        }
+        assert!(!dead.exists(), "a dead writer's temp is a leftover");
+        let usage = c.usage().unwrap();
+        assert_eq!(usage.kinds.iter().map(|k| k.in_use).sum::<u64>(), 3, "{usage:?}");
     }
 }

@@ -8,6 +8,7 @@
 //! lib.rs       RegistrySource: HTTP(S), auth challenges, retries; the read half (BlobSource)
 //! upload.rs    write half: HEAD, mount, POST/PATCH/PUT uploads with resume, manifest PUT
 //! referrers.rs referrers API and the OCI 1.1 fallback tag `sha256-<hex>`
+//! lease.rs     restore leases: `Snapctl-Lease` on a HEAD of a manifest by digest
 //! artifacts.rs manifests read beside an image (signatures) without the tag cache
 //! state.rs     resume state files of chunked uploads
 //! known.rs     which repositories of a host hold which blobs (for mounts)
@@ -40,6 +41,7 @@ mod config;
 mod error;
 mod helper;
 mod known;
+mod lease;
 mod referrers;
 mod transport;
 pub use referrers::{Referrers, ReferrersQuery, EMPTY_CONFIG_TYPE, MAX_REFERRERS, MAX_REFERRER_PAGES, PAYLOAD_TYPE};
@@ -50,6 +52,7 @@ mod upload;
 pub use config::{cache_dir, docker_config_credentials, docker_config_path, remove_docker_credentials, store_docker_credentials, Stored};
 pub use error::{explain, ClientError, CredentialsError};
 pub use known::KnownBlobs;
+pub use lease::{LEASE_HEADER, MAX_LEASE_SECONDS};
 pub use upload::{MemSource, PutManifest, UploadOptions, Uploaded, DEFAULT_PIECE, MAX_PIECE};
 
 use std::collections::{BTreeSet, HashSet};

@@ -5,7 +5,9 @@
 //! `path` (cut to 512 bytes), `status`, `bytes_in` and `bytes_out` (body bytes),
 //! `ms` (from the request to the end of its response body), `user_agent` (cut to 256
 //! bytes), and for a 5xx, `error`: its cause. Method, path and user agent are client input,
-//! bounded before they are logged. `serve --log-format json` writes each line as one JSON
+//! bounded before they are logged, and every control character (C0, DEL, C1) in a field is
+//! written as its escape (`\u{85}`): a JSON writer escapes only C0, and a raw NEL or CSI
+//! would end or recolour a line in a log viewer. `serve --log-format json` writes each line as one JSON
 //! object (the CLI's subscriber; this module only emits `tracing` events).
 //!
 //! Who authenticated and why a request failed are known deep in the handler; it notes them
@@ -38,21 +40,33 @@ tokio::task_local! {
 
 /// Record who the request authenticated as (no-op outside a logged request).
 pub(crate) fn note_user(user: &str) {
-    let _ = NOTES.try_with(|n| n.lock().unwrap_or_else(|p| p.into_inner()).user = Some(clip(user, 256).to_owned()));
+    let _ = NOTES.try_with(|n| n.lock().unwrap_or_else(|p| p.into_inner()).user = Some(clip(user, 256)));
 }
 
 /// Record why a request failed on the server's side.
 pub(crate) fn note_error(cause: &str) {
-    let _ = NOTES.try_with(|n| n.lock().unwrap_or_else(|p| p.into_inner()).error = Some(clip(cause, 1024).to_owned()));
+    let _ = NOTES.try_with(|n| n.lock().unwrap_or_else(|p| p.into_inner()).error = Some(clip(cause, 1024)));
 }
 
-/// At most `n` bytes of `s` (cut at a character boundary).
-pub(crate) fn clip(s: &str, n: usize) -> &str {
+/// At most `n` bytes of `s` (cut at a character boundary), control characters escaped.
+pub(crate) fn clip(s: &str, n: usize) -> String {
     let mut end = s.len().min(n);
     while !s.is_char_boundary(end) {
         end -= 1;
     }
-    &s[..end]
+    escape_controls(&s[..end])
+}
+
+/// `s` with each control character (C0, DEL, C1) written as its Rust escape.
+fn escape_controls(s: &str) -> String {
+    s.chars().fold(String::with_capacity(s.len()), |mut out, c| {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+        out
+    })
 }
 
 /// A body that counts the bytes of its data frames.
@@ -144,9 +158,9 @@ where
 {
     let start = Instant::now();
     let client = req.extensions().get::<ConnectInfo<SocketAddr>>().map(|c| c.0.to_string()).unwrap_or_else(|| "-".to_owned());
-    let method = clip(req.method().as_str(), 16).to_owned();
-    let path = clip(req.uri().path(), 512).to_owned();
-    let user_agent = req.headers().get(header::USER_AGENT).map(|v| clip(&String::from_utf8_lossy(v.as_bytes()), 256).to_owned()).unwrap_or_default();
+    let method = clip(req.method().as_str(), 16);
+    let path = clip(req.uri().path(), 512);
+    let user_agent = req.headers().get(header::USER_AGENT).map(|v| clip(&String::from_utf8_lossy(v.as_bytes()), 256)).unwrap_or_default();
     let (bytes_in, bytes_out) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let (parts, body) = req.into_parts();
     let req = Request::from_parts(parts, Body::new(Counting { inner: body, bytes: bytes_in.clone() }));
@@ -156,4 +170,18 @@ where
     let line = Line { start, client, method, path, user_agent, status, notes, bytes_in, bytes_out: bytes_out.clone() };
     let (parts, body) = resp.into_parts();
     Response::from_parts(parts, Body::new(Logged { body: Counting { inner: body, bytes: bytes_out }, _line: line }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 35: the JSON request log wrote C1 control characters of a User-Agent raw
+    /// (serde_json escapes only C0): a NEL ends the line in many viewers, a CSI recolours.
+    #[test]
+    fn regression_issue_35_log_fields_escape_c0_c1_and_del() {
+        assert_eq!(clip("curl/8\u{85}fake line\u{9b}31m\u{7f}\u{1b}[0m", 256), "curl/8\\u{85}fake line\\u{9b}31m\\u{7f}\\u{1b}[0m");
+        assert_eq!(clip("é ok/1.0", 256), "é ok/1.0", "printable text stays as it is");
+        assert_eq!(clip("ééé", 3), "é", "cut at a character boundary");
+    }
 }

@@ -136,6 +136,8 @@ pub enum AuthConfigError {
         /// What is wrong.
         reason: String,
     },
+    /// the htpasswd file has no users: it would let nobody in (a file still being written?)
+    NoUsers,
     /// ACL file: {0}
     Acl(String),
     /// token secret must be at least 32 bytes, got {0}
@@ -240,6 +242,9 @@ struct Users {
 impl Users {
     fn load(htpasswd: &str) -> Result<Users, AuthConfigError> {
         let hashes = parse_htpasswd(htpasswd)?;
+        if hashes.is_empty() {
+            return Err(AuthConfigError::NoUsers);
+        }
         // With no users there is no name to hide: the cheapest cost will do.
         let cost = hashes.values().filter_map(|h| bcrypt_cost(h)).max().unwrap_or(4).clamp(4, 31);
         let dummy = bcrypt::hash(hex::encode(random_secret()), cost).map_err(|e| AuthConfigError::Bcrypt(e.to_string()))?;
@@ -308,9 +313,23 @@ pub fn parse_htpasswd(text: &str) -> Result<HashMap<String, String>, AuthConfigE
         if !(h.starts_with("$2y$") || h.starts_with("$2b$") || h.starts_with("$2a$")) {
             return Err(err("only bcrypt hashes ($2y$/$2b$/$2a$, `htpasswd -B`) are supported"));
         }
+        if !is_bcrypt_hash(h) {
+            return Err(err("not a whole bcrypt hash ($2y$<cost>$ and 53 characters of salt and hash; a file cut short?)"));
+        }
         users.insert(u.to_owned(), h.to_owned());
     }
     Ok(users)
+}
+
+/// Whether `h` is a whole bcrypt hash: `$2a$`, `$2b$` or `$2y$`, a two-digit cost from 04
+/// to 31, `$`, and 53 characters of bcrypt's base64 (22 of salt, 31 of hash).
+fn is_bcrypt_hash(h: &str) -> bool {
+    let b = h.as_bytes();
+    b.len() == 60
+        && bcrypt_cost(h).is_some_and(|c| (4..=31).contains(&c))
+        && b[4..6].iter().all(u8::is_ascii_digit)
+        && b[6] == b'$'
+        && b[7..].iter().all(|&c| c.is_ascii_alphanumeric() || c == b'.' || c == b'/')
 }
 
 impl Auth {
@@ -647,7 +666,7 @@ mod tests {
         assert!(!a.acl_allows(Some("bob"), "team/a", Action::Pull));
         assert!(a.acl_allows(Some("bob"), "public", Action::Pull));
         assert!(!a.acl_allows(None, "public", Action::Pull));
-        assert!(Auth::new("", Some("[[rule]]\nusers=[1]"), false, vec![0; 32]).is_err());
+        assert!(Auth::new(&format!("alice:{}", bcrypt::hash("pw", 4).unwrap()), Some("[[rule]]\nusers=[1]"), false, vec![0; 32]).is_err());
     }
 
     #[test]
@@ -742,7 +761,8 @@ mod tests {
             a.failed(IpAddr::V4(i.into()));
         }
         assert_eq!(a.failures.lock().unwrap().len(), TRACKED_CLIENTS);
-        assert_ne!(a.verified_key("alice", "x"), Auth::new("", None, false, vec![7; 32]).unwrap().verified_key("alice", "x"), "keyed per process");
+        let other = Auth::new(&format!("alice:{}", bcrypt::hash("pw", 4).unwrap()), None, false, vec![7; 32]).unwrap();
+        assert_ne!(a.verified_key("alice", "x"), other.verified_key("alice", "x"), "keyed per process");
     }
 
     #[test]
@@ -757,6 +777,33 @@ mod tests {
         assert!(!a.check_password("bob", "secret"), "a user removed from the file is refused");
         assert!(a.reload_users("eve:{SHA}abc").is_err());
         assert!(a.check_password("alice", "new"), "a bad file leaves the users as they were");
+    }
+
+    /// Issue 35: an htpasswd file caught half-written (empty, or cut inside a hash) was
+    /// loaded as it was, and every user locked out until the next change. Neither parses
+    /// now: at start it is refused with its line, on reload the users stay as they were.
+    #[test]
+    fn regression_issue_35_a_half_written_htpasswd_is_refused_and_keeps_the_users_loaded_before() {
+        let a = auth(None, false);
+        let whole = format!("alice:{}\nbob:{}\n", bcrypt::hash("a", 4).unwrap(), bcrypt::hash("b", 4).unwrap());
+        let cut = &whole[..whole.len() - 20];
+        match parse_htpasswd(cut) {
+            Err(AuthConfigError::Htpasswd { line: 2, reason }) => assert!(reason.contains("cut short"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(Auth::new(cut, None, false, vec![7; 32]).is_err(), "refused at start");
+        for half in ["", "\n", "# users\n", cut] {
+            assert!(a.reload_users(half).is_err(), "{half:?}");
+            assert!(a.check_password("alice", "secret"), "{half:?}: the users loaded before stay");
+        }
+        assert!(matches!(Auth::new("", None, false, vec![7; 32]), Err(AuthConfigError::NoUsers)));
+        assert_eq!(a.reload_users(&whole).unwrap(), 2, "the whole file, once written, is taken");
+        assert!(a.check_password("bob", "b"));
+        for bad in
+            ["$2y$10$short", "$2y$99$abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0", "$2y$1a$abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012"]
+        {
+            assert!(!is_bcrypt_hash(bad), "{bad}");
+        }
     }
 
     #[test]
@@ -775,7 +822,7 @@ mod tests {
         let i = tok.find('.').unwrap() + 3;
         bad[i] = if bad[i] == b'A' { b'B' } else { b'A' };
         assert!(a.verify_token(std::str::from_utf8(&bad).unwrap()).is_none());
-        let other = Auth::new("", None, false, vec![8; 32]).unwrap();
+        let other = Auth::new(&format!("alice:{}", bcrypt::hash("pw", 4).unwrap()), None, false, vec![8; 32]).unwrap();
         assert!(other.verify_token(&tok).is_none(), "another secret must not verify");
     }
 }

@@ -39,6 +39,7 @@ use crate::inuse::{self, GC_STALE, LEASE_STALE};
 use crate::layout::{self, RepoKey};
 use crate::name::{RepoName, Tag};
 use crate::pulls::{self, PullLog};
+use crate::restore_lease;
 use crate::retention::{self, Action, Inventory, ManifestFacts, Plan, Retention, Rule, TagFacts};
 use crate::server::manifest_refs;
 use crate::store::{BlobStore, ObjectMeta, StoreError};
@@ -66,9 +67,14 @@ pub struct GcOptions {
     pub retention: Retention,
 }
 
+/// gc's grace period when nothing sets one.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(3600);
+/// `serve`'s gc schedule when nothing sets one.
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(24 * 3600);
+
 impl Default for GcOptions {
     fn default() -> GcOptions {
-        GcOptions { grace: Duration::from_secs(3600), upload_ttl: crate::server::DEFAULT_UPLOAD_TTL, dry_run: false, retention: Retention::default() }
+        GcOptions { grace: DEFAULT_GRACE, upload_ttl: crate::server::DEFAULT_UPLOAD_TTL, dry_run: false, retention: Retention::default() }
     }
 }
 
@@ -131,6 +137,8 @@ pub enum GcError {
     },
     /// could not refresh _gc/run for {0:?}; stopped before deleting more (servers may already treat this run as dead)
     Stalled(Duration),
+    /// stopped before it finished (a signal); its marks are removed, and the next run picks up from the start
+    Stopped,
 }
 
 /// One gc run's hold on the store: `_gc/run`, refreshed as the run goes.
@@ -231,13 +239,30 @@ pub(crate) struct Marked {
 
 /// Run gc over `store`.
 pub async fn run(store: &dyn BlobStore, opts: &GcOptions) -> Result<GcReport, GcError> {
+    run_until(store, opts, std::future::pending()).await
+}
+
+/// Run gc over `store` until done or until `stop` resolves (`snapctl gc` on SIGTERM or
+/// SIGINT): then the run stops between two store operations, removes its marks and
+/// `_gc/run` (servers need not wait for them to go stale, the next gc need not wait to
+/// start), and answers [`GcError::Stopped`]. What it deleted before stays deleted; what
+/// it had not decided stays.
+pub async fn run_until(store: &dyn BlobStore, opts: &GcOptions, stop: impl std::future::Future<Output = ()>) -> Result<GcReport, GcError> {
     let mut run = GcRun::start(store, opts.dry_run).await?;
     let mut report = GcReport::default();
-    let res = async {
-        let marked = mark(store, &mut run, opts, &mut report).await?;
-        sweep(store, &mut run, opts, marked, &mut report).await
+    let res = {
+        let work = async {
+            let marked = mark(store, &mut run, opts, &mut report).await?;
+            sweep(store, &mut run, opts, marked, &mut report).await
+        };
+        tokio::select! {
+            r = work => r,
+            _ = stop => Err(GcError::Stopped),
+        }
+    };
+    if matches!(res, Err(GcError::Stopped)) {
+        tracing::warn!("gc stopped before it finished; removing its marks");
     }
-    .await;
     run.finish(store).await;
     res?;
     if !opts.dry_run {
@@ -271,6 +296,8 @@ struct Scan {
     layer_links: Vec<(String, OciDigest)>,
     /// `_referrers` keys: (repository, referrer) → keys naming it.
     referrer_keys: HashMap<(String, OciDigest), Vec<String>>,
+    /// `_leases` keys: (key, when written, repository, manifest).
+    lease_keys: Vec<(String, SystemTime, RepoName, OciDigest)>,
 }
 
 async fn scan(store: &dyn BlobStore, run: &mut GcRun, report: &mut GcReport) -> Result<Scan, GcError> {
@@ -299,6 +326,12 @@ async fn scan(store: &dyn BlobStore, run: &mut GcRun, report: &mut GcReport) -> 
             RepoKey::Pulled(r) => {
                 let p = pulls::read(store, &r).await?;
                 out.inv.repos.entry(r.to_string()).or_default().pulled = p;
+            }
+            RepoKey::Lease(r, d) => {
+                if let Some(end) = restore_lease::read(store, &m).await? {
+                    out.inv.repos.entry(r.to_string()).or_default().leased.insert(d.clone(), end);
+                }
+                out.lease_keys.push((m.key.clone(), m.modified, r, d));
             }
         }
     }
@@ -334,6 +367,8 @@ async fn scan(store: &dyn BlobStore, run: &mut GcRun, report: &mut GcReport) -> 
             subject: refs.subject,
             ..ManifestFacts::default()
         };
+        facts.layer_types =
+            json.get("layers").and_then(|v| v.as_array()).into_iter().flatten().filter_map(|l| l.get("mediaType")?.as_str().map(str::to_owned)).collect();
         for (child, is_manifest) in refs.children {
             if is_manifest {
                 todo.push(child.clone());
@@ -386,6 +421,9 @@ pub(crate) async fn mark(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOption
     plan.dry_run = plan.dry_run || opts.dry_run;
     if !retention_dry {
         apply(store, run, opts, &scan, &mut plan, report).await?;
+        if !opts.dry_run {
+            drop_spent_leases(store, &scan, &plan, run.started, opts.delay()).await?;
+        }
     }
     // Roots: what the plan keeps; with retention in dry run, everything (nothing goes).
     let mut todo: Vec<OciDigest> = if retention_dry {
@@ -411,6 +449,38 @@ pub(crate) async fn mark(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOption
     report.marked = out.reachable.len();
     out.plan = plan;
     Ok(out)
+}
+
+/// Delete the restore lease objects that no longer count: unreadable ones, those of a
+/// manifest that is gone (and whose lease ended), and those that ended more than `delay`
+/// before the run started.
+async fn drop_spent_leases(store: &dyn BlobStore, scan: &Scan, plan: &Plan, started: SystemTime, delay: Duration) -> Result<(), GcError> {
+    let deleted = retention::deleted_by_repo(plan);
+    for (key, written, r, d) in &scan.lease_keys {
+        let repo = scan.inv.repos.get(r.as_str());
+        let end = repo.and_then(|x| x.leased.get(d));
+        let linked = repo.is_some_and(|x| x.manifests.contains_key(d)) && !deleted.get(r.as_str()).is_some_and(|g| g.contains(d));
+        let spent = match end {
+            None => true,
+            Some(end) => (!linked && *end <= started) || end.checked_add(delay).is_some_and(|t| t <= started),
+        };
+        if !spent {
+            continue;
+        }
+        // Renewed since the scan: a live restore's, not the one judged.
+        match store.head(key).await {
+            Ok(now) if now.modified == *written => {}
+            Ok(_) => continue,
+            Err(e) if e.is_not_found() => continue,
+            Err(e) => return Err(e.into()),
+        }
+        tracing::debug!(%r, %d, "drop a spent restore lease");
+        match store.delete(key).await {
+            Err(e) if !e.is_not_found() => return Err(e.into()),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// A planned deletion of manifest `d` from repository `repo`, with what keeps it should
@@ -525,8 +595,7 @@ async fn apply(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOptions, scan: &
     let mut to_delete: Vec<usize> = Vec::new();
     for i in doomed_tags {
         let t = &plan.tags[i];
-        let subject = retention::tag_subject(&t.tag);
-        if still_kept(&t.repository, &t.target) || subject.is_some_and(|s| still_kept(&t.repository, &s)) {
+        if still_kept(&t.repository, &t.target) || t.rule.gone_subject().is_some_and(|s| still_kept(&t.repository, s)) {
             tag_flips.push(i);
         } else {
             to_delete.push(i);
@@ -810,10 +879,11 @@ impl Schedule {
                         None
                     }
                 };
-                let due = last.unwrap_or(started) + self.interval;
+                // A due time past the clock's range is never.
+                let due = last.unwrap_or(started).checked_add(self.interval);
                 let now = SystemTime::now();
                 let mut wait = check;
-                if now >= due {
+                if due.is_some_and(|due| now >= due) {
                     r.store(true, Relaxed);
                     if let Err(e) = pulls.flush(store.as_ref()).await {
                         tracing::warn!(%e, "writing pull times before gc");
@@ -834,7 +904,7 @@ impl Schedule {
                         Err(e) => tracing::warn!(%e, "scheduled gc failed"),
                     }
                     r.store(false, Relaxed);
-                } else {
+                } else if let Some(due) = due {
                     wait = wait.min(due.duration_since(now).unwrap_or_default());
                 }
                 tokio::select! {

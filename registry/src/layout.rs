@@ -7,6 +7,8 @@
 //! repositories/<name>/_tags/<tag>                        content = digest string
 //! repositories/<name>/_referrers/<alg>/<subject-hex>/<alg>-<hex>   descriptor JSON of a referrer
 //! repositories/<name>/_pulled                             JSON {digest: unix seconds}: last pulls
+//! repositories/<name>/_leases/<alg>/<hex>                 JSON {"seconds": n}: a restore's lease on
+//!                                                         the manifest, from the object's mtime
 //! _uploads/<id>/state.json                               upload session: {repo, started}
 //! _uploads/<id>/parts/<offset, 20 digits>                committed chunk starting at offset
 //!                                                         (object stores)
@@ -62,6 +64,16 @@ pub fn gc_retiring_tag(repo: &RepoName, t: &Tag) -> String {
 /// A repository's last pull times (JSON: manifest digest → unix seconds).
 pub fn pulled(repo: &RepoName) -> String {
     format!("repositories/{repo}/_pulled")
+}
+
+/// A restore's lease on manifest `d` of `repo` ([`crate::restore_lease`]).
+pub fn restore_lease(repo: &RepoName, d: &OciDigest) -> String {
+    format!("repositories/{repo}/_leases/{}/{}", d.algorithm(), d.hex())
+}
+
+/// Directory of the restore leases of `repo`.
+pub fn restore_leases_dir(repo: &RepoName) -> String {
+    format!("repositories/{repo}/_leases/")
 }
 
 /// The mark a request leaves on blob `d` it relies on.
@@ -206,6 +218,8 @@ pub enum RepoKey {
     Referrer(RepoName, OciDigest, OciDigest),
     /// `_pulled`: the repository's pull times.
     Pulled(RepoName),
+    /// `_leases` entry: a restore's lease on a manifest.
+    Lease(RepoName, OciDigest),
 }
 
 /// Classify a key under `repositories/`.
@@ -221,6 +235,7 @@ pub fn parse_repo_key(key: &str) -> Option<RepoKey> {
         ["_manifests", a, h] => Some(RepoKey::Manifest(repo, dig(a, h)?)),
         ["_tags", t] => Some(RepoKey::Tag(repo, Tag::parse(t).ok()?)),
         ["_pulled"] => Some(RepoKey::Pulled(repo)),
+        ["_leases", a, h] => Some(RepoKey::Lease(repo, dig(a, h)?)),
         ["_referrers", a, h, r] => {
             let (ra, rh) = r.split_once('-')?;
             Some(RepoKey::Referrer(repo, dig(a, h)?, dig(ra, rh)?))
@@ -246,6 +261,7 @@ mod tests {
         assert_eq!(parse_repo_key(&referrer(&r, &s, &d)), Some(RepoKey::Referrer(r.clone(), s.clone(), d)));
         assert_eq!(parse_repo_key("repositories/x/_bogus/1"), None);
         assert_eq!(parse_repo_key(&pulled(&r)), Some(RepoKey::Pulled(r.clone())));
+        assert_eq!(parse_repo_key(&restore_lease(&r, &s)), Some(RepoKey::Lease(r.clone(), s.clone())));
         assert_eq!(parse_gc_used(&gc_used(&s)), Some(s.clone()));
         assert_eq!(parse_gc_used(&blob(&s)), None);
     }
@@ -265,6 +281,7 @@ mod tests {
         assert_eq!(gc_used(&d), format!("_gc/used/sha256/2d/{dh}"));
         assert_eq!(gc_condemned(&s), format!("_gc/condemned/sha512/{sh}"));
         assert_eq!(pulled(&r), "repositories/a/b/_pulled");
+        assert_eq!(restore_lease(&r, &d), format!("repositories/a/b/_leases/sha256/{dh}"));
         assert_eq!(gc_retiring_tag(&r, &Tag::parse("v1").unwrap()), "_gc/retiring/a/b/_tags/v1");
         assert_eq!(catalog_entry(&r), "_catalog/a!b");
         assert_eq!(parse_catalog_entry(&catalog_entry(&r)), Some(r.clone()));

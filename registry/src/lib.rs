@@ -15,8 +15,11 @@
 //! reload     htpasswd changes taken while serving (polled, or on SIGHUP)
 //! stats      the store's totals (bytes, blobs, manifests, dedup), scanned in the background
 //! pulls      when manifests were last pulled (in memory, written in batches)
+//! restore_lease  a running restore's hold on the manifest it reads (Snapctl-Lease)
 //! retention  which tags and manifests gc keeps: policies, snapshot chains, referrers
 //! gc         retention, then mark and sweep of unreachable blobs
+//! config     serve's and gc's configuration: the TOML file, the flags over it, the defaults
+//! units      durations and sizes as the configuration file writes them, and their bounds
 //! inuse      what live requests rely on, so a running gc keeps it
 //! ```
 //! The wire and storage formats are specified in `spec/registry.md`.
@@ -24,6 +27,7 @@
 pub mod access;
 pub mod auth;
 pub mod catalog;
+pub mod config;
 pub mod error;
 pub mod gc;
 pub mod inuse;
@@ -32,10 +36,12 @@ pub mod metrics;
 pub mod name;
 pub mod pulls;
 pub mod reload;
+pub mod restore_lease;
 pub mod retention;
 pub mod server;
 pub mod stats;
 pub mod store;
+pub mod units;
 pub mod upload;
 
 pub use name::{RepoName, Tag};

@@ -1,8 +1,9 @@
 //! Taking htpasswd changes without a restart, as distribution does: the file is polled
 //! for a new modification time, size or inode (an editor that writes a new file and
 //! renames it over the old one changes the inode), and reloaded on demand (`serve`
-//! reloads on SIGHUP). A file that cannot be read or parsed leaves the users as they were
-//! (logged), and is tried again at the next change or poll.
+//! reloads on SIGHUP). A file that cannot be read or parsed whole (a line cut inside its
+//! hash, no user at all: a file caught while it is written) leaves the users as they were
+//! (a warning in the log), and is tried again at the next change.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -69,7 +70,7 @@ impl HtpasswdFile {
                 true
             }
             Err(e) => {
-                tracing::error!(path = %self.path.display(), %e, "htpasswd file not reloaded; keeping the users loaded before");
+                tracing::warn!(path = %self.path.display(), %e, "htpasswd file not reloaded; keeping the users loaded before");
                 false
             }
         }

@@ -15,9 +15,12 @@
 //!    [`KeepTags`] entry keeps it: it matches the entry's `patterns` (anchored regexes;
 //!    none = every tag) and, when the entry has rules, at least one of them holds
 //!    (`pushed_within`, `pulled_within`, among the `most_recently_pushed_count` or
-//!    `most_recently_pulled_count` tags the patterns match). Tags named after a subject
-//!    (`sha256-<hex>`, `sha256-<hex>.sig`, `.att`, `.sbom`, … : cosign's tag scheme and
-//!    the OCI referrers fallback) are not judged by `keep_tags`: they follow their subject.
+//!    `most_recently_pulled_count` tags the patterns match). Attachments are not judged
+//!    by `keep_tags`: they follow their subject. An attachment is told by what its
+//!    manifest is, not by its name alone ([`attached_subject`]): `sha256-<hex>.sig`
+//!    (`.att`, `.sbom`, …: cosign's tag scheme) pointing at a cosign signature,
+//!    attestation or SBOM, and `sha256-<hex>` pointing at an index of that subject's
+//!    referrers (the OCI referrers fallback).
 //! 2. **What kept manifests need.** A kept manifest keeps the manifests an index lists,
 //!    the base of a snapctl snapshot (`base.manifest` in its config: `verify` audits it),
 //!    its referrers (manifests whose `subject` it is) and the tags named after it.
@@ -26,7 +29,9 @@
 //!    the layer's manifest marks them; the parent's manifest is read by nothing.
 //! 3. **Untagged manifests** (no tag at the start of the run) go when `delete_untagged`
 //!    (default true) and they are older than `delay`; otherwise they are kept, with what
-//!    they need (step 2).
+//!    they need (step 2). A manifest a running restore holds a lease on
+//!    ([`crate::restore_lease`]) is kept as if tagged until the lease ends, and its delay
+//!    counts from that end.
 //! 4. **Referrers live and die with their subject.** A referrer of a kept manifest is kept
 //!    (step 2); of a manifest deleted now, it goes now; of a subject that is not in the
 //!    repository (deleted earlier, or never pushed), it goes when `delete_referrers`
@@ -44,7 +49,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use imgfmt::OciDigest;
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
 /// The `[retention]` table of the configuration file (zot's `retention`, keys in
 /// snake_case; zot's camelCase spellings are accepted too).
@@ -57,7 +62,7 @@ pub struct RetentionConfig {
     pub dry_run: bool,
     /// Untagged manifests and referrers whose subject is missing go only once older than
     /// this. `None`: gc's grace period.
-    #[serde(default, deserialize_with = "opt_duration")]
+    #[serde(default, deserialize_with = "crate::units::opt_duration")]
     pub delay: Option<Duration>,
     /// Checked in order; a repository takes the first whose `repositories` match.
     #[serde(default)]
@@ -99,27 +104,15 @@ pub struct KeepTags {
     #[serde(default, alias = "mostRecentlyPulledCount")]
     pub most_recently_pulled_count: Option<usize>,
     /// Keep tags pushed within this long.
-    #[serde(default, alias = "pushedWithin", deserialize_with = "opt_duration")]
+    #[serde(default, alias = "pushedWithin", deserialize_with = "crate::units::opt_duration")]
     pub pushed_within: Option<Duration>,
     /// Keep tags whose manifest was pulled within this long.
-    #[serde(default, alias = "pulledWithin", deserialize_with = "opt_duration")]
+    #[serde(default, alias = "pulledWithin", deserialize_with = "crate::units::opt_duration")]
     pub pulled_within: Option<Duration>,
 }
 
-/// A duration as the CLI writes them (`720h`, `30d`, `90s`) or a number of seconds.
-fn opt_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Raw {
-        Seconds(u64),
-        Text(String),
-    }
-    match Option::<Raw>::deserialize(d)? {
-        None => Ok(None),
-        Some(Raw::Seconds(s)) => Ok(Some(Duration::from_secs(s))),
-        Some(Raw::Text(t)) => imgfmt::size::parse_duration(&t).map(Some).map_err(serde::de::Error::custom),
-    }
-}
+/// The longest `delay`, `pushed_within` or `pulled_within` accepted: ten years.
+pub const MAX_DURATION: crate::units::Bound = crate::units::Bound { key: "[retention] delay", max: Duration::from_secs(3650 * 86_400), max_text: "3650d" };
 
 /// A configuration that cannot be used.
 #[derive(Debug, thiserror::Error, displaydoc::Display)]
@@ -133,6 +126,17 @@ pub enum RetentionError {
         glob: String,
         /// What is wrong.
         reason: String,
+    },
+    /// {0}
+    Duration(#[from] crate::units::TooLong),
+    /// retention policy {policy}, keep_tags entry {entry}: {rule} = 0 keeps no tag, and the policy has no `repositories`, so every tag of every repository would go ("0" does not mean "no limit": leave the rule out to keep every tag the patterns match; to delete tags everywhere on purpose, write repositories = ["**"])
+    KeepsNothingEverywhere {
+        /// Index of the policy (0-based).
+        policy: usize,
+        /// Index of the keep_tags entry (0-based).
+        entry: usize,
+        /// `most_recently_pushed_count` or `most_recently_pulled_count`.
+        rule: &'static str,
     },
     /// retention policy {policy}, keep_tags entry {entry}: pattern {pattern:?}: {reason}
     Pattern {
@@ -158,6 +162,7 @@ pub struct Retention {
 impl Retention {
     /// Check globs and compile patterns.
     pub fn new(config: RetentionConfig) -> Result<Retention, RetentionError> {
+        MAX_DURATION.check(config.delay)?;
         let mut patterns = Vec::new();
         for (pi, p) in config.policies.iter().enumerate() {
             for g in &p.repositories {
@@ -165,6 +170,12 @@ impl Retention {
             }
             let mut per_entry = Vec::new();
             for (ei, e) in p.keep_tags.iter().flatten().enumerate() {
+                for (rule, w) in [("pushed_within", e.pushed_within), ("pulled_within", e.pulled_within)] {
+                    MAX_DURATION.check_as(format!("retention policy {pi}, keep_tags entry {ei}: {rule}"), w)?;
+                }
+                if let Some(rule) = e.zero_count().filter(|_| p.repositories.is_empty()) {
+                    return Err(RetentionError::KeepsNothingEverywhere { policy: pi, entry: ei, rule });
+                }
                 let mut res = Vec::new();
                 for pat in &e.patterns {
                     // Bounded compile: a pattern is configuration, but a huge one should fail
@@ -184,9 +195,40 @@ impl Retention {
         Ok(Retention { config, patterns })
     }
 
+    /// What an operator should hear before a run: the keep_tags rules that keep no tag
+    /// (a count of 0), each named with the repositories it applies to.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (pi, p) in self.config.policies.iter().enumerate() {
+            for (ei, e) in p.keep_tags.iter().flatten().enumerate() {
+                if let Some(rule) = e.zero_count() {
+                    out.push(format!(
+                        "retention policy {pi} ({}), keep_tags entry {ei}: {rule} = 0 keeps no tag; every tag that entry judges goes",
+                        p.repositories.join(", ")
+                    ));
+                }
+            }
+        }
+        out
+    }
+
     /// The index of the policy for `repo` (the first that matches), if any.
     pub fn policy_for(&self, repo: &str) -> Option<usize> {
         self.config.policies.iter().position(|p| p.repositories.is_empty() || p.repositories.iter().any(|g| glob_matches(g, repo)))
+    }
+}
+
+impl KeepTags {
+    /// The count rule that makes this entry keep no tag at all, when one does: a count of
+    /// 0 and no other rule (`pushed_within`, `pulled_within`, another count) that could
+    /// keep one.
+    fn zero_count(&self) -> Option<&'static str> {
+        let counts = [("most_recently_pushed_count", self.most_recently_pushed_count), ("most_recently_pulled_count", self.most_recently_pulled_count)];
+        let keeps_some = self.pushed_within.is_some() || self.pulled_within.is_some() || counts.iter().any(|(_, n)| n.is_some_and(|n| n > 0));
+        if keeps_some {
+            return None;
+        }
+        counts.iter().find(|(_, n)| *n == Some(0)).map(|(rule, _)| *rule)
     }
 }
 
@@ -207,27 +249,37 @@ fn check_glob(g: &str) -> Result<(), String> {
 
 /// Whether repository `name` matches `glob`: components separated by `/`; `**` matches any
 /// number of components (none included), `*` any run of characters within one, `?` one.
+/// Linear in the name for each star: a name chosen by whoever may push cannot make gc
+/// backtrack (O(glob × name) at worst, both bounded).
 pub fn glob_matches(glob: &str, name: &str) -> bool {
-    fn comp(p: &[u8], s: &[u8]) -> bool {
-        match (p.first(), s.first()) {
-            (None, None) => true,
-            (Some(b'*'), _) => comp(&p[1..], s) || (!s.is_empty() && comp(p, &s[1..])),
-            (Some(b'?'), Some(_)) => comp(&p[1..], &s[1..]),
-            (Some(a), Some(b)) if a == b => comp(&p[1..], &s[1..]),
-            _ => false,
-        }
-    }
-    fn segs(p: &[&str], s: &[&str]) -> bool {
-        match (p.first(), s.first()) {
-            (None, None) => true,
-            (Some(&"**"), _) => segs(&p[1..], s) || (!s.is_empty() && segs(p, &s[1..])),
-            (Some(a), Some(b)) => comp(a.as_bytes(), b.as_bytes()) && segs(&p[1..], &s[1..]),
-            _ => false,
-        }
-    }
     let p: Vec<&str> = glob.split('/').collect();
     let s: Vec<&str> = name.split('/').collect();
-    segs(&p, &s)
+    wildcard(&p, &s, |c| *c == "**", |c, n| wildcard(c.as_bytes(), n.as_bytes(), |b| *b == b'*', |a, b| a == b || *a == b'?'))
+}
+
+/// The classic two-pointer wildcard match: `star` elements of `p` match any run of `s`,
+/// the others one element each (`one`). On a mismatch only the last star is widened: a
+/// match that needs an earlier star to take more exists only if one taking more at the
+/// last star does, so nothing is tried twice.
+fn wildcard<P, S>(p: &[P], s: &[S], star: impl Fn(&P) -> bool, one: impl Fn(&P, &S) -> bool) -> bool {
+    let (mut pi, mut si) = (0, 0);
+    let mut last_star: Option<(usize, usize)> = None; // (star's index in p, where its run ends in s)
+    while si < s.len() {
+        if pi < p.len() && star(&p[pi]) {
+            last_star = Some((pi, si));
+            pi += 1;
+        } else if pi < p.len() && one(&p[pi], &s[si]) {
+            pi += 1;
+            si += 1;
+        } else if let Some((sp, end)) = last_star {
+            last_star = Some((sp, end + 1));
+            pi = sp + 1;
+            si = end + 1;
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(star)
 }
 
 /// The subject a tag is named after: `sha256-<hex>` (the OCI referrers fallback index)
@@ -239,6 +291,37 @@ pub fn tag_subject(tag: &str) -> Option<OciDigest> {
         return None;
     }
     format!("{alg}:{hex}").parse().ok()
+}
+
+/// Layer media types of what cosign attaches under its tag scheme: a signature (simple
+/// signing), an attestation (DSSE envelope), an SBOM (`cosign attach sbom`).
+const COSIGN_LAYER_TYPES: &[&str] = &[
+    "application/vnd.dev.cosign.simplesigning.v1+json",
+    "application/vnd.dsse.envelope.v1+json",
+    "text/spdx",
+    "text/spdx+xml",
+    "text/spdx+json",
+    "application/vnd.cyclonedx",
+    "application/vnd.cyclonedx+xml",
+    "application/vnd.cyclonedx+json",
+    "application/vnd.syft+json",
+];
+
+/// The subject tag `tag` (pointing at `target`) is attached to, when it is an attachment:
+/// named after its subject ([`tag_subject`]) *and* pointing at what that name stands for.
+/// `sha256-<hex>.<suffix>` must point at a manifest whose every layer is a cosign
+/// signature, attestation or SBOM; `sha256-<hex>` at an image index whose every entry is
+/// a referrer of that subject (the OCI referrers fallback). Any other tag, a CI's
+/// content-hash tag `sha256-<hex>` on an image included, is an ordinary tag.
+pub fn attached_subject(tag: &str, target: &OciDigest, inv: &Inventory) -> Option<OciDigest> {
+    let subject = tag_subject(tag)?;
+    let facts = inv.manifests.get(target)?;
+    let is_attachment = if tag.contains('.') {
+        !facts.layer_types.is_empty() && facts.layer_types.iter().all(|t| COSIGN_LAYER_TYPES.contains(&t.as_str()))
+    } else {
+        !facts.children.is_empty() && facts.children.iter().all(|c| inv.manifests.get(c).and_then(|m| m.subject.as_ref()) == Some(&subject))
+    };
+    is_attachment.then_some(subject)
 }
 
 /// What gc read from the store: everything retention decides on.
@@ -261,6 +344,8 @@ pub struct RepoFacts {
     pub referrer_entries: Vec<(OciDigest, OciDigest)>,
     /// When each manifest was last pulled (from `_pulled`).
     pub pulled: HashMap<OciDigest, SystemTime>,
+    /// When each restore lease on a manifest ends (from `_leases/`, crate::restore_lease).
+    pub leased: HashMap<OciDigest, SystemTime>,
 }
 
 /// A tag: its target and when it was last pushed.
@@ -281,6 +366,8 @@ pub struct ManifestFacts {
     pub artifact_type: Option<String>,
     /// `config`, `layers` and `blobs` descriptors (foreign layers excluded).
     pub blobs: Vec<OciDigest>,
+    /// The `mediaType` of each of `layers`.
+    pub layer_types: Vec<String>,
     /// Manifests an index lists.
     pub children: Vec<OciDigest>,
     /// `subject`.
@@ -350,7 +437,14 @@ pub enum Rule {
         #[serde(rename = "of")]
         subject: OciDigest,
     },
-    /// Keep: untagged, but younger than the delay.
+    /// Keep: a running restore holds a lease on it (`Snapctl-Lease`) until `lease_until`.
+    Leased {
+        /// When the lease ends (unix seconds).
+        #[serde(rename = "lease_until")]
+        until: u64,
+    },
+    /// Keep: untagged, but younger than the delay (counted from the end of its last lease,
+    /// if it had one).
     UntaggedWithinDelay {
         /// How old it is.
         age_seconds: u64,
@@ -394,6 +488,14 @@ pub enum Rule {
 }
 
 impl Rule {
+    /// The subject a `subject_gone` verdict names.
+    pub fn gone_subject(&self) -> Option<&OciDigest> {
+        match self {
+            Rule::SubjectGone { subject } => Some(subject),
+            _ => None,
+        }
+    }
+
     /// What the rule does.
     pub fn action(&self) -> Action {
         match self {
@@ -506,6 +608,12 @@ fn age(now: SystemTime, t: SystemTime) -> Duration {
     now.duration_since(t).unwrap_or_default()
 }
 
+/// Where the delay of manifest `d` (pushed at `pushed`) counts from: its push, or the end
+/// of its last restore lease when that is later.
+fn since(repo: &RepoFacts, d: &OciDigest, pushed: SystemTime) -> SystemTime {
+    repo.leased.get(d).map_or(pushed, |end| pushed.max(*end))
+}
+
 /// Which keep_tags entry and rule keep each tag (`None`: not kept) of `tags`.
 fn judge_tags(
     retention: &Retention,
@@ -559,6 +667,21 @@ fn judge_tags(
     verdict
 }
 
+/// A repository's tags: attachments (signatures, the referrers fallback), which follow
+/// their subject, by subject; and the others, which keep_tags judges.
+type SplitTags<'a> = (BTreeMap<&'a String, OciDigest>, Vec<(&'a String, &'a TagFacts)>);
+
+fn split_attachments<'a>(repo: &'a RepoFacts, inv: &Inventory) -> SplitTags<'a> {
+    let (mut attached, mut regular) = (BTreeMap::new(), Vec::new());
+    for (t, f) in &repo.tags {
+        match attached_subject(t, &f.target, inv) {
+            Some(s) => drop(attached.insert(t, s)),
+            None => regular.push((t, f)),
+        }
+    }
+    (attached, regular)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn plan_repo(
     retention: &Retention,
@@ -574,17 +697,7 @@ fn plan_repo(
     let delete_referrers = pol.and_then(|p| p.delete_referrers).unwrap_or(true);
     let judged = pol.and_then(|p| p.keep_tags.as_ref()).is_some_and(|k| !k.is_empty());
 
-    // Tags named after a subject follow it; the others are judged by keep_tags.
-    let mut attached: BTreeMap<&String, OciDigest> = BTreeMap::new();
-    let mut regular: Vec<(&String, &TagFacts)> = Vec::new();
-    for (t, f) in &repo.tags {
-        match tag_subject(t) {
-            Some(s) => {
-                attached.insert(t, s);
-            }
-            None => regular.push((t, f)),
-        }
-    }
+    let (attached, regular) = split_attachments(repo, inv);
     let mut attached_to: HashMap<&OciDigest, Vec<&String>> = HashMap::new();
     for (t, s) in &attached {
         attached_to.entry(s).or_default().push(t);
@@ -625,6 +738,13 @@ fn plan_repo(
         tag_rules.insert((*t).clone(), rule);
     }
 
+    // Leased: kept as if tagged while the lease runs.
+    for (d, end) in &repo.leased {
+        if *end > now && repo.manifests.contains_key(d) {
+            keep(d, Rule::Leased { until: unix(*end) }, &mut rules, &mut work);
+        }
+    }
+
     // What kept manifests need, until nothing more is kept.
     let closure = |rules: &mut HashMap<OciDigest, Rule>, work: &mut Vec<OciDigest>, tag_rules: &mut BTreeMap<String, Rule>| {
         while let Some(d) = work.pop() {
@@ -655,7 +775,7 @@ fn plan_repo(
             continue;
         }
         let subject = inv.manifests.get(d).and_then(|f| f.subject.clone());
-        let a = age(now, *pushed);
+        let a = age(now, since(repo, d, *pushed));
         let rule = match subject {
             // A present subject decides (it is kept or goes in this run).
             Some(s) if repo.manifests.contains_key(&s) => continue,
@@ -705,7 +825,7 @@ fn plan_repo(
                     match by_subject {
                         Some(s) if tags.iter().all(|t| attached.contains_key(t)) => Rule::SubjectGone { subject: s.clone() },
                         _ if !tags.is_empty() => Rule::NotKept { tags: tags.clone() },
-                        _ => Rule::Untagged { age_seconds: age(now, *pushed).as_secs() },
+                        _ => Rule::Untagged { age_seconds: age(now, since(repo, d, *pushed)).as_secs() },
                     }
                 }
             },

@@ -109,6 +109,8 @@ pub struct Config {
     pub stats_interval: Duration,
     /// The running binary, for `snapctl_build_info`.
     pub build: crate::metrics::BuildInfo,
+    /// Longest restore lease granted (`Snapctl-Lease`, crate::restore_lease).
+    pub max_lease: Duration,
 }
 
 impl Default for Config {
@@ -128,6 +130,7 @@ impl Default for Config {
             htpasswd_poll: DEFAULT_HTPASSWD_POLL,
             stats_interval: crate::stats::DEFAULT_INTERVAL,
             build: crate::metrics::BuildInfo::default(),
+            max_lease: crate::restore_lease::DEFAULT_MAX_LEASE,
         }
     }
 }
@@ -943,6 +946,11 @@ impl Server {
     }
 
     async fn get_manifest(&self, repo: &RepoName, reference: &str, headers: &HeaderMap, head: bool) -> Result<Response, ApiError> {
+        // A restore's lease: by digest only (on a tag the header is ignored).
+        let ask = match headers.get(crate::restore_lease::HEADER).filter(|_| reference.contains(':')) {
+            Some(v) => Some(crate::restore_lease::parse(v.as_bytes()).map_err(|e| ApiError::bad(Code::Unsupported, e))?),
+            None => None,
+        };
         let (d, mt) = self.resolve(repo, reference).await?;
         if !accepts(headers, &mt) {
             return Err(ApiError::not_found(Code::ManifestUnknown, format!("manifest {reference} is {mt}, which the Accept header does not allow")));
@@ -952,18 +960,50 @@ impl Server {
             Err(e) if e.is_not_found() => return Err(ApiError::not_found(Code::ManifestUnknown, format!("manifest {d} content missing"))),
             Err(e) => return Err(e.into()),
         };
-        let hs = [
+        let mut hs = vec![
             (header::CONTENT_TYPE, mt),
             (HeaderName::from_static("docker-content-digest"), d.to_string()),
             (header::CONTENT_LENGTH, bytes.len().to_string()),
             (header::ETAG, format!("\"{d}\"")),
         ];
-        if !head {
-            self.metrics.bytes_out.fetch_add(bytes.len() as u64, Relaxed);
-            // In memory; written in batches (crate::pulls).
+        if let Some(ask) = ask {
+            if let Some(granted) = self.restore_lease(repo, &d, ask).await? {
+                hs.push((HeaderName::from_static(crate::restore_lease::HEADER), granted.to_string()));
+            }
+        }
+        if !head || matches!(ask, Some(crate::restore_lease::Ask::Hold(_))) {
+            // In memory; written in batches (crate::pulls). A lease counts as a pull.
             self.pulls.record(repo, &d);
         }
+        if !head {
+            self.metrics.bytes_out.fetch_add(bytes.len() as u64, Relaxed);
+        }
         Ok(respond(StatusCode::OK, &hs, if head { Body::empty() } else { Body::from(bytes) }))
+    }
+
+    /// Take, renew or release a restore's lease on manifest `d` (crate::restore_lease);
+    /// the seconds granted when the lease was recorded (`Some(0)`: released).
+    async fn restore_lease(&self, repo: &RepoName, d: &OciDigest, ask: crate::restore_lease::Ask) -> Result<Option<u64>, ApiError> {
+        let seconds = match ask {
+            crate::restore_lease::Ask::Release => {
+                crate::restore_lease::release(self.store.as_ref(), repo, d).await?;
+                return Ok(Some(0));
+            }
+            crate::restore_lease::Ask::Hold(s) => s.min(self.cfg.max_lease.as_secs()),
+        };
+        if seconds == 0 {
+            return Ok(None); // max_lease = 0: this server grants no lease
+        }
+        // Rely on the manifest like a push relies on a blob: a gc that listed the store
+        // before this lease was written sees the use and keeps the manifest (crate::inuse);
+        // one deleting it now finishes first, and the manifest is answered as missing.
+        inuse::rely_on(self.store.as_ref(), d).await?;
+        if !exists(self.store.as_ref(), &layout::manifest_link(repo, d)).await? || !exists(self.store.as_ref(), &layout::blob(d)).await? {
+            return Err(ApiError::not_found(Code::ManifestUnknown, format!("manifest {d} unknown to {repo}")));
+        }
+        let keep_expired = self.cfg.gc.as_ref().map(|g| g.options.delay()).unwrap_or_else(|| crate::gc::GcOptions::default().delay());
+        let recorded = crate::restore_lease::hold(self.store.as_ref(), repo, d, seconds, keep_expired).await?;
+        Ok(recorded.then_some(seconds))
     }
 
     async fn put_manifest(
@@ -1338,10 +1378,12 @@ async fn token(State(s): State<Arc<Server>>, client: Client, uri: Uri, headers: 
 }
 
 /// `/metrics` on the API listener: with auth enabled, for users only (a scraper sends
-/// Basic credentials).
+/// Basic credentials); the store's totals only for users who may pull every repository.
 async fn metrics(State(s): State<Arc<Server>>, client: Client, uri: Uri, headers: HeaderMap) -> Response {
+    let mut every_repository = true;
     if s.cfg.auth.is_some() {
-        let user = match s.identify(&uri, &headers, client_ip(client)).await {
+        let id = s.identify(&uri, &headers, client_ip(client)).await;
+        let user = match &id {
             Ok(Identity::User(_)) => true,
             Ok(Identity::Token { sub, .. }) => !sub.is_empty(),
             _ => false,
@@ -1351,17 +1393,24 @@ async fn metrics(State(s): State<Arc<Server>>, client: Client, uri: Uri, headers
                 .with_header(header::WWW_AUTHENTICATE, "Basic realm=\"snapctl\"")
                 .into_response();
         }
+        every_repository = id.ok().and_then(|id| s.readable(&id)) == Some(Readable::All);
     }
-    open_metrics(State(s)).await
+    render_metrics(&s, every_repository)
 }
 
 /// `/metrics` for anyone who can reach it (the metrics listener).
 async fn open_metrics(State(s): State<Arc<Server>>) -> Response {
+    render_metrics(&s, true)
+}
+
+/// The metrics text; with `store_totals`, the store's totals (which tell about every
+/// repository) too.
+fn render_metrics(s: &Server, store_totals: bool) -> Response {
     let mut text = s.metrics.render();
     if let Some(a) = &s.cfg.auth {
         text.push_str(&crate::metrics::render_auth(&a.stats()));
     }
-    if let Some(t) = s.stats.latest() {
+    if let Some(t) = s.stats.latest().filter(|_| store_totals) {
         text.push_str(&crate::metrics::render_store(&t));
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()

@@ -126,7 +126,7 @@ impl Default for AuditOptions {
 
 /// Failures an audit lists; more are counted in [`AuditReport::failures_unlisted`]. A
 /// hostile image can make every one of its 4 M chunks fail, and a listed failure costs a
-/// few hundred bytes (issue 14): the first thousand say what is wrong as well.
+/// few hundred bytes: the first thousand say what is wrong as well.
 pub const MAX_LISTED_FAILURES: usize = 1000;
 
 #[derive(Debug, Default, Clone, Serialize)]

@@ -7,8 +7,8 @@
 //! config's file order. A tree with no leaves has root `H("")`. See `spec/format.md` §9.
 //!
 //! Roots are computed as the leaves arrive ([`RootBuilder`]), holding one node per level
-//! (at most 64): a file of 4 M chunks needs 2 KiB, where building the tree held every
-//! level of it (256 MiB for the leaves and the levels above them, issue 14).
+//! (at most 64): a file of 4 M chunks needs 2 KiB, where building the whole tree would
+//! hold every level of it (256 MiB for the leaves and the levels above them).
 
 use imgfmt::{ChunkDigest, HashAlgo, ResolvedFile};
 

@@ -23,8 +23,10 @@ use super::common::{self, outln, parse_size};
 ///   known-blobs   which repositories hold which blobs (for cross-repository mounts)
 /// Lazy-restore traces are not kept here: lazy stores each trace beside its image (a
 /// referrer in the registry, or the layout's fallback tag). A push layout a running push
-/// holds is never evicted. Removing the directory by hand is safe too (the next commands
-/// fetch or pack again).
+/// holds, the chunks a running lazy restore pins (its image, so it does not depend on the
+/// registry) and files being written are never evicted, not even by `prune --all`; pinned
+/// chunks count toward the budget. Removing the directory by hand is safe while nothing
+/// runs (the next commands fetch or pack again).
 ///
 /// Prints one line per kind (bytes are allocated bytes, what fills the disk); --json: the
 /// same as an object. Exit 0, or 2 if the cache could not be read.
@@ -129,5 +131,8 @@ fn print_usage(u: &Usage) -> anyhow::Result<()> {
         outln!("{:<14} {:>9} {:>11}{in_use}", k.kind.name(), k.entries, imgfmt::size::human(k.bytes))?;
     }
     outln!("{:<14} {:>9} {:>11}  of {} (--cache-size)", "total", u.total_entries, imgfmt::size::human(u.total_bytes), imgfmt::size::human(u.limit_bytes))?;
+    if u.pins > 0 {
+        outln!("{:<14} {:>9} {:>11}  chunks kept for {} running restore(s)", "pinned", "", imgfmt::size::human(u.pinned_bytes), u.pins)?;
+    }
     Ok(())
 }

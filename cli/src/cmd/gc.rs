@@ -9,21 +9,25 @@ use anyhow::Context as _;
 use imgfmt::size::human;
 use registry::retention::Action;
 
+use registry::config::{FileConfig, GcSection};
+
 use super::common::{self, outln, parse_duration, printable};
-use super::config::{FileConfig, DEFAULT_GRACE};
 
 /// Delete what retention lets go and the blobs no kept manifest reaches.
 ///
 /// Retention first (spec/registry.md §4.1): every tag is kept unless a policy of --config
 /// says otherwise (keep_tags), with what kept images need (index children, a snapshot's
-/// base, referrers such as signatures and traces); untagged manifests older than the
-/// delay (default: --grace) go, and referrers go with their subject. Then marks from the
+/// base, referrers such as signatures and traces), and so is a manifest a running restore
+/// holds a lease on (spec/registry.md §4.7); untagged manifests older than the delay
+/// (default: --grace; after a lease, from its end) go, and referrers go with their
+/// subject. Then marks from the
 /// kept manifests (config, layers, index children) and deletes unmarked blobs older
 /// than --grace that no request relied on (a HEAD that found it, a mount, an upload of the
 /// same bytes, a manifest PUT) since --grace before gc started. Safe to run against live
 /// servers, one gc at a time: a push running meanwhile keeps what it uploaded, re-tagged
 /// or was told exists, or is refused cleanly (spec/registry.md §4). Upload sessions idle
-/// for --upload-ttl go too.
+/// for --upload-ttl go too. SIGTERM or SIGINT stops a run between two storage operations
+/// and removes its marks (exit 2); what it deleted before stays deleted.
 ///
 /// The report goes to stdout; --json prints one JSON object whose "retention" field holds
 /// a verdict per tag and per manifest (keep or delete, the rule, the bytes that go).
@@ -62,19 +66,23 @@ pub struct GcArgs {
 
 pub fn run(args: GcArgs) -> anyhow::Result<ExitCode> {
     let file = FileConfig::load_opt(args.config.as_deref())?;
-    let retention = file.retention()?;
-    let Some(storage) = args.storage.or(file.storage) else {
-        anyhow::bail!("no storage: give --storage DIR|s3://BUCKET/PREFIX, or storage in --config");
-    };
-    let store = registry::store::open(&storage, file.staging_dir.as_deref()).with_context(|| format!("opening storage {storage}"))?;
-    let opts = registry::gc::GcOptions {
-        grace: args.grace.or(file.gc.grace).unwrap_or(DEFAULT_GRACE),
-        upload_ttl: args.upload_ttl.or(file.upload_ttl).unwrap_or(registry::server::DEFAULT_UPLOAD_TTL),
-        dry_run: args.dry_run,
-        retention,
-    };
+    let flags =
+        FileConfig { storage: args.storage, upload_ttl: args.upload_ttl, gc: GcSection { grace: args.grace, ..GcSection::default() }, ..FileConfig::default() };
+    let cfg = flags.over(file);
+    let opts = cfg.gc_options(args.dry_run)?;
+    let storage = cfg.gc_storage()?;
+    for w in opts.retention.warnings() {
+        eprintln!("warning: {w}");
+    }
+    let store = registry::store::open(storage, cfg.staging_dir.as_deref()).with_context(|| format!("opening storage {storage}"))?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
-    let report = rt.block_on(registry::gc::run(store.as_ref(), &opts)).context("gc")?;
+    let report = rt
+        .block_on(async {
+            // Taken before the run starts: a signal from here on stops the run cleanly.
+            let stop = stop_signal()?;
+            anyhow::Ok(registry::gc::run_until(store.as_ref(), &opts, stop).await?)
+        })
+        .context("gc")?;
     if args.json {
         common::print_json_line(&report)?;
         return Ok(ExitCode::SUCCESS);
@@ -109,6 +117,22 @@ pub fn run(args: GcArgs) -> anyhow::Result<ExitCode> {
     outln!("referrer entries {verb}: {}", report.referrers_removed)?;
     outln!("uploads {verb}: {}", report.uploads_removed)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called, so a
+/// signal that arrives before the future is polled is not lost (nor does it kill the
+/// process with the run's marks left behind).
+fn stop_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        eprintln!("snapctl gc: stopping, removing the run's marks");
+    })
 }
 
 /// The rule's name as `--json` spells it.

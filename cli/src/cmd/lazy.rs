@@ -155,6 +155,20 @@ pub struct LazyArgs {
     /// and a chunk's CVs beside its first slice (spec/lazy.md "Waking").
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     pub slice_faults: bool,
+    /// `on` (the default): once the guest's first faults have settled (and after a working
+    /// set's replay), fetch the rest of the memory file into the chunk cache in the
+    /// background (not into guest memory), paced as the stream is so the guest's faults go
+    /// first, in the trace's order and then the file's; zero chunks and chunks the cache
+    /// holds are skipped. Once the whole file is in the cache ("no longer depends on the
+    /// registry" on stderr, `fill.done` in --json) the restore survives the image being
+    /// deleted from the registry (a tag that moved on, then gc). While the daemon runs, the
+    /// file's chunks are pinned in the cache: no eviction, not even `snapctl cache prune
+    /// --all`, deletes them; they count toward --cache-size, and the fill stops where they
+    /// would pass it (the rest keeps depending on the registry). From a registry the daemon
+    /// also holds a lease on the image, which `snapctl serve` honours through its gc.
+    /// `off`: no fill (nothing without a chunk cache either). See spec/lazy.md "The fill".
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = parse_on_off, action = clap::ArgAction::Set)]
+    pub fill: bool,
     #[command(flatten)]
     pub policy: super::policy::PolicyFlags,
 }
@@ -246,6 +260,7 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     // Registry references get a client of their own so traces can be pushed as referrers
     // through it; layouts keep traces under the fallback tag.
     let mut chunk_clients = None;
+    let mut lease_client = None;
     let metadata_source: Arc<dyn imgfmt::BlobSource>;
     let sig_store: Box<dyn sign::Store>;
     let (mut o, traces): (common::Opened, Option<Box<dyn TraceStore>>) = match a.image.parse::<Reference>()? {
@@ -266,6 +281,7 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
             chunk_clients = Some(chunk_clients_for(&host, &repository)?);
             sig_store = Box::new(RegistryStore(src.clone()));
             metadata_source = src.clone();
+            lease_client = Some(src.clone());
             let o = common::Opened { source: Box::new(src.clone()), selector, reference: a.image.clone() };
             (o, Some(Box::new(RegistryTraces::new(src))))
         }
@@ -277,6 +293,9 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     // trips of their own) goes on beside reading the image's metadata.
     let digest = common::resolve(&o)?;
     o.selector = imgfmt::reference::Selector::Digest(digest.clone());
+    // Held until the daemon ends cleanly (then released): the registry keeps the image
+    // through its gc meanwhile, if it honours leases.
+    let _lease = lease_client.map(|c| lazy::Lease::take(c, digest.clone()));
     let (image, outboards, maybe_trace) = std::thread::scope(|s| {
         let looking = traces.as_deref().filter(|_| a.prefetch != PrefetchMode::None).map(|t| s.spawn(|| t.prepare(&digest)));
         let opened = open_gated(&a, &r, sig_store.as_ref(), &mut o, &metadata_source);
@@ -325,6 +344,7 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     opts.stream_after = a.stream_after.is_finite().then_some(a.stream_after);
     opts.record_trace = a.record_trace;
     opts.slice_faults = a.slice_faults;
+    opts.fill = a.fill;
     opts.retry = RetryPolicy { budget: Some(a.retry_budget), ..lazy::DEFAULT_RETRY };
     opts.memory_bytes = a.memory;
     opts.once = a.once;

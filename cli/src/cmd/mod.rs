@@ -2,7 +2,6 @@
 
 pub mod cache;
 pub mod common;
-pub mod config;
 pub mod copy;
 pub mod diff;
 pub mod gc;

@@ -5,8 +5,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context as _;
-
-use super::config::FileConfig;
+use clap::builder::TypedValueParser as _;
+use registry::config::{FileConfig, GcSection, LogFormat, ServeSettings};
 
 /// Run an OCI Distribution registry that stores snapshots content-addressed.
 ///
@@ -35,6 +35,7 @@ use super::config::FileConfig;
 ///                        # the last run ended; "0" never. Default 24h
 ///   grace = "1h"         # as gc --grace; also the retention delay unless set
 ///   pull_flush = "5m"    # pulls are recorded in memory and written this often
+///   max_lease = "24h"    # the longest lease a running restore may hold on its image
 ///   [retention]
 ///   delay = "24h"        # untagged manifests go once this old (default: grace)
 ///   [[retention.policies]]
@@ -157,7 +158,7 @@ pub struct ServeArgs {
     pub stats_interval: Option<Duration>,
     /// How log lines are written: `text` (one line per event) or `json` (one JSON object
     /// per line, fields at the top level, for log shippers) [default: text].
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(LogFormat::NAMES).map(|s| s.parse::<LogFormat>().expect("a listed value")))]
     pub log_format: Option<LogFormat>,
 }
 
@@ -169,133 +170,78 @@ impl ServeArgs {
         let file = self.log_format.or_else(|| FileConfig::load_opt(self.config.as_deref()).ok().and_then(|f| f.log_format));
         file == Some(LogFormat::Json)
     }
-}
 
-pub use super::config::LogFormat;
+    /// The flags given, as configuration keys (laid over the file's).
+    fn flags(self) -> FileConfig {
+        FileConfig {
+            storage: self.storage,
+            listen: self.listen,
+            staging_dir: self.staging_dir,
+            htpasswd: self.htpasswd,
+            acl: self.acl,
+            anonymous_read: self.anonymous_read.then_some(true),
+            token_secret_file: self.token_secret_file,
+            token_realm: self.token_realm,
+            tls_cert: self.tls_cert,
+            tls_key: self.tls_key,
+            max_manifest_bytes: self.max_manifest_bytes,
+            chunk_min_length: self.chunk_min_length,
+            header_timeout: self.header_timeout,
+            idle_timeout: self.idle_timeout,
+            max_conns_per_client: self.max_conns_per_client,
+            max_requests_per_client: self.max_requests_per_client,
+            max_streams_per_conn: self.max_streams_per_conn,
+            max_password_checks: self.max_password_checks,
+            upload_ttl: self.upload_ttl,
+            metrics_listen: self.metrics_listen,
+            catalog_max_entries: self.catalog_max_entries,
+            htpasswd_poll: self.htpasswd_poll,
+            stats_interval: self.stats_interval,
+            log_format: self.log_format,
+            gc: GcSection::default(),
+            retention: Default::default(),
+        }
+    }
+}
 
 /// The server's log filter when neither SNAPCTL_LOG nor RUST_LOG sets one: warnings, and
 /// one line per request.
 pub const DEFAULT_LOG: &str = "warn,registry=info";
 
-/// What `serve` runs with: flags, else the configuration file, else the defaults.
-#[derive(Debug)]
-struct Settings {
-    storage: String,
-    listen: String,
-    staging_dir: Option<PathBuf>,
-    htpasswd: Option<PathBuf>,
-    acl: Option<PathBuf>,
-    anonymous_read: bool,
-    token_secret_file: Option<PathBuf>,
-    token_realm: Option<String>,
-    max_password_checks: Option<u64>,
-    tls: Option<(PathBuf, PathBuf)>,
-    metrics_listen: Option<String>,
-    cfg: registry::Config,
+/// Flags over the configuration file over the registry's defaults, checked.
+fn settings(args: ServeArgs) -> anyhow::Result<ServeSettings> {
+    let file = FileConfig::load_opt(args.config.as_deref())?;
+    let mut set = args.flags().over(file).serve_settings()?;
+    set.server.build = registry::metrics::BuildInfo { version: env!("CARGO_PKG_VERSION").to_owned(), commit: env!("SNAPCTL_COMMIT").to_owned() };
+    Ok(set)
 }
 
-fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
-    let file = FileConfig::load_opt(args.config.as_deref())?;
-    let retention = file.retention()?;
-    let htpasswd = args.htpasswd.or(file.htpasswd);
-    let acl = args.acl.or(file.acl);
-    let anonymous_read = args.anonymous_read || file.anonymous_read.unwrap_or(false);
-    let token_secret_file = args.token_secret_file.or(file.token_secret_file);
-    let token_realm = args.token_realm.or(file.token_realm);
-    let max_password_checks = args.max_password_checks.or(file.max_password_checks);
-    if htpasswd.is_none() {
-        for (set, what) in [
-            (acl.is_some(), "acl"),
-            (anonymous_read, "anonymous-read"),
-            (token_secret_file.is_some(), "token-secret-file"),
-            (token_realm.is_some(), "token-realm"),
-            (max_password_checks.is_some(), "max-password-checks"),
-        ] {
-            if set {
-                anyhow::bail!("--{what} needs --htpasswd (or htpasswd in the configuration file)");
-            }
-        }
-    }
-    let tls = match (args.tls_cert.or(file.tls_cert), args.tls_key.or(file.tls_key)) {
-        (Some(c), Some(k)) => Some((c, k)),
-        (None, None) => None,
-        _ => anyhow::bail!("--tls-cert and --tls-key go together"),
+/// Authentication from the files `set` names (`None`: an open registry).
+fn load_auth(set: &ServeSettings) -> anyhow::Result<Option<registry::auth::Auth>> {
+    let Some(h) = &set.htpasswd else { return Ok(None) };
+    let users = std::fs::read_to_string(h).with_context(|| format!("reading {}", h.display()))?;
+    let acl = match &set.acl {
+        Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?),
+        None => None,
     };
-    let limits = registry::server::Limits {
-        header_read_timeout: args.header_timeout.or(file.header_timeout).unwrap_or(Duration::from_secs(30)),
-        idle_timeout: args.idle_timeout.or(file.idle_timeout).unwrap_or(Duration::from_secs(120)),
-        max_conns_per_client: args.max_conns_per_client.or(file.max_conns_per_client).unwrap_or(registry::server::DEFAULT_MAX_CONNS_PER_CLIENT),
-        max_requests_per_client: args.max_requests_per_client.or(file.max_requests_per_client).unwrap_or(registry::server::DEFAULT_MAX_REQUESTS_PER_CLIENT),
-        max_streams_per_conn: args.max_streams_per_conn.or(file.max_streams_per_conn).unwrap_or(registry::server::DEFAULT_MAX_STREAMS_PER_CONN),
+    let secret = match &set.token_secret_file {
+        Some(p) => std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
+        None => registry::auth::random_secret(),
     };
-    if limits.max_streams_per_conn == 0 || max_password_checks == Some(0) {
-        anyhow::bail!("max_streams_per_conn and max_password_checks must be at least 1");
+    let mut a = registry::auth::Auth::new(&users, acl.as_deref(), set.anonymous_read, secret)
+        .with_context(|| format!("loading authentication config ({})", h.display()))?;
+    a.realm = set.token_realm.clone();
+    if let Some(n) = set.max_password_checks {
+        a.max_checks = usize::try_from(n).unwrap_or(usize::MAX);
     }
-    if limits.header_read_timeout.is_zero() || limits.idle_timeout.is_zero() {
-        anyhow::bail!("--header-timeout and --idle-timeout must be more than 0");
-    }
-    let max_manifest = args.max_manifest_bytes.or(file.max_manifest_bytes).unwrap_or(registry::server::DEFAULT_MAX_MANIFEST as u64);
-    let upload_ttl = args.upload_ttl.or(file.upload_ttl).unwrap_or(registry::server::DEFAULT_UPLOAD_TTL);
-    let grace = file.gc.grace.unwrap_or(super::config::DEFAULT_GRACE);
-    let interval = file.gc.interval.unwrap_or(super::config::DEFAULT_GC_INTERVAL);
-    let metrics_listen = args.metrics_listen.or(file.metrics_listen);
-    let cfg = registry::Config {
-        max_manifest_bytes: usize::try_from(max_manifest).context("--max-manifest-bytes")?,
-        auth: None,
-        tls: tls.is_some(),
-        chunk_min_length: args.chunk_min_length.or(file.chunk_min_length).unwrap_or(0),
-        limits,
-        upload_ttl,
-        api_metrics: metrics_listen.is_none(),
-        pull_flush: file.gc.pull_flush.unwrap_or(registry::pulls::DEFAULT_FLUSH_EVERY),
-        gc: (!interval.is_zero())
-            .then(|| registry::gc::Schedule { interval, options: registry::gc::GcOptions { grace, upload_ttl, dry_run: false, retention } }),
-        catalog_max_entries: args.catalog_max_entries.or(file.catalog_max_entries).unwrap_or(registry::catalog::DEFAULT_MAX_ENTRIES),
-        htpasswd_file: htpasswd.clone(),
-        htpasswd_poll: args.htpasswd_poll.or(file.htpasswd_poll).unwrap_or(Duration::from_secs(2)),
-        stats_interval: args.stats_interval.or(file.stats_interval).unwrap_or(Duration::from_secs(300)),
-        build: registry::metrics::BuildInfo { version: env!("CARGO_PKG_VERSION").to_owned(), commit: env!("SNAPCTL_COMMIT").to_owned() },
-    };
-    Ok(Settings {
-        storage: args.storage.or(file.storage).unwrap_or_else(|| "./snapctl-registry".into()),
-        listen: args.listen.or(file.listen).unwrap_or_else(|| "127.0.0.1:5000".into()),
-        staging_dir: args.staging_dir.or(file.staging_dir),
-        htpasswd,
-        acl,
-        anonymous_read,
-        token_secret_file,
-        token_realm,
-        max_password_checks,
-        tls,
-        metrics_listen,
-        cfg,
-    })
+    Ok(Some(a))
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let mut set = settings(args)?;
-    set.cfg.auth = match &set.htpasswd {
-        None => None,
-        Some(h) => {
-            let users = std::fs::read_to_string(h).with_context(|| format!("reading {}", h.display()))?;
-            let acl = match &set.acl {
-                Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?),
-                None => None,
-            };
-            let secret = match &set.token_secret_file {
-                Some(p) => std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
-                None => registry::auth::random_secret(),
-            };
-            let mut a = registry::auth::Auth::new(&users, acl.as_deref(), set.anonymous_read, secret).context("loading authentication config")?;
-            a.realm = set.token_realm.clone();
-            if let Some(n) = set.max_password_checks {
-                a.max_checks = usize::try_from(n).unwrap_or(usize::MAX);
-            }
-            Some(a)
-        }
-    };
+    set.server.auth = load_auth(&set)?;
     let store = registry::store::open(&set.storage, set.staging_dir.as_deref()).with_context(|| format!("opening storage {}", set.storage))?;
-    let Settings { storage, listen, tls, metrics_listen, cfg, htpasswd, .. } = set;
+    let ServeSettings { storage, listen, tls, metrics_listen, server: cfg, htpasswd, .. } = set;
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     rt.block_on(async move {

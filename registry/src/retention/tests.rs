@@ -57,6 +57,11 @@ fn referrer_of(s: &OciDigest) -> ManifestFacts {
     ManifestFacts { subject: Some(s.clone()), artifact_type: Some("application/vnd.example".into()), ..Default::default() }
 }
 
+/// A cosign signature manifest (it names no subject: its tag does).
+fn cosign_signature() -> ManifestFacts {
+    ManifestFacts { layer_types: vec!["application/vnd.dev.cosign.simplesigning.v1+json".into()], ..Default::default() }
+}
+
 /// No policy: tags and what they need stay; an untagged manifest goes once older than the
 /// delay, and with it its referrers and the tags named after it.
 #[test]
@@ -70,9 +75,9 @@ fn defaults_keep_what_is_tagged_and_needed_and_collect_the_rest_after_the_delay(
     let trace_live = i.manifest("vm", "trace-live", DAY, referrer_of(&live));
     let trace_old = i.manifest("vm", "trace-old", DAY, referrer_of(&old));
     let sig_of_trace = i.manifest("vm", "sig-of-trace", DAY, referrer_of(&trace_live));
-    let cosign_live = i.manifest("vm", "cosign-live", DAY, ManifestFacts::default());
+    let cosign_live = i.manifest("vm", "cosign-live", DAY, cosign_signature());
     i.tag("vm", &format!("sha256-{}.sig", live.hex()), &cosign_live, DAY);
-    let cosign_old = i.manifest("vm", "cosign-old", DAY, ManifestFacts::default());
+    let cosign_old = i.manifest("vm", "cosign-old", DAY, cosign_signature());
     i.tag("vm", &format!("sha256-{}.sig", old.hex()), &cosign_old, DAY);
     let idx_child = i.manifest("vm", "child", 5 * DAY, ManifestFacts::default());
     let idx = i.manifest("vm", "index", 5 * DAY, ManifestFacts { children: vec![idx_child.clone()], ..Default::default() });
@@ -117,7 +122,7 @@ fn a_referrer_of_a_missing_subject_waits_for_the_delay() {
     let missing = d("never pushed");
     let young = i.manifest("vm", "young", 10 * Duration::from_secs(60), referrer_of(&missing));
     let old = i.manifest("vm", "old", DAY, referrer_of(&missing));
-    let sig = i.manifest("vm", "sig", DAY, ManifestFacts::default());
+    let sig = i.manifest("vm", "sig", DAY, cosign_signature());
     i.tag("vm", &format!("sha256-{}.sig", missing.hex()), &sig, DAY);
     let p = i.plan(RetentionConfig::default(), HOUR);
     assert_eq!(verdict(&p, "vm", &young).rule, Rule::SubjectMissingWithinDelay { subject: missing.clone(), age_seconds: 600 });
@@ -160,7 +165,7 @@ fn keep_tags_rules() {
     i.pulled("app", &m["v1"], HOUR);
     i.pulled("app", &m["v2"], 20 * DAY);
     i.pulled("app", &m["dev-a"], DAY);
-    let sig = i.manifest("app", "sig-of-v2", 5 * DAY, ManifestFacts::default());
+    let sig = i.manifest("app", "sig-of-v2", 5 * DAY, cosign_signature());
     i.tag("app", &format!("sha256-{}.sig", m["v2"].hex()), &sig, 5 * DAY);
     let toml = r#"
         delay = "1h"
@@ -264,6 +269,75 @@ fn globs() {
     assert!(matches!(Retention::new(bad), Err(RetentionError::Pattern { policy: 0, entry: 0, .. })));
 }
 
+/// The matcher before it was made linear, as the reference for what a glob means.
+fn backtracking_glob(glob: &str, name: &str) -> bool {
+    fn comp(p: &[u8], s: &[u8]) -> bool {
+        match (p.first(), s.first()) {
+            (None, None) => true,
+            (Some(b'*'), _) => comp(&p[1..], s) || (!s.is_empty() && comp(p, &s[1..])),
+            (Some(b'?'), Some(_)) => comp(&p[1..], &s[1..]),
+            (Some(a), Some(b)) if a == b => comp(&p[1..], &s[1..]),
+            _ => false,
+        }
+    }
+    fn segs(p: &[&str], s: &[&str]) -> bool {
+        match (p.first(), s.first()) {
+            (None, None) => true,
+            (Some(&"**"), _) => segs(&p[1..], s) || (!s.is_empty() && segs(p, &s[1..])),
+            (Some(a), Some(b)) => comp(a.as_bytes(), b.as_bytes()) && segs(&p[1..], &s[1..]),
+            _ => false,
+        }
+    }
+    segs(&glob.split('/').collect::<Vec<_>>(), &name.split('/').collect::<Vec<_>>())
+}
+
+/// Every glob and name over a small alphabet up to a few symbols: the same answers as the
+/// backtracking definition.
+#[test]
+fn the_linear_glob_matcher_agrees_with_the_definition() {
+    fn all(alphabet: &[&str], max: usize) -> Vec<String> {
+        let mut out = vec![String::new()];
+        let mut last = vec![String::new()];
+        for _ in 0..max {
+            last = last.iter().flat_map(|w| alphabet.iter().map(move |a| format!("{w}{a}"))).collect();
+            out.extend(last.iter().cloned());
+        }
+        out
+    }
+    let globs = all(&["a", "b", "*", "?", "/", "**"], 4);
+    let names = all(&["a", "b", "/"], 5);
+    let mut checked = 0;
+    for g in globs.iter().filter(|g| !g.is_empty() && g.split('/').all(|c| !c.is_empty() && (c == "**" || !c.contains("**")))) {
+        for n in names.iter().filter(|n| !n.is_empty() && n.split('/').all(|c| !c.is_empty())) {
+            assert_eq!(glob_matches(g, n), backtracking_glob(g, n), "{g:?} {n:?}");
+            checked += 1;
+        }
+    }
+    assert!(checked > 50_000, "{checked}");
+}
+
+/// Issue 35: retention's repository glob backtracked exponentially: one 120-byte
+/// repository name, which anyone who may push can choose, held gc for more than 20 s on
+/// a glob with 7 stars (5 stars: 0.5 s). Now each answer is immediate, for stars within
+/// a component and `**` across components alike.
+#[test]
+fn regression_issue_35_a_hostile_repository_name_does_not_hold_gc_on_a_many_star_glob() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let name = "a".repeat(120);
+        let deep = vec!["a"; 60].join("/");
+        let answers = (
+            glob_matches("*a*a*a*a*a*a*a*a*a*a*b", &name),
+            glob_matches("**/a/**/a/**/a/**/a/**/a/**/a/**/a/**/b", &deep),
+            glob_matches("*a*a*a*a*a*a*a*a*a*a*", &name),
+        );
+        let _ = tx.send(answers);
+    });
+    // The backtracking matcher needs hours here; a linear one, microseconds.
+    let got = rx.recv_timeout(std::time::Duration::from_secs(5)).expect("the glob match did not finish within 5 s");
+    assert_eq!(got, (false, false, true));
+}
+
 #[test]
 fn subject_named_tags() {
     let s = d("x");
@@ -273,6 +347,37 @@ fn subject_named_tags() {
     assert_eq!(tag_subject("sha256-abc.sig"), None);
     assert_eq!(tag_subject("latest"), None);
     assert_eq!(tag_subject(&format!("md5-{}", s.hex())), None);
+}
+
+/// Issue 35: with no retention policy, gc deleted a tagged image whose tag has the shape
+/// `sha256-<64 hex>` (a CI's content-hash tag): taken by its name for the referrers
+/// fallback tag of a subject that is gone. An attachment is now told by what its manifest
+/// is; nothing tagged goes without a policy.
+#[test]
+fn regression_issue_35_a_content_hash_tag_on_an_image_is_an_ordinary_tag() {
+    let mut i = Inv::new();
+    let gone = d("a subject that is not in the repository");
+    let image = i.manifest("ci", "image", 30 * DAY, ManifestFacts { blobs: vec![d("config"), d("layer")], ..Default::default() });
+    i.tag("ci", &format!("sha256-{}", gone.hex()), &image, 30 * DAY);
+    let signed_image = i.manifest("ci", "signed-image", 30 * DAY, ManifestFacts::default());
+    i.tag("ci", &format!("sha256-{}.sig", gone.hex()), &signed_image, 30 * DAY);
+    // Real attachments of the missing subject still go with it.
+    let sig = i.manifest("ci", "sig", 30 * DAY, cosign_signature());
+    let other = d("another missing subject");
+    i.tag("ci", &format!("sha256-{}.sig", other.hex()), &sig, 30 * DAY);
+    let referrer = i.manifest("ci", "referrer", 30 * DAY, referrer_of(&other));
+    let fallback = i.manifest("ci", "fallback", 30 * DAY, ManifestFacts { children: vec![referrer.clone()], ..Default::default() });
+    i.tag("ci", &format!("sha256-{}", other.hex()), &fallback, 30 * DAY);
+
+    let p = i.plan(RetentionConfig::default(), HOUR);
+    for (m, t) in [(&image, format!("sha256-{}", gone.hex())), (&signed_image, format!("sha256-{}.sig", gone.hex()))] {
+        assert_eq!(verdict(&p, "ci", m).rule, Rule::Tagged { tag: t.clone(), entry: None, by: None }, "{p:#?}");
+        assert_eq!(tag_verdict(&p, "ci", &t).action, Action::Keep);
+    }
+    for m in [&sig, &fallback, &referrer] {
+        assert_eq!(verdict(&p, "ci", m).rule, Rule::SubjectGone { subject: other.clone() }, "{p:#?}");
+    }
+    assert_eq!(p.deleted_manifests().count(), 3);
 }
 
 /// zot's camelCase keys are accepted beside snake_case; unknown keys are refused.
@@ -339,4 +444,42 @@ fn the_plan_is_plain_data() {
         let j = serde_json::to_string(&t).unwrap();
         assert_eq!(serde_json::from_str::<TagVerdict>(&j).unwrap(), t, "{j}");
     }
+}
+
+/// Issue 35: a keep count of 0 in a policy with no `repositories` list deleted every tag
+/// of every repository with no warning (0 reads as "no limit" to many). Refused unless the
+/// policy names its repositories, `["**"]` for all of them on purpose; then `warnings`
+/// says it (gc prints them).
+#[test]
+fn regression_issue_35_a_count_of_zero_for_every_repository_is_refused_unless_written_on_purpose() {
+    let cfg = |repos: &str, entry: &str| {
+        toml::from_str::<RetentionConfig>(&format!("[[policies]]\n{repos}\nkeep_tags = [{{ patterns = [\"v.*\"] }}, {{ {entry} }}]\n")).unwrap()
+    };
+    for rule in ["most_recently_pushed_count", "most_recently_pulled_count"] {
+        let e = Retention::new(cfg("", &format!("{rule} = 0"))).unwrap_err();
+        assert!(matches!(e, RetentionError::KeepsNothingEverywhere { policy: 0, entry: 1, .. }), "{e}");
+        let text = e.to_string();
+        assert!(text.contains(&format!("{rule} = 0")) && text.contains("repositories = [\"**\"]"), "{text}");
+        let on_purpose = Retention::new(cfg("repositories = [\"**\"]", &format!("{rule} = 0"))).unwrap();
+        let w = on_purpose.warnings();
+        assert!(w.len() == 1 && w[0].contains(&format!("{rule} = 0 keeps no tag")) && w[0].contains("(**)"), "{w:?}");
+    }
+    for keeps_some in [
+        "most_recently_pushed_count = 0, pushed_within = \"1d\"",
+        "most_recently_pushed_count = 0, most_recently_pulled_count = 2",
+        "most_recently_pushed_count = 3",
+    ] {
+        let r = Retention::new(cfg("", keeps_some)).unwrap_or_else(|e| panic!("{keeps_some}: {e}"));
+        assert!(r.warnings().is_empty(), "{keeps_some}");
+    }
+}
+
+/// Issue 35: durations past any sense are refused at load, naming the key and the bound.
+#[test]
+fn regression_issue_35_retention_durations_are_bounded_at_load() {
+    let e = Retention::new(toml::from_str("delay = 9223372036854775807").unwrap()).unwrap_err().to_string();
+    assert_eq!(e, "[retention] delay = 9223372036854775807s: longer than 3650d, the most it may be");
+    let e = Retention::new(toml::from_str("[[policies]]\nkeep_tags = [{ pulled_within = \"4000d\" }]").unwrap()).unwrap_err().to_string();
+    assert!(e.starts_with("retention policy 0, keep_tags entry 0: pulled_within = "), "{e}");
+    Retention::new(toml::from_str("delay = \"3650d\"\n[[policies]]\nkeep_tags = [{ pushed_within = \"3650d\" }]").unwrap()).unwrap();
 }

@@ -277,12 +277,15 @@ impl ConnState {
     /// request is being handled and no response body is waiting.
     fn left(&self, l: &Limits) -> Option<Duration> {
         let now = self.born.elapsed();
-        let body = self.oldest_body_progress().map(|t| (Duration::from_millis(t) + l.idle_timeout).saturating_sub(now));
+        let body = self.oldest_body_progress().map(|t| Duration::from_millis(t).saturating_add(l.idle_timeout).saturating_sub(now));
         if self.in_flight.load(Relaxed) > 0 {
             return body;
         }
-        let deadline =
-            if self.requests.load(Relaxed) == 0 { l.header_read_timeout } else { Duration::from_millis(self.last_byte_ms.load(Relaxed)) + l.idle_timeout };
+        let deadline = if self.requests.load(Relaxed) == 0 {
+            l.header_read_timeout
+        } else {
+            Duration::from_millis(self.last_byte_ms.load(Relaxed)).saturating_add(l.idle_timeout)
+        };
         let conn = deadline.saturating_sub(now);
         Some(body.map_or(conn, |b| b.min(conn)))
     }
@@ -294,7 +297,7 @@ impl ConnState {
 
     /// Whether a response body has not moved for `idle`.
     fn body_stalled(&self, idle: Duration) -> bool {
-        self.oldest_body_progress().is_some_and(|t| self.born.elapsed() >= Duration::from_millis(t) + idle)
+        self.oldest_body_progress().is_some_and(|t| self.born.elapsed() >= Duration::from_millis(t).saturating_add(idle))
     }
 }
 

@@ -263,6 +263,35 @@ mod auth {
         assert_eq!(r.json::<serde_json::Value>().await.unwrap(), json!({"repositories": ["shared", "team/a", "team/b/c"]}));
     }
 
+    /// Issue 35: the store's totals (bytes, blobs, manifests, repositories of the whole
+    /// store) were on `/ui/` and in `/metrics` for users the ACL confines to some
+    /// repositories. They are for users who may pull every repository.
+    #[tokio::test]
+    async fn regression_issue_35_store_totals_are_only_for_users_who_may_pull_every_repository() {
+        let dir = tempfile::tempdir().unwrap();
+        seed(dir.path()).await;
+        let acl = format!("{ACL}\n[[rule]]\nusers = [\"root\"]\nrepos = [\"*\"]\nactions = [\"pull\"]\n");
+        let s = TestServer::start_in(dir, cfg(&acl, false)).await;
+        let c = Client::new();
+        let get = |path: &str, user: &str| {
+            let rq = c.get(s.u(path)).basic_auth(user, Some("pw"));
+            async move { rq.send().await.unwrap().text().await.unwrap() }
+        };
+        let mut taken = false;
+        for _ in 0..100 {
+            if get("/metrics", "root").await.contains("snapctl_store_bytes") {
+                taken = true;
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        assert!(taken, "the store's totals were never taken");
+        assert!(get("/ui/", "root").await.contains("stored bytes"));
+        let (metrics, ui) = (get("/metrics", "alice").await, get("/ui/", "alice").await);
+        assert!(!metrics.contains("snapctl_store_") && metrics.contains("snapctl_build_info"), "{metrics}");
+        assert!(!ui.contains("stored bytes") && ui.contains("team/a"), "{ui}");
+    }
+
     #[tokio::test]
     async fn a_caller_without_credentials_who_may_read_nothing_is_challenged() {
         let dir = tempfile::tempdir().unwrap();

@@ -1202,3 +1202,5 @@ mod hostile {
 
 /// Retention: what gc deletes beyond unreferenced blobs (spec/registry.md §4).
 mod retention;
+
+mod restore_lease;

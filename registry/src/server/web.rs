@@ -197,6 +197,8 @@ async fn index(s: &Server, readable: &Readable, last: Option<&str>) -> Result<Re
     let mut b = String::new();
     b.push_str("<h2>Store</h2>");
     match s.stats.latest() {
+        // Totals are of every repository: only for who may read them all.
+        _ if *readable != Readable::All => b.push_str("<p>The store's totals are shown to users who may pull every repository.</p>"),
         Some(t) => {
             let _ = write!(
                 b,

@@ -100,6 +100,14 @@ struct Args {
     /// that is slow to start: tests stop the handler in between).
     #[arg(long, default_value_t = 0)]
     pause_ms: u64,
+    /// After the --touch pages, create PATH.waiting, wait (running, its memory mapped) until
+    /// PATH exists, then touch the --then-touch pages: a guest that lives on while a test
+    /// changes the world around it (a tag moved, a gc).
+    #[arg(long, value_name = "PATH", requires = "then_touch")]
+    then_wait_for: Option<PathBuf>,
+    /// The pages to touch after --then-wait-for (as --touch).
+    #[arg(long, value_name = "PAGES", requires = "then_wait_for")]
+    then_touch: Option<String>,
 }
 
 /// One guest memory region: where it lives in our address space and in the memory file.
@@ -322,7 +330,10 @@ fn run() -> anyhow::Result<u8> {
     let page = imgfmt::size::parse_size(&a.page_size).map_err(anyhow::Error::msg)?;
     ensure!(page == PAGE || page == HUGE_PAGE, "--page-size must be 4KiB or 2MiB, got {}", a.page_size);
     let regions = map_guest(&plan_regions(&a.regions, file_len, page)?, page)?;
-    let touches = plan_touches(&a.touch, &regions, a.seed, a.run_pages)?;
+    let mut phases = vec![plan_touches(&a.touch, &regions, a.seed, a.run_pages)?];
+    if let Some(t) = &a.then_touch {
+        phases.push(plan_touches(t, &regions, a.seed.wrapping_add(1), a.run_pages)?);
+    }
     let dontneed = a.dontneed.as_deref().map(parse_range).transpose()?;
     if let Some((off, len)) = dontneed {
         ensure!(off % page == 0 && len % page == 0 && len > 0, "--dontneed must be whole pages of {page} B");
@@ -389,9 +400,7 @@ fn run() -> anyhow::Result<u8> {
         });
     }
 
-    let touches = Arc::new(touches);
-    let next = Arc::new(AtomicUsize::new(0));
-    let latencies = Arc::new(Mutex::new(Vec::with_capacity(touches.len())));
+    let latencies = Arc::new(Mutex::new(Vec::new()));
     // First touches of pages whose original bytes are not all zero (the ones a page server
     // has to fetch; zero pages it fills without fetching anything), with whether the page
     // was missing when the thread went to touch it (a fault) or already installed.
@@ -399,66 +408,80 @@ fn run() -> anyhow::Result<u8> {
     let data_chunks: Arc<Mutex<Vec<u64>>> = Arc::new(Mutex::new(Vec::new()));
     let regions = Arc::new(regions);
     let mem = Arc::new(mem);
-    let mut handles = Vec::new();
-    for _ in 0..a.threads {
-        let (touches, next, lat, regions, mem, c) = (touches.clone(), next.clone(), latencies.clone(), regions.clone(), mem.clone(), counters.clone());
-        let data_lat = data_latencies.clone();
-        let chunks = data_chunks.clone();
-        handles.push(std::thread::spawn(move || -> anyhow::Result<()> {
-            let mut got = vec![0u8; PAGE as usize];
-            let mut want = vec![0u8; PAGE as usize];
-            let mut mine = Vec::new();
-            let mut mine_data = Vec::new();
-            // The 1 MiB units (snapctl's default chunk) of the data pages touched.
-            let mut mine_chunks = Vec::new();
-            loop {
-                // Shared cursor: together the threads follow the planned order closely.
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&page) = touches.get(i) else { break };
-                let off = page * PAGE;
-                let addr = guest_addr(&regions, off).expect("planned pages are mapped");
-                let missing = !page_resident(addr);
-                if missing {
-                    c.missing.fetch_add(1, Ordering::Relaxed);
-                }
-                let t = Instant::now();
-                let r = read_guest_page(addr, &mut got);
-                let took = t.elapsed().as_nanos() as u64;
-                mine.push(took);
-                match r {
-                    Read::Poisoned(errno) => {
-                        if c.poisoned.fetch_add(1, Ordering::SeqCst) < 5 {
-                            eprintln!("fake_vmm: page at file offset {off:#x} unreadable (errno {errno}): poisoned");
-                        }
-                    }
-                    Read::Ok => {
-                        original_page(&mem, file_len, off, &mut want)?;
-                        if want.iter().any(|&b| b != 0) {
-                            mine_data.push((took, missing));
-                            mine_chunks.push(off >> 20);
-                        }
-                        if got != want {
-                            if c.mismatches.fetch_add(1, Ordering::SeqCst) < 5 {
-                                let at = got.iter().zip(&want).position(|(x, y)| x != y).unwrap_or(0);
-                                eprintln!("fake_vmm: MISMATCH at file offset {:#x}", off + at as u64);
-                            }
-                        } else if got.iter().all(|&b| b == 0) {
-                            c.zero.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                }
-                if c.checked.fetch_add(1, Ordering::SeqCst) == 0 {
-                    let _ = c.first_touch_unix_us.compare_exchange(0, unix_us(), Ordering::SeqCst, Ordering::SeqCst);
-                }
+    for (phase, touches) in phases.into_iter().enumerate() {
+        if phase > 0 {
+            let wait = a.then_wait_for.as_ref().expect("a second phase waits");
+            let mut flag = wait.clone().into_os_string();
+            flag.push(".waiting");
+            std::fs::write(&flag, b"").with_context(|| format!("create {}", PathBuf::from(&flag).display()))?;
+            eprintln!("fake_vmm: waiting for {}", wait.display());
+            while !wait.exists() {
+                std::thread::sleep(Duration::from_millis(20));
             }
-            lat.lock().expect("latency lock").extend(mine);
-            data_lat.lock().expect("latency lock").extend(mine_data);
-            chunks.lock().expect("chunks lock").extend(mine_chunks);
-            Ok(())
-        }));
-    }
-    for h in handles {
-        h.join().map_err(|_| anyhow::anyhow!("a touch thread panicked"))??;
+        }
+        let touches = Arc::new(touches);
+        let next = Arc::new(AtomicUsize::new(0));
+        let mut handles = Vec::new();
+        for _ in 0..a.threads {
+            let (touches, next, lat, regions, mem, c) = (touches.clone(), next.clone(), latencies.clone(), regions.clone(), mem.clone(), counters.clone());
+            let data_lat = data_latencies.clone();
+            let chunks = data_chunks.clone();
+            handles.push(std::thread::spawn(move || -> anyhow::Result<()> {
+                let mut got = vec![0u8; PAGE as usize];
+                let mut want = vec![0u8; PAGE as usize];
+                let mut mine = Vec::new();
+                let mut mine_data = Vec::new();
+                // The 1 MiB units (snapctl's default chunk) of the data pages touched.
+                let mut mine_chunks = Vec::new();
+                loop {
+                    // Shared cursor: together the threads follow the planned order closely.
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&page) = touches.get(i) else { break };
+                    let off = page * PAGE;
+                    let addr = guest_addr(&regions, off).expect("planned pages are mapped");
+                    let missing = !page_resident(addr);
+                    if missing {
+                        c.missing.fetch_add(1, Ordering::Relaxed);
+                    }
+                    let t = Instant::now();
+                    let r = read_guest_page(addr, &mut got);
+                    let took = t.elapsed().as_nanos() as u64;
+                    mine.push(took);
+                    match r {
+                        Read::Poisoned(errno) => {
+                            if c.poisoned.fetch_add(1, Ordering::SeqCst) < 5 {
+                                eprintln!("fake_vmm: page at file offset {off:#x} unreadable (errno {errno}): poisoned");
+                            }
+                        }
+                        Read::Ok => {
+                            original_page(&mem, file_len, off, &mut want)?;
+                            if want.iter().any(|&b| b != 0) {
+                                mine_data.push((took, missing));
+                                mine_chunks.push(off >> 20);
+                            }
+                            if got != want {
+                                if c.mismatches.fetch_add(1, Ordering::SeqCst) < 5 {
+                                    let at = got.iter().zip(&want).position(|(x, y)| x != y).unwrap_or(0);
+                                    eprintln!("fake_vmm: MISMATCH at file offset {:#x}", off + at as u64);
+                                }
+                            } else if got.iter().all(|&b| b == 0) {
+                                c.zero.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    if c.checked.fetch_add(1, Ordering::SeqCst) == 0 {
+                        let _ = c.first_touch_unix_us.compare_exchange(0, unix_us(), Ordering::SeqCst, Ordering::SeqCst);
+                    }
+                }
+                lat.lock().expect("latency lock").extend(mine);
+                data_lat.lock().expect("latency lock").extend(mine_data);
+                chunks.lock().expect("chunks lock").extend(mine_chunks);
+                Ok(())
+            }));
+        }
+        for h in handles {
+            h.join().map_err(|_| anyhow::anyhow!("a touch thread panicked"))??;
+        }
     }
     let seconds = start.elapsed().as_secs_f64();
 

@@ -270,3 +270,58 @@ fn regression_issue_22_a_killed_eviction_leaves_a_consistent_cache() {
     w.ok(&["pull", &dest, out.to_str().unwrap()]);
     assert!(fs::read(out.join("vm.mem")).unwrap() == fs::read(snap.join("vm.mem")).unwrap());
 }
+
+/// Issue 35 §6: `snapctl cache prune --all` run over and over beside pushes. A push writes
+/// its stamp and its upload state under the cache directory through temp files renamed
+/// into place; the prune took those temp files for entries and deleted them, so pushes
+/// failed after packing (`push-layouts/<key>.stamp.json: No such file or directory`) or
+/// lost their resume state (`cannot save upload state`). Files being written by a live
+/// process are not entries: every push succeeds and says nothing of its state.
+#[test]
+fn regression_issue_35_pushes_beside_prunes_all_succeed() {
+    let storage = tempfile::tempdir().unwrap();
+    let serve = Serve::start(storage.path().to_str().unwrap(), &[], &[]);
+    let w = Work::new();
+    let size = "2MiB";
+    let dirs: Vec<PathBuf> = (0..5).map(|i| w.sample(&format!("snap{i}"), size)).collect();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let pruner = {
+        let (done, cache, docker) = (done.clone(), w.cache(), w.path("docker"));
+        std::thread::spawn(move || {
+            let mut prunes = 0u32;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let r = run(snapctl().env("SNAPCTL_CACHE", &cache).env("DOCKER_CONFIG", &docker).args(["cache", "prune", "--all"]));
+                assert_eq!(r.code, 0, "prune: {r:?}");
+                prunes += 1;
+            }
+            prunes
+        })
+    };
+    let mut failed = Vec::new();
+    let mut said = Vec::new();
+    for round in 0..5u32 {
+        let pushes: Vec<_> = dirs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                w.mutate(d, size, round + 1);
+                let mut c = w.cmd();
+                c.args(["push", d.to_str().unwrap(), &format!("{}/vm/pruned{i}:latest", serve.addr), "--upload-piece", "64KiB"]);
+                std::thread::spawn(move || run(&mut c))
+            })
+            .collect();
+        for p in pushes {
+            let r = p.join().unwrap();
+            if r.code != 0 {
+                failed.push(r.stderr.clone());
+            } else if r.stderr.contains("cannot save upload state") {
+                said.push(r.stderr.clone());
+            }
+        }
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let prunes = pruner.join().unwrap();
+    assert!(prunes >= 5, "the prunes ran beside the pushes: {prunes}");
+    assert!(failed.is_empty(), "{} of 25 pushes failed beside prunes: {failed:#?}", failed.len());
+    assert!(said.is_empty(), "{} of 25 pushes lost their upload state: {said:#?}", said.len());
+}

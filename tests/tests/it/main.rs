@@ -15,6 +15,7 @@ mod format;
 mod host;
 mod lazy;
 mod lazy_criu;
+mod lazy_gc;
 mod lazy_huge;
 mod netem;
 mod operator;

@@ -148,6 +148,28 @@ fn regression_issue_25_request_log_in_json_names_who_what_and_why() {
     assert!(lines.len() >= 4 && log.lines().all(|l| l.trim().is_empty() || l.starts_with('{') || l.starts_with("snapctl serve:")), "{log}");
 }
 
+/// Issue 35: the JSON request log wrote the C1 control characters of a User-Agent raw
+/// (a JSON writer escapes C0 only): a NEL (U+0085) starts a new line in many log viewers,
+/// where the text after it passes for a line of the server's own. Every control character
+/// of a logged field is escaped now.
+#[test]
+fn regression_issue_35_the_json_log_escapes_c1_controls_of_a_user_agent() {
+    let storage = tempfile::tempdir().unwrap();
+    let s = Serve::start(storage.path().join("store").to_str().unwrap(), &["--log-format", "json"], &[]);
+    let ua = reqwest::header::HeaderValue::from_bytes(b"evil/1.0\xc2\x85{\"message\":\"request\"}\xc2\x9b31m").unwrap();
+    let r = reqwest::blocking::Client::new().get(s.url("/v2/")).header("user-agent", ua).send().unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    std::thread::sleep(Duration::from_millis(300));
+    let log = s.log_text();
+    assert!(!log.chars().any(|c| ('\u{80}'..='\u{9f}').contains(&c)), "a C1 control reached the log raw: {log:?}");
+    let line: serde_json::Value = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["path"] == "/v2/")
+        .unwrap_or_else(|| panic!("no log line for the request: {log}"));
+    assert_eq!(line["user_agent"], "evil/1.0\\u{85}{\"message\":\"request\"}\\u{9b}31m", "{line}");
+}
+
 const CHROMIUM: &str = "/usr/bin/chromium";
 
 /// Headless Chromium: the DOM of `url` after loading it.

@@ -347,3 +347,78 @@ fn regression_issue_22_a_referrer_dies_with_its_subject_and_leaves_the_listing()
     let v = rep["retention"]["manifests"].as_array().into_iter().flatten().find(|v| v["digest"] == referrer.as_str()).cloned().unwrap_or_default();
     assert_eq!((v["action"].as_str(), v["rule"].as_str()), (Some("delete"), Some("subject_gone")), "{rep}");
 }
+
+/// Issue 35: `snapctl gc` stopped by SIGTERM or Ctrl-C (SIGINT) left `_gc/run` and its
+/// marks: for 5 minutes every gc refused to start, and requests relying on a marked blob
+/// waited 30 s for a 503. It removes them on the way out now (exit 2, "stopped").
+///
+/// To stop it mid-run every time, the store holds one manifest whose bytes are a FIFO:
+/// gc's scan blocks reading it, holding `_gc/run`, until the test opens the other end.
+#[test]
+fn regression_issue_35_gc_stopped_by_a_signal_removes_its_marks() {
+    use std::os::unix::fs::OpenOptionsExt;
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        let w = Work::new();
+        let storage = w.path("store");
+        let hex = snapctl_tests::registry_support::sha256(b"a manifest gc cannot finish reading").trim_start_matches("sha256:").to_owned();
+        let link = storage.join(format!("repositories/vm/_manifests/sha256/{hex}"));
+        fs::create_dir_all(link.parent().unwrap()).unwrap();
+        fs::write(&link, "application/vnd.oci.image.manifest.v1+json").unwrap();
+        let fifo = storage.join(format!("blobs/sha256/{}/{hex}", &hex[..2]));
+        fs::create_dir_all(fifo.parent().unwrap()).unwrap();
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo(3) on a NUL-terminated path we own.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let mut child = w
+            .cmd()
+            .args(["gc", "--storage", storage.to_str().unwrap(), "--grace", "0s"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let run = storage.join("_gc/run");
+        let t = Instant::now();
+        while !run.exists() {
+            assert!(t.elapsed() < Duration::from_secs(30) && child.try_wait().unwrap().is_none(), "gc did not start");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(200)); // well into the scan
+                                                        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(child.id() as i32, sig) };
+        let t = Instant::now();
+        while run.exists() && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let left = run.exists();
+        // Let the blocked read end (no reader left: nothing to do).
+        drop(fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(&fifo));
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!left, "signal {sig}: _gc/run left behind ({:?}): {stderr}", out.status);
+        assert_eq!(out.status.code(), Some(2), "signal {sig}: {stderr}");
+        assert!(stderr.contains("stopped"), "signal {sig}: {stderr}");
+        let marks: Vec<_> = ["_gc/condemned", "_gc/retiring"].iter().flat_map(|d| fs::read_dir(storage.join(d)).into_iter().flatten().flatten()).collect();
+        assert!(marks.is_empty(), "signal {sig}: marks left: {marks:?}");
+        // The next gc starts at once.
+        fs::remove_file(&fifo).unwrap();
+        fs::remove_file(&link).unwrap();
+        ok(w.cmd().args(["gc", "--storage", storage.to_str().unwrap()]));
+    }
+}
+
+/// Issue 35: `most_recently_pushed_count = 0` in a policy with no `repositories` list
+/// deleted every tag of every repository, with no warning. `gc` refuses that file and
+/// says how to write it on purpose; written so, `gc --dry-run` warns.
+#[test]
+fn regression_issue_35_a_keep_count_of_zero_everywhere_is_refused_or_warned_about() {
+    let w = Work::new();
+    let storage = w.path("store");
+    let cfg = w.path("zero.toml");
+    fs::write(&cfg, "[[retention.policies]]\nkeep_tags = [{ most_recently_pushed_count = 0 }]\n").unwrap();
+    let r = run(w.cmd().args(["gc", "--storage", storage.to_str().unwrap(), "--config", cfg.to_str().unwrap(), "--dry-run"]));
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("most_recently_pushed_count = 0 keeps no tag") && r.stderr.contains("repositories = [\"**\"]"), "{}", r.stderr);
+    fs::write(&cfg, "[[retention.policies]]\nrepositories = [\"**\"]\nkeep_tags = [{ most_recently_pushed_count = 0 }]\n").unwrap();
+    let r = ok(w.cmd().args(["gc", "--storage", storage.to_str().unwrap(), "--config", cfg.to_str().unwrap(), "--dry-run"]));
+    assert!(r.stderr.lines().any(|l| l.starts_with("warning: ") && l.contains("most_recently_pushed_count = 0 keeps no tag")), "{}", r.stderr);
+}
