@@ -7,10 +7,12 @@
 //! ```text
 //! samples: the faults' own slice fetches (4 KiB, as they happen), and, while the
 //!   background has work, a probe thread's tiny requests (HEAD of a pack) on the faults'
-//!   client every max(base, PROBE_GAP)
+//!   client, PROBES_PER_RTT per round trip
 //!     -> base delay of each kind: the least time seen (per minute, the last BASE_MINUTES)
 //!     -> queueing = time - its kind's base; current = least of the last CURRENT_FILTER
 //!     -> Ledbat::sample -> window (bytes)
+//!   a fault's slice YIELD_TARGETS over its base with background bytes in flight
+//!     -> Ledbat::fault_waited: the window halves at once
 //! faults' fetches: counted against the window while in flight (they take it first)
 //! stream / replay: Background::acquire(bytes) before each request, released when its bytes
 //!   have arrived (the stream: before they are installed; the replay: once installed),
@@ -48,8 +50,12 @@
 //!   not late by the filter's length): the window doubles per round trip from
 //!   [`INIT_WINDOW`] chunks.
 //! - A sample that alone took a round trip more than its base, and at least [`LOSS_TARGETS`]
-//!   targets more, is taken as a loss (a shallow buffer dropped its bytes and TCP sent them
-//!   again a round trip later): the window halves, once per round trip (RFC 6817 §2.4.2).
+//!   targets more, the next back under half that, is taken as a loss (a shallow buffer
+//!   dropped its bytes and TCP sent them again a round trip later): the window halves, once
+//!   per round trip (RFC 6817 §2.4.2). When the next is as late the delay lasts: a deep
+//!   buffer's queue, left to the delay law (halving on it empties the link).
+//! - A fault's slice fetch [`YIELD_TARGETS`] targets over its base while the background has
+//!   bytes in flight waited behind them: the window halves at once, unfiltered.
 //! - The window grows only while it is used (RFC 6817's ALLOWED_INCREASE, per probe: to at
 //!   most twice the bytes in flight and a chunk), and never beyond `--stream-jobs` chunks.
 

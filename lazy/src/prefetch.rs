@@ -392,7 +392,20 @@ pub(crate) fn run(
             let (inst, job_rx, done_tx) = (&inst, &job_rx, done_tx.clone());
             std::thread::Builder::new().name("lazy-stream".into()).spawn_scoped(s, move || worker(inst, job_rx, &done_tx)).is_ok()
         };
-        let mut d = Dispatch { inst: &inst, bg: &bg, order: &order, traced, max_jobs, rate, t0: Instant::now(), next: 0, in_flight: 0, installed: 0, most: 0, workers: 0 };
+        let mut d = Dispatch {
+            inst: &inst,
+            bg: &bg,
+            order: &order,
+            traced,
+            max_jobs,
+            rate,
+            t0: Instant::now(),
+            next: 0,
+            in_flight: 0,
+            installed: 0,
+            most: 0,
+            workers: 0,
+        };
         let (mut wanting, mut widened) = (None, false);
         while !ended() {
             if !widened && demand.needs_most() {
@@ -550,6 +563,18 @@ pub(crate) fn run_bytes(window: u64, chunk: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stream request is at most half the window (so a fault behind a full window of the
+    /// stream's bytes waits behind two requests' worth at most), at most `RUN_BYTES`, and
+    /// always the chunk it starts with.
+    #[test]
+    fn a_stream_request_is_at_most_half_the_window_and_at_least_its_chunk() {
+        const MIB: u64 = 1 << 20;
+        assert_eq!(run_bytes(6 * MIB, MIB), 3 * MIB);
+        assert_eq!(run_bytes(64 * MIB, MIB), RUN_BYTES);
+        assert_eq!(run_bytes(MIB, MIB), MIB, "a window of one chunk still sends it");
+        assert_eq!(run_bytes(0, MIB), MIB);
+    }
 
     #[test]
     fn prefetch_and_stream_orders_put_the_trace_first() {
