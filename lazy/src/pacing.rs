@@ -104,7 +104,8 @@ pub const PROBES_PER_RTT: u32 = 4;
 pub const MIN_PROBE_GAP: Duration = Duration::from_millis(5);
 /// A fault's slice fetch this many targets over its base, with the background's bytes in
 /// flight, waited behind them: the window is halved at once (once per round trip), without
-/// waiting for the filter.
+/// waiting for the filter; not once the target is widened (that guest waits for the
+/// stream's bytes more than for any one fault's).
 pub const YIELD_TARGETS: f64 = 2.0;
 
 /// What a delay sample timed: each kind has a base of its own.
@@ -222,9 +223,11 @@ impl Ledbat {
 
     /// A fault's slice fetch met `queueing` over its base with `background` bytes of the
     /// background's requests in flight: if it waited [`YIELD_TARGETS`] targets or more and
-    /// the background had bytes ahead of it, halve the window (once per round trip).
+    /// the background had bytes ahead of it, halve the window (once per round trip). Not
+    /// once [`widen`](Self::widen)ed: that guest waits for the stream's bytes more than for
+    /// any one fault's, and halving on each wait slowed its restore.
     pub fn fault_waited(&mut self, queueing: Duration, now: Instant, background: u64) {
-        if background > 0 && queueing >= self.target().mul_f64(YIELD_TARGETS) {
+        if !self.widened() && background > 0 && queueing >= self.target().mul_f64(YIELD_TARGETS) {
             self.cut(0.5, now);
         }
     }
@@ -725,6 +728,10 @@ mod tests {
         assert_eq!(l.cuts, 1, "once per round trip");
         l.fault_waited(ms(100), t + ms(30), 8 * MIB);
         assert_eq!((l.window(), l.cuts), (8 * MIB, 2), "the next round trip");
+        // A guest that needs most of the image waits for the stream: its faults cut nothing.
+        l.widen();
+        l.fault_waited(ms(100), t + ms(60), 8 * MIB);
+        assert_eq!((l.window(), l.cuts), (8 * MIB, 2), "widened");
         // Through the shared state: a slice sample with the background's bytes in flight.
         let bg = Background::new(MIB, 32);
         for _ in 0..3 {
