@@ -10,6 +10,10 @@
 #            touching 5% of its pages, no proxy), so every restore timed replays it: the
 #            wake of a sandbox woken again, which reads its trace and whole outboards
 #            after it listens (spec/lazy.md "Waking")
+#            --links "window deep shallow": netem_proxy's --link, how the bottleneck queues
+#            (window, the default; deep: one FIFO takes every byte at once; shallow: a small
+#            buffer that drops), the models taking turns within each run; --queue-limit SIZE
+#            (the shallow buffer's size; default netem_proxy's)
 #
 # Per run, through a fresh proxy: first the peer, the index transfer: `curl` fetching the
 # manifest and then the index on one new connection (3 round trips and the bytes), and a
@@ -32,7 +36,7 @@ trap 'echo "wake.sh: line $LINENO failed: $BASH_COMMAND" >&2' ERR
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ARGV=("$@")
-SIZE=2GiB RTTS="0 2 20 50" RATE=1gbit RUNS=7 TAG="" REPLAY=0
+SIZE=2GiB RTTS="0 2 20 50" RATE=1gbit RUNS=7 TAG="" REPLAY=0 LINKS=window QUEUE_LIMIT=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --size) SIZE=$2; shift ;;
@@ -41,6 +45,9 @@ while [ $# -gt 0 ]; do
     --runs) RUNS=$2; shift ;;
     --tag) TAG=$2; shift ;;
     --replay) REPLAY=1 ;;
+    --links) LINKS=$2; shift
+      for l in $LINKS; do case "$l" in window|deep|shallow) ;; *) echo "wake.sh: --links takes window, deep, shallow" >&2; exit 2 ;; esac; done ;;
+    --queue-limit) QUEUE_LIMIT=$2; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "wake.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -69,7 +76,7 @@ INDEX=$(jq -r '.layers[] | select(.mediaType == "application/vnd.snapctl.snapsho
 [ -n "$INDEX" ] || { echo "wake.sh: no index in the manifest" >&2; exit 2; }
 BIGGEST=$(jq -r '.layers | max_by(.size) | .digest' <<<"$MANIFEST")
 # Data pages (not all zero) at random, one per run and setting.
-N=$(( RUNS * $(wc -w <<<"$RTTS") ))
+N=$(( RUNS * $(wc -w <<<"$RTTS") * $(wc -w <<<"$LINKS") ))
 mapfile -t PAGES < <(python3 - "$MEM" "$N" <<'PY'
 import os, random, sys
 path, n = sys.argv[1], int(sys.argv[2])
@@ -97,11 +104,14 @@ if [ "$REPLAY" = 1 ]; then
   log "recorded: $(grep -o 'trace of .*stored' "$W/record.log")"
 fi
 i=0
+LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 for rtt in $RTTS; do
   for run in $(seq "$RUNS"); do
+    for link in $LINKS; do
     r=$rtt; [ "$r" = 0 ] || r=${rtt}ms
+    shallow=""; [ "$link" = shallow ] && shallow=$QUEUE_LIMIT
     : > "$W/net.out"
-    "$NETEM" --upstream "127.0.0.1:$PORT" --rtt "$r" --rate "$RATE" >"$W/net.out" 2>"$W/net.log" &
+    "$NETEM" --upstream "127.0.0.1:$PORT" --rtt "$r" --rate "$RATE" --link "$link" ${shallow:+--queue-limit "$shallow"} >"$W/net.out" 2>"$W/net.log" &
     np=$!
     PIDS+=("$np")
     for _ in $(seq 500); do [ -s "$W/net.out" ] && break; sleep 0.02; done
@@ -125,12 +135,15 @@ for rtt in $RTTS; do
     if [ "$REPLAY" = 1 ]; then grep -q "prefetch trace" "$W/lazy.log" || { echo "wake.sh: the restore found no trace to replay: $(tail -3 "$W/lazy.log")" >&2; exit 2; }; fi
     kill "$np"; wait "$np" 2>/dev/null || true
     [ "$(jq .mismatches "$W/vmm.json")" = 0 ] || { echo "wake.sh: wrong bytes" >&2; exit 1; }
+    load=$(cut -d' ' -f1 /proc/loadavg)
     jq -c --arg t0 "$t0" --argjson rtt "$rtt" --argjson run "$run" --argjson page "$page" --argjson index "$index_ms" --argjson one "$page_ms" \
-      '{rtt_ms: $rtt, run: $run, page: $page, index_transfer_ms: $index, warm_page_ms: $one,
+      --arg link "$link" --argjson load "$load" \
+      '{rtt_ms: $rtt, link: $link, run: $run, page: $page, index_transfer_ms: $index, warm_page_ms: $one, load: $load,
         ready_ms: (.connected_unix_us / 1e3 - ($t0 | tonumber) * 1e3),
         handshake_ms: (.handshake_unix_us / 1e3 - ($t0 | tonumber) * 1e3),
         first_page_ms: (.first_touch_unix_us / 1e3 - ($t0 | tonumber) * 1e3)}' "$W/vmm.json" >> "$RUNLOG"
-    log "RTT $rtt ms, run $run: $(tail -1 "$RUNLOG")"
+    log "RTT $rtt ms, link $link, run $run: $(tail -1 "$RUNLOG")"
+    done
   done
 done
 stop_server
@@ -138,15 +151,15 @@ stop_server
 exec > >(tee "$OUT")
 echo "### $NAME: \`bash bench/wake.sh ${ARGV[*]}\`, $(date -u '+%Y-%m-%d %H:%M UTC')"
 echo
-echo "$(nproc) cores, load average at the end $(cut -d' ' -f1-3 /proc/loadavg), snapctl $(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- . 2>/dev/null || echo '+changes'); $SIZE image, cap $RATE, medians of $RUNS runs (min-max)$([ "$REPLAY" = 1 ] && echo "; every restore replays a recorded trace (--replay)")."
+echo "$(nproc) cores, load average at the start $LOAD_START and at the end $(cut -d' ' -f1-3 /proc/loadavg) (each run's in the JSON lines), snapctl $(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- . 2>/dev/null || echo '+changes'); $SIZE image, cap $RATE, medians of $RUNS runs (min-max)$([ "$REPLAY" = 1 ] && echo "; every restore replays a recorded trace (--replay)")."
 echo
 python3 - "$RUNLOG" <<'PY'
 import json, statistics, sys
 runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-print("| RTT ms | index transfer (curl) ms | ready (daemon start to socket) ms | first page after ready ms | after the handshake ms | a page on an open connection (curl) ms | start to first page ms | index transfer + 2 RTT ms | start within it? | after the handshake within 2 RTT? |")
-print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
-for rtt in dict.fromkeys(r["rtt_ms"] for r in runs):
-    rs = [r for r in runs if r["rtt_ms"] == rtt]
+print("| RTT ms | link | index transfer (curl) ms | ready (daemon start to socket) ms | first page after ready ms | after the handshake ms | a page on an open connection (curl) ms | start to first page ms | index transfer + 2 RTT ms | start within it? | after the handshake within 2 RTT? |")
+print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
+for rtt, link in dict.fromkeys((r["rtt_ms"], r.get("link", "window")) for r in runs):
+    rs = [r for r in runs if r["rtt_ms"] == rtt and r.get("link", "window") == link]
     def m(f):
         xs = [f(r) for r in rs]
         return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})", statistics.median(xs)
@@ -157,7 +170,7 @@ for rtt in dict.fromkeys(r["rtt_ms"] for r in runs):
     one = m(lambda r: r["warm_page_ms"])[0] if all("warm_page_ms" in r for r in rs) else ""
     start, st = m(lambda r: r["first_page_ms"])
     yes = lambda ok: "yes" if ok else "**no**"
-    print(f"| {rtt} | {index} | {ready} | {after} | {hs} | {one} | {start} | {i + 2 * rtt:.1f} | {yes(st <= i + 2 * rtt)} | {yes(h <= 2 * rtt)} |")
+    print(f"| {rtt} | {link} | {index} | {ready} | {after} | {hs} | {one} | {start} | {i + 2 * rtt:.1f} | {yes(st <= i + 2 * rtt)} | {yes(h <= 2 * rtt)} |")
 PY
 echo
 echo "Every run: \`bench/results/$NAME.jsonl\`."

@@ -7,10 +7,12 @@
 //! ```text
 //! samples: the faults' own slice fetches (4 KiB, as they happen), and, while the
 //!   background has work, a probe thread's tiny requests (HEAD of a pack) on the faults'
-//!   client every max(base, PROBE_GAP)
+//!   client, PROBES_PER_RTT per round trip
 //!     -> base delay of each kind: the least time seen (per minute, the last BASE_MINUTES)
 //!     -> queueing = time - its kind's base; current = least of the last CURRENT_FILTER
 //!     -> Ledbat::sample -> window (bytes)
+//!   a fault's slice YIELD_TARGETS over its base with background bytes in flight
+//!     -> Ledbat::fault_waited: the window halves at once
 //! faults' fetches: counted against the window while in flight (they take it first)
 //! stream / replay: Background::acquire(bytes) before each request, released when its bytes
 //!   have arrived (the stream: before they are installed; the replay: once installed),
@@ -48,8 +50,12 @@
 //!   not late by the filter's length): the window doubles per round trip from
 //!   [`INIT_WINDOW`] chunks.
 //! - A sample that alone took a round trip more than its base, and at least [`LOSS_TARGETS`]
-//!   targets more, is taken as a loss (a shallow buffer dropped its bytes and TCP sent them
-//!   again a round trip later): the window halves, once per round trip (RFC 6817 §2.4.2).
+//!   targets more, the next back under half that, is taken as a loss (a shallow buffer
+//!   dropped its bytes and TCP sent them again a round trip later): the window halves, once
+//!   per round trip (RFC 6817 §2.4.2). When the next is as late the delay lasts: a deep
+//!   buffer's queue, left to the delay law (halving on it empties the link).
+//! - A fault's slice fetch [`YIELD_TARGETS`] targets over its base while the background has
+//!   bytes in flight waited behind them: the window halves at once, unfiltered.
 //! - The window grows only while it is used (RFC 6817's ALLOWED_INCREASE, per probe: to at
 //!   most twice the bytes in flight and a chunk), and never beyond `--stream-jobs` chunks.
 
@@ -85,10 +91,22 @@ pub const CURRENT_FILTER: usize = 4;
 pub const BASE_MINUTES: usize = 10;
 /// A sample this many targets over its base (and a round trip over it) is a loss.
 pub const LOSS_TARGETS: f64 = 4.0;
-/// Least time between probes, and the least round trip the window's growth is timed by
-/// (on loopback the round trip is tens of microseconds: a probe each would be most of the
-/// traffic, and growth per round trip a spin).
+/// The least round trip the window's growth is timed by (on loopback the round trip is tens
+/// of microseconds: growth per round trip would be a spin).
 pub const PROBE_GAP: Duration = Duration::from_millis(10);
+/// Probes per round trip while the background has work: the filter ([`CURRENT_FILTER`]
+/// samples) then spans about one round trip, so a queue building in a buffer that takes
+/// every byte (no loss, no backpressure, only delay) is seen within a round trip of
+/// building rather than after several, when the window has already doubled past it.
+pub const PROBES_PER_RTT: u32 = 4;
+/// Least time between probes (on loopback a probe per quarter round trip would be most of
+/// the traffic).
+pub const MIN_PROBE_GAP: Duration = Duration::from_millis(5);
+/// A fault's slice fetch this many targets over its base, with the background's bytes in
+/// flight, waited behind them: the window is halved at once (once per round trip), without
+/// waiting for the filter; not once the target is widened (that guest waits for the
+/// stream's bytes more than for any one fault's).
+pub const YIELD_TARGETS: f64 = 2.0;
 
 /// What a delay sample timed: each kind has a base of its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,7 +136,10 @@ pub struct Ledbat {
     current: VecDeque<Duration>,
     last: Option<Instant>,
     last_cut: Option<Instant>,
-    /// Losses taken (window halved).
+    /// A sample a round trip over its base, not yet told apart: a loss if the next sample is
+    /// back under half that, a lasting queue (a deep buffer) if it is not.
+    suspect: Option<Instant>,
+    /// Cuts taken: losses (window halved) and faults that waited behind the background.
     pub cuts: u64,
     /// Probes taken.
     pub samples: u64,
@@ -139,6 +160,7 @@ impl Ledbat {
             current: VecDeque::new(),
             last: None,
             last_cut: None,
+            suspect: None,
             cuts: 0,
             samples: 0,
         }
@@ -184,6 +206,32 @@ impl Ledbat {
         self.base().unwrap_or(PROBE_GAP).max(PROBE_GAP)
     }
 
+    /// Time between probes: [`PROBES_PER_RTT`] per round trip, at least [`MIN_PROBE_GAP`].
+    pub fn probe_gap(&self) -> Duration {
+        (self.round_trip() / PROBES_PER_RTT).max(MIN_PROBE_GAP)
+    }
+
+    /// Cut the window by `factor`, once per round trip.
+    fn cut(&mut self, factor: f64, now: Instant) {
+        if self.last_cut.is_none_or(|c| now.saturating_duration_since(c) >= self.round_trip()) {
+            self.window *= factor;
+            self.last_cut = Some(now);
+            self.cuts += 1;
+        }
+        self.slow_start = false;
+    }
+
+    /// A fault's slice fetch met `queueing` over its base with `background` bytes of the
+    /// background's requests in flight: if it waited [`YIELD_TARGETS`] targets or more and
+    /// the background had bytes ahead of it, halve the window (once per round trip). Not
+    /// once [`widen`](Self::widen)ed: that guest waits for the stream's bytes more than for
+    /// any one fault's, and halving on each wait slowed its restore.
+    pub fn fault_waited(&mut self, queueing: Duration, now: Instant, background: u64) {
+        if !self.widened() && background > 0 && queueing >= self.target().mul_f64(YIELD_TARGETS) {
+            self.cut(0.5, now);
+        }
+    }
+
     /// A request of `kind` sent at `now - took` came back at `now`, with `inflight` bytes
     /// of the background's requests in flight. Moves the window.
     pub fn sample(&mut self, kind: Kind, took: Duration, now: Instant, inflight: u64) {
@@ -208,14 +256,23 @@ impl Ledbat {
         let (target, rtt) = (self.target(), self.round_trip());
         let dt = self.last.map_or(Duration::ZERO, |l| now.saturating_duration_since(l)).min(rtt);
         self.last = Some(now);
-        if raw >= base.max(target.mul_f64(LOSS_TARGETS)) {
-            if self.last_cut.is_none_or(|c| now.saturating_duration_since(c) >= rtt) {
-                self.window /= 2.0;
-                self.last_cut = Some(now);
-                self.cuts += 1;
+        // A round trip over the base: a loss (a shallow buffer dropped the bytes and TCP sent
+        // them again a round trip later) stands alone, the next sample back near the queue
+        // the buffer holds; a deep buffer's queue lasts and grows, and is left to the delay
+        // law below (halving on it would empty the queue and the link with it).
+        let loss = base.max(target.mul_f64(LOSS_TARGETS));
+        if raw >= loss {
+            if self.suspect.is_none() {
+                self.suspect = Some(now);
+                self.slow_start = false;
+                return;
             }
-            self.slow_start = false;
-            return;
+            self.suspect = None;
+        } else if let Some(at) = self.suspect.take() {
+            if raw < loss / 2 {
+                self.cut(0.5, at);
+                return;
+            }
         }
         let queueing = self.queueing().expect("just set");
         let per_rtt = dt.as_secs_f64() / rtt.as_secs_f64();
@@ -407,7 +464,14 @@ impl Background {
         let mut st = self.state.lock().expect("poisoned");
         // The window is in use by the faults' fetches as well as the background's.
         let inflight = st.inflight + st.foreground;
-        st.ledbat.sample(kind, took, Instant::now(), inflight);
+        let now = Instant::now();
+        st.ledbat.sample(kind, took, now, inflight);
+        if kind == Kind::Slice {
+            // A fault's own wait, unfiltered: behind the background's bytes, it cuts at once.
+            let waited = took.saturating_sub(st.ledbat.base_of(Kind::Slice).unwrap_or(took));
+            let background = st.inflight;
+            st.ledbat.fault_waited(waited, now, background);
+        }
         st.most_window = st.most_window.max(st.ledbat.window());
         drop(st);
         self.cv.notify_all();
@@ -427,7 +491,8 @@ impl Background {
     }
 
     /// Probe `blob` on `src` (the faults' source) while anyone wants to send, until
-    /// `stop`: one request at a time, at least [`PROBE_GAP`] apart. A failed probe is not a
+    /// `stop`: one request at a time, [`PROBES_PER_RTT`] per round trip, at least
+    /// [`MIN_PROBE_GAP`] apart. A failed probe is not a
     /// sample (the faults' own retries deal with a failing source).
     pub fn probe(&self, src: &dyn BlobSource, blob: &OciDigest, stop: &AtomicBool) {
         while !stop.load(Ordering::Relaxed) {
@@ -439,7 +504,7 @@ impl Background {
             if src.blob_size(blob).is_ok() {
                 self.sample(Kind::Probe, t.elapsed());
             }
-            let gap = self.state.lock().expect("poisoned").ledbat.round_trip().min(Duration::from_millis(100));
+            let gap = self.state.lock().expect("poisoned").ledbat.probe_gap().min(Duration::from_millis(100));
             if let Some(rest) = gap.checked_sub(t.elapsed()) {
                 std::thread::sleep(rest);
             }
@@ -578,17 +643,132 @@ mod tests {
         let mut l = Ledbat::new(MIB, 32);
         let t = feed(&mut l, Instant::now(), 40, ms(5), ms(20));
         assert_eq!(l.window(), 32 * MIB);
-        // A probe dropped at a shallow buffer: sent again a round trip later, so 40 ms.
+        // A probe dropped at a shallow buffer: sent again a round trip later, so 41 ms; the
+        // next is back near the base, so it stood alone: a loss.
         l.sample(Kind::Probe, ms(41), t + ms(5), l.window());
+        assert_eq!((l.window(), l.cuts), (32 * MIB, 0), "one sample over is not told apart yet");
+        l.sample(Kind::Probe, ms(21), t + ms(10), l.window());
         assert_eq!((l.window(), l.cuts), (16 * MIB, 1));
         // Another within the same round trip: the same loss event.
-        l.sample(Kind::Probe, ms(41), t + ms(10), l.window());
+        l.sample(Kind::Probe, ms(41), t + ms(15), l.window());
+        l.sample(Kind::Probe, ms(21), t + ms(20), l.window());
         assert_eq!((l.window(), l.cuts), (16 * MIB, 1));
-        l.sample(Kind::Probe, ms(41), t + ms(30), l.window());
+        l.sample(Kind::Probe, ms(41), t + ms(40), l.window());
+        l.sample(Kind::Probe, ms(21), t + ms(45), l.window());
         assert_eq!((l.window(), l.cuts), (8 * MIB, 2));
         // A noisy probe of a few ms over is a queue, not a loss.
-        l.sample(Kind::Probe, ms(27), t + ms(60), l.window());
+        l.sample(Kind::Probe, ms(27), t + ms(80), l.window());
+        l.sample(Kind::Probe, ms(21), t + ms(85), l.window());
         assert_eq!(l.cuts, 2);
+    }
+
+    /// A bottleneck that takes every byte into one FIFO (no loss, no backpressure): the
+    /// background's bytes beyond the bandwidth-delay product queue, and every sample after
+    /// them waits as long. Probes a quarter round trip apart see it.
+    fn deep_buffer(l: &mut Ledbat, rounds: usize, fault_every: Option<usize>) -> (Vec<u64>, Vec<Duration>) {
+        let (base, rate) = (Duration::from_millis(20), 125e6);
+        let mut now = Instant::now();
+        let (mut windows, mut waits) = (Vec::new(), Vec::new());
+        // The window a round trip ago: a sample tells of the queue it passed through, which
+        // the bytes sent then had built.
+        let mut past: VecDeque<(Instant, u64)> = VecDeque::new();
+        for i in 0..rounds {
+            now += l.probe_gap();
+            past.push_back((now, l.window()));
+            while past.len() > 1 && now.duration_since(past[1].0) >= base {
+                past.pop_front();
+            }
+            let queue = Duration::from_secs_f64(((past[0].1 as f64 - rate * base.as_secs_f64()) / rate).max(0.0));
+            l.sample(Kind::Probe, base + queue, now, l.window());
+            if fault_every.is_some_and(|n| i % n == 0) {
+                // A fault's slice waits behind the same queue.
+                waits.push(queue);
+                l.fault_waited(queue, now, l.window());
+            }
+            windows.push(l.window());
+        }
+        (windows, waits)
+    }
+
+    /// A deep buffer holds no loss, only a growing delay: the window follows the queueing
+    /// delay to about the target (never halved as if a round trip of delay were a loss), so
+    /// a fault meets a queue of a few targets at most while the link stays full.
+    #[test]
+    fn regression_issue_37_a_deep_buffers_growing_delay_cuts_the_window_and_is_no_loss() {
+        let mut l = Ledbat::new(MIB, 32);
+        l.widen();
+        let (windows, _) = deep_buffer(&mut l, 4000, None);
+        let late = &windows[2000..];
+        let mean = late.iter().sum::<u64>() as f64 / late.len() as f64 / MIB as f64;
+        // 2.5 MB of bandwidth-delay product, plus the 4 ms target's 0.5 MB: about 2.9 MiB.
+        eprintln!("mean {mean:.2} MiB, min {:.2}, max {:.2}", *late.iter().min().unwrap() as f64 / MIB as f64, *late.iter().max().unwrap() as f64 / MIB as f64);
+        assert!((2.4..=3.6).contains(&mean), "settled about {mean:.1} MiB");
+        assert_eq!(l.cuts, 0, "a lasting queue is not a loss");
+        // Slow start's overshoot is seen within a few round trips: the most the window
+        // reached is a few MiB over the product, not the bound.
+        let most = *windows.iter().max().unwrap();
+        assert!(most <= 10 * MIB, "{:.1} MiB", most as f64 / MIB as f64);
+    }
+
+    /// A fault's slice fetch that waited behind the background's bytes halves the window at
+    /// once (once per round trip); a wait under twice the target, or with none of the
+    /// background's bytes in flight, changes nothing.
+    #[test]
+    fn regression_issue_37_a_fault_waiting_behind_the_background_cuts_the_window() {
+        let ms = Duration::from_millis;
+        let mut l = Ledbat::new(MIB, 32);
+        let t = feed(&mut l, Instant::now(), 40, ms(5), ms(20));
+        assert_eq!((l.window(), l.target()), (32 * MIB, ms(2)));
+        l.fault_waited(ms(3), t, 8 * MIB);
+        l.fault_waited(ms(40), t, 0);
+        assert_eq!((l.window(), l.cuts), (32 * MIB, 0), "under two targets, or nothing of the background ahead");
+        l.fault_waited(ms(5), t, 8 * MIB);
+        assert_eq!((l.window(), l.cuts), (16 * MIB, 1), "5 ms of wait against 2 ms of target");
+        l.fault_waited(ms(5), t + ms(10), 8 * MIB);
+        assert_eq!(l.cuts, 1, "once per round trip");
+        l.fault_waited(ms(100), t + ms(30), 8 * MIB);
+        assert_eq!((l.window(), l.cuts), (8 * MIB, 2), "the next round trip");
+        // A guest that needs most of the image waits for the stream: its faults cut nothing.
+        l.widen();
+        l.fault_waited(ms(100), t + ms(60), 8 * MIB);
+        assert_eq!((l.window(), l.cuts), (8 * MIB, 2), "widened");
+        // Through the shared state: a slice sample with the background's bytes in flight.
+        let bg = Background::new(MIB, 32);
+        for _ in 0..3 {
+            bg.sample(Kind::Slice, ms(20));
+        }
+        let w = bg.window();
+        let _permit = bg.try_acquire(MIB, Class::Stream).expect("room");
+        bg.sample(Kind::Slice, ms(30));
+        assert!(bg.window() < w && bg.report().cuts == 1, "{} of {w}", bg.window());
+    }
+
+    /// Where the delay does not grow (a bottleneck that queues per connection, as the
+    /// window model's), the window model is unchanged: probes a quarter round trip apart grow
+    /// it to its bound as before, and faults' slices that meet no queue cut nothing.
+    #[test]
+    fn regression_issue_37_without_a_growing_delay_the_window_grows_as_before() {
+        let mut l = Ledbat::new(MIB, 32);
+        assert_eq!(l.probe_gap(), MIN_PROBE_GAP, "no base yet: a quarter of the least round trip, at least the floor");
+        let mut now = Instant::now();
+        l.sample(Kind::Probe, Duration::from_millis(20), now, 0);
+        assert_eq!(l.probe_gap(), Duration::from_millis(5), "a quarter of 20 ms");
+        for _ in 0..200 {
+            now += l.probe_gap();
+            l.sample(Kind::Probe, Duration::from_millis(20), now, l.window());
+            l.fault_waited(Duration::from_millis(1), now, l.window());
+        }
+        assert_eq!((l.window(), l.cuts), (32 * MIB, 0));
+        // Faults meet the queue of a deep buffer whose window is held: a few targets at most.
+        let mut l = Ledbat::new(MIB, 32);
+        let (_, waits) = deep_buffer(&mut l, 4000, Some(10));
+        let late = &waits[200..];
+        let mut sorted = late.to_vec();
+        sorted.sort();
+        let p90 = sorted[sorted.len() * 9 / 10];
+        let p50 = sorted[sorted.len() / 2];
+        eprintln!("p50 {p50:?} p90 {p90:?}");
+        assert!(p50 <= Duration::from_millis(4) && p90 <= Duration::from_millis(12), "a fault's wait: median {p50:?}, 90th percentile {p90:?}");
     }
 
     #[test]

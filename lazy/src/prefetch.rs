@@ -343,6 +343,19 @@ pub(crate) struct StreamRun {
     pub rtt: Option<Duration>,
 }
 
+/// One request of the stream: a run of chunks adjacent in their pack, whether they are the
+/// rest's (not the trace's), and its room in the background's window.
+type Job = (Vec<u64>, bool, Permit);
+
+/// What a stream worker tells the dispatcher.
+enum Event {
+    /// A request's bytes arrived: its room in the window is free (installing them uses none
+    /// of the link), so the dispatcher may send the next at once.
+    Arrived,
+    /// A request is done: this many bytes installed.
+    Done(u64),
+}
+
 /// Install `order`'s chunks ahead of the guest, each through the fetcher's single-flight
 /// path (a fault on a chunk being streamed waits for that fetch; every chunk is verified
 /// before it is installed and goes into the chunk cache), with as many requests in flight
@@ -367,124 +380,201 @@ pub(crate) fn run(
     if let Some(d) = rtt {
         bg.sample(Kind::Probe, d);
     }
-    let (job_tx, job_rx) = mpsc::channel::<(Vec<u64>, bool, Permit)>();
+    let (job_tx, job_rx) = mpsc::channel::<Job>();
     let job_rx = Mutex::new(job_rx);
-    let (done_tx, done_rx) = mpsc::channel::<u64>();
+    let (done_tx, done_rx) = mpsc::channel::<Event>();
     let ended = || stop.load(Ordering::Relaxed) || inst.gone();
     std::thread::scope(|s| {
         // A worker per request in flight, started when a request finds every worker busy:
         // a guest whose stream never starts costs no threads, and none start beside its
         // first faults.
-        let start = || {
+        let mut start = || {
             let (inst, job_rx, done_tx) = (&inst, &job_rx, done_tx.clone());
-            std::thread::Builder::new()
-                .name("lazy-stream".into())
-                .spawn_scoped(s, move || loop {
-                    let Ok((run, rest, permit)) = job_rx.lock().expect("poisoned").recv() else { return };
-                    // The request's room in the window goes back once its bytes have arrived:
-                    // checking and installing them uses none of the link.
-                    let (bytes, chunks) = inst.prefetch_run(&run, || drop(permit));
-                    if rest && bytes > 0 {
-                        inst.rec.add(|k| &k.streamed_chunks, chunks);
-                        inst.rec.add(|k| &k.streamed_bytes, bytes);
-                    }
-                    if done_tx.send(bytes).is_err() {
-                        return;
-                    }
-                })
-                .is_ok()
+            std::thread::Builder::new().name("lazy-stream".into()).spawn_scoped(s, move || worker(inst, job_rx, &done_tx)).is_ok()
         };
-        let mut workers = 0usize;
-        let t0 = Instant::now();
-        let (mut next, mut in_flight, mut installed, mut most) = (0usize, 0usize, 0u64, 0usize);
+        let mut d = Dispatch {
+            inst: &inst,
+            bg: &bg,
+            order: &order,
+            traced,
+            max_jobs,
+            rate,
+            t0: Instant::now(),
+            next: 0,
+            in_flight: 0,
+            installed: 0,
+            most: 0,
+            workers: 0,
+        };
         let (mut wanting, mut widened) = (None, false);
-        'dispatch: while !ended() {
+        while !ended() {
             if !widened && demand.needs_most() {
                 bg.widen();
                 widened = true;
             }
-            let mut waiting_for_go = false;
             // The probes run while there are requests to make.
-            let work = next < order.len() && (next < traced || demand.going());
+            let work = d.next < order.len() && (d.next < traced || demand.going());
             if work && wanting.is_none() {
                 wanting = Some(bg.wanting());
             } else if !work {
                 wanting = None;
             }
-            while in_flight < max_jobs && next < order.len() {
-                if next >= traced && !demand.going() {
-                    waiting_for_go = true;
-                    break;
-                }
-                // Stay under the rate: the bytes installed so far were due by now.
-                if rate > 0 && Duration::from_secs_f64(installed as f64 / rate as f64) > t0.elapsed() {
-                    break;
-                }
-                let c = order[next];
-                if !inst.chunk_pending(c) {
-                    // Installed by a fault or the replay meanwhile.
-                    next += 1;
-                    continue;
-                }
-                // The chunks after it that one range request reads too (see `RUN_BYTES`).
-                let end = if next < traced { traced } else { order.len() };
-                let most_bytes = (bg.window() / 2).min(RUN_BYTES).max(inst.fetcher.wire_bytes(c));
-                let mut run = vec![c];
-                let mut bytes = inst.fetcher.wire_bytes(c);
-                while let Some(&d) = order.get(next + run.len()) {
-                    let b = inst.fetcher.wire_bytes(d);
-                    if next + run.len() >= end || bytes + b > most_bytes || !inst.fetcher.adjacent(run[run.len() - 1], d) || !inst.chunk_pending(d) {
-                        break;
-                    }
-                    run.push(d);
-                    bytes += b;
-                }
-                let Some(permit) = bg.try_acquire(bytes, Class::Stream) else { break };
-                if in_flight >= workers && workers < max_jobs.max(1) && start() {
-                    workers += 1;
-                }
-                if workers == 0 {
-                    // Out of threads: nothing would ever take the request.
-                    break 'dispatch;
-                }
-                let n = run.len();
-                if job_tx.send((run, next >= traced, permit)).is_err() {
-                    break 'dispatch;
-                }
-                next += n;
-                in_flight += 1;
-                most = most.max(in_flight);
-            }
-            if next == order.len() && in_flight == 0 {
+            let Some(waiting_for_go) = d.send(&demand, &job_tx, &mut start) else { break };
+            if d.next == order.len() && d.in_flight == 0 {
                 break;
             }
-            // Woken by a finished request; otherwise look again soon (the window may have
-            // grown, the detector may have fired, the rate may allow more).
-            let nap = if waiting_for_go && in_flight == 0 { Duration::from_millis(20) } else { Duration::from_millis(2) };
-            let mut done = |b: u64| {
-                in_flight -= 1;
-                installed += b;
-            };
-            match done_rx.recv_timeout(nap) {
-                Ok(d) => {
-                    done(d);
-                    while let Ok(d) = done_rx.try_recv() {
-                        done(d);
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            // Woken by a request's bytes arriving or its end; otherwise look again soon (the
+            // window may have grown, the detector may have fired, the rate may allow more).
+            let nap = if waiting_for_go && d.in_flight == 0 { Duration::from_millis(20) } else { Duration::from_millis(2) };
+            if !d.collect(&done_rx, nap) {
+                break;
             }
         }
         drop(wanting);
         drop(job_tx);
-        StreamRun { depth: most, threads: workers, rtt }
+        StreamRun { depth: d.most, threads: d.workers, rtt }
     })
+}
+
+/// A stream worker: take requests until the dispatcher is gone.
+fn worker(inst: &Installer, jobs: &Mutex<mpsc::Receiver<Job>>, events: &mpsc::Sender<Event>) {
+    loop {
+        let Ok((run, rest, permit)) = jobs.lock().expect("poisoned").recv() else { return };
+        // The request's room in the window goes back once its bytes have arrived: checking
+        // and installing them uses none of the link.
+        let (bytes, chunks) = inst.prefetch_run(&run, || {
+            drop(permit);
+            let _ = events.send(Event::Arrived);
+        });
+        if rest && bytes > 0 {
+            inst.rec.add(|k| &k.streamed_chunks, chunks);
+            inst.rec.add(|k| &k.streamed_bytes, bytes);
+        }
+        if events.send(Event::Done(bytes)).is_err() {
+            return;
+        }
+    }
+}
+
+/// The stream's dispatcher: where it is in the order, and what it has in flight.
+struct Dispatch<'a> {
+    inst: &'a Installer,
+    bg: &'a Arc<Background>,
+    order: &'a [u64],
+    traced: usize,
+    max_jobs: usize,
+    rate: u64,
+    t0: Instant,
+    /// The next chunk of `order` to look at.
+    next: usize,
+    in_flight: usize,
+    /// Bytes installed so far (for the rate).
+    installed: u64,
+    /// Most requests in flight at once.
+    most: usize,
+    workers: usize,
+}
+
+impl Dispatch<'_> {
+    /// Send requests while the window has room: `Some(true)` when the rest waits for the
+    /// detector's go, `None` when no request can ever be taken (no worker, or they are gone).
+    fn send(&mut self, demand: &Demand, jobs: &mpsc::Sender<Job>, start: &mut dyn FnMut() -> bool) -> Option<bool> {
+        while self.in_flight < self.max_jobs && self.next < self.order.len() {
+            if self.next >= self.traced && !demand.going() {
+                return Some(true);
+            }
+            // Stay under the rate: the bytes installed so far were due by now.
+            if self.rate > 0 && Duration::from_secs_f64(self.installed as f64 / self.rate as f64) > self.t0.elapsed() {
+                break;
+            }
+            if !self.inst.chunk_pending(self.order[self.next]) {
+                // Installed by a fault or the replay meanwhile.
+                self.next += 1;
+                continue;
+            }
+            let (run, bytes) = self.next_run();
+            let Some(permit) = self.bg.try_acquire(bytes, Class::Stream) else { break };
+            if self.in_flight >= self.workers && self.workers < self.max_jobs.max(1) && start() {
+                self.workers += 1;
+            }
+            if self.workers == 0 {
+                // Out of threads: nothing would ever take the request.
+                return None;
+            }
+            let n = run.len();
+            jobs.send((run, self.next >= self.traced, permit)).ok()?;
+            self.next += n;
+            self.in_flight += 1;
+            self.most = self.most.max(self.in_flight);
+        }
+        Some(false)
+    }
+
+    /// The chunks from `order[next]` (pending) that one range request reads, and their
+    /// bytes on the wire: adjacent in their pack and still pending, within the trace's part
+    /// or the rest's, at most half the window (see [`RUN_BYTES`]): in a buffer that queues
+    /// every byte, a fault's response waits behind the window's bytes, so a run is no more
+    /// than the share of the window the next fault may meet.
+    fn next_run(&self) -> (Vec<u64>, u64) {
+        let (f, c) = (&self.inst.fetcher, self.order[self.next]);
+        let end = if self.next < self.traced { self.traced } else { self.order.len() };
+        let most_bytes = run_bytes(self.bg.window(), f.wire_bytes(c));
+        let (mut run, mut bytes) = (vec![c], f.wire_bytes(c));
+        while let Some(&d) = self.order.get(self.next + run.len()) {
+            let b = f.wire_bytes(d);
+            if self.next + run.len() >= end || bytes + b > most_bytes || !f.adjacent(run[run.len() - 1], d) || !self.inst.chunk_pending(d) {
+                break;
+            }
+            run.push(d);
+            bytes += b;
+        }
+        (run, bytes)
+    }
+
+    /// Wait up to `nap` for a request's bytes to arrive or a request to end, and take every
+    /// event waiting. False once the workers are gone.
+    fn collect(&mut self, events: &mpsc::Receiver<Event>, nap: Duration) -> bool {
+        let mut take = |e: Event| {
+            if let Event::Done(b) = e {
+                self.in_flight -= 1;
+                self.installed += b;
+            }
+        };
+        match events.recv_timeout(nap) {
+            Ok(e) => {
+                take(e);
+                while let Ok(e) = events.try_recv() {
+                    take(e);
+                }
+                true
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => true,
+            Err(mpsc::RecvTimeoutError::Disconnected) => false,
+        }
+    }
+}
+
+/// Most bytes of one stream request with the background's window at `window`: half of it,
+/// at most [`RUN_BYTES`], at least the one chunk (`chunk` bytes) it starts with.
+pub(crate) fn run_bytes(window: u64, chunk: u64) -> u64 {
+    (window / 2).min(RUN_BYTES).max(chunk)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stream request is at most half the window (so a fault behind a full window of the
+    /// stream's bytes waits behind two requests' worth at most), at most `RUN_BYTES`, and
+    /// always the chunk it starts with.
+    #[test]
+    fn a_stream_request_is_at_most_half_the_window_and_at_least_its_chunk() {
+        const MIB: u64 = 1 << 20;
+        assert_eq!(run_bytes(6 * MIB, MIB), 3 * MIB);
+        assert_eq!(run_bytes(64 * MIB, MIB), RUN_BYTES);
+        assert_eq!(run_bytes(MIB, MIB), MIB, "a window of one chunk still sends it");
+        assert_eq!(run_bytes(0, MIB), MIB);
+    }
 
     #[test]
     fn prefetch_and_stream_orders_put_the_trace_first() {

@@ -23,11 +23,13 @@
 //! | connection set-up | a connection's first client bytes wait one more `rtt` (TCP's SYN, SYN-ACK): a request on a fresh connection costs 2 RTT, one on a kept-alive connection 1 RTT, as on a real network (`handshake: false` turns this off) |
 //! | bandwidth (optional) | one link per direction shared by all connections, as a host's uplink and downlink are: a virtual clock books each piece onto the link after the pieces before it (`len / rate` each; a gap under 5 ms is caught up, as a late wake-up of this proxy's threads and not the sender's pause, while a link idle for longer starts afresh with no credit); the reader waits until its piece starts to be sent (so a busy link pushes back on the sender through TCP, and the link never idles while bytes wait), and the piece is due `rtt / 2` after its last byte has been sent |
 //! | TCP window | bytes of one direction of one connection count as in flight from when they are read until one RTT after they left (when the sender would see them acknowledged); at most `window` bytes are in flight, so one connection moves at most `window / rtt`, as TCP does. The default, 16 MiB, leaves a 1 Gbit/s path at 50 ms RTT (6.25 MB in flight) limited by the link, not the window |
-//! | the bottleneck's buffer | by default it holds whatever is booked (a deep buffer: a piece waits behind every piece booked before it, one per busy connection). With `queue_limit` (a shallow buffer) a piece that finds more than that many bytes booked ahead of it and not yet sent is dropped: the sender sees the loss a round trip later and sends it again (fast retransmit), so that connection's piece waits one RTT (at least 1 ms) and is booked again; counted in `drops`. A piece always enters an empty queue |
+//! | the bottleneck (`link`, with a cap) | one of three models, chosen per run ([`LinkModel`]): **window** (the default) holds each busy connection's next piece and reads no more of that connection until the piece starts to be sent, so a busy link pushes back on every sender through TCP and connections take turns (a piece waits behind at most one piece per busy connection, as at a queue per connection or a fair-queueing router); **deep** is one FIFO per direction that takes every byte at once and never drops one: no sender is pushed back (its window never fills: 16 MiB against the at most 8 MiB a response of `pull` or the lazy stream carries), a piece waits behind every byte booked before it on any connection, and only the queueing delay grows (a bufferbloated uplink, a busy NAT, a cloud egress shaper); **shallow** is the window model with a buffer of `queue_limit` bytes (by default 30 % of the bandwidth-delay product, at least 256 KiB): a piece that finds more than that booked ahead of it and not yet sent is dropped, the sender sees the loss a round trip later and sends it again (fast retransmit), so that connection's piece waits one RTT (at least 1 ms) and is booked again; counted in `drops`. A piece always enters an empty queue. The most link time booked ahead of a piece is `max_queue` |
 //!
 //! Not modelled: loss other than a full shallow buffer's, TCP's window cut after a loss
 //! (a dropped connection only pauses), reordering, jitter, slow start (a fresh connection
-//! gets the whole link at once, which flatters short transfers on new connections).
+//! gets the whole link at once, which flatters short transfers on new connections), and a
+//! deep buffer's own bound (it holds what the windows let in: at most `window` bytes per
+//! connection and direction).
 //!
 //! Timing: sleeps end at or after their deadline, never before, so every delay here is a
 //! lower bound; on a loaded machine bytes may arrive later than modelled. Threads with
@@ -58,6 +60,49 @@ const HICCUP: Duration = Duration::from_millis(5);
 /// Least time a dropped piece waits before it is sent again (at RTT 0 the retransmission
 /// would otherwise spin against a full queue).
 const MIN_RETRANSMIT: Duration = Duration::from_millis(1);
+/// A shallow buffer's default: this share of the bandwidth-delay product...
+const SHALLOW_SHARE: f64 = 0.3;
+/// ...and at least this many bytes (two pieces at 1 Gbit/s).
+const MIN_SHALLOW: usize = 256 * 1024;
+
+/// How the bottleneck (each direction's shared link, under a cap) queues what it cannot send
+/// yet (the module doc's table).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LinkModel {
+    /// Each busy connection's next piece waits at the link before more of it is read: the
+    /// link pushes back on every sender, and connections take turns.
+    #[default]
+    Window,
+    /// One FIFO per direction that takes every byte at once and drops none: no sender is
+    /// pushed back, and the queueing delay grows with what the senders have sent.
+    Deep,
+    /// The window model with a buffer of `queue_limit` bytes: a piece that does not fit is
+    /// dropped and sent again a round trip later.
+    Shallow,
+}
+
+impl LinkModel {
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            LinkModel::Window => "window",
+            LinkModel::Deep => "deep",
+            LinkModel::Shallow => "shallow",
+        }
+    }
+}
+
+impl std::str::FromStr for LinkModel {
+    type Err = String;
+    fn from_str(s: &str) -> Result<LinkModel, String> {
+        match s {
+            "window" => Ok(LinkModel::Window),
+            "deep" => Ok(LinkModel::Deep),
+            "shallow" => Ok(LinkModel::Shallow),
+            _ => Err(format!("unknown link model {s:?} (window, deep or shallow)")),
+        }
+    }
+}
 
 /// How the network behaves.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -71,14 +116,16 @@ pub struct NetemConfig {
     pub window: usize,
     /// Charge a fresh connection one RTT for TCP's handshake before its first bytes go.
     pub handshake: bool,
-    /// The bottleneck's buffer in bytes per direction (a shallow buffer: see the module
-    /// doc); `None`: it holds whatever is booked (deep). Needs `rate_bps`.
+    /// How the bottleneck queues (the module doc). `Deep` and `Shallow` need `rate_bps`.
+    pub link: LinkModel,
+    /// A shallow buffer's size in bytes per direction; `None`: 30 % of the bandwidth-delay
+    /// product, at least 256 KiB ([`NetemConfig::shallow_limit`]). Only with `Shallow`.
     pub queue_limit: Option<usize>,
 }
 
 impl Default for NetemConfig {
     fn default() -> NetemConfig {
-        NetemConfig { rtt: Duration::ZERO, rate_bps: None, window: 16 << 20, handshake: true, queue_limit: None }
+        NetemConfig { rtt: Duration::ZERO, rate_bps: None, window: 16 << 20, handshake: true, link: LinkModel::Window, queue_limit: None }
     }
 }
 
@@ -96,8 +143,27 @@ impl NetemConfig {
 
     /// Give the bottleneck a buffer of `bytes` per direction (a shallow buffer).
     pub fn queue_limit(mut self, bytes: usize) -> NetemConfig {
+        self.link = LinkModel::Shallow;
         self.queue_limit = Some(bytes);
         self
+    }
+
+    /// Queue at the bottleneck as `link` does.
+    pub fn link(mut self, link: LinkModel) -> NetemConfig {
+        self.link = link;
+        self
+    }
+
+    /// The shallow buffer's size in bytes: `queue_limit`, or 30 % of the bandwidth-delay
+    /// product and at least 256 KiB. `None` unless the link is shallow and capped.
+    pub fn shallow_limit(&self) -> Option<usize> {
+        match (self.link, self.rate_bps) {
+            (LinkModel::Shallow, Some(bps)) => Some(self.queue_limit.unwrap_or_else(|| {
+                let bdp = bps as f64 / 8.0 * self.rtt.as_secs_f64();
+                ((bdp * SHALLOW_SHARE) as usize).max(MIN_SHALLOW)
+            })),
+            _ => None,
+        }
     }
 
     fn validate(&self) -> io::Result<()> {
@@ -111,8 +177,11 @@ impl NetemConfig {
         if self.rtt > Duration::from_secs(60) {
             return bad(format!("rtt {:?} is over a minute", self.rtt));
         }
-        if self.queue_limit.is_some() && self.rate_bps.is_none() {
-            return bad("a queue limit needs a rate cap (the queue is the bottleneck's)".into());
+        if self.link != LinkModel::Window && self.rate_bps.is_none() {
+            return bad(format!("a {} link needs a rate cap (the queue is the bottleneck's)", self.link.name()));
+        }
+        if self.queue_limit.is_some() && self.link != LinkModel::Shallow {
+            return bad(format!("a queue limit is a shallow link's, not a {} one's", self.link.name()));
         }
         if self.queue_limit == Some(0) {
             return bad("a queue limit of 0 bytes passes nothing".into());
@@ -147,6 +216,9 @@ pub struct NetemCounters {
     pub bytes_down: AtomicU64,
     /// Pieces a full shallow buffer dropped (and the sender sent again), both directions.
     pub drops: AtomicU64,
+    /// Most link time booked ahead of a piece when it was booked, in microseconds, either
+    /// direction: the deepest queue a byte met at the bottleneck.
+    pub max_queue_us: AtomicU64,
 }
 
 /// One direction's share of the host's link: a virtual clock of when it is next free.
@@ -224,7 +296,7 @@ impl Netem {
     pub fn start_on(listen: SocketAddr, upstream: impl ToSocketAddrs, cfg: NetemConfig) -> io::Result<Netem> {
         cfg.validate()?;
         let upstream = resolve(upstream)?;
-        let link = |bps: Option<u64>| bps.map(|b| Link::new(b, cfg.queue_limit));
+        let link = |bps: Option<u64>| bps.map(|b| Link::new(b, cfg.shallow_limit()));
         let shared = Arc::new(Shared { upstream, up: link(cfg.rate_bps), down: link(cfg.rate_bps), cfg, counters: NetemCounters::default() });
         let sh = shared.clone();
         let acceptor = Acceptor::start(listen, "netem", move |client, tracked| serve(&sh, client, tracked))?;
@@ -269,6 +341,11 @@ impl Netem {
     /// Pieces a full shallow buffer dropped so far.
     pub fn drops(&self) -> u64 {
         self.shared.counters.drops.load(Ordering::Relaxed)
+    }
+
+    /// The most link time a piece found booked ahead of it so far (the deepest queue).
+    pub fn max_queue(&self) -> Duration {
+        Duration::from_micros(self.shared.counters.max_queue_us.load(Ordering::Relaxed))
     }
 }
 
@@ -321,11 +398,11 @@ fn serve(sh: &Shared, client: TcpStream, tracked: &Tracked) {
     let (to_client, from_up) = channel();
     let (cfg, c, up_link, down_link) = (&sh.cfg, &sh.counters, sh.up.as_ref(), sh.down.as_ref());
     std::thread::scope(|s| {
-        let ok = spawn(s, "netem-up-read", move || read_side(client_r, to_up, cfg, up_link, &c.drops, extra))
+        let ok = spawn(s, "netem-up-read", move || read_side(client_r, to_up, cfg, up_link, c, extra))
             && spawn(s, "netem-up-write", move || write_side(up_w, from_client, &c.bytes_up, client_x))
             && spawn(s, "netem-down-write", move || write_side(client_w, from_up, &c.bytes_down, up_x));
         if ok {
-            read_side(up_r, to_client, cfg, down_link, &c.drops, Duration::ZERO);
+            read_side(up_r, to_client, cfg, down_link, c, Duration::ZERO);
         } else {
             // Out of threads: end the connection; the threads that did start see it end.
             let _ = client.shutdown(Shutdown::Both);
@@ -341,8 +418,8 @@ fn spawn<'scope, F: FnOnce() + Send + 'scope>(s: &'scope std::thread::Scope<'sco
 
 /// Read from `src` whatever arrives and queue it for the writer with the time it is due.
 /// `extra` is added to the first piece's due time (the handshake). Pieces a full shallow
-/// buffer drops are counted in `drops`.
-fn read_side(mut src: TcpStream, tx: Sender<Piece>, cfg: &NetemConfig, link: Option<&Link>, drops: &AtomicU64, mut extra: Duration) {
+/// buffer drops are counted in `c.drops`, the deepest queue in `c.max_queue_us`.
+fn read_side(mut src: TcpStream, tx: Sender<Piece>, cfg: &NetemConfig, link: Option<&Link>, c: &NetemCounters, mut extra: Duration) {
     let delay = cfg.rtt / 2;
     let mut buf = vec![0u8; cfg.piece()];
     // (when the sender would see these bytes acknowledged, how many)
@@ -377,22 +454,27 @@ fn read_side(mut src: TcpStream, tx: Sender<Piece>, cfg: &NetemConfig, link: Opt
         };
         let left = match link {
             Some(l) => {
-                // Wait until the link starts on these bytes, not until it is done with
-                // them: the next piece is then booked while this one is being sent, and
-                // the link never idles between pieces (waiting for the end left gaps of a
-                // wake-up each: a single connection got ~82% of the cap).
                 let (start, end) = loop {
                     match l.try_book(n) {
                         Some(b) => break b,
                         None => {
                             // Dropped at a full buffer: the sender learns of it a round
                             // trip later and sends the piece again.
-                            drops.fetch_add(1, Ordering::Relaxed);
+                            c.drops.fetch_add(1, Ordering::Relaxed);
                             std::thread::sleep(cfg.rtt.max(MIN_RETRANSMIT));
                         }
                     }
                 };
-                sleep_until(start);
+                let queued = start.saturating_duration_since(Instant::now());
+                c.max_queue_us.fetch_max(queued.as_micros() as u64, Ordering::Relaxed);
+                if cfg.link != LinkModel::Deep {
+                    // Wait until the link starts on these bytes (the push back), not until
+                    // it is done with them: the next piece is then booked while this one is
+                    // being sent, and the link never idles between pieces (waiting for the
+                    // end left gaps of a wake-up each: a single connection got ~82% of the
+                    // cap). A deep buffer takes the piece at once and reads on.
+                    sleep_until(start);
+                }
                 // Credit never lets bytes arrive before they were read plus the delay.
                 end.max(Instant::now())
             }
@@ -546,6 +628,19 @@ mod tests {
         assert!(NetemConfig::new(Duration::ZERO).queue_limit(1 << 20).validate().is_err(), "a queue needs a link");
         assert!(NetemConfig::new(Duration::ZERO).rate(1_000_000).queue_limit(0).validate().is_err());
         assert!(NetemConfig::new(Duration::ZERO).rate(1_000_000).queue_limit(1 << 20).validate().is_ok());
+        assert!(NetemConfig::new(Duration::ZERO).link(LinkModel::Deep).validate().is_err(), "a deep buffer needs a link");
+        assert!(NetemConfig::new(Duration::ZERO).link(LinkModel::Shallow).validate().is_err());
+        assert!(NetemConfig::new(Duration::ZERO).rate(1_000_000).link(LinkModel::Deep).validate().is_ok());
+        let deep_with_limit = NetemConfig { queue_limit: Some(1 << 20), ..NetemConfig::new(Duration::ZERO).rate(1_000_000).link(LinkModel::Deep) };
+        assert!(deep_with_limit.validate().is_err(), "a deep buffer has no limit");
+        // A shallow buffer's default: 30 % of the bandwidth-delay product, at least 256 KiB.
+        let shallow = |ms: u64| NetemConfig::new(Duration::from_millis(ms)).rate(1_000_000_000).link(LinkModel::Shallow);
+        assert_eq!(shallow(20).shallow_limit(), Some(750_000));
+        assert_eq!(shallow(2).shallow_limit(), Some(256 * 1024));
+        assert_eq!(shallow(20).queue_limit(100_000).shallow_limit(), Some(100_000));
+        assert_eq!(NetemConfig::new(Duration::ZERO).rate(1_000_000).link(LinkModel::Deep).shallow_limit(), None);
+        assert_eq!("deep".parse::<LinkModel>(), Ok(LinkModel::Deep));
+        assert!("bloat".parse::<LinkModel>().is_err());
         assert!(Netem::start_on("0.0.0.0:0".parse().unwrap(), "127.0.0.1:1", NetemConfig::default()).is_err(), "loopback only");
         assert_eq!(NetemConfig::new(Duration::ZERO).rate(1_000_000_000).piece(), 125_000);
         assert_eq!(NetemConfig::new(Duration::ZERO).rate(1000).piece(), MIN_PIECE);

@@ -1,10 +1,15 @@
 //! `netem_proxy`: the dialled network of `snapctl_tests::netem` as a program, for `bench/`.
 //!
 //! ```text
-//! netem_proxy --upstream 127.0.0.1:5000 --rtt 20ms --rate 1gbit
+//! netem_proxy --upstream 127.0.0.1:5000 --rtt 20ms --rate 1gbit [--link deep]
 //! 127.0.0.1:41237                      <- stdout, first line, once it listens
 //! {"connections":3,"max_open":2,"bytes_up":..,...}  <- stdout, last line, when it stops
 //! ```
+//!
+//! The summary: `connections`, `max_open`, `bytes_up`, `bytes_down`, `seconds`, `rtt_ms`,
+//! `rate_bps`, `link` (window, deep or shallow), `queue_limit` (a shallow buffer's bytes,
+//! else null), `drops` (pieces a shallow buffer dropped), `max_queue_ms` (the most link
+//! time a piece found booked ahead of it: the deepest queue).
 //!
 //! It stops on SIGTERM or SIGINT, and when its stdin reaches end of file, unless stdin is
 //! /dev/null (a background job of a script gets /dev/null; a parent that holds a pipe to
@@ -20,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
-use snapctl_tests::netem::{parse_duration, parse_rate, Netem, NetemConfig};
+use snapctl_tests::netem::{parse_duration, parse_rate, LinkModel, Netem, NetemConfig};
 
 #[derive(Debug, Parser)]
 #[command(about = "A TCP proxy adding round-trip time and a bandwidth cap (a user-space netem)")]
@@ -44,10 +49,16 @@ struct Args {
     /// Do not charge a fresh connection one RTT for TCP's handshake.
     #[arg(long)]
     no_handshake: bool,
-    /// The bottleneck's buffer per direction (e.g. 256KiB): a piece that finds more than
-    /// this booked ahead of it is dropped and sent again a round trip later (a shallow
-    /// buffer; counted in the summary's `drops`). Without it the buffer holds anything (a
-    /// deep buffer). Needs --rate.
+    /// How the bottleneck queues (needs --rate but for window): window (each busy
+    /// connection's next piece waits its turn at the link, pushing back on its sender),
+    /// deep (one FIFO per direction takes every byte at once and drops none: only the delay
+    /// grows), shallow (window with a buffer of --queue-limit; a piece that does not fit is
+    /// dropped and sent again a round trip later). Default: window, or shallow with
+    /// --queue-limit.
+    #[arg(long, value_name = "MODEL")]
+    link: Option<LinkModel>,
+    /// A shallow buffer's size per direction (e.g. 256KiB); default: 30 % of the
+    /// bandwidth-delay product, at least 256 KiB. Drops are counted in the summary's `drops`.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     queue_limit: Option<u64>,
 }
@@ -71,7 +82,8 @@ fn run() -> anyhow::Result<()> {
     let rate_bps = parse_rate(&a.rate).map_err(anyhow::Error::msg)?;
     let window = usize::try_from(a.window).context("--window too large")?;
     let queue_limit = a.queue_limit.map(usize::try_from).transpose().context("--queue-limit too large")?;
-    let cfg = NetemConfig { rtt: a.rtt, rate_bps, window, handshake: !a.no_handshake, queue_limit };
+    let link = a.link.unwrap_or(if queue_limit.is_some() { LinkModel::Shallow } else { LinkModel::Window });
+    let cfg = NetemConfig { rtt: a.rtt, rate_bps, window, handshake: !a.no_handshake, link, queue_limit };
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(sig, stop.clone()).context("installing a signal handler")?;
@@ -82,12 +94,13 @@ fn run() -> anyhow::Result<()> {
     writeln!(out, "{}", netem.addr)?;
     out.flush()?;
     eprintln!(
-        "netem_proxy: {} -> {} rtt {:?} rate {} queue {}",
+        "netem_proxy: {} -> {} rtt {:?} rate {} link {}{}",
         netem.addr,
         a.upstream,
         cfg.rtt,
         rate_bps.map_or("none".to_string(), |b| format!("{b} bit/s")),
-        queue_limit.map_or("deep".to_string(), |q| format!("{q} bytes"))
+        link.name(),
+        cfg.shallow_limit().map_or(String::new(), |q| format!(" of {q} bytes"))
     );
 
     if watch_stdin() {
@@ -104,6 +117,7 @@ fn run() -> anyhow::Result<()> {
     }
     let seconds = started.elapsed().as_secs_f64();
     let (connections, max_open, bytes_up, bytes_down, drops) = (netem.connections(), netem.max_open(), netem.bytes_up(), netem.bytes_down(), netem.drops());
+    let max_queue = netem.max_queue();
     drop(netem);
     let summary = serde_json::json!({
         "connections": connections,
@@ -113,8 +127,10 @@ fn run() -> anyhow::Result<()> {
         "seconds": seconds,
         "rtt_ms": cfg.rtt.as_secs_f64() * 1000.0,
         "rate_bps": rate_bps,
-        "queue_limit": queue_limit,
+        "link": link.name(),
+        "queue_limit": cfg.shallow_limit(),
         "drops": drops,
+        "max_queue_ms": max_queue.as_secs_f64() * 1000.0,
     });
     writeln!(out, "{summary}")?;
     Ok(())

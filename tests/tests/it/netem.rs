@@ -1,7 +1,8 @@
 //! The dialled network (`snapctl_tests::netem`, issue 16 §1): every byte pays half an RTT
 //! each way, connections and the bytes within one connection are pipelined rather than
-//! taking turns, a bandwidth cap is shared by all connections, and `snapctl pull` works
-//! across it. The `netem_proxy` program starts, says where it listens, and stops.
+//! taking turns, a bandwidth cap is shared by all connections, the bottleneck pushes back
+//! on its senders (window) or queues everything in one FIFO (deep), and `snapctl pull`
+//! works across it. The `netem_proxy` program starts, says where it listens, and stops.
 //!
 //! Timing assertions are lower bounds (a delay the proxy promises), except where the point is
 //! that things overlap: there the bound is half or less of what taking turns would cost, so a
@@ -14,7 +15,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use reqwest::blocking::Client;
-use snapctl_tests::netem::{Netem, NetemConfig};
+use snapctl_tests::netem::{LinkModel, Netem, NetemConfig};
 use snapctl_tests::registry_support::{random_bytes, sha256, Serve};
 use snapctl_tests::{run, snapctl};
 
@@ -237,6 +238,84 @@ fn a_bandwidth_cap_is_a_lower_bound_on_time_and_shared_by_all_connections() {
     assert!(net.bytes_down() >= 4 * len as u64 && net.bytes_up() >= len as u64, "counters: {} down, {} up", net.bytes_down(), net.bytes_up());
 }
 
+/// Through a 40 Mbit/s link at 20 ms of RTT (`link`): a 4 MB download (0.8 s of link time)
+/// on one connection and, 100 ms after it was asked for, a `/v2/` on another connection
+/// already open. Returns (the small request's time, when its answer came against when the
+/// download's last byte did (positive: after), the download's time, the proxy).
+fn small_request_beside_a_download(link: LinkModel) -> (Duration, f64, Duration, Netem) {
+    let len = 4_000_000;
+    let (_t, s, _, d) = serve_with_blob(len);
+    let net = Netem::start(s.addr.as_str(), NetemConfig::new(20 * MS).rate(40_000_000).link(link)).unwrap();
+    let mut small = connect(&net.addr);
+    assert_eq!(get(&mut small, "/v2/"), "HTTP/1.1 200 OK", "opened and warm");
+    let url = net.url(&format!("/v2/net/blob/blobs/{d}"));
+    let t0 = Instant::now();
+    let bulk = std::thread::spawn(move || {
+        let body = Client::builder().timeout(Duration::from_secs(60)).build().unwrap().get(&url).send().unwrap().bytes().unwrap();
+        assert_eq!(sha256(&body), d, "the download arrives whole and unchanged");
+        Instant::now()
+    });
+    std::thread::sleep(100 * MS);
+    let asked = Instant::now();
+    assert_eq!(get(&mut small, "/v2/"), "HTTP/1.1 200 OK");
+    let answered = Instant::now();
+    let bulk_done = bulk.join().unwrap();
+    let after = if answered >= bulk_done { (answered - bulk_done).as_secs_f64() } else { -(bulk_done - answered).as_secs_f64() };
+    (answered - asked, after, bulk_done - t0, net)
+}
+
+#[test]
+fn a_deep_buffer_queues_a_download_ahead_of_a_later_small_request_and_drops_nothing() {
+    // Deep: the proxy takes the download's 4 MB at once (no push back: the queue is the
+    // whole download, 0.8 s of link time), and the small answer, booked after them, comes
+    // after the download's last byte: it waited ~0.7 s, 35 round trips.
+    let (took, after, bulk, net) = small_request_beside_a_download(LinkModel::Deep);
+    // (50 ms of slack: each side's time is taken by a thread of its own after its bytes came.)
+    assert!(after >= -0.05, "the small answer came {:.0} ms before the download's end: it overtook queued bytes", -after * 1e3);
+    assert!(took >= 500 * MS, "the small request took {took:?}: it did not wait behind the queued download");
+    assert!(net.max_queue() >= 500 * MS, "the deepest queue was {:?}: the download was pushed back", net.max_queue());
+    assert!(bulk >= 720 * MS, "4 MB at 40 Mbit/s took {bulk:?}: the cap did not hold");
+    assert_eq!(net.drops(), 0, "a deep buffer drops nothing");
+
+    // Window (the default): the download's connection is pushed back (its next piece, 1 ms
+    // of link time, waits its turn), so the small answer takes its turn beside it: one
+    // round trip and a piece or two, long before the download ends.
+    let (took, after, bulk, net) = small_request_beside_a_download(LinkModel::Window);
+    assert!(after < -0.3, "the small answer came {:.0} ms after the download's end: it waited behind it", after * 1e3);
+    assert!(took < 250 * MS, "the small request took {took:?} beside a pushed-back download");
+    assert!(net.max_queue() < 50 * MS, "the deepest queue was {:?}: one piece per busy connection at most", net.max_queue());
+    assert!(bulk >= 720 * MS, "4 MB at 40 Mbit/s took {bulk:?}");
+    assert_eq!(net.drops(), 0);
+}
+
+#[test]
+fn a_deep_buffers_delay_grows_with_what_the_senders_have_sent() {
+    // Two downloads of 4 MB at once, then a small request: it waits behind both (1.6 s of
+    // link time), twice what one download made it wait above, and nothing is dropped.
+    let len = 4_000_000;
+    let (_t, s, _, d) = serve_with_blob(len);
+    let net = Netem::start(s.addr.as_str(), NetemConfig::new(20 * MS).rate(40_000_000).link(LinkModel::Deep)).unwrap();
+    let mut small = connect(&net.addr);
+    assert_eq!(get(&mut small, "/v2/"), "HTTP/1.1 200 OK");
+    let url = net.url(&format!("/v2/net/blob/blobs/{d}"));
+    let bulks: Vec<_> = (0..2)
+        .map(|_| {
+            let url = url.clone();
+            std::thread::spawn(move || Client::builder().timeout(Duration::from_secs(60)).build().unwrap().get(&url).send().unwrap().bytes().unwrap().len())
+        })
+        .collect();
+    std::thread::sleep(150 * MS);
+    let asked = Instant::now();
+    assert_eq!(get(&mut small, "/v2/"), "HTTP/1.1 200 OK");
+    let took = asked.elapsed();
+    for b in bulks {
+        assert_eq!(b.join().unwrap(), len);
+    }
+    assert!(took >= 1200 * MS, "behind 8 MB queued at 40 Mbit/s (1.6 s) the small request took {took:?}");
+    assert!(net.max_queue() >= 1200 * MS, "{:?}", net.max_queue());
+    assert_eq!(net.drops(), 0);
+}
+
 #[test]
 fn snapctl_pull_across_20ms_of_rtt_succeeds_and_verifies() {
     let w = tempfile::tempdir().unwrap();
@@ -328,13 +407,39 @@ fn the_netem_proxy_program_prints_its_address_relays_and_stops_on_stdin_eof_or_s
     assert_eq!(v["connections"], 1, "{v}");
     assert!(v["bytes_down"].as_u64().unwrap() > 0 && v["bytes_up"].as_u64().unwrap() > 0, "{v}");
     assert_eq!(v["rate_bps"], 100_000_000u64, "{v}");
+    assert_eq!((v["link"].as_str(), v["drops"].as_u64()), (Some("window"), Some(0)), "{v}");
+
+    let (mut child, mut out, addr) = start_program(&s.addr, &["--rate", "100mbit", "--link", "deep"]);
+    assert_eq!(get(&mut connect(&addr), "/v2/"), "HTTP/1.1 200 OK");
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+    let mut summary = String::new();
+    out.read_to_string(&mut summary).unwrap();
+    let v: serde_json::Value = serde_json::from_str(summary.trim()).unwrap();
+    assert_eq!((v["link"].as_str(), v["queue_limit"].as_u64()), (Some("deep"), None), "{v}");
+    assert!(v["max_queue_ms"].as_f64().is_some(), "{v}");
+    let (mut child, mut out, _) = start_program(&s.addr, &["--rtt", "20ms", "--rate", "1gbit", "--link", "shallow"]);
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+    let mut summary = String::new();
+    out.read_to_string(&mut summary).unwrap();
+    let v: serde_json::Value = serde_json::from_str(summary.trim()).unwrap();
+    assert_eq!((v["link"].as_str(), v["queue_limit"].as_u64()), (Some("shallow"), Some(750_000)), "30 % of the BDP: {v}");
 
     let (mut child, _out, _) = start_program(&s.addr, &[]);
     // SAFETY: kill(2) on our own child's pid; no memory is involved.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     assert!(child.wait().unwrap().success(), "SIGTERM stops it cleanly");
 
-    for bad in [&["--listen", "0.0.0.0:0"][..], &["--rate", "fast"], &["--rtt", "20"]] {
+    let bad_args: [&[&str]; 6] = [
+        &["--listen", "0.0.0.0:0"],
+        &["--rate", "fast"],
+        &["--rtt", "20"],
+        &["--link", "bloat", "--rate", "1gbit"],
+        &["--link", "deep"],
+        &["--link", "deep", "--rate", "1gbit", "--queue-limit", "1MiB"],
+    ];
+    for bad in bad_args {
         let r = run(Command::new(env!("CARGO_BIN_EXE_netem_proxy")).args(["--upstream", &s.addr]).args(bad).stdin(Stdio::null()));
         assert_eq!(r.code, 2, "{bad:?}: {r:?}");
         assert!(r.stdout.is_empty(), "{bad:?}: nothing on stdout: {r:?}");
