@@ -308,7 +308,7 @@ pub struct ConnReport {
     pub slice_fetches: u64,
     /// Bytes slice fetches moved (part of `bytes_fetched`).
     pub slice_bytes: u64,
-    /// Slices the replay of a recorded working set installed (issue 16 §3), and the bytes
+    /// Slices the replay of a recorded working set installed, and the bytes
     /// of the working-set blob it read (not part of `bytes_fetched`).
     pub working_set_slices: u64,
     pub working_set_bytes: u64,

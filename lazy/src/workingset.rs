@@ -1,4 +1,4 @@
-//! Working-set replay (issue 16 §3, as REAP does): the slices a recorded restore touched,
+//! Working-set replay (as REAP does): the slices a recorded restore touched,
 //! stored beside its trace as one blob, fetched in bulk when a later restore connects and
 //! installed before the guest asks, each checked against the chunk's outboard first.
 //!

@@ -84,7 +84,7 @@ pub const DEFAULT_MAX_JOBS: usize = 32;
 /// The link a pull is sized to fill, in bytes per second (10 Gbit/s). The bandwidth is not
 /// measured: a request in flight beyond what the link needs only waits its turn on the
 /// link, holding memory (bounded by [`IN_FLIGHT_BYTES`]) and a connection, while one too
-/// few leaves the link idle for a round trip (issue 16: pull at 50 ms RTT).
+/// few leaves the link idle for a round trip (at 50 ms RTT, as on a WAN).
 const LINK_BYTES_PER_SEC: f64 = 1.25e9;
 /// Stored bytes of range requests in flight at most, whatever the RTT asks for: each holds
 /// its range in memory until its chunks are written. `jobs` requests are always allowed.
@@ -169,8 +169,8 @@ pub struct PullReport {
 /// Where a distinct chunk goes and where it can be fetched from. 80 bytes, one per
 /// distinct stored chunk: a hostile image has 4 M of them per index, and most chunks have
 /// a single position, so the others live in one shared list ([`Plan::more`]) instead of a
-/// vector each (issue 14: a vector and a hash map entry per chunk made a pull's plan
-/// several times the size of the index).
+/// vector each (a vector and a hash map entry per chunk would make a pull's plan several
+/// times the size of the index).
 struct Distinct {
     digest: ChunkDigest,
     len: u32,

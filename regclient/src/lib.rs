@@ -1132,9 +1132,8 @@ mod tests {
         assert_eq!((e.kind(), seen.lock().unwrap().len()), (imgfmt::ErrorKind::Refused, 1), "{e}");
     }
 
-    /// Opening an image by tag read its manifest twice: once to resolve the tag, once by
-    /// digest, a round trip each (issue 16: ~6 sequential round trips before the first
-    /// chunk). The bytes the tag resolved to now serve the read by digest.
+    /// Opening an image by tag reads its manifest once: the bytes the tag resolved to
+    /// serve the read by digest, not a second round trip before the first chunk.
     #[test]
     fn regression_issue_16_a_resolved_manifest_is_not_fetched_again() {
         let manifest = r#"{"schemaVersion":2}"#;

@@ -5,7 +5,8 @@
 //! pushing client it need not upload it, a cross-repository mount, an upload of bytes the
 //! registry already holds, a manifest PUT whose manifest appears after gc's listing.
 //! Marking takes as long as reading every manifest (seconds for 40,000 of them), so this
-//! is not a rare window (issue 14: a push reported success and gc then deleted its blobs).
+//! is not a rare window: without the marks a push could report success and gc then delete
+//! its blobs.
 //!
 //! The store is the only state the two sides share (replicas and `snapctl gc` are other
 //! processes, maybe on other hosts, over one directory or bucket). Each side writes

@@ -1,6 +1,6 @@
-//! Accepting connections, with limits a hostile client cannot get around (issue 14: 300
-//! half-sent requests held the registry at its descriptor limit and `GET /v2/` got no
-//! answer).
+//! Accepting connections, with limits a hostile client cannot get around (without them,
+//! a few hundred half-sent requests hold the registry at its descriptor limit and
+//! `GET /v2/` gets no answer).
 //!
 //! ```text
 //! accept ─> at most `max_conns_per_client` per client ─> TLS handshake ─> hyper (HTTP/1.1, h2)
