@@ -23,7 +23,6 @@ use imgfmt::manifest::MAX_MANIFEST_BYTES;
 use imgfmt::source::read_verified_blob;
 use imgfmt::{media, BlobSource, Descriptor, FormatError, OciDigest, OciLayout};
 use regclient::RegistrySource;
-use serde::Serialize;
 
 pub use crate::attached::Attached;
 use crate::copy::{copy_after, CopyError, CopyOptions, Target};
