@@ -695,18 +695,7 @@ pub fn resolve_chain(chain: &[ChainLink]) -> Result<(Vec<ResolvedFile>, Vec<Pack
     for (depth, link) in chain.iter().enumerate().rev() {
         let ix = &link.index;
         let shift = ix.chunk_shift;
-        // Map this link's pack table into the global one.
-        let mut local = Vec::with_capacity(ix.packs.len());
-        for p in &ix.packs {
-            let id = *pack_ids.entry(p.digest.clone()).or_insert_with(|| {
-                packs.push(p.clone());
-                (packs.len() - 1) as u32
-            });
-            if packs[id as usize].size != p.size {
-                return Err(FormatError::invalid("pack table", format!("{} listed with sizes {} and {}", p.digest, packs[id as usize].size, p.size)));
-            }
-            local.push(id);
-        }
+        let local = map_pack_table(&ix.packs, &mut packs, &mut pack_ids)?;
         let parent_by_name: HashMap<&str, &ResolvedFile> = below.iter().flatten().map(|f| (f.name.as_str(), f)).collect();
         let mut files = Vec::with_capacity(ix.files.len());
         for (fi, (cf, xf)) in link.config.files.iter().zip(&ix.files).enumerate() {
@@ -756,9 +745,29 @@ pub fn resolve_chain(chain: &[ChainLink]) -> Result<(Vec<ResolvedFile>, Vec<Pack
         }
         below = Some(files);
     }
-    // Drop packs no resolved chunk uses (an ancestor's pack whose chunks were all replaced).
-    // A `zstd-ref` chunk uses its reference's pack too.
-    let files = below.unwrap_or_default();
+    Ok(drop_unused_packs(below.unwrap_or_default(), packs))
+}
+
+/// Map a link's pack table into the global one (`packs`, ids by digest in `pack_ids`):
+/// the global id of each of its packs. A pack listed with two sizes is refused.
+fn map_pack_table(table: &[PackRef], packs: &mut Vec<PackRef>, pack_ids: &mut HashMap<OciDigest, u32>) -> Result<Vec<u32>, FormatError> {
+    let mut local = Vec::with_capacity(table.len());
+    for p in table {
+        let id = *pack_ids.entry(p.digest.clone()).or_insert_with(|| {
+            packs.push(p.clone());
+            (packs.len() - 1) as u32
+        });
+        if packs[id as usize].size != p.size {
+            return Err(FormatError::invalid("pack table", format!("{} listed with sizes {} and {}", p.digest, packs[id as usize].size, p.size)));
+        }
+        local.push(id);
+    }
+    Ok(local)
+}
+
+/// Drop packs no resolved chunk uses (an ancestor's pack whose chunks were all replaced),
+/// renumbering the chunks' pack ids. A `zstd-ref` chunk uses its reference's pack too.
+fn drop_unused_packs(files: Vec<ResolvedFile>, packs: Vec<PackRef>) -> (Vec<ResolvedFile>, Vec<PackRef>) {
     let mut used = vec![false; packs.len()];
     for f in &files {
         for c in &f.chunks {
@@ -771,7 +780,7 @@ pub fn resolve_chain(chain: &[ChainLink]) -> Result<(Vec<ResolvedFile>, Vec<Pack
         }
     }
     if used.iter().all(|u| *u) {
-        return Ok((files, packs));
+        return (files, packs);
     }
     let mut remap = vec![u32::MAX; packs.len()];
     let mut kept = Vec::new();
@@ -793,7 +802,7 @@ pub fn resolve_chain(chain: &[ChainLink]) -> Result<(Vec<ResolvedFile>, Vec<Pack
             f
         })
         .collect();
-    Ok((files, kept))
+    (files, kept)
 }
 
 #[cfg(test)]

@@ -466,36 +466,15 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     let known = known_chunks(opts, chain_owner, &retired);
     let parent_files: HashMap<&str, &imgfmt::ResolvedFile> = opts.parent.iter().flat_map(|r| r.image.files.iter().map(|f| (f.name.as_str(), f))).collect();
     let mut slots = Slots::default();
-    // The base's outboard: the slice CVs of the base's chunks this image shares stay
-    // there (the manifest lists it) instead of being copied into every clone's outboard.
-    let base_outboard = match (&opts.base, opts.slice_shift) {
-        (Some(b), Some(shift)) if algo == HashAlgo::Blake3 => match b.image.chain[0].read_outboard_bytes(b.source) {
-            Ok(Some((bytes, ob))) if ob.slice_shift == shift => Some((bytes, ob)),
-            Ok(_) => None,
-            Err(e) => {
-                tracing::warn!("the base's outboard could not be read ({e}): its slice CVs are copied into this image's");
-                None
-            }
-        },
-        _ => None,
-    };
+    let base_outboard = shared_base_outboard(opts);
     let input = ChunkInput { opts, parent_files: &parent_files, known: &known, retired: &retired, base_outboard: base_outboard.as_ref().map(|(_, ob)| ob) };
     let (Chunked { placed, own_bytes, slices, base_outboard_used }, own_packs) = chunk_into_packs(dest, &sc.files, &input, &mut slots, &mut report)?;
     report.pack_bytes = own_bytes;
     report.packs = own_packs.len();
     let placement = Placement { files: &sc.files, placed: &placed, parent_files: &parent_files };
 
-    // Rebasing: every chunk the layer would have inherited gets a record where the chain
-    // stores it, so those packs join the pack table (as foreign packs, like a base's).
     if rebase {
-        let p = opts.parent.as_ref().expect("rebase has a parent");
-        for pc in placement.inherited() {
-            if let StoredAt::Pack { pack, codec, .. } = pc.at {
-                for pr in std::iter::once(pack).chain(codec.ref_pack()).map(|k| &p.image.packs[k as usize]) {
-                    slots.foreign(&pr.digest, chain_owner, false, || pr.size);
-                }
-            }
-        }
+        add_chain_packs(opts, &placement, &mut slots, chain_owner);
     }
     let (index, entries, roots) = placement.index(opts, rebase, &slots, &own_packs)?;
     let outboard = match slices {
@@ -518,61 +497,18 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
         layers.push(Descriptor::new(media::PACK, d.clone(), *size).with_annotation(media::ANN_OWNER, "self"));
     }
     if let Some(ob) = &outboard {
-        let bytes = ob.encode();
-        let d = dest.put_blob(&bytes)?;
-        layers.push(Descriptor::new(media::OUTBOARD, d, bytes.len() as u64).with_annotation(media::ANN_OWNER, "self"));
-        report.slice_size = 1 << ob.slice_shift;
-        report.outboard_entries = ob.entries.len() as u64;
-        report.outboard_bytes = bytes.len() as u64;
+        layers.push(own_outboard_layer(dest, ob, &mut report)?);
     }
     let parent = opts.parent.as_ref().filter(|_| !rebase);
     if let Some(p) = parent {
         layers.extend(ancestor_layers(dest, p)?);
     }
-    // The base's outboard, when this image leaves slices of the base's chunks to it, or
-    // when its parent did (the chunks it inherits, or records again when rebased).
-    let base_ob = match (&opts.base, &opts.parent) {
-        (Some(b), _) if base_outboard_used => {
-            // Read (and checked against its digest) before packing: stored from those
-            // bytes, not read from the base again (a remote base's is megabytes).
-            let (bytes, _) = base_outboard.as_ref().expect("used only when read");
-            let d = b.image.chain[0].outboard_blob.clone().expect("read from the blob the base lists");
-            if !dest.has_blob(&d.digest) {
-                dest.put_blob(bytes)?;
-            }
-            Some(d)
-        }
-        (_, Some(p)) => match &p.image.base_outboard_blob {
-            Some(d) => {
-                ensure_blob(dest, p.source, &d.digest)?;
-                Some(d.clone())
-            }
-            None => None,
-        },
-        _ => None,
-    };
-    if let Some(d) = base_ob {
+    if let Some(d) = base_outboard_layer(dest, opts, base_outboard_used, base_outboard.as_ref())? {
         layers.push(Descriptor::new(media::OUTBOARD, d.digest, d.size).with_annotation(media::ANN_OWNER, "base"));
     }
     let foreign = foreign_packs(&slots, parent.map(|p| (p, &placement)));
-    for (d, (size, owner, from_base)) in &foreign {
-        let src = if *from_base { opts.base.as_ref() } else { opts.parent.as_ref() }.expect("foreign pack has a source").source;
-        if *from_base || !opts.parent_packs_elsewhere {
-            ensure_blob(dest, src, d)?;
-        }
-        layers.push(Descriptor::new(media::PACK, d.clone(), *size).with_annotation(media::ANN_OWNER, *owner));
-    }
-    let mut annotations = BTreeMap::new();
-    annotations.insert(media::ANN_ROOT.to_string(), config.root.clone());
-    annotations.insert(media::ANN_KIND.to_string(), kind.to_string());
-    annotations.insert(media::ANN_CREATED.to_string(), config.created.clone());
-    if rebase {
-        let p = opts.parent.as_ref().expect("rebase has a parent");
-        annotations.insert(media::ANN_REBASED_FROM.to_string(), p.image.manifest_digest.to_string());
-        report.rebased = true;
-        report.rebased_from = Some(p.image.manifest_digest.to_string());
-        report.chain_packs_referenced = foreign.values().filter(|(_, owner, _)| *owner == media::OWNER_REBASED).count();
-    }
+    layers.extend(foreign_pack_layers(dest, opts, &foreign)?);
+    let annotations = manifest_annotations(opts, rebase, &config, kind, &foreign, &mut report);
     report.chain_depth = match &opts.parent {
         Some(p) if !rebase => p.image.chain.len(),
         _ => 0,
@@ -599,6 +535,111 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     report.metadata_bytes = (manifest_bytes.len() + config_bytes.len() + index_bytes.len()) as u64 + report.outboard_bytes;
     report.seconds = t0.elapsed().as_secs_f64();
     Ok(report)
+}
+
+/// The base's outboard, read to share: the slice CVs of the base's chunks this image
+/// shares stay there (the manifest lists it) instead of being copied into every clone's
+/// outboard. `None` without a BLAKE3 base of the same slice size, or when it cannot be
+/// read (then its CVs are copied).
+fn shared_base_outboard(opts: &PackOptions) -> Option<(Vec<u8>, Outboard)> {
+    match (&opts.base, opts.slice_shift) {
+        (Some(b), Some(shift)) if opts.hash == HashAlgo::Blake3 => match b.image.chain[0].read_outboard_bytes(b.source) {
+            Ok(Some((bytes, ob))) if ob.slice_shift == shift => Some((bytes, ob)),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!("the base's outboard could not be read ({e}): its slice CVs are copied into this image's");
+                None
+            }
+        },
+        _ => None,
+    }
+}
+
+/// Rebasing: every chunk the layer would have inherited gets a record where the chain
+/// stores it, so those packs join the pack table as foreign packs owned by `chain_owner`.
+fn add_chain_packs(opts: &PackOptions, placement: &Placement, slots: &mut Slots, chain_owner: &'static str) {
+    let p = opts.parent.as_ref().expect("rebase has a parent");
+    for pc in placement.inherited() {
+        if let StoredAt::Pack { pack, codec, .. } = pc.at {
+            for pr in std::iter::once(pack).chain(codec.ref_pack()).map(|k| &p.image.packs[k as usize]) {
+                slots.foreign(&pr.digest, chain_owner, false, || pr.size);
+            }
+        }
+    }
+}
+
+/// The base's outboard as a layer of this image, stored in `dest`: when this image
+/// leaves slices of the base's chunks to it (`used`), or when the parent did (the chunks
+/// it inherits, or records again when rebased).
+fn base_outboard_layer(dest: &OciLayout, opts: &PackOptions, used: bool, base_outboard: Option<&(Vec<u8>, Outboard)>) -> Result<Option<Descriptor>, PackError> {
+    Ok(match (&opts.base, &opts.parent) {
+        (Some(b), _) if used => {
+            // Read (and checked against its digest) before packing: stored from those
+            // bytes, not read from the base again (a remote base's is megabytes).
+            let (bytes, _) = base_outboard.expect("used only when read");
+            let d = b.image.chain[0].outboard_blob.clone().expect("read from the blob the base lists");
+            if !dest.has_blob(&d.digest) {
+                dest.put_blob(bytes)?;
+            }
+            Some(d)
+        }
+        (_, Some(p)) => match &p.image.base_outboard_blob {
+            Some(d) => {
+                ensure_blob(dest, p.source, &d.digest)?;
+                Some(d.clone())
+            }
+            None => None,
+        },
+        _ => None,
+    })
+}
+
+/// This image's own outboard as a layer, stored in `dest`, its figures in `report`.
+fn own_outboard_layer(dest: &OciLayout, ob: &Outboard, report: &mut PackReport) -> Result<Descriptor, PackError> {
+    let bytes = ob.encode();
+    let d = dest.put_blob(&bytes)?;
+    report.slice_size = 1 << ob.slice_shift;
+    report.outboard_entries = ob.entries.len() as u64;
+    report.outboard_bytes = bytes.len() as u64;
+    Ok(Descriptor::new(media::OUTBOARD, d, bytes.len() as u64).with_annotation(media::ANN_OWNER, "self"))
+}
+
+/// The foreign packs as layers, by owner. Each is copied into `dest` from the base or
+/// parent it comes from, except a parent's when the parent's packs are stored elsewhere.
+fn foreign_pack_layers(dest: &OciLayout, opts: &PackOptions, foreign: &BTreeMap<OciDigest, (u64, &'static str, bool)>) -> Result<Vec<Descriptor>, PackError> {
+    let mut layers = Vec::with_capacity(foreign.len());
+    for (d, (size, owner, from_base)) in foreign {
+        let src = if *from_base { opts.base.as_ref() } else { opts.parent.as_ref() }.expect("foreign pack has a source").source;
+        if *from_base || !opts.parent_packs_elsewhere {
+            ensure_blob(dest, src, d)?;
+        }
+        layers.push(Descriptor::new(media::PACK, d.clone(), *size).with_annotation(media::ANN_OWNER, *owner));
+    }
+    Ok(layers)
+}
+
+/// The manifest's annotations: root, kind, creation, and for a rebased image what it was
+/// rebased from (noted in `report` with the chain packs it refers to).
+fn manifest_annotations(
+    opts: &PackOptions,
+    rebase: bool,
+    config: &ImageConfig,
+    kind: Kind,
+    foreign: &BTreeMap<OciDigest, (u64, &'static str, bool)>,
+    report: &mut PackReport,
+) -> BTreeMap<String, String> {
+    let mut annotations = BTreeMap::new();
+    annotations.insert(media::ANN_ROOT.to_string(), config.root.clone());
+    annotations.insert(media::ANN_KIND.to_string(), kind.to_string());
+    annotations.insert(media::ANN_CREATED.to_string(), config.created.clone());
+    if rebase {
+        let p = opts.parent.as_ref().expect("rebase has a parent");
+        annotations.insert(media::ANN_REBASED_FROM.to_string(), p.image.manifest_digest.to_string());
+        report.rebased = true;
+        report.rebased_from = Some(p.image.manifest_digest.to_string());
+        report.chain_packs_referenced = foreign.values().filter(|(_, owner, _)| *owner == media::OWNER_REBASED).count();
+    }
+    annotations
 }
 
 /// Refuse options no image can be made with before anything is read: sizes out of range,

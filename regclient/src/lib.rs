@@ -126,6 +126,43 @@ pub fn may_send_credentials(owner: &reqwest::Url, to: &reqwest::Url) -> bool {
     o.is_tuple() && o == to.origin()
 }
 
+/// The realm, service and scopes of a Bearer challenge's parameters.
+fn bearer_params(params: &str) -> (Option<String>, Option<String>, BTreeSet<String>) {
+    let mut realm = None;
+    let mut service = None;
+    let mut scopes = BTreeSet::new();
+    for part in split_params(params) {
+        if let Some((k, v)) = part.split_once('=') {
+            let v = v.trim().trim_matches('"').to_string();
+            match k.trim() {
+                "realm" => realm = Some(v),
+                "service" => service = Some(v),
+                "scope" => {
+                    scopes.extend(v.split(' ').filter(|s| !s.is_empty()).map(str::to_string));
+                }
+                _ => {}
+            }
+        }
+    }
+    (realm, service, scopes)
+}
+
+/// The `Authorization` value of a token service's answer: `Bearer` and its `token` (or
+/// `access_token`), which must be a valid header value.
+fn bearer_from(resp: reqwest::blocking::Response, what: String) -> Result<String, ClientError> {
+    let v: serde_json::Value = resp.json().map_err(|e| ClientError::Http { what: what.clone(), message: e.to_string() })?;
+    let token = v
+        .get("token")
+        .or_else(|| v.get("access_token"))
+        .and_then(|t| t.as_str())
+        .ok_or_else(|| ClientError::Http { what: what.clone(), message: "no token in the response".into() })?;
+    let bearer = format!("Bearer {token}");
+    if reqwest::header::HeaderValue::from_str(&bearer).is_err() {
+        return Err(ClientError::Http { what, message: "the token is not a valid header value".into() });
+    }
+    Ok(bearer)
+}
+
 /// Whether a Bearer challenge's token service (`realm`) may get the registry's
 /// credentials (the Basic password or an identity token). The registry names its token
 /// service, often on another host (Docker Hub's auth.docker.io): it gets them over HTTPS,
@@ -575,22 +612,7 @@ impl RegistrySource {
         if !scheme.eq_ignore_ascii_case("bearer") {
             return Err(ClientError::Http { what: self.host.clone(), message: format!("unsupported auth scheme {scheme:?}") });
         }
-        let mut realm = None;
-        let mut service = None;
-        let mut scopes = BTreeSet::new();
-        for part in split_params(params) {
-            if let Some((k, v)) = part.split_once('=') {
-                let v = v.trim().trim_matches('"').to_string();
-                match k.trim() {
-                    "realm" => realm = Some(v),
-                    "service" => service = Some(v),
-                    "scope" => {
-                        scopes.extend(v.split(' ').filter(|s| !s.is_empty()).map(str::to_string));
-                    }
-                    _ => {}
-                }
-            }
-        }
+        let (realm, service, mut scopes) = bearer_params(params);
         let realm = realm.ok_or_else(|| ClientError::Http { what: self.host.clone(), message: format!("bearer challenge without realm: {challenge}") })?;
         let realm_url =
             reqwest::Url::parse(&realm).map_err(|e| ClientError::Http { what: self.host.clone(), message: format!("bearer realm {realm:?}: {e}") })?;
@@ -603,36 +625,7 @@ impl RegistrySource {
             scopes.insert(format!("repository:{}:{actions}", self.repository));
         }
         scopes.extend(self.scopes.lock().expect("poisoned").iter().cloned());
-        let req = if let Some(Credentials::IdentityToken(refresh)) = &creds {
-            // An identity token is a long-lived secret: like a password, it goes to the
-            // realm only over HTTPS or on the registry's own origin.
-            if !realm_gets_basic {
-                return Err(ClientError::Http {
-                    what: self.host.clone(),
-                    message: format!("token realm {realm} is plain HTTP on another origin: not sending it the identity token"),
-                });
-            }
-            // The docker token spec's OAuth2 form (what docker sends with an identity
-            // token): scopes space-separated in one field.
-            let mut form = form_urlencoded::Serializer::new(String::new());
-            form.append_pair("grant_type", "refresh_token").append_pair("refresh_token", refresh).append_pair("client_id", "snapctl");
-            if let Some(s) = &service {
-                form.append_pair("service", s);
-            }
-            if !scopes.is_empty() {
-                form.append_pair("scope", &scopes.iter().map(String::as_str).collect::<Vec<_>>().join(" "));
-            }
-            self.client.post(realm_url.clone()).header(reqwest::header::CONTENT_TYPE, "application/x-www-form-urlencoded").body(form.finish())
-        } else {
-            let mut req = self.client.get(realm_url.clone());
-            for s in &scopes {
-                req = req.query(&[("scope", s.as_str())]);
-            }
-            if let Some(s) = &service {
-                req = req.query(&[("service", s.as_str())]);
-            }
-            req
-        };
+        let req = self.token_request(creds.as_ref(), &realm, &realm_url, realm_gets_basic, service.as_deref(), &scopes)?;
         let what = format!("token request to {realm}");
         let req = req.timeout(self.deadline.floor).build().map_err(|e| ClientError::Http { what: what.clone(), message: error_chain(&e) })?;
         let basic = basic.filter(|_| realm_gets_basic);
@@ -646,18 +639,52 @@ impl RegistrySource {
             // The token service refused the registry's credentials: log in to the registry.
             return Err(Self::refusal_for(&self.host, &what, resp));
         }
-        let v: serde_json::Value = resp.json().map_err(|e| ClientError::Http { what: what.clone(), message: e.to_string() })?;
-        let token = v
-            .get("token")
-            .or_else(|| v.get("access_token"))
-            .and_then(|t| t.as_str())
-            .ok_or_else(|| ClientError::Http { what: what.clone(), message: "no token in the response".into() })?;
-        let bearer = format!("Bearer {token}");
-        if reqwest::header::HeaderValue::from_str(&bearer).is_err() {
-            return Err(ClientError::Http { what, message: "the token is not a valid header value".into() });
-        }
-        *self.auth.lock().expect("poisoned") = Some(bearer);
+        *self.auth.lock().expect("poisoned") = Some(bearer_from(resp, what)?);
         Ok(())
+    }
+
+    /// The token request to `realm_url`: with an identity token, the OAuth2
+    /// refresh_token grant (`POST`, only when the realm may get credentials); else a `GET`
+    /// with the scopes and service as query parameters.
+    fn token_request(
+        &self,
+        creds: Option<&Credentials>,
+        realm: &str,
+        realm_url: &reqwest::Url,
+        realm_gets_basic: bool,
+        service: Option<&str>,
+        scopes: &BTreeSet<String>,
+    ) -> Result<reqwest::blocking::RequestBuilder, ClientError> {
+        Ok(if let Some(Credentials::IdentityToken(refresh)) = creds {
+            // An identity token is a long-lived secret: like a password, it goes to the
+            // realm only over HTTPS or on the registry's own origin.
+            if !realm_gets_basic {
+                return Err(ClientError::Http {
+                    what: self.host.clone(),
+                    message: format!("token realm {realm} is plain HTTP on another origin: not sending it the identity token"),
+                });
+            }
+            // The docker token spec's OAuth2 form (what docker sends with an identity
+            // token): scopes space-separated in one field.
+            let mut form = form_urlencoded::Serializer::new(String::new());
+            form.append_pair("grant_type", "refresh_token").append_pair("refresh_token", refresh).append_pair("client_id", "snapctl");
+            if let Some(s) = service {
+                form.append_pair("service", s);
+            }
+            if !scopes.is_empty() {
+                form.append_pair("scope", &scopes.iter().map(String::as_str).collect::<Vec<_>>().join(" "));
+            }
+            self.client.post(realm_url.clone()).header(reqwest::header::CONTENT_TYPE, "application/x-www-form-urlencoded").body(form.finish())
+        } else {
+            let mut req = self.client.get(realm_url.clone());
+            for s in scopes {
+                req = req.query(&[("scope", s.as_str())]);
+            }
+            if let Some(s) = service {
+                req = req.query(&[("service", s)]);
+            }
+            req
+        })
     }
 
     /// Check that the registry accepts this client's credentials: `GET /v2/` after

@@ -41,7 +41,7 @@ use crate::name::{RepoName, Tag};
 use crate::pulls::{self, PullLog};
 use crate::refs::manifest_refs;
 use crate::restore_lease;
-use crate::retention::{self, Action, Inventory, ManifestFacts, Plan, Retention, Rule, TagFacts};
+use crate::retention::{self, Action, Inventory, ManifestFacts, Plan, RepoFacts, Retention, Rule, TagFacts};
 use crate::store::{BlobStore, ObjectMeta, StoreError};
 
 /// How often a running gc refreshes `_gc/run`.
@@ -498,40 +498,72 @@ struct Doomed {
 /// on become `in_use` (and what those keep, kept). In a dry run, only the checks.
 async fn apply(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOptions, scan: &Scan, plan: &mut Plan, report: &mut GcReport) -> Result<(), GcError> {
     let dry = opts.dry_run;
+    let doomed = doomed_in_order(plan, scan);
     let keep_after = run.keep_after(opts.grace);
-    let old = |t: SystemTime| keep_after.is_some_and(|k| t < k);
-    let facts = &scan.inv.manifests;
+    let (mut kept, gone) = sweep_manifests(store, run, keep_after, dry, scan, &doomed, report).await?;
+    for v in plan.manifests.iter_mut() {
+        if let Some(rule) = kept.remove(&(v.repository.clone(), v.digest.clone())) {
+            v.action = Action::Keep;
+            v.rule = rule;
+        }
+    }
+    sweep_tags(store, run, dry, scan, plan, report).await?;
+    drop_orphan_referrers(store, dry, scan, report).await?;
+    if !dry {
+        for (repo, ds) in &gone {
+            let r = RepoName::parse(repo).expect("scanned names are valid");
+            pulls::forget(store, &r, &ds.iter().collect()).await?;
+        }
+    }
+    Ok(())
+}
 
-    // Order deletions so that a manifest comes after every planned deletion that would
-    // keep it if kept (its subject, an index listing it, a snapshot naming it as base).
+/// The plan's manifest deletions, each with the planned deletions that would keep it if
+/// kept (its subject, an index listing it, a snapshot naming it as base, by the keep
+/// relations of crate::retention), ordered so that keepers come first.
+fn doomed_in_order(plan: &Plan, scan: &Scan) -> Vec<Doomed> {
+    let facts = &scan.inv.manifests;
     let mut doomed: Vec<Doomed> = plan.deleted_manifests().map(|v| Doomed { repo: v.repository.clone(), d: v.digest.clone(), keepers: Vec::new() }).collect();
     let planned: HashSet<(String, OciDigest)> = doomed.iter().map(|x| (x.repo.clone(), x.d.clone())).collect();
     let mut kept_by: HashMap<(String, OciDigest), Vec<(OciDigest, Rule)>> = HashMap::new();
+    let no_repo = RepoFacts::default();
     for (repo, d) in &planned {
         let Some(f) = facts.get(d) else { continue };
-        let mut add = |target: &OciDigest, rule: Rule| {
+        let linked = scan.inv.repos.get(repo).unwrap_or(&no_repo);
+        for (target, rule) in retention::kept_by_manifest(d, f, linked) {
             if planned.contains(&(repo.clone(), target.clone())) {
                 kept_by.entry((repo.clone(), target.clone())).or_default().push((d.clone(), rule));
             }
-        };
-        for c in &f.children {
-            add(c, Rule::Child { index: d.clone() });
         }
-        if let Some(b) = &f.base {
-            add(b, Rule::Base { of: d.clone() });
-        }
-        if let Some(s) = &f.subject {
-            // The other way round: the subject keeps this one.
+        // The other way round: the subject keeps this one.
+        if let Some((s, rule)) = retention::referrer_kept_by(f) {
             if planned.contains(&(repo.clone(), s.clone())) {
-                kept_by.entry((repo.clone(), d.clone())).or_default().push((s.clone(), Rule::Referrer { subject: s.clone() }));
+                kept_by.entry((repo.clone(), d.clone())).or_default().push((s.clone(), rule));
             }
         }
     }
     for x in &mut doomed {
         x.keepers = kept_by.remove(&(x.repo.clone(), x.d.clone())).unwrap_or_default();
     }
-    let doomed = keepers_first(doomed);
+    keepers_first(doomed)
+}
 
+/// Manifests kept after all, by (repository, digest), with the rule that keeps them; and
+/// the manifests deleted, by repository.
+type ManifestSweep = (HashMap<(String, OciDigest), Rule>, BTreeMap<String, HashSet<OciDigest>>);
+
+/// Delete the doomed manifests batch by batch, each batch condemned first; a manifest
+/// stays when a kept keeper keeps it or a request relies on it (leased, or used since
+/// `keep_after`).
+async fn sweep_manifests(
+    store: &dyn BlobStore,
+    run: &mut GcRun,
+    keep_after: Option<SystemTime>,
+    dry: bool,
+    scan: &Scan,
+    doomed: &[Doomed],
+    report: &mut GcReport,
+) -> Result<ManifestSweep, GcError> {
     let mut kept: HashMap<(String, OciDigest), Rule> = HashMap::new();
     let mut gone: BTreeMap<String, HashSet<OciDigest>> = BTreeMap::new();
     for batch in doomed.chunks(SWEEP_BATCH) {
@@ -546,17 +578,9 @@ async fn apply(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOptions, scan: &
             run.beat(store).await?;
             let key = (x.repo.clone(), x.d.clone());
             let by_keeper = x.keepers.iter().find(|(k, _)| kept.contains_key(&(x.repo.clone(), k.clone()))).map(|(_, r)| r.clone());
-            let in_use = || async {
-                let used = match store.head(&layout::gc_used(&x.d)).await {
-                    Ok(u) => Some(u.modified),
-                    Err(e) if e.is_not_found() => None,
-                    Err(e) => return Err(e),
-                };
-                Ok(leased.digests.contains(&x.d) || used.is_some_and(|t| !old(t)))
-            };
             if let Some(rule) = by_keeper {
                 kept.insert(key, rule);
-            } else if in_use().await? {
+            } else if used_since(store, &x.d, keep_after).await? || leased.digests.contains(&x.d) {
                 tracing::info!(repo = %x.repo, d = %x.d, "keep manifest: a request relies on it");
                 kept.insert(key, Rule::InUse);
             } else {
@@ -581,14 +605,24 @@ async fn apply(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOptions, scan: &
             }
         }
     }
-    for v in plan.manifests.iter_mut() {
-        if let Some(rule) = kept.remove(&(v.repository.clone(), v.digest.clone())) {
-            v.action = Action::Keep;
-            v.rule = rule;
-        }
-    }
+    Ok((kept, gone))
+}
 
-    // Tags: those whose target or subject was kept after all stay too.
+/// Whether a request marked manifest `d` used at or after `keep_after` (its `gc_used`
+/// marker is that recent).
+async fn used_since(store: &dyn BlobStore, d: &OciDigest, keep_after: Option<SystemTime>) -> Result<bool, GcError> {
+    let used = match store.head(&layout::gc_used(d)).await {
+        Ok(u) => Some(u.modified),
+        Err(e) if e.is_not_found() => None,
+        Err(e) => return Err(e.into()),
+    };
+    Ok(used.is_some_and(|t| keep_after.is_none_or(|k| t >= k)))
+}
+
+/// Delete the plan's doomed tags batch by batch, each batch marked retiring first. A tag
+/// stays (its verdict becomes `in_use`) when its target or subject was kept after all,
+/// when a push holds a lease on it, or when it was written again since the scan.
+async fn sweep_tags(store: &dyn BlobStore, run: &mut GcRun, dry: bool, scan: &Scan, plan: &mut Plan, report: &mut GcReport) -> Result<(), GcError> {
     let still_kept = |repo: &str, d: &OciDigest| plan.manifests.iter().any(|v| v.repository == repo && &v.digest == d && v.action == Action::Keep);
     let mut tag_flips: Vec<usize> = Vec::new();
     let doomed_tags: Vec<usize> = plan.tags.iter().enumerate().filter(|(_, t)| t.action == Action::Delete).map(|(i, _)| i).collect();
@@ -649,8 +683,11 @@ async fn apply(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOptions, scan: &
         plan.tags[i].action = Action::Keep;
         plan.tags[i].rule = Rule::InUse;
     }
+    Ok(())
+}
 
-    // Referrer entries naming a manifest that is not linked (a client deleted it).
+/// Delete referrer entries naming a manifest that is not linked (a client deleted it).
+async fn drop_orphan_referrers(store: &dyn BlobStore, dry: bool, scan: &Scan, report: &mut GcReport) -> Result<(), GcError> {
     for ((repo, d), keys) in &scan.referrer_keys {
         let linked = scan.inv.repos.get(repo).is_some_and(|r| r.manifests.contains_key(d));
         if !linked {
@@ -660,12 +697,6 @@ async fn apply(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOptions, scan: &
                     store.delete(k).await?;
                 }
             }
-        }
-    }
-    if !dry {
-        for (repo, ds) in &gone {
-            let r = RepoName::parse(repo).expect("scanned names are valid");
-            pulls::forget(store, &r, &ds.iter().collect()).await?;
         }
     }
     Ok(())

@@ -682,7 +682,208 @@ fn split_attachments<'a>(repo: &'a RepoFacts, inv: &Inventory) -> SplitTags<'a> 
     (attached, regular)
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What keeping manifest `d` (facts `f`) keeps on its own account, with the rule that
+/// keeps each: an index its children (linked or not: their blobs are kept all the same), a
+/// snapshot its base when `repo` links it. With [`referrer_kept_by`], the keep relations
+/// between manifests: retention plans by them and gc honours them when it deletes.
+pub(crate) fn kept_by_manifest<'a>(d: &'a OciDigest, f: &'a ManifestFacts, repo: &'a RepoFacts) -> impl Iterator<Item = (&'a OciDigest, Rule)> + 'a {
+    let children = f.children.iter().map(move |c| (c, Rule::Child { index: d.clone() }));
+    let base = f.base.iter().filter(move |b| repo.manifests.contains_key(*b)).map(move |b| (b, Rule::Base { of: d.clone() }));
+    children.chain(base)
+}
+
+/// The manifest whose keeping keeps a referrer (facts `f`): its subject, with the rule.
+pub(crate) fn referrer_kept_by(f: &ManifestFacts) -> Option<(&OciDigest, Rule)> {
+    f.subject.as_ref().map(|s| (s, Rule::Referrer { subject: s.clone() }))
+}
+
+/// One repository seen for planning: its facts and what its tags and referrers point at.
+struct RepoView<'a> {
+    repo: &'a RepoFacts,
+    inv: &'a Inventory,
+    /// Attachment tags (signatures, the referrers fallback) → their subject.
+    attached: BTreeMap<&'a String, OciDigest>,
+    /// Subject → the attachment tags naming it.
+    attached_to: HashMap<OciDigest, Vec<&'a String>>,
+    /// Subject → its linked referrers, each with the rule its subject keeps it by.
+    referrers_of: HashMap<&'a OciDigest, Vec<(&'a OciDigest, Rule)>>,
+    /// Manifest → the tags naming it when the scan began.
+    tagged_at_start: HashMap<&'a OciDigest, Vec<String>>,
+}
+
+impl<'a> RepoView<'a> {
+    /// Index `repo`; also returns its regular tags, which keep_tags judges.
+    fn new(repo: &'a RepoFacts, inv: &'a Inventory) -> (Self, Vec<(&'a String, &'a TagFacts)>) {
+        let (attached, regular) = split_attachments(repo, inv);
+        let mut attached_to: HashMap<OciDigest, Vec<&String>> = HashMap::new();
+        for (t, s) in &attached {
+            attached_to.entry(s.clone()).or_default().push(*t);
+        }
+        let mut referrers_of: HashMap<&OciDigest, Vec<(&OciDigest, Rule)>> = HashMap::new();
+        for d in repo.manifests.keys() {
+            if let Some((s, rule)) = inv.manifests.get(d).and_then(referrer_kept_by) {
+                referrers_of.entry(s).or_default().push((d, rule));
+            }
+        }
+        let mut tagged_at_start: HashMap<&OciDigest, Vec<String>> = HashMap::new();
+        for (t, f) in &repo.tags {
+            tagged_at_start.entry(&f.target).or_default().push(t.clone());
+        }
+        (RepoView { repo, inv, attached, attached_to, referrers_of, tagged_at_start }, regular)
+    }
+}
+
+/// What a repository's plan keeps so far, and the kept manifests whose own keeps are not
+/// yet followed.
+#[derive(Default)]
+struct Keeping {
+    /// Tag → its rule (keep or delete), once decided.
+    tag_rules: BTreeMap<String, Rule>,
+    /// Kept manifest → the rule that keeps it.
+    rules: HashMap<OciDigest, Rule>,
+    /// Kept manifests whose keeps [`Keeping::close`] has yet to follow.
+    work: Vec<OciDigest>,
+}
+
+impl Keeping {
+    /// Keep `d` for `rule` unless already decided; tags may name unlinked manifests, whose
+    /// blobs are kept all the same (gc marks from every kept tag's target).
+    fn keep(&mut self, d: &OciDigest, rule: Rule) {
+        if !self.rules.contains_key(d) {
+            self.rules.insert(d.clone(), rule);
+            self.work.push(d.clone());
+        }
+    }
+
+    /// Decide each regular tag by the policy's keep_tags (every tag is kept when the
+    /// policy judges none), and keep the targets of kept tags.
+    fn judge_regular_tags(
+        &mut self,
+        retention: &Retention,
+        policy: Option<usize>,
+        judged: bool,
+        view: &RepoView,
+        regular: &[(&String, &TagFacts)],
+        now: SystemTime,
+    ) {
+        let verdicts =
+            if judged { judge_tags(retention, policy.expect("judged needs a policy"), regular, &view.repo.pulled, now) } else { vec![None; regular.len()] };
+        for ((t, f), v) in regular.iter().zip(verdicts) {
+            let rule = match (judged, v) {
+                (false, _) => Rule::Tagged { tag: (*t).clone(), entry: None, by: None },
+                (true, Some((entry, by))) => Rule::Tagged { tag: (*t).clone(), entry: Some(entry), by: Some(by) },
+                (true, None) => Rule::NotKept { tags: vec![(*t).clone()] },
+            };
+            if rule.action() == Action::Keep {
+                self.keep(&f.target, rule.clone());
+            }
+            self.tag_rules.insert((*t).clone(), rule);
+        }
+    }
+
+    /// Keep the manifests under a running restore lease, as if tagged while it runs.
+    fn keep_leased(&mut self, repo: &RepoFacts, now: SystemTime) {
+        for (d, end) in &repo.leased {
+            if *end > now && repo.manifests.contains_key(d) {
+                self.keep(d, Rule::Leased { until: unix(*end) });
+            }
+        }
+    }
+
+    /// Keep what kept manifests keep (children, bases, referrers, attachment tags and
+    /// their targets), until nothing more is kept.
+    fn close(&mut self, view: &RepoView) {
+        while let Some(d) = self.work.pop() {
+            if let Some(f) = view.inv.manifests.get(&d) {
+                for (k, rule) in kept_by_manifest(&d, f, view.repo) {
+                    self.keep(k, rule);
+                }
+            }
+            for (r, rule) in view.referrers_of.get(&d).into_iter().flatten() {
+                self.keep(r, rule.clone());
+            }
+            for t in view.attached_to.get(&d).into_iter().flatten() {
+                self.tag_rules.entry((*t).clone()).or_insert_with(|| Rule::Referrer { subject: d.clone() });
+                self.keep(&view.repo.tags[*t].target, Rule::Referrer { subject: d.clone() });
+            }
+        }
+    }
+
+    /// Keep the manifests not yet kept that the delay or the policy's switches keep: an
+    /// untagged manifest, or a referrer whose subject is missing.
+    fn keep_by_delay_and_switches(&mut self, view: &RepoView, switches: Switches, now: SystemTime, delay: Duration) {
+        let repo = view.repo;
+        for (d, pushed) in &repo.manifests {
+            if self.rules.contains_key(d) {
+                continue;
+            }
+            let subject = view.inv.manifests.get(d).and_then(|f| f.subject.clone());
+            let a = age(now, since(repo, d, *pushed));
+            let rule = match subject {
+                // A present subject decides (it is kept or goes in this run).
+                Some(s) if repo.manifests.contains_key(&s) => continue,
+                Some(s) if !switches.delete_referrers => Rule::KeepReferrers { subject: s },
+                Some(s) if a < delay => Rule::SubjectMissingWithinDelay { subject: s, age_seconds: a.as_secs() },
+                Some(_) => continue,
+                None if view.tagged_at_start.contains_key(d) => continue,
+                None if !switches.delete_untagged => Rule::KeepUntagged,
+                None if a < delay => Rule::UntaggedWithinDelay { age_seconds: a.as_secs() },
+                None => continue,
+            };
+            self.keep(d, rule);
+        }
+    }
+
+    /// Keep the attachment tags not yet decided whose subject is missing from the
+    /// repository, when the policy keeps referrers or the tag is within the delay.
+    fn keep_orphan_attachments(&mut self, view: &RepoView, switches: Switches, now: SystemTime, delay: Duration) {
+        for (t, s) in &view.attached {
+            if self.tag_rules.contains_key(*t) || view.repo.manifests.contains_key(s) {
+                continue;
+            }
+            let f = &view.repo.tags[*t];
+            let a = age(now, f.pushed);
+            let rule = if !switches.delete_referrers {
+                Rule::KeepReferrers { subject: s.clone() }
+            } else if a < delay {
+                Rule::SubjectMissingWithinDelay { subject: s.clone(), age_seconds: a.as_secs() }
+            } else {
+                continue;
+            };
+            self.tag_rules.insert((*t).clone(), rule.clone());
+            self.keep(&f.target, rule);
+        }
+    }
+
+    /// The rule of manifest `d` (pushed at `pushed`) once keeping is done: what keeps it,
+    /// else why it goes.
+    fn manifest_rule(&self, view: &RepoView, d: &OciDigest, pushed: SystemTime, tags: &[String], now: SystemTime) -> Rule {
+        if let Some(r) = self.rules.get(d) {
+            return r.clone();
+        }
+        if let Some(s) = view.inv.manifests.get(d).and_then(|f| f.subject.clone()) {
+            return Rule::SubjectGone { subject: s };
+        }
+        // Its tags were all dropped: by keep_tags, or because their subject goes.
+        let by_subject = tags.iter().find_map(|t| view.attached.get(t));
+        match by_subject {
+            Some(s) if tags.iter().all(|t| view.attached.contains_key(t)) => Rule::SubjectGone { subject: s.clone() },
+            _ if !tags.is_empty() => Rule::NotKept { tags: tags.to_vec() },
+            _ => Rule::Untagged { age_seconds: age(now, since(view.repo, d, pushed)).as_secs() },
+        }
+    }
+}
+
+/// A policy's switches for what is kept without a tag (both on without a policy).
+#[derive(Clone, Copy)]
+struct Switches {
+    delete_untagged: bool,
+    delete_referrers: bool,
+}
+
+/// The verdicts on repository `name`'s manifests and tags under `policy`: what tags keep
+/// (by keep_tags), what leases keep, what kept manifests keep, what the delay and the
+/// policy's switches keep; everything else goes.
 fn plan_repo(
     retention: &Retention,
     policy: Option<usize>,
@@ -693,143 +894,30 @@ fn plan_repo(
     delay: Duration,
 ) -> (Vec<ManifestVerdict>, Vec<TagVerdict>) {
     let pol = policy.map(|p| &retention.config.policies[p]);
-    let delete_untagged = pol.and_then(|p| p.delete_untagged).unwrap_or(true);
-    let delete_referrers = pol.and_then(|p| p.delete_referrers).unwrap_or(true);
+    let switches = Switches {
+        delete_untagged: pol.and_then(|p| p.delete_untagged).unwrap_or(true),
+        delete_referrers: pol.and_then(|p| p.delete_referrers).unwrap_or(true),
+    };
     let judged = pol.and_then(|p| p.keep_tags.as_ref()).is_some_and(|k| !k.is_empty());
 
-    let (attached, regular) = split_attachments(repo, inv);
-    let mut attached_to: HashMap<&OciDigest, Vec<&String>> = HashMap::new();
-    for (t, s) in &attached {
-        attached_to.entry(s).or_default().push(t);
-    }
-    let mut referrers_of: HashMap<&OciDigest, Vec<&OciDigest>> = HashMap::new();
-    for d in repo.manifests.keys() {
-        if let Some(s) = inv.manifests.get(d).and_then(|f| f.subject.as_ref()) {
-            referrers_of.entry(s).or_default().push(d);
-        }
-    }
-    let mut tagged_at_start: HashMap<&OciDigest, Vec<String>> = HashMap::new();
-    for (t, f) in &repo.tags {
-        tagged_at_start.entry(&f.target).or_default().push(t.clone());
-    }
-
-    let mut tag_rules: BTreeMap<String, Rule> = BTreeMap::new();
-    let mut rules: HashMap<OciDigest, Rule> = HashMap::new();
-    let mut work: Vec<OciDigest> = Vec::new();
-    // Keep `d` for `rule` unless already decided; tags may name unlinked manifests, whose
-    // blobs are kept all the same (gc marks from every kept tag's target).
-    let keep = |d: &OciDigest, rule: Rule, rules: &mut HashMap<OciDigest, Rule>, work: &mut Vec<OciDigest>| {
-        if !rules.contains_key(d) {
-            rules.insert(d.clone(), rule);
-            work.push(d.clone());
-        }
-    };
-
-    let verdicts = if judged { judge_tags(retention, policy.expect("judged needs a policy"), &regular, &repo.pulled, now) } else { vec![None; regular.len()] };
-    for ((t, f), v) in regular.iter().zip(verdicts) {
-        let rule = match (judged, v) {
-            (false, _) => Rule::Tagged { tag: (*t).clone(), entry: None, by: None },
-            (true, Some((entry, by))) => Rule::Tagged { tag: (*t).clone(), entry: Some(entry), by: Some(by) },
-            (true, None) => Rule::NotKept { tags: vec![(*t).clone()] },
-        };
-        if rule.action() == Action::Keep {
-            keep(&f.target, rule.clone(), &mut rules, &mut work);
-        }
-        tag_rules.insert((*t).clone(), rule);
-    }
-
-    // Leased: kept as if tagged while the lease runs.
-    for (d, end) in &repo.leased {
-        if *end > now && repo.manifests.contains_key(d) {
-            keep(d, Rule::Leased { until: unix(*end) }, &mut rules, &mut work);
-        }
-    }
-
-    // What kept manifests need, until nothing more is kept.
-    let closure = |rules: &mut HashMap<OciDigest, Rule>, work: &mut Vec<OciDigest>, tag_rules: &mut BTreeMap<String, Rule>| {
-        while let Some(d) = work.pop() {
-            if let Some(f) = inv.manifests.get(&d) {
-                for c in &f.children {
-                    keep(c, Rule::Child { index: d.clone() }, rules, work);
-                }
-                if let Some(b) = &f.base {
-                    if repo.manifests.contains_key(b) {
-                        keep(b, Rule::Base { of: d.clone() }, rules, work);
-                    }
-                }
-            }
-            for r in referrers_of.get(&d).into_iter().flatten() {
-                keep(r, Rule::Referrer { subject: d.clone() }, rules, work);
-            }
-            for t in attached_to.get(&d).into_iter().flatten() {
-                tag_rules.entry((*t).clone()).or_insert_with(|| Rule::Referrer { subject: d.clone() });
-                keep(&repo.tags[*t].target, Rule::Referrer { subject: d.clone() }, rules, work);
-            }
-        }
-    };
-    closure(&mut rules, &mut work, &mut tag_rules);
-
-    // Manifests (and subject-named tags) kept by delay or by the policy's switches.
-    for (d, pushed) in &repo.manifests {
-        if rules.contains_key(d) {
-            continue;
-        }
-        let subject = inv.manifests.get(d).and_then(|f| f.subject.clone());
-        let a = age(now, since(repo, d, *pushed));
-        let rule = match subject {
-            // A present subject decides (it is kept or goes in this run).
-            Some(s) if repo.manifests.contains_key(&s) => continue,
-            Some(s) if !delete_referrers => Rule::KeepReferrers { subject: s },
-            Some(s) if a < delay => Rule::SubjectMissingWithinDelay { subject: s, age_seconds: a.as_secs() },
-            Some(_) => continue,
-            None if tagged_at_start.contains_key(d) => continue,
-            None if !delete_untagged => Rule::KeepUntagged,
-            None if a < delay => Rule::UntaggedWithinDelay { age_seconds: a.as_secs() },
-            None => continue,
-        };
-        keep(d, rule, &mut rules, &mut work);
-    }
-    for (t, s) in &attached {
-        if tag_rules.contains_key(*t) || repo.manifests.contains_key(s) {
-            continue;
-        }
-        let f = &repo.tags[*t];
-        let a = age(now, f.pushed);
-        let rule = if !delete_referrers {
-            Rule::KeepReferrers { subject: s.clone() }
-        } else if a < delay {
-            Rule::SubjectMissingWithinDelay { subject: s.clone(), age_seconds: a.as_secs() }
-        } else {
-            continue;
-        };
-        tag_rules.insert((*t).clone(), rule.clone());
-        keep(&f.target, rule, &mut rules, &mut work);
-    }
-    closure(&mut rules, &mut work, &mut tag_rules);
+    let (view, regular) = RepoView::new(repo, inv);
+    let mut k = Keeping::default();
+    k.judge_regular_tags(retention, policy, judged, &view, &regular, now);
+    k.keep_leased(repo, now);
+    k.close(&view);
+    k.keep_by_delay_and_switches(&view, switches, now, delay);
+    k.keep_orphan_attachments(&view, switches, now, delay);
+    k.close(&view);
 
     // Everything else goes.
-    for (t, s) in &attached {
-        tag_rules.entry((*t).clone()).or_insert_with(|| Rule::SubjectGone { subject: s.clone() });
+    for (t, s) in &view.attached {
+        k.tag_rules.entry((*t).clone()).or_insert_with(|| Rule::SubjectGone { subject: s.clone() });
     }
     let mut manifests = Vec::new();
     for (d, pushed) in &repo.manifests {
         let facts = inv.manifests.get(d);
-        let tags = tagged_at_start.get(d).cloned().unwrap_or_default();
-        let rule = match rules.get(d) {
-            Some(r) => r.clone(),
-            None => match facts.and_then(|f| f.subject.clone()) {
-                Some(s) => Rule::SubjectGone { subject: s },
-                None => {
-                    // Its tags were all dropped: by keep_tags, or because their subject goes.
-                    let by_subject = tags.iter().find_map(|t| attached.get(t));
-                    match by_subject {
-                        Some(s) if tags.iter().all(|t| attached.contains_key(t)) => Rule::SubjectGone { subject: s.clone() },
-                        _ if !tags.is_empty() => Rule::NotKept { tags: tags.clone() },
-                        _ => Rule::Untagged { age_seconds: age(now, since(repo, d, *pushed)).as_secs() },
-                    }
-                }
-            },
-        };
+        let tags = view.tagged_at_start.get(d).cloned().unwrap_or_default();
+        let rule = k.manifest_rule(&view, d, *pushed, &tags, now);
         manifests.push(ManifestVerdict {
             repository: name.to_string(),
             digest: d.clone(),
@@ -845,7 +933,8 @@ fn plan_repo(
             shared_bytes: 0,
         });
     }
-    let tags = tag_rules
+    let tags = k
+        .tag_rules
         .into_iter()
         .map(|(t, rule)| {
             let f = &repo.tags[&t];

@@ -245,6 +245,55 @@ pub fn parse_route(path: &str) -> Option<Result<Route, ApiError>> {
     Some(r)
 }
 
+impl Route {
+    /// The access a `method` request on this route needs: `None` for none (the base, and
+    /// the catalog, which lists only what the caller may read). A method the route does
+    /// not answer is refused (405).
+    pub fn action(&self, method: &Method) -> Result<Option<Action>, ApiError> {
+        let read = *method == Method::GET || *method == Method::HEAD;
+        let need = match self {
+            Route::Base => Some(None),
+            Route::Catalog => read.then_some(None),
+            Route::Blob(..) if *method == Method::DELETE => Some(Some(Action::Delete)),
+            Route::Blob(..) => read.then_some(Some(Action::Pull)),
+            Route::Manifest(..) if *method == Method::DELETE => Some(Some(Action::Delete)),
+            Route::Manifest(..) if *method == Method::PUT => Some(Some(Action::Push)),
+            Route::Manifest(..) => read.then_some(Some(Action::Pull)),
+            Route::Tags(..) | Route::Referrers(..) => read.then_some(Some(Action::Pull)),
+            Route::UploadStart(..) | Route::Upload(..) => Some(Some(Action::Push)),
+        };
+        need.ok_or_else(|| ApiError::new(StatusCode::METHOD_NOT_ALLOWED, Code::Unsupported, format!("{method} not allowed here")))
+    }
+
+    /// The class requests on this route are timed by (one of [`crate::metrics::ROUTES`]).
+    pub fn class(&self) -> &'static str {
+        match self {
+            Route::Base => "base",
+            Route::Catalog => "catalog",
+            Route::Blob(..) => "blob",
+            Route::Manifest(..) => "manifest",
+            Route::Tags(..) => "tags",
+            Route::Referrers(..) => "referrers",
+            Route::UploadStart(..) | Route::Upload(..) => "upload",
+        }
+    }
+}
+
+/// The route class of a request path (one of [`crate::metrics::ROUTES`]): a `/v2/` route's
+/// [`Route::class`], the token, metrics and web endpoints', else `other` (no such
+/// endpoint, or a name that is not valid).
+pub fn route_class(path: &str) -> &'static str {
+    match path {
+        "/token" => "token",
+        "/metrics" => "metrics",
+        p if p == "/ui" || p.starts_with("/ui/") => "web",
+        p => match parse_route(p) {
+            Some(Ok(r)) => r.class(),
+            Some(Err(_)) | None => "other",
+        },
+    }
+}
+
 /// The authority (`host[:port]`) a request was sent to: the URI's authority when it has
 /// one (HTTP/2 sends `:authority` and no `Host`; an HTTP/1.1 absolute-form target
 /// overrides `Host`), else the `Host` header. `None` when absent or not a plain
@@ -681,15 +730,7 @@ impl Server {
         };
         let id = self.identify(&uri, &headers, client).await?;
         use Route as R;
-        let need = match (&route, &method) {
-            (R::Base, _) => None,
-            (R::Catalog, &Method::GET | &Method::HEAD) => None,
-            (R::Blob(..) | R::Manifest(..), &Method::DELETE) => Some(Action::Delete),
-            (R::Blob(..) | R::Manifest(..) | R::Tags(..) | R::Referrers(..), &Method::GET | &Method::HEAD) => Some(Action::Pull),
-            (R::Manifest(..), &Method::PUT) => Some(Action::Push),
-            (R::UploadStart(..) | R::Upload(..), _) => Some(Action::Push),
-            _ => return Err(ApiError::new(StatusCode::METHOD_NOT_ALLOWED, Code::Unsupported, format!("{method} not allowed here"))),
-        };
+        let need = route.action(&method)?;
         let repo = match &route {
             R::Base | R::Catalog => None,
             R::Blob(r, _) | R::Manifest(r, _) | R::Tags(r) | R::Referrers(r, _) | R::UploadStart(r) | R::Upload(r, _) => Some(r),
@@ -1377,7 +1418,7 @@ async fn count(State(s): State<Arc<Server>>, req: Request, next: Next) -> Respon
     let t = std::time::Instant::now();
     let resp = crate::access::logged(req, |req| next.run(req)).await;
     s.metrics.request(method.as_str(), resp.status().as_u16());
-    s.metrics.request_latency(&path, method.as_str(), t.elapsed());
+    s.metrics.request_latency(route_class(&path), method.as_str(), t.elapsed());
     resp
 }
 

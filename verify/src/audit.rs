@@ -463,6 +463,23 @@ fn audit_pack_sizes(src: &dyn BlobSource, image: &Image, report: &mut AuditRepor
     bad_packs
 }
 
+/// Re-hash every pack of `image` not in `bad_packs` whole, against its digest; a pack
+/// that hashes otherwise or cannot be read joins `failures`.
+fn rehash_packs(src: &dyn BlobSource, image: &Image, bad_packs: &HashSet<u32>, failures: &Mutex<Found>) {
+    for (i, p) in image.packs.iter().enumerate() {
+        if bad_packs.contains(&(i as u32)) {
+            continue;
+        }
+        match sha256_of_blob(src, &p.digest, p.size) {
+            Ok(d) if d == p.digest => {}
+            Ok(d) => {
+                Found::push(failures, Failure { blob: Some(p.digest.to_string()), ..fail(FailureKind::PackDigest, format!("pack content hashes to {d}")) })
+            }
+            Err(e) => Found::push(failures, Failure { blob: Some(p.digest.to_string()), ..fail(FailureKind::PackUnreadable, e.to_string()) }),
+        }
+    }
+}
+
 /// Every stored range of `work` read (neighbours in one range request, `opts.in_flight`
 /// at once) and checked against its digest (and with `--blob-digests`, every pack not in `bad_packs` re-hashed whole
 /// beside them). Returns the failures, sorted, and the stored bytes checked.
@@ -476,21 +493,7 @@ fn audit_chunks(src: &dyn BlobSource, image: &Image, work: &[Work], refs: &Refer
     std::thread::scope(|s| {
         if opts.blob_digests {
             // One thread re-hashes whole packs while the others check chunks.
-            s.spawn(|| {
-                for (i, p) in image.packs.iter().enumerate() {
-                    if bad_packs.contains(&(i as u32)) {
-                        continue;
-                    }
-                    match sha256_of_blob(src, &p.digest, p.size) {
-                        Ok(d) if d == p.digest => {}
-                        Ok(d) => Found::push(
-                            &failures,
-                            Failure { blob: Some(p.digest.to_string()), ..fail(FailureKind::PackDigest, format!("pack content hashes to {d}")) },
-                        ),
-                        Err(e) => Found::push(&failures, Failure { blob: Some(p.digest.to_string()), ..fail(FailureKind::PackUnreadable, e.to_string()) }),
-                    }
-                }
-            });
+            s.spawn(|| rehash_packs(src, image, bad_packs, &failures));
         }
         // Back to back only (no gap read through): a pack's bytes no chunk uses are not
         // the audit's to fetch.

@@ -246,9 +246,20 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
             Vec::new()
         }
     };
+    let out = describe(&image, signatures, referrers);
+    if a.json {
+        common::print_json(&out)?;
+        return Ok(common::code(common::EXIT_OK));
+    }
+    print_text(&out, &image.manifest_digest)?;
+    Ok(common::code(common::EXIT_OK))
+}
+
+/// What `inspect` shows of snapshot `image`, with its signatures and attachments.
+fn describe(image: &Image, signatures: Vec<SignatureOut>, referrers: Vec<pusher::referrers::Attached>) -> Out {
     let cfg = image.config();
-    let (per, totals) = counts(&image);
-    let own_pack_bytes: u64 = own_packs(&image).map(|d| d.size).sum();
+    let (per, totals) = counts(image);
+    let own_pack_bytes: u64 = own_packs(image).map(|d| d.size).sum();
     let metadata_bytes = image.manifest_bytes.len() as u64 + image.manifest.config.size + cfg.index.size;
     let chain: Vec<serde_json::Value> = image
         .chain
@@ -260,7 +271,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
             serde_json::json!({"manifest": p.manifest, "root": p.root, "reference": p.reference, "created": link.config.created})
         })
         .collect();
-    let out = Out {
+    Out {
         manifest: image.manifest_digest.to_string(),
         kind: cfg.kind.to_string(),
         created: cfg.created.clone(),
@@ -293,11 +304,12 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
         base: cfg.base.as_ref().map(|b| serde_json::json!({"manifest": b.manifest, "root": b.root, "reference": b.reference})),
         referrers,
         signatures,
-    };
-    if a.json {
-        common::print_json(&out)?;
-        return Ok(common::code(common::EXIT_OK));
     }
+}
+
+/// Print `out` for people: the summary, parents, base and signatures, then the table of
+/// files and the attachments (those of attachments indented under `image`'s own).
+fn print_text(out: &Out, image: &imgfmt::OciDigest) -> anyhow::Result<()> {
     // Strings from the image's config are escaped (the JSON above is, by serde_json).
     let p = common::printable;
     outln!("image        {}", out.manifest)?;
@@ -339,6 +351,12 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
         };
         outln!("signature    {}: {who}{claims}{other}", if s.place.is_empty() { "storage" } else { &s.place })?;
     }
+    print_tables(out, image)
+}
+
+/// The per-file chunk table with its total, and the attachments of `image`.
+fn print_tables(out: &Out, image: &imgfmt::OciDigest) -> anyhow::Result<()> {
+    let p = common::printable;
     outln!()?;
     outln!("{:<24} {:<9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>7}", "FILE", "ROLE", "SIZE", "CHUNKS", "ZERO", "STORED", "REFD", "INHER")?;
     for f in &out.files {
@@ -370,7 +388,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
         outln!()?;
         outln!("{:<48} {:<73} {:>10}  TAG", "REFERRER (ARTIFACT TYPE)", "DIGEST", "SIZE")?;
         for r in &out.referrers {
-            let nested = if r.subject == image.manifest_digest { "" } else { "  " };
+            let nested = if r.subject == *image { "" } else { "  " };
             outln!(
                 "{nested}{:<48} {:<73} {:>10}  {}",
                 p(r.artifact_type.as_deref().unwrap_or(&r.media_type)),
@@ -380,7 +398,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
             )?;
         }
     }
-    Ok(common::code(common::EXIT_OK))
+    Ok(())
 }
 
 /// A manifest or index that is not a snapctl snapshot, as `inspect` shows it.

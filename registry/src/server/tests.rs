@@ -1204,3 +1204,32 @@ mod hostile {
 mod retention;
 
 mod restore_lease;
+
+#[test]
+fn regression_issue_25_route_class_of_each_endpoint_from_the_route_grammar() {
+    use crate::metrics::ROUTES;
+    use crate::server::route_class;
+    for (path, class) in [
+        ("/v2/", "base"),
+        ("/v2", "base"),
+        ("/v2/_catalog", "catalog"),
+        ("/v2/a/b/c/manifests/v1", "manifest"),
+        ("/v2/a/blobs/uploads/", "upload"),
+        ("/v2/a/b/blobs/uploads/0123", "upload"),
+        ("/v2/a/blobs/uploads", "upload"),
+        ("/v2/a/tags/list", "tags"),
+        ("/v2/a/referrers/sha256:1", "referrers"),
+        ("/token", "token"),
+        ("/metrics", "metrics"),
+        ("/ui/", "web"),
+        ("/ui/repo/a", "web"),
+        ("/favicon.ico", "other"),
+        ("/v2/a/nothing", "other"),
+    ] {
+        assert_eq!(route_class(path), class, "{path}");
+        assert!(ROUTES.contains(&class));
+    }
+    // A name that is not valid, or a shape no route has, is no endpoint's.
+    assert_eq!(route_class("/v2/A/blobs/sha256:00"), "other");
+    assert_eq!(route_class("/v2/blobs/uploads/"), "other");
+}

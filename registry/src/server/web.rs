@@ -299,6 +299,7 @@ async fn repository(s: &Server, repo: &RepoName, last: Option<&str>) -> Result<O
     Ok(Some(page(StatusCode::OK, repo.as_str(), &b)))
 }
 
+/// The page of manifest `d` in `repo`: its summary, snapshot rows, layers and referrers.
 async fn manifest_page(s: &Server, repo: &RepoName, d: &OciDigest) -> Result<Option<Response>, StoreError> {
     let store = s.store.as_ref();
     let link = match store.head(&layout::manifest_link(repo, d)).await {
@@ -310,10 +311,8 @@ async fn manifest_page(s: &Server, repo: &RepoName, d: &OciDigest) -> Result<Opt
     let m = read_json(store, d, MAX_MANIFEST).await?.unwrap_or_default();
     let r = esc(repo.as_str());
     let layers: Vec<serde_json::Value> = m.get("layers").and_then(|l| l.as_array()).cloned().unwrap_or_default();
-    let owner = |l: &serde_json::Value| l.pointer("/annotations/dev.snapctl.owner").and_then(|v| v.as_str()).unwrap_or("").to_owned();
-    let lsize = |l: &serde_json::Value| l.get("size").and_then(|v| v.as_u64()).unwrap_or(0);
-    let own: u64 = layers.iter().filter(|l| owner(l) == "self").map(lsize).sum();
-    let all: u64 = layers.iter().map(lsize).sum();
+    let own: u64 = layers.iter().filter(|l| layer_owner(l) == "self").map(layer_size).sum();
+    let all: u64 = layers.iter().map(layer_size).sum();
     let mut b = String::new();
     let _ = write!(
         b,
@@ -329,6 +328,29 @@ async fn manifest_page(s: &Server, repo: &RepoName, d: &OciDigest) -> Result<Opt
         time(link.modified),
         pulled_text(&pulled(s, repo).await?, d)
     );
+    snapshot_rows(store, repo, &m, own, &mut b).await?;
+    b.push_str("</table>");
+    layers_table(&layers, &mut b);
+    referrers_section(store, repo, d, &mut b).await?;
+    let _ = write!(b, "<p><a href=\"/ui/repo/{r}\">{r}</a></p>");
+    Ok(Some(page(StatusCode::OK, &format!("{}@{}", repo.as_str(), &d.to_string()[..19.min(d.to_string().len())]), &b)))
+}
+
+/// The `dev.snapctl.owner` annotation of a layer descriptor, or "".
+fn layer_owner(l: &serde_json::Value) -> String {
+    l.pointer("/annotations/dev.snapctl.owner").and_then(|v| v.as_str()).unwrap_or("").to_owned()
+}
+
+/// The `size` of a layer descriptor, or 0.
+fn layer_size(l: &serde_json::Value) -> u64 {
+    l.get("size").and_then(|v| v.as_u64()).unwrap_or(0)
+}
+
+/// The summary rows of a snapctl snapshot (manifest `m`, whose own blobs hold `own` bytes):
+/// kind, creation, files, sizes, chain depth and parents (linked when `repo` has them).
+/// Nothing for a manifest whose config is not a snapctl config, or cannot be read.
+async fn snapshot_rows(store: &dyn BlobStore, repo: &RepoName, m: &serde_json::Value, own: u64, b: &mut String) -> Result<(), StoreError> {
+    let r = esc(repo.as_str());
     let config = m.pointer("/config/mediaType").and_then(|v| v.as_str()) == Some(imgfmt::media::CONFIG);
     if config {
         if let Some(cd) = m.pointer("/config/digest").and_then(|v| v.as_str()).and_then(|v| v.parse::<OciDigest>().ok()) {
@@ -362,7 +384,11 @@ async fn manifest_page(s: &Server, repo: &RepoName, d: &OciDigest) -> Result<Opt
             }
         }
     }
-    b.push_str("</table>");
+    Ok(())
+}
+
+/// The table of a manifest's `layers` (the first LAYERS_SHOWN of them).
+fn layers_table(layers: &[serde_json::Value], b: &mut String) {
     b.push_str("<h2>Layers</h2><table><tr><th>digest</th><th>media type</th><th>owner</th><th>size</th></tr>");
     for l in layers.iter().take(LAYERS_SHOWN) {
         let _ = write!(
@@ -370,14 +396,20 @@ async fn manifest_page(s: &Server, repo: &RepoName, d: &OciDigest) -> Result<Opt
             "<tr><td><code>{}</code></td><td>{}</td><td>{}</td><td class=num>{}</td></tr>",
             esc(l.get("digest").and_then(|v| v.as_str()).unwrap_or("-")),
             esc(l.get("mediaType").and_then(|v| v.as_str()).unwrap_or("-")),
-            esc(&owner(l)),
-            human(lsize(l))
+            esc(&layer_owner(l)),
+            human(layer_size(l))
         );
     }
     b.push_str("</table>");
     if layers.len() > LAYERS_SHOWN {
         let _ = write!(b, "<p>Only the first {LAYERS_SHOWN} layers are shown.</p>");
     }
+}
+
+/// The Referrers section of manifest `d` in `repo`: the first REFERRERS_SHOWN entries
+/// whose descriptor reads, each linked.
+async fn referrers_section(store: &dyn BlobStore, repo: &RepoName, d: &OciDigest, b: &mut String) -> Result<(), StoreError> {
+    let r = esc(repo.as_str());
     b.push_str("<h2>Referrers</h2>");
     let refs = store.list_after(&layout::referrers_dir(repo, d), None, REFERRERS_SHOWN).await?;
     if refs.is_empty() {
@@ -397,8 +429,7 @@ async fn manifest_page(s: &Server, repo: &RepoName, d: &OciDigest) -> Result<Opt
         }
         b.push_str("</table>");
     }
-    let _ = write!(b, "<p><a href=\"/ui/repo/{r}\">{r}</a></p>");
-    Ok(Some(page(StatusCode::OK, &format!("{}@{}", repo.as_str(), &d.to_string()[..19.min(d.to_string().len())]), &b)))
+    Ok(())
 }
 
 /// When each manifest of `repo` was last pulled (unix seconds): the store's record, and
