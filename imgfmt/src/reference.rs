@@ -161,6 +161,23 @@ pub fn check_host(host: &str) -> Result<(), String> {
     Ok(())
 }
 
+impl Reference {
+    /// The registry's host, for a registry reference.
+    pub fn host(&self) -> Option<&str> {
+        match self {
+            Reference::Registry { host, .. } => Some(host),
+            Reference::Layout { .. } => None,
+        }
+    }
+
+    /// What the reference names in its store: a tag or a digest.
+    pub fn selector(&self) -> &Selector {
+        match self {
+            Reference::Layout { selector, .. } | Reference::Registry { selector, .. } => selector,
+        }
+    }
+}
+
 impl FromStr for Reference {
     type Err = FormatError;
     fn from_str(s: &str) -> Result<Self, FormatError> {

@@ -188,7 +188,7 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
         Reference::Registry { .. } => bail!("{}: push needs a tag (HOST/REPO:TAG), not a digest", a.dest),
         Reference::Layout { .. } => bail!("{}: push sends to a registry (HOST[:PORT]/REPO[:TAG]); for a local layout use `snapctl copy`", a.dest),
     };
-    let dest = common::registry_client(&host, &repository, a.transfer.registry.plain_http)?;
+    let dest = common::registry_client(&host, &repository)?;
     if a.src.starts_with("oci:") {
         let Reference::Layout { path, selector } = a.src.parse::<Reference>()? else { unreachable!("oci: prefix") };
         let layout = OciLayout::open(&path).with_context(|| format!("opening {}", a.src))?;
