@@ -3,7 +3,7 @@
 //! `docker://HOST[:PORT]/REPO[:TAG|@DIGEST]`.
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use crate::digest::OciDigest;
@@ -167,6 +167,22 @@ impl Reference {
         match self {
             Reference::Registry { host, .. } => Some(host),
             Reference::Layout { .. } => None,
+        }
+    }
+
+    /// The registry's host and the repository there, for a registry reference.
+    pub fn registry(&self) -> Option<(&str, &str)> {
+        match self {
+            Reference::Registry { host, repository, .. } => Some((host, repository)),
+            Reference::Layout { .. } => None,
+        }
+    }
+
+    /// The layout's directory, for a layout reference.
+    pub fn layout_path(&self) -> Option<&Path> {
+        match self {
+            Reference::Layout { path, .. } => Some(path),
+            Reference::Registry { .. } => None,
         }
     }
 

@@ -67,7 +67,8 @@ pub fn copy_image(src: &str, dest: &str, flags: &TransferFlags, policy: &super::
     let source = o.source.as_ref();
     let digest = common::resolve(&o)?;
     policy.check(&r, &o, &digest)?;
-    let (tag, by_digest) = match dest.parse::<Reference>()?.selector() {
+    let to: Reference = dest.parse()?;
+    let (tag, by_digest) = match to.selector() {
         Selector::Tag(t) => (Some(t.clone()), None),
         Selector::Digest(d) => (None, Some(d.clone())),
     };
@@ -92,16 +93,17 @@ pub fn copy_image(src: &str, dest: &str, flags: &TransferFlags, policy: &super::
         }
         Ok(())
     };
-    match dest.parse::<Reference>()? {
-        Reference::Layout { path, .. } => {
-            let layout = OciLayout::open_or_create(&path).with_context(|| format!("opening layout {}", path.display()))?;
+    match (to.layout_path(), to.registry()) {
+        (Some(path), _) => {
+            let layout = OciLayout::open_or_create(path).with_context(|| format!("opening layout {}", path.display()))?;
             let target = pusher::Target::Layout(&layout);
             transfer_then(source, &digest, &target, tag.as_deref(), flags, "copy", |o, r| carry(&target, o, r))
         }
-        Reference::Registry { host, repository, .. } => {
-            let client = registry_client(&host, &repository)?;
+        (None, Some((host, repository))) => {
+            let client = registry_client(host, repository)?;
             let target = pusher::Target::Registry(&client);
             transfer_then(source, &digest, &target, tag.as_deref(), flags, "copy", |o, r| carry(&target, o, r))
         }
+        (None, None) => unreachable!("a reference names a layout or a registry"),
     }
 }

@@ -161,8 +161,10 @@ pub fn run_sign(a: SignArgs) -> anyhow::Result<ExitCode> {
             sign::DockerRef::parse(i).map_err(|e| anyhow::anyhow!("--identity: {e}"))?;
             i.clone()
         }
-        (None, Reference::Registry { host, repository, selector }) => format!("{host}/{repository}{selector}"),
-        (None, Reference::Layout { .. }) => bail!("{}: a layout has no registry name: give the name to certify with --identity HOST/REPO[:TAG]", a.image),
+        (None, r) => match r.registry() {
+            Some((host, repository)) => format!("{host}/{repository}{}", r.selector()),
+            None => bail!("{}: a layout has no registry name: give the name to certify with --identity HOST/REPO[:TAG]", a.image),
+        },
     };
     let key = load_private_key(&a.key)?;
     let o = super::common::open_parsed(&r, &a.image)?;
