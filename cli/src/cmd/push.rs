@@ -204,7 +204,7 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
         // read there, not fetched again.
         let local_first = pusher::push::LocalFirst::new(dir, &cache_dir, &dest);
         let held = match (&a.pack.parent, a.pack.no_parent) {
-            (None, false) => pusher::push::tag_manifest(&dest, &tag)?.map(|digest| super::pack::TagImage {
+            (None, false) => pusher::push::tag_manifest(&dest, tag)?.map(|digest| super::pack::TagImage {
                 source: &local_first,
                 digest,
                 reference: format!("{host}/{repository}:{tag}"),
@@ -243,7 +243,7 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
                 eprintln!("{line}");
             }
         }
-        with_progress(&packed.layout, &packed.digest, &a.transfer, "push", |opts| pusher::push::push_packed(&packed, &dest, &tag, opts))?;
+        with_progress(&packed.layout, &packed.digest, &a.transfer, "push", |opts| pusher::push::push_packed(&packed, &dest, tag, opts))?;
         // The layout is released (a later eviction may take it); then everything under the
         // cache directory is brought within the budget.
         drop(packed);
