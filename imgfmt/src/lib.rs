@@ -38,6 +38,7 @@ pub mod reference;
 pub mod retry;
 pub mod size;
 pub mod source;
+pub mod store;
 pub mod work;
 
 pub use compress::Compression;
@@ -51,6 +52,7 @@ pub use manifest::{Descriptor, Manifest};
 pub use outboard::{Outboard, OutboardTable, SliceCvs, SliceShape};
 pub use retry::RetryPolicy;
 pub use source::BlobSource;
+pub use store::ImageStore;
 
 /// Smallest chunk size: 64 KiB (a multiple of every page size a VMM uses for guest RAM
 /// except huge pages, which are served as whole multiples of it).

@@ -3,7 +3,7 @@
 //! `docker://HOST[:PORT]/REPO[:TAG|@DIGEST]`.
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use crate::digest::OciDigest;
@@ -159,6 +159,39 @@ pub fn check_host(host: &str) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+impl Reference {
+    /// The registry's host, for a registry reference.
+    pub fn host(&self) -> Option<&str> {
+        match self {
+            Reference::Registry { host, .. } => Some(host),
+            Reference::Layout { .. } => None,
+        }
+    }
+
+    /// The registry's host and the repository there, for a registry reference.
+    pub fn registry(&self) -> Option<(&str, &str)> {
+        match self {
+            Reference::Registry { host, repository, .. } => Some((host, repository)),
+            Reference::Layout { .. } => None,
+        }
+    }
+
+    /// The layout's directory, for a layout reference.
+    pub fn layout_path(&self) -> Option<&Path> {
+        match self {
+            Reference::Layout { path, .. } => Some(path),
+            Reference::Registry { .. } => None,
+        }
+    }
+
+    /// What the reference names in its store: a tag or a digest.
+    pub fn selector(&self) -> &Selector {
+        match self {
+            Reference::Layout { selector, .. } | Reference::Registry { selector, .. } => selector,
+        }
+    }
 }
 
 impl FromStr for Reference {

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use imgfmt::reference::{Reference, Selector};
-use imgfmt::{BlobSource, Image, OciDigest, OciLayout, OutboardsAhead, PendingOutboards};
+use imgfmt::{BlobSource, Image, ImageStore, OciDigest, OciLayout, OutboardsAhead, PendingOutboards};
 
 use crate::criu::CriuDaemon;
 use crate::{ChunkStore, Daemon, LayoutTraces, LazyError, LazyOptions, Lease, LoadedAhead, PrefetchMode, RegistryTraces, RetryPolicy, TraceStore};
@@ -65,6 +65,11 @@ pub enum Store {
 impl Store {
     /// The source the image's metadata (manifest, config, index, outboards) is read from.
     pub fn metadata(&self) -> Arc<dyn BlobSource> {
+        self.images()
+    }
+
+    /// The store itself, as the signatures and traces beside the image are read from it.
+    pub fn images(&self) -> Arc<dyn ImageStore> {
         match self {
             Store::Layout { layout, .. } => layout.clone(),
             Store::Registry(c) => c.clone(),

@@ -17,40 +17,20 @@
 //! (a snapctl trace's working-set blob with it).
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
-use std::sync::Arc;
 
 use imgfmt::manifest::MAX_MANIFEST_BYTES;
 use imgfmt::source::read_verified_blob;
-use imgfmt::{media, BlobSource, Descriptor, FormatError, OciDigest, OciLayout};
-use regclient::RegistrySource;
+use imgfmt::{media, BlobSource, Descriptor, FormatError, ImageStore, OciDigest};
 
 pub use crate::attached::Attached;
 use crate::copy::{copy_after, CopyError, CopyOptions, Target};
 
-/// Tag suffixes cosign attaches under (`sha256-<hex>.sig` and so on).
-pub const COSIGN_SUFFIXES: [&str; 3] = ["sig", "att", "sbom"];
+pub use imgfmt::store::COSIGN_SUFFIXES;
 /// How deep attached artifacts of attached artifacts are followed.
 pub const MAX_DEPTH: usize = 3;
 /// Most attached artifacts carried for one image (a bound against a source that lists
 /// without end; a sandbox's restores each add a trace).
 pub const MAX_ATTACHED: usize = 4096;
-
-/// A store images are read from, with what is needed to find their referrers.
-pub enum Origin {
-    /// Shared with whoever opened it (one client: one connection pool, one login).
-    Registry(Arc<RegistrySource>),
-    Layout(OciLayout),
-}
-
-impl Origin {
-    /// The store as a blob source.
-    pub fn source(&self) -> &dyn BlobSource {
-        match self {
-            Origin::Registry(r) => r.as_ref(),
-            Origin::Layout(l) => l,
-        }
-    }
-}
 
 /// A manifest's descriptor fields from its (verified) bytes.
 fn described(src: &dyn BlobSource, subject: &OciDigest, d: &OciDigest, tag: Option<String>) -> Result<Attached, CopyError> {
@@ -63,52 +43,37 @@ fn described(src: &dyn BlobSource, subject: &OciDigest, d: &OciDigest, tag: Opti
 }
 
 /// What is attached to `subject` at `origin` directly: OCI 1.1 referrers and tags named
-/// after it.
-pub fn attached(origin: &Origin, subject: &OciDigest) -> Result<Vec<Attached>, CopyError> {
+/// after it. A listed referrer that names its artifact type (a registry's referrers API)
+/// is taken as listed; one that does not (a layout's fallback index may hold a bare
+/// manifest) is read for its fields.
+pub fn attached(origin: &dyn ImageStore, subject: &OciDigest) -> Result<Vec<Attached>, CopyError> {
     let mut out = Vec::new();
-    let prefix = imgfmt::layout::referrers_tag(subject);
-    match origin {
-        Origin::Registry(r) => {
-            for d in r.list_referrers(subject, None)? {
-                out.push(Attached {
-                    subject: subject.clone(),
-                    digest: d.digest,
-                    media_type: d.media_type,
-                    artifact_type: d.artifact_type,
-                    size: d.size,
-                    tag: None,
-                    annotations: d.annotations,
-                });
-            }
-            // A registry's tag list can be long; cosign's names are known.
-            for suffix in COSIGN_SUFFIXES {
-                let tag = format!("{prefix}.{suffix}");
-                match r.resolve_tag(&tag) {
-                    Ok(d) => out.push(described(r.as_ref(), subject, &d, Some(tag))?),
-                    Err(FormatError::TagNotFound { .. }) => {}
-                    Err(e) => return Err(e.into()),
-                }
-            }
+    for d in origin.referrers(subject, None)? {
+        if d.artifact_type.is_some() {
+            out.push(Attached {
+                subject: subject.clone(),
+                digest: d.digest,
+                media_type: d.media_type,
+                artifact_type: d.artifact_type,
+                size: d.size,
+                tag: None,
+                annotations: d.annotations,
+            });
+            continue;
         }
-        Origin::Layout(l) => {
-            for d in l.referrers(subject)? {
-                let mut a = described(l, subject, &d.digest, None)?;
-                a.annotations.extend(d.annotations);
-                out.push(a);
-            }
-            for (t, desc) in l.tags()? {
-                if t.strip_prefix(&prefix).is_some_and(|rest| rest.starts_with('.')) {
-                    out.push(described(l, subject, &desc.digest, Some(t))?);
-                }
-            }
-        }
+        let mut a = described(origin, subject, &d.digest, None)?;
+        a.annotations.extend(d.annotations);
+        out.push(a);
+    }
+    for (tag, d) in origin.attached_tags(subject)? {
+        out.push(described(origin, subject, &d, Some(tag))?);
     }
     Ok(out)
 }
 
 /// [`attached`] of `subject` and, up to [`MAX_DEPTH`] levels, of what is attached to it,
 /// each once (subjects before what refers to them).
-pub fn attached_tree(origin: &Origin, subject: &OciDigest) -> Result<Vec<Attached>, CopyError> {
+pub fn attached_tree(origin: &dyn ImageStore, subject: &OciDigest) -> Result<Vec<Attached>, CopyError> {
     let mut out: Vec<Attached> = Vec::new();
     let mut seen: HashSet<OciDigest> = [subject.clone()].into_iter().collect();
     let mut level = vec![subject.clone()];
@@ -137,21 +102,21 @@ pub fn attached_tree(origin: &Origin, subject: &OciDigest) -> Result<Vec<Attache
 /// brought to `target` already) to `target`, and make the OCI 1.1 referrers findable
 /// there: by its referrers API, else by the fallback index. Returns what was carried.
 /// An attached image index is skipped with a warning (copy moves single manifests).
-pub fn copy_attached(origin: &Origin, subject: &OciDigest, target: &Target, opts: &CopyOptions) -> Result<Vec<Attached>, CopyError> {
+pub fn copy_attached(origin: &dyn ImageStore, subject: &OciDigest, target: &Target, opts: &CopyOptions) -> Result<Vec<Attached>, CopyError> {
     let found = attached_tree(origin, subject)?;
     let quiet = CopyOptions { jobs: opts.jobs, mount_from: opts.mount_from.clone(), upload: opts.upload.clone(), progress: None };
     let mut carried = Vec::new();
     let mut to_index: BTreeMap<OciDigest, Vec<Descriptor>> = BTreeMap::new();
     for a in found {
         let merged = match a.tag.as_deref() {
-            Some(t) if t.ends_with(".sig") => merge_signature_tag(origin.source(), &a.digest, t, target, &quiet)?,
+            Some(t) if t.ends_with(".sig") => merge_signature_tag(origin, &a.digest, t, target, &quiet)?,
             _ => false,
         };
         if merged {
             carried.push(a);
             continue;
         }
-        match copy_after(origin.source(), &a.digest, target, a.tag.as_deref(), &quiet, &[]) {
+        match copy_after(origin, &a.digest, target, a.tag.as_deref(), &quiet, &[]) {
             Ok(_) => {}
             Err(CopyError::Unsupported(why)) => {
                 tracing::warn!(digest = %a.digest, %why, "attached artifact not carried");

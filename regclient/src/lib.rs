@@ -40,6 +40,7 @@ mod error;
 mod helper;
 mod known;
 mod lease;
+mod open;
 mod referrers;
 mod transport;
 pub use referrers::{Referrers, ReferrersQuery, EMPTY_CONFIG_TYPE, MAX_REFERRERS, MAX_REFERRER_PAGES, PAYLOAD_TYPE};
@@ -51,6 +52,7 @@ pub use config::{cache_dir, docker_config_credentials, docker_config_path, remov
 pub use error::{explain, ClientError, CredentialsError};
 pub use known::KnownBlobs;
 pub use lease::{LEASE_HEADER, MAX_LEASE_SECONDS};
+pub use open::{open, Opened};
 pub use upload::{MemSource, PutManifest, UploadOptions, Uploaded, DEFAULT_PIECE, MAX_PIECE};
 
 use std::collections::{BTreeSet, HashSet};

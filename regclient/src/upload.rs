@@ -595,7 +595,7 @@ impl RegistrySource {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::sync::Arc;
 
@@ -665,7 +665,7 @@ mod tests {
     }
 
     /// A server in-process over a temp dir, for the blocking client (its own runtime).
-    fn local_server() -> (tokio::runtime::Runtime, tempfile::TempDir, String) {
+    pub(crate) fn local_server() -> (tokio::runtime::Runtime, tempfile::TempDir, String) {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(registry::store::FsStore::open(dir.path()).unwrap());

@@ -1,4 +1,5 @@
-//! Reading and writing signatures through a [`Store`], and deciding by a policy.
+//! Reading and writing signatures through an [`ImageStore`] (a registry repository or a
+//! layout), and deciding by a policy.
 //!
 //! ```text
 //! check(store, policy, image, digest)
@@ -22,7 +23,7 @@
 use std::sync::Mutex;
 
 use base64::Engine as _;
-use imgfmt::{Descriptor, FormatError, OciDigest};
+use imgfmt::{Descriptor, FormatError, ImageStore, OciDigest};
 
 use crate::identity::ImageIdentity;
 use crate::key::{PrivateKey, PublicKey};
@@ -32,30 +33,6 @@ use crate::policy::{KeySource, Policy, Requirement, SigstoreRule};
 
 /// Payloads fetched at once.
 const PAYLOAD_FETCHES: usize = 8;
-
-/// What signature checking and signing need from where images live: a registry
-/// repository or a local layout. Reads return bytes as served (**unverified**); this
-/// module checks them.
-pub trait Store: Sync {
-    fn describe(&self) -> String;
-    /// The manifest tagged `tag`, at most `limit` bytes (larger: `FormatError::TooLarge`);
-    /// `None` when the tag does not exist.
-    fn manifest_by_tag(&self, tag: &str, limit: u64) -> Result<Option<Vec<u8>>, FormatError>;
-    /// A manifest by digest, at most `limit` bytes.
-    fn manifest(&self, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError>;
-    /// A blob, at most `limit` bytes.
-    fn blob(&self, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError>;
-    /// Descriptors of the signature referrers of `subject` (artifact type
-    /// [`manifest::SIGNATURE_ARTIFACT_TYPE`]); empty where the store keeps none.
-    fn referrers(&self, subject: &OciDigest) -> Result<Vec<Descriptor>, FormatError>;
-    /// Store a blob.
-    fn put_blob(&self, data: &[u8]) -> Result<(), FormatError>;
-    /// Store a manifest under `tag`.
-    fn put_tagged_manifest(&self, tag: &str, bytes: &[u8]) -> Result<(), FormatError>;
-    /// Store a referrer manifest (by digest) where the store indexes referrers itself;
-    /// `Ok(false)` (nothing written) where it does not.
-    fn put_referrer(&self, subject: &OciDigest, bytes: &[u8]) -> Result<bool, FormatError>;
-}
 
 /// One signature layer found for an image.
 #[derive(Debug, Clone)]
@@ -117,7 +94,7 @@ fn manifest_problem(e: ManifestError) -> String {
 
 /// The signature layers of one signature manifest, payloads fetched (at most
 /// [`PAYLOAD_FETCHES`] at once) and checked against their digests.
-fn fetch_layers(store: &dyn Store, m: &imgfmt::Manifest, place: &str, out: &mut Signatures) -> Result<(), FormatError> {
+fn fetch_layers(store: &dyn ImageStore, m: &imgfmt::Manifest, place: &str, out: &mut Signatures) -> Result<(), FormatError> {
     let layers: Vec<(usize, &Descriptor)> = m.layers.iter().enumerate().filter(|(_, l)| l.media_type == SIMPLE_SIGNING_TYPE).collect();
     let results: Mutex<Vec<Option<Found>>> = Mutex::new(vec![None; layers.len()]);
     imgfmt::work::try_for_each_index(
@@ -126,7 +103,7 @@ fn fetch_layers(store: &dyn Store, m: &imgfmt::Manifest, place: &str, out: &mut 
         || (),
         |_, i| {
             let (n, l) = layers[i];
-            let payload = match store.blob(&l.digest, MAX_PAYLOAD_BYTES) {
+            let payload = match store.read_blob_unverified(&l.digest, MAX_PAYLOAD_BYTES) {
                 Ok(b) if OciDigest::of(&b) == l.digest && b.len() as u64 == l.size => Ok(b),
                 Ok(_) => Err(format!("payload blob {} does not match its digest (tampered)", l.digest)),
                 Err(e) if content_problem(&e) => Err(format!("payload blob {}: {e}", l.digest)),
@@ -141,7 +118,7 @@ fn fetch_layers(store: &dyn Store, m: &imgfmt::Manifest, place: &str, out: &mut 
 }
 
 /// The tag-scheme signatures of `digest`.
-pub fn tag_signatures(store: &dyn Store, digest: &OciDigest) -> Result<Signatures, FormatError> {
+pub fn tag_signatures(store: &dyn ImageStore, digest: &OciDigest) -> Result<Signatures, FormatError> {
     let tag = manifest::signature_tag(digest);
     let mut out = Signatures::default();
     let bytes = match store.manifest_by_tag(&tag, MAX_SIGNATURE_MANIFEST_BYTES) {
@@ -162,7 +139,7 @@ pub fn tag_signatures(store: &dyn Store, digest: &OciDigest) -> Result<Signature
 }
 
 /// The referrer signatures of `digest`, from a listing already made.
-fn referrer_signatures(store: &dyn Store, digest: &OciDigest, listed: Vec<Descriptor>) -> Result<Signatures, FormatError> {
+fn referrer_signatures(store: &dyn ImageStore, digest: &OciDigest, listed: Vec<Descriptor>) -> Result<Signatures, FormatError> {
     let mut out = Signatures { referrers: listed.len(), ..Default::default() };
     if listed.len() > MAX_SIGNATURE_REFERRERS {
         out.problems.push(format!("{} signature referrers, more than {MAX_SIGNATURE_REFERRERS}", listed.len()));
@@ -200,9 +177,9 @@ fn referrer_signatures(store: &dyn Store, digest: &OciDigest, listed: Vec<Descri
 }
 
 /// Every signature of `digest` the store holds, tag scheme and referrers (for `inspect`).
-pub fn all_signatures(store: &dyn Store, digest: &OciDigest) -> Result<Signatures, FormatError> {
+pub fn all_signatures(store: &dyn ImageStore, digest: &OciDigest) -> Result<Signatures, FormatError> {
     let (tag, listed) = std::thread::scope(|s| {
-        let listing = s.spawn(|| store.referrers(digest));
+        let listing = s.spawn(|| store.referrers(digest, Some(manifest::SIGNATURE_ARTIFACT_TYPE)));
         (tag_signatures(store, digest), listing.join().expect("listing thread"))
     });
     let mut all = tag?;
@@ -260,7 +237,7 @@ pub fn accept(f: &Found, keys: &[PublicKey], rule: &SigstoreRule, image: &ImageI
 
 /// Decide whether `policy` lets the image `digest` (named `image`) be restored, reading
 /// its signatures from `store` only when a rule asks for them.
-pub fn check(store: &dyn Store, policy: &Policy, image: &ImageIdentity, digest: &OciDigest) -> Result<Accepted, CheckError> {
+pub fn check(store: &dyn ImageStore, policy: &Policy, image: &ImageIdentity, digest: &OciDigest) -> Result<Accepted, CheckError> {
     let (rule, reqs) = policy.requirements_for(image);
     let name = image.docker.as_ref().map_or_else(|| image.scope.clone(), |d| d.to_string());
     let refuse = |i: usize, req: &Requirement, reason: String| CheckError::Refused {
@@ -294,7 +271,7 @@ pub fn check(store: &dyn Store, policy: &Policy, image: &ImageIdentity, digest: 
         return Ok(Accepted { rule, requirements, signatures: Vec::new() });
     }
     std::thread::scope(|s| {
-        let listing = s.spawn(|| store.referrers(digest));
+        let listing = s.spawn(|| store.referrers(digest, Some(manifest::SIGNATURE_ARTIFACT_TYPE)));
         let tag = tag_signatures(store, digest).map_err(store_err)?;
         let try_all = |sigs: &Signatures| -> Vec<Result<AcceptedSignature, Vec<String>>> {
             rules
@@ -390,7 +367,7 @@ pub struct SignReport {
 /// where the store indexes referrers, a referrer manifest of its own. `timestamp` goes in
 /// the payload's `optional.timestamp`.
 pub fn sign(
-    store: &dyn Store,
+    store: &dyn ImageStore,
     subject: &Descriptor,
     identity: &str,
     key: &PrivateKey,

@@ -11,12 +11,12 @@
 //! manifest.rs  where signatures live: tag sha256-<hex>.sig (layers appended), OCI 1.1 referrers
 //! identity.rs  docker references, and an image's policy scopes (registry path or layout directory)
 //! policy.rs    containers-policy.json: default, transports, scopes, requirements, signedIdentity
-//! check.rs     the Store trait (registry or layout, glue in the CLI), check() and sign()
+//! check.rs     check() and sign(), through an imgfmt::ImageStore (registry or layout)
 //! ```
 //!
 //! Keyless signing (Fulcio certificates, Rekor transparency log) needs the internet and is
-//! not here: a policy rule that asks for it refuses, saying so. Sync core: the store is a
-//! trait the binary implements over the registry client and the OCI layout. The formats
+//! not here: a policy rule that asks for it refuses, saying so. Sync core: the store is
+//! `imgfmt::ImageStore`, implemented by the OCI layout and the registry client. The formats
 //! are specified in `spec/sign.md`.
 
 pub mod check;
@@ -26,7 +26,7 @@ pub mod manifest;
 pub mod payload;
 pub mod policy;
 
-pub use check::{check, sign, Accepted, CheckError, SignError, SignReport, Signatures, Store};
+pub use check::{check, sign, Accepted, CheckError, SignError, SignReport, Signatures};
 pub use identity::{DockerRef, ImageIdentity, Transport};
 pub use key::{KeyError, PrivateKey, PublicKey};
 pub use payload::Payload;

@@ -59,10 +59,7 @@ pub enum ManifestError {
     Malformed(String),
 }
 
-/// The tag of an image's tag-scheme signatures: `sha256-<hex>.sig`.
-pub fn signature_tag(image: &OciDigest) -> String {
-    format!("{}-{}.sig", image.algorithm(), image.hex())
-}
+pub use imgfmt::store::signature_tag;
 
 /// A signature manifest's bytes read, bounded and checked for shape: an OCI image manifest
 /// whose layer count and layer sizes are within bounds. Signature layers (by media type)

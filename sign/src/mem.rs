@@ -1,12 +1,10 @@
-//! An in-memory [`Store`] for tests: tags, blobs, manifests, and referrers when asked to
+//! An in-memory [`ImageStore`] for tests: tags, blobs, manifests, and referrers when asked to
 //! index them.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use imgfmt::{Descriptor, FormatError, Manifest, OciDigest};
-
-use crate::check::Store;
+use imgfmt::{BlobSource, Descriptor, FormatError, ImageStore, Manifest, OciDigest};
 
 #[derive(Default)]
 pub struct MemStore {
@@ -43,10 +41,28 @@ fn get(store: &MemStore, d: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatErr
     Ok(b)
 }
 
-impl Store for MemStore {
+impl BlobSource for MemStore {
     fn describe(&self) -> String {
         "mem".into()
     }
+    fn resolve_tag(&self, tag: &str) -> Result<OciDigest, FormatError> {
+        self.tags.lock().unwrap().get(tag).cloned().ok_or_else(|| FormatError::TagNotFound { layout: "mem".into(), tag: tag.into() })
+    }
+    fn read_blob_unverified(&self, d: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
+        get(self, d, limit)
+    }
+    fn blob_size(&self, d: &OciDigest) -> Result<u64, FormatError> {
+        get(self, d, u64::MAX).map(|b| b.len() as u64)
+    }
+    fn read_at_unverified(&self, d: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+        let b = get(self, d, u64::MAX)?;
+        let s = b.get(offset as usize..offset as usize + buf.len()).ok_or_else(|| FormatError::BlobNotFound(d.clone()))?;
+        buf.copy_from_slice(s);
+        Ok(())
+    }
+}
+
+impl ImageStore for MemStore {
     fn manifest_by_tag(&self, tag: &str, limit: u64) -> Result<Option<Vec<u8>>, FormatError> {
         let d = self.tags.lock().unwrap().get(tag).cloned();
         d.map(|d| get(self, &d, limit)).transpose()
@@ -54,15 +70,14 @@ impl Store for MemStore {
     fn manifest(&self, d: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
         get(self, d, limit)
     }
-    fn blob(&self, d: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
-        get(self, d, limit)
-    }
-    fn referrers(&self, subject: &OciDigest) -> Result<Vec<Descriptor>, FormatError> {
+    fn referrers(&self, subject: &OciDigest, _: Option<&str>) -> Result<Vec<Descriptor>, FormatError> {
         Ok(self.referrers.lock().unwrap().iter().filter(|(s, _)| s == subject).map(|(_, d)| d.clone()).collect())
     }
-    fn put_blob(&self, data: &[u8]) -> Result<(), FormatError> {
-        self.put(data);
-        Ok(())
+    fn attached_tags(&self, _: &OciDigest) -> Result<Vec<(String, OciDigest)>, FormatError> {
+        Ok(Vec::new())
+    }
+    fn put_blob(&self, data: &[u8]) -> Result<OciDigest, FormatError> {
+        Ok(self.put(data))
     }
     fn put_tagged_manifest(&self, tag: &str, bytes: &[u8]) -> Result<(), FormatError> {
         self.set_tag(tag, bytes);

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use imgfmt::reference::{Reference, Selector};
-use imgfmt::{BlobSource, ErrorKind, FormatError, Image, OciLayout};
+use imgfmt::{BlobSource, ErrorKind, FormatError, Image, ImageStore};
 
 /// 0 ok · 1 verification said no · 2 could not answer.
 pub const EXIT_OK: u8 = 0;
@@ -181,13 +181,26 @@ pub fn code(c: u8) -> ExitCode {
 
 /// A store and the selector within it that a reference names.
 pub struct Opened {
-    pub source: Box<dyn BlobSource>,
+    pub source: std::sync::Arc<dyn ImageStore>,
+    /// The same client as `source` when the reference names a registry.
+    pub registry: Option<std::sync::Arc<regclient::RegistrySource>>,
     pub selector: Selector,
     pub reference: String,
 }
 
+/// Open the store `reference` names: the one opener of every command (registries are
+/// reached as the command's [`RegistryFlags`] say).
 pub fn open_ref(reference: &str) -> anyhow::Result<Opened> {
-    open_ref_plain(reference, false)
+    open_parsed(&reference.parse()?, reference)
+}
+
+/// [`open_ref`] of `r`, parsed already from `reference`.
+pub fn open_parsed(r: &Reference, reference: &str) -> anyhow::Result<Opened> {
+    let o = regclient::open(r, &transport()).with_context(|| match r.host() {
+        Some(host) => format!("connecting to {host}"),
+        None => format!("opening {reference}"),
+    })?;
+    Ok(Opened { source: o.store, registry: o.registry, selector: o.selector, reference: reference.to_string() })
 }
 
 /// How to reach registries, for every command that reads or writes one (flattened into
@@ -241,47 +254,16 @@ fn transport() -> regclient::Transport {
 }
 
 /// A client for one repository of a registry, reached as the command's flags say
-/// ([`RegistryFlags`]; `plain_http` adds plain HTTP); credentials from the docker config
-/// and the credential helpers it names, when the registry asks.
-pub fn registry_client(host: &str, repository: &str, plain_http: bool) -> anyhow::Result<regclient::RegistrySource> {
-    let mut t = transport();
-    t.plain_http |= plain_http;
-    regclient::RegistrySource::connect_with_docker_credentials(host, repository, &t).with_context(|| format!("connecting to {host}"))
+/// ([`RegistryFlags`]); credentials from the docker config and the credential helpers it
+/// names, when the registry asks.
+pub fn registry_client(host: &str, repository: &str) -> anyhow::Result<regclient::RegistrySource> {
+    regclient::RegistrySource::connect_with_docker_credentials(host, repository, &transport()).with_context(|| format!("connecting to {host}"))
 }
 
 /// The `hint:` line for an error, when a part of it says how to fix it (a registry that
 /// cannot be reached names the flag that reaches it).
 pub fn hint_for(e: &anyhow::Error) -> Option<String> {
     e.chain().find_map(|c| c.downcast_ref::<regclient::ClientError>().and_then(|c| c.hint()).map(str::to_string))
-}
-
-/// [`open_ref`], with `--plain-http` for registry references.
-pub fn open_ref_plain(reference: &str, plain_http: bool) -> anyhow::Result<Opened> {
-    let r: Reference = reference.parse()?;
-    match r {
-        Reference::Layout { path, selector } => {
-            let layout = OciLayout::open(&path).with_context(|| format!("opening {reference}"))?;
-            Ok(Opened { source: Box::new(layout), selector, reference: reference.to_string() })
-        }
-        Reference::Registry { host, repository, selector } => {
-            let src = registry_client(&host, &repository, plain_http)?;
-            Ok(Opened { source: Box::new(src), selector, reference: reference.to_string() })
-        }
-    }
-}
-
-/// The store a reference names, as an origin whose referrers can be listed (`copy`,
-/// `inspect`), and the selector within it.
-pub fn open_origin(reference: &str, plain_http: bool) -> anyhow::Result<(pusher::referrers::Origin, Selector)> {
-    let r: Reference = reference.parse()?;
-    Ok(match r {
-        Reference::Layout { path, selector } => {
-            (pusher::referrers::Origin::Layout(OciLayout::open(&path).with_context(|| format!("opening {reference}"))?), selector)
-        }
-        Reference::Registry { host, repository, selector } => {
-            (pusher::referrers::Origin::Registry(std::sync::Arc::new(registry_client(&host, &repository, plain_http)?)), selector)
-        }
-    })
 }
 
 /// Resolve the manifest digest (exit 2 on failure: there is nothing to check), then open

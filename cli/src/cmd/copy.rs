@@ -7,7 +7,7 @@ use anyhow::{bail, Context};
 use imgfmt::reference::{Reference, Selector};
 use imgfmt::OciLayout;
 
-use super::common::{self, open_origin, registry_client};
+use super::common::{self, registry_client};
 use super::push::{transfer_then, TransferFlags};
 
 /// Copy an image between registries and local layouts, keeping its digest, with what is
@@ -62,47 +62,48 @@ pub fn copy_refs(src: &str, dest: &str, flags: &TransferFlags, policy: &super::p
 
 /// [`copy_refs`], carrying what is attached to the image when `referrers`.
 pub fn copy_image(src: &str, dest: &str, flags: &TransferFlags, policy: &super::policy::PolicyFlags, referrers: bool) -> anyhow::Result<pusher::PushReport> {
-    let (origin, selector) = open_origin(src, flags.registry.plain_http)?;
-    let source = origin.source();
-    let digest = super::common::resolve_in(source, &selector, src)?;
-    policy.check(src, &digest, flags.registry.plain_http)?;
-    let (tag, by_digest) = match dest.parse::<Reference>()? {
-        Reference::Layout { selector, .. } | Reference::Registry { selector, .. } => match selector {
-            Selector::Tag(t) => (Some(t), None),
-            Selector::Digest(d) => (None, Some(d)),
-        },
+    let r: Reference = src.parse()?;
+    let o = common::open_parsed(&r, src)?;
+    let source = o.source.as_ref();
+    let digest = common::resolve(&o)?;
+    policy.check(&r, &o, &digest)?;
+    let to: Reference = dest.parse()?;
+    let (tag, by_digest) = match to.selector() {
+        Selector::Tag(t) => (Some(t.clone()), None),
+        Selector::Digest(d) => (None, Some(d.clone())),
     };
     if let Some(d) = by_digest.filter(|d| d != &digest) {
         bail!("{dest}: names {d}, but {src} is {digest} (copy keeps digests)");
     }
     // Remember that the source repository holds these blobs: a later push of a layer
     // over this image to that registry can mount them instead of uploading.
-    if let Ok(Reference::Registry { host, repository, .. }) = src.parse::<Reference>() {
+    if let Some(c) = &o.registry {
         if let Ok((_, m)) = pusher::copy::manifest_blobs(source, &digest) {
-            let known = regclient::KnownBlobs::new(&flags.cache_dir(), &host);
-            known.record(&repository, std::iter::once(&m.config.digest).chain(m.layers.iter().map(|l| &l.digest)));
+            let known = regclient::KnownBlobs::new(&flags.cache_dir(), c.host());
+            known.record(c.repository(), std::iter::once(&m.config.digest).chain(m.layers.iter().map(|l| &l.digest)));
         }
     }
     // What is attached goes after the image, before the report is printed.
     let carry = |target: &pusher::Target, opts: &pusher::CopyOptions, report: &mut pusher::PushReport| -> Result<(), pusher::CopyError> {
         if referrers {
-            report.referrers = pusher::referrers::copy_attached(&origin, &digest, target, opts)?;
+            report.referrers = pusher::referrers::copy_attached(source, &digest, target, opts)?;
             if !report.referrers.is_empty() && !flags.json {
                 eprintln!("copy: {} referrer(s) and signature tag(s) carried with {digest}", report.referrers.len());
             }
         }
         Ok(())
     };
-    match dest.parse::<Reference>()? {
-        Reference::Layout { path, .. } => {
-            let layout = OciLayout::open_or_create(&path).with_context(|| format!("opening layout {}", path.display()))?;
+    match (to.layout_path(), to.registry()) {
+        (Some(path), _) => {
+            let layout = OciLayout::open_or_create(path).with_context(|| format!("opening layout {}", path.display()))?;
             let target = pusher::Target::Layout(&layout);
             transfer_then(source, &digest, &target, tag.as_deref(), flags, "copy", |o, r| carry(&target, o, r))
         }
-        Reference::Registry { host, repository, .. } => {
-            let client = registry_client(&host, &repository, flags.registry.plain_http)?;
+        (None, Some((host, repository))) => {
+            let client = registry_client(host, repository)?;
             let target = pusher::Target::Registry(&client);
             transfer_then(source, &digest, &target, tag.as_deref(), flags, "copy", |o, r| carry(&target, o, r))
         }
+        (None, None) => unreachable!("a reference names a layout or a registry"),
     }
 }

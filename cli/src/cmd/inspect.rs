@@ -115,7 +115,7 @@ struct SignatureOut {
 }
 
 /// The image's signatures, each with the known key that verifies it.
-fn signatures(store: &dyn sign::Store, image: &Image, keys: &[sign::PublicKey]) -> anyhow::Result<Vec<SignatureOut>> {
+fn signatures(store: &dyn imgfmt::ImageStore, image: &Image, keys: &[sign::PublicKey]) -> anyhow::Result<Vec<SignatureOut>> {
     use base64::Engine as _;
     let sigs = sign::check::all_signatures(store, &image.manifest_digest)?;
     let mut out: Vec<SignatureOut> = sigs
@@ -231,14 +231,14 @@ pub fn counts(image: &Image) -> (Vec<Counts>, Counts) {
 
 pub fn run(a: InspectArgs) -> anyhow::Result<ExitCode> {
     let r: imgfmt::reference::Reference = a.image.parse()?;
-    let (o, store, origin) = super::policy::open_with_store_and_origin(&r, &a.image, false)?;
+    let o = common::open_parsed(&r, &a.image)?;
     let digest = common::resolve(&o)?;
     if let Some(other) = artifact(&o, &digest)? {
         return print_artifact(&other, a.json);
     }
     let image = open_image_at(&o, &digest)?;
-    let signatures = signatures(store.as_ref(), &image, &known_keys(&a, &r)?)?;
-    let referrers = match pusher::referrers::attached_tree(&origin, &image.manifest_digest) {
+    let signatures = signatures(o.source.as_ref(), &image, &known_keys(&a, &r)?)?;
+    let referrers = match pusher::referrers::attached_tree(o.source.as_ref(), &image.manifest_digest) {
         Ok(r) => r,
         Err(e) => {
             // The image is shown all the same; its attachments are a listing apart.

@@ -194,20 +194,17 @@ impl PackFlags {
 
 pub fn run(a: PackArgs) -> anyhow::Result<ExitCode> {
     validate(&a.src, &a.flags)?;
-    let (path, tag) = match a.dest.parse::<Reference>()? {
-        Reference::Layout { path, selector: Selector::Tag(t) } => (path, t),
-        Reference::Layout { selector: Selector::Digest(_), .. } => bail!("{}: pack needs a tag, not a digest", a.dest),
-        Reference::Registry { .. } => bail!("{}: pack writes a local layout (oci:PATH:TAG); to send it to a registry use `snapctl push`", a.dest),
-    };
-    let layout = OciLayout::open_or_create(&path).with_context(|| format!("opening layout {}", path.display()))?;
+    let dest: Reference = a.dest.parse()?;
+    let Some(path) = dest.layout_path() else { bail!("{}: pack writes a local layout (oci:PATH:TAG); to send it to a registry use `snapctl push`", a.dest) };
+    let Selector::Tag(tag) = dest.selector() else { bail!("{}: pack needs a tag, not a digest", a.dest) };
+    let layout = OciLayout::open_or_create(path).with_context(|| format!("opening layout {}", path.display()))?;
     // The image already under the tag, as the parent of this one if it is of the same files.
-    let held = match layout.resolve_tag(&tag) {
+    let held = match layout.resolve_tag(tag) {
         Ok(digest) if a.flags.parent.is_none() && !a.flags.no_parent => Some(TagImage { source: &layout, digest, reference: a.dest.clone(), elsewhere: false }),
         _ => None,
     };
-    let report = with_pack_options(&a.src, &a.flags, held, |opts, _| {
-        pusher::pack(&a.src, &layout, &tag, &opts).with_context(|| format!("packing {}", a.src.display()))
-    })?;
+    let report =
+        with_pack_options(&a.src, &a.flags, held, |opts, _| pusher::pack(&a.src, &layout, tag, &opts).with_context(|| format!("packing {}", a.src.display())))?;
     for s in &report.skipped {
         eprintln!("warning: skipped {s}: not a regular file");
     }

@@ -1,7 +1,7 @@
 //! Glue between the commands that restore images and the `sign` crate: the `--policy` flag
-//! group (pull, unpack, copy, verify, lazy), where the policy file is found, the
-//! signature stores over a registry client and a layout, and the one check that runs
-//! before an image is used.
+//! group (pull, unpack, copy, verify, lazy), where the policy file is found, and the one
+//! check that runs before an image is used (its signatures read from the image's own
+//! store).
 //!
 //! The policy is found as containers tools find theirs: `--policy FILE` (or
 //! `$SNAPCTL_POLICY`), else `$HOME/.config/containers/policy.json`, else
@@ -13,13 +13,9 @@
 //! `--insecure-policy` ignores every file.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use anyhow::Context as _;
 use imgfmt::reference::{Reference, Selector};
-use imgfmt::{BlobSource, Descriptor, FormatError, Image, OciDigest, OciLayout};
-use pusher::referrers::Origin;
-use regclient::RegistrySource;
+use imgfmt::{Image, OciDigest};
 
 use super::common::{self, Opened, PolicyRefused};
 
@@ -109,23 +105,25 @@ impl PolicyFlags {
     /// Open `reference` and its image, the image's metadata read while the policy reads
     /// its signatures; the image is returned only if the policy accepts it. The returned
     /// `Opened` names the image by its digest (what was checked is what is used).
-    pub fn open_image(&self, reference: &str, plain_http: bool) -> anyhow::Result<(Opened, Image)> {
+    pub fn open_image(&self, reference: &str) -> anyhow::Result<(Opened, Image)> {
         let r: Reference = reference.parse()?;
-        let (mut o, store) = open_with_store(&r, reference, plain_http)?;
-        let image = self.gate(&r, store.as_ref(), &mut o, common::open_image)?;
+        let mut o = common::open_parsed(&r, reference)?;
+        let image = self.gate(&r, &mut o, common::open_image)?;
         Ok((o, image))
     }
 
     /// Check the image `o` names before `open` uses it: resolve its digest (and make `o`
-    /// name it by digest), then run `open(o)` while the policy's signature reads go on
-    /// beside it. `open`'s result is returned only once the policy has accepted the image.
-    pub fn gate<T>(&self, r: &Reference, store: &dyn sign::Store, o: &mut Opened, open: impl FnOnce(&Opened) -> anyhow::Result<T>) -> anyhow::Result<T> {
+    /// name it by digest), then run `open(o)` while the policy's signature reads (in `o`'s
+    /// store) go on beside it. `open`'s result is returned only once the policy has
+    /// accepted the image.
+    pub fn gate<T>(&self, r: &Reference, o: &mut Opened, open: impl FnOnce(&Opened) -> anyhow::Result<T>) -> anyhow::Result<T> {
         let Some(policy) = self.load()? else { return open(o) };
         let digest = common::resolve(o)?;
         o.selector = Selector::Digest(digest.clone());
         let identity = sign::ImageIdentity::of(r).map_err(|e| anyhow::anyhow!("{}: {e}", o.reference))?;
+        let o: &Opened = o;
         let (checked, opened) = std::thread::scope(|s| {
-            let check = s.spawn(|| sign::check(store, &policy, &identity, &digest));
+            let check = s.spawn(|| sign::check(o.source.as_ref(), &policy, &identity, &digest));
             let opened = open(o);
             (check.join().expect("policy check thread"), opened)
         });
@@ -133,13 +131,11 @@ impl PolicyFlags {
         opened
     }
 
-    /// Check the image `digest` that `reference` names (no overlap: `copy`).
-    pub fn check(&self, reference: &str, digest: &OciDigest, plain_http: bool) -> anyhow::Result<()> {
+    /// Check the image `digest` that `o` (opened from `r`) names (no overlap: `copy`).
+    pub fn check(&self, r: &Reference, o: &Opened, digest: &OciDigest) -> anyhow::Result<()> {
         let Some(policy) = self.load()? else { return Ok(()) };
-        let r: Reference = reference.parse()?;
-        let (_, store) = open_with_store(&r, reference, plain_http)?;
-        let identity = sign::ImageIdentity::of(&r).map_err(|e| anyhow::anyhow!("{reference}: {e}"))?;
-        accepted(sign::check(store.as_ref(), &policy, &identity, digest), reference)
+        let identity = sign::ImageIdentity::of(r).map_err(|e| anyhow::anyhow!("{}: {e}", o.reference))?;
+        accepted(sign::check(o.source.as_ref(), &policy, &identity, digest), &o.reference)
     }
 }
 
@@ -162,99 +158,6 @@ fn accepted(r: Result<sign::Accepted, sign::CheckError>, reference: &str) -> any
         }
         Err(e @ sign::CheckError::Refused { .. }) => Err(anyhow::Error::new(PolicyRefused(e.to_string()))),
         Err(e) => Err(anyhow::Error::new(e)),
-    }
-}
-
-/// An opened reference and a signature store over the same registry client (one
-/// connection) or the same layout directory.
-pub fn open_with_store(r: &Reference, reference: &str, plain_http: bool) -> anyhow::Result<(Opened, Box<dyn sign::Store>)> {
-    open_with_store_and_origin(r, reference, plain_http).map(|(o, store, _)| (o, store))
-}
-
-/// [`open_with_store`], and the same client or directory as the origin its referrers are
-/// listed at: a second client would log in and connect again.
-pub fn open_with_store_and_origin(r: &Reference, reference: &str, plain_http: bool) -> anyhow::Result<(Opened, Box<dyn sign::Store>, Origin)> {
-    Ok(match r {
-        Reference::Layout { path, selector } => {
-            let open = || OciLayout::open(path).with_context(|| format!("opening {reference}"));
-            let opened = Opened { source: Box::new(open()?), selector: selector.clone(), reference: reference.into() };
-            (opened, Box::new(LayoutStore(open()?)), Origin::Layout(open()?))
-        }
-        Reference::Registry { host, repository, selector } => {
-            let c = Arc::new(common::registry_client(host, repository, plain_http)?);
-            let opened = Opened { source: Box::new(c.clone()), selector: selector.clone(), reference: reference.into() };
-            (opened, Box::new(RegistryStore(c.clone())), Origin::Registry(c))
-        }
-    })
-}
-
-/// Signatures in a registry repository: the tag scheme, and referrers (the API, else the
-/// fallback tag).
-pub struct RegistryStore(pub Arc<RegistrySource>);
-
-impl sign::Store for RegistryStore {
-    fn describe(&self) -> String {
-        self.0.describe()
-    }
-    fn manifest_by_tag(&self, tag: &str, limit: u64) -> Result<Option<Vec<u8>>, FormatError> {
-        self.0.get_manifest(tag, limit)
-    }
-    fn manifest(&self, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
-        self.0.get_manifest(digest.as_str(), limit)?.ok_or_else(|| FormatError::BlobNotFound(digest.clone()))
-    }
-    fn blob(&self, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
-        self.0.read_blob_unverified(digest, limit)
-    }
-    fn referrers(&self, subject: &OciDigest) -> Result<Vec<Descriptor>, FormatError> {
-        self.0.list_referrers(subject, Some(sign::manifest::SIGNATURE_ARTIFACT_TYPE)).map_err(|e| e.into_source_error(self.0.host()))
-    }
-    fn put_blob(&self, data: &[u8]) -> Result<(), FormatError> {
-        self.0.push_small_blob(data).map(|_| ()).map_err(|e| e.into_source_error(self.0.host()))
-    }
-    fn put_tagged_manifest(&self, tag: &str, bytes: &[u8]) -> Result<(), FormatError> {
-        self.0.put_manifest(tag, bytes).map(|_| ()).map_err(|e| e.into_source_error(self.0.host()))
-    }
-    fn put_referrer(&self, subject: &OciDigest, bytes: &[u8]) -> Result<bool, FormatError> {
-        if !self.0.has_referrers_api(subject)? {
-            return Ok(false);
-        }
-        let put = self.0.put_manifest(OciDigest::of(bytes).as_str(), bytes).map_err(|e| e.into_source_error(self.0.host()))?;
-        Ok(put.subject_indexed)
-    }
-}
-
-/// Signatures in a layout: the tag scheme only (a layout has no referrers API).
-pub struct LayoutStore(pub OciLayout);
-
-impl sign::Store for LayoutStore {
-    fn describe(&self) -> String {
-        self.0.describe()
-    }
-    fn manifest_by_tag(&self, tag: &str, limit: u64) -> Result<Option<Vec<u8>>, FormatError> {
-        match self.0.resolve_tag(tag) {
-            Ok(d) => self.0.read_blob_unverified(&d, limit).map(Some),
-            Err(FormatError::TagNotFound { .. }) => Ok(None),
-            Err(e) => Err(e),
-        }
-    }
-    fn manifest(&self, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
-        self.0.read_blob_unverified(digest, limit)
-    }
-    fn blob(&self, digest: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
-        self.0.read_blob_unverified(digest, limit)
-    }
-    fn referrers(&self, _: &OciDigest) -> Result<Vec<Descriptor>, FormatError> {
-        Ok(Vec::new())
-    }
-    fn put_blob(&self, data: &[u8]) -> Result<(), FormatError> {
-        self.0.put_blob(data).map(|_| ())
-    }
-    fn put_tagged_manifest(&self, tag: &str, bytes: &[u8]) -> Result<(), FormatError> {
-        let d = self.0.put_blob(bytes)?;
-        self.0.set_tag(tag, Descriptor::new(imgfmt::media::OCI_MANIFEST, d, bytes.len() as u64))
-    }
-    fn put_referrer(&self, _: &OciDigest, _: &[u8]) -> Result<bool, FormatError> {
-        Ok(false)
     }
 }
 

@@ -102,7 +102,7 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
         return Ok(common::code(common::EXIT_OK));
     }
     let dest = PathBuf::from(&a.dest);
-    let (o, image) = a.policy.open_image(&a.image, a.registry.plain_http)?;
+    let (o, image) = a.policy.open_image(&a.image)?;
     let cache = if a.no_cache {
         None
     } else {

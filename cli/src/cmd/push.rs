@@ -4,9 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use imgfmt::reference::{Reference, Selector};
-use imgfmt::{BlobSource, OciDigest, OciLayout};
+use imgfmt::{BlobSource, OciDigest};
 use pusher::push::Reused;
 use pusher::{CopyOptions, PushReport};
 use regclient::UploadOptions;
@@ -183,19 +183,18 @@ fn wrap(e: pusher::CopyError, verb: &str) -> anyhow::Error {
 }
 
 pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
-    let (host, repository, tag) = match a.dest.parse::<Reference>()? {
-        Reference::Registry { host, repository, selector: Selector::Tag(t) } => (host, repository, t),
-        Reference::Registry { .. } => bail!("{}: push needs a tag (HOST/REPO:TAG), not a digest", a.dest),
-        Reference::Layout { .. } => bail!("{}: push sends to a registry (HOST[:PORT]/REPO[:TAG]); for a local layout use `snapctl copy`", a.dest),
+    let r: Reference = a.dest.parse()?;
+    let Some((host, repository)) = r.registry() else {
+        bail!("{}: push sends to a registry (HOST[:PORT]/REPO[:TAG]); for a local layout use `snapctl copy`", a.dest)
     };
-    let dest = common::registry_client(&host, &repository, a.transfer.registry.plain_http)?;
+    let Selector::Tag(tag) = r.selector() else { bail!("{}: push needs a tag (HOST/REPO:TAG), not a digest", a.dest) };
+    let dest = common::registry_client(host, repository)?;
     if a.src.starts_with("oci:") {
-        let Reference::Layout { path, selector } = a.src.parse::<Reference>()? else { unreachable!("oci: prefix") };
-        let layout = OciLayout::open(&path).with_context(|| format!("opening {}", a.src))?;
-        let digest = common::resolve_in(&layout, &selector, &a.src)?;
-        transfer(&layout, &digest, &pusher::Target::Registry(&dest), Some(&tag), &a.transfer, "push")?;
+        let layout = common::open_ref(&a.src)?;
+        let digest = common::resolve(&layout)?;
+        transfer(layout.source.as_ref(), &digest, &pusher::Target::Registry(&dest), Some(tag), &a.transfer, "push")?;
         super::cache::keep_within_budget(&a.transfer.cache_dir(), a.budget.cache_size);
-    } else if !Path::new(&a.src).exists() && matches!(a.src.parse::<Reference>(), Ok(Reference::Registry { .. })) {
+    } else if !Path::new(&a.src).exists() && a.src.parse::<Reference>().is_ok_and(|r| r.host().is_some()) {
         bail!("{}: push sends a local image or directory; to move an image from one registry to another use `snapctl copy {} {}`", a.src, a.src, a.dest);
     } else {
         let dir = Path::new(&a.src);
@@ -205,7 +204,7 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
         // read there, not fetched again.
         let local_first = pusher::push::LocalFirst::new(dir, &cache_dir, &dest);
         let held = match (&a.pack.parent, a.pack.no_parent) {
-            (None, false) => pusher::push::tag_manifest(&dest, &tag)?.map(|digest| super::pack::TagImage {
+            (None, false) => pusher::push::tag_manifest(&dest, tag)?.map(|digest| super::pack::TagImage {
                 source: &local_first,
                 digest,
                 reference: format!("{host}/{repository}:{tag}"),
@@ -214,12 +213,7 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
             _ => None,
         };
         // A --parent in the repository pushed to has its packs there as well.
-        let parent_here = a
-            .pack
-            .parent
-            .as_deref()
-            .and_then(|p| p.parse::<Reference>().ok())
-            .is_some_and(|r| matches!(r, Reference::Registry { host: h, repository: r, .. } if h == host && r == repository));
+        let parent_here = a.pack.parent.as_deref().and_then(|p| p.parse::<Reference>().ok()).is_some_and(|r| r.registry() == Some((host, repository)));
         let packed = super::pack::with_pack_options(dir, &a.pack, held, |mut pack, from_tag| {
             pack.parent_packs_elsewhere |= parent_here;
             let opts = pusher::DirOptions {
@@ -249,7 +243,7 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
                 eprintln!("{line}");
             }
         }
-        with_progress(&packed.layout, &packed.digest, &a.transfer, "push", |opts| pusher::push::push_packed(&packed, &dest, &tag, opts))?;
+        with_progress(&packed.layout, &packed.digest, &a.transfer, "push", |opts| pusher::push::push_packed(&packed, &dest, tag, opts))?;
         // The layout is released (a later eviction may take it); then everything under the
         // cache directory is brought within the budget.
         drop(packed);

@@ -9,7 +9,6 @@ use imgfmt::reference::Reference;
 use imgfmt::{Descriptor, OciDigest};
 
 use super::common::{self, outln};
-use super::policy::open_with_store;
 
 /// Sign an image with a cosign key, as `cosign sign --key` does.
 ///
@@ -162,11 +161,13 @@ pub fn run_sign(a: SignArgs) -> anyhow::Result<ExitCode> {
             sign::DockerRef::parse(i).map_err(|e| anyhow::anyhow!("--identity: {e}"))?;
             i.clone()
         }
-        (None, Reference::Registry { host, repository, selector }) => format!("{host}/{repository}{selector}"),
-        (None, Reference::Layout { .. }) => bail!("{}: a layout has no registry name: give the name to certify with --identity HOST/REPO[:TAG]", a.image),
+        (None, r) => match r.registry() {
+            Some((host, repository)) => format!("{host}/{repository}{}", r.selector()),
+            None => bail!("{}: a layout has no registry name: give the name to certify with --identity HOST/REPO[:TAG]", a.image),
+        },
     };
     let key = load_private_key(&a.key)?;
-    let (o, store) = open_with_store(&r, &a.image, a.registry.plain_http)?;
+    let o = super::common::open_parsed(&r, &a.image)?;
     let digest: OciDigest = super::common::resolve(&o)?;
     // The subject descriptor needs the manifest's media type and size: read it (checked).
     let manifest =
@@ -177,7 +178,7 @@ pub fn run_sign(a: SignArgs) -> anyhow::Result<ExitCode> {
         .unwrap_or_else(|| imgfmt::media::OCI_MANIFEST.into());
     let subject = Descriptor::new(&media_type, digest.clone(), manifest.len() as u64);
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).ok();
-    let report = sign::sign(store.as_ref(), &subject, &identity, &key, !a.no_referrer, now).with_context(|| format!("signing {}", a.image))?;
+    let report = sign::sign(o.source.as_ref(), &subject, &identity, &key, !a.no_referrer, now).with_context(|| format!("signing {}", a.image))?;
     if a.json {
         common::print_json(&report)?;
     }

@@ -33,7 +33,7 @@ pub struct UnpackArgs {
 }
 
 pub fn run(a: UnpackArgs) -> anyhow::Result<ExitCode> {
-    let (o, image) = a.policy.open_image(&a.image, false)?;
+    let (o, image) = a.policy.open_image(&a.image)?;
     let total = image.files.iter().map(|f| f.size).sum();
     let pb = progress_bar(total, "unpack");
     let tick = |n: u64| {

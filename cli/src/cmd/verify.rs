@@ -38,9 +38,9 @@ pub struct VerifyArgs {
 pub fn run(a: VerifyArgs) -> anyhow::Result<ExitCode> {
     let t0 = Instant::now();
     let r: imgfmt::reference::Reference = a.image.parse()?;
-    let (mut o, store) = super::policy::open_with_store(&r, &a.image, false)?;
+    let mut o = common::open_parsed(&r, &a.image)?;
     let opts = AuditOptions { blob_digests: a.blob_digests, ..Default::default() };
-    let image = match a.policy.gate(&r, store.as_ref(), &mut o, |o| Ok(open_image(o)))? {
+    let image = match a.policy.gate(&r, &mut o, |o| Ok(open_image(o)))? {
         Ok(i) => i,
         Err(e) if e.downcast_ref::<IntegrityError>().is_some() => {
             // The metadata itself is wrong: report it like any other failure.

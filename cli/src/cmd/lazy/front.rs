@@ -9,7 +9,7 @@ use imgfmt::{BlobSource, Image, OciLayout, PendingOutboards, Role};
 use lazy::wake;
 
 use crate::cmd::common::{self, open_image};
-use crate::cmd::policy::{LayoutStore, PolicyFlags, RegistryStore};
+use crate::cmd::policy::PolicyFlags;
 
 pub struct Cli<'a> {
     /// The image, as the command line names it.
@@ -28,25 +28,22 @@ impl wake::Front for Cli<'_> {
     }
 
     fn registry(&self, host: &str, repository: &str) -> anyhow::Result<regclient::RegistrySource> {
-        common::registry_client(host, repository, false)
+        common::registry_client(host, repository)
     }
 
     fn resolve(&self, source: &Arc<dyn BlobSource>, selector: &Selector) -> anyhow::Result<imgfmt::OciDigest> {
-        common::resolve(&self.opened(source, selector.clone()))
+        common::resolve_in(source.as_ref(), selector, self.image)
     }
 
     fn open(&self, at: &wake::Opening<'_>) -> anyhow::Result<(Image, Option<PendingOutboards>)> {
         let src = at.store.metadata();
-        let signatures: Box<dyn sign::Store> = match at.store {
-            wake::Store::Layout { path, .. } => Box::new(LayoutStore(self.layout(path)?)),
-            wake::Store::Registry(c) => Box::new(RegistryStore(c.clone())),
-        };
-        let mut o = self.opened(&src, Selector::Digest(at.digest.clone()));
-        let (r, store) = (self.reference, signatures.as_ref());
+        let mut o =
+            common::Opened { source: at.store.images(), registry: None, selector: Selector::Digest(at.digest.clone()), reference: self.image.to_string() };
+        let r = self.reference;
         match at.outboards {
-            None => self.policy.gate(r, store, &mut o, open_image).map(|image| (image, None)),
+            None => self.policy.gate(r, &mut o, open_image).map(|image| (image, None)),
             Some(ahead) => {
-                let (image, pending) = self.policy.gate(r, store, &mut o, |o| common::open_image_outboards_later(src.clone(), o, ahead))?;
+                let (image, pending) = self.policy.gate(r, &mut o, |o| common::open_image_outboards_later(src.clone(), o, ahead))?;
                 Ok((image, Some(pending)))
             }
         }
@@ -69,12 +66,5 @@ impl wake::Front for Cli<'_> {
 
     fn warn(message: &str) {
         eprintln!("snapctl lazy: warning: {message}");
-    }
-}
-
-impl Cli<'_> {
-    /// `selector` in `source`, named as the command line names the image.
-    fn opened(&self, source: &Arc<dyn BlobSource>, selector: Selector) -> common::Opened {
-        common::Opened { source: Box::new(source.clone()), selector, reference: self.image.to_string() }
     }
 }
