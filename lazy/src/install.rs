@@ -396,8 +396,7 @@ impl Installer {
         self.fault_outcome(span, result)
     }
 
-    /// Records the chunks of `span` in the trace being recorded: as zero chunks when the
-    /// span's data is all zeros (`zero`), as fetched chunks otherwise.
+    /// Records `span`'s chunks in the trace: as zero chunks when its data is zeros (`zero`).
     fn record_chunks(st: &mut State, span: &Span, chunk_shift: u8, zero: bool) {
         for c in span.chunks(chunk_shift) {
             if zero {
@@ -408,8 +407,7 @@ impl Installer {
         }
     }
 
-    /// What [`Installer::fault`] returns for the end of its install loop: the kind to count,
-    /// `None` for a fault left unresolved (a failed install is logged), or the VMM's end.
+    /// The fault's outcome from its install loop's result: a kind, unresolved (logged), or the VMM's end.
     fn fault_outcome(&self, span: &Span, result: Result<Kind, Fill>) -> Result<Option<Kind>, End> {
         match result {
             Ok(kind) => Ok(Some(kind)),

@@ -566,9 +566,7 @@ impl Daemon {
         true
     }
 
-    /// The connection's stream: the chunks in its order, how many of them the trace named,
-    /// and the demand that lets it go (at once for `All`; for `Trace` with `stream_after`,
-    /// on the detector, later when `held_back` by a replay; otherwise only the traced part).
+    /// The stream's chunk order, its traced count, and the demand that decides when it goes.
     fn stream_plan(&self, image: &Image, chunk_trace: Option<&Trace>, held_back: bool, started: Instant) -> (Vec<u64>, usize, Arc<prefetch::Demand>) {
         let (mut order, traced) = prefetch::stream_order(self.opts.prefetch, chunk_trace, image, self.fetcher.file);
         let mut detector = None;
@@ -588,9 +586,7 @@ impl Daemon {
         (order, traced, demand)
     }
 
-    /// The connection's working-set replay: arms a plan in hand now, starts the thread that
-    /// replays it (or waits for a `late` one); `None` when there is nothing to replay, and
-    /// on a failed start the pending slices are disarmed so the faults fetch for themselves.
+    /// Arms a plan in hand and starts the working-set replay (`None`: nothing to replay).
     #[allow(clippy::too_many_arguments)]
     fn start_replay(
         self: &Arc<Self>,
@@ -641,8 +637,7 @@ impl Daemon {
         replayer
     }
 
-    /// The trace the connection recorded: stored (and made the daemon's replay) when it
-    /// fetched any chunk and the source has a trace store; the outcome goes in `report`.
+    /// Stores the recorded trace (and makes it the replay) when there is one and a store.
     fn store_recording(&self, pid: i32, inst: &Installer, image: &Image, file_name: &str, report: &mut ConnReport) {
         let (mut t, ws_bytes) = inst.take_recording().take_trace(file_name, 1 << image.chunk_shift());
         report.working_set_recorded = t.working_set.len() as u64;
@@ -668,9 +663,7 @@ impl Daemon {
     }
 }
 
-/// The handshake on a freshly admitted connection: the peer's pid, its userfaultfd (made
-/// non-blocking) and its regions checked against a memory file of `file_size` bytes;
-/// `None`, logged, when any of it fails and the connection is to be closed.
+/// The peer's pid, non-blocking userfaultfd and checked regions; `None` (logged): close.
 fn accept_handshake(stream: &mut UnixStream, file_size: u64) -> Option<(i32, userfaultfd::Uffd, Vec<handshake::Region>)> {
     let hs = match handshake::receive(stream) {
         Ok(h) => h,
