@@ -356,14 +356,7 @@ impl Installer {
                 }
             }
             if self.record_trace {
-                let zero = data.0.bytes(0).is_none();
-                for c in span.chunks(self.map.chunk_shift) {
-                    if zero {
-                        st.recording.zero_chunks.add(c);
-                    } else {
-                        st.recording.chunks.add(c);
-                    }
-                }
+                Self::record_chunks(&mut st, span, self.map.chunk_shift, data.0.bytes(0).is_none());
             }
             if let Some(b) = self.record_working_set(&mut st, span, &data.0, fault_page, page) {
                 // Recording a working set: only the faulting page is installed, so every
@@ -400,6 +393,22 @@ impl Installer {
         self.account(&work);
         // Pages filled by someone else were not woken by our ioctls.
         self.io.wake(fault_page, page);
+        self.fault_outcome(span, result)
+    }
+
+    /// Records `span`'s chunks in the trace: as zero chunks when its data is zeros (`zero`).
+    fn record_chunks(st: &mut State, span: &Span, chunk_shift: u8, zero: bool) {
+        for c in span.chunks(chunk_shift) {
+            if zero {
+                st.recording.zero_chunks.add(c);
+            } else {
+                st.recording.chunks.add(c);
+            }
+        }
+    }
+
+    /// The fault's outcome from its install loop's result: a kind, unresolved (logged), or the VMM's end.
+    fn fault_outcome(&self, span: &Span, result: Result<Kind, Fill>) -> Result<Option<Kind>, End> {
         match result {
             Ok(kind) => Ok(Some(kind)),
             Err(Fill::Gone) => Err(End::VmmGone),

@@ -472,37 +472,13 @@ impl Daemon {
         let t0 = Instant::now();
         let image = self.fetcher.image.clone();
         let file = &image.files[self.fetcher.file];
-        let hs = match handshake::receive(&mut stream) {
-            Ok(h) => h,
-            Err(e) => {
-                tracing::warn!("connection refused: {e}");
-                return false;
-            }
-        };
-        let regions = match handshake::parse_regions(&hs.json, file.size) {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!("pid {}: {e}; closing the connection", hs.pid);
-                return false;
-            }
-        };
-        // Non-blocking, so reading events never stalls the loop (the VMM does not read
-        // this fd: it only registers memory on it).
-        if let Err(e) = nix::fcntl::fcntl(&hs.uffd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK)) {
-            tracing::warn!("pid {}: userfaultfd: {e}; closing the connection", hs.pid);
-            return false;
-        }
-        // SAFETY: the descriptor was received over SCM_RIGHTS and is owned by nobody else;
-        // `Uffd` takes over closing it.
-        let uffd = unsafe { userfaultfd::Uffd::from_raw_fd(hs.uffd.into_raw_fd()) };
-        let _ = stream.set_nonblocking(true);
+        let Some((pid, uffd, regions)) = accept_handshake(&mut stream, file.size) else { return false };
         let total_bytes: u64 = regions.iter().map(|r| r.size).sum();
-        tracing::info!("pid {}: {} region(s), {} of {}", hs.pid, regions.len(), imgfmt::size::human(total_bytes), file.name);
+        tracing::info!("pid {}: {} region(s), {} of {}", pid, regions.len(), imgfmt::size::human(total_bytes), file.name);
         let map = MemoryMap { regions, file_size: file.size, chunk_shift: image.chunk_shift() };
         let counters = Arc::new(Counters::default());
         let started = Instant::now();
-        let inst =
-            Arc::new(Installer::new(hs.pid, uffd, map, self.fetcher.clone(), stats::Rec(counters.clone(), self.counters.clone()), self.opts.record_trace));
+        let inst = Arc::new(Installer::new(pid, uffd, map, self.fetcher.clone(), stats::Rec(counters.clone(), self.counters.clone()), self.opts.record_trace));
         self.active.fetch_add(1, Ordering::Relaxed);
         self.total.fetch_add(1, Ordering::Relaxed);
 
@@ -516,21 +492,7 @@ impl Daemon {
         // then the stream holds back as it does beside a replay.
         let late = trace.is_none() && self.coming.load(Ordering::Relaxed) && !self.opts.record_trace;
         let chunk_trace = if plan.is_some() { None } else { trace.as_deref() };
-        let (mut order, traced) = prefetch::stream_order(self.opts.prefetch, chunk_trace, &image, self.fetcher.file);
-        let mut detector = None;
-        match (self.opts.prefetch, self.opts.stream_after) {
-            (PrefetchMode::All, _) => {}
-            (PrefetchMode::Trace, Some(f)) => {
-                let f = if plan.is_some() || late { f.max(prefetch::REPLAY_STREAM_AFTER) } else { f };
-                detector = Some(prefetch::Detector::new(&image, self.fetcher.file, f));
-            }
-            // Nothing will let the rest go.
-            _ => order.truncate(traced),
-        }
-        let demand = Arc::new(prefetch::Demand::new(started, detector));
-        if self.opts.prefetch == PrefetchMode::All {
-            demand.go();
-        }
+        let (order, traced, demand) = self.stream_plan(&image, chunk_trace, plan.is_some() || late, started);
         // The stream and the replay share one window, moved by the faults' slice fetches and
         // by probes on the faults' source.
         let bg = pacing::Background::new(1 << image.chunk_shift(), self.opts.stream_jobs);
@@ -562,41 +524,7 @@ impl Daemon {
                 prefetch::run(i, d, b, order, traced, jobs, rate, s)
             })
         });
-        // A plan in hand is armed before the fault loop reads its first fault; one still on
-        // its way is armed when it arrives: a fault on a slice before then fetches it, and
-        // the replay finds that page installed.
-        if let Some(p) = &plan {
-            tracing::info!("pid {}: replaying a working set of {} slices and {} zero chunks", hs.pid, p.slices(), p.zero_chunks());
-            conn.ws.arm(p);
-        }
-        let replayer = (plan.is_some() || late).then(|| {
-            let (d, pid, i, ws, b, s, src) =
-                (self.clone(), hs.pid, inst.clone(), conn.ws.clone(), bg.clone(), stop_prefetch.clone(), self.fetcher.background_source());
-            // The fill waits while the replay runs (or its thread is not started), no longer.
-            let replaying = prefetch::Demand::replaying(&demand);
-            std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || {
-                let _replaying = replaying;
-                let p = match plan {
-                    Some(p) => p,
-                    None => {
-                        let p = d.replay_when_known(&s)?.1?;
-                        tracing::info!(
-                            "pid {pid}: replaying a working set of {} slices and {} zero chunks, which arrived after the guest",
-                            p.slices(),
-                            p.zero_chunks()
-                        );
-                        ws.arm(&p);
-                        p
-                    }
-                };
-                workingset::replay(i, ws, p, src, b, s)
-            })
-        });
-        if let Some(Err(e)) = &replayer {
-            // No replay will install them: the faults fetch for themselves.
-            tracing::warn!("pid {}: no working-set replay: {e}", hs.pid);
-            conn.ws.disarm();
-        }
+        let replayer = self.start_replay(pid, plan, late, &inst, &conn, &bg, &demand, &stop_prefetch);
         let filler = self.spawn_fill(trace.as_deref(), &inst, &demand, &bg, &stop_prefetch);
         let ended = conn.run(stream, &self.stop);
         inst.set_gone();
@@ -617,7 +545,7 @@ impl Daemon {
         }
         let pacing = bg.report();
         self.active.fetch_sub(1, Ordering::Relaxed);
-        let mut report = ConnReport::from_counters(hs.pid, &counters, t0.elapsed().as_secs_f64(), ended);
+        let mut report = ConnReport::from_counters(pid, &counters, t0.elapsed().as_secs_f64(), ended);
         if late {
             trace = self.replay.lock().expect("poisoned").as_ref().map(|r| r.trace.clone());
         }
@@ -632,31 +560,136 @@ impl Daemon {
         report.stream_started_s = demand.went_after().map(|d| d.as_secs_f64());
         report.fill = stats::FillReport::of(&self.counters);
         if self.opts.record_trace {
-            let (mut t, ws_bytes) = inst.take_recording().take_trace(&file.name, 1 << image.chunk_shift());
-            report.working_set_recorded = t.working_set.len() as u64;
-            match &self.traces {
-                Some(store) if !t.chunks.is_empty() => match store.store(&image, &t, &ws_bytes) {
-                    Ok((at, digest)) => {
-                        tracing::info!(
-                            "pid {}: trace of {} chunks and a working set of {} slices ({}) stored at {at}",
-                            hs.pid,
-                            t.chunks.len(),
-                            t.working_set.len(),
-                            imgfmt::size::human(ws_bytes.len() as u64)
-                        );
-                        report.trace = Some(at);
-                        t.manifest = Some(digest);
-                        *self.replay.lock().expect("poisoned") = Some(Replay::new(&image, self.fetcher.file, &self.opts, t));
-                    }
-                    Err(e) => tracing::warn!("pid {}: storing the trace failed: {e}", hs.pid),
-                },
-                Some(_) => tracing::info!("pid {}: no chunk was fetched: no trace to store", hs.pid),
-                None => tracing::warn!("pid {}: nowhere to store the trace for this source", hs.pid),
-            }
+            self.store_recording(pid, &inst, &image, &file.name, &mut report);
         }
         on_report(&report);
         true
     }
+
+    /// The stream's chunk order, its traced count, and the demand that decides when it goes.
+    fn stream_plan(&self, image: &Image, chunk_trace: Option<&Trace>, held_back: bool, started: Instant) -> (Vec<u64>, usize, Arc<prefetch::Demand>) {
+        let (mut order, traced) = prefetch::stream_order(self.opts.prefetch, chunk_trace, image, self.fetcher.file);
+        let mut detector = None;
+        match (self.opts.prefetch, self.opts.stream_after) {
+            (PrefetchMode::All, _) => {}
+            (PrefetchMode::Trace, Some(f)) => {
+                let f = if held_back { f.max(prefetch::REPLAY_STREAM_AFTER) } else { f };
+                detector = Some(prefetch::Detector::new(image, self.fetcher.file, f));
+            }
+            // Nothing will let the rest go.
+            _ => order.truncate(traced),
+        }
+        let demand = Arc::new(prefetch::Demand::new(started, detector));
+        if self.opts.prefetch == PrefetchMode::All {
+            demand.go();
+        }
+        (order, traced, demand)
+    }
+
+    /// Arms a plan in hand and starts the working-set replay (`None`: nothing to replay).
+    #[allow(clippy::too_many_arguments)]
+    fn start_replay(
+        self: &Arc<Self>,
+        pid: i32,
+        plan: Option<Arc<workingset::Plan>>,
+        late: bool,
+        inst: &Arc<Installer>,
+        conn: &Conn,
+        bg: &Arc<pacing::Background>,
+        demand: &Arc<prefetch::Demand>,
+        stop_prefetch: &Arc<AtomicBool>,
+    ) -> Option<std::io::Result<std::thread::JoinHandle<Option<Instant>>>> {
+        // A plan in hand is armed before the fault loop reads its first fault; one still on
+        // its way is armed when it arrives: a fault on a slice before then fetches it, and
+        // the replay finds that page installed.
+        if let Some(p) = &plan {
+            tracing::info!("pid {}: replaying a working set of {} slices and {} zero chunks", pid, p.slices(), p.zero_chunks());
+            conn.ws.arm(p);
+        }
+        let replayer = (plan.is_some() || late).then(|| {
+            let (d, pid, i, ws, b, s, src) =
+                (self.clone(), pid, inst.clone(), conn.ws.clone(), bg.clone(), stop_prefetch.clone(), self.fetcher.background_source());
+            // The fill waits while the replay runs (or its thread is not started), no longer.
+            let replaying = prefetch::Demand::replaying(demand);
+            std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || {
+                let _replaying = replaying;
+                let p = match plan {
+                    Some(p) => p,
+                    None => {
+                        let p = d.replay_when_known(&s)?.1?;
+                        tracing::info!(
+                            "pid {pid}: replaying a working set of {} slices and {} zero chunks, which arrived after the guest",
+                            p.slices(),
+                            p.zero_chunks()
+                        );
+                        ws.arm(&p);
+                        p
+                    }
+                };
+                workingset::replay(i, ws, p, src, b, s)
+            })
+        });
+        if let Some(Err(e)) = &replayer {
+            // No replay will install them: the faults fetch for themselves.
+            tracing::warn!("pid {}: no working-set replay: {e}", pid);
+            conn.ws.disarm();
+        }
+        replayer
+    }
+
+    /// Stores the recorded trace (and makes it the replay) when there is one and a store.
+    fn store_recording(&self, pid: i32, inst: &Installer, image: &Image, file_name: &str, report: &mut ConnReport) {
+        let (mut t, ws_bytes) = inst.take_recording().take_trace(file_name, 1 << image.chunk_shift());
+        report.working_set_recorded = t.working_set.len() as u64;
+        match &self.traces {
+            Some(store) if !t.chunks.is_empty() => match store.store(image, &t, &ws_bytes) {
+                Ok((at, digest)) => {
+                    tracing::info!(
+                        "pid {}: trace of {} chunks and a working set of {} slices ({}) stored at {at}",
+                        pid,
+                        t.chunks.len(),
+                        t.working_set.len(),
+                        imgfmt::size::human(ws_bytes.len() as u64)
+                    );
+                    report.trace = Some(at);
+                    t.manifest = Some(digest);
+                    *self.replay.lock().expect("poisoned") = Some(Replay::new(image, self.fetcher.file, &self.opts, t));
+                }
+                Err(e) => tracing::warn!("pid {}: storing the trace failed: {e}", pid),
+            },
+            Some(_) => tracing::info!("pid {}: no chunk was fetched: no trace to store", pid),
+            None => tracing::warn!("pid {}: nowhere to store the trace for this source", pid),
+        }
+    }
+}
+
+/// The peer's pid, non-blocking userfaultfd and checked regions; `None` (logged): close.
+fn accept_handshake(stream: &mut UnixStream, file_size: u64) -> Option<(i32, userfaultfd::Uffd, Vec<handshake::Region>)> {
+    let hs = match handshake::receive(stream) {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::warn!("connection refused: {e}");
+            return None;
+        }
+    };
+    let regions = match handshake::parse_regions(&hs.json, file_size) {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!("pid {}: {e}; closing the connection", hs.pid);
+            return None;
+        }
+    };
+    // Non-blocking, so reading events never stalls the loop (the VMM does not read
+    // this fd: it only registers memory on it).
+    if let Err(e) = nix::fcntl::fcntl(&hs.uffd, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK)) {
+        tracing::warn!("pid {}: userfaultfd: {e}; closing the connection", hs.pid);
+        return None;
+    }
+    // SAFETY: the descriptor was received over SCM_RIGHTS and is owned by nobody else;
+    // `Uffd` takes over closing it.
+    let uffd = unsafe { userfaultfd::Uffd::from_raw_fd(hs.uffd.into_raw_fd()) };
+    let _ = stream.set_nonblocking(true);
+    Some((hs.pid, uffd, regions))
 }
 
 /// Whether the peer of a freshly accepted connection may use the daemon: its user is the
