@@ -134,7 +134,7 @@ pub const DEFAULT_LOG: &str = "warn,mount=info";
 pub fn run(a: MountArgs) -> anyhow::Result<ExitCode> {
     mount::target::check_host()?;
     let dir = mount::target::check_dir(&a.dir)?;
-    let (o, image) = a.policy.open_image(&a.image, false)?;
+    let (o, image) = a.policy.open_image(&a.image)?;
     if image.files.is_empty() {
         anyhow::bail!("{}: the image has no files: nothing to mount", common::printable(&a.image));
     }
@@ -188,7 +188,7 @@ fn serve(a: &MountArgs, dir: &Path, host_dir: PathBuf, o: common::Opened, image:
     opts.memory_bytes = a.memory;
     opts.retry = RetryPolicy { budget: Some(a.retry_budget), ..RetryPolicy::stall(a.retry_budget) };
     let host = Host::start(opts, Box::new(CliOpener), store)?;
-    let opened = opened(o.source.into(), Arc::new(image), pinned, a.prefetch);
+    let opened = opened(o.source, Arc::new(image), pinned, a.prefetch);
     if let Err(e) = host.add(opened, dir) {
         host.detach_all();
         return Err(e.into());
@@ -360,9 +360,11 @@ fn opened(source: Arc<dyn imgfmt::BlobSource>, image: Arc<Image>, reference: Str
 fn memory_trace(reference: &str, image: &Image) -> Option<(usize, lazy::Trace)> {
     let mut memory = image.files.iter().enumerate().filter(|(_, f)| f.role == imgfmt::Role::Memory);
     let (file, _) = memory.next().filter(|_| memory.next().is_none())?;
-    let store: Box<dyn lazy::TraceStore> = match reference.parse::<Reference>().ok()? {
-        Reference::Layout { path, .. } => Box::new(lazy::LayoutTraces(imgfmt::OciLayout::open(&path).ok()?)),
-        Reference::Registry { host, repository, .. } => Box::new(lazy::RegistryTraces::new(Arc::new(common::registry_client(&host, &repository, false).ok()?))),
+    let r = reference.parse::<Reference>().ok()?;
+    let store: Box<dyn lazy::TraceStore> = match (r.layout_path(), r.registry()) {
+        (Some(path), _) => Box::new(lazy::LayoutTraces(imgfmt::OciLayout::open(path).ok()?)),
+        (None, Some((host, repository))) => Box::new(lazy::RegistryTraces::new(Arc::new(common::registry_client(host, repository).ok()?))),
+        (None, None) => return None,
     };
     match store.load(image, file) {
         Ok(t) => t.map(|t| (file, t)),
@@ -381,7 +383,7 @@ impl Opener for CliOpener {
     fn open(&self, reference: &str, prefetch: PrefetchMode) -> Result<Opened, String> {
         let o = common::open_ref(reference).map_err(|e| format!("{e:#}"))?;
         let image = common::open_image(&o).map_err(|e| format!("{e:#}"))?;
-        Ok(opened(o.source.into(), Arc::new(image), reference.to_string(), prefetch))
+        Ok(opened(o.source, Arc::new(image), reference.to_string(), prefetch))
     }
 }
 
