@@ -8,6 +8,11 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --tests
 export SNAPCTL_REQUIRE_PEERS="${SNAPCTL_REQUIRE_PEERS:-1}"
 export CARGO_TERM_COLOR=never
+# A CI disk is small: no incremental state, and line tables only in test builds (backtraces
+# keep file:line). Together they shrink target/ by more than half.
+export CARGO_INCREMENTAL=0
+export CARGO_PROFILE_DEV_DEBUG="${CARGO_PROFILE_DEV_DEBUG:-line-tables-only}"
+export CARGO_PROFILE_TEST_DEBUG="${CARGO_PROFILE_TEST_DEBUG:-line-tables-only}"
 cargo build --workspace --bins
 # The integration tests run this binary; naming it saves each test binary a nested cargo.
 export SNAPCTL_BIN="${SNAPCTL_BIN:-${CARGO_TARGET_DIR:-$PWD/target}/debug/snapctl}"
