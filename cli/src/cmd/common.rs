@@ -269,12 +269,24 @@ pub fn hint_for(e: &anyhow::Error) -> Option<String> {
 /// Resolve the manifest digest (exit 2 on failure: there is nothing to check), then open
 /// the image (failures there are integrity failures: exit 1).
 pub fn open_image(o: &Opened) -> anyhow::Result<Image> {
-    open_image_in(o.source.as_ref(), &o.selector, &o.reference)
+    let digest = resolve(o)?;
+    open_image_at(o, &digest)
 }
 
-/// The manifest digest the reference names (its tag resolved).
+/// The manifest digest the reference names (its tag resolved). A tag a registry does not
+/// have is told apart from a repository it does not have (registries answer both
+/// `MANIFEST_UNKNOWN`; the tag list says `NAME_UNKNOWN`).
 pub fn resolve(o: &Opened) -> anyhow::Result<imgfmt::OciDigest> {
-    resolve_in(o.source.as_ref(), &o.selector, &o.reference)
+    resolve_in(o.source.as_ref(), &o.selector, &o.reference).map_err(|e| {
+        let tag_missing = e.chain().any(|c| matches!(c.downcast_ref::<FormatError>(), Some(FormatError::TagNotFound { .. })));
+        if !tag_missing || o.registry.is_none() {
+            return e;
+        }
+        match o.source.tags() {
+            Err(missing @ FormatError::RepositoryNotFound { .. }) => anyhow::Error::new(missing).context(format!("resolving {}", o.reference)),
+            _ => e,
+        }
+    })
 }
 
 /// The manifest digest `selector` names in `source` (named `reference` in messages): the
