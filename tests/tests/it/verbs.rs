@@ -295,3 +295,84 @@ fn regression_issue_39_short_help_is_short() {
         assert!(long.lines().count() > short.lines().count(), "{cmd} --help says more than -h");
     }
 }
+
+/// `(position, total)` of every frame of a byte bar (`12.50 MiB/32.00 MiB`) in `text`.
+fn bar_frames(text: &str) -> Vec<(f64, f64)> {
+    let bytes = |num: &str, unit: &str| -> Option<f64> {
+        let n: f64 = num.parse().ok()?;
+        let m = match unit.trim_end_matches(|c: char| !c.is_ascii_alphabetic()) {
+            "B" => 1.0,
+            "KiB" => 1024.0,
+            "MiB" => 1048576.0,
+            "GiB" => 1073741824.0,
+            _ => return None,
+        };
+        Some(n * m)
+    };
+    let words: Vec<&str> = text.split(|c: char| c.is_whitespace() || c == ']').filter(|w| !w.is_empty()).collect();
+    let mut frames = Vec::new();
+    for i in 1..words.len().saturating_sub(1) {
+        // "12.50", "MiB/32.00", "MiB"
+        let Some((unit, total)) = words[i].split_once('/') else { continue };
+        if let (Some(p), Some(t)) = (bytes(words[i - 1], unit), bytes(total, words[i + 1])) {
+            frames.push((p, t));
+        }
+    }
+    frames
+}
+
+#[test]
+fn regression_issue_39_pull_progress_counts_data_to_fetch_not_zeros() {
+    use snapctl_tests::netem::{Netem, NetemConfig};
+    let w = Work::new();
+    let serve = w.serve("store");
+    w.ok(&["sample", &w.s("snap"), "--size", "64MiB", "--zero-fraction", "0.5"]);
+    w.push("snap", &format!("{}/vm/p:v1", serve.addr), None);
+    let net = Netem::start(serve.addr.as_str(), NetemConfig::new(std::time::Duration::from_millis(2)).rate(200_000_000)).unwrap();
+    let host = net.addr.clone();
+    // stderr on a terminal (script(1)'s), so the bar is drawn.
+    let bin = snapctl_tests::snapctl_bin();
+    let line = format!("{} pull {host}/vm/p:v1 {} --no-cache", bin.display(), w.s("out"));
+    let ts = w.path("typescript");
+    let r = run(Command::new("script")
+        .args(["-q", "-e", "-c", &line, ts.to_str().unwrap()])
+        .env("SNAPCTL_CACHE", w.path("cache"))
+        .env("DOCKER_CONFIG", w.path("docker"))
+        .env("COLUMNS", "120")
+        .env_remove("SNAPCTL_LOG"));
+    assert_eq!(r.code, 0, "{r:?}");
+    let text = String::from_utf8_lossy(&std::fs::read(&ts).unwrap()).into_owned();
+    let frames = bar_frames(&text);
+    assert!(!frames.is_empty(), "no bar drawn: {text:?}");
+    let image = 64.0 * 1048576.0;
+    for (p, t) in &frames {
+        assert!(*t < 0.75 * image, "the bar counts to {t} bytes of a 64 MiB image half zeros: {text:?}");
+        assert!(p <= t);
+    }
+    assert!(frames[0].0 < frames[0].1 / 2.0, "the bar started at {:?}: {text:?}", frames[0]);
+}
+
+#[test]
+fn regression_issue_39_man_pages_have_environment_and_files() {
+    let w = Work::new();
+    let man = w.ok(&["man"]).stdout;
+    for want in [".SH ENVIRONMENT", ".SH FILES", "SNAPCTL_CACHE", "DOCKER_CONFIG", "config.json"] {
+        assert!(man.contains(want), "{want} missing");
+    }
+}
+
+#[test]
+fn regression_issue_39_gc_logs_one_set_of_keys() {
+    let w = Work::new();
+    let serve = w.serve("store");
+    w.sample("snap", 1);
+    w.push("snap", &format!("{}/vm/g:v1", serve.addr), None);
+    w.ok(&["delete", &format!("{}/vm/g:v1", serve.addr)]);
+    let r = run(w.cmd().args(["gc", "--storage", &w.s("store"), "--grace", "0", "--dry-run"]).env("SNAPCTL_LOG", "info"));
+    assert_eq!(r.code, 0, "{r:?}");
+    let lines: Vec<&str> = r.stderr.lines().filter(|l| l.contains("delete manifest") || l.contains("sweep blob")).collect();
+    assert!(!lines.is_empty(), "{r:?}");
+    for l in lines {
+        assert!(l.contains("digest=") && !l.contains(" d=") && !l.contains(" r=") && !l.contains(" t="), "{l}");
+    }
+}
