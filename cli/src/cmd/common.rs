@@ -503,8 +503,8 @@ mod tests {
         assert_eq!(r.eta(t, 128 << 20, 128 << 20), None, "no rate from one sample, whatever came before");
         assert_eq!(r.eta(t + Duration::from_secs(1), (128 << 20) + (25 << 20), 103 << 20), Some(Duration::from_secs_f64(103.0 / 25.0)));
         // A stall empties the rate once the window has only the stall.
-        assert_eq!(r.eta(t + Duration::from_secs(6), (153 << 20), 103 << 20), None);
-        assert_eq!(r.eta(t + Duration::from_secs(7), (153 << 20), 0), Some(Duration::ZERO));
+        assert_eq!(r.eta(t + Duration::from_secs(6), 153 << 20, 103 << 20), None);
+        assert_eq!(r.eta(t + Duration::from_secs(7), 153 << 20, 0), Some(Duration::ZERO));
     }
 
     #[test]

@@ -63,7 +63,7 @@ pub fn run(a: DeleteArgs) -> anyhow::Result<ExitCode> {
 /// is not a command to guess for).
 fn explicit_selector(reference: &str) -> bool {
     let last = reference.rsplit('/').next().unwrap_or(reference);
-    last.contains('@') || (last.contains(':') && !reference.strip_prefix("oci:").is_some_and(|p| !p.contains(':')))
+    last.contains('@') || (last.contains(':') && reference.strip_prefix("oci:").is_none_or(|p| p.contains(':')))
 }
 
 /// A deletion the store refused, said plainly when the registry refuses every deletion.
