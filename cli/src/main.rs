@@ -8,7 +8,7 @@
 
 use std::process::ExitCode;
 
-use clap::{CommandFactory, Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod cmd;
 
@@ -43,6 +43,9 @@ enum Command {
     Pull(cmd::pull::PullArgs),
     Push(cmd::push::PushArgs),
     Copy(cmd::copy::CopyArgs),
+    Tag(cmd::tag::TagArgs),
+    Ls(cmd::ls::LsArgs),
+    Delete(cmd::delete::DeleteArgs),
     Login(cmd::login::LoginArgs),
     Logout(cmd::login::LogoutArgs),
     Lazy(cmd::lazy::LazyArgs),
@@ -56,7 +59,10 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::from_arg_matches(&command().get_matches()) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
     match &cli.command {
         Command::Serve(a) => cmd::common::init_logging_as(cmd::serve::DEFAULT_LOG, true, a.log_json()),
         // A daemon's people want its progress (listening, each VM, traces stored) as well,
@@ -81,6 +87,9 @@ fn main() -> ExitCode {
         Command::Pull(a) => cmd::pull::run(a),
         Command::Push(a) => cmd::push::run(a),
         Command::Copy(a) => cmd::copy::run(a),
+        Command::Tag(a) => cmd::tag::run(a),
+        Command::Ls(a) => cmd::ls::run(a),
+        Command::Delete(a) => cmd::delete::run(a),
         Command::Login(a) => cmd::login::run_login(a),
         Command::Logout(a) => cmd::login::run_logout(a),
         Command::Lazy(a) => cmd::lazy::run(a),
@@ -89,8 +98,8 @@ fn main() -> ExitCode {
         Command::Cache(a) => cmd::cache::run(a),
         Command::Sign(a) => cmd::sign::run_sign(a),
         Command::Key(a) => cmd::sign::run_key(a),
-        Command::Completions(a) => cmd::generate::completions(a, Cli::command()),
-        Command::Man(a) => cmd::generate::man(a, Cli::command()),
+        Command::Completions(a) => cmd::generate::completions(a, command()),
+        Command::Man(a) => cmd::generate::man(a, command()),
     };
     match result {
         Ok(code) => code,
@@ -105,6 +114,82 @@ fn main() -> ExitCode {
     }
 }
 
+/// The CLI as parsed and documented: `-h` shows each flag's first sentence (and its
+/// default), `--help` and the man pages all of it.
+fn command() -> clap::Command {
+    short_help(Cli::command())
+}
+
+/// `cmd` and its commands with each flag's help cut to its first sentence, the whole
+/// kept as the long help (a flag whose doc has paragraphs has both already).
+fn short_help(cmd: clap::Command) -> clap::Command {
+    cmd.mut_args(|a| {
+        let Some(full) = a.get_help().filter(|_| a.get_long_help().is_none()).map(ToString::to_string) else { return a };
+        let short = first_sentence(&full);
+        if short.len() < full.len() {
+            a.help(short).long_help(full)
+        } else {
+            a
+        }
+    })
+    .mut_subcommands(short_help)
+}
+
+/// Longest first sentence kept whole in `-h` (about two lines of the help's column).
+const SHORT_HELP_MAX: usize = 120;
+
+/// The first sentence of `help` (a period outside parentheses, before a space or the
+/// end, not one of "e.g." or "i.e."), with the `[default: …]` the text ends with.
+fn first_sentence(help: &str) -> String {
+    let mut depth = 0i32;
+    let mut end = help.len();
+    let bytes = help.as_bytes();
+    for (i, c) in help.char_indices() {
+        match c {
+            '(' | '[' => depth += 1,
+            ')' | ']' => depth -= 1,
+            '.' if depth <= 0 && bytes.get(i + 1).is_none_or(u8::is_ascii_whitespace) => {
+                let before = &help[..i];
+                if !(before.ends_with("e.g") || before.ends_with("i.e") || before.ends_with("etc")) {
+                    end = i + 1;
+                    break;
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut short = help[..end].trim_end().to_string();
+    if short.len() > SHORT_HELP_MAX {
+        // A long first sentence: up to its last clause that fits (a break outside brackets).
+        let mut depth = 0i32;
+        let mut cut = None;
+        for (i, c) in short.char_indices().take_while(|(i, _)| *i < SHORT_HELP_MAX) {
+            match c {
+                '(' | '[' => depth += 1,
+                ')' | ']' => depth -= 1,
+                ',' | ';' | ':' if depth <= 0 && short.as_bytes().get(i + 1) == Some(&b' ') => cut = Some(i),
+                _ => {}
+            }
+        }
+        if let Some(i) = cut {
+            short.truncate(i);
+            short.push_str(" …");
+        }
+    }
+    if let Some(default) = help.rfind("[default:").map(|i| help[i..].trim_end()).filter(|d| d.ends_with(']') && !short.contains(*d)) {
+        short.push(' ');
+        // A default that explains itself at length: its first clause.
+        match default.find([',', ';']).filter(|_| default.len() > 60) {
+            Some(i) => {
+                short.push_str(&default[..i]);
+                short.push_str(", …]");
+            }
+            None => short.push_str(default),
+        }
+    }
+    short
+}
+
 impl Command {
     /// How this command reaches registries, if it reaches any.
     fn registry_flags(&self) -> Option<&cmd::common::RegistryFlags> {
@@ -117,6 +202,9 @@ impl Command {
             Command::Pull(a) => Some(&a.registry),
             Command::Push(a) => Some(&a.transfer.registry),
             Command::Copy(a) => Some(&a.transfer.registry),
+            Command::Tag(a) => Some(&a.registry),
+            Command::Ls(a) => Some(&a.registry),
+            Command::Delete(a) => Some(&a.registry),
             Command::Login(a) => Some(&a.registry),
             Command::Lazy(a) => Some(&a.registry),
             Command::Mount(a) => Some(&a.registry),
@@ -163,7 +251,18 @@ fn join_causes(e: &anyhow::Error) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::describe;
+    use super::{describe, first_sentence};
+
+    #[test]
+    fn short_help_is_the_first_sentence_and_the_default() {
+        assert_eq!(first_sentence("Speak plain HTTP (e.g. to 127.0.0.1). More about it."), "Speak plain HTTP (e.g. to 127.0.0.1).");
+        assert_eq!(first_sentence("Jobs, e.g. 4. More [default: 8]"), "Jobs, e.g. 4. [default: 8]");
+        assert_eq!(first_sentence("Close after this. Longer text [default: 120s]"), "Close after this. [default: 120s]");
+        assert_eq!(first_sentence("One sentence only"), "One sentence only");
+        assert_eq!(first_sentence("Files (a.b, c.d). Then"), "Files (a.b, c.d).");
+        let long = format!("Clause one (with, commas), {} and more [default: 1]", "word ".repeat(30));
+        assert_eq!(first_sentence(&long), "Clause one (with, commas) … [default: 1]");
+    }
 
     #[test]
     fn causes_already_in_the_message_are_not_repeated() {

@@ -32,6 +32,8 @@ pub enum FormatError {
     BlobNotFound(OciDigest),
     /// tag {tag:?} not found in {layout}
     TagNotFound { layout: String, tag: String },
+    /// repository {repository} does not exist on {registry} (NAME_UNKNOWN)
+    RepositoryNotFound { registry: String, repository: String },
     /// blob {digest}: content hashes to {actual}
     BlobDigestMismatch { digest: OciDigest, actual: OciDigest },
     /// bad reference {reference:?}: {reason}
@@ -105,7 +107,7 @@ impl FormatError {
     pub fn kind(&self) -> ErrorKind {
         use FormatError::*;
         match self {
-            BlobNotFound(_) | TagNotFound { .. } => ErrorKind::NotFound,
+            BlobNotFound(_) | TagNotFound { .. } | RepositoryNotFound { .. } => ErrorKind::NotFound,
             Unauthorized { .. } => ErrorKind::Unauthorized,
             Transient { .. } => ErrorKind::Transient,
             Io { .. } => ErrorKind::Io,

@@ -187,6 +187,40 @@ impl OciLayout {
         write_atomic(&self.root.join("index.json"), &serde_json::to_vec(&idx).expect("serializes"))
     }
 
+    /// Remove the tag `tag` (the manifest and its blobs stay). `TagNotFound` when the
+    /// layout has no such tag.
+    pub fn remove_tag(&self, tag: &str) -> Result<(), FormatError> {
+        let _lock = LayoutLock::acquire(&self.root)?;
+        let mut idx = self.read_index_json()?;
+        let before = idx.manifests.len();
+        idx.manifests.retain(|d| d.annotations.get(ANN_REF_NAME).map(String::as_str) != Some(tag));
+        if idx.manifests.len() == before {
+            return Err(FormatError::TagNotFound { layout: self.root.display().to_string(), tag: tag.into() });
+        }
+        write_atomic(&self.root.join("index.json"), &serde_json::to_vec(&idx).expect("serializes"))
+    }
+
+    /// Remove the manifest `digest`: every `index.json` entry naming it (its tags), then its
+    /// blob. The blobs it lists stay (other images may share them). `BlobNotFound` when the
+    /// layout has neither an entry nor the blob.
+    pub fn remove_manifest(&self, digest: &OciDigest) -> Result<(), FormatError> {
+        let _lock = LayoutLock::acquire(&self.root)?;
+        let mut idx = self.read_index_json()?;
+        let before = idx.manifests.len();
+        idx.manifests.retain(|d| &d.digest != digest);
+        let had_blob = self.has_blob(digest);
+        if idx.manifests.len() == before && !had_blob {
+            return Err(FormatError::BlobNotFound(digest.clone()));
+        }
+        write_atomic(&self.root.join("index.json"), &serde_json::to_vec(&idx).expect("serializes"))?;
+        let p = self.blob_path(digest);
+        match fs::remove_file(&p) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(FormatError::io(format!("remove {}", p.display()), e)),
+        }
+    }
+
     /// The referrers of `subject` this layout lists: the manifests of the image index its
     /// fallback tag ([`referrers_tag`]) names, or the one manifest it names (how snapctl's
     /// trace store wrote a trace before the index). Empty without the tag.

@@ -24,15 +24,30 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     n.checked_mul(mult).ok_or_else(|| format!("size {s:?} is too large"))
 }
 
+/// Units a duration may use: `ms`, `s`, `m`, `h`, `d`, also `ns`, `us`, `w` and the long
+/// names. Not months or years (humantime's `M` and `y`): their length is a convention,
+/// and `1M` reads as a minute to many.
+const DURATION_UNITS: [&str; 27] = [
+    "ns", "nsec", "us", "usec", "ms", "msec", "s", "sec", "secs", "second", "seconds", "m", "min", "mins", "minute", "minutes", "h", "hr", "hrs", "hour",
+    "hours", "d", "day", "days", "w", "week", "weeks",
+];
+
 /// Parse a duration: numbers with units `ms`, `s`, `m`, `h`, `d` (also `us`, `w` and the
-/// long names), combined as in `1h30m` or `2m 30s` (humantime's grammar), or a plain number
-/// of seconds (`120`, `0`).
+/// long names: [`DURATION_UNITS`]), combined as in `1h30m` or `2m 30s` (humantime's
+/// grammar), or a plain number of seconds (`120`, `0`).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let t = s.trim();
     if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) {
         return t.parse().map(Duration::from_secs).map_err(|_| format!("{t}: too many seconds"));
     }
-    humantime::parse_duration(t).map_err(|e| format!("{e} (examples: 500ms, 90s, 15m, 1h30m, 7d)"))
+    let bad = || format!("duration {t:?}: expected numbers with units ms, s, m, h, d or w (examples: 500ms, 90s, 15m, 1h30m, 7d)");
+    if t.split(|c: char| !c.is_ascii_alphabetic()).any(|unit| !unit.is_empty() && !DURATION_UNITS.contains(&unit)) {
+        return Err(bad());
+    }
+    humantime::parse_duration(t).map_err(|e| match e {
+        humantime::DurationError::NumberOverflow => format!("duration {t:?} is too long"),
+        _ => bad(),
+    })
 }
 
 /// Format a byte count for people: `1.5 GiB`.
@@ -64,5 +79,19 @@ mod tests {
         assert!(parse_size("MiB").is_err());
         assert!(parse_size("99999999999999GiB").is_err());
         assert_eq!(human(1536 << 20), "1.5 GiB");
+    }
+
+    /// Issue 39: the error listed months and years, units no flag should take.
+    #[test]
+    fn regression_issue_39_duration_errors_name_only_the_units_taken() {
+        assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("2weeks"), Ok(Duration::from_secs(14 * 86_400)));
+        for bad in ["1y", "2months", "1M", "3x", "soon", ""] {
+            let e = parse_duration(bad).unwrap_err();
+            let said = e.replace(&format!("{bad:?}"), "");
+            assert!(!said.contains("month") && !said.contains("year"), "{bad}: {e}");
+            assert!(e.contains("ms, s, m, h, d"), "{bad}: {e}");
+        }
+        assert!(parse_duration("99999999999999999999d").unwrap_err().contains("too long"));
     }
 }

@@ -11,6 +11,7 @@
 
 use crate::digest::OciDigest;
 use crate::manifest::Descriptor;
+use crate::reference::Selector;
 use crate::source::BlobSource;
 use crate::FormatError;
 
@@ -46,6 +47,14 @@ pub trait ImageStore: BlobSource {
     /// referrers itself (a registry's referrers API): `Ok(true)`. `Ok(false)`: it does not
     /// (a layout, a registry without the API), and nothing was written.
     fn put_referrer(&self, subject: &OciDigest, bytes: &[u8]) -> Result<bool, FormatError>;
+    /// Every tag the store holds, sorted (a registry's tag list, all its pages; a layout's
+    /// `index.json`). A registry repository that does not exist:
+    /// `FormatError::RepositoryNotFound`.
+    fn tags(&self) -> Result<Vec<String>, FormatError>;
+    /// Delete what `what` names: a tag (the manifest stays), or a manifest by digest (with
+    /// every tag naming it). Absent: `TagNotFound` / `BlobNotFound`; a store that does not
+    /// allow deleting: `FormatError::Refused` with its answer.
+    fn delete(&self, what: &Selector) -> Result<(), FormatError>;
 }
 
 /// A shared store is a store (one client for many threads and callers).
@@ -70,6 +79,12 @@ impl<T: ImageStore + ?Sized> ImageStore for std::sync::Arc<T> {
     }
     fn put_referrer(&self, subject: &OciDigest, bytes: &[u8]) -> Result<bool, FormatError> {
         (**self).put_referrer(subject, bytes)
+    }
+    fn tags(&self) -> Result<Vec<String>, FormatError> {
+        (**self).tags()
+    }
+    fn delete(&self, what: &Selector) -> Result<(), FormatError> {
+        (**self).delete(what)
     }
 }
 
@@ -107,6 +122,18 @@ impl ImageStore for crate::OciLayout {
     }
     fn put_referrer(&self, _: &OciDigest, _: &[u8]) -> Result<bool, FormatError> {
         Ok(false)
+    }
+    fn tags(&self) -> Result<Vec<String>, FormatError> {
+        let mut tags: Vec<String> = crate::OciLayout::tags(self)?.into_iter().map(|(t, _)| t).collect();
+        tags.sort();
+        tags.dedup();
+        Ok(tags)
+    }
+    fn delete(&self, what: &Selector) -> Result<(), FormatError> {
+        match what {
+            Selector::Tag(t) => self.remove_tag(t),
+            Selector::Digest(d) => self.remove_manifest(d),
+        }
     }
 }
 
@@ -147,6 +174,25 @@ mod tests {
         assert_eq!(store.referrers(&subject, None).unwrap().len(), 3);
         let typed: Vec<OciDigest> = store.referrers(&subject, Some("application/trace")).unwrap().into_iter().map(|d| d.digest).collect();
         assert_eq!(typed, [trace.digest, OciDigest::of(b"untyped")]);
+    }
+
+    #[test]
+    fn a_layout_lists_its_tags_and_deletes_a_tag_or_a_manifest() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = OciLayout::open_or_create(dir.path()).unwrap();
+        let store: &dyn ImageStore = &l;
+        store.put_tagged_manifest("v2", b"{\"m\":1}").unwrap();
+        store.put_tagged_manifest("v1", b"{\"m\":1}").unwrap();
+        store.put_tagged_manifest("other", b"{\"m\":2}").unwrap();
+        assert_eq!(store.tags().unwrap(), ["other", "v1", "v2"]);
+        store.delete(&Selector::Tag("v2".into())).unwrap();
+        assert_eq!(store.tags().unwrap(), ["other", "v1"]);
+        assert!(matches!(store.delete(&Selector::Tag("v2".into())), Err(FormatError::TagNotFound { .. })));
+        let m1 = OciDigest::of(b"{\"m\":1}");
+        store.delete(&Selector::Digest(m1.clone())).unwrap();
+        assert_eq!(store.tags().unwrap(), ["other"], "the manifest's tags go with it");
+        assert!(!l.has_blob(&m1));
+        assert!(matches!(store.delete(&Selector::Digest(m1)), Err(FormatError::BlobNotFound(_))));
     }
 
     #[test]

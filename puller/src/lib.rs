@@ -15,5 +15,5 @@ mod unpack;
 pub use regclient::{Credentials, RegistrySource};
 
 pub use cache::{CacheError, CacheStats, ChunkCache, PreparedRefs};
-pub use pull::{pull, PullOptions, PullReport, DEFAULT_MAX_JOBS, DEFAULT_MAX_RANGE};
+pub use pull::{data_bytes, pull, PullOptions, PullReport, DEFAULT_MAX_JOBS, DEFAULT_MAX_RANGE};
 pub use unpack::{unpack, DestDirs, UnpackError, UnpackOptions, UnpackReport};

@@ -272,12 +272,12 @@ pub fn pull(
 
     let (mut dirs, in_place) = check_destination(image, dest, opts)?;
     // Plan: distinct non-zero digests and their positions; zero records checked.
-    let zero_bytes = count_positions(image, &in_place, &mut report)?;
+    let in_place_bytes = count_positions(image, &in_place, &mut report)?;
     let plan = Plan::of(image, &in_place)?;
     report.deduplicated_chunks = plan.more.len() as u64;
     let distinct = &plan.distinct;
     if let Some(p) = progress {
-        p(zero_bytes);
+        p(in_place_bytes);
     }
     let (mut outs, adopted) = create_temp_files(image, &mut dirs, &in_place)?;
 
@@ -355,10 +355,11 @@ fn check_destination<'a>(image: &Image, dest: &'a Path, opts: &PullOptions) -> R
 }
 
 /// Count every chunk position into `report` (total, zero, in place) and check every zero
-/// record, which no fetch will: returns the bytes that need no fetch (holes, files in
-/// place), for the progress count.
+/// record, which no fetch will: returns the bytes of data chunks that need no fetch (in
+/// files already in place), for the progress count. The count never includes zero
+/// chunks: a progress total is the image's data ([`data_bytes`]), not its holes.
 fn count_positions(image: &Image, in_place: &[bool], report: &mut PullReport) -> Result<u64, UnpackError> {
-    let mut zero_bytes = 0u64;
+    let mut in_place_bytes = 0u64;
     for (fi, f) in image.files.iter().enumerate() {
         for (ci, c) in f.chunks.iter().enumerate() {
             report.chunks += 1;
@@ -367,19 +368,26 @@ fn count_positions(image: &Image, in_place: &[bool], report: &mut PullReport) ->
             }
             if in_place[fi] {
                 report.in_place_chunks += 1;
+                if !matches!(c.at, StoredAt::Zero) {
+                    in_place_bytes += c.len as u64;
+                }
                 continue;
             }
             if let StoredAt::Zero = c.at {
                 report.zero_chunks += 1;
-                zero_bytes += c.len as u64;
             }
         }
         if in_place[fi] {
             report.in_place_files += 1;
-            zero_bytes += f.size;
         }
     }
-    Ok(zero_bytes)
+    Ok(in_place_bytes)
+}
+
+/// The bytes of `image`'s files that are data, not zero chunks: what a pull's progress
+/// counts to (each data chunk is fetched, or found in the cache or in place).
+pub fn data_bytes(image: &Image) -> u64 {
+    image.files.iter().flat_map(|f| &f.chunks).filter(|c| !matches!(c.at, StoredAt::Zero)).map(|c| c.len as u64).sum()
 }
 
 /// Every file's temp file, all of them before anything is fetched (a directory that

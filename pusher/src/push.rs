@@ -126,7 +126,8 @@ pub fn pack_dir(dir: &Path, dest: &RegistrySource, opts: DirOptions<'_>, copy: &
         // quarter of the push's CPU (a 2 GiB image on 2 cores: the 20:39 run of
         // bench/results/BENCHMARKS-diary-2026-11-29-to-12-01.md, "What changed").
         upload: regclient::UploadOptions { source_hashed: true, ..copy.upload.clone() },
-        progress: None,
+        // The caller's observer sees the packs' bytes go up as they are sent.
+        progress: copy.progress,
     };
     let target = Target::Registry(dest);
     let ahead = Mutex::new(Vec::new());

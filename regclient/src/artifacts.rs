@@ -85,6 +85,12 @@ impl imgfmt::ImageStore for RegistrySource {
         let put = self.put_manifest(OciDigest::of(bytes).as_str(), bytes).map_err(|e| e.into_source_error(self.host()))?;
         Ok(put.subject_indexed)
     }
+    fn tags(&self) -> Result<Vec<String>, FormatError> {
+        self.list_tags()
+    }
+    fn delete(&self, what: &imgfmt::reference::Selector) -> Result<(), FormatError> {
+        self.delete_manifest(what)
+    }
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 //! lib.rs       RegistrySource: HTTP(S), auth challenges, retries; the read half (BlobSource)
 //! upload.rs    write half: HEAD, mount, POST/PATCH/PUT uploads with resume, manifest PUT
 //! referrers.rs referrers API and the OCI 1.1 fallback tag `sha256-<hex>`
+//! listing.rs   tag lists and the catalog, page by page; manifest and tag deletion
 //! lease.rs     restore leases: `Snapctl-Lease` on a HEAD of a manifest by digest
 //! artifacts.rs manifests read beside an image (signatures) without the tag cache
 //! state.rs     resume state files of chunked uploads
@@ -40,6 +41,7 @@ mod error;
 mod helper;
 mod known;
 mod lease;
+mod listing;
 mod open;
 mod referrers;
 mod transport;
@@ -52,6 +54,7 @@ pub use config::{cache_dir, docker_config_credentials, docker_config_path, remov
 pub use error::{explain, ClientError, CredentialsError};
 pub use known::KnownBlobs;
 pub use lease::{LEASE_HEADER, MAX_LEASE_SECONDS};
+pub use listing::refuses_deletes;
 pub use open::{open, Opened};
 pub use upload::{MemSource, PutManifest, UploadOptions, Uploaded, DEFAULT_PIECE, MAX_PIECE};
 

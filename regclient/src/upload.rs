@@ -420,7 +420,7 @@ impl Upload<'_> {
 }
 
 impl RegistrySource {
-    fn mark_writing(&self) {
+    pub(crate) fn mark_writing(&self) {
         if !self.writing.swap(true, Ordering::Relaxed) {
             // A token obtained for reading lacks `push`: forget it, the next request's
             // challenge gets one with both.

@@ -353,7 +353,7 @@ async fn scan(store: &dyn BlobStore, run: &mut GcRun, report: &mut GcReport) -> 
             Ok(b) => b,
             Err(e) if e.is_not_found() => {
                 // A linked manifest without bytes has nothing left to protect.
-                tracing::warn!(%d, "manifest content missing");
+                tracing::warn!(digest = %d, "manifest content missing");
                 continue;
             }
             Err(e) => return Err(e.into()),
@@ -405,7 +405,7 @@ async fn snapshot_base(store: &dyn BlobStore, manifest: &serde_json::Value) -> R
     let cfg: serde_json::Value = match serde_json::from_slice(&raw) {
         Ok(v) => v,
         Err(e) => {
-            tracing::warn!(%cd, %e, "snapshot config is not JSON; its base (if any) is not kept for it");
+            tracing::warn!(digest = %cd, %e, "snapshot config is not JSON; its base (if any) is not kept for it");
             return Ok(None);
         }
     };
@@ -474,7 +474,7 @@ async fn drop_spent_leases(store: &dyn BlobStore, scan: &Scan, plan: &Plan, star
             Err(e) if e.is_not_found() => continue,
             Err(e) => return Err(e.into()),
         }
-        tracing::debug!(%r, %d, "drop a spent restore lease");
+        tracing::debug!(repo = %r, digest = %d, "drop a spent restore lease");
         match store.delete(key).await {
             Err(e) if !e.is_not_found() => return Err(e.into()),
             _ => {}
@@ -581,10 +581,10 @@ async fn sweep_manifests(
             if let Some(rule) = by_keeper {
                 kept.insert(key, rule);
             } else if used_since(store, &x.d, keep_after).await? || leased.digests.contains(&x.d) {
-                tracing::info!(repo = %x.repo, d = %x.d, "keep manifest: a request relies on it");
+                tracing::info!(repo = %x.repo, digest = %x.d, "keep manifest: a request relies on it");
                 kept.insert(key, Rule::InUse);
             } else {
-                tracing::info!(repo = %x.repo, d = %x.d, dry_run = dry, "delete manifest");
+                tracing::info!(repo = %x.repo, digest = %x.d, dry_run = dry, "delete manifest");
                 report.manifests_removed += 1;
                 if !dry {
                     run.check_alive()?;
@@ -662,11 +662,11 @@ async fn sweep_tags(store: &dyn BlobStore, run: &mut GcRun, dry: bool, scan: &Sc
             let scanned = scan.inv.repos.get(&planned.repository).and_then(|x| x.tags.get(&planned.tag)).map(|f| f.pushed);
             let rewritten = now.is_some() && now != scanned;
             if leased.tags.contains(&inuse::lease_tag_name(r, t)) || rewritten {
-                tracing::info!(%r, %t, "keep tag: a push is writing it");
+                tracing::info!(repo = %r, tag = %t, "keep tag: a push is writing it");
                 tag_flips.push(i);
                 continue;
             }
-            tracing::info!(%r, %t, dry_run = dry, "delete tag");
+            tracing::info!(repo = %r, tag = %t, dry_run = dry, "delete tag");
             report.tags_removed += 1;
             if !dry && now.is_some() {
                 run.check_alive()?;
@@ -776,11 +776,11 @@ pub(crate) async fn sweep(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOptio
             };
             if leased.contains(d) || used.is_some_and(|t| !old(t)) {
                 report.kept_in_use += 1;
-                tracing::info!(%d, "keep blob: a request relies on it");
+                tracing::info!(digest = %d, "keep blob: a request relies on it");
             } else {
                 report.swept += 1;
                 report.swept_bytes += m.size;
-                tracing::info!(%d, size = m.size, dry_run = dry, "sweep blob");
+                tracing::info!(digest = %d, size = m.size, dry_run = dry, "sweep blob");
                 if !dry {
                     run.check_alive()?;
                     store.delete(&m.key).await?;

@@ -571,8 +571,9 @@ impl Server {
     /// then misses the old repositories, nothing else does.
     async fn index_catalog(&self) {
         match self.catalog.build_if_missing().await {
-            Ok(Some(n)) => tracing::info!(repositories = n, "catalog: indexed a store written before the catalog existed"),
-            Ok(None) => {}
+            // A new store has nothing to index: only a store with repositories is news.
+            Ok(Some(n)) if n > 0 => tracing::info!(repositories = n, "catalog: indexed a store written before the catalog existed"),
+            Ok(_) => {}
             Err(e) => tracing::error!(%e, "catalog: could not index the store's repositories; /v2/_catalog lists only those pushed from now on"),
         }
     }

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use imgfmt::reference::Selector;
 use imgfmt::{BlobSource, Descriptor, FormatError, ImageStore, Manifest, OciDigest};
 
 #[derive(Default)]
@@ -93,5 +94,20 @@ impl ImageStore for MemStore {
         desc.artifact_type = m.artifact_type;
         self.referrers.lock().unwrap().push((subject.clone(), desc));
         Ok(true)
+    }
+    fn tags(&self) -> Result<Vec<String>, FormatError> {
+        let mut t: Vec<String> = self.tags.lock().unwrap().keys().cloned().collect();
+        t.sort();
+        Ok(t)
+    }
+    fn delete(&self, what: &Selector) -> Result<(), FormatError> {
+        let mut tags = self.tags.lock().unwrap();
+        match what {
+            Selector::Tag(t) => tags.remove(t).map(drop).ok_or_else(|| FormatError::TagNotFound { layout: "mem".into(), tag: t.clone() }),
+            Selector::Digest(d) => {
+                tags.retain(|_, v| v != d);
+                self.blobs.lock().unwrap().remove(d).map(drop).ok_or_else(|| FormatError::BlobNotFound(d.clone()))
+            }
+        }
     }
 }

@@ -263,15 +263,26 @@ pub struct Distribution {
 }
 
 impl Distribution {
-    /// Start `docker-registry` with its storage under `dir`.
+    /// Start `docker-registry` with its storage under `dir`, deletes enabled.
     pub fn start(dir: &Path) -> Distribution {
+        Distribution::start_with(dir, true)
+    }
+
+    /// [`Distribution::start`] with deletes disabled (distribution's default: DELETE is
+    /// answered 405 UNSUPPORTED).
+    pub fn start_without_delete(dir: &Path) -> Distribution {
+        Distribution::start_with(dir, false)
+    }
+
+    fn start_with(dir: &Path, delete: bool) -> Distribution {
+        fs::create_dir_all(dir).unwrap();
         let port = free_port();
         let addr = format!("127.0.0.1:{port}");
         let cfg = dir.join("config.yml");
         fs::write(
             &cfg,
             format!(
-                "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n",
+                "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: {delete}\nhttp:\n  addr: {addr}\n",
                 dir.join("data").display()
             ),
         )

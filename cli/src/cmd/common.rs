@@ -269,12 +269,24 @@ pub fn hint_for(e: &anyhow::Error) -> Option<String> {
 /// Resolve the manifest digest (exit 2 on failure: there is nothing to check), then open
 /// the image (failures there are integrity failures: exit 1).
 pub fn open_image(o: &Opened) -> anyhow::Result<Image> {
-    open_image_in(o.source.as_ref(), &o.selector, &o.reference)
+    let digest = resolve(o)?;
+    open_image_at(o, &digest)
 }
 
-/// The manifest digest the reference names (its tag resolved).
+/// The manifest digest the reference names (its tag resolved). A tag a registry does not
+/// have is told apart from a repository it does not have (registries answer both
+/// `MANIFEST_UNKNOWN`; the tag list says `NAME_UNKNOWN`).
 pub fn resolve(o: &Opened) -> anyhow::Result<imgfmt::OciDigest> {
-    resolve_in(o.source.as_ref(), &o.selector, &o.reference)
+    resolve_in(o.source.as_ref(), &o.selector, &o.reference).map_err(|e| {
+        let tag_missing = e.chain().any(|c| matches!(c.downcast_ref::<FormatError>(), Some(FormatError::TagNotFound { .. })));
+        if !tag_missing || o.registry.is_none() {
+            return e;
+        }
+        match o.source.tags() {
+            Err(missing @ FormatError::RepositoryNotFound { .. }) => anyhow::Error::new(missing).context(format!("resolving {}", o.reference)),
+            _ => e,
+        }
+    })
 }
 
 /// The manifest digest `selector` names in `source` (named `reference` in messages): the
@@ -321,15 +333,24 @@ fn opening_failed(e: imgfmt::FormatError, reference: &str, manifest: &imgfmt::Oc
     }
 }
 
-/// A byte progress bar on stderr, only when stderr is a terminal.
+/// Every progress bar of the process, drawn together on stderr (packing and the uploads
+/// that go on beside it show as two lines, not one overwriting the other).
+fn bars() -> &'static indicatif::MultiProgress {
+    static BARS: std::sync::OnceLock<indicatif::MultiProgress> = std::sync::OnceLock::new();
+    BARS.get_or_init(|| indicatif::MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::stderr()))
+}
+
+/// A byte progress bar on stderr, only when stderr is a terminal. Its ETA is from the
+/// rate over the last few seconds ([`RecentRate`]), not from the average since the start.
 pub fn progress_bar(total: u64, what: &str) -> Option<indicatif::ProgressBar> {
     if !std::io::stderr().is_terminal() {
         return None;
     }
-    let pb = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
+    let pb = bars().add(indicatif::ProgressBar::new(total));
     pb.set_style(
-        indicatif::ProgressStyle::with_template("{msg:>8} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
+        indicatif::ProgressStyle::with_template("{msg:>8} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {recent_eta}")
             .expect("valid template")
+            .with_key("recent_eta", RecentRate::default())
             .progress_chars("=> "),
     );
     pb.set_message(what.to_string());
@@ -337,18 +358,73 @@ pub fn progress_bar(total: u64, what: &str) -> Option<indicatif::ProgressBar> {
 }
 
 /// A byte progress bar on stderr (only when stderr is a terminal) for a transfer with a
-/// registry: the bar counts the work done (zero chunks and cache hits included, so it
-/// ends at the total), and the rate beside it is the network's, from the body bytes the
-/// registry client moved ([`regclient::bytes_transferred`]) over the last few seconds.
+/// registry: the bar counts the work done (cache hits and blobs the registry has included,
+/// so it ends at the total), and the rate beside it is the network's, from the body bytes
+/// the registry client moved ([`regclient::bytes_transferred`]) over the last few seconds.
 pub fn network_progress_bar(total: u64, what: &str) -> Option<indicatif::ProgressBar> {
     let pb = progress_bar(total, what)?;
     pb.set_style(
-        indicatif::ProgressStyle::with_template("{msg:>8} [{bar:30}] {bytes}/{total_bytes} {net} eta {eta}")
+        indicatif::ProgressStyle::with_template("{msg:>8} [{bar:30}] {bytes}/{total_bytes} {net} eta {recent_eta}")
             .expect("valid template")
             .with_key("net", NetRate::default())
+            .with_key("recent_eta", RecentRate::default())
             .progress_chars("=> "),
     );
     Some(pb)
+}
+
+/// A line on stderr (only when stderr is a terminal) for uploads whose total is not known
+/// yet (packs sent while the packer makes the next): bytes sent and the network's rate.
+pub fn upload_counter(what: &str) -> Option<indicatif::ProgressBar> {
+    let pb = progress_bar(0, what)?;
+    pb.set_style(indicatif::ProgressStyle::with_template("{msg:>8} {bytes} sent, {net}").expect("valid template").with_key("net", NetRate::default()));
+    pb.enable_steady_tick(Duration::from_millis(250));
+    Some(pb)
+}
+
+/// The time left at the rate of the last few seconds of a bar's progress: what is left
+/// over what moved in the window. Indicatif's own estimate weighs the whole history, so a
+/// bar that leapt at its start (zeros, blobs already there) promised the end too soon.
+#[derive(Clone, Default)]
+struct RecentRate(std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<(std::time::Instant, u64)>>>);
+
+impl RecentRate {
+    /// Seconds left for `left` bytes, at the rate between the oldest sample in the window
+    /// and `(now, pos)`; `None` until the window has a rate.
+    fn eta(&self, now: std::time::Instant, pos: u64, left: u64) -> Option<Duration> {
+        let mut w = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        while w.len() > 1 && w.front().is_some_and(|(t, _)| now.duration_since(*t) > NET_RATE_WINDOW) {
+            w.pop_front();
+        }
+        w.push_back((now, pos));
+        let (t0, p0) = w[0];
+        let secs = now.duration_since(t0).as_secs_f64();
+        let moved = pos.saturating_sub(p0);
+        if left == 0 {
+            return Some(Duration::ZERO);
+        }
+        if secs < 0.5 || moved == 0 {
+            return None;
+        }
+        Some(Duration::from_secs_f64((left as f64 * secs / moved as f64).min(1e7)))
+    }
+}
+
+impl indicatif::style::ProgressTracker for RecentRate {
+    fn clone_box(&self) -> Box<dyn indicatif::style::ProgressTracker> {
+        Box::new(self.clone())
+    }
+    fn tick(&mut self, _: &indicatif::ProgressState, _: std::time::Instant) {}
+    fn reset(&mut self, _: &indicatif::ProgressState, _: std::time::Instant) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+    fn write(&self, state: &indicatif::ProgressState, w: &mut dyn std::fmt::Write) {
+        let left = state.len().unwrap_or(0).saturating_sub(state.pos());
+        let _ = match self.eta(std::time::Instant::now(), state.pos(), left) {
+            Some(d) => write!(w, "{}", indicatif::HumanDuration(d)),
+            None => write!(w, "?"),
+        };
+    }
 }
 
 /// The network's rate for a progress bar: bytes moved by the registry client over a
@@ -416,6 +492,19 @@ mod tests {
         assert_eq!(r.sample(t + Duration::from_secs(2), 1000 + (4 << 20)), (2 << 20) as f64, "4 MiB over 2 s");
         // Samples older than the window leave it.
         assert_eq!(r.sample(t + Duration::from_secs(6), 1000 + (4 << 20)), 0.0);
+    }
+
+    /// Issue 39: a pull's bar leapt to half (zeros) and promised the end in a second for
+    /// five. The estimate is what is left at the rate of the last seconds.
+    #[test]
+    fn regression_issue_39_the_eta_is_from_the_recent_rate() {
+        let r = RecentRate::default();
+        let t = std::time::Instant::now();
+        assert_eq!(r.eta(t, 128 << 20, 128 << 20), None, "no rate from one sample, whatever came before");
+        assert_eq!(r.eta(t + Duration::from_secs(1), (128 << 20) + (25 << 20), 103 << 20), Some(Duration::from_secs_f64(103.0 / 25.0)));
+        // A stall empties the rate once the window has only the stall.
+        assert_eq!(r.eta(t + Duration::from_secs(6), 153 << 20, 103 << 20), None);
+        assert_eq!(r.eta(t + Duration::from_secs(7), 153 << 20, 0), Some(Duration::ZERO));
     }
 
     #[test]

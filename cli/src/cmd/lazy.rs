@@ -214,7 +214,7 @@ fn parse_share(s: &str) -> Result<f64, String> {
 
 /// The log filter unless SNAPCTL_LOG or RUST_LOG says otherwise: the daemon's progress
 /// (listening, each connection, traces stored) and every library's warnings.
-pub const DEFAULT_LOG: &str = "warn,lazy=info";
+pub const DEFAULT_LOG: &str = "warn,lazy=info,snapctl=info";
 
 pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     let r: Reference = a.image.parse()?;
@@ -236,15 +236,15 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
         (false, false, _) => "",
     };
     let f = &image.files[file];
-    eprintln!("snapctl lazy: serving {} of {} ({}){trace}", f.name, a.image, imgfmt::size::human(f.size));
+    tracing::info!("serving {} of {} ({}){trace}", f.name, a.image, imgfmt::size::human(f.size));
     if let Some(addr) = &a.metrics {
         let bound = daemon.serve_metrics(addr)?;
-        eprintln!("snapctl lazy: metrics on http://{bound}/metrics");
+        tracing::info!("metrics on http://{bound}/metrics");
     }
     let d2 = daemon.clone();
     stop::on_terminate(move || {
-        eprintln!(
-            "snapctl lazy: stopping: no new connections; waiting for the {} being served to end (a guest whose handler goes away reads untouched memory as zeros); signal again to exit now",
+        tracing::info!(
+            "stopping: no new connections; waiting for the {} being served to end (a guest whose handler goes away reads untouched memory as zeros); signal again to exit now",
             d2.active()
         );
         d2.drain();
@@ -290,7 +290,7 @@ fn on_report(json: bool, failed: Arc<AtomicBool>) -> Arc<dyn Fn(&ConnReport) + S
         if r.integrity_failed() {
             failed.store(true, Ordering::Relaxed);
         }
-        eprintln!("snapctl lazy: {}", r.summary());
+        tracing::info!("{}", r.summary());
         if json {
             // A page server keeps serving when its report reader has gone: a guest
             // still faulting must not lose its handler over a closed pipe.

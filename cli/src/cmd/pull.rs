@@ -109,8 +109,9 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
         let dir = a.cache.clone().unwrap_or_else(ChunkCache::default_dir);
         Some(ChunkCache::open(&dir, a.cache_size).with_context(|| format!("opening the chunk cache in {}", dir.display()))?)
     };
-    let total = image.files.iter().map(|f| f.size).sum();
-    let pb = common::network_progress_bar(total, "pull");
+    // The bar counts the data to fetch (from the registry, the cache or a file in place);
+    // zero chunks are holes, written by nobody.
+    let pb = common::network_progress_bar(puller::data_bytes(&image), "pull");
     let tick = |n: u64| {
         if let Some(pb) = &pb {
             pb.inc(n)

@@ -224,7 +224,21 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
                 cache_dir: cache_dir.clone(),
                 parent_is_the_tags: from_tag,
             };
-            pusher::push::pack_dir(dir, &dest, opts, &copy_options(&a.transfer)).map_err(anyhow::Error::new)
+            // Packs go up while the next is made: their bytes are counted on a line of
+            // their own, under the packing bar.
+            let sent = common::upload_counter("upload");
+            let tick = |n: u64| {
+                if let Some(pb) = &sent {
+                    pb.inc(n)
+                }
+            };
+            let mut copy = copy_options(&a.transfer);
+            copy.progress = Some(&tick);
+            let packed = pusher::push::pack_dir(dir, &dest, opts, &copy).map_err(anyhow::Error::new);
+            if let Some(pb) = sent {
+                pb.finish_and_clear();
+            }
+            packed
         })?;
         match packed.reused {
             Some(Reused::Stamp) => eprintln!("{}: unchanged since it was last packed (same stamp): not packing again", dir.display()),

@@ -62,6 +62,11 @@ pub struct ServeArgs {
     /// Configuration file (TOML): these options in snake_case, [gc], [retention].
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// Read and check FILE as serve would (the other flags laid over it, the --htpasswd,
+    /// --acl and --token-secret-file it names read), print the effective settings on
+    /// stdout and exit: 0 when they are good, 2 with the error. Starts no server.
+    #[arg(long, value_name = "FILE", conflicts_with = "config")]
+    pub check_config: Option<PathBuf>,
     /// Where blobs and manifests live: a directory, or s3://BUCKET/PREFIX
     /// [default: ./snapctl-registry].
     #[arg(long)]
@@ -237,7 +242,11 @@ fn load_auth(set: &ServeSettings) -> anyhow::Result<Option<registry::auth::Auth>
     Ok(Some(a))
 }
 
-pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
+pub fn run(mut args: ServeArgs) -> anyhow::Result<ExitCode> {
+    if let Some(file) = args.check_config.take() {
+        args.config = Some(file);
+        return check_config(args);
+    }
     let mut set = settings(args)?;
     set.server.auth = load_auth(&set)?;
     let store = registry::store::open(&set.storage, set.staging_dir.as_deref()).with_context(|| format!("opening storage {}", set.storage))?;
@@ -298,6 +307,81 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         eprintln!("snapctl serve: stopped");
         Ok(ExitCode::SUCCESS)
     })
+}
+
+/// `serve --check-config`: the settings `run` would start with, printed as configuration
+/// keys, or the error that would stop it (the storage is not opened, no port is bound).
+fn check_config(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    let file = args.config.clone().unwrap_or_default();
+    let set = settings(args).with_context(|| format!("checking {}", file.display()))?;
+    load_auth(&set).with_context(|| format!("checking {}", file.display()))?;
+    for line in effective(&set) {
+        super::common::outln!("{line}")?;
+    }
+    eprintln!("snapctl serve: {} is good", file.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `set` as `key = value` lines in the configuration file's names (TOML), secrets left out
+/// (the token secret's file is named, never read out).
+fn effective(set: &ServeSettings) -> Vec<String> {
+    let q = |s: &str| format!("{s:?}");
+    let path = |p: &Option<PathBuf>| p.as_ref().map(|p| q(&p.display().to_string()));
+    let c = &set.server;
+    let mut out: Vec<(&str, Option<String>)> = vec![
+        ("storage", Some(q(&set.storage))),
+        ("listen", Some(q(&set.listen))),
+        ("staging_dir", path(&set.staging_dir)),
+        ("htpasswd", path(&set.htpasswd)),
+        ("acl", path(&set.acl)),
+        ("anonymous_read", Some(set.anonymous_read.to_string())),
+        ("token_secret_file", path(&set.token_secret_file)),
+        ("token_realm", set.token_realm.as_deref().map(q)),
+        ("max_password_checks", set.max_password_checks.map(|n| n.to_string())),
+        ("tls_cert", set.tls.as_ref().map(|(c, _)| q(&c.display().to_string()))),
+        ("tls_key", set.tls.as_ref().map(|(_, k)| q(&k.display().to_string()))),
+        ("metrics_listen", set.metrics_listen.as_deref().map(q)),
+        ("log_format", Some(q(if set.log_format == LogFormat::Json { "json" } else { "text" }))),
+        ("max_manifest_bytes", Some(c.max_manifest_bytes.to_string())),
+        ("chunk_min_length", Some(c.chunk_min_length.to_string())),
+        ("header_timeout", Some(q(&duration(c.limits.header_read_timeout)))),
+        ("idle_timeout", Some(q(&duration(c.limits.idle_timeout)))),
+        ("max_conns_per_client", Some(c.limits.max_conns_per_client.to_string())),
+        ("max_requests_per_client", Some(c.limits.max_requests_per_client.to_string())),
+        ("max_streams_per_conn", Some(c.limits.max_streams_per_conn.to_string())),
+        ("upload_ttl", Some(q(&duration(c.upload_ttl)))),
+        ("catalog_max_entries", Some(c.catalog_max_entries.to_string())),
+        ("htpasswd_poll", Some(q(&duration(c.htpasswd_poll)))),
+        ("stats_interval", Some(q(&duration(c.stats_interval)))),
+    ];
+    out.retain(|(_, v)| v.is_some());
+    let mut lines: Vec<String> = out.into_iter().map(|(k, v)| format!("{k} = {}", v.unwrap_or_default())).collect();
+    lines.push(String::new());
+    lines.push("[gc]".into());
+    match &c.gc {
+        Some(g) => {
+            lines.push(format!("interval = {}", q(&duration(g.interval))));
+            lines.push(format!("grace = {}", q(&duration(g.options.grace))));
+            lines.push(format!("# retention: {} policies", g.options.retention.config.policies.len()));
+        }
+        None => lines.push("interval = \"0\"  # no scheduled gc".into()),
+    }
+    lines.push(format!("pull_flush = {}", q(&duration(c.pull_flush))));
+    lines.push(format!("max_lease = {}", q(&duration(c.max_lease))));
+    lines
+}
+
+/// `d` in the duration grammar the file is read with, in its largest whole unit.
+fn duration(d: Duration) -> String {
+    let (s, ms) = (d.as_secs(), d.subsec_millis());
+    match (s, ms) {
+        (0, 0) => "0s".into(),
+        (s, 0) if s % 86_400 == 0 => format!("{}d", s / 86_400),
+        (s, 0) if s % 3600 == 0 => format!("{}h", s / 3600),
+        (s, 0) if s % 60 == 0 => format!("{}m", s / 60),
+        (s, 0) => format!("{s}s"),
+        _ => format!("{}ms", d.as_millis()),
+    }
 }
 
 /// Resolves on SIGTERM or SIGINT.

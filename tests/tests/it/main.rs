@@ -30,3 +30,4 @@ mod sign;
 mod slices;
 mod snapshot_registry;
 mod vectors;
+mod verbs;

@@ -28,18 +28,20 @@ pub struct CriuFlags<'a> {
 pub fn run(f: CriuFlags<'_>, prepared: Prepared, store: Option<Arc<dyn lazy::ChunkStore>>) -> anyhow::Result<ExitCode> {
     let image = &prepared.image;
     if image.config().kind != imgfmt::Kind::Criu {
-        eprintln!("snapctl lazy: warning: {} is a {} image, not criu", f.image, image.config().kind);
+        tracing::warn!("{} is a {} image, not criu", f.image, image.config().kind);
     }
     let woken = prepared.serve_criu(store, f.workdir.clone());
     let daemon = woken.daemon.clone();
     if let Some(addr) = f.metrics {
         let bound = daemon.serve_metrics(addr)?;
-        eprintln!("snapctl lazy: metrics on http://{bound}/metrics");
+        tracing::info!("metrics on http://{bound}/metrics");
     }
     let written = if f.prepare { Some(write_dump(&daemon, &f.workdir)?) } else { None };
     let d2 = daemon.clone();
     on_terminate(move || {
-        eprintln!("snapctl lazy: criu: stopping once the restore being served (if any) is done; signal again to exit now (its tasks would then read untouched memory as zeros)");
+        tracing::info!(
+            "criu: stopping once the restore being served (if any) is done; signal again to exit now (its tasks would then read untouched memory as zeros)"
+        );
         d2.drain();
     })?;
     let result = serve(f.json, &daemon);
@@ -54,8 +56,8 @@ fn write_dump(daemon: &CriuDaemon, workdir: &std::path::Path) -> anyhow::Result<
     let t0 = std::time::Instant::now();
     std::fs::create_dir_all(workdir).with_context(|| format!("creating {}", workdir.display()))?;
     let p = daemon.prepare_workdir().with_context(|| format!("preparing {} for criu restore --lazy-pages", workdir.display()))?;
-    eprintln!(
-        "snapctl lazy: criu: wrote {} files ({}) into {} in {:.2}s; {} of lazy pages left to serve",
+    tracing::info!(
+        "criu: wrote {} files ({}) into {} in {:.2}s; {} of lazy pages left to serve",
         p.paths.len(),
         imgfmt::size::human(p.bytes_written),
         workdir.display(),
@@ -76,7 +78,7 @@ fn serve(json: bool, daemon: &Arc<CriuDaemon>) -> anyhow::Result<ExitCode> {
         if r.error.is_some() {
             e2.store(true, Ordering::Relaxed);
         }
-        eprintln!("snapctl lazy: criu: {}", r.summary());
+        tracing::info!("criu: {}", r.summary());
         if json {
             // A page server keeps serving when its report reader has gone: a guest
             // still faulting must not lose its handler over a closed pipe.

@@ -65,6 +65,6 @@ impl wake::Front for Cli<'_> {
     }
 
     fn warn(message: &str) {
-        eprintln!("snapctl lazy: warning: {message}");
+        tracing::warn!("{message}");
     }
 }
