@@ -44,6 +44,7 @@ pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
 pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 const API_VERSION: (&str, &str) = ("docker-distribution-api-version", "registry/2.0");
 
+mod drain;
 mod listen;
 pub use listen::{Limits, DEFAULT_MAX_CONNS_PER_CLIENT, DEFAULT_MAX_REQUESTS_PER_CLIENT, DEFAULT_MAX_STREAMS_PER_CONN};
 mod web;
@@ -767,9 +768,6 @@ impl Server {
                 let cr = parse_content_range(headers.get(header::CONTENT_RANGE))?;
                 let min = self.cfg.chunk_min_length;
                 if let Some(cl) = content_length(&headers).filter(|&cl| min > 0 && cl < min) {
-                    // Read the (short: under `min`) body before refusing: answering while the
-                    // client is still sending makes it see a reset instead of the 400.
-                    futures::StreamExt::for_each(counted, |_| async {}).await;
                     return Err(ApiError::bad(
                         Code::BlobUploadInvalid,
                         format!("PATCH of {cl} bytes is below OCI-Chunk-Min-Length {min} (only the last piece, sent with the PUT, may be shorter)"),
@@ -1332,9 +1330,12 @@ fn client_ip(c: Client) -> Option<std::net::IpAddr> {
 }
 
 async fn v2(State(s): State<Arc<Server>>, client: Client, method: Method, uri: Uri, headers: HeaderMap, body: Body) -> Response {
-    match s.handle(method, uri, headers, body, client_ip(client)).await {
+    let (body, shared) = drain::Shared::new(body);
+    match s.handle(method, uri, headers.clone(), body, client_ip(client)).await {
         Ok(r) => r,
         Err(e) => {
+            // Read what the client is still sending before answering (server::drain).
+            shared.drain(&headers, s.cfg.limits.idle_timeout).await;
             s.metrics.error(e.code.as_str());
             if e.status.is_server_error() {
                 crate::access::note_error(&e.message);
