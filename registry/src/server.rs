@@ -1007,8 +1007,9 @@ impl Server {
                 hs.push((HeaderName::from_static(crate::restore_lease::HEADER), granted.to_string()));
             }
         }
-        if !head || matches!(ask, Some(crate::restore_lease::Ask::Hold(_))) {
-            // In memory; written in batches (crate::pulls). A lease counts as a pull.
+        let restoring = crate::restore_lease::is_restore(headers.get(crate::restore_lease::PURPOSE_HEADER).map(|v| v.as_bytes()));
+        if (!head && restoring) || matches!(ask, Some(crate::restore_lease::Ask::Hold(_))) {
+            // In memory; written in batches (crate::pulls). A lease is a restore: a pull.
             self.pulls.record(repo, &d);
         }
         if !head {
