@@ -893,8 +893,9 @@ pub const STOP_WAIT: Duration = Duration::from_secs(30);
 
 impl Schedule {
     /// Start running gc every `interval`; pulls recorded in `pulls` are written before
-    /// each run, so `pulled_within` sees them.
-    pub fn spawn(self, store: Arc<dyn BlobStore>, pulls: Arc<PullLog>) -> Scheduled {
+    /// each run, so `pulled_within` sees them; `changed` is notified after each run (the
+    /// server's store totals are taken again).
+    pub fn spawn(self, store: Arc<dyn BlobStore>, pulls: Arc<PullLog>, changed: Arc<tokio::sync::Notify>) -> Scheduled {
         let (stop, mut stopped) = tokio::sync::watch::channel(false);
         let running = Arc::new(AtomicBool::new(false));
         let r = running.clone();
@@ -934,6 +935,7 @@ impl Schedule {
                         Err(GcError::Running { .. }) => tracing::info!("scheduled gc: another gc is running"),
                         Err(e) => tracing::warn!(%e, "scheduled gc failed"),
                     }
+                    changed.notify_one();
                     r.store(false, Relaxed);
                 } else if let Some(due) = due {
                     wait = wait.min(due.duration_since(now).unwrap_or_default());

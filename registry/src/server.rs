@@ -469,7 +469,7 @@ impl Server {
             _watcher: self.spawn_htpasswd_watcher(),
             _scanner: self.spawn_stats_scanner(),
             _pulls: self.spawn_pull_writer(),
-            gc: self.cfg.gc.clone().map(|g| g.spawn(self.store.clone(), self.pulls.clone())),
+            gc: self.cfg.gc.clone().map(|g| g.spawn(self.store.clone(), self.pulls.clone(), self.stats.rescan_signal())),
         }
     }
 
@@ -541,13 +541,18 @@ impl Server {
             return None;
         }
         let s = self.clone();
+        let wanted = s.stats.rescan_signal();
         Some(AbortOnDrop(tokio::spawn(async move {
             loop {
                 match s.stats.scan().await {
                     Ok(t) => tracing::debug!(blobs = t.blobs, bytes = t.stored_bytes, ms = t.scan_ms, "store totals taken"),
                     Err(e) => tracing::warn!(%e, "taking the store's totals"),
                 }
-                tokio::time::sleep(every).await;
+                // Every interval, and when a gc run of this server changed the store.
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = wanted.notified() => {}
+                }
             }
         })))
     }
@@ -784,8 +789,11 @@ impl Server {
             (R::Upload(repo, uid), Method::PUT) => {
                 let d = parse_digest(param(&q, "digest").unwrap_or(""))?;
                 match self.uploads.finish(&repo, &uid, &d, counted).await {
-                    Ok(()) => {
+                    Ok(stored) => {
                         self.metrics.uploads_completed.fetch_add(1, Relaxed);
+                        if let Some(bytes) = stored {
+                            self.stats.note(crate::stats::Change::Stored { bytes });
+                        }
                     }
                     Err(e) => {
                         if e.code == Code::DigestInvalid {
@@ -933,7 +941,7 @@ impl Server {
         body: impl futures::Stream<Item = Result<Bytes, axum::Error>> + Send,
     ) -> Result<(), ApiError> {
         let tmp = upload::staging_path(self.store.as_ref(), "mono");
-        let (_, h) = upload::stream_to_file(body, &tmp, Some(OciHasher::for_digest(d)), None).await?;
+        let (n, h) = upload::stream_to_file(body, &tmp, Some(OciHasher::for_digest(d)), None).await?;
         let got = h.expect("hasher").finish();
         if &got != d {
             let _ = tokio::fs::remove_file(&tmp).await;
@@ -952,6 +960,8 @@ impl Server {
         } else if let Err(e) = self.store.put_file(&key, &tmp).await {
             let _ = tokio::fs::remove_file(&tmp).await;
             return Err(e.into());
+        } else {
+            self.stats.note(crate::stats::Change::Stored { bytes: n });
         }
         self.store.put(&layout::layer_link(repo, d), Bytes::new()).await?;
         Ok(())
@@ -1130,10 +1140,21 @@ impl Server {
         inuse::settled(self.store.as_ref(), d).await?;
         lease.check_fresh()?;
         let (d, size) = (d.clone(), buf.len());
+        // Whether the bytes and the link are new, for the store totals (crate::stats).
+        let (stored, linked) = (exists(self.store.as_ref(), &layout::blob(&d)).await?, exists(self.store.as_ref(), &layout::manifest_link(repo, &d)).await?);
+        let logical = self.stats.logical_of(&d, &buf);
         self.store.put(&layout::blob(&d), Bytes::from(buf)).await?;
+        if !stored {
+            self.stats.note(crate::stats::Change::Stored { bytes: size as u64 });
+        }
         // Listed before its first manifest is: a repository with a manifest is in the catalog.
-        self.catalog.record(repo).await?;
+        if self.catalog.record(repo).await? {
+            self.stats.note(crate::stats::Change::NewRepository);
+        }
         self.store.put(&layout::manifest_link(repo, &d), Bytes::from(mt.clone())).await?;
+        if !linked {
+            self.stats.note(crate::stats::Change::Linked { logical });
+        }
         let mut hs = vec![(header::LOCATION, format!("/v2/{repo}/manifests/{d}")), (HeaderName::from_static("docker-content-digest"), d.to_string())];
         if let Some(subject) = &refs.subject {
             let mut desc = serde_json::json!({ "mediaType": mt, "digest": d.to_string(), "size": size });
@@ -1191,7 +1212,9 @@ impl Server {
                 }
             }
         }
+        let logical = self.stats.logical(&d).await.unwrap_or(0);
         self.store.delete(&layout::manifest_link(repo, &d)).await?;
+        self.stats.note(crate::stats::Change::Unlinked { logical });
         Ok(empty(StatusCode::ACCEPTED, &[]))
     }
 
