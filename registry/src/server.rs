@@ -494,7 +494,10 @@ impl Server {
             return Ok(plan.clone());
         }
         let opts = self.cfg.gc.as_ref().map(|g| g.options.clone()).unwrap_or_default();
-        let (_, mut plan) = crate::gc::retained_blobs(self.store.as_ref(), &opts).await?;
+        // A whole dry run, sweep included: the bytes of each deletion are what the sweep
+        // would free, as `snapctl gc --dry-run` counts them.
+        let report = crate::gc::run(self.store.as_ref(), &crate::gc::GcOptions { dry_run: true, ..opts }).await?;
+        let mut plan = report.retention;
         plan.dry_run = true;
         let plan = Arc::new(plan);
         *p = Some((std::time::Instant::now(), plan.clone()));
