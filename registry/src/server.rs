@@ -109,6 +109,9 @@ pub struct Config {
     pub build: crate::metrics::BuildInfo,
     /// Longest restore lease granted (`Snapctl-Lease`, crate::restore_lease).
     pub max_lease: Duration,
+    /// Keys whose signatures the web view shows as verified (`serve --trusted-key`);
+    /// none: signatures are shown, not checked (crate::signed).
+    pub trusted_keys: Vec<sign::PublicKey>,
 }
 
 impl Default for Config {
@@ -129,6 +132,7 @@ impl Default for Config {
             stats_interval: crate::stats::DEFAULT_INTERVAL,
             build: crate::metrics::BuildInfo::default(),
             max_lease: crate::restore_lease::DEFAULT_MAX_LEASE,
+            trusted_keys: Vec::new(),
         }
     }
 }
