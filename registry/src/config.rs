@@ -223,7 +223,10 @@ impl FileConfig {
         let mut c = FileConfig::parse(&text).map_err(|source| ConfigError::Parse { path: path.to_owned(), source })?;
         let dir = path.parent().unwrap_or(Path::new("."));
         let keys = c.trusted_keys.iter_mut().flatten().map(Some);
-        for p in [&mut c.staging_dir, &mut c.htpasswd, &mut c.acl, &mut c.token_secret_file, &mut c.tls_cert, &mut c.tls_key].into_iter().map(|p| p.as_mut()).chain(keys)
+        for p in [&mut c.staging_dir, &mut c.htpasswd, &mut c.acl, &mut c.token_secret_file, &mut c.tls_cert, &mut c.tls_key]
+            .into_iter()
+            .map(|p| p.as_mut())
+            .chain(keys)
         {
             if let Some(x) = p.filter(|x| x.is_relative()) {
                 *x = dir.join(&*x);

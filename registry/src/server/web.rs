@@ -215,14 +215,8 @@ async fn index(s: &Server, readable: &Readable, last: Option<&str>) -> Result<Re
     if p.repos.is_empty() {
         b.push_str("<p>None.</p>");
     } else {
-        let bytes: std::collections::HashMap<String, (u64, u64)> = s
-            .stats
-            .latest()
-            .and_then(|t| t.repository_bytes)
-            .unwrap_or_default()
-            .into_iter()
-            .map(|r| (r.repository, (r.own_bytes, r.shared_bytes)))
-            .collect();
+        let bytes: std::collections::HashMap<String, (u64, u64)> =
+            s.stats.latest().and_then(|t| t.repository_bytes).unwrap_or_default().into_iter().map(|r| (r.repository, (r.own_bytes, r.shared_bytes))).collect();
         b.push_str("<table><tr><th>repository</th><th>own bytes</th><th>shared bytes</th></tr>");
         for r in &p.repos {
             let (own, shared) = match bytes.get(r.as_str()) {

@@ -391,7 +391,9 @@ fn regression_issue_39_web_view_shows_true_bytes_signatures_and_repository_sizes
     assert!(bytes > 1 << 20, "{dry}");
     let s = Serve::start(store.to_str().unwrap(), &["--config", cfg.to_str().unwrap(), "--trusted-key", &p("cosign.pub"), "--log-format", "json"], &[]);
     let metrics = scrape_once(&s, "snapctl_repository_bytes{");
-    let repo = |r: &str, kind: &str| gauge(&metrics, &format!("snapctl_repository_bytes{{repository=\"{r}\",kind=\"{kind}\"}}")).unwrap_or_else(|| panic!("{r} {kind}: {metrics}"));
+    let repo = |r: &str, kind: &str| {
+        gauge(&metrics, &format!("snapctl_repository_bytes{{repository=\"{r}\",kind=\"{kind}\"}}")).unwrap_or_else(|| panic!("{r} {kind}: {metrics}"))
+    };
     assert!(repo("vm", "own") > 1 << 20, "the old image is vm's own: {metrics}");
     assert!(repo("vm", "shared") > 1 << 20 && repo("other/vm", "shared") == repo("vm", "shared"), "the current image is in both: {metrics}");
     let base = format!("http://{}", s.addr);

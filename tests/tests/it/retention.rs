@@ -444,11 +444,8 @@ fn regression_issue_39_only_restores_count_as_pulls() {
     ok(w.cmd().arg("push").arg(&d).arg(r("child")).args(["--parent", &r("parent")]));
     ok(w.cmd().args(["pull", &r("pulled")]).arg(w.path("restored")));
     ok(w.cmd().args(["inspect", &r("inspected")]));
-    let foreign = reqwest::blocking::Client::new()
-        .get(s.url("/v2/vm/manifests/foreign"))
-        .header("accept", "application/vnd.oci.image.manifest.v1+json")
-        .send()
-        .unwrap();
+    let foreign =
+        reqwest::blocking::Client::new().get(s.url("/v2/vm/manifests/foreign")).header("accept", "application/vnd.oci.image.manifest.v1+json").send().unwrap();
     assert_eq!(foreign.status(), 200);
     assert!(s.terminate().success(), "{}", s.log_text());
     std::thread::sleep(Duration::from_millis(50));

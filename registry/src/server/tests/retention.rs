@@ -124,7 +124,8 @@ async fn the_web_view_shows_pull_times_and_what_retention_would_delete() {
 #[tokio::test]
 async fn regression_issue_39_the_retention_page_shows_the_bytes_gc_dry_run_counts() {
     let opts = GcOptions { grace: Duration::ZERO, ..GcOptions::default() };
-    let s = TestServer::start(Config { gc: Some(crate::gc::Schedule { interval: Duration::from_secs(3600), options: opts.clone() }), ..Config::default() }).await;
+    let s =
+        TestServer::start(Config { gc: Some(crate::gc::Schedule { interval: Duration::from_secs(3600), options: opts.clone() }), ..Config::default() }).await;
     let c = Client::new();
     let first = sample_image(&c, &s, "vm", "latest", "first").await;
     sample_image(&c, &s, "vm", "latest", "second").await;
