@@ -1,13 +1,48 @@
-//! Restore leases: a running restore asks the registry to keep the manifest it serves (and
-//! everything that manifest needs) through garbage collection, for a while, by sending
-//! `Snapctl-Lease: <seconds>` on a `HEAD` of the manifest by digest. A registry that
-//! records the lease echoes the header with the seconds it granted; one that does not
-//! (distribution, Harbor, ...) answers the `HEAD` as usual and keeps nothing.
-//! `seconds == 0` releases the lease. The wire contract is in `spec/transfer.md` §9.
+//! What a restore tells the registry, the one home of both headers:
+//!
+//! - `Snapctl-Purpose: restore | read` on every request a client sends its registry
+//!   ([`Purpose`], set by [`crate::Transport::purpose`]): a manifest read with `restore` is
+//!   a pull (a registry's "last pulled", which retention's `pulled_within` rules read);
+//!   `read` (inspect, verify, a push looking up its parent) is not. A plain client reads
+//!   for `read`; the commands that restore an image (pull, unpack, lazy, mount, and copy's
+//!   source) opt in.
+//! - Restore leases: a running restore asks the registry to keep the manifest it serves
+//!   (and everything that manifest needs) through garbage collection, for a while, by
+//!   sending `Snapctl-Lease: <seconds>` on a `HEAD` of the manifest by digest. A registry
+//!   that records the lease echoes the header with the seconds it granted; one that does
+//!   not (distribution, Harbor, ...) answers the `HEAD` as usual and keeps nothing.
+//!   `seconds == 0` releases the lease. A lease is a restore, so it counts as a pull too.
+//!
+//! The wire contract is in `spec/transfer.md` §9 and `spec/registry.md` ("Pulls").
 
 use imgfmt::{BlobSource, OciDigest};
 
 use super::{ClientError, RegistrySource};
+
+/// The request header saying what a client's reads are for ([`Purpose`]).
+pub const PURPOSE_HEADER: &str = "Snapctl-Purpose";
+
+/// What a client's reads are for, sent as [`PURPOSE_HEADER`]. A registry records a pull
+/// when a manifest is read for [`Purpose::Restore`] (or by a client that sends no such
+/// header: another tool pulling an image is restoring it), never for [`Purpose::Read`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Purpose {
+    /// Looking, not restoring: inspect, verify, a push resolving its parent. The default.
+    #[default]
+    Read,
+    /// Restoring the image: pull, unpack, lazy, mount, copy's source.
+    Restore,
+}
+
+impl Purpose {
+    /// The header's value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Purpose::Read => "read",
+            Purpose::Restore => "restore",
+        }
+    }
+}
 
 /// The request and response header of a restore lease.
 pub const LEASE_HEADER: &str = "Snapctl-Lease";
@@ -100,6 +135,21 @@ mod tests {
         assert!(seen[0].to_ascii_lowercase().contains("snapctl-lease: 900\r\n"), "{seen:?}");
         assert!(seen[1].to_ascii_lowercase().contains("snapctl-lease: 0\r\n"), "{seen:?}");
         assert!(seen[2].to_ascii_lowercase().contains(&format!("snapctl-lease: {MAX_LEASE_SECONDS}\r\n")), "asked at most the bound: {seen:?}");
+    }
+
+    #[test]
+    fn regression_issue_39_reads_say_what_they_are_for_and_only_restores_opt_in() {
+        let (addr, seen) = server(|_| "HTTP/1.1 200 OK\r\nContent-Length: 10\r\nSnapctl-Lease: 60\r\n\r\n".to_string());
+        let plain = RegistrySource::new(&addr, "sbx/vm", true, None).unwrap();
+        plain.lease(&digest(), 60).unwrap();
+        // The one-thread server reads one connection until it closes.
+        drop(plain);
+        let t = crate::Transport { purpose: Purpose::Restore, ..Default::default() };
+        let restoring = RegistrySource::connect(&addr, "sbx/vm", &t, None).unwrap();
+        restoring.lease(&digest(), 60).unwrap();
+        let seen = seen.lock().unwrap();
+        assert!(seen[0].to_ascii_lowercase().contains("snapctl-purpose: read\r\n"), "a plain client is not restoring: {seen:?}");
+        assert!(seen[1].to_ascii_lowercase().contains("snapctl-purpose: restore\r\n"), "{seen:?}");
     }
 
     #[test]

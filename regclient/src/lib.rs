@@ -9,7 +9,7 @@
 //! upload.rs    write half: HEAD, mount, POST/PATCH/PUT uploads with resume, manifest PUT
 //! referrers.rs referrers API and the OCI 1.1 fallback tag `sha256-<hex>`
 //! listing.rs   tag lists and the catalog, page by page; manifest and tag deletion
-//! lease.rs     restore leases: `Snapctl-Lease` on a HEAD of a manifest by digest
+//! lease.rs     what a restore tells the registry: `Snapctl-Purpose`, `Snapctl-Lease`
 //! artifacts.rs manifests read beside an image (signatures) without the tag cache
 //! state.rs     resume state files of chunked uploads
 //! known.rs     which repositories of a host hold which blobs (for mounts)
@@ -53,7 +53,7 @@ mod upload;
 pub use config::{cache_dir, docker_config_credentials, docker_config_path, remove_docker_credentials, store_docker_credentials, Stored};
 pub use error::{explain, ClientError, CredentialsError};
 pub use known::KnownBlobs;
-pub use lease::{LEASE_HEADER, MAX_LEASE_SECONDS};
+pub use lease::{Purpose, LEASE_HEADER, MAX_LEASE_SECONDS, PURPOSE_HEADER};
 pub use listing::refuses_deletes;
 pub use open::{open, Opened};
 pub use upload::{MemSource, PutManifest, UploadOptions, Uploaded, DEFAULT_PIECE, MAX_PIECE};
@@ -279,6 +279,8 @@ pub struct RegistrySource {
     retry: RetryPolicy,
     /// How long one request may take, whole.
     deadline: RequestDeadline,
+    /// What this client's reads are for (`Snapctl-Purpose` on every request to `origin`).
+    purpose: Purpose,
 }
 
 /// Registry client under the name the write half reads best with.
@@ -350,6 +352,7 @@ impl RegistrySource {
             resolved: Mutex::new(None),
             retry: default_retry_policy(),
             deadline: RequestDeadline::from_env(),
+            purpose: transport.purpose,
         })
     }
 
@@ -475,6 +478,13 @@ impl RegistrySource {
         let mut hops = 0;
         loop {
             req.headers_mut().remove(AUTHORIZATION);
+            // What the reads are for goes to the registry alone, not to a blob store a
+            // redirect names.
+            if may_send_credentials(&self.origin, req.url()) {
+                req.headers_mut().insert(lease::PURPOSE_HEADER, HeaderValue::from_static(self.purpose.as_str()));
+            } else {
+                req.headers_mut().remove(lease::PURPOSE_HEADER);
+            }
             if let Some((owner, value)) = auth {
                 if may_send_credentials(owner, req.url()) {
                     // Tokens are checked to be header-safe when stored; one that is not

@@ -44,6 +44,9 @@ pub struct Transport {
     /// Accept any certificate (`--insecure`, skopeo's `--tls-verify=false`): for a test
     /// registry with a self-signed certificate, never for credentials that matter.
     pub insecure: bool,
+    /// What the clients' reads are for, told to the registry on every request
+    /// ([`crate::Purpose`]; default: reading, not restoring).
+    pub purpose: crate::Purpose,
 }
 
 impl Transport {

@@ -154,23 +154,27 @@ impl Catalog {
         Catalog { store, known: Mutex::new(HashSet::new()) }
     }
 
-    /// Make sure `repo` has its entry (call before its first manifest link is written).
-    pub async fn record(&self, repo: &RepoName) -> Result<(), StoreError> {
+    /// Make sure `repo` has its entry (call before its first manifest link is written);
+    /// whether this call wrote it (a repository new to the store).
+    pub async fn record(&self, repo: &RepoName) -> Result<bool, StoreError> {
         if self.known.lock().unwrap_or_else(|p| p.into_inner()).contains(repo) {
-            return Ok(());
+            return Ok(false);
         }
         let key = layout::catalog_entry(repo);
-        match self.store.head(&key).await {
-            Ok(_) => {}
-            Err(e) if e.is_not_found() => self.store.put(&key, bytes::Bytes::new()).await?,
+        let new = match self.store.head(&key).await {
+            Ok(_) => false,
+            Err(e) if e.is_not_found() => {
+                self.store.put(&key, bytes::Bytes::new()).await?;
+                true
+            }
             Err(e) => return Err(e),
-        }
+        };
         let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
         if known.len() >= KNOWN_CAP {
             known.clear();
         }
         known.insert(repo.clone());
-        Ok(())
+        Ok(new)
     }
 
     /// Index a store laid out before the catalog existed: one walk over `repositories/`,

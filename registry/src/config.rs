@@ -108,6 +108,8 @@ pub struct FileConfig {
     #[serde(default, deserialize_with = "opt_duration")]
     pub stats_interval: Option<Duration>,
     pub log_format: Option<LogFormat>,
+    /// PEM public keys (cosign.pub) whose signatures the web view shows as verified.
+    pub trusted_keys: Option<Vec<PathBuf>>,
     #[serde(default)]
     pub gc: GcSection,
     #[serde(default)]
@@ -199,6 +201,13 @@ pub enum ConfigError {
     ManifestLimit(u64),
     /// no storage: give --storage DIR|s3://BUCKET/PREFIX, or storage in --config
     NoStorage,
+    /// trusted key {path}: {reason}
+    TrustedKey {
+        /// The file.
+        path: PathBuf,
+        /// Why it is not a key.
+        reason: String,
+    },
 }
 
 impl FileConfig {
@@ -213,8 +222,13 @@ impl FileConfig {
         let text = std::fs::read_to_string(path).map_err(read)?;
         let mut c = FileConfig::parse(&text).map_err(|source| ConfigError::Parse { path: path.to_owned(), source })?;
         let dir = path.parent().unwrap_or(Path::new("."));
-        for p in [&mut c.staging_dir, &mut c.htpasswd, &mut c.acl, &mut c.token_secret_file, &mut c.tls_cert, &mut c.tls_key] {
-            if let Some(x) = p.as_mut().filter(|x| x.is_relative()) {
+        let keys = c.trusted_keys.iter_mut().flatten().map(Some);
+        for p in [&mut c.staging_dir, &mut c.htpasswd, &mut c.acl, &mut c.token_secret_file, &mut c.tls_cert, &mut c.tls_key]
+            .into_iter()
+            .map(|p| p.as_mut())
+            .chain(keys)
+        {
+            if let Some(x) = p.filter(|x| x.is_relative()) {
                 *x = dir.join(&*x);
             }
         }
@@ -261,6 +275,7 @@ impl FileConfig {
             htpasswd_poll: self.htpasswd_poll.or(file.htpasswd_poll),
             stats_interval: self.stats_interval.or(file.stats_interval),
             log_format: self.log_format.or(file.log_format),
+            trusted_keys: self.trusted_keys.or(file.trusted_keys),
             gc: GcSection {
                 interval: self.gc.interval.or(file.gc.interval),
                 grace: self.gc.grace.or(file.gc.grace),
@@ -387,7 +402,21 @@ impl FileConfig {
             stats_interval: self.stats_interval.unwrap_or(d.stats_interval),
             build: d.build,
             max_lease: self.gc.max_lease.unwrap_or(d.max_lease),
+            trusted_keys: self.trusted_keys()?,
         })
+    }
+
+    /// The keys of `trusted_keys`, read and parsed.
+    fn trusted_keys(&self) -> Result<Vec<sign::PublicKey>, ConfigError> {
+        let bad = |path: &PathBuf, reason: String| ConfigError::TrustedKey { path: path.clone(), reason };
+        self.trusted_keys
+            .iter()
+            .flatten()
+            .map(|p| {
+                let text = std::fs::read(p).map_err(|e| bad(p, e.to_string()))?;
+                sign::PublicKey::from_pem(&text).map_err(|e| bad(p, e.to_string()))
+            })
+            .collect()
     }
 }
 

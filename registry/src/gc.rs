@@ -85,6 +85,19 @@ impl GcOptions {
     }
 }
 
+/// Log a verdict: at `info` when it is acted on, at `debug` in a dry run, whose verdicts are
+/// its output (`gc --dry-run` prints them; the web view's retention page shows them) and
+/// not events in the server's log.
+macro_rules! verdict {
+    ($dry:expr, $($arg:tt)+) => {
+        if $dry {
+            tracing::debug!(dry_run = true, $($arg)+)
+        } else {
+            tracing::info!($($arg)+)
+        }
+    };
+}
+
 /// What a gc run found and did.
 #[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct GcReport {
@@ -581,10 +594,10 @@ async fn sweep_manifests(
             if let Some(rule) = by_keeper {
                 kept.insert(key, rule);
             } else if used_since(store, &x.d, keep_after).await? || leased.digests.contains(&x.d) {
-                tracing::info!(repo = %x.repo, digest = %x.d, "keep manifest: a request relies on it");
+                verdict!(dry, repo = %x.repo, digest = %x.d, "keep manifest: a request relies on it");
                 kept.insert(key, Rule::InUse);
             } else {
-                tracing::info!(repo = %x.repo, digest = %x.d, dry_run = dry, "delete manifest");
+                verdict!(dry, repo = %x.repo, digest = %x.d, "delete manifest");
                 report.manifests_removed += 1;
                 if !dry {
                     run.check_alive()?;
@@ -666,7 +679,7 @@ async fn sweep_tags(store: &dyn BlobStore, run: &mut GcRun, dry: bool, scan: &Sc
                 tag_flips.push(i);
                 continue;
             }
-            tracing::info!(repo = %r, tag = %t, dry_run = dry, "delete tag");
+            verdict!(dry, repo = %r, tag = %t, "delete tag");
             report.tags_removed += 1;
             if !dry && now.is_some() {
                 run.check_alive()?;
@@ -776,11 +789,11 @@ pub(crate) async fn sweep(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOptio
             };
             if leased.contains(d) || used.is_some_and(|t| !old(t)) {
                 report.kept_in_use += 1;
-                tracing::info!(digest = %d, "keep blob: a request relies on it");
+                verdict!(dry, digest = %d, "keep blob: a request relies on it");
             } else {
                 report.swept += 1;
                 report.swept_bytes += m.size;
-                tracing::info!(digest = %d, size = m.size, dry_run = dry, "sweep blob");
+                verdict!(dry, digest = %d, size = m.size, "sweep blob");
                 if !dry {
                     run.check_alive()?;
                     store.delete(&m.key).await?;
@@ -804,7 +817,7 @@ pub(crate) async fn sweep(store: &dyn BlobStore, run: &mut GcRun, opts: &GcOptio
     let idle = crate::upload::idle_sessions(store, opts.upload_ttl).await?;
     report.uploads_removed = idle.len();
     for id in &idle {
-        tracing::info!(%id, dry_run = dry, "remove expired upload");
+        verdict!(dry, %id, "remove expired upload");
         if !dry {
             crate::upload::remove_session(store, id).await?;
         }
@@ -893,8 +906,9 @@ pub const STOP_WAIT: Duration = Duration::from_secs(30);
 
 impl Schedule {
     /// Start running gc every `interval`; pulls recorded in `pulls` are written before
-    /// each run, so `pulled_within` sees them.
-    pub fn spawn(self, store: Arc<dyn BlobStore>, pulls: Arc<PullLog>) -> Scheduled {
+    /// each run, so `pulled_within` sees them; `changed` is notified after each run (the
+    /// server's store totals are taken again).
+    pub fn spawn(self, store: Arc<dyn BlobStore>, pulls: Arc<PullLog>, changed: Arc<tokio::sync::Notify>) -> Scheduled {
         let (stop, mut stopped) = tokio::sync::watch::channel(false);
         let running = Arc::new(AtomicBool::new(false));
         let r = running.clone();
@@ -934,6 +948,7 @@ impl Schedule {
                         Err(GcError::Running { .. }) => tracing::info!("scheduled gc: another gc is running"),
                         Err(e) => tracing::warn!(%e, "scheduled gc failed"),
                     }
+                    changed.notify_one();
                     r.store(false, Relaxed);
                 } else if let Some(due) = due {
                     wait = wait.min(due.duration_since(now).unwrap_or_default());

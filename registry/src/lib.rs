@@ -15,7 +15,8 @@
 //! reload     htpasswd changes taken while serving (polled, or on SIGHUP)
 //! stats      the store's totals (bytes, blobs, manifests, dedup), scanned in the background
 //! pulls      when manifests were last pulled (in memory, written in batches)
-//! restore_lease  a running restore's hold on the manifest it reads (Snapctl-Lease)
+//! signed     signatures stored beside a manifest and whether trusted keys verify them
+//! restore_lease  what a restore tells the server: its reads are pulls (Snapctl-Purpose), its lease
 //! retention  which tags and manifests gc keeps: policies, snapshot chains, referrers
 //! gc         retention, then mark and sweep of unreachable blobs
 //! config     serve's and gc's configuration: the TOML file, the flags over it, the defaults
@@ -40,6 +41,7 @@ pub mod reload;
 pub mod restore_lease;
 pub mod retention;
 pub mod server;
+pub mod signed;
 pub mod stats;
 pub mod store;
 pub mod units;

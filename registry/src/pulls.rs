@@ -8,8 +8,11 @@
 //!             repositories/<name>/_pulled   {"sha256:…": <unix seconds>, …}   (read, merge, write)
 //! ```
 //!
-//! A pull is recorded when the server answers a GET of a manifest (by tag or digest) with
-//! 200; HEAD is not a pull. Replicas share the object: each flush reads it, keeps the
+//! A pull is a restore: it is recorded when the server answers a GET of a manifest (by
+//! tag or digest) with 200 to a client restoring the image (`Snapctl-Purpose: restore`,
+//! or no such header: another tool pulling), and for a restore lease taken or renewed
+//! (crate::restore_lease::is_restore). A HEAD is not a pull, nor a read that says
+//! `Snapctl-Purpose: read` (inspect, verify, a push resolving its parent). Replicas share the object: each flush reads it, keeps the
 //! later time of each entry, writes it back, and reads it again to check that its own
 //! entries survived (another replica may have written in between; then it merges again,
 //! up to three times). gc drops the entries of manifests it deletes.

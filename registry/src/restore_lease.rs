@@ -1,5 +1,6 @@
-//! Restore leases: a running restore keeps the manifest it reads from, and everything that
-//! manifest needs, through gc, however long its guest runs.
+//! What a restore tells the registry: that its reads are a restore ([`PURPOSE_HEADER`],
+//! [`is_restore`]: only those are pulls), and its lease, which keeps the manifest it reads
+//! from, and everything that manifest needs, through gc, however long its guest runs.
 //!
 //! ```text
 //! restore (lazy daemon)                      snapctl serve                     gc (serve's or `snapctl gc`)
@@ -38,6 +39,20 @@ use crate::store::{BlobStore, ObjectMeta, StoreError};
 
 /// The request and response header.
 pub const HEADER: &str = "snapctl-lease";
+/// The request header saying what a client's reads are for: `restore` or `read`
+/// (`regclient::Purpose`, the client's end of it).
+pub const PURPOSE_HEADER: &str = "snapctl-purpose";
+
+/// Whether a manifest read with `purpose` (the request's [`PURPOSE_HEADER`]) is a pull, a
+/// restore that retention's `pulled_within` counts: `restore` is; `read` (snapctl's
+/// inspect, verify, a push resolving its parent) is not, nor is any other value; no
+/// header at all is (another tool, skopeo or oras, pulling an image is restoring it).
+pub fn is_restore(purpose: Option<&[u8]>) -> bool {
+    match purpose {
+        None => true,
+        Some(v) => std::str::from_utf8(v).is_ok_and(|v| v.trim().eq_ignore_ascii_case("restore")),
+    }
+}
 /// The largest value a request may send, and the longest a stored lease counts (24 h).
 pub const MAX_SECONDS: u64 = 86_400;
 /// The server's `max_lease` when the configuration sets none.
@@ -155,6 +170,16 @@ pub async fn release(store: &dyn BlobStore, repo: &RepoName, d: &OciDigest) -> R
 mod tests {
     use super::*;
     use crate::store::FsStore;
+
+    #[test]
+    fn regression_issue_39_only_restores_and_foreign_clients_are_pulls() {
+        assert!(is_restore(None), "a client that does not say: skopeo, oras");
+        assert!(is_restore(Some(b"restore")));
+        assert!(is_restore(Some(b" Restore ")));
+        for not in [&b"read"[..], b"", b"inspect", b"\xff"] {
+            assert!(!is_restore(Some(not)), "{not:?}");
+        }
+    }
 
     #[test]
     fn header_values() {

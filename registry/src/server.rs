@@ -44,6 +44,7 @@ pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
 pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 const API_VERSION: (&str, &str) = ("docker-distribution-api-version", "registry/2.0");
 
+mod drain;
 mod listen;
 pub use listen::{Limits, DEFAULT_MAX_CONNS_PER_CLIENT, DEFAULT_MAX_REQUESTS_PER_CLIENT, DEFAULT_MAX_STREAMS_PER_CONN};
 mod web;
@@ -108,6 +109,9 @@ pub struct Config {
     pub build: crate::metrics::BuildInfo,
     /// Longest restore lease granted (`Snapctl-Lease`, crate::restore_lease).
     pub max_lease: Duration,
+    /// Keys whose signatures the web view shows as verified (`serve --trusted-key`);
+    /// none: signatures are shown, not checked (crate::signed).
+    pub trusted_keys: Vec<sign::PublicKey>,
 }
 
 impl Default for Config {
@@ -128,6 +132,7 @@ impl Default for Config {
             stats_interval: crate::stats::DEFAULT_INTERVAL,
             build: crate::metrics::BuildInfo::default(),
             max_lease: crate::restore_lease::DEFAULT_MAX_LEASE,
+            trusted_keys: Vec::new(),
         }
     }
 }
@@ -468,7 +473,7 @@ impl Server {
             _watcher: self.spawn_htpasswd_watcher(),
             _scanner: self.spawn_stats_scanner(),
             _pulls: self.spawn_pull_writer(),
-            gc: self.cfg.gc.clone().map(|g| g.spawn(self.store.clone(), self.pulls.clone())),
+            gc: self.cfg.gc.clone().map(|g| g.spawn(self.store.clone(), self.pulls.clone(), self.stats.rescan_signal())),
         }
     }
 
@@ -493,7 +498,10 @@ impl Server {
             return Ok(plan.clone());
         }
         let opts = self.cfg.gc.as_ref().map(|g| g.options.clone()).unwrap_or_default();
-        let (_, mut plan) = crate::gc::retained_blobs(self.store.as_ref(), &opts).await?;
+        // A whole dry run, sweep included: the bytes of each deletion are what the sweep
+        // would free, as `snapctl gc --dry-run` counts them.
+        let report = crate::gc::run(self.store.as_ref(), &crate::gc::GcOptions { dry_run: true, ..opts }).await?;
+        let mut plan = report.retention;
         plan.dry_run = true;
         let plan = Arc::new(plan);
         *p = Some((std::time::Instant::now(), plan.clone()));
@@ -540,13 +548,18 @@ impl Server {
             return None;
         }
         let s = self.clone();
+        let wanted = s.stats.rescan_signal();
         Some(AbortOnDrop(tokio::spawn(async move {
             loop {
                 match s.stats.scan().await {
                     Ok(t) => tracing::debug!(blobs = t.blobs, bytes = t.stored_bytes, ms = t.scan_ms, "store totals taken"),
                     Err(e) => tracing::warn!(%e, "taking the store's totals"),
                 }
-                tokio::time::sleep(every).await;
+                // Every interval, and when a gc run of this server changed the store.
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = wanted.notified() => {}
+                }
             }
         })))
     }
@@ -768,9 +781,6 @@ impl Server {
                 let cr = parse_content_range(headers.get(header::CONTENT_RANGE))?;
                 let min = self.cfg.chunk_min_length;
                 if let Some(cl) = content_length(&headers).filter(|&cl| min > 0 && cl < min) {
-                    // Read the (short: under `min`) body before refusing: answering while the
-                    // client is still sending makes it see a reset instead of the 400.
-                    futures::StreamExt::for_each(counted, |_| async {}).await;
                     return Err(ApiError::bad(
                         Code::BlobUploadInvalid,
                         format!("PATCH of {cl} bytes is below OCI-Chunk-Min-Length {min} (only the last piece, sent with the PUT, may be shorter)"),
@@ -787,8 +797,11 @@ impl Server {
             (R::Upload(repo, uid), Method::PUT) => {
                 let d = parse_digest(param(&q, "digest").unwrap_or(""))?;
                 match self.uploads.finish(&repo, &uid, &d, counted).await {
-                    Ok(()) => {
+                    Ok(stored) => {
                         self.metrics.uploads_completed.fetch_add(1, Relaxed);
+                        if let Some(bytes) = stored {
+                            self.stats.note(crate::stats::Change::Stored { bytes });
+                        }
                     }
                     Err(e) => {
                         if e.code == Code::DigestInvalid {
@@ -936,7 +949,7 @@ impl Server {
         body: impl futures::Stream<Item = Result<Bytes, axum::Error>> + Send,
     ) -> Result<(), ApiError> {
         let tmp = upload::staging_path(self.store.as_ref(), "mono");
-        let (_, h) = upload::stream_to_file(body, &tmp, Some(OciHasher::for_digest(d)), None).await?;
+        let (n, h) = upload::stream_to_file(body, &tmp, Some(OciHasher::for_digest(d)), None).await?;
         let got = h.expect("hasher").finish();
         if &got != d {
             let _ = tokio::fs::remove_file(&tmp).await;
@@ -955,6 +968,8 @@ impl Server {
         } else if let Err(e) = self.store.put_file(&key, &tmp).await {
             let _ = tokio::fs::remove_file(&tmp).await;
             return Err(e.into());
+        } else {
+            self.stats.note(crate::stats::Change::Stored { bytes: n });
         }
         self.store.put(&layout::layer_link(repo, d), Bytes::new()).await?;
         Ok(())
@@ -1010,8 +1025,9 @@ impl Server {
                 hs.push((HeaderName::from_static(crate::restore_lease::HEADER), granted.to_string()));
             }
         }
-        if !head || matches!(ask, Some(crate::restore_lease::Ask::Hold(_))) {
-            // In memory; written in batches (crate::pulls). A lease counts as a pull.
+        let restoring = crate::restore_lease::is_restore(headers.get(crate::restore_lease::PURPOSE_HEADER).map(|v| v.as_bytes()));
+        if (!head && restoring) || matches!(ask, Some(crate::restore_lease::Ask::Hold(_))) {
+            // In memory; written in batches (crate::pulls). A lease is a restore: a pull.
             self.pulls.record(repo, &d);
         }
         if !head {
@@ -1132,10 +1148,21 @@ impl Server {
         inuse::settled(self.store.as_ref(), d).await?;
         lease.check_fresh()?;
         let (d, size) = (d.clone(), buf.len());
+        // Whether the bytes and the link are new, for the store totals (crate::stats).
+        let (stored, linked) = (exists(self.store.as_ref(), &layout::blob(&d)).await?, exists(self.store.as_ref(), &layout::manifest_link(repo, &d)).await?);
+        let logical = self.stats.logical_of(&d, &buf);
         self.store.put(&layout::blob(&d), Bytes::from(buf)).await?;
+        if !stored {
+            self.stats.note(crate::stats::Change::Stored { bytes: size as u64 });
+        }
         // Listed before its first manifest is: a repository with a manifest is in the catalog.
-        self.catalog.record(repo).await?;
+        if self.catalog.record(repo).await? {
+            self.stats.note(crate::stats::Change::NewRepository);
+        }
         self.store.put(&layout::manifest_link(repo, &d), Bytes::from(mt.clone())).await?;
+        if !linked {
+            self.stats.note(crate::stats::Change::Linked { logical });
+        }
         let mut hs = vec![(header::LOCATION, format!("/v2/{repo}/manifests/{d}")), (HeaderName::from_static("docker-content-digest"), d.to_string())];
         if let Some(subject) = &refs.subject {
             let mut desc = serde_json::json!({ "mediaType": mt, "digest": d.to_string(), "size": size });
@@ -1193,7 +1220,9 @@ impl Server {
                 }
             }
         }
+        let logical = self.stats.logical(&d).await.unwrap_or(0);
         self.store.delete(&layout::manifest_link(repo, &d)).await?;
+        self.stats.note(crate::stats::Change::Unlinked { logical });
         Ok(empty(StatusCode::ACCEPTED, &[]))
     }
 
@@ -1333,9 +1362,12 @@ fn client_ip(c: Client) -> Option<std::net::IpAddr> {
 }
 
 async fn v2(State(s): State<Arc<Server>>, client: Client, method: Method, uri: Uri, headers: HeaderMap, body: Body) -> Response {
-    match s.handle(method, uri, headers, body, client_ip(client)).await {
+    let (body, shared) = drain::Shared::new(body);
+    match s.handle(method, uri, headers.clone(), body, client_ip(client)).await {
         Ok(r) => r,
         Err(e) => {
+            // Read what the client is still sending before answering (server::drain).
+            shared.drain(&headers, s.cfg.limits.idle_timeout).await;
             s.metrics.error(e.code.as_str());
             if e.status.is_server_error() {
                 crate::access::note_error(&e.message);

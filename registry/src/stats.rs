@@ -13,6 +13,18 @@
 //! ```
 //! Memory is bounded: listings are paged, and the remembered manifest sizes are capped
 //! ([`LOGICAL_CACHE_CAP`]; forgotten wholesale when full, so the next scan reads them again).
+//!
+//! Between scans the totals follow this server's own writes as they happen
+//! ([`Stats::note`]: a blob stored, a manifest linked or unlinked, a repository created),
+//! and a gc run inside the server asks for a scan when it ends ([`Stats::rescan_soon`]).
+//! The periodic scan stays as the reconciliation: what other replicas and `snapctl gc`
+//! in another process change is seen at the next scan.
+//!
+//! Per repository, a scan also counts its own and its shared bytes ([`RepoBytes`]): each
+//! object under `blobs/` that the repository links (`_layers`, `_manifests`) is its own
+//! when no other repository links it, shared when another does (then it is counted in
+//! each). That takes a map of every blob (about 40 bytes each), so it is done for stores
+//! of up to [`OWNERSHIP_CAP`] blobs; beyond, the per-repository figures are left out.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -33,6 +45,33 @@ const PAGE: usize = 1000;
 /// Manifests larger than this are not read for their logical size (the registry refuses
 /// to store bigger ones by default; see `--max-manifest-bytes`).
 const MAX_MANIFEST_READ: u64 = 16 << 20;
+/// Most blobs a scan tracks to count each repository's own and shared bytes.
+pub const OWNERSHIP_CAP: usize = 2_000_000;
+
+/// One repository's bytes in the store, at the last scan.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct RepoBytes {
+    pub repository: String,
+    /// Bytes of the blobs (and manifests) it links that no other repository links: what
+    /// deleting the repository would free.
+    pub own_bytes: u64,
+    /// Bytes of the blobs it links that other repositories link too.
+    pub shared_bytes: u64,
+}
+
+/// A change this server made to the store, applied to the totals at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    /// A blob (or manifest) of `bytes` was stored under `blobs/` where none was.
+    Stored { bytes: u64 },
+    /// A manifest was linked into a repository where it was not: `logical` is its bytes
+    /// plus those its descriptors name ([`descriptor_sizes`]).
+    Linked { logical: u64 },
+    /// A manifest link was deleted.
+    Unlinked { logical: u64 },
+    /// A repository entered the catalog.
+    NewRepository,
+}
 
 /// The store's totals at one moment.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -53,6 +92,9 @@ pub struct Totals {
     pub scanned_at: u64,
     /// How long the scan took, milliseconds.
     pub scan_ms: u64,
+    /// Each repository's own and shared bytes, by name; `None` when the store held more
+    /// than [`OWNERSHIP_CAP`] blobs.
+    pub repository_bytes: Option<Vec<RepoBytes>>,
 }
 
 impl Totals {
@@ -73,6 +115,9 @@ impl Totals {
         for (name, help, v) in gauges {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         }
+        if let Some(repos) = &self.repository_bytes {
+            render_repository_bytes(&mut o, repos);
+        }
         o
     }
 
@@ -87,32 +132,112 @@ impl Totals {
     }
 }
 
+/// Repository series in `/metrics`, at most: the repositories with the most bytes (names
+/// are chosen by whoever may push, and each is a series).
+pub const MAX_REPOSITORY_SERIES: usize = 500;
+
+/// `snapctl_repository_bytes{repository,kind}` of the [`MAX_REPOSITORY_SERIES`]
+/// repositories holding the most bytes.
+fn render_repository_bytes(o: &mut String, repos: &[RepoBytes]) {
+    let mut top: Vec<&RepoBytes> = repos.iter().collect();
+    top.sort_by(|a, b| (b.own_bytes + b.shared_bytes).cmp(&(a.own_bytes + a.shared_bytes)).then(a.repository.cmp(&b.repository)));
+    top.truncate(MAX_REPOSITORY_SERIES);
+    top.sort_by(|a, b| a.repository.cmp(&b.repository));
+    let name = "snapctl_repository_bytes";
+    let _ = writeln!(
+        o,
+        "# HELP {name} Bytes of the blobs a repository links at the last scan: own (no other repository links them) or shared.\n# TYPE {name} gauge"
+    );
+    for r in top {
+        // Repository names are [a-z0-9._/-]: nothing to escape in a label value.
+        let _ = writeln!(o, "{name}{{repository=\"{}\",kind=\"own\"}} {}", r.repository, r.own_bytes);
+        let _ = writeln!(o, "{name}{{repository=\"{}\",kind=\"shared\"}} {}", r.repository, r.shared_bytes);
+    }
+}
+
 /// Scans and the last result.
 #[derive(Debug)]
 pub struct Stats {
     store: Arc<dyn BlobStore>,
     latest: Mutex<Option<Totals>>,
     logical: Mutex<HashMap<OciDigest, u64>>,
+    rescan: Arc<tokio::sync::Notify>,
 }
 
 impl Stats {
     /// Statistics of `store`; nothing is known before the first [`Stats::scan`].
     pub fn new(store: Arc<dyn BlobStore>) -> Stats {
-        Stats { store, latest: Mutex::new(None), logical: Mutex::new(HashMap::new()) }
+        Stats { store, latest: Mutex::new(None), logical: Mutex::new(HashMap::new()), rescan: Arc::default() }
     }
 
-    /// The last scan's totals, if one finished.
+    /// The last scan's totals, with the changes noted since, if a scan finished.
     pub fn latest(&self) -> Option<Totals> {
         self.latest.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Apply a change this server made to the totals (nothing before the first scan,
+    /// which sees it). A change made while a scan runs may be counted by the scan and
+    /// lost with its result, or not; the next scan settles it.
+    pub fn note(&self, c: Change) {
+        let mut g = self.latest.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(t) = g.as_mut() else { return };
+        match c {
+            Change::Stored { bytes } => {
+                t.blobs += 1;
+                t.stored_bytes += bytes;
+            }
+            Change::Linked { logical } => {
+                t.manifests += 1;
+                t.logical_bytes += logical;
+            }
+            Change::Unlinked { logical } => {
+                t.manifests = t.manifests.saturating_sub(1);
+                t.logical_bytes = t.logical_bytes.saturating_sub(logical);
+            }
+            Change::NewRepository => t.repositories += 1,
+        }
+    }
+
+    /// Ask the background scanner for a scan now (after a gc run changed the store).
+    pub fn rescan_soon(&self) {
+        self.rescan.notify_one();
+    }
+
+    /// What [`Stats::rescan_soon`] wakes: the scanner waits on it between scans; a gc
+    /// schedule holds a clone.
+    pub fn rescan_signal(&self) -> Arc<tokio::sync::Notify> {
+        self.rescan.clone()
+    }
+
+    /// The logical size of manifest `bytes` (`d`), remembered for the scans.
+    pub fn logical_of(&self, d: &OciDigest, bytes: &[u8]) -> u64 {
+        let n = bytes.len() as u64 + descriptor_sizes(bytes);
+        self.remember(d, n);
+        n
+    }
+
+    /// The remembered logical size of `d`, or it read from the store (0 when missing).
+    pub async fn logical(&self, d: &OciDigest) -> Result<u64, StoreError> {
+        self.logical_size(d).await
+    }
+
+    fn remember(&self, d: &OciDigest, n: u64) {
+        let mut cache = self.logical.lock().unwrap_or_else(|p| p.into_inner());
+        if cache.len() >= LOGICAL_CACHE_CAP {
+            cache.clear();
+        }
+        cache.insert(d.clone(), n);
     }
 
     /// Walk the store and keep the totals.
     pub async fn scan(&self) -> Result<Totals, StoreError> {
         let t = Instant::now();
         let (mut blobs, mut stored_bytes) = (0u64, 0u64);
+        let mut owners = Ownership::default();
         self.walk(layout::BLOBS, |m| {
             blobs += 1;
             stored_bytes += m.size;
+            owners.blob(&m.key, m.size);
         })
         .await?;
         let mut repositories = 0u64;
@@ -130,10 +255,16 @@ impl Stats {
             let Some(last) = page.last() else { break };
             after = Some(last.key.clone());
             links.clear();
-            links.extend(page.iter().filter_map(|m| match layout::parse_repo_key(&m.key) {
-                Some(layout::RepoKey::Manifest(_, d)) => Some(d),
-                _ => None,
-            }));
+            for m in &page {
+                match layout::parse_repo_key(&m.key) {
+                    Some(layout::RepoKey::Manifest(r, d)) => {
+                        owners.link(&r, &d);
+                        links.push(d);
+                    }
+                    Some(layout::RepoKey::Layer(r, d)) => owners.link(&r, &d),
+                    _ => {}
+                }
+            }
             for d in &links {
                 manifests += 1;
                 logical_bytes += self.logical_size(d).await?;
@@ -143,7 +274,16 @@ impl Stats {
             }
         }
         let scanned_at = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        let totals = Totals { blobs, stored_bytes, manifests, repositories, logical_bytes, scanned_at, scan_ms: t.elapsed().as_millis() as u64 };
+        let totals = Totals {
+            blobs,
+            stored_bytes,
+            manifests,
+            repositories,
+            logical_bytes,
+            scanned_at,
+            scan_ms: t.elapsed().as_millis() as u64,
+            repository_bytes: owners.finish(),
+        };
         *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(totals.clone());
         Ok(totals)
     }
@@ -182,12 +322,82 @@ impl Stats {
             };
             n += descriptor_sizes(&bytes);
         }
-        let mut cache = self.logical.lock().unwrap_or_else(|p| p.into_inner());
-        if cache.len() >= LOGICAL_CACHE_CAP {
-            cache.clear();
-        }
-        cache.insert(d.clone(), n);
+        self.remember(d, n);
         Ok(n)
+    }
+}
+
+/// Which repositories link each blob, as a scan meets them: a blob's owner is the one
+/// repository linking it, or [`Ownership::SHARED`] once a second one does.
+#[derive(Default)]
+struct Ownership {
+    /// A hash of the blob's key → (size, owner). Hashes, not digests: 40 bytes a blob
+    /// where a digest alone is ~100; a collision misplaces one blob's bytes in a report.
+    blobs: HashMap<u64, (u64, u32)>,
+    repos: HashMap<String, u32>,
+    /// Per repository index: (name, own, shared).
+    totals: Vec<(String, u64, u64)>,
+    /// More blobs than [`OWNERSHIP_CAP`]: nothing is counted.
+    over: bool,
+}
+
+impl Ownership {
+    const NONE: u32 = u32::MAX;
+    const SHARED: u32 = u32::MAX - 1;
+
+    fn key_hash(key: &str) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        key.hash(&mut h);
+        h.finish()
+    }
+
+    fn blob(&mut self, key: &str, size: u64) {
+        if self.over {
+            return;
+        }
+        if self.blobs.len() >= OWNERSHIP_CAP {
+            self.over = true;
+            self.blobs = HashMap::new();
+            return;
+        }
+        self.blobs.insert(Self::key_hash(key), (size, Self::NONE));
+    }
+
+    fn link(&mut self, repo: &crate::name::RepoName, d: &OciDigest) {
+        if self.over {
+            return;
+        }
+        let Some((size, owner)) = self.blobs.get_mut(&Self::key_hash(&layout::blob(d))) else { return };
+        let next = self.totals.len() as u32;
+        let i = *self.repos.entry(repo.as_str().to_owned()).or_insert(next);
+        if i == next {
+            self.totals.push((repo.as_str().to_owned(), 0, 0));
+        }
+        match *owner {
+            Self::NONE => {
+                *owner = i;
+                self.totals[i as usize].1 += *size;
+            }
+            o if o == i => {}
+            Self::SHARED => self.totals[i as usize].2 += *size,
+            o => {
+                self.totals[o as usize].1 -= *size;
+                self.totals[o as usize].2 += *size;
+                self.totals[i as usize].2 += *size;
+                *owner = Self::SHARED;
+            }
+        }
+    }
+
+    fn finish(self) -> Option<Vec<RepoBytes>> {
+        if self.over {
+            return None;
+        }
+        let mut v: Vec<RepoBytes> =
+            self.totals.into_iter().map(|(repository, own_bytes, shared_bytes)| RepoBytes { repository, own_bytes, shared_bytes }).collect();
+        v.sort_by(|a, b| a.repository.cmp(&b.repository));
+        Some(v)
     }
 }
 
@@ -234,5 +444,45 @@ mod tests {
         assert_eq!(t.logical_bytes, 2 * stored);
         assert!((t.dedup_ratio() - 2.0).abs() < 1e-9);
         assert_eq!(s.latest(), Some(t));
+    }
+
+    #[tokio::test]
+    async fn regression_issue_39_each_repository_has_own_and_shared_bytes_and_changes_show_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn BlobStore> = Arc::new(crate::store::FsStore::open(dir.path()).unwrap());
+        let put = |data: Vec<u8>| {
+            let store = store.clone();
+            async move {
+                let d = OciDigest::of(&data);
+                store.put(&layout::blob(&d), Bytes::from(data)).await.unwrap();
+                d
+            }
+        };
+        let (shared, own_a, own_b) = (put(vec![1u8; 1000]).await, put(vec![2u8; 300]).await, put(vec![3u8; 70]).await);
+        let (a, b) = (RepoName::parse("team/a").unwrap(), RepoName::parse("b").unwrap());
+        for (r, d) in [(&a, &shared), (&a, &own_a), (&b, &shared), (&b, &own_b), (&b, &own_b)] {
+            store.put(&layout::layer_link(r, d), Bytes::new()).await.unwrap();
+        }
+        let s = Stats::new(store.clone());
+        let t = s.scan().await.unwrap();
+        let repos = t.repository_bytes.clone().unwrap();
+        assert_eq!(
+            repos,
+            vec![
+                RepoBytes { repository: "b".into(), own_bytes: 70, shared_bytes: 1000 },
+                RepoBytes { repository: "team/a".into(), own_bytes: 300, shared_bytes: 1000 },
+            ]
+        );
+        let text = t.render_prometheus();
+        assert!(text.contains("snapctl_repository_bytes{repository=\"team/a\",kind=\"own\"} 300\n"), "{text}");
+        assert!(text.contains("snapctl_repository_bytes{repository=\"b\",kind=\"shared\"} 1000\n"), "{text}");
+        // This server's writes count at once; the next scan settles them.
+        s.note(Change::Stored { bytes: 5000 });
+        s.note(Change::Linked { logical: 6000 });
+        s.note(Change::NewRepository);
+        let now = s.latest().unwrap();
+        assert_eq!((now.blobs, now.stored_bytes, now.manifests, now.logical_bytes, now.repositories), (4, 1370 + 5000, 1, 6000, 1));
+        s.note(Change::Unlinked { logical: 6000 });
+        assert_eq!((s.latest().unwrap().manifests, s.latest().unwrap().logical_bytes), (0, 0));
     }
 }

@@ -465,8 +465,9 @@ impl Uploads {
 
     /// Finish session `id`: append `body` (if non-empty), check the whole content against
     /// `digest`, make the blob visible and link it into `repo`. A wrong digest ends the
-    /// session and is `DIGEST_INVALID`.
-    pub async fn finish<S, E>(&self, repo: &RepoName, id: &str, digest: &OciDigest, body: S) -> Result<(), ApiError>
+    /// session and is `DIGEST_INVALID`. Returns the blob's size when it was stored now
+    /// (`None`: the store held those bytes already).
+    pub async fn finish<S, E>(&self, repo: &RepoName, id: &str, digest: &OciDigest, body: S) -> Result<Option<u64>, ApiError>
     where
         S: Stream<Item = Result<Bytes, E>> + Send,
         E: std::fmt::Display,
@@ -522,7 +523,7 @@ impl Uploads {
         self.store.put(&layout::layer_link(repo, digest), Bytes::new()).await?;
         drop(cached);
         self.cancel_unchecked(id).await?;
-        Ok(())
+        Ok((!exists).then_some(total))
     }
 
     /// Cancel session `id` of `repo`.

@@ -194,9 +194,20 @@ pub fn open_ref(reference: &str) -> anyhow::Result<Opened> {
     open_parsed(&reference.parse()?, reference)
 }
 
-/// [`open_ref`] of `r`, parsed already from `reference`.
+/// [`open_ref`] of `r`, parsed already from `reference`. Its reads are not a restore (no
+/// pull is recorded); a command restoring the image opens it with [`open_to_restore`].
 pub fn open_parsed(r: &Reference, reference: &str) -> anyhow::Result<Opened> {
-    let o = regclient::open(r, &transport()).with_context(|| match r.host() {
+    open_for(r, reference, regclient::Purpose::Read)
+}
+
+/// [`open_parsed`] for a command that restores the image (pull, unpack, lazy, mount,
+/// copy's source): the registry records its manifest reads as pulls.
+pub fn open_to_restore(r: &Reference, reference: &str) -> anyhow::Result<Opened> {
+    open_for(r, reference, regclient::Purpose::Restore)
+}
+
+fn open_for(r: &Reference, reference: &str, purpose: regclient::Purpose) -> anyhow::Result<Opened> {
+    let o = regclient::open(r, &regclient::Transport { purpose, ..transport() }).with_context(|| match r.host() {
         Some(host) => format!("connecting to {host}"),
         None => format!("opening {reference}"),
     })?;
@@ -235,6 +246,7 @@ impl RegistryFlags {
             tls_on_loopback: self.tls_verify.is_some(),
             ca_files: self.ca_file.clone(),
             insecure: self.insecure || self.tls_verify == Some(false),
+            purpose: regclient::Purpose::Read,
         }
     }
 
@@ -258,6 +270,13 @@ fn transport() -> regclient::Transport {
 /// names, when the registry asks.
 pub fn registry_client(host: &str, repository: &str) -> anyhow::Result<regclient::RegistrySource> {
     regclient::RegistrySource::connect_with_docker_credentials(host, repository, &transport()).with_context(|| format!("connecting to {host}"))
+}
+
+/// [`registry_client`] of a command that restores the image (`lazy`): its manifest reads
+/// are pulls.
+pub fn registry_client_to_restore(host: &str, repository: &str) -> anyhow::Result<regclient::RegistrySource> {
+    let t = regclient::Transport { purpose: regclient::Purpose::Restore, ..transport() };
+    regclient::RegistrySource::connect_with_docker_credentials(host, repository, &t).with_context(|| format!("connecting to {host}"))
 }
 
 /// The `hint:` line for an error, when a part of it says how to fix it (a registry that

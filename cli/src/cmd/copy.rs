@@ -63,7 +63,7 @@ pub fn copy_refs(src: &str, dest: &str, flags: &TransferFlags, policy: &super::p
 /// [`copy_refs`], carrying what is attached to the image when `referrers`.
 pub fn copy_image(src: &str, dest: &str, flags: &TransferFlags, policy: &super::policy::PolicyFlags, referrers: bool) -> anyhow::Result<pusher::PushReport> {
     let r: Reference = src.parse()?;
-    let o = common::open_parsed(&r, src)?;
+    let o = common::open_to_restore(&r, src)?;
     let source = o.source.as_ref();
     let digest = common::resolve(&o)?;
     policy.check(&r, &o, &digest)?;

@@ -381,7 +381,8 @@ struct CliOpener;
 
 impl Opener for CliOpener {
     fn open(&self, reference: &str, prefetch: PrefetchMode) -> Result<Opened, String> {
-        let o = common::open_ref(reference).map_err(|e| format!("{e:#}"))?;
+        let r: Reference = reference.parse().map_err(|e| format!("{e:#}"))?;
+        let o = common::open_to_restore(&r, reference).map_err(|e| format!("{e:#}"))?;
         let image = common::open_image(&o).map_err(|e| format!("{e:#}"))?;
         Ok(opened(o.source, Arc::new(image), reference.to_string(), prefetch))
     }

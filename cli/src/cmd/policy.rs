@@ -102,12 +102,13 @@ impl PolicyFlags {
         Ok(Some(sign::Policy::from_file(&path)?))
     }
 
-    /// Open `reference` and its image, the image's metadata read while the policy reads
-    /// its signatures; the image is returned only if the policy accepts it. The returned
-    /// `Opened` names the image by its digest (what was checked is what is used).
+    /// Open `reference` and its image to restore it (pull, unpack, mount: its reads are
+    /// pulls), the image's metadata read while the policy reads its signatures; the image
+    /// is returned only if the policy accepts it. The returned `Opened` names the image by
+    /// its digest (what was checked is what is used).
     pub fn open_image(&self, reference: &str) -> anyhow::Result<(Opened, Image)> {
         let r: Reference = reference.parse()?;
-        let mut o = common::open_parsed(&r, reference)?;
+        let mut o = common::open_to_restore(&r, reference)?;
         let image = self.gate(&r, &mut o, common::open_image)?;
         Ok((o, image))
     }

@@ -165,6 +165,11 @@ pub struct ServeArgs {
     /// per line, fields at the top level, for log shippers) [default: text].
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(LogFormat::NAMES).map(|s| s.parse::<LogFormat>().expect("a listed value")))]
     pub log_format: Option<LogFormat>,
+    /// A PEM public key (cosign.pub) whose signatures the web view shows as verified,
+    /// with its fingerprint (repeatable; `trusted_keys` in --config). Without one,
+    /// signatures are shown as not checked [default: none].
+    #[arg(long, value_name = "FILE")]
+    pub trusted_key: Vec<std::path::PathBuf>,
 }
 
 impl ServeArgs {
@@ -203,6 +208,7 @@ impl ServeArgs {
             htpasswd_poll: self.htpasswd_poll,
             stats_interval: self.stats_interval,
             log_format: self.log_format,
+            trusted_keys: (!self.trusted_key.is_empty()).then_some(self.trusted_key),
             gc: GcSection::default(),
             retention: Default::default(),
         }

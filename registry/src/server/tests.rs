@@ -1233,3 +1233,39 @@ fn regression_issue_25_route_class_of_each_endpoint_from_the_route_grammar() {
     assert_eq!(route_class("/v2/A/blobs/sha256:00"), "other");
     assert_eq!(route_class("/v2/blobs/uploads/"), "other");
 }
+
+/// An out-of-order `PATCH` sent whole (1 MiB, no `Expect`) is answered 416 with the
+/// upload's `Range`, read by the client every time: the refused body is drained before the
+/// answer, so the connection is not reset under the client while it writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn regression_issue_39_a_refused_patch_is_answered_not_reset() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = TestServer::start(Config::default()).await;
+    let c = Client::new();
+    let r = c.post(s.u("/v2/r/blobs/uploads/")).send().await.unwrap();
+    let loc = r.headers()["location"].to_str().unwrap().to_owned();
+    let r = c.patch(s.u(&loc)).header("content-range", "0-9").body(vec![7u8; 10]).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::ACCEPTED);
+    let body = vec![1u8; 1 << 20];
+    let addr = s.url.trim_start_matches("http://").to_owned();
+    for round in 0..20 {
+        let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let head = format!(
+            "PATCH {loc} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/octet-stream\r\nContent-Range: 100-{}\r\nContent-Length: {}\r\n\r\n",
+            100 + body.len() - 1,
+            body.len()
+        );
+        conn.write_all(head.as_bytes()).await.unwrap();
+        conn.write_all(&body).await.unwrap_or_else(|e| panic!("round {round}: the body could not be sent whole: {e}"));
+        let mut answer = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = conn.read(&mut buf).await.unwrap_or_else(|e| panic!("round {round}: reading the answer: {e}"));
+            assert!(n > 0, "round {round}: closed before an answer");
+            answer.extend_from_slice(&buf[..n]);
+        }
+        let text = String::from_utf8_lossy(&answer).to_ascii_lowercase();
+        assert!(text.starts_with("http/1.1 416"), "round {round}: {text}");
+        assert!(text.contains("\r\nrange: 0-9\r\n"), "round {round}: {text}");
+    }
+}

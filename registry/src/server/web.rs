@@ -3,12 +3,17 @@
 //! them gets the API's 401 challenge and a body that names nothing stored).
 //!
 //! ```text
-//! /ui/                                     store totals (last scan), repositories (pages of 100)
-//! /ui/repo/<name>                          its tags (pages of 50): digest, type, kind, size, pushed,
-//!                                          last pulled; and up to 50 of its manifests
+//! /ui/                                     store totals, repositories (pages of 100) with their own
+//!                                          and shared bytes (last scan)
+//! /ui/repo/<name>                          its tags (pages of 50): digest, type, kind, its own
+//!                                          bytes and with what it inherits, pushed, last pulled
+//!                                          (a cosign `sha256-<hex>.sig` tag shown as the signature
+//!                                          of its subject); and up to 50 of its manifests
 //! /ui/repo/<name>/_manifest/<digest>       one manifest: type, sizes, last pulled, layers (up to
 //!                                          200), for a snapctl snapshot its kind, logical and
-//!                                          stored bytes, chain depth and parents; referrers (up to 100)
+//!                                          stored bytes, chain depth and parents; its signatures
+//!                                          (tag scheme and referrers: key fingerprint, verified
+//!                                          by a `--trusted-key` or not); referrers (up to 100)
 //! /ui/retention                            what retention would delete now (a dry run of gc with
 //!                                          the server's policies; at most one a minute, shared),
 //!                                          in the repositories the visitor may pull
@@ -210,11 +215,17 @@ async fn index(s: &Server, readable: &Readable, last: Option<&str>) -> Result<Re
     if p.repos.is_empty() {
         b.push_str("<p>None.</p>");
     } else {
-        b.push_str("<ul>");
+        let bytes: std::collections::HashMap<String, (u64, u64)> =
+            s.stats.latest().and_then(|t| t.repository_bytes).unwrap_or_default().into_iter().map(|r| (r.repository, (r.own_bytes, r.shared_bytes))).collect();
+        b.push_str("<table><tr><th>repository</th><th>own bytes</th><th>shared bytes</th></tr>");
         for r in &p.repos {
-            let _ = write!(b, "<li><a href=\"/ui/repo/{0}\">{0}</a></li>", esc(r.as_str()));
+            let (own, shared) = match bytes.get(r.as_str()) {
+                Some((o, sh)) => (human(*o), human(*sh)),
+                None => ("-".into(), "-".into()),
+            };
+            let _ = write!(b, "<tr><td><a href=\"/ui/repo/{0}\">{0}</a></td><td class=num>{own}</td><td class=num>{shared}</td></tr>", esc(r.as_str()));
         }
-        b.push_str("</ul>");
+        b.push_str("</table><p>Own bytes: blobs no other repository links (what deleting the repository frees); shared: blobs other repositories link too. As of the last scan.</p>");
     }
     if let (true, Some(end)) = (p.more, p.repos.last()) {
         let _ = write!(b, "<p><a rel=next href=\"/ui/?last={}\">next page</a></p>", esc(&q(end.as_str())));
@@ -243,6 +254,9 @@ fn kind_of(m: &serde_json::Value) -> String {
 }
 
 fn type_of(m: &serde_json::Value) -> String {
+    if crate::signed::is_signature(m) {
+        return "signature (cosign)".into();
+    }
     m.get("artifactType").or_else(|| m.pointer("/config/mediaType")).or_else(|| m.get("mediaType")).and_then(|v| v.as_str()).unwrap_or("-").to_owned()
 }
 
@@ -258,7 +272,7 @@ async fn repository(s: &Server, repo: &RepoName, last: Option<&str>) -> Result<O
     let r = esc(repo.as_str());
     let mut b = String::new();
     let pulled = pulled(s, repo).await?;
-    b.push_str("<h2>Tags</h2><table><tr><th>tag</th><th>manifest</th><th>type</th><th>kind</th><th>size</th><th>pushed</th><th>last pulled</th></tr>");
+    b.push_str("<h2>Tags</h2><table><tr><th>tag</th><th>manifest</th><th>type</th><th>kind</th><th>own bytes</th><th>with inherited</th><th>pushed</th><th>last pulled</th></tr>");
     for t in tags.iter().take(TAGS_PER_PAGE) {
         let Some(tag) = t.key.rsplit('/').next() else { continue };
         let Ok(raw) = store.get_bytes(&t.key).await else { continue };
@@ -268,15 +282,19 @@ async fn repository(s: &Server, repo: &RepoName, last: Option<&str>) -> Result<O
             Err(_) => "-".into(),
         };
         let m = read_json(store, &d, MAX_MANIFEST).await?.unwrap_or_default();
-        let size = crate::stats::descriptor_sizes(&serde_json::to_vec(&m).unwrap_or_default());
+        let (own, all) = own_and_all(&m);
+        let what = match crate::signed::tag_subject(tag) {
+            Some(subject) => format!("signature (cosign) of <a href=\"/ui/repo/{r}/_manifest/{subject}\"><code>{}</code></a>", esc(&short(&subject))),
+            None => esc(&type_of(&m)),
+        };
         let _ = write!(
             b,
-            "<tr><td>{}</td><td><a href=\"/ui/repo/{r}/_manifest/{d}\"><code>{}</code></a></td><td>{}</td><td>{}</td><td class=num>{}</td><td>{pushed}</td><td>{}</td></tr>",
+            "<tr><td>{}</td><td><a href=\"/ui/repo/{r}/_manifest/{d}\"><code>{}</code></a></td><td>{what}</td><td>{}</td><td class=num>{}</td><td class=num>{}</td><td>{pushed}</td><td>{}</td></tr>",
             esc(tag),
-            esc(&d.to_string()[..19.min(d.to_string().len())]),
-            esc(&type_of(&m)),
+            esc(&short(&d)),
             esc(&kind_of(&m)),
-            human(size),
+            human(own),
+            human(all),
             pulled_text(&pulled, &d)
         );
     }
@@ -331,6 +349,7 @@ async fn manifest_page(s: &Server, repo: &RepoName, d: &OciDigest) -> Result<Opt
     snapshot_rows(store, repo, &m, own, &mut b).await?;
     b.push_str("</table>");
     layers_table(&layers, &mut b);
+    signatures_section(store, repo, d, &s.cfg.trusted_keys, &mut b).await?;
     referrers_section(store, repo, d, &mut b).await?;
     let _ = write!(b, "<p><a href=\"/ui/repo/{r}\">{r}</a></p>");
     Ok(Some(page(StatusCode::OK, &format!("{}@{}", repo.as_str(), &d.to_string()[..19.min(d.to_string().len())]), &b)))
@@ -344,6 +363,20 @@ fn layer_owner(l: &serde_json::Value) -> String {
 /// The `size` of a layer descriptor, or 0.
 fn layer_size(l: &serde_json::Value) -> u64 {
     l.get("size").and_then(|v| v.as_u64()).unwrap_or(0)
+}
+
+/// A manifest's bytes (the sizes its descriptors name): its own, without the layers a
+/// snapshot inherits (`dev.snapctl.owner` other than `self`), and all of them.
+fn own_and_all(m: &serde_json::Value) -> (u64, u64) {
+    let all = crate::stats::descriptor_sizes(&serde_json::to_vec(m).unwrap_or_default());
+    let layers = m.get("layers").and_then(|l| l.as_array()).map(Vec::as_slice).unwrap_or_default();
+    let inherited: u64 = layers.iter().filter(|l| !matches!(layer_owner(l).as_str(), "" | "self")).map(layer_size).sum();
+    (all.saturating_sub(inherited), all)
+}
+
+/// The first 19 characters of a digest (`sha256:` and 12 hex digits).
+fn short(d: &OciDigest) -> String {
+    d.to_string().chars().take(19).collect()
 }
 
 /// The summary rows of a snapctl snapshot (manifest `m`, whose own blobs hold `own` bytes):
@@ -404,6 +437,35 @@ fn layers_table(layers: &[serde_json::Value], b: &mut String) {
     if layers.len() > LAYERS_SHOWN {
         let _ = write!(b, "<p>Only the first {LAYERS_SHOWN} layers are shown.</p>");
     }
+}
+
+/// The Signatures section of manifest `d` in `repo` (crate::signed): where each is, its
+/// signed name, and who signed it as far as `keys` tell.
+async fn signatures_section(store: &dyn BlobStore, repo: &RepoName, d: &OciDigest, keys: &[sign::PublicKey], b: &mut String) -> Result<(), StoreError> {
+    let r = esc(repo.as_str());
+    b.push_str("<h2>Signatures</h2>");
+    let sigs = crate::signed::of(store, repo, d, keys).await?;
+    if sigs.is_empty() {
+        b.push_str("<p>None.</p>");
+        return Ok(());
+    }
+    b.push_str("<table><tr><th>where</th><th>signed name</th><th>key</th><th>verified</th></tr>");
+    for sg in &sigs {
+        let (key, verified) = match &sg.verdict {
+            crate::signed::Verdict::Verified { key } => (format!("<code>{}</code>", esc(key)), "yes".to_owned()),
+            crate::signed::Verdict::NotVerified { reason } => ("-".to_owned(), format!("no: {}", esc(reason))),
+            crate::signed::Verdict::Unchecked => ("unknown".to_owned(), "not checked: the server has no trusted key (serve --trusted-key)".to_owned()),
+        };
+        let _ = write!(
+            b,
+            "<tr><td><a href=\"/ui/repo/{r}/_manifest/{}\">{}</a></td><td>{}</td><td>{key}</td><td>{verified}</td></tr>",
+            sg.manifest,
+            esc(&sg.place),
+            esc(sg.identity.as_deref().unwrap_or("-"))
+        );
+    }
+    b.push_str("</table>");
+    Ok(())
 }
 
 /// The Referrers section of manifest `d` in `repo`: the first REFERRERS_SHOWN entries

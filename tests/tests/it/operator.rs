@@ -305,3 +305,113 @@ fn regression_issue_25_web_view_in_headless_chromium() {
     let log = s.log_text();
     assert!(chromium_statuses(&log, "/ui/").contains(&401), "{log}");
 }
+
+/// A gauge's value in a Prometheus text scrape.
+fn gauge(metrics: &str, series: &str) -> Option<u64> {
+    metrics.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse::<f64>().ok())).map(|v| v as u64)
+}
+
+fn scrape(s: &Serve) -> String {
+    reqwest::blocking::get(s.url("/metrics")).unwrap().text().unwrap()
+}
+
+/// `/metrics` once `series` is in it (the scan at start is done).
+fn scrape_once(s: &Serve, series: &str) -> String {
+    for _ in 0..200 {
+        let m = scrape(s);
+        if m.contains(series) {
+            return m;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("no {series} in /metrics: {}", s.log_text());
+}
+
+/// Issue 39: the web view was wrong or silent where operators look. The retention page
+/// said "0 B" for every deletion (its dry run had no sweep) and wrote "delete manifest"
+/// lines into the server's log; a cosign `.sig` tag was an ordinary tag typed as an image
+/// config, a signed image said "Referrers None", no signer anywhere; no bytes per
+/// repository; the store gauges stood still for up to 5 minutes after a push. Each seen
+/// in headless Chromium and in `/metrics`.
+#[test]
+fn regression_issue_39_web_view_shows_true_bytes_signatures_and_repository_sizes() {
+    if !Path::new(CHROMIUM).exists() {
+        assert!(!snapctl_tests::require_peers(), "{CHROMIUM} is required: scripts/setup.sh --tests");
+        eprintln!("SKIP: {CHROMIUM} not installed");
+        return;
+    }
+    let work = tempfile::tempdir().unwrap();
+    let (store, cfg) = (work.path().join("store"), work.path().join("serve.toml"));
+    let p = |name: &str| work.path().join(name).to_string_lossy().into_owned();
+    let sn = |args: &[&str]| {
+        let r = snapctl_tests::run(
+            snapctl_tests::snapctl()
+                .args(args)
+                .env("COSIGN_PASSWORD", "pw")
+                .env("HOME", work.path())
+                .env("SNAPCTL_CACHE", work.path().join("cache"))
+                .env("DOCKER_CONFIG", work.path().join("docker")),
+        );
+        assert_eq!(r.code, 0, "snapctl {args:?}: {}", r.stderr);
+        r.stdout
+    };
+    // The server's own gc schedule (not due during the test) with no delay: a re-pushed
+    // tag's old image would go now.
+    std::fs::write(&cfg, "[gc]\ninterval = \"24h\"\ngrace = \"0s\"\n[retention]\ndelay = \"0s\"\n").unwrap();
+    sn(&["key", "generate", "--output-key-prefix", &p("cosign")]);
+    let fingerprint = sn(&["key", "fingerprint", &p("cosign.pub")]).trim().to_owned();
+    let (old, current) = (p("a"), p("b"));
+    sn(&["sample", &old, "--size", "4MiB", "--seed", "1"]);
+    sn(&["sample", &current, "--size", "4MiB", "--seed", "2"]);
+    let latest = {
+        let mut s = Serve::start(store.to_str().unwrap(), &["--config", cfg.to_str().unwrap()], &[]);
+        let before = scrape_once(&s, "snapctl_store_scan_timestamp_seconds ");
+        let old_d = sn(&["push", &old, &format!("{}/vm:latest", s.addr)]).trim().to_owned();
+        let latest = sn(&["push", &current, &format!("{}/vm:latest", s.addr)]).trim().to_owned();
+        sn(&["push", &current, &format!("{}/other/vm:v1", s.addr)]);
+        sn(&["sign", &format!("{}/vm:latest", s.addr), "--key", &p("cosign.key")]);
+        assert_ne!(old_d, latest);
+        // The gauges follow the pushes at once (the next scan is minutes away).
+        let after = scrape(&s);
+        let g = |m: &str, k: &str| gauge(m, k).unwrap_or_else(|| panic!("no {k}: {m}"));
+        assert_eq!(g(&after, "snapctl_store_scan_timestamp_seconds"), g(&before, "snapctl_store_scan_timestamp_seconds"), "a scan ran: {after}");
+        assert!(g(&after, "snapctl_store_bytes") > g(&before, "snapctl_store_bytes") + (1 << 20), "{after}");
+        assert_eq!(g(&after, "snapctl_store_repositories"), 2, "{after}");
+        assert!(g(&after, "snapctl_store_manifests") >= g(&before, "snapctl_store_manifests") + 4, "two images, one of them twice, a signature: {after}");
+        assert!(s.terminate().success(), "{}", s.log_text());
+        latest
+    };
+    // What `gc --dry-run` says the re-pushed tag's old image frees.
+    std::thread::sleep(Duration::from_millis(50));
+    let dry: serde_json::Value =
+        serde_json::from_str(&sn(&["gc", "--storage", store.to_str().unwrap(), "--config", cfg.to_str().unwrap(), "--dry-run", "--json"])).unwrap();
+    let going: Vec<&serde_json::Value> = dry["retention"]["manifests"].as_array().unwrap().iter().filter(|v| v["action"] == "delete").collect();
+    assert_eq!(going.len(), 1, "{dry}");
+    let bytes = going[0]["bytes"].as_u64().unwrap();
+    assert!(bytes > 1 << 20, "{dry}");
+    let s = Serve::start(store.to_str().unwrap(), &["--config", cfg.to_str().unwrap(), "--trusted-key", &p("cosign.pub"), "--log-format", "json"], &[]);
+    let metrics = scrape_once(&s, "snapctl_repository_bytes{");
+    let repo = |r: &str, kind: &str| {
+        gauge(&metrics, &format!("snapctl_repository_bytes{{repository=\"{r}\",kind=\"{kind}\"}}")).unwrap_or_else(|| panic!("{r} {kind}: {metrics}"))
+    };
+    assert!(repo("vm", "own") > 1 << 20, "the old image is vm's own: {metrics}");
+    assert!(repo("vm", "shared") > 1 << 20 && repo("other/vm", "shared") == repo("vm", "shared"), "the current image is in both: {metrics}");
+    let base = format!("http://{}", s.addr);
+    let retention = chromium_dom(&format!("{base}/ui/retention"));
+    let want = imgfmt::size::human(bytes);
+    // The deletion's row: its bytes, then its shared bytes (none: nothing else goes).
+    assert!(
+        retention.contains(&format!("<td class=\"num\">{want}</td><td class=\"num\">0 B</td>")),
+        "the page does not show gc --dry-run's {want}: {retention}"
+    );
+    let index = chromium_dom(&format!("{base}/ui/"));
+    assert!(index.contains("own bytes") && index.contains(&format!(">{}<", imgfmt::size::human(repo("vm", "own")))), "{index}");
+    let tags = chromium_dom(&format!("{base}/ui/repo/vm"));
+    assert!(tags.contains("signature (cosign) of"), "the .sig tag is not a signature: {tags}");
+    let image = chromium_dom(&format!("{base}/ui/repo/vm/_manifest/{latest}"));
+    let signatures = image.split("<h2>Signatures</h2>").nth(1).unwrap_or_else(|| panic!("no Signatures section: {image}"));
+    assert!(signatures.contains(&fingerprint) && signatures.contains(">yes<"), "not verified by the trusted key {fingerprint}: {image}");
+    std::thread::sleep(Duration::from_millis(300));
+    let log = s.log_text();
+    assert!(!log.contains("delete manifest") && !log.contains("sweep blob"), "reading the page wrote verdicts to the log: {log}");
+}

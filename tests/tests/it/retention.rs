@@ -422,3 +422,40 @@ fn regression_issue_35_a_keep_count_of_zero_everywhere_is_refused_or_warned_abou
     let r = ok(w.cmd().args(["gc", "--storage", storage.to_str().unwrap(), "--config", cfg.to_str().unwrap(), "--dry-run"]));
     assert!(r.stderr.lines().any(|l| l.starts_with("warning: ") && l.contains("most_recently_pushed_count = 0 keeps no tag")), "{}", r.stderr);
 }
+
+/// Issue 39: "last pulled" counted reads that restore nothing. A push resolving its parent
+/// by tag and an `inspect` each recorded a pull, so `pulled_within` kept images nobody
+/// restored. Now a pull is a restore: `snapctl pull` (and unpack, lazy, mount, copy's
+/// source) says so (`Snapctl-Purpose: restore`), snapctl's other reads say they are not,
+/// and a client that says nothing (skopeo, oras) is taken to be restoring.
+#[test]
+fn regression_issue_39_only_restores_count_as_pulls() {
+    let w = Work::new();
+    let storage = w.path("store");
+    let cfg = pulled_within_config(&w, storage.to_str().unwrap());
+    let mut s = Serve::start(storage.to_str().unwrap(), &["--config", cfg.to_str().unwrap()], &[]);
+    let r = |tag: &str| format!("{}/vm:{tag}", s.addr);
+    for (dir, seed, tag) in [("a", "1", "pulled"), ("b", "2", "inspected"), ("c", "3", "parent"), ("e", "5", "foreign")] {
+        let p = w.sample(dir, seed);
+        w.push(&p, &r(tag));
+    }
+    // The parent is resolved by its tag: a read, not a restore.
+    let d = w.sample("d", "4");
+    ok(w.cmd().arg("push").arg(&d).arg(r("child")).args(["--parent", &r("parent")]));
+    ok(w.cmd().args(["pull", &r("pulled")]).arg(w.path("restored")));
+    ok(w.cmd().args(["inspect", &r("inspected")]));
+    let foreign =
+        reqwest::blocking::Client::new().get(s.url("/v2/vm/manifests/foreign")).header("accept", "application/vnd.oci.image.manifest.v1+json").send().unwrap();
+    assert_eq!(foreign.status(), 200);
+    assert!(s.terminate().success(), "{}", s.log_text());
+    std::thread::sleep(Duration::from_millis(50));
+    let r = ok(w.cmd().args(["gc", "--config", cfg.to_str().unwrap(), "--json", "--dry-run"]));
+    let dry: Value = serde_json::from_str(&r.stdout).unwrap();
+    let tag = |t: &str| dry["retention"]["tags"].as_array().unwrap().iter().find(|v| v["tag"] == t).cloned().unwrap_or_default();
+    for kept in ["pulled", "foreign"] {
+        assert_eq!((tag(kept)["action"].as_str(), tag(kept)["by"].as_str()), (Some("keep"), Some("pulled_within")), "{kept}: {dry}");
+    }
+    for idle in ["inspected", "parent", "child"] {
+        assert_eq!(tag(idle)["action"].as_str(), Some("delete"), "{idle} was not restored: {dry}");
+    }
+}

@@ -368,7 +368,7 @@ fn regression_issue_39_gc_logs_one_set_of_keys() {
     w.sample("snap", 1);
     w.push("snap", &format!("{}/vm/g:v1", serve.addr), None);
     w.ok(&["delete", &format!("{}/vm/g:v1", serve.addr)]);
-    let r = run(w.cmd().args(["gc", "--storage", &w.s("store"), "--grace", "0", "--dry-run"]).env("SNAPCTL_LOG", "info"));
+    let r = run(w.cmd().args(["gc", "--storage", &w.s("store"), "--grace", "0", "--dry-run"]).env("SNAPCTL_LOG", "debug"));
     assert_eq!(r.code, 0, "{r:?}");
     let lines: Vec<&str> = r.stderr.lines().filter(|l| l.contains("delete manifest") || l.contains("sweep blob")).collect();
     assert!(!lines.is_empty(), "{r:?}");

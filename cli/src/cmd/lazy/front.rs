@@ -28,7 +28,7 @@ impl wake::Front for Cli<'_> {
     }
 
     fn registry(&self, host: &str, repository: &str) -> anyhow::Result<regclient::RegistrySource> {
-        common::registry_client(host, repository)
+        common::registry_client_to_restore(host, repository)
     }
 
     fn resolve(&self, source: &Arc<dyn BlobSource>, selector: &Selector) -> anyhow::Result<imgfmt::OciDigest> {

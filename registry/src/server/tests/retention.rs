@@ -118,3 +118,24 @@ async fn the_web_view_shows_pull_times_and_what_retention_would_delete() {
     assert!(r.contains("untagged"), "{r}");
     assert_eq!(c.get(s2.u(&format!("/v2/vm/manifests/{f2}"))).send().await.unwrap().status(), StatusCode::OK, "a dry run deletes nothing");
 }
+
+/// Issue 39: the retention page said "0 B" for every deletion: its dry run stopped before
+/// the sweep, which counts the bytes. It shows what `gc --dry-run` counts now.
+#[tokio::test]
+async fn regression_issue_39_the_retention_page_shows_the_bytes_gc_dry_run_counts() {
+    let opts = GcOptions { grace: Duration::ZERO, ..GcOptions::default() };
+    let s =
+        TestServer::start(Config { gc: Some(crate::gc::Schedule { interval: Duration::from_secs(3600), options: opts.clone() }), ..Config::default() }).await;
+    let c = Client::new();
+    let first = sample_image(&c, &s, "vm", "latest", "first").await;
+    sample_image(&c, &s, "vm", "latest", "second").await;
+    settle().await;
+    let store = FsStore::open(s.dir.path()).unwrap();
+    let dry = run(&store, &GcOptions { dry_run: true, ..opts }).await.unwrap();
+    let v = dry.retention.manifests.iter().find(|v| v.digest == first).unwrap();
+    assert!(v.bytes > 0, "{dry:?}");
+    let page = c.get(s.u("/ui/retention")).send().await.unwrap().text().await.unwrap();
+    let row = page.split(&first.to_string()).nth(1).unwrap_or_else(|| panic!("{page}"));
+    let cells: Vec<&str> = row.split("<td class=num>").skip(1).map(|c| c.split('<').next().unwrap()).collect();
+    assert_eq!(cells.first().copied(), Some(imgfmt::size::human(v.bytes).as_str()), "{page}");
+}
