@@ -10,6 +10,7 @@
 //! referrers.rs referrers API and the OCI 1.1 fallback tag `sha256-<hex>`
 //! lease.rs     restore leases: `Snapctl-Lease` on a HEAD of a manifest by digest
 //! artifacts.rs manifests read beside an image (signatures) without the tag cache
+//! tags.rs      a repository's tags (tags/list, paged)
 //! state.rs     resume state files of chunked uploads
 //! known.rs     which repositories of a host hold which blobs (for mounts)
 //! config.rs    Docker's config.json (credentials) and snapctl's cache directory
@@ -42,6 +43,7 @@ mod known;
 mod lease;
 mod open;
 mod referrers;
+mod tags;
 mod transport;
 pub use referrers::{Referrers, ReferrersQuery, EMPTY_CONFIG_TYPE, MAX_REFERRERS, MAX_REFERRER_PAGES, PAYLOAD_TYPE};
 pub use transport::{Transport, Unreachable};
@@ -53,6 +55,7 @@ pub use error::{explain, ClientError, CredentialsError};
 pub use known::KnownBlobs;
 pub use lease::{LEASE_HEADER, MAX_LEASE_SECONDS};
 pub use open::{open, Opened};
+pub use tags::{Tags, MAX_TAG_PAGES};
 pub use upload::{MemSource, PutManifest, UploadOptions, Uploaded, DEFAULT_PIECE, MAX_PIECE};
 
 use std::collections::{BTreeSet, HashSet};

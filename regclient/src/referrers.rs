@@ -59,7 +59,7 @@ pub struct Referrers {
 }
 
 /// The target of a `Link: <URL>; rel="next"` header.
-fn next_link(h: &reqwest::header::HeaderMap) -> Option<String> {
+pub(crate) fn next_link(h: &reqwest::header::HeaderMap) -> Option<String> {
     for v in h.get_all(reqwest::header::LINK) {
         let Ok(v) = v.to_str() else { continue };
         for link in v.split(',') {
