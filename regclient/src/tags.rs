@@ -48,7 +48,10 @@ impl RegistrySource {
                 _ => return Err(Self::refusal(&what, resp)),
             }
             pages += 1;
-            next = next_link(resp.headers()).and_then(|l| resp.url().join(&l).ok()).filter(|u| super::may_send_credentials(&self.origin, u)).map(|u| u.to_string());
+            next = next_link(resp.headers())
+                .and_then(|l| resp.url().join(&l).ok())
+                .filter(|u| super::may_send_credentials(&self.origin, u))
+                .map(|u| u.to_string());
             let mut b = Vec::new();
             resp.take(MAX_TAG_PAGE_BYTES + 1).read_to_end(&mut b).map_err(|e| ClientError::Http { what: what.clone(), message: e.to_string() })?;
             if b.len() as u64 > MAX_TAG_PAGE_BYTES {
