@@ -191,3 +191,30 @@ fn sample_chunks(scan: &Scan, opts: &PackOptions) -> Vec<(String, u64, ChunkDige
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sample leaves out chunks of zeros (any two sparse images share those) and
+    /// names each chunk it keeps by file, position and digest.
+    #[test]
+    fn the_sample_is_of_non_zero_chunks_with_their_positions() {
+        let d = tempfile::tempdir().unwrap();
+        let chunk = 64usize << 10;
+        let mut mem = vec![0u8; 4 * chunk];
+        mem[chunk..2 * chunk].fill(7);
+        mem[3 * chunk + 5] = 1;
+        std::fs::write(d.path().join("vm.mem"), &mem).unwrap();
+        std::fs::write(d.path().join("vm.state"), vec![0u8; 100]).unwrap();
+        let opts = PackOptions { chunk_shift: 16, ..Default::default() };
+        let scan = scan_dir(d.path()).unwrap();
+        let sample = sample_chunks(&scan, &opts);
+        let at: Vec<(&str, u64)> = sample.iter().map(|(n, i, _)| (n.as_str(), *i)).collect();
+        assert_eq!(at, [("vm.mem", 1), ("vm.mem", 3)]);
+        assert_eq!(sample[0].2, verify::chunk_digest(opts.hash, &mem[chunk..2 * chunk]));
+        // An empty directory has no sample, and no error.
+        let e = tempfile::tempdir().unwrap();
+        assert!(sample_chunks(&scan_dir(e.path()).unwrap(), &opts).is_empty());
+    }
+}
