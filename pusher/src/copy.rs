@@ -73,6 +73,10 @@ pub struct PushReport {
     /// Blobs linked from another repository of the same registry.
     pub mounted_blobs: usize,
     pub uploaded_blobs: usize,
+    /// Uploaded blobs that `--mount-from` or this host's record named in another
+    /// repository of the registry, whose mount the registry declined (no pull access to
+    /// that repository, or it no longer holds them).
+    pub mounts_declined: usize,
     /// Chunks not sent because they are zero or their pack was already there (skipped or
     /// mounted). Snapshot images only; 0 for other artifacts.
     pub deduplicated_chunks: u64,
@@ -85,6 +89,9 @@ pub struct PushReport {
     /// `copy`: the referrers and subject-named tags carried with the image.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub referrers: Vec<crate::attached::Attached>,
+    /// `--sign-key`: the signature written for the manifest once it was in place.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signature: Option<sign::SignReport>,
 }
 
 /// The packing step of `push DIR` (spec/transfer.md §2).
@@ -172,7 +179,21 @@ pub enum Moved {
     Uploaded {
         sent: u64,
         resumed: u64,
+        /// A mount was tried first and the registry declined it.
+        declined: bool,
     },
+}
+
+/// Which repositories of a registry this host recorded as holding which blobs.
+pub type KnownMap = std::collections::HashMap<OciDigest, BTreeSet<String>>;
+
+/// The record of where blobs are that a copy to `target` mounts from (empty for a layout,
+/// or without a cache directory).
+pub fn known_blobs(target: &Target, opts: &CopyOptions) -> KnownMap {
+    match (target, &opts.upload.cache_dir) {
+        (Target::Registry(r), Some(c)) => KnownBlobs::new(c, r.host()).load(),
+        _ => KnownMap::new(),
+    }
 }
 
 /// The manifest at `digest` in `src` (checked against it) and the blobs it lists.
@@ -192,10 +213,11 @@ pub fn copy(src: &dyn BlobSource, digest: &OciDigest, target: &Target, tag: Opti
     copy_after(src, digest, target, tag, opts, &[])
 }
 
-/// Send one blob to `target` now (HEAD, mount, or upload), ahead of the [`copy_after`] of
-/// the image that lists it: `push DIR` sends each pack as soon as it is sealed.
-pub fn send_blob(src: &dyn BlobSource, desc: &Descriptor, target: &Target, opts: &CopyOptions) -> Result<Moved, CopyError> {
-    move_blob(src, desc, target, opts, &Default::default())
+/// Send one blob to `target` now (HEAD, mount from the repositories `known` names, or
+/// upload), ahead of the [`copy_after`] of the image that lists it: `push DIR` sends each
+/// pack as soon as it is sealed.
+pub fn send_blob(src: &dyn BlobSource, desc: &Descriptor, target: &Target, opts: &CopyOptions, known: &KnownMap) -> Result<Moved, CopyError> {
+    move_blob(src, desc, target, opts, known)
 }
 
 /// [`copy`], when some blobs were already sent with [`send_blob`]: `ahead` says how, and
@@ -224,7 +246,7 @@ pub fn copy_after(
         (Target::Registry(r), Some(c)) => Some(KnownBlobs::new(c, r.host())),
         _ => None,
     };
-    let known_map = known.as_ref().map(|k| k.load()).unwrap_or_default();
+    let known_map = known_blobs(target, opts);
 
     let results: Mutex<Vec<(OciDigest, Moved)>> = Mutex::new(Vec::new());
     imgfmt::work::try_for_each_index::<_, CopyError>(
@@ -281,10 +303,11 @@ pub fn copy_after(
         match m {
             Moved::Skipped => rep.skipped_blobs += 1,
             Moved::Mounted => rep.mounted_blobs += 1,
-            Moved::Uploaded { sent, resumed } => {
+            Moved::Uploaded { sent, resumed, declined } => {
                 rep.uploaded_blobs += 1;
                 rep.bytes_sent += sent;
                 rep.bytes_resumed += resumed;
+                rep.mounts_declined += usize::from(*declined);
             }
         }
     }
@@ -310,13 +333,7 @@ fn chunks_not_sent(src: &dyn BlobSource, digest: &OciDigest, results: &[(OciDige
         .count() as u64
 }
 
-fn move_blob(
-    src: &dyn BlobSource,
-    desc: &Descriptor,
-    target: &Target,
-    opts: &CopyOptions,
-    known: &std::collections::HashMap<OciDigest, BTreeSet<String>>,
-) -> Result<Moved, CopyError> {
+fn move_blob(src: &dyn BlobSource, desc: &Descriptor, target: &Target, opts: &CopyOptions, known: &KnownMap) -> Result<Moved, CopyError> {
     let tick = |n: u64| {
         if let Some(p) = opts.progress {
             p(n)
@@ -336,24 +353,28 @@ fn move_blob(
                 }
             }
             // A few tries at most: each refused mount is a round trip.
+            let mut declined = false;
             for from in candidates.iter().take(4) {
                 match r.mount_blob(d, from) {
                     Ok(true) => {
                         tick(desc.size);
                         return Ok(Moved::Mounted);
                     }
-                    Ok(false) => {}
+                    Ok(false) => declined = true,
                     // A refused mount (no access to `from`, say) is not a failed push.
-                    Err(e) if e.status().is_some_and(|s| (400..500).contains(&s)) => {}
+                    Err(e) if e.status().is_some_and(|s| (400..500).contains(&s)) => declined = true,
                     Err(e) => return Err(e.into()),
                 }
+            }
+            if declined {
+                tracing::debug!("{d}: the registry declined to mount it from {}: uploading", candidates.iter().take(4).cloned().collect::<Vec<_>>().join(", "));
             }
             let size = src.blob_size(d)?;
             if size != desc.size {
                 return Err(CopyError::SizeMismatch { digest: d.clone(), manifest: desc.size, actual: size });
             }
             let up = r.upload_blob(d, size, src, &opts.upload, &tick)?;
-            Ok(Moved::Uploaded { sent: up.bytes_sent, resumed: up.resumed_from })
+            Ok(Moved::Uploaded { sent: up.bytes_sent, resumed: up.resumed_from, declined })
         }
         Target::Layout(l) => {
             if l.has_blob(d) {
@@ -365,7 +386,7 @@ fn move_blob(
                 return Err(CopyError::SizeMismatch { digest: d.clone(), manifest: desc.size, actual: size });
             }
             write_blob(src, d, size, l, &tick)?;
-            Ok(Moved::Uploaded { sent: size, resumed: 0 })
+            Ok(Moved::Uploaded { sent: size, resumed: 0, declined: false })
         }
     }
 }

@@ -9,6 +9,7 @@
 //! ```
 
 mod attached;
+pub mod closest;
 pub mod copy;
 mod pack;
 pub mod push;
@@ -17,7 +18,7 @@ pub mod scan;
 
 pub use copy::{copy, CopyError, CopyOptions, PushReport, Target};
 pub use pack::{
-    ensure_blob, pack, same_files, NotSameFiles, OnPack, PackError, PackOptions, PackReport, Related, DEFAULT_BASE_DELTA_LEVEL, DEFAULT_COMPACT_AFTER,
-    DEFAULT_PACK_SIZE,
+    ensure_blob, pack, same_files, same_files_scanned, NotSameFiles, OnPack, PackError, PackOptions, PackReport, Related, DEFAULT_BASE_DELTA_LEVEL,
+    DEFAULT_COMPACT_AFTER, DEFAULT_PACK_SIZE,
 };
 pub use push::{push, push_dir, DirOptions, PushError};

@@ -130,6 +130,9 @@ pub fn pack_dir(dir: &Path, dest: &RegistrySource, opts: DirOptions<'_>, copy: &
         progress: copy.progress,
     };
     let target = Target::Registry(dest);
+    // Packs this host pushed to (or pulled from) another repository of the registry are
+    // mounted from there, not uploaded again.
+    let known = crate::copy::known_blobs(&target, &copy);
     let ahead = Mutex::new(Vec::new());
     let (tx, rx) = std::sync::mpsc::channel::<(OciDigest, u64)>();
     let rx = Mutex::new(rx);
@@ -141,7 +144,7 @@ pub fn pack_dir(dir: &Path, dest: &RegistrySource, opts: DirOptions<'_>, copy: &
                 let next = rx.lock().expect("poisoned").recv();
                 let Ok((d, size)) = next else { return };
                 let desc = imgfmt::Descriptor::new(imgfmt::media::PACK, d.clone(), size);
-                match send_blob(&packs, &desc, &target, &copy) {
+                match send_blob(&packs, &desc, &target, &copy, &known) {
                     Ok(m) => ahead.lock().expect("poisoned").push((d, m)),
                     Err(e) => tracing::debug!("sending pack {d} ahead: {e}"),
                 }
@@ -303,6 +306,14 @@ pub fn tag_manifest(dest: &RegistrySource, tag: &str) -> Result<Option<OciDigest
         Err(e) if e.kind() == imgfmt::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(PushError::Format { what: format!("resolving {}:{tag}", dest.describe()), source }),
     }
+}
+
+/// The manifest `dir` was last packed to by a push (its push layout's "previous": the
+/// image packed last, or the earlier one it was found equal to), if any: the image a new
+/// one of the same directory is most likely closest to.
+pub fn last_packed(dir: &Path, cache_dir: &Path) -> Option<OciDigest> {
+    let root = layout_root(dir, cache_dir).ok()?;
+    OciLayout::open(root).ok()?.resolve_tag("previous").ok()
 }
 
 /// The layout under the cache directory that `push DIR` packs `dir` into.

@@ -176,7 +176,7 @@ fn merge_signature_tag(src: &dyn BlobSource, digest: &OciDigest, tag: &str, targ
         return Ok(true);
     };
     for l in &ours.layers {
-        crate::copy::send_blob(src, l, target, opts)?;
+        crate::copy::send_blob(src, l, target, opts, &Default::default())?;
     }
     match target {
         Target::Registry(r) => {

@@ -54,7 +54,7 @@ pub use config::{cache_dir, docker_config_credentials, docker_config_path, remov
 pub use error::{explain, ClientError, CredentialsError};
 pub use known::KnownBlobs;
 pub use lease::{Purpose, LEASE_HEADER, MAX_LEASE_SECONDS, PURPOSE_HEADER};
-pub use listing::refuses_deletes;
+pub use listing::{refuses_deletes, Tags};
 pub use open::{open, Opened};
 pub use upload::{MemSource, PutManifest, UploadOptions, Uploaded, DEFAULT_PIECE, MAX_PIECE};
 

@@ -29,24 +29,45 @@ struct Catalog {
     repositories: Vec<String>,
 }
 
+/// A repository's tags as listed, in the registry's order (lexical for distribution and
+/// `snapctl serve`), up to a bound.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Tags {
+    pub tags: Vec<String>,
+    /// The repository had more than the bound.
+    pub truncated: bool,
+}
+
 impl RegistrySource {
     /// Every tag of this repository, sorted. A repository the registry does not know
     /// (404 `NAME_UNKNOWN`): `FormatError::RepositoryNotFound`.
     pub fn list_tags(&self) -> Result<Vec<String>, FormatError> {
-        let what = format!("listing the tags of {}/{}", self.host, self.repository);
-        let first = format!("{}/v2/{}/tags/list?n={PAGE}", self.base, self.repository);
-        let mut tags = Vec::new();
-        let found = self.list_pages(&what, first, |body| {
-            let page: TagList = serde_json::from_slice(body).map_err(|e| ClientError::Http { what: what.clone(), message: format!("not a tag list: {e}") })?;
-            tags.extend(page.tags.unwrap_or_default());
-            Ok(())
-        })?;
-        if !found {
+        let Some(Tags { mut tags, .. }) = self.tags_up_to(usize::MAX)? else {
             return Err(FormatError::RepositoryNotFound { registry: self.host.clone(), repository: self.repository.clone() });
-        }
+        };
         tags.sort();
         tags.dedup();
         Ok(tags)
+    }
+
+    /// The first `max` tags of this repository in the registry's order (no more pages are
+    /// read once `max` are in); `None` for a repository the registry does not know.
+    pub fn tags_up_to(&self, max: usize) -> Result<Option<Tags>, FormatError> {
+        let what = format!("listing the tags of {}/{}", self.host, self.repository);
+        let first = format!("{}/v2/{}/tags/list?n={}", self.base, self.repository, max.clamp(1, PAGE));
+        let mut out = Tags::default();
+        let found = self.list_pages(&what, first, |body| {
+            let page: TagList = serde_json::from_slice(body).map_err(|e| ClientError::Http { what: what.clone(), message: format!("not a tag list: {e}") })?;
+            for t in page.tags.unwrap_or_default() {
+                if out.tags.len() == max {
+                    out.truncated = true;
+                    return Ok(false);
+                }
+                out.tags.push(t);
+            }
+            Ok(out.tags.len() < max)
+        })?;
+        Ok(found.then_some(out))
     }
 
     /// Every repository the registry lists to this client (`/v2/_catalog`), sorted; the
@@ -57,7 +78,7 @@ impl RegistrySource {
         let found = self.list_pages(&what, format!("{}/v2/_catalog?n={PAGE}", self.base), |body| {
             let page: Catalog = serde_json::from_slice(body).map_err(|e| ClientError::Http { what: what.clone(), message: format!("not a catalog: {e}") })?;
             repos.extend(page.repositories);
-            Ok(())
+            Ok(true)
         })?;
         if !found {
             let e = ClientError::Registry { what: what.clone(), status: 404, code: None, message: "this registry has no catalog (GET /v2/_catalog)".into() };
@@ -68,9 +89,9 @@ impl RegistrySource {
         Ok(repos)
     }
 
-    /// Read the pages of a listing from `first` on, handing each body to `page`; `false`
-    /// when the first page is a 404.
-    fn list_pages(&self, what: &str, first: String, mut page: impl FnMut(&[u8]) -> Result<(), ClientError>) -> Result<bool, FormatError> {
+    /// Read the pages of a listing from `first` on, handing each body to `page` (which says
+    /// whether to read on); `false` when the first page is a 404.
+    fn list_pages(&self, what: &str, first: String, mut page: impl FnMut(&[u8]) -> Result<bool, ClientError>) -> Result<bool, FormatError> {
         let mut next = Some(first);
         let mut pages = 0;
         while let Some(url) = next.take() {
@@ -100,8 +121,10 @@ impl RegistrySource {
             if body.len() as u64 > MAX_PAGE_BYTES {
                 return Err(self.source_err(ClientError::TooLarge { what: what.into(), limit: MAX_PAGE_BYTES }));
             }
-            page(&body).map_err(|e| self.source_err(e))?;
             pages += 1;
+            if !page(&body).map_err(|e| self.source_err(e))? {
+                break;
+            }
         }
         Ok(true)
     }

@@ -431,6 +431,19 @@ impl RegistrySource {
         }
     }
 
+    /// Ask for `scope` in every token from now on. A token obtained before lacks it (a
+    /// registry that checks scopes declines a mount from a repository the token does not
+    /// name, and answers 202, not 401): it is forgotten, so the next request's challenge
+    /// gets one with every scope asked so far, as a copy's first mount does.
+    fn need_scope(&self, scope: String) {
+        if self.scopes.lock().expect("poisoned").insert(scope) {
+            let mut a = self.auth.lock().expect("poisoned");
+            if a.as_deref().is_some_and(|v| v.starts_with("Bearer ")) {
+                *a = None;
+            }
+        }
+    }
+
     /// Resolve a `Location` header (absolute, or relative to the URL that answered). It
     /// may name any server: whether credentials go there is decided when a request is
     /// sent to it ([`super::may_send_credentials`]).
@@ -476,7 +489,7 @@ impl RegistrySource {
     /// opened an upload session instead, which is cancelled here; the caller uploads).
     pub fn mount_blob(&self, d: &OciDigest, from: &str) -> Result<bool, ClientError> {
         self.mark_writing();
-        self.scopes.lock().expect("poisoned").insert(format!("repository:{from}:pull"));
+        self.need_scope(format!("repository:{from}:pull"));
         let url = format!("{}/v2/{}/blobs/uploads/", self.base, self.repository);
         let what = format!("mounting {d} from {from} into {}", self.describe());
         let resp = self.send(&what, &|c| c.post(&url).query(&[("mount", d.as_str()), ("from", from)]).header(reqwest::header::CONTENT_LENGTH, "0"))?;

@@ -24,13 +24,15 @@ use super::push::{transfer_then, TransferFlags};
 /// sha256-<hex>.sig, .att, .sbom), and what is attached to those. At a destination without
 /// the referrers API (distribution 2.8) the referrers are listed in the fallback index.
 /// `snapctl inspect` lists them. A sha256-<hex>.sig the destination has already keeps its
-/// signatures: the source's are added to it, as `snapctl sign` adds one.
+/// signatures: the source's are added to it, as `snapctl sign` adds one. --sign-key signs
+/// the copy at a registry destination in the same step.
 ///
 /// Examples:
 ///   snapctl copy oci:./images:vm1 registry.example.com/vm/base:v1
 ///   snapctl copy registry.example.com/vm/base:v1 oci:./backup:vm1
 ///   snapctl copy 127.0.0.1:5000/vm/base@sha256:... 127.0.0.1:5001/mirror/base:v1
 ///   snapctl copy oci:./a:vm1 oci:./b:vm1
+///   snapctl copy oci:./images:vm1 registry.example.com/vm/base:v1 --sign-key cosign.key
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct CopyArgs {
@@ -68,6 +70,9 @@ pub fn copy_image(src: &str, dest: &str, flags: &TransferFlags, policy: &super::
     let digest = common::resolve(&o)?;
     policy.check(&r, &o, &digest)?;
     let to: Reference = dest.parse()?;
+    if flags.sign_key.is_some() && to.layout_path().is_some() {
+        bail!("{}", super::push::NO_NAME_TO_SIGN);
+    }
     let (tag, by_digest) = match to.selector() {
         Selector::Tag(t) => (Some(t.clone()), None),
         Selector::Digest(d) => (None, Some(d.clone())),

@@ -76,11 +76,13 @@ pub struct PackFlags {
     #[arg(long, value_name = "LEVEL|off", default_value_t = BaseDelta(Some(pusher::DEFAULT_BASE_DELTA_LEVEL)), value_parser = parse_base_delta)]
     pub base_delta: BaseDelta,
     /// Make an incremental layer over this image: only changed chunks are recorded.
-    /// [default: the image the destination tag holds, if it is of the same files]
+    /// [default: pack: the image the destination tag holds, if it is of the same files;
+    /// push: the closest image of the same files in the destination repository, see
+    /// `snapctl push --help`]
     #[arg(long, value_name = "REF")]
     pub parent: Option<String>,
-    /// Do not take the image the destination tag already holds as the parent: pack (and
-    /// push) a full image.
+    /// Take no parent by itself (not the destination tag's image, nor, for a push, the
+    /// closest one in the repository): pack (and push) a full image.
     #[arg(long, conflicts_with_all = ["parent", "diff"])]
     pub no_parent: bool,
     /// Memory files are Firecracker diff snapshots (holes = unchanged since --parent).
@@ -200,7 +202,9 @@ pub fn run(a: PackArgs) -> anyhow::Result<ExitCode> {
     let layout = OciLayout::open_or_create(path).with_context(|| format!("opening layout {}", path.display()))?;
     // The image already under the tag, as the parent of this one if it is of the same files.
     let held = match layout.resolve_tag(tag) {
-        Ok(digest) if a.flags.parent.is_none() && !a.flags.no_parent => Some(TagImage { source: &layout, digest, reference: a.dest.clone(), elsewhere: false }),
+        Ok(digest) if a.flags.parent.is_none() && !a.flags.no_parent => {
+            Some(TagImage { source: &layout, digest, reference: a.dest.clone(), elsewhere: false, why: None })
+        }
         _ => None,
     };
     let report =
@@ -291,6 +295,8 @@ pub struct TagImage<'a> {
     /// Its packs are where the new image goes (a push to the same repository): the
     /// layout packed into gets no copy of them.
     pub elsewhere: bool,
+    /// Why it was chosen, when not because it is the destination tag's image.
+    pub why: Option<String>,
 }
 
 /// Run `body` with the [`PackOptions`] the flags say (base and parent opened, a progress
@@ -347,10 +353,8 @@ pub fn with_pack_options<R>(
         let shown = common::printable(&t.reference);
         match imgfmt::Image::open(t.source, &t.digest).map_err(anyhow::Error::new).and_then(|img| Ok(pusher::same_files(&img, src, &opts).map(|()| img)?)) {
             Ok(image) => {
-                eprintln!(
-                    "{shown} as the parent ({}): the tag holds an image of the same files, so only what changed is stored and sent (--no-parent: a full image)",
-                    t.digest
-                );
+                let why = t.why.as_deref().unwrap_or("the tag holds an image of the same files");
+                eprintln!("{shown} as the parent ({}): {why}, so only what changed is stored and sent (--no-parent: a full image)", t.digest);
                 parent = Some(pusher::Related { source: t.source, image, reference: t.reference.clone() });
                 from_tag = true;
                 parent_packs_elsewhere = t.elsewhere;

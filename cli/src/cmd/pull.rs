@@ -93,6 +93,7 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
         let flags = super::push::TransferFlags {
             jobs: a.jobs.min(64),
             mount_from: Vec::new(),
+            sign_key: None,
             upload_piece: 16 << 20,
             registry: a.registry.clone(),
             cache: None,

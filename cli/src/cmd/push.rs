@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use anyhow::bail;
+use anyhow::{bail, Context as _};
 use imgfmt::reference::{Reference, Selector};
 use imgfmt::{BlobSource, OciDigest};
 use pusher::push::Reused;
@@ -27,13 +27,18 @@ use super::pack::PackFlags;
 /// says so in .pack.rebased and .pack.chain_depth). Prints the manifest digest (--json:
 /// a report).
 ///
-/// Pushing a directory again to a tag that holds an image of the same files (the same
-/// kind, chunk size and hash, and the same file names) makes a layer over that image by
-/// itself, so only the chunks that changed go up; stderr names the parent, --no-parent
-/// pushes a full image. A push keeps a packed copy of the directory under the cache
+/// Pushing a directory makes a layer over the closest image already in the repository, by
+/// itself, so only the chunks that changed go up, whatever the new tag is called: among
+/// the destination tag and the last 32 other tags (in the registry's order), the images of
+/// the same files (the same kind, chunk size and hash, and the same file names), the one
+/// this directory was last pushed as first, else the newest, confirmed by comparing a
+/// sample of 32 chunks. stderr names the parent and why, or why none was taken; --parent
+/// names one, --no-parent pushes a full image. A push keeps a packed copy of the directory under the cache
 /// directory only until the registry has it: then its packs are dropped, and what is
 /// left (the metadata the next layer reads) counts against --cache-size with everything
 /// else there (see `snapctl cache`).
+///
+/// --sign-key signs the pushed manifest in the same step, as `snapctl sign` does.
 ///
 /// Credentials come from ~/.docker/config.json (see `snapctl login`). Plain HTTP is used
 /// for 127.0.0.1/localhost, with --plain-http, or with SNAPCTL_PLAIN_HTTP=1.
@@ -42,6 +47,7 @@ use super::pack::PackFlags;
 ///   snapctl push oci:./images:vm1 registry.example.com/sandboxes/vm1:v1
 ///   snapctl push ./fc-snap 127.0.0.1:5000/vm/base
 ///   snapctl push ./fc-snap-2 127.0.0.1:5000/vm/next:v2 --parent oci:./images:vm1 --mount-from vm/base
+///   snapctl push ./fc-snap 127.0.0.1:5000/vm/sandbox:h-20261207T1500 --sign-key cosign.key
 ///   snapctl push oci:./images:vm1 127.0.0.1:5000/vm/base --json | jq .bytes_sent
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
@@ -65,8 +71,17 @@ pub struct TransferFlags {
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub jobs: u16,
     /// Try mounting blobs from this repository of the same registry first (repeatable).
+    /// Without it, blobs are mounted from the repositories this host's record of earlier
+    /// pushes, copies and pulls names for them; a registry that declines a mount gets
+    /// the blob uploaded, and stderr says so once.
     #[arg(long, value_name = "REPO")]
     pub mount_from: Vec<String>,
+    /// Sign the manifest once it is in place, as `snapctl sign --key FILE` does (cosign's
+    /// encrypted private key; password from $COSIGN_PASSWORD or a prompt), certifying the
+    /// destination as named (HOST/REPO:TAG). Registry destinations only [default: not
+    /// signed].
+    #[arg(long, value_name = "FILE")]
+    pub sign_key: Option<PathBuf>,
     /// Upload piece: blobs up to this size go in one request, larger ones in PATCHes of
     /// this size (or the registry's OCI-Chunk-Min-Length, if larger).
     #[arg(long, default_value = "16MiB", value_parser = common::parse_size)]
@@ -101,6 +116,32 @@ pub fn transfer(
     transfer_then(src, digest, target, tag, flags, verb, |_, _| Ok(()))
 }
 
+/// Why `--sign-key` refuses a layout destination.
+pub const NO_NAME_TO_SIGN: &str = "--sign-key: a layout has no registry name to certify; sign it with `snapctl sign --identity HOST/REPO:TAG`";
+
+/// What `--sign-key` signs with, and the name it certifies.
+pub struct Signing<'a> {
+    store: &'a dyn imgfmt::ImageStore,
+    identity: String,
+    key: sign::PrivateKey,
+}
+
+impl<'a> Signing<'a> {
+    /// The signing step of a transfer to `target` as `tag` (or by `digest` alone), when
+    /// `flags` ask for one: the key is read (and its password asked) now, before anything
+    /// is sent.
+    pub fn for_target(target: &'a pusher::Target, tag: Option<&str>, digest: Option<&OciDigest>, flags: &TransferFlags) -> anyhow::Result<Option<Signing<'a>>> {
+        let Some(path) = &flags.sign_key else { return Ok(None) };
+        let pusher::Target::Registry(r) = target else { bail!("{NO_NAME_TO_SIGN}") };
+        let identity = match (tag, digest) {
+            (Some(t), _) => format!("{}/{}:{t}", r.host(), r.repository()),
+            (None, Some(d)) => format!("{}/{}@{d}", r.host(), r.repository()),
+            (None, None) => bail!("--sign-key: nothing names the image to certify"),
+        };
+        Ok(Some(Signing { store: *r, identity, key: super::sign::load_private_key(path)? }))
+    }
+}
+
 /// [`transfer`], and `then` (which may add to the report: `copy` carries referrers) before
 /// the report is printed.
 pub fn transfer_then(
@@ -112,7 +153,8 @@ pub fn transfer_then(
     verb: &str,
     then: impl FnOnce(&CopyOptions, &mut PushReport) -> Result<(), pusher::CopyError>,
 ) -> anyhow::Result<PushReport> {
-    with_progress(src, digest, flags, verb, |opts| {
+    let signing = Signing::for_target(target, tag, Some(digest), flags)?;
+    with_progress(src, digest, flags, verb, signing, |opts| {
         let mut report = pusher::copy::copy_after(src, digest, target, tag, opts, &[])?;
         then(opts, &mut report)?;
         Ok(report)
@@ -120,12 +162,13 @@ pub fn transfer_then(
 }
 
 /// Run `send` (which moves manifest `digest` of `src`) with a progress bar on a terminal,
-/// then print the digest or the report.
+/// sign what arrived when `signing` says so, then print the digest or the report.
 fn with_progress(
     src: &dyn BlobSource,
     digest: &OciDigest,
     flags: &TransferFlags,
     verb: &str,
+    signing: Option<Signing<'_>>,
     send: impl FnOnce(&CopyOptions) -> Result<PushReport, pusher::CopyError>,
 ) -> anyhow::Result<PushReport> {
     let (_, manifest) = pusher::copy::manifest_blobs(src, digest).map_err(|e| wrap(e, verb))?;
@@ -141,9 +184,20 @@ fn with_progress(
     }
     let mut opts = copy_options(flags);
     opts.progress = Some(&tick);
-    let report = send(&opts).map_err(|e| wrap(e, verb))?;
+    let mut report = send(&opts).map_err(|e| wrap(e, verb))?;
     if let Some(pb) = pb {
         pb.finish_and_clear();
+    }
+    if report.mounts_declined > 0 {
+        eprintln!(
+            "{verb}: the registry declined to mount {} blob(s) from the other repositories recorded as holding them (no pull access there, or gone since): uploaded instead",
+            report.mounts_declined
+        );
+    }
+    if let Some(s) = signing {
+        let signed = super::sign::sign_image(s.store, digest, &s.identity, &s.key, true).with_context(|| format!("{verb}: signing {}", s.identity))?;
+        super::sign::say_signed(&signed, digest, &s.identity);
+        report.signature = Some(signed);
     }
     if flags.json {
         common::print_json(&report)?;
@@ -182,6 +236,32 @@ fn wrap(e: pusher::CopyError, verb: &str) -> anyhow::Error {
     }
 }
 
+/// The image of the destination repository a new image of `dir` is made over when no
+/// parent is named ([`pusher::closest`]); stderr says why none is taken.
+fn closest_parent<'a>(
+    dir: &Path,
+    dest: &regclient::RegistrySource,
+    source: &'a dyn BlobSource,
+    flags: &PackFlags,
+    tag: &str,
+    cache_dir: &Path,
+) -> Option<super::pack::TagImage<'a>> {
+    let opts = pusher::PackOptions { kind: flags.kind, chunk_shift: flags.chunk_size.trailing_zeros() as u8, hash: flags.hash, ..Default::default() };
+    let last = pusher::push::last_packed(dir, cache_dir);
+    let search = pusher::closest::closest_image(dest, source, dir, &opts, tag, last.as_ref(), pusher::closest::DEFAULT_CANDIDATES);
+    let Some(c) = search.chosen else {
+        eprintln!("no parent: {}; pushing a full image (--parent REF names one)", search.none_because);
+        return None;
+    };
+    Some(super::pack::TagImage {
+        source,
+        digest: c.digest,
+        reference: format!("{}/{}:{}", dest.host(), dest.repository(), c.tag),
+        elsewhere: true,
+        why: Some(c.why),
+    })
+}
+
 pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
     let r: Reference = a.dest.parse()?;
     let Some((host, repository)) = r.registry() else {
@@ -203,13 +283,10 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
         // The metadata of the image pushed last from this directory is in its push layout:
         // read there, not fetched again.
         let local_first = pusher::push::LocalFirst::new(dir, &cache_dir, &dest);
+        let target = pusher::Target::Registry(&dest);
+        let signing = Signing::for_target(&target, Some(tag), None, &a.transfer)?;
         let held = match (&a.pack.parent, a.pack.no_parent) {
-            (None, false) => pusher::push::tag_manifest(&dest, tag)?.map(|digest| super::pack::TagImage {
-                source: &local_first,
-                digest,
-                reference: format!("{host}/{repository}:{tag}"),
-                elsewhere: true,
-            }),
+            (None, false) => closest_parent(dir, &dest, &local_first, &a.pack, tag, &cache_dir),
             _ => None,
         };
         // A --parent in the repository pushed to has its packs there as well.
@@ -242,7 +319,7 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
         })?;
         match packed.reused {
             Some(Reused::Stamp) => eprintln!("{}: unchanged since it was last packed (same stamp): not packing again", dir.display()),
-            Some(Reused::Parent) => eprintln!("{}: unchanged: the tag already holds this content", dir.display()),
+            Some(Reused::Parent) => eprintln!("{}: unchanged: the parent already holds this content (its manifest is pushed as it is)", dir.display()),
             Some(Reused::Previous) | None => {
                 for s in packed.report.iter().flat_map(|r| &r.skipped) {
                     eprintln!("warning: skipped {s}: not a regular file");
@@ -257,7 +334,7 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
                 eprintln!("{line}");
             }
         }
-        with_progress(&packed.layout, &packed.digest, &a.transfer, "push", |opts| pusher::push::push_packed(&packed, &dest, tag, opts))?;
+        with_progress(&packed.layout, &packed.digest, &a.transfer, "push", signing, |opts| pusher::push::push_packed(&packed, &dest, tag, opts))?;
         // The layout is released (a later eviction may take it); then everything under the
         // cache directory is brought within the budget.
         drop(packed);

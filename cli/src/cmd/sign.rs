@@ -154,6 +154,40 @@ pub fn load_private_key(path: &Path) -> anyhow::Result<sign::PrivateKey> {
     sign::PrivateKey::from_encrypted_pem(&text, pw.as_bytes()).with_context(|| format!("{}", path.display()))
 }
 
+/// Sign manifest `digest` of `store` as `identity` with `key`: `snapctl sign`, and the
+/// `--sign-key` step of `push` and `copy`. The subject's media type and size are read from
+/// the manifest itself (checked against its digest).
+pub fn sign_image(
+    store: &dyn imgfmt::ImageStore,
+    digest: &OciDigest,
+    identity: &str,
+    key: &sign::PrivateKey,
+    referrer: bool,
+) -> anyhow::Result<sign::SignReport> {
+    let manifest = imgfmt::source::read_verified_blob(store, digest, imgfmt::manifest::MAX_MANIFEST_BYTES).with_context(|| format!("reading {digest}"))?;
+    let media_type = serde_json::from_slice::<serde_json::Value>(&manifest)
+        .ok()
+        .and_then(|v| v.get("mediaType").and_then(|m| m.as_str()).map(String::from))
+        .unwrap_or_else(|| imgfmt::media::OCI_MANIFEST.into());
+    let subject = Descriptor::new(&media_type, digest.clone(), manifest.len() as u64);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).ok();
+    Ok(sign::sign(store, &subject, identity, key, referrer, now)?)
+}
+
+/// The line on stderr that says what [`sign_image`] did.
+pub fn say_signed(report: &sign::SignReport, digest: &OciDigest, identity: &str) {
+    eprintln!(
+        "{} {} as {} with key {}: tag {} ({} signature(s)){}",
+        if report.already_signed { "already signed" } else { "signed" },
+        digest,
+        common::printable(identity),
+        report.key,
+        report.tag,
+        report.tag_signatures,
+        report.referrer.as_ref().map(|r| format!(", referrer {r}")).unwrap_or_default()
+    );
+}
+
 pub fn run_sign(a: SignArgs) -> anyhow::Result<ExitCode> {
     let r: Reference = a.image.parse()?;
     let identity = match (&a.identity, &r) {
@@ -169,29 +203,11 @@ pub fn run_sign(a: SignArgs) -> anyhow::Result<ExitCode> {
     let key = load_private_key(&a.key)?;
     let o = super::common::open_parsed(&r, &a.image)?;
     let digest: OciDigest = super::common::resolve(&o)?;
-    // The subject descriptor needs the manifest's media type and size: read it (checked).
-    let manifest =
-        imgfmt::source::read_verified_blob(o.source.as_ref(), &digest, imgfmt::manifest::MAX_MANIFEST_BYTES).with_context(|| format!("reading {}", a.image))?;
-    let media_type = serde_json::from_slice::<serde_json::Value>(&manifest)
-        .ok()
-        .and_then(|v| v.get("mediaType").and_then(|m| m.as_str()).map(String::from))
-        .unwrap_or_else(|| imgfmt::media::OCI_MANIFEST.into());
-    let subject = Descriptor::new(&media_type, digest.clone(), manifest.len() as u64);
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).ok();
-    let report = sign::sign(o.source.as_ref(), &subject, &identity, &key, !a.no_referrer, now).with_context(|| format!("signing {}", a.image))?;
+    let report = sign_image(o.source.as_ref(), &digest, &identity, &key, !a.no_referrer).with_context(|| format!("signing {}", a.image))?;
     if a.json {
         common::print_json(&report)?;
     }
-    eprintln!(
-        "{} {} as {} with key {}: tag {} ({} signature(s)){}",
-        if report.already_signed { "already signed" } else { "signed" },
-        digest,
-        common::printable(&identity),
-        report.key,
-        report.tag,
-        report.tag_signatures,
-        report.referrer.as_ref().map(|r| format!(", referrer {r}")).unwrap_or_default()
-    );
+    say_signed(&report, &digest, &identity);
     Ok(common::code(common::EXIT_OK))
 }
 

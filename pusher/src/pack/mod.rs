@@ -18,7 +18,7 @@ mod tests;
 
 pub use layers::ensure_blob;
 pub use options::{OnPack, PackError, PackOptions, PackReport, Related, DEFAULT_BASE_DELTA_LEVEL, DEFAULT_COMPACT_AFTER, DEFAULT_PACK_SIZE};
-pub use same::{same_files, NotSameFiles};
+pub use same::{same_files, same_files_scanned, NotSameFiles};
 
 use chunker::{chunk_into_packs, ChunkInput, Chunked};
 use compaction::{excess_packs, Compaction};

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use imgfmt::{HashAlgo, Image, Kind};
+use imgfmt::{HashAlgo, Image, ImageConfig, Kind};
 
 use crate::scan;
 
@@ -28,17 +28,22 @@ pub enum NotSameFiles {
 /// the same kind, chunk size and hash, and the same set of file names (sizes and content
 /// may differ; that is what a layer records).
 pub fn same_files(image: &Image, src_dir: &Path, opts: &PackOptions) -> Result<(), NotSameFiles> {
-    let c = image.config();
+    let sc = scan::scan_dir(src_dir)?;
+    same_files_scanned(image.config(), image.files.iter().map(|f| f.name.as_str()), &sc, opts)
+}
+
+/// [`same_files`] of an image's config `c` (its file names `names`) and a directory
+/// scanned already: what a push checks of each image of a repository before opening any.
+pub fn same_files_scanned<'a>(c: &ImageConfig, names: impl Iterator<Item = &'a str>, sc: &scan::Scan, opts: &PackOptions) -> Result<(), NotSameFiles> {
     if c.hash != opts.hash || c.chunk_shift() != opts.chunk_shift {
         return Err(NotSameFiles::Chunking { image_chunk: c.chunk_size >> 10, image_hash: c.hash, chunk: (1u64 << opts.chunk_shift) >> 10, hash: opts.hash });
     }
-    let sc = scan::scan_dir(src_dir)?;
     let kind = opts.kind.unwrap_or_else(|| scan::detect_kind(&sc.files));
     if c.kind != kind {
         return Err(NotSameFiles::Kind { image: c.kind, dir: kind });
     }
     let ours: std::collections::BTreeSet<&str> = sc.files.iter().map(|f| f.name.as_str()).collect();
-    let theirs: std::collections::BTreeSet<&str> = image.files.iter().map(|f| f.name.as_str()).collect();
+    let theirs: std::collections::BTreeSet<&str> = names.collect();
     if ours != theirs {
         // A few names are enough to say why; a directory of thousands is not listed whole.
         let list = |v: Vec<&&str>| {

@@ -10,6 +10,7 @@ mod chain;
 mod cli;
 mod credentials;
 mod criu;
+mod daily_use;
 mod fault_proxy;
 mod format;
 mod host;
