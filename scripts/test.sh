@@ -9,7 +9,7 @@ bash scripts/setup.sh --tests
 export SNAPCTL_REQUIRE_PEERS="${SNAPCTL_REQUIRE_PEERS:-1}"
 export CARGO_TERM_COLOR=never
 # A CI disk is small: no incremental state, and line tables only in test builds (backtraces
-# keep file:line). Together they shrink target/ by more than half.
+# keep file:line).
 export CARGO_INCREMENTAL=0
 export CARGO_PROFILE_DEV_DEBUG="${CARGO_PROFILE_DEV_DEBUG:-line-tables-only}"
 export CARGO_PROFILE_TEST_DEBUG="${CARGO_PROFILE_TEST_DEBUG:-line-tables-only}"
