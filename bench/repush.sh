@@ -1,31 +1,33 @@
 #!/usr/bin/env bash
-# Re-pushing a directory to the tag it was pushed to (issue 22 §2, §3): bytes sent per
-# push and what `~/.cache/snapctl/push-layouts` holds after it. A sample of SIZE (default
-# 38 MiB, the issue's image), pushed to `snapctl serve` on loopback, then ROUNDS times
-# (default 3) one 1 MiB block rewritten (`sample --mutate 1`) and pushed again to the same
-# tag, each mode with a fresh registry, cache and sample (same seeds):
-#   auto       `push DIR HOST/REPO:latest`             (the tag's image as the parent)
+# Re-pushing a directory after a small change: bytes sent per push and what
+# `~/.cache/snapctl/push-layouts` holds after it. A sample of SIZE (default 38 MiB),
+# pushed to REGISTRY (`snapctl serve`, or `distribution`: docker-registry 2.8) on
+# loopback, then ROUNDS times (default 3) one 1 MiB block rewritten (`sample --mutate 1`)
+# and pushed again, each mode with a fresh registry, cache and sample (same seeds):
+#   auto       `push DIR HOST/REPO:latest`             (the closest image as the parent)
+#   new-tags   `push DIR HOST/REPO:hN`, a new tag each time (as hibernations are named)
 #   no-parent  `push DIR HOST/REPO:latest --no-parent` (a full image each time)
 #   parent     `push DIR HOST/REPO:latest --parent HOST/REPO:latest` (named by hand)
-#   before     OLD_SNAPCTL (if set: a binary without automatic parents) with no flags
+#   before     OLD_SNAPCTL (if set: another binary) with no flags
 # Bytes are `bytes_sent` of `push --json` (blob bytes uploaded; manifests excluded, a few
 # KiB) and allocated bytes (`du -sB1`) of the push layouts. Byte counts do not depend on
 # the machine's load, so one run is the result.
 #
-#   bash bench/repush.sh [--size 38MiB] [--rounds 3]
+#   bash bench/repush.sh [--size 38MiB] [--rounds 3] [--registry snapctl|distribution]
 #
-# Output: markdown on stdout (also bench/results/repush-DATE.md), progress on stderr.
+# Output: markdown on stdout (also bench/results/repush-DATE-REGISTRY.md), progress on stderr.
 # SNAPCTL picks the binary (default target/release/snapctl, else target/debug/snapctl).
 set -euo pipefail
 trap 'echo "repush.sh: line $LINENO failed: $BASH_COMMAND" >&2' ERR
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ARGV=("$@")
-SIZE=38MiB ROUNDS=3
+SIZE=38MiB ROUNDS=3 REGISTRY=snapctl
 while [ $# -gt 0 ]; do
   case "$1" in
     --size) SIZE=$2; shift ;;
     --rounds) ROUNDS=$2; shift ;;
+    --registry) REGISTRY=$2; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "repush.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -52,10 +54,10 @@ SERVER_LOGS=$W
 source "$ROOT/bench/lib/servers.sh"
 
 DATE=$(date -u +%Y-%m-%d)
-OUT=$ROOT/bench/results/repush-$DATE.md
+OUT=$ROOT/bench/results/repush-$DATE-$REGISTRY.md
 exec > >(tee "$OUT")
 
-MODES=(auto no-parent parent)
+MODES=(auto new-tags no-parent parent)
 [ -n "${OLD_SNAPCTL:-}" ] && MODES+=(before)
 declare -A SENT LAYOUTS
 for mode in "${MODES[@]}"; do
@@ -63,7 +65,7 @@ for mode in "${MODES[@]}"; do
   [ "$mode" = before ] && bin=$OLD_SNAPCTL
   m=$W/$mode
   mkdir -p "$m"
-  start_server snapctl "$m/storage"
+  start_server "$REGISTRY" "$m/storage"
   dest=127.0.0.1:$PORT/vm/sandbox:latest
   "$bin" sample "$m/snap" --size "$SIZE" --seed 1 >/dev/null 2>&1
   for r in $(seq 0 "$ROUNDS"); do
@@ -71,15 +73,17 @@ for mode in "${MODES[@]}"; do
       "$bin" sample "$m/snap" --size "$SIZE" --mutate 1 --seed "$((100 + r))" >/dev/null 2>&1
     fi
     args=()
+    to=$dest
     case "$mode" in
+      new-tags) to=${dest%:latest}:h$r ;;
       no-parent) args=(--no-parent) ;;
       parent) [ "$r" -gt 0 ] && args=(--parent "$dest") ;;
     esac
-    rep=$(SNAPCTL_CACHE=$m/cache "$bin" push "$m/snap" "$dest" --json "${args[@]}" 2>"$m/push.log") \
+    rep=$(SNAPCTL_CACHE=$m/cache "$bin" push "$m/snap" "$to" --json "${args[@]}" 2>"$m/push.log") \
       || { echo "repush.sh: $mode push $r failed: $(tail -5 "$m/push.log")" >&2; exit 2; }
     SENT[$mode,$r]=$(jq .bytes_sent <<<"$rep")
     LAYOUTS[$mode,$r]=$(du -sB1 "$m/cache/push-layouts" | cut -f1)
-    log "$mode push $r: sent ${SENT[$mode,$r]} B, push-layouts ${LAYOUTS[$mode,$r]} B, depth $(jq .pack.chain_depth <<<"$rep")$(grep -q 'as the parent' "$m/push.log" && echo ', tag taken as the parent')"
+    log "$mode push $r: sent ${SENT[$mode,$r]} B, push-layouts ${LAYOUTS[$mode,$r]} B, depth $(jq .pack.chain_depth <<<"$rep")$(grep -q 'as the parent' "$m/push.log" && echo ', a parent taken')"
   done
   stop_server
 done
@@ -87,7 +91,7 @@ done
 mb() { python3 -c "print(f'{$1/1e6:.2f}')"; }
 echo "### Run of $(date -u '+%Y-%m-%d %H:%M UTC'): $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), snapctl $(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- . 2>/dev/null || echo '+changes')"
 echo
-echo "\`bash bench/repush.sh ${ARGV[*]}\`: a $SIZE sample (seed 1), pushed, then $ROUNDS times one 1 MiB block rewritten and pushed again to the same tag of \`snapctl serve\` (loopback). MB sent (\`bytes_sent\`) / MB under push-layouts after the push:"
+echo "\`bash bench/repush.sh ${ARGV[*]}\`: a $SIZE sample (seed 1), pushed, then $ROUNDS times one 1 MiB block rewritten and pushed again (\`new-tags\`: to a new tag each time) to \`$REGISTRY\` (loopback). MB sent (\`bytes_sent\`) / MB under push-layouts after the push:"
 echo
 hdr="| mode | first push |"; sep="|---|---|"
 for r in $(seq 1 "$ROUNDS"); do hdr+=" re-push $r |"; sep+="---|"; done
