@@ -192,6 +192,14 @@ impl Reference {
             Reference::Layout { selector, .. } | Reference::Registry { selector, .. } => selector,
         }
     }
+
+    /// The store alone, without its tag or digest (`oci:PATH` or `HOST/REPO`), for messages.
+    pub fn store_name(&self) -> String {
+        match self {
+            Reference::Layout { path, .. } => format!("oci:{}", path.display()),
+            Reference::Registry { host, repository, .. } => format!("{host}/{repository}"),
+        }
+    }
 }
 
 impl FromStr for Reference {

@@ -53,8 +53,8 @@ pub fn run(a: DeleteArgs) -> anyhow::Result<ExitCode> {
     }
     store.delete(&o.selector).map_err(|e| refused(e, &r))?;
     match &o.selector {
-        Selector::Tag(t) => eprintln!("deleted tag {t} of {}", without_selector(&r)),
-        Selector::Digest(d) => eprintln!("deleted manifest {d} of {} with its tags", without_selector(&r)),
+        Selector::Tag(t) => eprintln!("deleted tag {t} of {}", r.store_name()),
+        Selector::Digest(d) => eprintln!("deleted manifest {d} of {} with its tags", r.store_name()),
     }
     Ok(common::code(common::EXIT_OK))
 }
@@ -101,13 +101,6 @@ fn dependents(store: &dyn ImageStore, victim: &OciDigest) -> anyhow::Result<Vec<
         }
     }
     Ok(out)
-}
-
-fn without_selector(r: &Reference) -> String {
-    match r {
-        Reference::Layout { path, .. } => format!("oci:{}", path.display()),
-        Reference::Registry { host, repository, .. } => format!("{host}/{repository}"),
-    }
 }
 
 #[cfg(test)]

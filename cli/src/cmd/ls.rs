@@ -58,7 +58,7 @@ pub fn run(a: LsArgs) -> anyhow::Result<ExitCode> {
     let r: Reference = target.parse()?;
     let o = common::open_parsed(&r, target)?;
     let store = o.source.as_ref();
-    let tags = store.tags().with_context(|| format!("listing the tags of {}", strip_selector(&r)))?;
+    let tags = store.tags().with_context(|| format!("listing the tags of {}", r.store_name()))?;
     let mut rows = Vec::new();
     for tag in tags.iter().filter(|t| a.all || !is_attached_tag(t)) {
         if let Some(row) = tag_row(store, &tags, tag)? {
@@ -120,14 +120,6 @@ fn is_attached_tag(tag: &str) -> bool {
     let Some(rest) = tag.strip_prefix("sha256-") else { return false };
     let hex = rest.split_once('.').map_or(rest, |(h, _)| h);
     hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit())
-}
-
-/// `r` without its tag or digest, for messages.
-fn strip_selector(r: &Reference) -> String {
-    match r {
-        Reference::Layout { path, .. } => format!("oci:{}", path.display()),
-        Reference::Registry { host, repository, .. } => format!("{host}/{repository}"),
-    }
 }
 
 #[cfg(test)]
