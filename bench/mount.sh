@@ -19,12 +19,13 @@
 #   clones      --clones clones of one base, each with its own WRITE_PCT of 4 KiB pages,
 #               packed with --base and restored through DIR/.clone (base mapped, own pages
 #               over it): flatten.
-#   read race   every file read whole through a cold mount (fresh cache, --prefetch none) vs
-#               `snapctl pull` of the image to a directory: median of --runs, ratio (with the
-#               mount's start and unmount, and of the reads alone).
-#   warm        a new mount over a warm chunk cache: sequential read of vm.mem (GB/s, every
-#               read through the daemon); then 4 KiB random reads (pread, one page cache
-#               miss each: a new mount) p50/p99 µs.
+#   read race   every file read whole through a cold mount (fresh cache, the defaults) vs
+#               `snapctl pull` of the image to a directory: median of --runs, ratio (from
+#               `snapctl mount` to `snapctl umount` answered, and of the reads alone; the
+#               daemon's exit, after it wrote its queued chunks to the cache, beside).
+#   warm        a new mount over a warm chunk cache (completed by a mount's fill first):
+#               sequential read of vm.mem (GB/s, every read through the daemon); then 4 KiB
+#               random reads (pread, one page cache miss each: a new mount) p50/p99 µs.
 #
 # Output: JSON lines in bench/results/mount-DATE.jsonl and a summary on stdout. Needs root
 # and /dev/fuse, python3. SNAPCTL / FAKE_VMM pick binaries (default target/debug: the dev
@@ -106,9 +107,11 @@ class Mount:
 
     def umount(self, wait=True):
         sh(SN, "umount", "--wait", self.dir)
+        self.unmounted = time.time()
         if not wait:  # the first mount runs the host mount: it ends with the last DIR
             return None
         self.p.wait(timeout=120)
+        self.exited = time.time()
         return json.loads(open(self.out).read().strip() or "{}")
 
 
@@ -258,25 +261,35 @@ def read_all(d):
 # 4. every file whole through a cold mount vs snapctl pull.
 if RUNS == 0:
     raise SystemExit(0)
-mt, rt, pt = [], [], []
+mt, rt, pt, xt = [], [], [], []
 for r in range(RUNS):
     shutil.rmtree(f"{W}/cache-r", ignore_errors=True)
     t = time.time()
-    m = Mount(REF, f"r{r}", f"{W}/cache-r", ["--prefetch", "none"])
+    m = Mount(REF, f"r{r}", f"{W}/cache-r", [])
     t2 = time.time()
     read_all(m.dir)
     rt.append(time.time() - t2)
     m.umount()
-    mt.append(time.time() - t)
+    mt.append(m.unmounted - t)
+    # After `umount` answered, the daemon writes the chunks still queued for the cache.
+    xt.append(m.exited - t)
     shutil.rmtree(f"{W}/cache-p", ignore_errors=True)
     shutil.rmtree(f"{W}/pulled", ignore_errors=True)
     t = time.time()
     sh(SN, "pull", REF, f"{W}/pulled", "--cache", f"{W}/cache-p")
     pt.append(time.time() - t)
 emit({"case": "read_all_cold", "mount_s": [round(x, 2) for x in mt], "read_s": [round(x, 2) for x in rt], "pull_s": [round(x, 2) for x in pt],
+      "daemon_exit_s": [round(x, 2) for x in xt],
       "median_ratio": round(statistics.median(mt) / statistics.median(pt), 2), "median_ratio_reads_only": round(statistics.median(rt) / statistics.median(pt), 2)})
 
-# 5. warm: chunk cache warm, page cache of a new mount cold.
+# 5. warm: chunk cache warm (a mount's fill completed it: the reads above skip the cache
+# when its disk is behind), page cache of a new mount cold.
+m = Mount(REF, "w0", f"{W}/cache-r", [])
+deadline = time.time() + 600
+while "fill done" not in open(m.log).read():
+    assert time.time() < deadline and m.p.poll() is None, open(m.log).read()
+    time.sleep(0.1)
+m.umount()
 m = Mount(REF, "w", f"{W}/cache-r", ["--prefetch", "none"])
 t = time.time()
 with open(f"{m.dir}/vm.mem", "rb", buffering=0) as f:
@@ -298,5 +311,6 @@ os.close(fd)
 rep = m.umount()
 lat.sort()
 emit({"case": "warm", "seq_gb_s": round(seq, 2), "rand4k_p50_us": round(lat[len(lat) // 2], 1), "rand4k_p99_us": round(lat[int(len(lat) * 0.99)], 1),
-      "daemon_read_p99_us": rep.get("read_latency_us", {}).get("p99"), "passthrough_files": rep.get("passthrough_files")})
+      "daemon_read_p99_us": rep.get("read_latency_us", {}).get("p99"), "passthrough_files": rep.get("passthrough_files"),
+      "cache_slice_reads": rep.get("cache_slice_reads"), "fetched_chunks": rep.get("fetched_chunks")})
 PY

@@ -51,6 +51,10 @@ pub struct FetchCounters {
     pub retries: AtomicU64,
     /// Chunks the background fill asked for that were not local yet.
     pub filled_chunks: AtomicU64,
+    /// Reads served from part of a cached chunk, checked slice by slice (the rest unread).
+    pub cache_slice_reads: AtomicU64,
+    /// Small reads served by fetching only their slices from the source.
+    pub fetched_slice_reads: AtomicU64,
 }
 
 /// A chunk's verified bytes: a zero chunk (its record checked against the digest of
@@ -96,6 +100,13 @@ pub trait ChunkSource: Send + Sync {
         self.chunk(file, chunk, Need::Fill).map(|_| ())
     }
     fn counters(&self) -> &FetchCounters;
+    /// Verified bytes `within .. within + out.len()` of the chunk, copied into `out`. A
+    /// source that can check part of a chunk (against its outboard slices) may read only
+    /// that part; by default the whole chunk is read.
+    fn read_part(&self, file: usize, chunk: u64, within: usize, out: &mut [u8], need: Need) -> Result<(), ChunkFailure> {
+        self.chunk(file, chunk, need)?.copy_to(within, out);
+        Ok(())
+    }
 }
 
 type Outcome = Result<Arc<VerifiedChunk>, ChunkFailure>;
@@ -134,6 +145,9 @@ impl Recent {
 type PutItem = (HashAlgo, ChunkDigest, Arc<VerifiedChunk>);
 /// Chunks waiting for the cache's writer at most: a read never waits for the disk.
 const PUT_QUEUE: usize = 64;
+/// A read of at most this many bytes of a chunk nobody asked for before fetches only its
+/// slices from the source (one range request); a later miss in the chunk fetches it whole.
+const SOURCE_SLICE_MAX: u64 = 16 << 10;
 
 /// [`ChunkSource`] over an image's source and the host's chunk cache.
 pub struct Fetcher {
@@ -147,6 +161,8 @@ pub struct Fetcher {
     recent: Mutex<Recent>,
     /// Chunks that failed verification twice: refused without another fetch.
     refused: Mutex<HashSet<ChunkDigest>>,
+    /// Chunks a small read fetched slices of: the next miss fetches the whole chunk.
+    sliced: Mutex<HashSet<ChunkDigest>>,
     counters: FetchCounters,
     /// The image's chunks, pinned in the chunk cache for as long as the image is presented:
     /// the kernel may drop its page cache and read again at any time.
@@ -166,6 +182,7 @@ impl Drop for Fetcher {
 impl Fetcher {
     /// `memory_bytes` of recently used chunks are kept in memory (the page cache keeps
     /// what readers read; this serves the rest of a chunk a read fetched for part of it).
+    /// The image's outboards are read here, before it is shown.
     pub fn new(image: Arc<Image>, src: Arc<dyn BlobSource>, store: Option<Arc<ChunkCache>>, policy: RetryPolicy, memory_bytes: u64) -> Fetcher {
         let (puts, putter) = match &store {
             Some(st) => {
@@ -175,9 +192,18 @@ impl Fetcher {
                     .name("mount-cache-put".into())
                     .spawn(move || {
                         while let Ok(first) = rx.recv() {
+                            // One put per batch (per hash: an image has one): the disk's
+                            // latency is paid once for all of them, not once per chunk.
                             let batch = imgfmt::work::batch_after(first, &rx, 32);
-                            for (algo, d, c) in &batch {
-                                ChunkStore::put_many(st.as_ref(), *algo, &[(*d, c.as_ref())]);
+                            let mut algos: Vec<HashAlgo> = Vec::new();
+                            for (a, _, _) in &batch {
+                                if !algos.contains(a) {
+                                    algos.push(*a);
+                                }
+                            }
+                            for algo in algos {
+                                let items: Vec<_> = batch.iter().filter(|(a, _, _)| *a == algo).map(|(_, d, c)| (*d, c.as_ref())).collect();
+                                ChunkStore::put_many(st.as_ref(), algo, &items);
                             }
                         }
                     })
@@ -193,6 +219,7 @@ impl Fetcher {
             chunks.dedup();
             ChunkStore::pin(s.as_ref(), &format!("snapctl mount (pid {}) presenting {}", std::process::id(), image.manifest_digest), &chunks)
         });
+        load_outboards(&image, src.as_ref());
         Fetcher {
             image,
             src,
@@ -203,6 +230,7 @@ impl Fetcher {
             inflight: Mutex::new(HashMap::new()),
             recent: Mutex::new(Recent { map: HashMap::new(), order: VecDeque::new(), bytes: 0, limit: memory_bytes }),
             refused: Mutex::new(HashSet::new()),
+            sliced: Mutex::new(HashSet::new()),
             counters: FetchCounters::default(),
             _pin,
         }
@@ -316,9 +344,98 @@ impl ChunkSource for Fetcher {
     fn counters(&self) -> &FetchCounters {
         &self.counters
     }
+
+    /// A read of part of a stored chunk that is not in recent memory reads only the slices
+    /// under it when the chunk has outboard slices: from the chunk cache, else (a small
+    /// read, the chunk's first) from the source. Anything else takes the whole chunk.
+    fn read_part(&self, file: usize, chunk: u64, within: usize, out: &mut [u8], need: Need) -> Result<(), ChunkFailure> {
+        let rec = self.image.files[file].chunks[chunk as usize];
+        if need == Need::Read && rec.at != StoredAt::Zero && out.len() < rec.len as usize && self.slices_into(file, chunk, within, out) {
+            return Ok(());
+        }
+        self.chunk(file, chunk, need)?.copy_to(within, out);
+        Ok(())
+    }
+}
+
+/// Read the image's outboards and put them in place, before the image is shown: a read
+/// of part of a chunk may then read only that part ([`Fetcher::slices_into`]) from its
+/// first read on. Without them (none packed, or unreadable: logged) reads take whole chunks.
+fn load_outboards(image: &Image, src: &dyn BlobSource) {
+    match image.read_all_outboards(src) {
+        Ok(o) => {
+            image.attach_outboards(o);
+        }
+        Err(e) => tracing::warn!("{}: its outboards could not be read ({e}): reads take whole chunks", image.manifest_digest),
+    }
 }
 
 impl Fetcher {
+    /// Copy bytes `within ..` of a stored chunk into `out` from its slices, each checked
+    /// against the chunk's outboard entry (merged to its digest first): from the chunk
+    /// cache, else, for a read of at most [`SOURCE_SLICE_MAX`] in a chunk no read fetched
+    /// slices of before, with one range request to the source. `false`: nothing copied
+    /// (no slices, the chunk in recent memory, a check or a fetch failed): read the whole
+    /// chunk, which is verified and, on a failure, refused as any chunk is.
+    fn slices_into(&self, file: usize, chunk: u64, within: usize, out: &mut [u8]) -> bool {
+        let rec = self.image.files[file].chunks[chunk as usize];
+        if self.recent.lock().expect("poisoned").map.contains_key(&rec.digest) {
+            return false;
+        }
+        let Some(cvs) = self.image.slice_cvs(file, chunk) else { return false };
+        let shift = cvs.shape().slice_size().trailing_zeros();
+        let (first, last) = ((within >> shift) as u32, ((within + out.len() - 1) >> shift) as u32);
+        let range = cvs.slice_range(first).start..cvs.slice_range(last).end;
+        let algo = self.image.config().hash;
+        let check = |bytes: Vec<u8>| -> Result<Vec<verify::VerifiedSlice>, VerifyError> {
+            let bytes = bytes::Bytes::from(bytes);
+            (first..=last)
+                .map(|i| {
+                    let r = cvs.slice_range(i);
+                    verify::check_slice(&self.image, file, chunk, i, bytes.slice((r.start - range.start) as usize..(r.end - range.start) as usize))
+                })
+                .collect()
+        };
+        let cached = self.store.as_ref().and_then(|s| s.read_range_unverified(algo, &rec.digest, rec.len, range.clone()).ok().flatten());
+        let (slices, counter) = match cached {
+            // A part that fails its check is left to the whole chunk's read, which re-hashes
+            // the entry and drops it if it is damaged.
+            Some(bytes) => (check(bytes).ok(), &self.counters.cache_slice_reads),
+            None => {
+                if range.end - range.start > SOURCE_SLICE_MAX || !self.sliced.lock().expect("poisoned").insert(rec.digest) {
+                    return false;
+                }
+                let got = verify::read_slices(self.src.as_ref(), &self.image, file, chunk, first..last + 1);
+                match &got {
+                    Ok(_) => _ = self.counters.bytes_fetched.fetch_add(range.end - range.start, Relaxed),
+                    Err(e) if e.kind().is_integrity() => {
+                        self.counters.bytes_fetched.fetch_add(range.end - range.start, Relaxed);
+                        self.counters.verify_failures.fetch_add(1, Relaxed);
+                        tracing::error!("VERIFY FAILURE: {e}; reading the whole chunk instead");
+                    }
+                    Err(_) => {}
+                }
+                (got.ok(), &self.counters.fetched_slice_reads)
+            }
+        };
+        let Some(slices) = slices else { return false };
+        let mut at = range.start as usize;
+        let (mut done, end) = (0usize, within + out.len());
+        for s in &slices {
+            let (from, to) = (within.max(at), end.min(at + s.len()));
+            if from < to {
+                out[done..done + (to - from)].copy_from_slice(&s.as_bytes()[from - at..to - at]);
+                done += to - from;
+            }
+            at += s.len();
+        }
+        if done != out.len() {
+            return false;
+        }
+        counter.fetch_add(1, Relaxed);
+        true
+    }
+
     /// A stored chunk: recent memory, another caller's flight, or a flight of our own.
     fn stored(&self, file: usize, chunk: u64, need: Need) -> Outcome {
         let rec = self.image.files[file].chunks[chunk as usize];
@@ -368,5 +485,123 @@ impl Fetcher {
         flight.cv.notify_all();
         self.inflight.lock().expect("poisoned").remove(&rec.digest);
         outcome
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::time::{Duration, Instant};
+
+    use imgfmt::OciLayout;
+
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    /// A layout holding a 4 MiB file of distinct bytes, packed with the defaults (1 MiB
+    /// chunks, raw, 4 KiB outboard slices), and the file's bytes.
+    fn packed(dir: &Path) -> (Arc<OciLayout>, Arc<Image>, Vec<u8>) {
+        let src = dir.join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        let mut x = 7u64;
+        let data: Vec<u8> = (0..4 * MIB)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (x >> 56) as u8
+            })
+            .collect();
+        std::fs::write(src.join("vm.mem"), &data).unwrap();
+        let layout = OciLayout::open_or_create(dir.join("l")).unwrap();
+        pusher::pack(&src, &layout, "v1", &Default::default()).unwrap();
+        let image = Image::open(&layout, &layout.resolve_tag("v1").unwrap()).unwrap();
+        (Arc::new(layout), Arc::new(image), data)
+    }
+
+    fn fetcher(layout: &Arc<OciLayout>, image: &Arc<Image>, cache: Option<Arc<ChunkCache>>) -> Fetcher {
+        let f = Fetcher::new(image.clone(), layout.clone(), cache, RetryPolicy::never(), 64 << 20);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while image.slice_cvs(0, 0).is_none() {
+            assert!(Instant::now() < deadline, "the outboards were never put in place");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        f
+    }
+
+    fn read(f: &Fetcher, offset: usize, len: usize) -> Result<Vec<u8>, ChunkFailure> {
+        let mut out = vec![0u8; len];
+        crate::read::read_file(f, 0, offset as u64, &mut out, Need::Read)?;
+        Ok(out)
+    }
+
+    fn count(c: &AtomicU64) -> u64 {
+        c.load(Relaxed)
+    }
+
+    /// The pack blob holding chunk `chunk` and the chunk's offset in it.
+    fn pack_of(layout: &OciLayout, image: &Image, chunk: usize) -> (std::path::PathBuf, u64) {
+        let StoredAt::Pack { pack, offset, .. } = image.files[0].chunks[chunk].at else { panic!("stored") };
+        let d = &image.packs[pack as usize].digest;
+        (layout.root().join("blobs").join(d.algorithm()).join(d.hex()), offset)
+    }
+
+    #[test]
+    fn regression_issue_38_a_small_read_of_a_cold_chunk_fetches_its_slices_then_the_chunk() {
+        let t = tempfile::tempdir().unwrap();
+        let (layout, image, data) = packed(t.path());
+        let f = fetcher(&layout, &image, None);
+        let at = MIB + 5 * 4096 + 50;
+        assert_eq!(read(&f, at, 4000).unwrap(), data[at..at + 4000]);
+        let c = f.counters();
+        assert_eq!((count(&c.fetched_slice_reads), count(&c.fetched_chunks)), (1, 0), "one slice read, no chunk");
+        assert_eq!(count(&c.bytes_fetched), 4096, "one 4 KiB slice moved");
+        // The second miss in the same chunk takes it whole (and later reads come from memory).
+        assert_eq!(read(&f, MIB + 300_000, 4096).unwrap(), data[MIB + 300_000..MIB + 304_096]);
+        assert_eq!((count(&c.fetched_slice_reads), count(&c.fetched_chunks)), (1, 1));
+        // A read larger than a few slices takes the chunk whole at once.
+        assert_eq!(read(&f, 2 * MIB + 8192, 64 << 10).unwrap(), data[2 * MIB + 8192..2 * MIB + 8192 + (64 << 10)]);
+        assert_eq!((count(&c.fetched_slice_reads), count(&c.fetched_chunks)), (1, 2));
+    }
+
+    #[test]
+    fn regression_issue_38_a_small_read_of_a_cached_chunk_reads_and_checks_only_its_slices() {
+        let t = tempfile::tempdir().unwrap();
+        let (layout, image, data) = packed(t.path());
+        let cache = Arc::new(ChunkCache::open(&t.path().join("cache"), 1 << 30).unwrap());
+        let rec = image.files[0].chunks[3];
+        let whole = verify::read_chunk(layout.as_ref(), &image, 0, 3).unwrap();
+        cache.put(image.config().hash, &rec.digest, &whole).unwrap();
+        let f = fetcher(&layout, &image, Some(cache.clone()));
+        let at = 3 * MIB + 12_345;
+        for _ in 0..3 {
+            assert_eq!(read(&f, at, 4096).unwrap(), data[at..at + 4096]);
+        }
+        let c = f.counters();
+        assert_eq!((count(&c.cache_slice_reads), count(&c.fetched_chunks), count(&c.bytes_fetched)), (3, 0, 0), "every read from the cache's slices");
+
+        // A damaged cache entry: the part fails its check, the whole chunk is read instead,
+        // the damaged entry is dropped and the chunk fetched from the source: right bytes.
+        let entry = cache.entry_path(image.config().hash, &rec.digest);
+        let mut bytes = std::fs::read(&entry).unwrap();
+        bytes[12_400] ^= 0xff;
+        std::fs::write(&entry, &bytes).unwrap();
+        assert_eq!(read(&f, at, 4096).unwrap(), data[at..at + 4096]);
+        assert_eq!((count(&c.cache_slice_reads), count(&c.fetched_chunks)), (3, 1), "fetched whole from the source");
+    }
+
+    #[test]
+    fn regression_issue_38_a_tampered_slice_is_never_served() {
+        let t = tempfile::tempdir().unwrap();
+        let (layout, image, data) = packed(t.path());
+        let (pack, offset) = pack_of(&layout, &image, 2);
+        let mut blob = std::fs::read(&pack).unwrap();
+        blob[offset as usize + 8192 + 7] ^= 1;
+        std::fs::write(&pack, &blob).unwrap();
+        let f = fetcher(&layout, &image, None);
+        let failed = read(&f, 2 * MIB + 8192, 4096).unwrap_err();
+        assert!(matches!(failed, ChunkFailure::Integrity { chunk: 2, .. }), "{failed}");
+        assert!(count(&f.counters().verify_failures) >= 2, "the slice and the whole chunk both failed");
+        // Another chunk of the same file still reads.
+        assert_eq!(read(&f, 8192, 4096).unwrap(), data[8192..12288]);
     }
 }

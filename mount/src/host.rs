@@ -107,6 +107,10 @@ pub struct Host {
     added_any: AtomicBool,
     /// Control requests being handled: the daemon answers them before it ends.
     handling: std::sync::atomic::AtomicU64,
+    /// Images being let go after their DIR was unmounted (their chunks still queued for
+    /// the chunk cache are written): joined before the daemon ends, not before `umount`
+    /// is answered.
+    retiring: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
 impl Host {
@@ -159,6 +163,7 @@ impl Host {
             stop_fill: Arc::new(AtomicBool::new(false)),
             added_any: AtomicBool::new(false),
             handling: Default::default(),
+            retiring: Mutex::new(Vec::new()),
         });
         host.serve_control(listener)?;
         tracing::info!("host mount at {} (control socket {})", host.opts.dir.display(), host.socket.display());
@@ -245,6 +250,7 @@ impl Host {
         self.shared.tree_mut().remove(&bind.name);
         tracing::info!("{} unmounted from {}", bind.name, dir.display());
         self.removed.lock().expect("poisoned").insert(dir, report.clone());
+        self.retire(bind);
         self.changed.notify_all();
         Ok(report)
     }
@@ -324,6 +330,18 @@ impl Host {
         self.stop();
     }
 
+    /// Let go of an unmounted DIR's image on a thread of its own: the last reference to
+    /// it writes what is queued for the chunk cache, which the answer to `umount` does not
+    /// wait for; the daemon does before it ends.
+    fn retire(&self, bind: Bind) {
+        let mut retiring = self.retiring.lock().expect("poisoned");
+        retiring.retain(|h| !h.is_finished());
+        match std::thread::Builder::new().name("mount-retire".into()).spawn(move || drop(bind)) {
+            Ok(h) => retiring.push(h),
+            Err(e) => tracing::debug!("no thread to let an image go ({e}): let go here"),
+        }
+    }
+
     fn stop(&self) {
         self.stop_fill.store(true, Relaxed);
         let _ = std::fs::remove_file(&self.socket);
@@ -331,6 +349,9 @@ impl Host {
             if let Err(e) = s.umount_and_join() {
                 tracing::debug!("unmounting {}: {e}", self.opts.dir.display());
             }
+        }
+        for h in std::mem::take(&mut *self.retiring.lock().expect("poisoned")) {
+            let _ = h.join();
         }
         self.changed.notify_all();
     }

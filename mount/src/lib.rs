@@ -98,6 +98,12 @@ pub struct Report {
     pub passthrough_files: u64,
     /// Chunks the background fill brought into the chunk cache.
     pub filled_chunks: u64,
+    /// Reads served from part of a cached chunk, checked slice by slice.
+    #[serde(default)]
+    pub cache_slice_reads: u64,
+    /// Small reads served by fetching only their slices from the source.
+    #[serde(default)]
+    pub fetched_slice_reads: u64,
     pub read_latency_us: Latency,
     pub seconds: f64,
 }
@@ -132,6 +138,8 @@ impl Served {
             retries: sum(&|x| &x.retries),
             passthrough_files: c.passthrough_files.load(Relaxed),
             filled_chunks: sum(&|x| &x.filled_chunks),
+            cache_slice_reads: sum(&|x| &x.cache_slice_reads),
+            fetched_slice_reads: sum(&|x| &x.fetched_slice_reads),
             read_latency_us: {
                 let l = c.latency.latency();
                 Latency { p50: l.p50, p90: l.p90, p99: l.p99, max: l.max }

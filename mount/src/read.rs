@@ -47,9 +47,9 @@ pub fn read_file(src: &dyn ChunkSource, file: usize, offset: u64, out: &mut [u8]
         let at = offset + done as u64;
         let chunk = at >> shift;
         let within = (at - (chunk << shift)) as usize;
-        let bytes = src.chunk(file, chunk, need)?;
-        let n = (bytes.len() - within).min(out.len() - done);
-        bytes.copy_to(within, &mut out[done..done + n]);
+        let len = src.image().files[file].chunks[chunk as usize].len as usize;
+        let n = (len - within).min(out.len() - done);
+        src.read_part(file, chunk, within, &mut out[done..done + n], need)?;
         done += n;
     }
     Ok(())

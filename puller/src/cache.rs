@@ -46,6 +46,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 mod pins;
+mod range;
 
 use imgfmt::compress::Codec;
 use imgfmt::file::{Dir, UseLock};
