@@ -302,7 +302,7 @@ impl Ledbat {
 /// Who asks for room: the replay's requests go before the stream's, and the fill's
 /// ([`crate::fill`]) after both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Class {
+pub enum Class {
     Replay,
     Stream,
     Fill,
@@ -335,8 +335,9 @@ struct State {
 }
 
 /// One connection's background class: its window, the requests in flight under it, and the
-/// probes that move it. Shared by the stream and the working-set replay.
-pub(crate) struct Background {
+/// probes that move it. Shared by the stream and the working-set replay, and used by
+/// `snapctl mount`'s fill (the `mount` crate) beside its readers' fetches.
+pub struct Background {
     state: Mutex<State>,
     cv: Condvar,
     /// Users with requests to make: the probes run while there are any.
@@ -344,7 +345,7 @@ pub(crate) struct Background {
 }
 
 /// Room for one request; given back when dropped.
-pub(crate) struct Permit {
+pub struct Permit {
     bg: Arc<Background>,
     bytes: u64,
 }
@@ -359,7 +360,7 @@ impl Drop for Permit {
 }
 
 /// A fault's fetch of `bytes` in flight: the background yields it that much of its window.
-pub(crate) struct Foreground {
+pub struct Foreground {
     bg: Arc<Background>,
     bytes: u64,
 }
@@ -374,7 +375,7 @@ impl Drop for Foreground {
 }
 
 /// Held while a user of the background has requests to make (the probes run meanwhile).
-pub(crate) struct Wanting(Arc<Background>);
+pub struct Wanting(Arc<Background>);
 
 impl Drop for Wanting {
     fn drop(&mut self) {

@@ -15,6 +15,7 @@ use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, Condvar, Mutex};
 
 use imgfmt::{BlobSource, ChunkDigest, HashAlgo, Image, RetryPolicy, StoredAt};
+use lazy::pacing::{Background, Class, Kind};
 use lazy::ChunkStore;
 use puller::ChunkCache;
 use verify::{VerifiedChunk, VerifyError};
@@ -99,6 +100,16 @@ pub trait ChunkSource: Send + Sync {
     fn fill(&self, file: usize, chunk: u64) -> Result<(), ChunkFailure> {
         self.chunk(file, chunk, Need::Fill).map(|_| ())
     }
+    /// [`fill`](Self::fill), waiting first for room in the source's pacing window when the
+    /// chunk must be fetched; nothing once `ended()` says so.
+    fn fill_paced(&self, file: usize, chunk: u64, _ended: &dyn Fn() -> bool) -> Result<(), ChunkFailure> {
+        self.fill(file, chunk)
+    }
+    /// The pacer of the source's background requests and the source (for its probes), if
+    /// the fill is paced.
+    fn pacing(&self) -> Option<(&Arc<Background>, &Arc<dyn BlobSource>)> {
+        None
+    }
     fn counters(&self) -> &FetchCounters;
     /// Verified bytes `within .. within + out.len()` of the chunk, copied into `out`. A
     /// source that can check part of a chunk (against its outboard slices) may read only
@@ -145,6 +156,8 @@ impl Recent {
 type PutItem = (HashAlgo, ChunkDigest, Arc<VerifiedChunk>);
 /// Chunks waiting for the cache's writer at most: a read never waits for the disk.
 const PUT_QUEUE: usize = 64;
+/// Fill requests in flight at most (the pacing window's bound, in chunks).
+pub const FILL_JOBS: usize = 8;
 /// A read of at most this many bytes of a chunk nobody asked for before fetches only its
 /// slices from the source (one range request); a later miss in the chunk fetches it whole.
 const SOURCE_SLICE_MAX: u64 = 16 << 10;
@@ -163,6 +176,10 @@ pub struct Fetcher {
     refused: Mutex<HashSet<ChunkDigest>>,
     /// Chunks a small read fetched slices of: the next miss fetches the whole chunk.
     sliced: Mutex<HashSet<ChunkDigest>>,
+    /// The fill's share of the link beside the readers' fetches (spec/lazy.md "Pacing the
+    /// background"): readers' fetches count against its window, their slice fetches time
+    /// the queueing delay.
+    pacer: Arc<Background>,
     counters: FetchCounters,
     /// The image's chunks, pinned in the chunk cache for as long as the image is presented:
     /// the kernel may drop its page cache and read again at any time.
@@ -220,6 +237,7 @@ impl Fetcher {
             ChunkStore::pin(s.as_ref(), &format!("snapctl mount (pid {}) presenting {}", std::process::id(), image.manifest_digest), &chunks)
         });
         load_outboards(&image, src.as_ref());
+        let pacer = Background::new(1 << image.chunk_shift(), FILL_JOBS);
         Fetcher {
             image,
             src,
@@ -231,6 +249,7 @@ impl Fetcher {
             recent: Mutex::new(Recent { map: HashMap::new(), order: VecDeque::new(), bytes: 0, limit: memory_bytes }),
             refused: Mutex::new(HashSet::new()),
             sliced: Mutex::new(HashSet::new()),
+            pacer,
             counters: FetchCounters::default(),
             _pin,
         }
@@ -240,8 +259,9 @@ impl Fetcher {
         (self.image.files[file].name.clone(), chunk << self.image.chunk_shift())
     }
 
-    /// Lead a flight: the cache, else the source (retried, verified twice at most).
-    fn load(&self, file: usize, chunk: u64) -> (Outcome, bool) {
+    /// Lead a flight: the cache, else the source (retried, verified twice at most). A
+    /// reader's fetch counts against the fill's pacing window while it is in flight.
+    fn load(&self, file: usize, chunk: u64, need: Need) -> (Outcome, bool) {
         let rec = self.image.files[file].chunks[chunk as usize];
         let algo = self.image.config().hash;
         if let Some(v) = self.store.as_ref().and_then(|s| ChunkStore::get(s.as_ref(), algo, &rec.digest, rec.len)) {
@@ -252,6 +272,7 @@ impl Fetcher {
             StoredAt::Pack { stored_len, .. } => u64::from(stored_len),
             StoredAt::Zero => 0,
         };
+        let _foreground = (need == Need::Read).then(|| self.pacer.foreground(stored));
         let mut retry = self.policy.start();
         let mut mismatch: Option<String> = None;
         loop {
@@ -332,13 +353,30 @@ impl ChunkSource for Fetcher {
     /// A chunk the cache holds is left there unread (whoever reads it re-hashes it); one it
     /// lacks is fetched (or waited for) and queued for it, and not kept in recent memory.
     fn fill(&self, file: usize, chunk: u64) -> Result<(), ChunkFailure> {
+        self.fill_paced(file, chunk, &|| false)
+    }
+
+    fn fill_paced(&self, file: usize, chunk: u64, ended: &dyn Fn() -> bool) -> Result<(), ChunkFailure> {
         let rec = self.image.files[file].chunks[chunk as usize];
         let cached = |s: &Arc<ChunkCache>| s.contains_unverified(self.image.config().hash, &rec.digest);
         if rec.at == StoredAt::Zero || self.store.as_ref().is_none_or(cached) {
             return Ok(());
         }
+        // A chunk a reader has in recent memory (its put skipped while the disk was behind)
+        // goes to the cache from there.
+        let recent = self.recent.lock().expect("poisoned").map.get(&rec.digest).cloned();
+        if let Some(c) = recent {
+            self.queue_put(rec.digest, &c, Need::Fill);
+            return Ok(());
+        }
+        let StoredAt::Pack { stored_len, .. } = rec.at else { return Ok(()) };
+        let Some(_permit) = self.pacer.acquire(u64::from(stored_len), Class::Fill, ended) else { return Ok(()) };
         self.counters.filled_chunks.fetch_add(1, Relaxed);
         self.stored(file, chunk, Need::Fill).map(|_| ())
+    }
+
+    fn pacing(&self) -> Option<(&Arc<Background>, &Arc<dyn BlobSource>)> {
+        Some((&self.pacer, &self.src))
     }
 
     fn counters(&self) -> &FetchCounters {
@@ -405,9 +443,16 @@ impl Fetcher {
                 if range.end - range.start > SOURCE_SLICE_MAX || !self.sliced.lock().expect("poisoned").insert(rec.digest) {
                     return false;
                 }
+                let foreground = self.pacer.foreground(range.end - range.start);
+                let t = std::time::Instant::now();
                 let got = verify::read_slices(self.src.as_ref(), &self.image, file, chunk, first..last + 1);
+                drop(foreground);
                 match &got {
-                    Ok(_) => _ = self.counters.bytes_fetched.fetch_add(range.end - range.start, Relaxed),
+                    Ok(_) => {
+                        // A reader's own wait on the link: the fill's window moves by it.
+                        self.pacer.sample(Kind::Slice, t.elapsed());
+                        self.counters.bytes_fetched.fetch_add(range.end - range.start, Relaxed);
+                    }
                     Err(e) if e.kind().is_integrity() => {
                         self.counters.bytes_fetched.fetch_add(range.end - range.start, Relaxed);
                         self.counters.verify_failures.fetch_add(1, Relaxed);
@@ -470,7 +515,7 @@ impl Fetcher {
             self.counters.cache_hits.fetch_add(1, Relaxed);
             return g.clone().expect("set");
         }
-        let (outcome, fetched) = self.load(file, chunk);
+        let (outcome, fetched) = self.load(file, chunk, need);
         if let Ok(c) = &outcome {
             if need == Need::Read {
                 self.recent.lock().expect("poisoned").insert(rec.digest, c.clone());

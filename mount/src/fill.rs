@@ -8,20 +8,19 @@
 //! each chunk: skipped when the cache has it; else fetched through the image's chunk
 //!             source (single-flight with the readers: a chunk a reader is fetching is
 //!             waited for, not fetched twice) and queued for the cache
-//! yielding: while reads are being answered, the fill waits (up to 50 ms at a time)
+//! pacing: FILL_JOBS workers take chunks in order; each fetch waits for room in the
+//!         source's window (lazy's scavenger pacer: readers' fetches count against it
+//!         first, their slice fetches and a probe thread measure the queueing delay)
 //! ```
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
-use std::time::Duration;
 
 use imgfmt::{Image, StoredAt};
 use lazy::{PrefetchMode, Trace};
 
+use crate::chunks::FILL_JOBS;
 use crate::Served;
-
-/// How long the fill waits at a time while readers are being answered.
-const YIELD: Duration = Duration::from_millis(50);
 
 /// The fill's order: `(file, chunk)` of every stored chunk, the trace's first; and how
 /// many came from the trace.
@@ -49,31 +48,106 @@ pub fn order(image: &Image, mode: PrefetchMode, trace: Option<(usize, &Trace)>) 
 }
 
 /// Fill the cache with `order`'s chunks of `served` until done, `stop`, or the image is
-/// no longer presented (nothing else holds it: its pin goes with it), yielding while
-/// `active` reads are being answered. A chunk that cannot be had is logged and skipped (a
-/// reader that needs it gets its own verdict).
-pub fn run(served: &Weak<Served>, order: &[(usize, u64)], active: &AtomicU64, stop: &AtomicBool) {
-    for &(file, chunk) in order {
-        while active.load(Relaxed) > 0 && !stop.load(Relaxed) {
-            std::thread::sleep(YIELD);
+/// no longer presented (nothing else holds it: its pin goes with it): [`FILL_JOBS`]
+/// workers, each fetch paced by the source's window, with a probe thread timing the
+/// source while they run. A chunk that cannot be had is logged and skipped (a reader that
+/// needs it gets its own verdict).
+pub fn run(served: &Weak<Served>, order: &[(usize, u64)], stop: &AtomicBool) {
+    let Some(first) = served.upgrade() else { return };
+    let pacing = first.chunks.pacing().map(|(bg, src)| (bg.clone(), src.clone()));
+    let probe_blob = first.chunks.image().packs.first().map(|p| p.digest.clone());
+    drop(first);
+    let ended = || stop.load(Relaxed) || served.strong_count() == 0;
+    let next = AtomicUsize::new(0);
+    let probes_done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let _wanting = pacing.as_ref().map(|(bg, _)| bg.wanting());
+        if let (Some((bg, src)), Some(blob)) = (&pacing, &probe_blob) {
+            let done = &probes_done;
+            s.spawn(move || bg.probe(src.as_ref(), blob, done));
         }
-        let Some(served) = served.upgrade().filter(|_| !stop.load(Relaxed)) else { return };
-        if let Err(e) = served.chunks.fill(file, chunk) {
-            tracing::warn!("{}: fill: {e}", served.name);
+        let workers: Vec<_> = (0..FILL_JOBS)
+            .map(|_| {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, Relaxed);
+                    let Some(&(file, chunk)) = order.get(i) else { return };
+                    let Some(served) = served.upgrade().filter(|_| !ended()) else { return };
+                    if let Err(e) = served.chunks.fill_paced(file, chunk, &ended) {
+                        tracing::warn!("{}: fill: {e}", served.name);
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            let _ = w.join();
         }
-    }
-    if let Some(served) = served.upgrade() {
-        tracing::info!("{}: fill done: {} chunks", served.name, order.len());
+        probes_done.store(true, Relaxed);
+    });
+    if let Some(served) = served.upgrade().filter(|_| !stop.load(Relaxed)) {
+        let report = served.chunks.pacing().map(|(bg, _)| bg.report());
+        let cuts = report.map_or(0, |r| r.cuts);
+        tracing::info!("{}: fill done: {} chunks (pacing: {cuts} cuts)", served.name, order.len());
     }
 }
 
 /// [`run`] on a thread of its own.
-pub fn spawn(served: Arc<Served>, order: Vec<(usize, u64)>, active: Arc<AtomicU64>, stop: Arc<AtomicBool>) {
+pub fn spawn(served: Arc<Served>, order: Vec<(usize, u64)>, stop: Arc<AtomicBool>) {
     if order.is_empty() {
         return;
     }
     let (name, served) = (served.name.clone(), Arc::downgrade(&served));
-    if let Err(e) = std::thread::Builder::new().name("mount-fill".into()).spawn(move || run(&served, &order, &active, &stop)) {
+    if let Err(e) = std::thread::Builder::new().name("mount-fill".into()).spawn(move || run(&served, &order, &stop)) {
         tracing::warn!("{name}: no fill (cannot start its thread: {e})");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use imgfmt::{BlobSource, OciLayout, RetryPolicy};
+    use puller::ChunkCache;
+
+    use super::*;
+    use crate::Fetcher;
+
+    #[test]
+    fn regression_issue_37_the_mount_fill_takes_every_chunk_through_the_pacing_window() {
+        let t = tempfile::tempdir().unwrap();
+        let src_dir = t.path().join("src");
+        std::fs::create_dir_all(&src_dir).unwrap();
+        let mut x = 3u64;
+        let data: Vec<u8> = (0..6 << 20)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (x >> 56) as u8
+            })
+            .collect();
+        std::fs::write(src_dir.join("vm.mem"), &data).unwrap();
+        let layout = OciLayout::open_or_create(t.path().join("l")).unwrap();
+        pusher::pack(&src_dir, &layout, "v1", &Default::default()).unwrap();
+        let image = Arc::new(Image::open(&layout, &layout.resolve_tag("v1").unwrap()).unwrap());
+        let src: Arc<dyn BlobSource> = Arc::new(layout);
+        let cache = Arc::new(ChunkCache::open(&t.path().join("cache"), 1 << 30).unwrap());
+        let served = Arc::new(Served {
+            name: "img".into(),
+            reference: "img".into(),
+            chunks: Arc::new(Fetcher::new(image.clone(), src, Some(cache.clone()), RetryPolicy::never(), 64 << 20)),
+            base: None,
+            counters: Default::default(),
+            added: Instant::now(),
+        });
+        let (order, _) = order(&image, PrefetchMode::All, None);
+        assert_eq!(order.len(), 6);
+        run(&Arc::downgrade(&served), &order, &AtomicBool::new(false));
+        let (bg, _) = served.chunks.pacing().expect("paced");
+        let r = bg.report();
+        assert!(r.most_bytes > 0 && r.most_bytes <= (FILL_JOBS as u64) << 20, "every fetch held room in the window: {r:?}");
+        assert_eq!(served.chunks.counters().filled_chunks.load(Relaxed), 6);
+        drop(served);
+        let algo = image.config().hash;
+        for c in &image.files[0].chunks {
+            assert!(cache.contains_unverified(algo, &c.digest), "every chunk in the cache");
+        }
     }
 }

@@ -48,8 +48,6 @@ pub struct Shared {
     pub requests: AtomicU64,
     /// Largest read the kernel agreed to.
     pub max_read: AtomicU64,
-    /// Reads being answered now (the fill yields to them).
-    pub active_reads: Arc<AtomicU64>,
 }
 
 impl Shared {
@@ -64,7 +62,6 @@ impl Shared {
             gid,
             requests: AtomicU64::new(0),
             max_read: AtomicU64::new(0),
-            active_reads: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -185,9 +182,7 @@ impl Filesystem for MountFs {
         let t0 = Instant::now();
         let c = &served.counters;
         c.reads.fetch_add(1, Relaxed);
-        self.0.active_reads.fetch_add(1, Relaxed);
         let got = crate::read::read(&served, content, file_size, offset, size, Need::Read);
-        self.0.active_reads.fetch_sub(1, Relaxed);
         match got {
             Ok(bytes) => {
                 c.bytes_read.fetch_add(bytes.len() as u64, Relaxed);

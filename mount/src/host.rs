@@ -210,7 +210,7 @@ impl Host {
             if !order.is_empty() {
                 tracing::info!("{name}: filling the chunk cache: {} chunks, {traced} of them first from its trace", order.len());
             }
-            fill::spawn(served, order, self.shared.active_reads.clone(), self.stop_fill.clone());
+            fill::spawn(served, order, self.stop_fill.clone());
         }
         tracing::info!("{} ({}) shown in {}", name, o.reference, dir.display());
         Ok(name)
