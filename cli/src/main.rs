@@ -251,7 +251,9 @@ fn join_causes(e: &anyhow::Error) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{describe, first_sentence};
+    use clap::FromArgMatches as _;
+
+    use super::{cmd, command, describe, first_sentence, Cli, Command};
 
     #[test]
     fn short_help_is_the_first_sentence_and_the_default() {
@@ -280,5 +282,76 @@ mod tests {
         assert_eq!(describe(&hostile), "registry said: \\u{1b}[2J\n  snapctl: all good");
         let crlf = anyhow::anyhow!("a\r\nb");
         assert_eq!(describe(&crlf), "a\\r\n  b");
+    }
+
+    /// `args` parsed as the binary does, or clap's error.
+    fn parse(args: &[&str]) -> Result<Command, clap::Error> {
+        let m = command().try_get_matches_from(std::iter::once("snapctl").chain(args.iter().copied()))?;
+        Ok(Cli::from_arg_matches(&m)?.command)
+    }
+
+    /// Each command's host cache flags, as parsed and resolved: (directory, budget, no_cache).
+    fn host_cache(c: &Command) -> (std::path::PathBuf, u64, bool) {
+        match c {
+            Command::Pull(a) => (a.cache.dir.path(), a.cache.budget.cache_size, a.cache.no_cache),
+            Command::Lazy(a) => (a.cache.dir.path(), a.cache.budget.cache_size, a.cache.no_cache),
+            Command::Mount(a) => (a.cache.dir.path(), a.cache.budget.cache_size, a.cache.no_cache),
+            Command::Push(a) => (a.transfer.cache_dir(), a.budget.cache_size, false),
+            Command::Cache(a) => (a.common.dir.path(), a.common.budget.cache_size, false),
+            other => panic!("no host cache flags: {other:?}"),
+        }
+    }
+
+    /// The commands that take the host cache flags, each with the arguments it requires.
+    const CACHE_COMMANDS: [&[&str]; 5] =
+        [&["pull", "h/r:v1", "out"], &["lazy", "h/r:v1", "--socket", "s"], &["mount", "h/r:v1", "dir"], &["push", "dir", "h/r:v1"], &["cache", "prune"]];
+
+    #[test]
+    fn every_command_parses_the_cache_flags_alike() {
+        // The defaults are the libraries' own (the budget unless the environment sets
+        // another).
+        let default = std::env::var("SNAPCTL_CACHE_SIZE").map_or(puller::cache::DEFAULT_LIMIT, |v| imgfmt::size::parse_size(&v).unwrap());
+        for args in CACHE_COMMANDS {
+            let (dir, size, no_cache) = host_cache(&parse(args).unwrap());
+            assert_eq!((dir, size, no_cache), (puller::ChunkCache::default_dir(), default, false), "{args:?}");
+            let given = [args, &["--cache", "/c", "--cache-size", "3GiB"][..]].concat();
+            let (dir, size, _) = host_cache(&parse(&given).unwrap());
+            assert_eq!((dir, size), ("/c".into(), 3 << 30), "{given:?}");
+            let bad = [args, &["--cache-size", "3XB"][..]].concat();
+            let e = parse(&bad).unwrap_err();
+            assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn no_cache_refuses_a_cache_directory_and_takes_a_size() {
+        for args in &CACHE_COMMANDS[..3] {
+            let (_, _, no_cache) = host_cache(&parse(&[args, &["--no-cache"][..]].concat()).unwrap());
+            assert!(no_cache, "{args:?}");
+            // A budget is harmless without a cache: $SNAPCTL_CACHE_SIZE set for every
+            // command must not make `--no-cache` an error.
+            assert!(parse(&[args, &["--no-cache", "--cache-size", "1GiB"][..]].concat()).is_ok(), "{args:?}");
+            let e = parse(&[args, &["--no-cache", "--cache", "/c"][..]].concat()).unwrap_err();
+            assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{args:?}");
+        }
+    }
+
+    #[test]
+    fn the_cache_flags_read_the_same_in_every_command_and_show_the_library_default() {
+        assert_eq!(cmd::cache::default_size(), "10GiB");
+        assert_eq!(imgfmt::size::parse_size(cmd::cache::default_size()), Ok(puller::cache::DEFAULT_LIMIT));
+        let cli = command();
+        for id in ["cache_size", "no_cache"] {
+            let helps: Vec<_> = ["pull", "lazy", "mount", "push", "cache"]
+                .iter()
+                .filter_map(|name| cli.find_subcommand(name).unwrap().get_arguments().find(|a| a.get_id() == id))
+                .map(|a| (a.get_long_help().or(a.get_help()).map(ToString::to_string), a.get_default_values().to_vec(), a.get_env().map(ToOwned::to_owned)))
+                .collect();
+            assert!(helps.len() >= 3, "{id}");
+            assert!(helps.windows(2).all(|w| w[0] == w[1]), "{id}: {helps:?}");
+        }
+        let size = cli.find_subcommand("pull").unwrap().get_arguments().find(|a| a.get_id() == "cache_size").unwrap();
+        assert_eq!(size.get_default_values(), [cmd::cache::default_size()]);
+        assert_eq!(size.get_env(), Some(std::ffi::OsStr::new("SNAPCTL_CACHE_SIZE")));
     }
 }

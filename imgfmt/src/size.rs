@@ -24,6 +24,17 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     n.checked_mul(mult).ok_or_else(|| format!("size {s:?} is too large"))
 }
 
+/// A byte count as a flag is written: in the largest binary unit it is a whole number of
+/// (`10GiB`, `8MiB`, `1536KiB`, `1000`), so help can show a library's constant as the default
+/// a user would type. [`parse_size`] reads it back to `n`.
+pub fn flag(n: u64) -> String {
+    const UNITS: [(u32, &str); 4] = [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")];
+    match UNITS.iter().find(|(shift, _)| n != 0 && n.trailing_zeros() >= *shift) {
+        Some((shift, unit)) => format!("{}{unit}", n >> shift),
+        None => n.to_string(),
+    }
+}
+
 /// Units a duration may use: `ms`, `s`, `m`, `h`, `d`, also `ns`, `us`, `w` and the long
 /// names. Not months or years (humantime's `M` and `y`): their length is a convention,
 /// and `1M` reads as a minute to many.
@@ -79,6 +90,18 @@ mod tests {
         assert!(parse_size("MiB").is_err());
         assert!(parse_size("99999999999999GiB").is_err());
         assert_eq!(human(1536 << 20), "1.5 GiB");
+    }
+
+    #[test]
+    fn a_size_written_as_a_flag_reads_back_the_same() {
+        assert_eq!(flag(10 << 30), "10GiB");
+        assert_eq!(flag(8 << 20), "8MiB");
+        assert_eq!(flag(1536 << 10), "1536KiB");
+        assert_eq!(flag(1000), "1000");
+        assert_eq!(flag(0), "0");
+        for n in [0, 1, 1023, 1024, 10 << 30, 3 << 40, 5 << 50, u64::MAX, (1 << 20) + 1] {
+            assert_eq!(parse_size(&flag(n)), Ok(n), "{n}");
+        }
     }
 
     /// Issue 39: the error listed months and years, units no flag should take.

@@ -409,20 +409,11 @@ impl ChunkCache {
         Ok(c)
     }
 
-    /// `$SNAPCTL_CACHE`, else `$XDG_CACHE_HOME/snapctl`, else `~/.cache/snapctl`
-    /// (falling back to a directory under the system temp dir when there is no home).
+    /// The host's cache directory, the one the upload state and known blobs live in too
+    /// ([`regclient::cache_dir`]: `$SNAPCTL_CACHE`, else `$XDG_CACHE_HOME/snapctl`, else
+    /// `~/.cache/snapctl`, else a directory under the system temp dir).
     pub fn default_dir() -> PathBuf {
-        let nonempty = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
-        if let Some(p) = nonempty("SNAPCTL_CACHE") {
-            return p;
-        }
-        if let Some(p) = nonempty("XDG_CACHE_HOME") {
-            return p.join("snapctl");
-        }
-        if let Some(h) = nonempty("HOME") {
-            return h.join(".cache").join("snapctl");
-        }
-        std::env::temp_dir().join("snapctl-cache")
+        regclient::cache_dir()
     }
 
     /// The directory chunks live under (`<root>/chunks/v1`).

@@ -1,5 +1,6 @@
 //! Support for snapctl's cross-crate integration tests (`tests/tests/it/`): finding the
-//! `snapctl` binary, generating sample snapshots, starting real peers on 127.0.0.1.
+//! `snapctl` binary, a work area per test ([`Work`]), generating sample snapshots,
+//! starting real peers on 127.0.0.1.
 //!
 //! All integration tests live in one test binary (`tests/tests/it/main.rs`) so the
 //! workspace links them once.
@@ -10,6 +11,9 @@ pub mod hostile;
 pub mod netem;
 mod proxy;
 pub mod registry_support;
+pub mod work;
+
+pub use work::Work;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,8 +1,19 @@
 //! `snapctl cache`: what snapctl keeps on this host under the cache directory, and
-//! pruning it; the budget flag every command that adds to it takes.
+//! pruning it; and the host cache's flags, declared here once for every command that
+//! takes them:
+//!
+//! | flag | struct | taken by |
+//! |---|---|---|
+//! | `--cache DIR` | [`CacheDir`] | `cache`, `pull`, `lazy`, `mount` (`push` and `copy`: `push::TransferFlags`) |
+//! | `--cache-size SIZE` | [`Budget`] | `cache`, `push`, `pull`, `lazy`, `mount` |
+//! | `--no-cache` | [`HostCacheArgs`] | `pull`, `lazy`, `mount` |
+//!
+//! The defaults are the libraries': [`ChunkCache::default_dir`] and
+//! [`puller::cache::DEFAULT_LIMIT`] (`$SNAPCTL_CACHE_SIZE` overrides it, through clap).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -14,8 +25,8 @@ use super::common::{self, outln, parse_size};
 /// Show what snapctl keeps on this host, or prune it.
 ///
 /// Everything snapctl keeps under the cache directory counts against one budget,
-/// --cache-size (default 10GiB, or $SNAPCTL_CACHE_SIZE), which pull, push and lazy
-/// enforce as they go, least recently used first:
+/// --cache-size (below), which pull, push, lazy and mount enforce as they go, least
+/// recently used first:
 ///   chunks        chunk copies and references the pulls and lazy restores made
 ///   push-layouts  a packed copy of each pushed directory: its packs only until the
 ///                 registry has them, then the metadata the next layer is made over
@@ -47,9 +58,8 @@ pub struct CacheArgs {
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct CacheCommon {
-    /// Cache directory [default: $SNAPCTL_CACHE, $XDG_CACHE_HOME/snapctl or ~/.cache/snapctl].
-    #[arg(long, value_name = "DIR", global = true)]
-    pub cache: Option<PathBuf>,
+    #[command(flatten)]
+    pub dir: CacheDir,
     #[command(flatten)]
     pub budget: Budget,
     /// Print JSON on stdout.
@@ -75,13 +85,64 @@ pub struct PruneArgs {
     pub all: bool,
 }
 
-/// The one budget on the cache directory, for every command that adds to it.
+/// `--cache DIR`: the host cache directory.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct CacheDir {
+    /// The host cache directory: chunks, push layouts, upload state, known blobs (see
+    /// `snapctl cache`) [default: $SNAPCTL_CACHE, else $XDG_CACHE_HOME/snapctl, else
+    /// ~/.cache/snapctl].
+    #[arg(id = "cache", long = "cache", value_name = "DIR", global = true)]
+    pub dir: Option<PathBuf>,
+}
+
+impl CacheDir {
+    /// The directory named, else the host's default.
+    pub fn path(&self) -> PathBuf {
+        self.dir.clone().unwrap_or_else(ChunkCache::default_dir)
+    }
+}
+
+/// `--cache-size SIZE`: the one budget on the cache directory, for every command that
+/// adds to it.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Budget {
     /// Bound on everything kept under the cache directory (chunks, push layouts, upload
-    /// state, known blobs); least recently used entries are evicted.
-    #[arg(long = "cache-size", value_name = "SIZE", value_parser = parse_size, default_value = "10GiB", env = "SNAPCTL_CACHE_SIZE", global = true)]
+    /// state, known blobs: see `snapctl cache`); least recently used entries are evicted.
+    #[arg(long = "cache-size", value_name = "SIZE", value_parser = parse_size, default_value = default_size(), env = "SNAPCTL_CACHE_SIZE", global = true)]
     pub cache_size: u64,
+}
+
+/// `--cache-size`'s default as a flag is written: the chunk cache's own,
+/// [`puller::cache::DEFAULT_LIMIT`].
+pub fn default_size() -> &'static str {
+    static TEXT: LazyLock<String> = LazyLock::new(|| imgfmt::size::flag(puller::cache::DEFAULT_LIMIT));
+    &TEXT
+}
+
+/// The host cache of a command that reads chunks through it (`pull`, `lazy`, `mount`):
+/// `--cache`, `--cache-size`, `--no-cache`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct HostCacheArgs {
+    #[command(flatten)]
+    pub dir: CacheDir,
+    #[command(flatten)]
+    pub budget: Budget,
+    /// Do without the chunk cache: every chunk comes from the image's source, and none is
+    /// kept (so lazy and mount have nothing to fill).
+    #[arg(long, conflicts_with = "cache")]
+    pub no_cache: bool,
+}
+
+impl HostCacheArgs {
+    /// The chunk cache the flags name, opened within its budget; `None` with --no-cache.
+    pub fn open(&self) -> anyhow::Result<Option<ChunkCache>> {
+        if self.no_cache {
+            return Ok(None);
+        }
+        let dir = self.dir.path();
+        let cache = ChunkCache::open(&dir, self.budget.cache_size).with_context(|| format!("opening the chunk cache in {}", dir.display()))?;
+        Ok(Some(cache))
+    }
 }
 
 /// Bring the cache directory within `limit` after a command that added to it. Failing
@@ -93,7 +154,7 @@ pub fn keep_within_budget(dir: &Path, limit: u64) {
 }
 
 pub fn run(a: CacheArgs) -> anyhow::Result<ExitCode> {
-    let dir = a.common.cache.clone().unwrap_or_else(ChunkCache::default_dir);
+    let dir = a.common.dir.path();
     let limit = a.common.budget.cache_size;
     // Opened without a bound (nothing is evicted by looking), then told the budget for
     // the report.

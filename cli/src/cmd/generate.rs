@@ -75,25 +75,33 @@ fn render(cmd: clap::Command, w: &mut dyn std::io::Write) -> std::io::Result<()>
     use clap_mangen::roff::{bold, roman, Roff};
     clap_mangen::Man::new(cmd).render(w)?;
     let mut roff = Roff::default();
-    for (title, entries) in [("ENVIRONMENT", ENVIRONMENT), ("FILES", FILES)] {
+    // A default the CLI takes from a library is filled in, as clap does in --help.
+    let fill = |entries: &[(&'static str, &str)]| -> Vec<(&'static str, String)> {
+        entries.iter().map(|(name, what)| (*name, what.replace("{cache_size}", super::cache::default_size()))).collect()
+    };
+    for (title, entries) in [("ENVIRONMENT", fill(ENVIRONMENT)), ("FILES", fill(FILES))] {
         roff.control("SH", [title]);
         for (name, what) in entries {
             roff.control("TP", []);
-            roff.text([bold(*name)]);
-            roff.text([roman(*what)]);
+            roff.text([bold(name)]);
+            roff.text([roman(what)]);
         }
     }
     roff.to_writer(w)
 }
 
-/// What the environment changes, for the man pages' ENVIRONMENT section.
+/// What the environment changes, for the man pages' ENVIRONMENT section (`{cache_size}`:
+/// `--cache-size`'s default).
 const ENVIRONMENT: &[(&str, &str)] = &[
     (
         "SNAPCTL_LOG, RUST_LOG",
         "Log filter on stderr (warn, info, debug, or directives such as warn,registry=info). Default: warn; for serve, lazy and mount: info.",
     ),
-    ("SNAPCTL_CACHE", "The cache directory: chunk cache, upload state, known blobs. Default: $XDG_CACHE_HOME/snapctl, else ~/.cache/snapctl."),
-    ("SNAPCTL_CACHE_SIZE", "Bound on the cache directory (as --cache-size). Default: 10GiB."),
+    (
+        "SNAPCTL_CACHE",
+        "The cache directory (as --cache): chunk cache, push layouts, upload state, known blobs. Default: $XDG_CACHE_HOME/snapctl, else ~/.cache/snapctl.",
+    ),
+    ("SNAPCTL_CACHE_SIZE", "Bound on the cache directory (as --cache-size). Default: {cache_size}."),
     ("SNAPCTL_PLAIN_HTTP", "1: speak plain HTTP to every registry (as --plain-http)."),
     ("SNAPCTL_REQUEST_TIMEOUT", "The floor of the deadline of one registry request, answer included (a duration, e.g. 30s)."),
     ("SNAPCTL_RETRY_BUDGET", "How long transient registry failures are retried, from the first try. Default: 120s."),
@@ -109,7 +117,7 @@ const ENVIRONMENT: &[(&str, &str)] = &[
 /// Files read and written, for the man pages' FILES section.
 const FILES: &[(&str, &str)] = &[
     ("~/.docker/config.json", "Registry credentials, and the credential helpers it names (login, logout; read by every command that reaches a registry)."),
-    ("~/.cache/snapctl/", "The chunk cache, resumable upload state and which repositories hold which blobs."),
+    ("~/.cache/snapctl/", "The chunk cache, push layouts, resumable upload state and which repositories hold which blobs (see snapctl cache)."),
     ("~/.config/containers/policy.json, /etc/containers/policy.json", "The signature policy, when neither --policy nor SNAPCTL_POLICY names one."),
     ("/run/snapctl/mount", "The host mount of mount, as root (else under $XDG_RUNTIME_DIR)."),
 ];

@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use imgfmt::reference::Reference;
 use lazy::wake::{self, Front as _};
 use lazy::{ConnReport, LazyOptions, PrefetchMode, RetryPolicy};
@@ -69,17 +68,8 @@ pub struct LazyArgs {
     /// The memory file to serve (default: the image's file with role "memory").
     #[arg(long, value_name = "NAME", conflicts_with = "criu_workdir")]
     pub file: Option<String>,
-    /// Chunk cache directory (default: $SNAPCTL_CACHE, $XDG_CACHE_HOME/snapctl, ~/.cache/snapctl).
-    #[arg(long, value_name = "DIR")]
-    pub cache: Option<PathBuf>,
-    /// Bound on everything kept under the cache directory (chunks, push layouts, upload
-    /// state: see `snapctl cache`), e.g. 10GiB; least recently used entries are evicted
-    /// [default: $SNAPCTL_CACHE_SIZE, else 10GiB].
-    #[arg(long, value_name = "SIZE", value_parser = common::parse_size, env = "SNAPCTL_CACHE_SIZE")]
-    pub cache_size: Option<u64>,
-    /// Do not use the chunk cache (every chunk comes from the image source).
-    #[arg(long, conflicts_with = "cache")]
-    pub no_cache: bool,
+    #[command(flatten)]
+    pub cache: super::cache::HostCacheArgs,
     /// Install chunks ahead of the guest: `trace` replays the image's recorded trace if it
     /// has one, then streams the rest of the image once the guest's misses look scattered
     /// (see --stream-after); `all` replays the trace and streams the rest at once; `none`
@@ -220,7 +210,7 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     let r: Reference = a.image.parse()?;
     let cli = front::Cli { image: &a.image, reference: &r, file: a.file.as_deref(), policy: &a.policy };
     let prepared = wake::prepare(&cli, &r, options(&a), a.criu_workdir.is_some())?;
-    let store = chunk_store(&a)?;
+    let store = a.cache.open()?.map(|c| Arc::new(c) as Arc<dyn lazy::ChunkStore>);
     if let Some(workdir) = &a.criu_workdir {
         let f = criu::CriuFlags { image: &a.image, workdir: workdir.clone(), prepare: a.criu_prepare, metrics: a.metrics.as_deref(), json: a.json };
         return criu::run(f, prepared, store);
@@ -252,16 +242,6 @@ pub fn run(a: LazyArgs) -> anyhow::Result<ExitCode> {
     let failed = Arc::new(AtomicBool::new(false));
     daemon.run(on_report(a.json, failed.clone()))?;
     Ok(common::code(if failed.load(Ordering::Relaxed) { common::EXIT_FAILED } else { common::EXIT_OK }))
-}
-
-/// The chunk cache the flags name, if any.
-fn chunk_store(a: &LazyArgs) -> anyhow::Result<Option<Arc<dyn lazy::ChunkStore>>> {
-    if a.no_cache {
-        return Ok(None);
-    }
-    let dir = a.cache.clone().unwrap_or_else(puller::ChunkCache::default_dir);
-    let limit = a.cache_size.unwrap_or(puller::cache::DEFAULT_LIMIT);
-    Ok(Some(Arc::new(puller::ChunkCache::open(&dir, limit).with_context(|| format!("opening the chunk cache {}", dir.display()))?)))
 }
 
 /// The daemon's options as the flags say.

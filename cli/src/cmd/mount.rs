@@ -57,15 +57,8 @@ pub struct MountArgs {
     /// else $XDG_RUNTIME_DIR/snapctl/mount]; its control socket is HOST.sock.
     #[arg(long, value_name = "DIR")]
     pub host: Option<PathBuf>,
-    /// Chunk cache directory (default: $SNAPCTL_CACHE, $XDG_CACHE_HOME/snapctl, ~/.cache/snapctl).
-    #[arg(long, value_name = "DIR")]
-    pub cache: Option<PathBuf>,
-    /// Bound on everything kept under the cache directory [default: $SNAPCTL_CACHE_SIZE, else 10GiB].
-    #[arg(long, value_name = "SIZE", value_parser = common::parse_size, env = "SNAPCTL_CACHE_SIZE")]
-    pub cache_size: Option<u64>,
-    /// Do not use the chunk cache (every chunk comes from the image's source; no fill).
-    #[arg(long, conflicts_with = "cache")]
-    pub no_cache: bool,
+    #[command(flatten)]
+    pub cache: super::cache::HostCacheArgs,
     /// What the background fill brings into the chunk cache beside the reads: `trace`
     /// the memory file's recorded trace first, then every chunk in file order; `all`
     /// every chunk in file order; `none` nothing (reads only).
@@ -177,13 +170,7 @@ fn pinned_reference(o: &common::Opened, image: &Image) -> anyhow::Result<String>
 /// This process becomes the host daemon: mount, show the image in `dir`, serve until the
 /// last DIR is unmounted.
 fn serve(a: &MountArgs, dir: &Path, host_dir: PathBuf, o: common::Opened, image: Image, pinned: String) -> anyhow::Result<ExitCode> {
-    let store = if a.no_cache {
-        None
-    } else {
-        let cache = a.cache.clone().unwrap_or_else(puller::ChunkCache::default_dir);
-        let limit = a.cache_size.unwrap_or(puller::cache::DEFAULT_LIMIT);
-        Some(Arc::new(puller::ChunkCache::open(&cache, limit).with_context(|| format!("opening the chunk cache {}", cache.display()))?))
-    };
+    let store = a.cache.open()?.map(Arc::new);
     let mut opts = HostOptions::new(host_dir.clone());
     opts.memory_bytes = a.memory;
     opts.retry = RetryPolicy { budget: Some(a.retry_budget), ..RetryPolicy::stall(a.retry_budget) };

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use puller::{ChunkCache, PullOptions};
+use puller::PullOptions;
 
 use super::common::{self, parse_size};
 
@@ -47,22 +47,13 @@ pub struct PullArgs {
     /// Destination directory (created if missing), or `oci:PATH[:TAG]` to copy the image
     /// into a local layout, digests kept (as `snapctl copy` does; cache options do not apply).
     pub dest: String,
-    /// Chunk cache directory [default: $SNAPCTL_CACHE, else $XDG_CACHE_HOME/snapctl, else
-    /// ~/.cache/snapctl].
-    #[arg(long, value_name = "DIR")]
-    pub cache: Option<PathBuf>,
-    /// Pull without the chunk cache (nothing read from it or added to it).
-    #[arg(long, conflicts_with_all = ["cache", "cache_size"])]
-    pub no_cache: bool,
+    #[command(flatten)]
+    pub cache: super::cache::HostCacheArgs,
     /// Keep a copy of every fetched chunk in the cache, rather than a reference into the
     /// pulled files: slower (every byte written twice), but the cache then serves later
     /// pulls and lazy restores even after these files are deleted or changed.
     #[arg(long, conflicts_with = "no_cache")]
     pub cache_copy: bool,
-    /// Bound on everything kept under the cache directory (chunks, push layouts, upload
-    /// state, known blobs: see `snapctl cache`); least recently used entries are evicted.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "10GiB", env = "SNAPCTL_CACHE_SIZE")]
-    pub cache_size: u64,
     /// Range requests in flight from the start (and threads reading the cache).
     #[arg(long, short = 'j', default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub jobs: u16,
@@ -104,12 +95,7 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
     }
     let dest = PathBuf::from(&a.dest);
     let (o, image) = a.policy.open_image(&a.image)?;
-    let cache = if a.no_cache {
-        None
-    } else {
-        let dir = a.cache.clone().unwrap_or_else(ChunkCache::default_dir);
-        Some(ChunkCache::open(&dir, a.cache_size).with_context(|| format!("opening the chunk cache in {}", dir.display()))?)
-    };
+    let cache = a.cache.open()?;
     // The bar counts the data to fetch (from the registry, the cache or a file in place);
     // zero chunks are holes, written by nobody.
     let pb = common::network_progress_bar(puller::data_bytes(&image), "pull");

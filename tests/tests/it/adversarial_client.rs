@@ -3,43 +3,19 @@
 //! exhaust memory. Each test names what the component promises (`spec/transfer.md`,
 //! `spec/lazy.md`, `spec/format.md`) and fails when the promise is broken.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use snapctl_tests::fault_proxy::{Fault, FaultProxy, Match, Rule};
 use snapctl_tests::registry_support::{htpasswd, Serve};
-use snapctl_tests::{run, snapctl, Run};
+use snapctl_tests::{run, Work};
 
-/// A scratch area with its own snapctl cache and Docker config (credentials).
-struct Work {
-    dir: tempfile::TempDir,
+/// Steps of these tests beside [`Work`]'s own.
+trait ClientWork {
+    /// A small sample snapshot packed into a layout; its `oci:` reference.
+    fn packed(&self) -> String;
 }
 
-impl Work {
-    fn new() -> Work {
-        Work { dir: tempfile::tempdir().unwrap() }
-    }
-    fn path(&self, p: &str) -> PathBuf {
-        self.dir.path().join(p)
-    }
-    fn cmd(&self) -> std::process::Command {
-        let mut c = snapctl();
-        c.env("SNAPCTL_CACHE", self.path("cache")).env("DOCKER_CONFIG", self.path("docker"));
-        c
-    }
-    fn ok(&self, args: &[&str]) -> Run {
-        let r = run(self.cmd().args(args));
-        assert_eq!(r.code, 0, "snapctl {args:?}: {r:?}");
-        r
-    }
-    /// Store `user:password` for `host` in this area's Docker config.
-    fn credentials(&self, host: &str, user: &str, password: &str) {
-        use base64::Engine;
-        let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
-        std::fs::create_dir_all(self.path("docker")).unwrap();
-        std::fs::write(self.path("docker/config.json"), format!(r#"{{"auths":{{"{host}":{{"auth":"{auth}"}}}}}}"#)).unwrap();
-    }
-    /// A small sample snapshot packed into a layout; its `oci:` reference.
+impl ClientWork for Work {
     fn packed(&self) -> String {
         let snap = self.path("snap");
         self.ok(&["sample", snap.to_str().unwrap(), "--size", "4MiB"]);
@@ -280,8 +256,7 @@ fn regression_issue_14_lazy_socket_is_0600_under_umask_000() {
     let h = lazy_under_umask_000(&w, &reference, &socket, &[]);
     let mode = std::fs::symlink_metadata(&socket).unwrap().permissions().mode() & 0o7777;
     assert_eq!(mode, 0o600, "socket mode {mode:o}: {}", h.log_text());
-    let left: Vec<_> =
-        std::fs::read_dir(w.dir.path()).unwrap().flatten().map(|e| e.file_name()).filter(|n| n.to_string_lossy().starts_with(".snapctl")).collect();
+    let left: Vec<_> = std::fs::read_dir(w.root()).unwrap().flatten().map(|e| e.file_name()).filter(|n| n.to_string_lossy().starts_with(".snapctl")).collect();
     assert!(left.is_empty(), "private directories left: {left:?}");
 }
 
@@ -299,7 +274,7 @@ fn regression_issue_14_lazy_refuses_another_users_process() {
     }
     let w = Work::new();
     // nobody must reach the socket's directory (temp dirs are 0700).
-    std::fs::set_permissions(w.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(w.root(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let reference = w.packed();
     let socket = w.path("vm.sock");
     let h = lazy_under_umask_000(&w, &reference, &socket, &[]);

@@ -3,13 +3,13 @@
 //! working-set blob; to a second `snapctl serve` and to distribution 2.8 (no referrers
 //! API), where `cosign verify` accepts the signature and `oras discover` lists the SBOM.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 
 use serde_json::Value;
 use snapctl_tests::registry_support::{Distribution, Serve};
-use snapctl_tests::{have, require_peers, run, snapctl, Run};
+use snapctl_tests::{have, require_peers, run, Run, Work};
 
 const COSIGN: &str = "/opt/snapctl-cosign/cosign";
 const ORAS: &str = "/opt/snapctl-oras/oras";
@@ -32,34 +32,30 @@ fn ok(cmd: &mut Command) -> Run {
     r
 }
 
-struct Work {
-    dir: tempfile::TempDir,
+/// Steps of these tests beside [`Work`]'s own: the peers, run in the work area.
+trait PeerWork {
+    /// cosign with a key pair of its own (empty password), no transparency log, plain HTTP.
+    fn cosign(&self, args: &[&str]) -> Run;
+    fn oras(&self, args: &[&str]) -> Run;
+    fn inspect(&self, reference: &str) -> Value;
+    fn verify_sig(&self, image: &str, oci11: bool) -> Run;
 }
 
-impl Work {
-    fn path(&self, p: &str) -> PathBuf {
-        self.dir.path().join(p)
-    }
-    fn snapctl(&self) -> Command {
-        let mut c = snapctl();
-        c.env("SNAPCTL_CACHE", self.path("cache")).env("DOCKER_CONFIG", self.path("docker"));
-        c
-    }
-    /// cosign with a key pair of its own (empty password), no transparency log, plain HTTP.
+impl PeerWork for Work {
     fn cosign(&self, args: &[&str]) -> Run {
         run(Command::new(COSIGN)
-            .current_dir(self.dir.path())
+            .current_dir(self.root())
             .env("COSIGN_PASSWORD", "")
             .env("COSIGN_EXPERIMENTAL", "1")
             .env("DOCKER_CONFIG", self.path("docker"))
-            .env("HOME", self.dir.path())
+            .env("HOME", self.root())
             .args(args))
     }
     fn oras(&self, args: &[&str]) -> Run {
-        run(Command::new(ORAS).current_dir(self.dir.path()).env("DOCKER_CONFIG", self.path("docker")).env("HOME", self.dir.path()).args(args))
+        run(Command::new(ORAS).current_dir(self.root()).env("DOCKER_CONFIG", self.path("docker")).env("HOME", self.root()).args(args))
     }
     fn inspect(&self, reference: &str) -> Value {
-        serde_json::from_str(&ok(self.snapctl().args(["inspect", reference, "--json"])).stdout).unwrap()
+        serde_json::from_str(&ok(self.cmd().args(["inspect", reference, "--json"])).stdout).unwrap()
     }
     fn verify_sig(&self, image: &str, oci11: bool) -> Run {
         let mut args = vec!["verify", "--key", "cosign.pub", "--insecure-ignore-tlog", "--allow-http-registry"];
@@ -91,15 +87,15 @@ fn regression_issue_22_copy_carries_signatures_sboms_and_traces_to_snapctl_and_d
     if !peer(COSIGN) || !peer(ORAS) || !have("docker-registry") {
         return;
     }
-    let w = Work { dir: tempfile::tempdir().unwrap() };
+    let w = Work::new();
     let a = Serve::start(w.path("a").to_str().unwrap(), &[], &[]);
     let b = Serve::start(w.path("b").to_str().unwrap(), &[], &[]);
     std::fs::create_dir_all(w.path("dist")).unwrap();
     let d = Distribution::start(&w.path("dist"));
 
     let snap = w.path("snap");
-    ok(w.snapctl().arg("sample").arg(&snap).args(["--size", "4MiB"]));
-    let digest = ok(w.snapctl().arg("push").arg(&snap).arg(format!("{}/vm:v1", a.addr))).stdout.trim().to_owned();
+    ok(w.cmd().arg("sample").arg(&snap).args(["--size", "4MiB"]));
+    let digest = ok(w.cmd().arg("push").arg(&snap).arg(format!("{}/vm:v1", a.addr))).stdout.trim().to_owned();
     let at_a = format!("{}/vm@{digest}", a.addr);
 
     // An SBOM (oras), a cosign signature in the tag scheme and one as an OCI 1.1 referrer,
@@ -130,7 +126,7 @@ fn regression_issue_22_copy_carries_signatures_sboms_and_traces_to_snapctl_and_d
     assert!(w.verify_sig(&at_a, false).code == 0, "the tag-scheme signature verifies at the source");
 
     for (dest, oci11_dest) in [(format!("{}/mirror/vm", b.addr), true), (format!("{}/mirror/vm", d.addr), false)] {
-        let r = ok(w.snapctl().args(["copy", &format!("{}/vm:v1", a.addr), &format!("{dest}:v1"), "--json"]));
+        let r = ok(w.cmd().args(["copy", &format!("{}/vm:v1", a.addr), &format!("{dest}:v1"), "--json"]));
         let rep: Value = serde_json::from_str(&r.stdout).unwrap();
         assert!(rep["referrers"].as_array().unwrap().len() >= 4, "{rep}");
         let there = format!("{dest}@{digest}");
@@ -158,17 +154,17 @@ fn regression_issue_22_copy_carries_signatures_sboms_and_traces_to_snapctl_and_d
     }
 
     // --no-referrers: the image alone.
-    let r = ok(w.snapctl().args(["copy", "--no-referrers", &format!("{}/vm:v1", a.addr), &format!("{}/bare/vm:v1", b.addr)]));
+    let r = ok(w.cmd().args(["copy", "--no-referrers", &format!("{}/vm:v1", a.addr), &format!("{}/bare/vm:v1", b.addr)]));
     assert!(!r.stderr.contains("referrer"), "{r:?}");
     assert!(w.inspect(&format!("{}/bare/vm:v1", b.addr))["referrers"].as_array().unwrap().is_empty());
     assert_ne!(w.verify_sig(&format!("{}/bare/vm@{digest}", b.addr), false).code, 0, "no signature without referrers");
 
     // Into a layout and out again: the layout lists them under the fallback tag.
     let lay = format!("oci:{}:v1", w.path("layout").display());
-    ok(w.snapctl().args(["copy", &format!("{}/vm:v1", a.addr), &lay]));
+    ok(w.cmd().args(["copy", &format!("{}/vm:v1", a.addr), &lay]));
     let listed = w.inspect(&lay);
     assert!(listed["referrers"].as_array().unwrap().len() >= 4, "{listed}");
-    ok(w.snapctl().args(["copy", &lay, &format!("{}/again/vm:v1", b.addr)]));
+    ok(w.cmd().args(["copy", &lay, &format!("{}/again/vm:v1", b.addr)]));
     assert_eq!(w.verify_sig(&format!("{}/again/vm@{digest}", b.addr), false).code, 0);
     assert!(discovered(&w, &format!("{}/again/vm@{digest}", b.addr)).contains(SBOM_TYPE));
 }
@@ -179,13 +175,13 @@ fn regression_issue_22_copy_carries_signatures_sboms_and_traces_to_snapctl_and_d
 #[test]
 fn regression_issue_23_a_trace_looked_up_ahead_is_the_one_load_finds() {
     use lazy::TraceStore as _;
-    let w = Work { dir: tempfile::tempdir().unwrap() };
+    let w = Work::new();
     let a = Serve::start(w.path("a").to_str().unwrap(), &[], &[]);
     let snap = w.path("snap");
-    ok(w.snapctl().arg("sample").arg(&snap).args(["--size", "4MiB"]));
-    let digest = ok(w.snapctl().arg("push").arg(&snap).arg(format!("{}/vm:v1", a.addr))).stdout.trim().to_owned();
-    ok(w.snapctl().arg("sample").arg(w.path("other")).args(["--size", "4MiB", "--seed", "9"]));
-    let other = ok(w.snapctl().arg("push").arg(w.path("other")).arg(format!("{}/vm:other", a.addr))).stdout.trim().to_owned();
+    ok(w.cmd().arg("sample").arg(&snap).args(["--size", "4MiB"]));
+    let digest = ok(w.cmd().arg("push").arg(&snap).arg(format!("{}/vm:v1", a.addr))).stdout.trim().to_owned();
+    ok(w.cmd().arg("sample").arg(w.path("other")).args(["--size", "4MiB", "--seed", "9"]));
+    let other = ok(w.cmd().arg("push").arg(w.path("other")).arg(format!("{}/vm:other", a.addr))).stdout.trim().to_owned();
     let src = Arc::new(regclient::RegistrySource::new(&a.addr, "vm", true, None).unwrap());
     let image = imgfmt::Image::open(src.as_ref(), &digest.parse().unwrap()).unwrap();
     let file = image.file("vm.mem").unwrap().0;

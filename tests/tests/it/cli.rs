@@ -9,41 +9,18 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use snapctl_tests::fault_proxy::{Fault, FaultProxy, Match, Rule};
-use snapctl_tests::registry_support::{htpasswd, Serve, TestCa};
-use snapctl_tests::{free_port, run, snapctl, Run};
+use snapctl_tests::registry_support::{htpasswd, TestCa};
+use snapctl_tests::{free_port, run, snapctl, Run, Work};
 
-/// A scratch area with its own snapctl cache and Docker config.
-struct Work {
-    dir: tempfile::TempDir,
+/// Steps of these tests beside [`Work`]'s own.
+trait CliWork {
+    /// `snapctl sample` of `size` into a new directory, packed as `oci:<dir>/l:<tag>`.
+    fn packed(&self, name: &str, size: &str, tag: &str) -> (PathBuf, String);
 }
 
-impl Work {
-    fn new() -> Work {
-        Work { dir: tempfile::tempdir().unwrap() }
-    }
-    fn path(&self, p: &str) -> PathBuf {
-        self.dir.path().join(p)
-    }
-    fn cmd(&self) -> Command {
-        let mut c = snapctl();
-        c.env("SNAPCTL_CACHE", self.path("cache")).env("DOCKER_CONFIG", self.path("docker"));
-        c
-    }
-    fn ok(&self, args: &[&str]) -> Run {
-        let r = run(self.cmd().args(args));
-        assert_eq!(r.code, 0, "snapctl {args:?}: {r:?}");
-        r
-    }
-    /// A `snapctl serve` (with `extra` flags) storing into the new directory `dir` here.
-    fn serve(&self, dir: &str, extra: &[&str]) -> Serve {
-        let storage = self.path(dir);
-        std::fs::create_dir_all(&storage).unwrap();
-        Serve::start(storage.to_str().unwrap(), extra, &[])
-    }
-    /// `snapctl sample` of `size` into a new directory, packed as `oci:<dir>/l:<tag>`.
+impl CliWork for Work {
     fn packed(&self, name: &str, size: &str, tag: &str) -> (PathBuf, String) {
-        let src = self.path(name);
-        self.ok(&["sample", src.to_str().unwrap(), "--size", size]);
+        let src = self.sample(name, size);
         let r = format!("oci:{}:{tag}", self.path("l").display());
         self.ok(&["pack", src.to_str().unwrap(), &r]);
         (src, r)
@@ -603,4 +580,25 @@ fn regression_issue_25_version_names_the_commit_and_completions_and_man_pages_ex
         assert!(text.contains(".TH"), "{page}");
     }
     assert!(std::fs::read_to_string(dir.join("snapctl-pull.1")).unwrap().contains("ca\\-file"), "the page has the flags");
+}
+
+/// `$SNAPCTL_CACHE_SIZE` set for every command made `pull --no-cache` a usage error (the
+/// variable counted as a `--cache-size` given beside it). The host cache flags are one
+/// definition now: pull, lazy and mount take `--no-cache` with a budget from the
+/// environment, read nothing from the cache and add nothing to it, and refuse it only
+/// beside `--cache DIR`.
+#[test]
+fn no_cache_with_a_budget_from_the_environment_pulls_without_the_cache() {
+    let w = Work::new();
+    let (src, r) = w.packed("snap", "2MiB", "v1");
+    let out = w.path("out");
+    let pulled = run(w.cmd().env("SNAPCTL_CACHE_SIZE", "1GiB").args(["pull", &r, out.to_str().unwrap(), "--no-cache"]));
+    assert_eq!(pulled.code, 0, "{pulled:?}");
+    assert_eq!(std::fs::read(out.join("vm.mem")).unwrap(), std::fs::read(src.join("vm.mem")).unwrap());
+    assert!(!w.cache().join("chunks").exists(), "--no-cache added to the cache");
+    for args in [vec!["pull", &r, "out2"], vec!["lazy", &r, "--socket", "s"], vec!["mount", &r, "dir"]] {
+        let refused = run(w.cmd().env("SNAPCTL_CACHE_SIZE", "1GiB").args(&args).args(["--no-cache", "--cache", "/c"]));
+        assert_eq!(refused.code, 2, "{args:?}: {refused:?}");
+        assert!(refused.stderr.contains("'--no-cache' cannot be used with '--cache <DIR>'"), "{args:?}: {refused:?}");
+    }
 }

@@ -3,57 +3,18 @@
 //! to one repository goes to another by mounts, and `--sign-key` signs in the same step.
 //! Against `snapctl serve` (with htpasswd auth where it matters) and distribution 2.8.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::Value;
 use snapctl_tests::registry_support::{htpasswd, random_bytes, Distribution, Serve};
-use snapctl_tests::{run, snapctl, Run};
+use snapctl_tests::{run, Run, Work};
 
 const MIB: u64 = 1 << 20;
 const PASSWORD: &str = "pw";
 
-/// A work directory with its own cache and docker config.
-struct Work {
-    dir: tempfile::TempDir,
-}
-
-impl Work {
-    fn new() -> Work {
-        Work { dir: tempfile::tempdir().unwrap() }
-    }
-    fn path(&self, p: &str) -> PathBuf {
-        self.dir.path().join(p)
-    }
-    fn s(&self, p: &str) -> String {
-        self.path(p).to_string_lossy().into_owned()
-    }
-    fn cmd(&self) -> std::process::Command {
-        let mut c = snapctl();
-        c.env("SNAPCTL_CACHE", self.path("cache")).env("DOCKER_CONFIG", self.path("docker")).env("COSIGN_PASSWORD", PASSWORD);
-        c
-    }
-    fn ok(&self, args: &[&str]) -> Run {
-        let r = run(self.cmd().args(args));
-        assert_eq!(r.code, 0, "{args:?}: {r:?}");
-        r
-    }
-    /// Run with `--json`; the report.
-    fn json(&self, args: &[&str]) -> (Value, String) {
-        let r = self.ok(&[args, &["--json"]].concat());
-        (serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{args:?} --json ({e}): {}", r.stdout)), r.stderr)
-    }
-    fn credentials(&self, host: &str, user: &str, password: &str) {
-        use base64::Engine;
-        let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
-        std::fs::create_dir_all(self.path("docker")).unwrap();
-        std::fs::write(self.path("docker/config.json"), format!(r#"{{"auths":{{"{host}":{{"auth":"{auth}"}}}}}}"#)).unwrap();
-    }
-    /// A sample snapshot of `size` at `name`.
-    fn sample(&self, name: &str, size: &str) -> PathBuf {
-        let p = self.path(name);
-        self.ok(&["sample", p.to_str().unwrap(), "--size", size]);
-        p
-    }
+/// A work area whose commands also have the cosign key's password.
+fn work() -> Work {
+    Work::new().with_env("COSIGN_PASSWORD", PASSWORD)
 }
 
 /// Overwrite 1 MiB of `dir`'s vm.mem at `at` (chunk-aligned) with incompressible bytes.
@@ -79,7 +40,7 @@ fn metadata_bytes(host: &str, repo: &str, digest: &str, creds: Option<(&str, &st
 /// previous hibernation as its parent (stderr says which and why) and sends at most
 /// 1.1x the changed bytes plus the image's metadata. Returns the bytes each push sent.
 fn hibernations_send_what_changed(host: &str, creds: Option<(&str, &str)>) -> Vec<u64> {
-    let w = Work::new();
+    let w = work();
     if let Some((u, p)) = creds {
         w.credentials(host, u, p);
     }
@@ -131,7 +92,7 @@ fn regression_issue_39_new_tags_send_only_what_changed_on_distribution() {
 /// An image pushed to repository `a` goes to `b` of the same registry by mounts: both a
 /// directory (packed again: its packs are mounted as they are sealed) and a layout.
 fn second_repository_mounts(host: &str, creds: Option<(&str, &str)>) {
-    let w = Work::new();
+    let w = work();
     if let Some((u, p)) = creds {
         w.credentials(host, u, p);
     }
@@ -193,7 +154,7 @@ fn pull(w: &Work, image: &str, policy: &str, dest: &str) -> Run {
 fn regression_issue_39_push_and_copy_sign_in_the_same_step() {
     let store = tempfile::tempdir().unwrap();
     let s = Serve::start(store.path().to_str().unwrap(), &[], &[]);
-    let w = Work::new();
+    let w = work();
     w.ok(&["key", "generate", "--output-key-prefix", &w.s("k")]);
     let (key, public) = (w.s("k.key"), w.s("k.pub"));
     let policy = policy(&w, &format!("{}/vm", s.addr), &public);
@@ -234,7 +195,7 @@ fn regression_issue_39_push_and_copy_sign_in_the_same_step() {
 /// the new one's.
 #[test]
 fn regression_issue_39_retention_keeps_and_deletes_a_signature_with_its_subject() {
-    let w = Work::new();
+    let w = work();
     let storage = w.path("store");
     let s = Serve::start(storage.to_str().unwrap(), &[], &[]);
     w.ok(&["key", "generate", "--output-key-prefix", &w.s("k")]);

@@ -9,48 +9,30 @@ use std::path::{Path, PathBuf};
 
 use snapctl_tests::fault_proxy::FaultProxy;
 use snapctl_tests::registry_support::Serve;
-use snapctl_tests::{run, snapctl, Run};
+use snapctl_tests::{run, snapctl, Run, Work};
 
 const MIB: u64 = 1 << 20;
 
-/// A scratch area with its own snapctl cache and Docker config.
-struct Work {
-    dir: tempfile::TempDir,
+/// Steps of these tests beside [`Work`]'s own.
+trait HostWork {
+    /// A sample snapshot of `size` with no holes (every block is data).
+    fn dense_sample(&self, name: &str, size: &str) -> PathBuf;
+    /// Rewrite one 1 MiB block of `dir` in place (another one for every `seed`).
+    fn mutate(&self, dir: &Path, size: &str, seed: u32);
 }
 
-impl Work {
-    fn new() -> Work {
-        Work { dir: tempfile::tempdir().unwrap() }
+impl HostWork for Work {
+    fn dense_sample(&self, name: &str, size: &str) -> PathBuf {
+        self.sample_with(name, size, &["--zero-fraction", "0"])
     }
-    fn path(&self, p: &str) -> PathBuf {
-        self.dir.path().join(p)
-    }
-    fn cache(&self) -> PathBuf {
-        self.path("cache")
-    }
-    fn cmd(&self) -> std::process::Command {
-        let mut c = snapctl();
-        c.env("SNAPCTL_CACHE", self.cache()).env("DOCKER_CONFIG", self.path("docker"));
-        c
-    }
-    fn ok(&self, args: &[&str]) -> Run {
-        let r = run(self.cmd().args(args));
-        assert_eq!(r.code, 0, "snapctl {args:?}: {r:?}");
-        r
-    }
-    /// A sample snapshot of `size` with no holes (every block is data).
-    fn sample(&self, name: &str, size: &str) -> PathBuf {
-        let p = self.path(name);
-        self.ok(&["sample", p.to_str().unwrap(), "--size", size, "--zero-fraction", "0"]);
-        p
-    }
-    /// Rewrite one 1 MiB block of `dir` in place (another one for every `seed`).
     fn mutate(&self, dir: &Path, size: &str, seed: u32) {
         self.ok(&["sample", dir.to_str().unwrap(), "--size", size, "--zero-fraction", "0", "--mutate", "1", "--seed", &seed.to_string()]);
     }
-    fn json(r: &Run) -> serde_json::Value {
-        serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("no JSON on stdout ({e}): {r:?}"))
-    }
+}
+
+/// The JSON `r` printed on stdout.
+fn json(r: &Run) -> serde_json::Value {
+    serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("no JSON on stdout ({e}): {r:?}"))
 }
 
 /// Issue 22 §3: `push DIR HOST/REPO:TAG` where TAG already holds a snapctl image of the
@@ -65,18 +47,18 @@ fn regression_issue_22_repushes_send_only_changed_chunks() {
     let proxy = FaultProxy::start(serve.addr.as_str()).unwrap();
     let w = Work::new();
     let size = "24MiB";
-    let snap = w.sample("snap", size);
+    let snap = w.dense_sample("snap", size);
     let dest = format!("{}/vm/sandbox:latest", proxy.addr);
 
     let first = w.ok(&["push", snap.to_str().unwrap(), &dest, "--json"]);
     assert!(!first.stderr.contains("as the parent"), "nothing to build on yet: {}", first.stderr);
-    let mut last = Work::json(&first)["manifest"].as_str().unwrap().to_string();
+    let mut last = json(&first)["manifest"].as_str().unwrap().to_string();
     for round in 1..=3u32 {
         w.mutate(&snap, size, round);
         let before = proxy.bytes_up();
         let r = w.ok(&["push", snap.to_str().unwrap(), &dest, "--json"]);
         let sent = proxy.bytes_up() - before;
-        let rep = Work::json(&r);
+        let rep = json(&r);
         assert!(sent < 2 * MIB, "round {round}: one changed 1 MiB chunk (and metadata) should go up, {sent} bytes went: {rep}");
         assert!(r.stderr.contains(&format!("{dest} as the parent")) && r.stderr.contains(&last), "round {round}: stderr names the parent: {}", r.stderr);
         assert_eq!(rep["pack"]["chain_depth"], round as u64, "round {round}: a layer over the tag's image: {rep}");
@@ -92,7 +74,7 @@ fn regression_issue_22_repushes_send_only_changed_chunks() {
     w.mutate(&snap, size, 9);
     let r = w.ok(&["push", snap.to_str().unwrap(), &dest, "--json", "--no-parent"]);
     assert!(!r.stderr.contains("as the parent"), "{}", r.stderr);
-    assert_eq!(Work::json(&r)["pack"]["chain_depth"], 0);
+    assert_eq!(json(&r)["pack"]["chain_depth"], 0);
 }
 
 /// Issue 22 §3, `pack`: packing into a layout tag that already holds an image of the same
@@ -101,14 +83,14 @@ fn regression_issue_22_repushes_send_only_changed_chunks() {
 fn regression_issue_22_pack_into_an_existing_tag_makes_a_layer() {
     let w = Work::new();
     let size = "8MiB";
-    let snap = w.sample("snap", size);
+    let snap = w.dense_sample("snap", size);
     let dest = format!("oci:{}:vm", w.path("layout").display());
-    let first = Work::json(&w.ok(&["pack", snap.to_str().unwrap(), &dest, "--json"]));
+    let first = json(&w.ok(&["pack", snap.to_str().unwrap(), &dest, "--json"]));
     assert_eq!(first["chain_depth"], 0);
     w.mutate(&snap, size, 1);
     let r = w.ok(&["pack", snap.to_str().unwrap(), &dest, "--json"]);
     assert!(r.stderr.contains("as the parent"), "{}", r.stderr);
-    let second = Work::json(&r);
+    let second = json(&r);
     assert_eq!(second["chain_depth"], 1, "{second}");
     assert_eq!(second["stored_chunks"], 1, "only the changed chunk is stored: {second}");
     w.ok(&["verify", &dest]);
@@ -117,10 +99,10 @@ fn regression_issue_22_pack_into_an_existing_tag_makes_a_layer() {
     fs::write(snap.join("extra.img"), b"a file the tag's image does not have").unwrap();
     let r = w.ok(&["pack", snap.to_str().unwrap(), &dest, "--json"]);
     assert!(r.stderr.contains("not the same files") && r.stderr.contains("extra.img"), "{}", r.stderr);
-    assert_eq!(Work::json(&r)["chain_depth"], 0);
+    assert_eq!(json(&r)["chain_depth"], 0);
     fs::remove_file(snap.join("extra.img")).unwrap();
     let r = w.ok(&["pack", snap.to_str().unwrap(), &dest, "--json", "--no-parent"]);
-    assert_eq!(Work::json(&r)["chain_depth"], 0);
+    assert_eq!(json(&r)["chain_depth"], 0);
 }
 
 /// Allocated bytes of everything under `dir` (what the budget bounds).
@@ -151,7 +133,7 @@ fn regression_issue_22_push_layouts_keep_only_metadata() {
     let serve = Serve::start(storage.path().to_str().unwrap(), &[], &[]);
     let w = Work::new();
     let size = "24MiB";
-    let snap = w.sample("snap", size);
+    let snap = w.dense_sample("snap", size);
     let dest = format!("{}/vm/keep:latest", serve.addr);
     for round in 0..3u32 {
         if round > 0 {
@@ -161,7 +143,7 @@ fn regression_issue_22_push_layouts_keep_only_metadata() {
         let held = du(&w.cache().join("push-layouts"));
         assert!(held < MIB, "after push {round}: the push layouts hold {held} bytes; the packs are in the registry");
     }
-    let r = Work::json(&w.ok(&["push", snap.to_str().unwrap(), &dest, "--json", "--chunk-size", "1MiB"]));
+    let r = json(&w.ok(&["push", snap.to_str().unwrap(), &dest, "--json", "--chunk-size", "1MiB"]));
     assert_eq!(r["bytes_sent"], 0, "unchanged: nothing to send: {r}");
 }
 
@@ -176,7 +158,7 @@ fn regression_issue_22_pushes_and_pulls_stay_within_the_budget() {
     let w = Work::new();
     let size = "8MiB";
     let budget = 12 * MIB;
-    let snap = w.sample("snap", size);
+    let snap = w.dense_sample("snap", size);
     for round in 0..4u32 {
         w.mutate(&snap, size, round + 1);
         let dest = format!("{}/vm/budget{}:latest", serve.addr, round % 2);
@@ -190,7 +172,7 @@ fn regression_issue_22_pushes_and_pulls_stay_within_the_budget() {
         let held = du(&w.cache());
         assert!(held <= budget, "after pull {round}: {held} bytes under the cache directory, budget {budget}");
     }
-    let usage = Work::json(&w.ok(&["cache", "--json", "--cache-size", &budget.to_string()]));
+    let usage = json(&w.ok(&["cache", "--json", "--cache-size", &budget.to_string()]));
     assert_eq!(usage["limit_bytes"], budget, "{usage}");
     assert!(usage["total_bytes"].as_u64().unwrap() <= budget, "{usage}");
     let kinds: Vec<&str> = usage["kinds"].as_array().unwrap().iter().map(|k| k["kind"].as_str().unwrap()).collect();
@@ -203,7 +185,7 @@ fn regression_issue_22_pushes_and_pulls_stay_within_the_budget() {
 #[test]
 fn regression_issue_22_cache_lists_no_kind_nothing_fills() {
     let w = Work::new();
-    let usage = Work::json(&w.ok(&["cache", "--json"]));
+    let usage = json(&w.ok(&["cache", "--json"]));
     let kinds: Vec<&str> = usage["kinds"].as_array().unwrap().iter().map(|k| k["kind"].as_str().unwrap()).collect();
     assert_eq!(kinds, ["chunks", "push-layouts", "uploads", "known-blobs"], "{usage}");
     let text = w.ok(&["cache"]).stdout;
@@ -222,7 +204,7 @@ fn regression_issue_22_a_killed_eviction_leaves_a_consistent_cache() {
     let serve = Serve::start(storage.path().to_str().unwrap(), &[], &[]);
     let w = Work::new();
     let size = "4MiB";
-    let snap = w.sample("snap", size);
+    let snap = w.dense_sample("snap", size);
     let dest = format!("{}/vm/crash:latest", serve.addr);
     w.ok(&["push", snap.to_str().unwrap(), &dest]);
     w.ok(&["pull", &dest, w.path("out").to_str().unwrap(), "--cache-copy"]);
@@ -258,7 +240,7 @@ fn regression_issue_22_a_killed_eviction_leaves_a_consistent_cache() {
     assert!(moved.exists(), "killed before deleting it");
     // The next command that opens the cache runs a pass, which removes the leftover
     // (holding the pass lock, so no other pass is deleting it).
-    let usage = Work::json(&w.ok(&["cache", "--json"]));
+    let usage = json(&w.ok(&["cache", "--json"]));
     assert_eq!(usage["kinds"][1]["entries"], 0, "no push layout is listed: {usage}");
     assert!(!moved.exists(), "the leftover of the killed eviction is removed by the next pass");
     assert!(fs::read_dir(&layouts).unwrap().flatten().all(|e| !e.file_name().to_string_lossy().starts_with(".evicting-")));
@@ -283,7 +265,7 @@ fn regression_issue_35_pushes_beside_prunes_all_succeed() {
     let serve = Serve::start(storage.path().to_str().unwrap(), &[], &[]);
     let w = Work::new();
     let size = "2MiB";
-    let dirs: Vec<PathBuf> = (0..5).map(|i| w.sample(&format!("snap{i}"), size)).collect();
+    let dirs: Vec<PathBuf> = (0..5).map(|i| w.dense_sample(&format!("snap{i}"), size)).collect();
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let pruner = {
         let (done, cache, docker) = (done.clone(), w.cache(), w.path("docker"));

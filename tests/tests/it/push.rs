@@ -16,41 +16,19 @@ use std::time::{Duration, Instant};
 use imgfmt::{BlobSource, OciDigest};
 use regclient::RegistrySource;
 use snapctl_tests::registry_support::{htpasswd, Distribution, Serve};
-use snapctl_tests::{have, run, snapctl, Run};
+use snapctl_tests::{have, run, Work};
 
 const MIB: u64 = 1 << 20;
 
-/// A scratch area with its own snapctl cache and Docker config, so tests do not share
-/// resume state, known-blob records or credentials.
-struct Work {
-    dir: tempfile::TempDir,
+/// Steps of these tests beside [`Work`]'s own.
+trait PushWork {
+    /// A copy of snapshot `from` with `k` blocks rewritten (`sample --mutate` works in place).
+    fn mutated(&self, from: &Path, name: &str, size: &str, k: u32) -> PathBuf;
+    /// Push with `--json`; the report.
+    fn push(&self, src: &str, dest: &str, extra: &[&str]) -> serde_json::Value;
 }
 
-impl Work {
-    fn new() -> Work {
-        Work { dir: tempfile::tempdir().unwrap() }
-    }
-    fn path(&self, p: &str) -> PathBuf {
-        self.dir.path().join(p)
-    }
-    /// `snapctl` with this work area's cache and Docker config.
-    fn cmd(&self) -> std::process::Command {
-        let mut c = snapctl();
-        c.env("SNAPCTL_CACHE", self.path("cache")).env("DOCKER_CONFIG", self.path("docker"));
-        c
-    }
-    fn ok(&self, args: &[&str]) -> Run {
-        let r = run(self.cmd().args(args));
-        assert_eq!(r.code, 0, "snapctl {args:?}: {r:?}");
-        r
-    }
-    /// `snapctl sample` of `size` into a new directory.
-    fn sample(&self, name: &str, size: &str) -> PathBuf {
-        let p = self.path(name);
-        self.ok(&["sample", p.to_str().unwrap(), "--size", size]);
-        p
-    }
-    /// A copy of snapshot `from` with `k` blocks rewritten (`sample --mutate` works in place).
+impl PushWork for Work {
     fn mutated(&self, from: &Path, name: &str, size: &str, k: u32) -> PathBuf {
         let p = self.path(name);
         let r = run(std::process::Command::new("cp").args(["-a", "--sparse=always"]).arg(from).arg(&p));
@@ -58,7 +36,6 @@ impl Work {
         self.ok(&["sample", p.to_str().unwrap(), "--size", size, "--mutate", &k.to_string()]);
         p
     }
-    /// Push with `--json`; the report.
     fn push(&self, src: &str, dest: &str, extra: &[&str]) -> serde_json::Value {
         let mut args = vec!["push", src, dest, "--json"];
         args.extend_from_slice(extra);

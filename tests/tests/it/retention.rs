@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use snapctl_tests::registry_support::Serve;
-use snapctl_tests::{run, snapctl, Run};
+use snapctl_tests::{run, snapctl, Run, Work};
 
 fn ok(cmd: &mut std::process::Command) -> Run {
     let r = run(cmd);
@@ -15,28 +15,17 @@ fn ok(cmd: &mut std::process::Command) -> Run {
     r
 }
 
-/// A work directory with its own cache and docker config.
-struct Work {
-    dir: tempfile::TempDir,
+/// Steps of these tests beside [`Work`]'s own.
+trait RetentionWork {
+    /// A sample snapshot at `name` (seeded), 4 MiB.
+    fn seeded(&self, name: &str, seed: &str) -> PathBuf;
+    fn push(&self, dir: &Path, dest: &str) -> String;
+    fn gc(&self, storage: &Path, extra: &[&str]) -> Value;
 }
 
-impl Work {
-    fn new() -> Work {
-        Work { dir: tempfile::tempdir().unwrap() }
-    }
-    fn path(&self, p: &str) -> PathBuf {
-        self.dir.path().join(p)
-    }
-    fn cmd(&self) -> std::process::Command {
-        let mut c = snapctl();
-        c.env("SNAPCTL_CACHE", self.path("cache")).env("DOCKER_CONFIG", self.path("docker"));
-        c
-    }
-    /// A sample snapshot at `name` (seeded), 4 MiB.
-    fn sample(&self, name: &str, seed: &str) -> PathBuf {
-        let p = self.path(name);
-        ok(self.cmd().arg("sample").arg(&p).args(["--size", "4MiB", "--seed", seed]));
-        p
+impl RetentionWork for Work {
+    fn seeded(&self, name: &str, seed: &str) -> PathBuf {
+        self.sample_with(name, "4MiB", &["--seed", seed])
     }
     fn push(&self, dir: &Path, dest: &str) -> String {
         ok(self.cmd().arg("push").arg(dir).arg(dest)).stdout.trim().to_owned()
@@ -59,8 +48,8 @@ fn regression_issue_22_gc_collects_the_snapshot_a_repushed_tag_left_behind() {
     let w = Work::new();
     let storage = w.path("store");
     let s = Serve::start(storage.to_str().unwrap(), &[], &[]);
-    let a = w.sample("a", "1");
-    let b = w.sample("b", "2");
+    let a = w.seeded("a", "1");
+    let b = w.seeded("b", "2");
     let first = w.push(&a, &format!("{}/vm:latest", s.addr));
     let second = w.push(&b, &format!("{}/vm:latest", s.addr));
     assert_ne!(first, second);
@@ -83,9 +72,9 @@ fn regression_issue_22_keep_rules_and_gc_dry_run_json_per_manifest() {
     let w = Work::new();
     let storage = w.path("store");
     let s = Serve::start(storage.to_str().unwrap(), &[], &[]);
-    let a = w.sample("a", "1");
-    let b = w.sample("b", "2");
-    let c = w.sample("c", "3");
+    let a = w.seeded("a", "1");
+    let b = w.seeded("b", "2");
+    let c = w.seeded("c", "3");
     let old = w.push(&a, &format!("{}/vm:latest", s.addr));
     let latest = w.push(&b, &format!("{}/vm:latest", s.addr));
     let pinned = w.push(&c, &format!("{}/vm:pinned", s.addr));
@@ -168,9 +157,9 @@ keep_tags = [{{ patterns = ["dev-.*"], most_recently_pushed_count = 1 }}, {{ pat
     let mut child = cmd.spawn().unwrap();
     snapctl_tests::registry_support::wait_for_port(port, &mut child, "snapctl serve --config");
     let addr = format!("127.0.0.1:{port}");
-    let a = w.sample("a", "1");
-    let b = w.sample("b", "2");
-    let c = w.sample("c", "3");
+    let a = w.seeded("a", "1");
+    let b = w.seeded("b", "2");
+    let c = w.seeded("c", "3");
     let old = w.push(&a, &format!("{addr}/dev/vm:dev-1"));
     let new = w.push(&b, &format!("{addr}/dev/vm:dev-2"));
     let kept = w.push(&c, &format!("{addr}/dev/vm:keep"));
@@ -244,8 +233,8 @@ fn pulled_within_keeps_what_was_pulled(storage: &str, env: &[(&str, &str)], on_d
     let w = Work::new();
     let cfg = pulled_within_config(&w, storage);
     let mut s = Serve::start(storage, &["--config", cfg.to_str().unwrap()], env);
-    let a = w.sample("a", "1");
-    let b = w.sample("b", "2");
+    let a = w.seeded("a", "1");
+    let b = w.seeded("b", "2");
     let pulled = w.push(&a, &format!("{}/vm:pulled", s.addr));
     let idle = w.push(&b, &format!("{}/vm:idle", s.addr));
     let r =
@@ -311,7 +300,7 @@ fn regression_issue_22_a_referrer_dies_with_its_subject_and_leaves_the_listing()
     let w = Work::new();
     let storage = w.path("store");
     let s = Serve::start(storage.to_str().unwrap(), &[], &[]);
-    let a = w.sample("a", "1");
+    let a = w.seeded("a", "1");
     let subject = w.push(&a, &format!("{}/vm:v1", s.addr));
     let c = reqwest::blocking::Client::new();
     let put_blob = |data: &[u8]| -> String {
@@ -436,11 +425,11 @@ fn regression_issue_39_only_restores_count_as_pulls() {
     let mut s = Serve::start(storage.to_str().unwrap(), &["--config", cfg.to_str().unwrap()], &[]);
     let r = |tag: &str| format!("{}/vm:{tag}", s.addr);
     for (dir, seed, tag) in [("a", "1", "pulled"), ("b", "2", "inspected"), ("c", "3", "parent"), ("e", "5", "foreign")] {
-        let p = w.sample(dir, seed);
+        let p = w.seeded(dir, seed);
         w.push(&p, &r(tag));
     }
     // The parent is resolved by its tag: a read, not a restore.
-    let d = w.sample("d", "4");
+    let d = w.seeded("d", "4");
     ok(w.cmd().arg("push").arg(&d).arg(r("child")).args(["--parent", &r("parent")]));
     ok(w.cmd().args(["pull", &r("pulled")]).arg(w.path("restored")));
     ok(w.cmd().args(["inspect", &r("inspected")]));

@@ -2,56 +2,31 @@
 //! `serve --check-config`, against `snapctl serve`, an OCI layout and docker-registry; and
 //! the rough edges met on the way (a missing repository, a new store's log, short help).
 
-use std::path::PathBuf;
 use std::process::Command;
 
-use snapctl_tests::registry_support::{layout_manifest_digest, Distribution, Serve};
-use snapctl_tests::{run, snapctl, Run};
+use snapctl_tests::registry_support::{layout_manifest_digest, Distribution};
+use snapctl_tests::{run, Run, Work};
 
 const PASSWORD: &str = "issue-39";
 
-/// A scratch area with its own cache, Docker config and home.
-struct Work {
-    dir: tempfile::TempDir,
+/// A work area that is also the commands' home and working directory, its commands
+/// having the cosign key's password.
+fn work() -> Work {
+    Work::new().at_home().with_env("COSIGN_PASSWORD", PASSWORD)
 }
 
-impl Work {
-    fn new() -> Work {
-        Work { dir: tempfile::tempdir().unwrap() }
-    }
-    fn path(&self, p: &str) -> PathBuf {
-        self.dir.path().join(p)
-    }
-    fn s(&self, p: &str) -> String {
-        self.path(p).to_str().unwrap().to_string()
-    }
-    fn cmd(&self) -> Command {
-        let mut c = snapctl();
-        c.env("SNAPCTL_CACHE", self.path("cache"))
-            .env("DOCKER_CONFIG", self.path("docker"))
-            .env("HOME", self.dir.path())
-            .env("COSIGN_PASSWORD", PASSWORD)
-            .current_dir(self.dir.path());
-        c
-    }
-    fn run(&self, args: &[&str]) -> Run {
-        run(self.cmd().args(args))
-    }
-    fn ok(&self, args: &[&str]) -> Run {
-        let r = self.run(args);
-        assert_eq!(r.code, 0, "snapctl {args:?}: {r:?}");
-        r
-    }
-    /// A `snapctl serve` storing into a new directory here.
-    fn serve(&self, dir: &str) -> Serve {
-        std::fs::create_dir_all(self.path(dir)).unwrap();
-        Serve::start(&self.s(dir), &[], &[])
-    }
+/// Steps of these tests beside [`Work`]'s own.
+trait VerbsWork {
     /// A sample snapshot of 1 MiB in `dir` (seeded by `seed`).
-    fn sample(&self, dir: &str, seed: u64) {
-        self.ok(&["sample", &self.s(dir), "--size", "1MiB", "--seed", &seed.to_string()]);
-    }
+    fn seeded(&self, dir: &str, seed: u64);
     /// `snapctl push DIR REF [--parent P]`: the manifest digest.
+    fn push(&self, dir: &str, reference: &str, parent: Option<&str>) -> String;
+}
+
+impl VerbsWork for Work {
+    fn seeded(&self, dir: &str, seed: u64) {
+        self.sample_with(dir, "1MiB", &["--seed", &seed.to_string()]);
+    }
     fn push(&self, dir: &str, reference: &str, parent: Option<&str>) -> String {
         let mut args = vec!["push", &self.s(dir), reference, "--json", "--chunk-size", "64KiB"].into_iter().map(str::to_string).collect::<Vec<_>>();
         if let Some(p) = parent {
@@ -79,9 +54,9 @@ fn registry_digest(addr: &str, repo: &str, reference: &str) -> Option<String> {
 
 #[test]
 fn regression_issue_39_tag_names_the_same_manifest_and_moves_no_blob() {
-    let w = Work::new();
-    let serve = w.serve("store");
-    w.sample("snap", 1);
+    let w = work();
+    let serve = w.serve("store", &[]);
+    w.seeded("snap", 1);
     let v1 = w.push("snap", &format!("{}/vm/base:v1", serve.addr), None);
     let blobs_before = serve.log_text().matches("/blobs/").count();
     let r = w.ok(&["tag", &format!("{}/vm/base:v1", serve.addr), "stable"]);
@@ -103,9 +78,9 @@ fn regression_issue_39_tag_names_the_same_manifest_and_moves_no_blob() {
 
 #[test]
 fn regression_issue_39_ls_lists_repositories_and_tags_with_what_they_name() {
-    let w = Work::new();
-    let serve = w.serve("store");
-    w.sample("snap", 1);
+    let w = work();
+    let serve = w.serve("store", &[]);
+    w.seeded("snap", 1);
     let v1 = w.push("snap", &format!("{}/vm/a:v1", serve.addr), None);
     w.push("snap", &format!("{}/vm/b:v1", serve.addr), None);
     w.ok(&["key", "generate", "--output-key-prefix", &w.s("k")]);
@@ -153,9 +128,9 @@ fn regression_issue_39_ls_lists_repositories_and_tags_with_what_they_name() {
 
 #[test]
 fn regression_issue_39_delete_a_tag_or_a_manifest_not_a_parent_unless_forced() {
-    let w = Work::new();
-    let serve = w.serve("store");
-    w.sample("snap", 1);
+    let w = work();
+    let serve = w.serve("store", &[]);
+    w.seeded("snap", 1);
     let repo = format!("{}/vm/chain", serve.addr);
     let base = w.push("snap", &format!("{repo}:v1"), None);
     std::fs::write(w.path("snap").join("extra"), b"a change").unwrap();
@@ -182,7 +157,7 @@ fn regression_issue_39_delete_a_tag_or_a_manifest_not_a_parent_unless_forced() {
 
     // A layout: the same refusal, then the manifest and its tags go.
     let l = w.path("l");
-    w.sample("snap2", 2);
+    w.seeded("snap2", 2);
     let lref = |s: &str| format!("oci:{}{s}", l.display());
     w.ok(&["pack", &w.s("snap2"), &lref(":v1")]);
     std::fs::write(w.path("snap2").join("extra"), b"a change").unwrap();
@@ -198,9 +173,9 @@ fn regression_issue_39_delete_a_tag_or_a_manifest_not_a_parent_unless_forced() {
 
 #[test]
 fn regression_issue_39_delete_says_when_a_registry_refuses_deletes() {
-    let w = Work::new();
-    let serve = w.serve("store");
-    w.sample("snap", 1);
+    let w = work();
+    let serve = w.serve("store", &[]);
+    w.seeded("snap", 1);
     let d = w.push("snap", &format!("{}/vm/x:v1", serve.addr), None);
     let refusing = Distribution::start_without_delete(&w.path("nodel"));
     w.ok(&["copy", &format!("{}/vm/x:v1", serve.addr), &format!("{}/vm/x:v1", refusing.addr)]);
@@ -216,7 +191,7 @@ fn regression_issue_39_delete_says_when_a_registry_refuses_deletes() {
 
 #[test]
 fn regression_issue_39_serve_check_config_prints_the_settings_or_the_error() {
-    let w = Work::new();
+    let w = work();
     let good = w.path("good.toml");
     std::fs::write(&good, "listen = \"127.0.0.1:1\"\nupload_ttl = \"1h\"\n[gc]\ninterval = \"12h\"\n").unwrap();
     let r = w.run(&["serve", "--check-config", good.to_str().unwrap()]);
@@ -244,9 +219,9 @@ fn regression_issue_39_serve_check_config_prints_the_settings_or_the_error() {
 
 #[test]
 fn regression_issue_39_a_missing_repository_is_not_a_missing_tag() {
-    let w = Work::new();
-    let serve = w.serve("store");
-    w.sample("snap", 1);
+    let w = work();
+    let serve = w.serve("store", &[]);
+    w.seeded("snap", 1);
     w.push("snap", &format!("{}/vm/here:v1", serve.addr), None);
     let r = w.run(&["inspect", &format!("{}/vm/gone:v1", serve.addr)]);
     assert_eq!(r.code, 2, "{r:?}");
@@ -262,8 +237,8 @@ fn regression_issue_39_a_missing_repository_is_not_a_missing_tag() {
 
 #[test]
 fn regression_issue_39_a_new_store_does_not_log_an_old_stores_indexing() {
-    let w = Work::new();
-    let serve = w.serve("fresh");
+    let w = work();
+    let serve = w.serve("fresh", &[]);
     let c = reqwest::blocking::get(serve.url("/v2/_catalog")).unwrap();
     assert_eq!(c.status(), 200);
     // The indexing runs at start; a second request after it has had its turn.
@@ -275,7 +250,7 @@ fn regression_issue_39_a_new_store_does_not_log_an_old_stores_indexing() {
 
 #[test]
 fn regression_issue_39_short_help_is_short() {
-    let w = Work::new();
+    let w = work();
     for cmd in ["push", "pull", "copy", "serve", "lazy"] {
         let short = w.ok(&[cmd, "-h"]).stdout;
         let long = w.ok(&[cmd, "--help"]).stdout;
@@ -324,8 +299,8 @@ fn bar_frames(text: &str) -> Vec<(f64, f64)> {
 #[test]
 fn regression_issue_39_pull_progress_counts_data_to_fetch_not_zeros() {
     use snapctl_tests::netem::{Netem, NetemConfig};
-    let w = Work::new();
-    let serve = w.serve("store");
+    let w = work();
+    let serve = w.serve("store", &[]);
     w.ok(&["sample", &w.s("snap"), "--size", "64MiB", "--zero-fraction", "0.5"]);
     w.push("snap", &format!("{}/vm/p:v1", serve.addr), None);
     let net = Netem::start(serve.addr.as_str(), NetemConfig::new(std::time::Duration::from_millis(2)).rate(200_000_000)).unwrap();
@@ -354,7 +329,7 @@ fn regression_issue_39_pull_progress_counts_data_to_fetch_not_zeros() {
 
 #[test]
 fn regression_issue_39_man_pages_have_environment_and_files() {
-    let w = Work::new();
+    let w = work();
     let man = w.ok(&["man"]).stdout;
     for want in [".SH ENVIRONMENT", ".SH FILES", "SNAPCTL_CACHE", "DOCKER_CONFIG", "config.json"] {
         assert!(man.contains(want), "{want} missing");
@@ -363,9 +338,9 @@ fn regression_issue_39_man_pages_have_environment_and_files() {
 
 #[test]
 fn regression_issue_39_gc_logs_one_set_of_keys() {
-    let w = Work::new();
-    let serve = w.serve("store");
-    w.sample("snap", 1);
+    let w = work();
+    let serve = w.serve("store", &[]);
+    w.seeded("snap", 1);
     w.push("snap", &format!("{}/vm/g:v1", serve.addr), None);
     w.ok(&["delete", &format!("{}/vm/g:v1", serve.addr)]);
     let r = run(w.cmd().args(["gc", "--storage", &w.s("store"), "--grace", "0", "--dry-run"]).env("SNAPCTL_LOG", "debug"));
