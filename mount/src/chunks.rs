@@ -516,19 +516,21 @@ impl Fetcher {
             return g.clone().expect("set");
         }
         let (outcome, fetched) = self.load(file, chunk, need);
+        if let (Ok(c), Need::Read) = (&outcome, need) {
+            self.recent.lock().expect("poisoned").insert(rec.digest, c.clone());
+        }
+        // Waiters get the chunk before it is queued for the cache: the fill's put may wait
+        // for the disk, a reader joined to its flight must not.
+        *flight.done.lock().expect("poisoned") = Some(outcome.clone());
+        flight.cv.notify_all();
+        self.inflight.lock().expect("poisoned").remove(&rec.digest);
         if let Ok(c) = &outcome {
-            if need == Need::Read {
-                self.recent.lock().expect("poisoned").insert(rec.digest, c.clone());
-            }
             if fetched {
                 self.queue_put(rec.digest, c, need);
             } else {
                 self.counters.cache_hits.fetch_add(1, Relaxed);
             }
         }
-        *flight.done.lock().expect("poisoned") = Some(outcome.clone());
-        flight.cv.notify_all();
-        self.inflight.lock().expect("poisoned").remove(&rec.digest);
         outcome
     }
 }
