@@ -5,11 +5,14 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use imgfmt::OciDigest;
 use reqwest::{Client, StatusCode};
 use serde_json::json;
 
 use super::tests::TestServer;
 use super::*;
+use crate::layout;
+use crate::name::RepoName;
 
 /// Distribution's catalog order: lexical by path component (`a`, `a/b`, `a-b`).
 fn catalog_order(a: &str, b: &str) -> std::cmp::Ordering {

@@ -6,7 +6,13 @@ use std::sync::Arc;
 use reqwest::{Client, StatusCode};
 use serde_json::json;
 
+use axum::http::{header, HeaderMap, Uri};
+use imgfmt::OciDigest;
+
 use super::*;
+use crate::error::Code;
+use crate::layout;
+use crate::name::RepoName;
 use crate::store::FsStore;
 
 pub(crate) struct TestServer {

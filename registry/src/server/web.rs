@@ -34,7 +34,8 @@ use axum::response::{IntoResponse, Response};
 use imgfmt::size::human;
 use imgfmt::OciDigest;
 
-use super::{param, query, Server};
+use super::wire::{client_ip, param, query, Client};
+use super::Server;
 use crate::auth::{Action, Identity};
 use crate::catalog::Readable;
 use crate::layout;
@@ -109,8 +110,8 @@ pub(super) async fn root() -> Response {
 }
 
 /// `/ui/` and below.
-pub(super) async fn ui(State(s): State<Arc<Server>>, client: super::Client, uri: Uri, headers: HeaderMap) -> Response {
-    match serve(&s, &uri, &headers, super::client_ip(client)).await {
+pub(super) async fn ui(State(s): State<Arc<Server>>, client: Client, uri: Uri, headers: HeaderMap) -> Response {
+    match serve(&s, &uri, &headers, client_ip(client)).await {
         Ok(r) => r,
         Err(e) => e,
     }
