@@ -7,6 +7,10 @@
 #                                            1 Gbit/s, window link, 5 runs
 #   Options: --size SIZE  --rtts "20 50" (ms)  --rate 1gbit  --runs N
 #            --links "window deep"  (netem_proxy's --link)  --tag NAME
+#            --read-all: each run also reads every file whole through a cold mount with
+#            the defaults (a fresh chunk cache; from `snapctl mount` to `snapctl umount`
+#            answered) against `snapctl pull` of the image through the same proxy (a
+#            fresh cache), interleaved; goal: the mount within 1.1x the pull
 #
 # Per run, through a fresh proxy: first the peer, what one page costs on a connection
 # already open (`curl` reading 4 KiB of the largest pack twice on one connection, the
@@ -23,7 +27,7 @@ trap 'echo "mount-wake.sh: line $LINENO failed: $BASH_COMMAND" >&2' ERR
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ARGV=("$@")
-SIZE=1GiB RTTS="2 20 50" RATE=1gbit RUNS=5 TAG="" LINKS=window
+SIZE=1GiB RTTS="2 20 50" RATE=1gbit RUNS=5 TAG="" LINKS=window READ_ALL=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --size) SIZE=$2; shift ;;
@@ -32,6 +36,7 @@ while [ $# -gt 0 ]; do
     --runs) RUNS=$2; shift ;;
     --tag) TAG=$2; shift ;;
     --links) LINKS=$2; shift ;;
+    --read-all) READ_ALL=1 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "mount-wake.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -117,6 +122,38 @@ p.wait(timeout=60)
 print(json.dumps({"shown_ms": (shown - t0) * 1e3, "first_read_ms": (t2 - t1) * 1e3, "right": right}))
 PY
 )
+      if [ "$READ_ALL" = 1 ]; then
+        all=$(python3 - "$SNAPCTL" "$addr/bench/vm:v1" "$W/d" "$W" <<'PY'
+import json, os, shutil, subprocess, sys, time
+sn, ref, d, w = sys.argv[1:5]
+for x in ("cache-m", "cache-p", "pulled"):
+    shutil.rmtree(f"{w}/{x}", ignore_errors=True)
+subprocess.run(["sync"])
+t0 = time.time()
+subprocess.run([sn, "pull", ref, f"{w}/pulled", "--cache", f"{w}/cache-p"], check=True, capture_output=True)
+pull = time.time() - t0
+subprocess.run(["sync"])
+logp = f"{w}/mount-all.log"
+t0 = time.time()
+p = subprocess.Popen([sn, "mount", ref, d, "--cache", f"{w}/cache-m"], stdout=subprocess.DEVNULL, stderr=open(logp, "w"))
+while "shown in" not in open(logp).read():
+    if p.poll() is not None or time.time() - t0 > 120:
+        sys.exit(f"mount failed: {open(logp).read()}")
+    time.sleep(0.002)
+n = 0
+for root, _, files in os.walk(d):
+    for fn in files:
+        with open(os.path.join(root, fn), "rb", buffering=0) as f:
+            while b := f.read(1 << 20):
+                n += len(b)
+subprocess.run([sn, "umount", "--wait", d], check=True, capture_output=True)
+mount = time.time() - t0
+p.wait(timeout=120)
+print(json.dumps({"pull_s": pull, "mount_read_all_s": mount, "bytes": n}))
+PY
+)
+        rec=$(jq -c --argjson a "$all" '. + $a' <<<"$rec")
+      fi
       kill "$np"; wait "$np" 2>/dev/null || true
       [ "$(jq .right <<<"$rec")" = true ] || { echo "mount-wake.sh: wrong bytes" >&2; exit 1; }
       jq -c --argjson rtt "$rtt" --arg link "$link" --argjson run "$run" --argjson page "$page" --argjson one "$page_ms" --argjson load "$(cut -d' ' -f1 /proc/loadavg)" \
@@ -146,6 +183,17 @@ for rtt, link in dict.fromkeys((r["rtt_ms"], r["link"]) for r in runs):
     first, f = m("first_read_ms")
     one, o = m("warm_page_ms")
     print(f"| {rtt} | {link} | {shown} | {first} | {one} | {rtt + o:.1f} | {'yes' if f <= rtt + o else '**no**'} |")
+if all("pull_s" in r for r in runs):
+    print()
+    print("| RTT ms | link | pull s | mount + read all + umount s | ratio (median of runs) | within 1.1x? |")
+    print("|---:|---|---:|---:|---:|---|")
+    for rtt, link in dict.fromkeys((r["rtt_ms"], r["link"]) for r in runs):
+        rs = [r for r in runs if r["rtt_ms"] == rtt and r["link"] == link]
+        p = [r["pull_s"] for r in rs]
+        m = [r["mount_read_all_s"] for r in rs]
+        ratio = statistics.median(b / a for a, b in zip(p, m))
+        f = lambda xs: f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+        print(f"| {rtt} | {link} | {f(p)} | {f(m)} | {ratio:.2f} | {'yes' if ratio <= 1.1 else '**no**'} |")
 PY
 echo
 echo "Every run: \`bench/results/$NAME.jsonl\`."

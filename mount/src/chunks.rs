@@ -12,7 +12,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 
 use imgfmt::{BlobSource, ChunkDigest, HashAlgo, Image, RetryPolicy, StoredAt};
 use lazy::pacing::{Background, Class, Kind};
@@ -158,6 +158,8 @@ type PutItem = (HashAlgo, ChunkDigest, Arc<VerifiedChunk>);
 const PUT_QUEUE: usize = 64;
 /// Fill requests in flight at most (the pacing window's bound, in chunks).
 pub const FILL_JOBS: usize = 8;
+/// Chunks fetched ahead of a reader that reads a file in order, at most.
+const READ_AHEAD: u64 = 8;
 /// A read of at most this many bytes of a chunk nobody asked for before fetches only its
 /// slices from the source (one range request); a later miss in the chunk fetches it whole.
 const SOURCE_SLICE_MAX: u64 = 16 << 10;
@@ -180,6 +182,11 @@ pub struct Fetcher {
     /// background"): readers' fetches count against its window, their slice fetches time
     /// the queueing delay.
     pacer: Arc<Background>,
+    /// Per file, the chunk a reader read last: a read of the next one reads ahead.
+    last_read: Mutex<HashMap<usize, u64>>,
+    /// Read-ahead fetches running.
+    ahead: AtomicU64,
+    me: Weak<Fetcher>,
     counters: FetchCounters,
     /// The image's chunks, pinned in the chunk cache for as long as the image is presented:
     /// the kernel may drop its page cache and read again at any time.
@@ -200,7 +207,7 @@ impl Fetcher {
     /// `memory_bytes` of recently used chunks are kept in memory (the page cache keeps
     /// what readers read; this serves the rest of a chunk a read fetched for part of it).
     /// The image's outboards are read here, before it is shown.
-    pub fn new(image: Arc<Image>, src: Arc<dyn BlobSource>, store: Option<Arc<ChunkCache>>, policy: RetryPolicy, memory_bytes: u64) -> Fetcher {
+    pub fn new(image: Arc<Image>, src: Arc<dyn BlobSource>, store: Option<Arc<ChunkCache>>, policy: RetryPolicy, memory_bytes: u64) -> Arc<Fetcher> {
         let (puts, putter) = match &store {
             Some(st) => {
                 let (tx, rx) = sync_channel::<PutItem>(PUT_QUEUE);
@@ -238,7 +245,7 @@ impl Fetcher {
         });
         load_outboards(&image, src.as_ref());
         let pacer = Background::new(1 << image.chunk_shift(), FILL_JOBS);
-        Fetcher {
+        Arc::new_cyclic(|me| Fetcher {
             image,
             src,
             store,
@@ -250,9 +257,12 @@ impl Fetcher {
             refused: Mutex::new(HashSet::new()),
             sliced: Mutex::new(HashSet::new()),
             pacer,
+            last_read: Mutex::new(HashMap::new()),
+            ahead: AtomicU64::new(0),
+            me: me.clone(),
             counters: FetchCounters::default(),
             _pin,
-        }
+        })
     }
 
     fn failure_at(&self, file: usize, chunk: u64) -> (String, u64) {
@@ -341,6 +351,9 @@ impl ChunkSource for Fetcher {
 
     fn chunk(&self, file: usize, chunk: u64, need: Need) -> Result<ChunkBytes, ChunkFailure> {
         let rec = self.image.files[file].chunks[chunk as usize];
+        if need == Need::Read {
+            self.read_ahead(file, chunk);
+        }
         if rec.at == StoredAt::Zero {
             return verify::check_zero_record(&self.image, file, chunk).map(|()| ChunkBytes::Zeros(rec.len)).map_err(|e| {
                 let (file, offset) = self.failure_at(file, chunk);
@@ -409,6 +422,43 @@ fn load_outboards(image: &Image, src: &dyn BlobSource) {
 }
 
 impl Fetcher {
+    /// A reader reading a file in order (chunk `chunk` follows the one it read last, zero
+    /// chunks included) gets the next [`READ_AHEAD`] stored chunks fetched beside it, each on a thread of its own
+    /// as a reader's fetch (verified, into recent memory and the cache, counted against the
+    /// fill's window), so it waits about one round trip per [`READ_AHEAD`] chunks rather
+    /// than one per chunk.
+    fn read_ahead(&self, file: usize, chunk: u64) {
+        let prev = self.last_read.lock().expect("poisoned").insert(file, chunk);
+        if prev.is_none_or(|p| p + 1 != chunk) {
+            return;
+        }
+        let chunks = &self.image.files[file].chunks;
+        // The next READ_AHEAD stored chunks (zero chunks cost nothing to read).
+        let next = (chunk + 1..chunks.len() as u64).filter(|&c| chunks[c as usize].at != StoredAt::Zero).take(READ_AHEAD as usize);
+        for c in next {
+            let d = chunks[c as usize].digest;
+            let have = self.recent.lock().expect("poisoned").map.contains_key(&d) || self.inflight.lock().expect("poisoned").contains_key(&d);
+            if have {
+                continue;
+            }
+            if self.ahead.fetch_add(1, Relaxed) >= READ_AHEAD {
+                self.ahead.fetch_sub(1, Relaxed);
+                return;
+            }
+            let me = self.me.clone();
+            let spawned = std::thread::Builder::new().name("mount-readahead".into()).spawn(move || {
+                if let Some(f) = me.upgrade() {
+                    // A failure is the reader's to meet (and log) when it reads the chunk.
+                    let _ = f.stored(file, c, Need::Read);
+                    f.ahead.fetch_sub(1, Relaxed);
+                }
+            });
+            if spawned.is_err() {
+                self.ahead.fetch_sub(1, Relaxed);
+            }
+        }
+    }
+
     /// Copy bytes `within ..` of a stored chunk into `out` from its slices, each checked
     /// against the chunk's outboard entry (merged to its digest first): from the chunk
     /// cache, else, for a read of at most [`SOURCE_SLICE_MAX`] in a chunk no read fetched
@@ -565,7 +615,7 @@ mod tests {
         (Arc::new(layout), Arc::new(image), data)
     }
 
-    fn fetcher(layout: &Arc<OciLayout>, image: &Arc<Image>, cache: Option<Arc<ChunkCache>>) -> Fetcher {
+    fn fetcher(layout: &Arc<OciLayout>, image: &Arc<Image>, cache: Option<Arc<ChunkCache>>) -> Arc<Fetcher> {
         let f = Fetcher::new(image.clone(), layout.clone(), cache, RetryPolicy::never(), 64 << 20);
         let deadline = Instant::now() + Duration::from_secs(30);
         while image.slice_cvs(0, 0).is_none() {
@@ -606,8 +656,25 @@ mod tests {
         assert_eq!(read(&f, MIB + 300_000, 4096).unwrap(), data[MIB + 300_000..MIB + 304_096]);
         assert_eq!((count(&c.fetched_slice_reads), count(&c.fetched_chunks)), (1, 1));
         // A read larger than a few slices takes the chunk whole at once.
-        assert_eq!(read(&f, 2 * MIB + 8192, 64 << 10).unwrap(), data[2 * MIB + 8192..2 * MIB + 8192 + (64 << 10)]);
+        assert_eq!(read(&f, 3 * MIB + 8192, 64 << 10).unwrap(), data[3 * MIB + 8192..3 * MIB + 8192 + (64 << 10)]);
         assert_eq!((count(&c.fetched_slice_reads), count(&c.fetched_chunks)), (1, 2));
+    }
+
+    #[test]
+    fn regression_issue_38_a_reader_reading_in_order_gets_the_next_chunks_fetched_ahead() {
+        let t = tempfile::tempdir().unwrap();
+        let (layout, image, data) = packed(t.path());
+        let f = fetcher(&layout, &image, None);
+        assert_eq!(read(&f, 0, MIB).unwrap(), data[..MIB]);
+        assert_eq!(count(&f.counters().fetched_chunks), 1, "one chunk read, nothing ahead yet");
+        assert_eq!(read(&f, MIB, MIB).unwrap(), data[MIB..2 * MIB]);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while count(&f.counters().fetched_chunks) < 4 {
+            assert!(Instant::now() < deadline, "chunks 2 and 3 were never fetched ahead");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(read(&f, 2 * MIB, 2 * MIB).unwrap(), data[2 * MIB..], "right bytes, from recent memory");
+        assert_eq!(count(&f.counters().fetched_chunks), 4, "each chunk fetched once");
     }
 
     #[test]

@@ -132,7 +132,7 @@ mod tests {
         let served = Arc::new(Served {
             name: "img".into(),
             reference: "img".into(),
-            chunks: Arc::new(Fetcher::new(image.clone(), src, Some(cache.clone()), RetryPolicy::never(), 64 << 20)),
+            chunks: Fetcher::new(image.clone(), src, Some(cache.clone()), RetryPolicy::never(), 64 << 20),
             base: None,
             counters: Default::default(),
             added: Instant::now(),

@@ -183,7 +183,7 @@ impl Host {
         let dir = target::check_dir(dir)?;
         let name = o.image.manifest_digest.to_string();
         let fetcher = |image: &Arc<Image>| -> Arc<dyn crate::ChunkSource> {
-            Arc::new(Fetcher::new(image.clone(), o.source.clone(), self.store.clone(), self.opts.retry, self.opts.memory_bytes))
+            Fetcher::new(image.clone(), o.source.clone(), self.store.clone(), self.opts.retry, self.opts.memory_bytes)
         };
         let existing = self.shared.tree().image(&name).cloned();
         let served = match existing {

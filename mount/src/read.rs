@@ -177,7 +177,7 @@ mod tests {
         pusher::pack(&clone_dir, &layout, "clone", &pusher::PackOptions { base: Some(base), ..Default::default() }).unwrap();
 
         let src: Arc<dyn BlobSource> = Arc::new(OciLayout::open(t.path().join("l")).unwrap());
-        let fetcher = |i: Image| -> Arc<dyn ChunkSource> { Arc::new(Fetcher::new(Arc::new(i), src.clone(), None, RetryPolicy::never(), 64 << 20)) };
+        let fetcher = |i: Image| -> Arc<dyn ChunkSource> { Fetcher::new(Arc::new(i), src.clone(), None, RetryPolicy::never(), 64 << 20) };
         let served = Served {
             name: "clone".into(),
             reference: "clone".into(),
