@@ -1,7 +1,7 @@
 //! `snapctl cache`: what snapctl keeps on this host under the cache directory, and
 //! pruning it; the budget flag every command that adds to it takes.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -82,14 +82,6 @@ pub struct Budget {
     /// state, known blobs); least recently used entries are evicted.
     #[arg(long = "cache-size", value_name = "SIZE", value_parser = parse_size, default_value = "10GiB", env = "SNAPCTL_CACHE_SIZE", global = true)]
     pub cache_size: u64,
-}
-
-/// Bring the cache directory within `limit` after a command that added to it. Failing
-/// to is a warning: the command itself succeeded.
-pub fn keep_within_budget(dir: &Path, limit: u64) {
-    if let Err(e) = ChunkCache::open(dir, limit) {
-        eprintln!("warning: keeping the cache directory {} within {}: {e}", dir.display(), imgfmt::size::human(limit));
-    }
 }
 
 pub fn run(a: CacheArgs) -> anyhow::Result<ExitCode> {
