@@ -369,6 +369,14 @@ struct Entry {
     held: bool,
 }
 
+/// Bring everything under the cache directory `dir` (chunks, push layouts, upload state,
+/// known blobs) within `limit_bytes`, least recently used first: what a command that added
+/// to it without keeping a [`ChunkCache`] open (a push) does before it ends. The pass
+/// [`ChunkCache::open`] makes with that bound.
+pub fn keep_within_budget(dir: &Path, limit_bytes: u64) -> Result<(), CacheError> {
+    ChunkCache::open(dir, limit_bytes).map(drop)
+}
+
 impl ChunkCache {
     /// Open (creating) a cache rooted at `dir`, bounded to `limit_bytes` of allocated space.
     /// Measures the cache, removes stray temp files of crashed writers, and evicts if the
@@ -1738,9 +1746,10 @@ mod tests {
             assert!(c.contains_unverified(HashAlgo::Blake3, &chunk(i, 64 << 10).0), "the newest entries stay");
         }
         assert!(c.stats().bytes_allocated <= limit, "{:?}", c.stats());
-        // Released, the held layout is an old entry like any other.
+        // Released, the held layout is an old entry like any other: the budget a push
+        // keeps when it ends takes it.
         drop(lock);
-        drop(ChunkCache::open(root, chunks + 2048).unwrap());
+        keep_within_budget(root, chunks + 2048).unwrap();
         assert!(!held.exists());
     }
 

@@ -16,13 +16,12 @@
 //! verified readers, and a wrong choice costs bytes, never a wrong image.
 
 use std::os::unix::fs::FileExt;
-use std::path::Path;
 
 use imgfmt::{media, BlobSource, ChunkDigest, Image, ImageConfig, Manifest, OciDigest};
 use regclient::RegistrySource;
 
-use crate::pack::{same_files_scanned, PackOptions};
-use crate::scan::{scan_dir, Scan};
+use crate::pack::{same_files_of_config, PackOptions};
+use crate::scan::DirScan;
 
 /// Tags of the repository examined at most besides the destination tag (the last ones
 /// in the registry's order: time-stamped names sort by time).
@@ -63,21 +62,21 @@ struct Candidate {
 }
 
 /// The image of `dest`'s repository (read through `source`, which may hold some of its
-/// metadata locally) that a new image of `dir` packed with `opts` is best made over;
+/// metadata locally) that a new image of the directory `scan` lists, packed with `opts`,
+/// is best made over;
 /// `tag` is the destination tag, `last_packed` the manifest the directory was packed to
 /// last (ranked first among equals), `max` how many other tags are examined. A registry
 /// that does not list its tags leaves only the destination tag.
 pub fn closest_image(
     dest: &RegistrySource,
     source: &dyn BlobSource,
-    dir: &Path,
+    scan: &DirScan,
     opts: &PackOptions,
     tag: &str,
     last_packed: Option<&OciDigest>,
     max: usize,
 ) -> Search {
     let none = |why: String| Search { chosen: None, none_because: why };
-    let Ok(scan) = scan_dir(dir) else { return none(format!("{} could not be read", dir.display())) };
     let listed = match dest.tags_up_to(MAX_LISTED) {
         Ok(t) => t.map(|t| t.tags).unwrap_or_default(),
         Err(e) => {
@@ -96,7 +95,7 @@ pub fn closest_image(
     }
     let mut found: Vec<Candidate> = Vec::new();
     for t in &names {
-        let Some(c) = same_files_candidate(source, t, &scan, opts) else { continue };
+        let Some(c) = same_files_candidate(source, t, scan, opts) else { continue };
         if !found.iter().any(|f| f.digest == c.1) {
             found.push(Candidate { tag: t.to_string(), digest: c.1.clone(), created: c.0, last_packed: Some(&c.1) == last_packed, is_dest_tag: *t == tag });
         }
@@ -107,7 +106,7 @@ pub fn closest_image(
     // The destination tag first (a push to the tag it came from), then the image the
     // directory was packed to last, then the newest.
     found.sort_by(|a, b| (b.is_dest_tag, b.last_packed, b.created, &b.tag).cmp(&(a.is_dest_tag, a.last_packed, a.created, &a.tag)));
-    let sample = sample_chunks(&scan, opts);
+    let sample = sample_chunks(scan, opts);
     let mut best: Option<(usize, &Candidate)> = None;
     for c in found.iter().take(FINALISTS) {
         let Ok(img) = Image::open(source, &c.digest) else { continue };
@@ -140,21 +139,21 @@ pub fn closest_image(
 /// The creation time and manifest of the image `tag` names, when it is a snapshot of the
 /// same files as `scan` (kind, chunking, file names); `None` for anything else (another
 /// artifact, other files, or one that cannot be read).
-fn same_files_candidate(source: &dyn BlobSource, tag: &str, scan: &Scan, opts: &PackOptions) -> Option<(Option<time::OffsetDateTime>, OciDigest)> {
+fn same_files_candidate(source: &dyn BlobSource, tag: &str, scan: &DirScan, opts: &PackOptions) -> Option<(Option<time::OffsetDateTime>, OciDigest)> {
     let digest = source.resolve_tag(tag).ok()?;
     let m = imgfmt::source::read_verified_blob(source, &digest, imgfmt::manifest::MAX_MANIFEST_BYTES).ok().and_then(|b| Manifest::decode(&b).ok())?;
     if m.config.media_type != media::CONFIG {
         return None;
     }
     let c = imgfmt::source::read_verified_blob(source, &m.config.digest, imgfmt::config::MAX_CONFIG_BYTES).ok().and_then(|b| ImageConfig::decode(&b).ok())?;
-    same_files_scanned(&c, c.files.iter().map(|f| f.name.as_str()), scan, opts).ok()?;
+    same_files_of_config(&c, c.files.iter().map(|f| f.name.as_str()), scan, opts).ok()?;
     let created = time::OffsetDateTime::parse(&c.created, &time::format_description::well_known::Rfc3339).ok();
     Some((created, digest))
 }
 
 /// Up to [`SAMPLE`] non-zero chunks of the directory, spread over its files: (file,
 /// chunk number, digest in `opts.hash`). Unreadable chunks are left out.
-fn sample_chunks(scan: &Scan, opts: &PackOptions) -> Vec<(String, u64, ChunkDigest)> {
+fn sample_chunks(scan: &DirScan, opts: &PackOptions) -> Vec<(String, u64, ChunkDigest)> {
     let shift = opts.chunk_shift;
     let counts: Vec<u64> = scan.files.iter().map(|f| imgfmt::index::chunk_count(f.size, shift)).collect();
     let total: u64 = counts.iter().sum();
@@ -208,13 +207,13 @@ mod tests {
         std::fs::write(d.path().join("vm.mem"), &mem).unwrap();
         std::fs::write(d.path().join("vm.state"), vec![0u8; 100]).unwrap();
         let opts = PackOptions { chunk_shift: 16, ..Default::default() };
-        let scan = scan_dir(d.path()).unwrap();
+        let scan = DirScan::take(d.path()).unwrap();
         let sample = sample_chunks(&scan, &opts);
         let at: Vec<(&str, u64)> = sample.iter().map(|(n, i, _)| (n.as_str(), *i)).collect();
         assert_eq!(at, [("vm.mem", 1), ("vm.mem", 3)]);
         assert_eq!(sample[0].2, verify::chunk_digest(opts.hash, &mem[chunk..2 * chunk]));
         // An empty directory has no sample, and no error.
         let e = tempfile::tempdir().unwrap();
-        assert!(sample_chunks(&scan_dir(e.path()).unwrap(), &opts).is_empty());
+        assert!(sample_chunks(&DirScan::take(e.path()).unwrap(), &opts).is_empty());
     }
 }

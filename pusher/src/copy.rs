@@ -14,7 +14,7 @@ use std::time::Instant;
 use imgfmt::manifest::MAX_MANIFEST_BYTES;
 use imgfmt::source::read_verified_blob;
 use imgfmt::{media, BlobSource, Descriptor, FormatError, Manifest, OciDigest, OciLayout};
-use regclient::{ClientError, KnownBlobs, RegistrySource, UploadOptions};
+use regclient::{ClientError, KnownBlobs, RegistrySource, UploadOptions, UploadProgress};
 use serde::Serialize;
 
 /// Where an image goes.
@@ -42,14 +42,28 @@ pub struct CopyOptions<'a> {
     /// Upload piece size and resume state location (`cache_dir`); the cache directory
     /// also holds the known-blobs record (which repositories hold which blobs).
     pub upload: UploadOptions,
-    /// Called with blob bytes as they reach the destination (or are found there).
-    pub progress: Option<&'a (dyn Fn(u64) + Sync)>,
+    /// Told how each blob goes, as it goes (`None`: nobody is told).
+    pub observer: Option<&'a dyn TransferObserver>,
 }
 
 impl Default for CopyOptions<'_> {
     fn default() -> Self {
-        CopyOptions { jobs: 4, mount_from: Vec::new(), upload: UploadOptions::default(), progress: None }
+        CopyOptions { jobs: 4, mount_from: Vec::new(), upload: UploadOptions::default(), observer: None }
     }
+}
+
+/// What a copy tells its caller of each blob, as it goes, from the threads that move them
+/// (progress bars; `push DIR`'s count of what it is to upload). Every method defaults to
+/// nothing.
+pub trait TransferObserver: Sync {
+    /// `blob` is at the destination without being sent: it was there, or was mounted.
+    fn found(&self, _blob: &Descriptor) {}
+    /// `blob` is to be sent: all of it, less what `progress` then says was
+    /// [`Skipped`](UploadProgress::Skipped), plus what it says is sent
+    /// [`Again`](UploadProgress::Again).
+    fn upload_starts(&self, _blob: &Descriptor) {}
+    /// How the sending of `blob` goes.
+    fn progress(&self, _blob: &Descriptor, _p: UploadProgress) {}
 }
 
 /// What a push or copy did (`--json`).
@@ -334,16 +348,13 @@ fn chunks_not_sent(src: &dyn BlobSource, digest: &OciDigest, results: &[(OciDige
 }
 
 fn move_blob(src: &dyn BlobSource, desc: &Descriptor, target: &Target, opts: &CopyOptions, known: &KnownMap) -> Result<Moved, CopyError> {
-    let tick = |n: u64| {
-        if let Some(p) = opts.progress {
-            p(n)
-        }
-    };
+    let quiet = Quiet;
+    let obs = opts.observer.unwrap_or(&quiet);
     let d = &desc.digest;
     match target {
         Target::Registry(r) => {
             if r.blob_exists(d)? {
-                tick(desc.size);
+                obs.found(desc);
                 return Ok(Moved::Skipped);
             }
             let mut candidates: Vec<String> = opts.mount_from.iter().filter(|f| f.as_str() != r.repository()).cloned().collect();
@@ -357,7 +368,7 @@ fn move_blob(src: &dyn BlobSource, desc: &Descriptor, target: &Target, opts: &Co
             for from in candidates.iter().take(4) {
                 match r.mount_blob(d, from) {
                     Ok(true) => {
-                        tick(desc.size);
+                        obs.found(desc);
                         return Ok(Moved::Mounted);
                     }
                     Ok(false) => declined = true,
@@ -373,23 +384,29 @@ fn move_blob(src: &dyn BlobSource, desc: &Descriptor, target: &Target, opts: &Co
             if size != desc.size {
                 return Err(CopyError::SizeMismatch { digest: d.clone(), manifest: desc.size, actual: size });
             }
-            let up = r.upload_blob(d, size, src, &opts.upload, &tick)?;
+            obs.upload_starts(desc);
+            let up = r.upload_blob(d, size, src, &opts.upload, &|p| obs.progress(desc, p))?;
             Ok(Moved::Uploaded { sent: up.bytes_sent, resumed: up.resumed_from, declined })
         }
         Target::Layout(l) => {
             if l.has_blob(d) {
-                tick(desc.size);
+                obs.found(desc);
                 return Ok(Moved::Skipped);
             }
             let size = src.blob_size(d)?;
             if size != desc.size {
                 return Err(CopyError::SizeMismatch { digest: d.clone(), manifest: desc.size, actual: size });
             }
-            write_blob(src, d, size, l, &tick)?;
+            obs.upload_starts(desc);
+            write_blob(src, d, size, l, &|n| obs.progress(desc, UploadProgress::Sent(n)))?;
             Ok(Moved::Uploaded { sent: size, resumed: 0, declined: false })
         }
     }
 }
+
+/// The observer of a copy nobody watches.
+struct Quiet;
+impl TransferObserver for Quiet {}
 
 /// Stream a blob into a layout, checking its digest before it gets its name (a mismatch
 /// leaves nothing behind: the writer's temporary file is removed when dropped).

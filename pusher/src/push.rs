@@ -4,22 +4,30 @@
 //! where blobs were pushed to or pulled from), the rest are uploaded in parallel, large
 //! ones in resumable pieces; then the manifest is PUT under the tag.
 //!
-//! `push DIR` packs the directory first, into a layout of its own under the cache
-//! directory, and sends each pack while the next is being made:
+//! `push DIR` ([`push_dir`]) works from one walk of the directory ([`DirScan`]): it packs
+//! the directory into a layout of its own under the cache directory, and sends each pack
+//! while the next is being made:
 //! ```text
-//! stamp (names, sizes, times, inodes) --same as last time--> recorded manifest, nothing read
+//! DirScan (one walk) -> no regular file? refused
+//!   |
+//!   v
+//! closest image of the repository (crate::closest) -> the parent, unless one is named
+//!   |
+//!   v
+//! stamp (the walk's names, sizes, times, inodes) --same as last time--> recorded manifest, nothing read
 //!   | changed
 //!   v
 //! pack --on_pack--> senders (up to 4 threads): each sealed pack goes up at once
-//!   |
+//!   |                 entries looked up again (no walk): unchanged? the stamp is recorded
 //!   v
 //! "previous" tag: same index and packs as last time -> that manifest (only the time differed)
 //!   |
 //!   v
 //! copy: what is not there yet (the packs sent ahead are found there), manifest PUT
 //! ```
-//! [`pack_dir`] does the first three, [`push_packed`] the last; [`push_dir`] both. The
-//! stamp is specified in `spec/transfer.md` §2.
+//! The caller's [`PushObserver`] is told each step (the parent, packing progress, the
+//! bytes to upload and uploaded); `crate::observe` keeps the count of what is to upload.
+//! The stamp is specified in `spec/transfer.md` §2.
 //!
 //! What stays on the host: the layout is held in use (a shared [`UseLock`]) from packing
 //! to the end of the push, so an eviction of the cache directory leaves it alone; once
@@ -33,11 +41,15 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use imgfmt::file::UseLock;
-use imgfmt::{media, BlobSource, FormatError, OciDigest, OciLayout};
+use imgfmt::{media, BlobSource, Descriptor, FormatError, OciDigest, OciLayout};
 use regclient::RegistrySource;
 
 use crate::copy::{copy, copy_after, send_blob, CopyError, CopyOptions, Moved, PackStep, PushReport, Target};
-use crate::pack::{pack, PackError, PackOptions, PackReport};
+use crate::observe::UploadTally;
+pub use crate::observe::{ParentNote, PushObserver, Reused};
+use crate::pack::{pack_scanned, same_files, PackError, PackOptions, PackReport, Related};
+use crate::scan::{DirScan, ScanError};
+use crate::stamp::Stamp;
 
 /// Push manifest `digest` of `src`, with all its blobs, to `dest`'s repository as `tag`.
 pub fn push(src: &dyn BlobSource, digest: &OciDigest, dest: &RegistrySource, tag: &str, opts: &CopyOptions) -> Result<PushReport, CopyError> {
@@ -45,10 +57,12 @@ pub fn push(src: &dyn BlobSource, digest: &OciDigest, dest: &RegistrySource, tag
     copy(src, digest, &Target::Registry(dest), Some(tag), opts)
 }
 
-/// Why `push DIR` could not pack. The doc comment of each variant is its message.
+/// Why `push DIR` failed. The doc comment of each variant is its message.
 #[derive(Debug, thiserror::Error, displaydoc::Display)]
 #[non_exhaustive]
 pub enum PushError {
+    /// {0}
+    Scan(#[from] ScanError),
     /// {what}
     Io { what: String, source: std::io::Error },
     /// {what}
@@ -61,61 +75,153 @@ pub enum PushError {
 
 /// How `push DIR` packs a directory.
 pub struct DirOptions<'a> {
-    /// How to pack; `on_pack` is set by [`pack_dir`] (it sends each pack ahead).
+    /// How to pack: `parent` is a parent named by the caller (`--parent`), if any;
+    /// `progress` and `on_pack` are set by [`push_dir`] (the observer is told the
+    /// progress; each pack is sent ahead).
     pub pack: PackOptions<'a>,
     /// Names the pack options (and the packer's version) in the directory's stamp: a stamp
     /// recorded under another key is not trusted. Stamps are not used with a base or a
-    /// parent, whose content can change under the same name.
+    /// named parent, whose content can change under the same name.
     pub options_key: String,
     /// The cache directory: the layout packed into and the stamp live under
     /// `push-layouts/`.
     pub cache_dir: PathBuf,
-    /// `pack.parent` is the image the destination tag holds, taken by itself (not named
-    /// with `--parent`): the directory's stamp still applies, since an unchanged directory
-    /// is pushed as the image it was last packed to, whatever the tag holds now.
-    pub parent_is_the_tags: bool,
+    /// With no parent named: the new image is made over the closest image of the
+    /// destination repository, among the destination tag and this many others
+    /// ([`crate::closest::DEFAULT_CANDIDATES`] is what `snapctl push` examines). `None`:
+    /// none is looked for (a full image).
+    pub closest: Option<usize>,
 }
 
-/// Why the image of a directory was not the one just packed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reused {
-    /// The directory's stamp equals the one recorded when it was last packed with the
-    /// same options: the recorded manifest, without reading the files.
-    Stamp,
-    /// Packed, and the index and packs equal the image pushed last from this directory
-    /// (only the creation time differed): that image's manifest.
-    Previous,
-    /// Packed as a layer over the image the tag holds, and nothing differed from it (the
-    /// same content, names, sizes and modes): that image's manifest, so the tag's chain
-    /// does not grow by an empty layer.
-    Parent,
+/// What `push DIR` did.
+#[derive(Debug, Clone)]
+pub struct PushDirReport {
+    /// The push (`--json`), its packing step included.
+    pub push: PushReport,
+    /// The manifest pushed.
+    pub manifest: OciDigest,
+    /// How packing went (`None`: not packed, [`Reused::Stamp`]).
+    pub pack: Option<PackReport>,
+    /// Whether an earlier image was pushed instead of the one just packed.
+    pub reused: Option<Reused>,
+}
+
+/// Push the directory `scan` walked to `dest` as `tag`: packed into a layout under the
+/// cache directory (made over the closest image of the repository, unless
+/// `opts` name a parent or want none), each pack sent as soon as it is sealed, then what
+/// is left and the manifest. The directory is not walked again: every step reads the
+/// files `scan` lists. `observer` is told how it goes. Once the registry has the image,
+/// the layout drops its packs.
+pub fn push_dir(
+    scan: &DirScan,
+    dest: &RegistrySource,
+    tag: &str,
+    opts: DirOptions<'_>,
+    copy: &CopyOptions,
+    observer: &dyn PushObserver,
+) -> Result<PushDirReport, PushError> {
+    let started = Instant::now();
+    imgfmt::layout::check_tag(tag).map_err(CopyError::from)?;
+    scan.require_files()?;
+    observer.scanned(scan);
+    // The metadata of the image pushed last from this directory is in its push layout:
+    // read there, not fetched again.
+    let local = LocalFirst::new(&scan.dir, &opts.cache_dir, dest);
+    let closest = match (&opts.pack.parent, opts.closest) {
+        (None, Some(max)) => closest_parent(scan, dest, &local, &opts, tag, max, observer),
+        _ => None,
+    };
+    let DirOptions { pack, options_key, cache_dir, .. } = opts;
+    let from_closest = closest.is_some();
+    let packed_bytes = |n: u64| observer.packed(n);
+    let pack = PackOptions {
+        parent: closest.or(pack.parent),
+        // The closest image's packs are in the repository pushed to already.
+        parent_packs_elsewhere: pack.parent_packs_elsewhere || from_closest,
+        progress: Some(&packed_bytes),
+        ..pack
+    };
+    let tally = UploadTally::new(observer);
+    let job = PackJob { scan, dest, pack, options_key, cache_dir, parent_is_the_tags: from_closest };
+    let packed = pack_dir(job, copy, &tally, observer)?;
+    let mut push = push_packed(&packed, dest, tag, copy, &tally)?;
+    push.seconds = started.elapsed().as_secs_f64();
+    Ok(PushDirReport { push, manifest: packed.digest, pack: packed.report, reused: packed.reused })
+}
+
+/// The closest image of `dest`'s repository ([`crate::closest`]), read through `source`,
+/// as the parent of the new image; `observer` is told which and why, or why none.
+fn closest_parent<'s>(
+    scan: &DirScan,
+    dest: &RegistrySource,
+    source: &'s dyn BlobSource,
+    opts: &DirOptions<'_>,
+    tag: &str,
+    max: usize,
+    observer: &dyn PushObserver,
+) -> Option<Related<'s>> {
+    let last = last_packed(&scan.dir, &opts.cache_dir);
+    let search = crate::closest::closest_image(dest, source, scan, &opts.pack, tag, last.as_ref(), max);
+    let Some(c) = search.chosen else {
+        observer.parent(&ParentNote::None { why: &search.none_because });
+        return None;
+    };
+    let reference = format!("{}/{}:{}", dest.host(), dest.repository(), c.tag);
+    let image = imgfmt::Image::open(source, &c.digest)
+        .map_err(|e| e.to_string())
+        .and_then(|img| same_files(&img, scan, &opts.pack).map(|()| img).map_err(|e| e.to_string()));
+    match image {
+        Ok(image) => {
+            observer.parent(&ParentNote::Taken { reference: &reference, digest: &c.digest, why: &c.why });
+            Some(Related { source, image, reference })
+        }
+        Err(why) => {
+            observer.parent(&ParentNote::NotTaken { reference: &reference, why: &why });
+            None
+        }
+    }
+}
+
+/// What [`pack_dir`] packs, and how.
+struct PackJob<'a> {
+    scan: &'a DirScan,
+    dest: &'a RegistrySource,
+    pack: PackOptions<'a>,
+    options_key: String,
+    cache_dir: PathBuf,
+    /// `pack.parent` is the closest image, taken by itself (not named): the directory's
+    /// stamp still applies, since an unchanged directory is pushed as the image it was
+    /// last packed to, whatever the repository holds now.
+    parent_is_the_tags: bool,
 }
 
 /// A directory packed for a push.
-pub struct PackedDir {
+struct PackedDir {
     /// The layout under the cache directory that holds the image.
-    pub layout: OciLayout,
+    layout: OciLayout,
     /// Its manifest.
-    pub digest: OciDigest,
+    digest: OciDigest,
     /// How packing went (`None`: not packed, [`Reused::Stamp`]).
-    pub report: Option<PackReport>,
+    report: Option<PackReport>,
     /// Whether an earlier image was used instead of the one just packed.
-    pub reused: Option<Reused>,
+    reused: Option<Reused>,
     /// The packing step for the push report.
-    pub step: PackStep,
+    step: PackStep,
     /// The packs sent while packing, and how each went.
-    pub ahead: Vec<(OciDigest, Moved)>,
+    ahead: Vec<(OciDigest, Moved)>,
     /// Held from packing to the end of the push: an eviction leaves the layout alone.
     lock: UseLock,
 }
 
-/// Pack directory `dir` for a push to `dest`, sending each pack to `dest` as soon as it
-/// is sealed, on up to 4 threads: the upload of one pack overlaps the packing of the next
-/// instead of starting when packing is over. A pack whose early send failed is left to
-/// [`push_packed`], which sends it again (resuming) and reports.
-pub fn pack_dir(dir: &Path, dest: &RegistrySource, opts: DirOptions<'_>, copy: &CopyOptions) -> Result<PackedDir, PushError> {
+/// Pack as `job` says, sending each pack to `job.dest` as soon as it is sealed, on up to
+/// 4 threads: the upload of one pack overlaps the packing of the next instead of
+/// starting when packing is over. A pack whose early send failed is left to
+/// [`push_packed`], which sends it again (resuming) and reports. `tally` counts each
+/// sealed pack, and the image's own metadata once packing is done, as bytes to upload.
+fn pack_dir(job: PackJob<'_>, copy: &CopyOptions, tally: &UploadTally<'_>, observer: &dyn PushObserver) -> Result<PackedDir, PushError> {
     let started = Instant::now();
-    let root = layout_root(dir, &opts.cache_dir)?;
+    let dest = job.dest;
+    let root = layout_root(&job.scan.dir, &job.cache_dir)?;
     let lock = hold_layout(&root)?;
     let packs = OciLayout::open_or_create(&root).map_err(|source| PushError::Format { what: format!("opening {}", root.display()), source })?;
     let copy = CopyOptions {
@@ -126,8 +232,7 @@ pub fn pack_dir(dir: &Path, dest: &RegistrySource, opts: DirOptions<'_>, copy: &
         // quarter of the push's CPU (a 2 GiB image on 2 cores: the 20:39 run of
         // bench/results/BENCHMARKS-diary-2026-11-29-to-12-01.md, "What changed").
         upload: regclient::UploadOptions { source_hashed: true, ..copy.upload.clone() },
-        // The caller's observer sees the packs' bytes go up as they are sent.
-        progress: copy.progress,
+        observer: Some(tally),
     };
     let target = Target::Registry(dest);
     // Packs this host pushed to (or pulled from) another repository of the registry are
@@ -143,18 +248,30 @@ pub fn pack_dir(dir: &Path, dest: &RegistrySource, opts: DirOptions<'_>, copy: &
             s.spawn(|| loop {
                 let next = rx.lock().expect("poisoned").recv();
                 let Ok((d, size)) = next else { return };
-                let desc = imgfmt::Descriptor::new(imgfmt::media::PACK, d.clone(), size);
+                let desc = Descriptor::new(media::PACK, d.clone(), size);
                 match send_blob(&packs, &desc, &target, &copy, &known) {
                     Ok(m) => ahead.lock().expect("poisoned").push((d, m)),
-                    Err(e) => tracing::debug!("sending pack {d} ahead: {e}"),
+                    Err(e) => {
+                        tracing::debug!("sending pack {d} ahead: {e}");
+                        tally.failed(&d);
+                    }
                 }
             });
         }
         let tx = tx;
         let send = |d: &OciDigest, size: u64| {
+            tally.expect(d, size);
             let _ = tx.send((d.clone(), size));
         };
-        pack_directory(dir, dest, opts, Some(&send))
+        let packed = pack_directory(job, Some(&send))?;
+        let (layout, digest, report, reused) = &packed;
+        if reused.is_none() {
+            for d in own_metadata(layout, digest) {
+                tally.expect(&d.digest, d.size);
+            }
+        }
+        observer.packing_done(*reused, report.as_ref());
+        Ok::<_, PushError>(packed)
         // `tx` goes here: the senders finish what is queued, then stop.
     });
     let (layout, digest, report, reused) = packed?;
@@ -169,14 +286,23 @@ pub fn pack_dir(dir: &Path, dest: &RegistrySource, opts: DirOptions<'_>, copy: &
     Ok(PackedDir { layout, digest, report, reused, step, ahead: ahead.into_inner().expect("poisoned"), lock })
 }
 
+/// The blobs of the image `digest` in `layout` that it made itself and are no pack: its
+/// config and its own index and outboard (what goes up after the packs).
+fn own_metadata(layout: &OciLayout, digest: &OciDigest) -> Vec<Descriptor> {
+    let Ok(bytes) = imgfmt::source::read_verified_blob(layout, digest, imgfmt::manifest::MAX_MANIFEST_BYTES) else { return Vec::new() };
+    let Ok(m) = imgfmt::Manifest::decode(&bytes) else { return Vec::new() };
+    let own = m.layers.into_iter().filter(|d| d.media_type != media::PACK && d.annotations.get(media::ANN_OWNER).is_some_and(|o| o == "self"));
+    std::iter::once(m.config).chain(own).collect()
+}
+
 /// Push a directory packed by [`pack_dir`] to `dest` as `tag`: what was not sent ahead
-/// goes up, then the manifest. The report includes the packing step (and its time). Once
-/// the registry has the image, the layout drops its packs ([`keep_metadata_only`]).
-pub fn push_packed(packed: &PackedDir, dest: &RegistrySource, tag: &str, opts: &CopyOptions) -> Result<PushReport, CopyError> {
-    imgfmt::layout::check_tag(tag)?;
-    let mut report = copy_after(&packed.layout, &packed.digest, &Target::Registry(dest), Some(tag), opts, &packed.ahead)?;
-    // The packs were being sent while packing: the push took both.
-    report.seconds += packed.step.seconds;
+/// goes up, then the manifest. The report includes the packing step, and the bytes of
+/// early sends that failed (sent, and sent again). Once the registry has the image, the
+/// layout drops its packs ([`keep_metadata_only`]).
+fn push_packed(packed: &PackedDir, dest: &RegistrySource, tag: &str, copy: &CopyOptions, tally: &UploadTally<'_>) -> Result<PushReport, CopyError> {
+    let opts = CopyOptions { jobs: copy.jobs, mount_from: copy.mount_from.clone(), upload: copy.upload.clone(), observer: Some(tally) };
+    let mut report = copy_after(&packed.layout, &packed.digest, &Target::Registry(dest), Some(tag), &opts, &packed.ahead)?;
+    report.bytes_sent += tally.lost();
     report.pack = Some(packed.step.clone());
     // The push is done whatever happens here: a layout that keeps its packs only holds
     // more than it needs until the next push (or an eviction).
@@ -238,13 +364,6 @@ fn hold_layout(root: &Path) -> Result<UseLock, PushError> {
 /// `push-layouts/<key>.lock` for the layout `push-layouts/<key>`.
 fn lock_path(root: &Path) -> PathBuf {
     root.with_extension("lock")
-}
-
-/// [`pack_dir`] then [`push_packed`]: `push DIR` as one call.
-pub fn push_dir(dir: &Path, dest: &RegistrySource, tag: &str, opts: DirOptions<'_>, copy: &CopyOptions) -> Result<PushReport, PushError> {
-    imgfmt::layout::check_tag(tag).map_err(CopyError::from)?;
-    let packed = pack_dir(dir, dest, opts, copy)?;
-    Ok(push_packed(&packed, dest, tag, copy)?)
 }
 
 /// Blobs from the push layout of a directory when it has them, else from the registry: an
@@ -311,7 +430,7 @@ pub fn tag_manifest(dest: &RegistrySource, tag: &str) -> Result<Option<OciDigest
 /// The manifest `dir` was last packed to by a push (its push layout's "previous": the
 /// image packed last, or the earlier one it was found equal to), if any: the image a new
 /// one of the same directory is most likely closest to.
-pub fn last_packed(dir: &Path, cache_dir: &Path) -> Option<OciDigest> {
+fn last_packed(dir: &Path, cache_dir: &Path) -> Option<OciDigest> {
     let root = layout_root(dir, cache_dir).ok()?;
     OciLayout::open(root).ok()?.resolve_tag("previous").ok()
 }
@@ -323,52 +442,43 @@ fn layout_root(dir: &Path, cache: &Path) -> Result<PathBuf, PushError> {
     Ok(cache.join("push-layouts").join(&key.hex()[..32]))
 }
 
-/// Pack a directory into a layout of its own under the cache directory (one per source
-/// path); also how it was packed (`None`: packing was skipped). When the directory's stamp (every entry's
-/// name, size, times and inode, see [`Stamp`]) equals the one recorded when it was last
-/// packed with the same options, the recorded manifest is used without reading the
-/// files. When the content is unchanged though the stamp is not (same index and packs:
-/// only the creation time would differ), the earlier manifest is used again. Either way
-/// the registry is only asked what it has and nothing is sent.
-fn pack_directory(
-    dir: &Path,
-    dest: &RegistrySource,
-    opts: DirOptions<'_>,
-    on_pack: Option<crate::OnPack<'_>>,
-) -> Result<(OciLayout, OciDigest, Option<PackReport>, Option<Reused>), PushError> {
-    let io = |what: String| move |source| PushError::Io { what, source };
-    let canon = dir.canonicalize().map_err(io(format!("resolving {}", dir.display())))?;
-    let key = OciDigest::of(canon.as_os_str().as_encoded_bytes());
-    let root = layout_root(dir, &opts.cache_dir)?;
+/// Pack the directory into a layout of its own under the cache directory (one per source
+/// path); also how it was packed (`None`: packing was skipped). When the directory's
+/// stamp (every entry's name, size, times and inode, as the walk found them: see
+/// [`Stamp`]) equals the one recorded when it was last packed with the same options, the
+/// recorded manifest is used without reading the files. When the content is unchanged
+/// though the stamp is not (same index and packs: only the creation time would differ),
+/// the earlier manifest is used again. Either way the registry is only asked what it has
+/// and nothing is sent.
+fn pack_directory(job: PackJob<'_>, on_pack: Option<crate::OnPack<'_>>) -> Result<(OciLayout, OciDigest, Option<PackReport>, Option<Reused>), PushError> {
+    let scan = job.scan;
+    let root = layout_root(&scan.dir, &job.cache_dir)?;
     let layout = OciLayout::open_or_create(&root).map_err(|source| PushError::Format { what: format!("opening {}", root.display()), source })?;
-    let stamp_path = opts.cache_dir.join("push-layouts").join(format!("{}.stamp.json", &key.hex()[..32]));
+    let stamp_path = root.with_extension("stamp.json");
     // A base or parent is named by a reference whose content can change under the same
     // name, so the stamp of this directory alone does not say the image would be the same.
-    // The tag's own image, taken as the parent by itself, is no such name: an unchanged
+    // The closest image, taken as the parent by itself, is no such name: an unchanged
     // directory is pushed as the image it was packed to last.
-    let options = (opts.pack.base.is_none() && (opts.pack.parent.is_none() || opts.parent_is_the_tags)).then_some(opts.options_key.as_str());
-    let before = match options {
-        Some(o) => Some(Stamp::take(&canon, o).map_err(io(format!("reading {}", dir.display())))?),
-        None => None,
-    };
+    let options = (job.pack.base.is_none() && (job.pack.parent.is_none() || job.parent_is_the_tags)).then_some(job.options_key.as_str());
+    let before = options.map(|o| Stamp::of(scan, o));
     if let Some(stamp) = &before {
-        if let Some(digest) = Stamp::recorded(&stamp_path, stamp).filter(|d| can_push_again(&layout, d, dest)) {
+        if let Some(digest) = Stamp::recorded(&stamp_path, stamp).filter(|d| can_push_again(&layout, d, job.dest)) {
             return Ok((layout, digest, None, Some(Reused::Stamp)));
         }
     }
-    let pack_opts = PackOptions { on_pack, ..opts.pack };
-    let (digest, report, reused) = pack_and_reuse(dir, &layout, &pack_opts)?;
-    let unchanged = if opts.parent_is_the_tags { unchanged_from_parent(&layout, &pack_opts, &report)? } else { None };
+    let pack_opts = PackOptions { on_pack, ..job.pack };
+    let (digest, report, reused) = pack_and_reuse(scan, &layout, &pack_opts)?;
+    let unchanged = if job.parent_is_the_tags { unchanged_from_parent(&layout, &pack_opts, &report)? } else { None };
     let (digest, reused) = match unchanged {
         Some(d) => (d, Some(Reused::Parent)),
         None => (digest, reused),
     };
-    if let (Some(before), Some(options)) = (before, options) {
-        // Recorded only when nothing changed while packing and no file was written so
-        // recently that a later write could leave its times as they are (see Stamp::racy).
-        let after = Stamp::take(&canon, options).map_err(io(format!("reading {}", dir.display())))?;
-        if after.entries == before.entries && !before.racy() {
-            Stamp { manifest: digest.to_string(), ..before }.save(&stamp_path).map_err(io(format!("writing {}", stamp_path.display())))?;
+    if let Some(before) = before {
+        // Recorded only when nothing changed while packing (each entry looked up again by
+        // name: no second walk) and no file was written so recently that a later write
+        // could leave its times as they are (see Stamp::racy).
+        if !before.racy() && scan.unchanged() {
+            before.packed_to(&digest).save(&stamp_path).map_err(|source| PushError::Io { what: format!("writing {}", stamp_path.display()), source })?;
         } else {
             let _ = std::fs::remove_file(&stamp_path);
         }
@@ -406,11 +516,13 @@ fn unchanged_from_parent(layout: &OciLayout, opts: &PackOptions<'_>, report: &Pa
     Ok(Some(p.image.manifest_digest.clone()))
 }
 
-/// Pack `dir` into `layout`; when only the creation time differs from the image pushed
-/// last from this directory, that image's manifest; and the pack report.
-fn pack_and_reuse(dir: &Path, layout: &OciLayout, opts: &PackOptions<'_>) -> Result<(OciDigest, PackReport, Option<Reused>), PushError> {
+/// Pack the directory `scan` walked into `layout`; when only the creation time differs
+/// from the image pushed last from this directory, that image's manifest; and the pack
+/// report.
+fn pack_and_reuse(scan: &DirScan, layout: &OciLayout, opts: &PackOptions<'_>) -> Result<(OciDigest, PackReport, Option<Reused>), PushError> {
     let previous = layout.resolve_tag("previous").ok();
-    let report = pack(dir, layout, "latest", opts).map_err(|source| PushError::Pack { dir: dir.display().to_string(), source: Box::new(source) })?;
+    let report =
+        pack_scanned(scan, layout, "latest", opts).map_err(|source| PushError::Pack { dir: scan.dir.display().to_string(), source: Box::new(source) })?;
     let format = |what: &str| {
         let what = what.to_string();
         move |source| PushError::Format { what, source }
@@ -429,158 +541,4 @@ fn pack_and_reuse(dir: &Path, layout: &OciLayout, opts: &PackOptions<'_>) -> Res
     let desc = imgfmt::Descriptor::new(imgfmt::media::OCI_MANIFEST, new.clone(), layout.blob_size(&new).map_err(format("the packed manifest"))?);
     layout.set_tag("previous", desc).map_err(format("tagging the packed manifest"))?;
     Ok((new, report, None))
-}
-/// What a directory looked like when it was packed: every entry (recursively, the
-/// directory itself included) with the metadata any change moves. A write to a file
-/// always sets its ctime (which no user call can set back), a replaced file has another
-/// inode, a renamed or removed one changes the names, so an equal stamp means the files
-/// hold what was packed (spec/transfer.md §2).
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
-struct Stamp {
-    /// snapctl version and pack options: another version or option packs differently.
-    options: String,
-    entries: Vec<StampEntry>,
-    /// When the stamp was taken (ns since the epoch).
-    taken_ns: i64,
-    /// Manifest the directory was packed to (empty until packed).
-    manifest: String,
-}
-
-#[derive(Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-struct StampEntry {
-    /// Relative path, `/`-separated ("" for the directory itself).
-    name: String,
-    /// st_mode: file type and permissions.
-    mode: u32,
-    size: u64,
-    mtime_ns: i64,
-    ctime_ns: i64,
-    inode: u64,
-    dev: u64,
-}
-
-/// A stamp file larger than this is not ours (a directory of a million entries is ~150 MB
-/// of JSON; checkpoint directories hold a handful).
-const MAX_STAMP_BYTES: u64 = 64 << 20;
-
-impl Stamp {
-    fn take(dir: &Path, options: &str) -> std::io::Result<Stamp> {
-        use std::os::unix::fs::MetadataExt;
-        let taken_ns = ns_since_epoch(std::time::SystemTime::now());
-        let entry = |name: String, md: &std::fs::Metadata| StampEntry {
-            name,
-            mode: md.mode(),
-            size: md.size(),
-            mtime_ns: md.mtime().saturating_mul(1_000_000_000).saturating_add(md.mtime_nsec()),
-            ctime_ns: md.ctime().saturating_mul(1_000_000_000).saturating_add(md.ctime_nsec()),
-            inode: md.ino(),
-            dev: md.dev(),
-        };
-        let mut entries = vec![entry(String::new(), &std::fs::symlink_metadata(dir)?)];
-        let mut stack = vec![(dir.to_path_buf(), String::new())];
-        while let Some((p, prefix)) = stack.pop() {
-            for e in std::fs::read_dir(&p)? {
-                let e = e?;
-                let name = e.file_name().to_string_lossy().into_owned();
-                let rel = if prefix.is_empty() { name } else { format!("{prefix}/{name}") };
-                // Not followed: a symlink is recorded as itself (pack skips it).
-                let md = std::fs::symlink_metadata(e.path())?;
-                if md.is_dir() {
-                    stack.push((e.path(), rel.clone()));
-                }
-                entries.push(entry(rel, &md));
-            }
-        }
-        entries.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(Stamp { options: options.to_string(), entries, taken_ns, manifest: String::new() })
-    }
-
-    /// A file changed within a clock tick of the stamp: a second write in that same tick
-    /// would leave mtime and ctime (and maybe size) as they are, so such a stamp is not
-    /// recorded. The kernel stamps files from a coarse clock (ticks of up to 10 ms); on a
-    /// file system with whole-second times (every nanosecond field 0) the margin is 2 s.
-    fn racy(&self) -> bool {
-        let whole_seconds = self.entries.iter().all(|e| e.ctime_ns % 1_000_000_000 == 0 && e.mtime_ns % 1_000_000_000 == 0);
-        let margin: i64 = if whole_seconds { 2_000_000_000 } else { 20_000_000 };
-        self.entries.iter().any(|e| e.ctime_ns.max(e.mtime_ns) >= self.taken_ns.saturating_sub(margin))
-    }
-
-    /// The manifest recorded at `path` when its stamp's options and entries equal `now`'s.
-    /// Any problem reading it means "not recorded": the directory is packed again.
-    fn recorded(path: &Path, now: &Stamp) -> Option<OciDigest> {
-        use std::io::Read;
-        let mut bytes = Vec::new();
-        std::fs::File::open(path).ok()?.take(MAX_STAMP_BYTES).read_to_end(&mut bytes).ok()?;
-        let old: Stamp = serde_json::from_slice(&bytes).ok()?;
-        (old.options == now.options && old.entries == now.entries).then(|| old.manifest.parse().ok()).flatten()
-    }
-
-    /// Written atomically (and synced), so a reader sees a whole stamp or none.
-    fn save(&self, path: &Path) -> std::io::Result<()> {
-        imgfmt::layout::write_atomic_mode(path, &serde_json::to_vec(self)?, 0o666)
-    }
-}
-
-fn ns_since_epoch(t: std::time::SystemTime) -> i64 {
-    t.duration_since(std::time::UNIX_EPOCH).map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)).unwrap_or(0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A scratch directory removed on drop (the CLI crate has no tempfile dependency).
-    struct Scratch(PathBuf);
-    impl Scratch {
-        fn new(name: &str) -> Scratch {
-            let p = std::env::temp_dir().join(format!("snapctl-stamp-{name}-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&p);
-            std::fs::create_dir_all(p.join("sub")).unwrap();
-            std::fs::write(p.join("vm.mem"), vec![1u8; 8192]).unwrap();
-            std::fs::write(p.join("sub/vm.state"), b"state").unwrap();
-            Scratch(p)
-        }
-    }
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-
-    #[test]
-    fn stamp_lists_every_entry_and_sees_renames_removals_and_options() {
-        let d = Scratch::new("entries");
-        let s = Stamp::take(&d.0, "o").unwrap();
-        let names: Vec<&str> = s.entries.iter().map(|e| e.name.as_str()).collect();
-        assert_eq!(names, ["", "sub", "sub/vm.state", "vm.mem"]);
-        assert_eq!(s.entries[3].size, 8192);
-        assert_eq!(Stamp::take(&d.0, "o").unwrap().entries, s.entries, "nothing changed");
-
-        // Saved and read back: the manifest for the same stamp, nothing for other options
-        // or another directory state.
-        let file = d.0.with_extension("stamp.json");
-        let digest = OciDigest::of(b"manifest");
-        Stamp { manifest: digest.to_string(), ..Stamp::take(&d.0, "o").unwrap() }.save(&file).unwrap();
-        assert_eq!(Stamp::recorded(&file, &Stamp::take(&d.0, "o").unwrap()), Some(digest));
-        assert_eq!(Stamp::recorded(&file, &Stamp::take(&d.0, "other options").unwrap()), None);
-        std::fs::rename(d.0.join("sub/vm.state"), d.0.join("sub/vm.state2")).unwrap();
-        assert_eq!(Stamp::recorded(&file, &Stamp::take(&d.0, "o").unwrap()), None, "renamed");
-        std::fs::remove_file(d.0.join("sub/vm.state2")).unwrap();
-        assert_ne!(Stamp::take(&d.0, "o").unwrap().entries, s.entries, "removed");
-        // A damaged stamp file is "not recorded", not an error.
-        std::fs::write(&file, b"{not json").unwrap();
-        assert_eq!(Stamp::recorded(&file, &s), None);
-        std::fs::remove_file(&file).unwrap();
-    }
-
-    /// Files written just now could be written again within the same clock tick without
-    /// their times moving: such a stamp must not be recorded.
-    #[test]
-    fn a_stamp_of_files_written_just_now_is_racy() {
-        let d = Scratch::new("racy");
-        assert!(Stamp::take(&d.0, "o").unwrap().racy());
-        let mut old = Stamp::take(&d.0, "o").unwrap();
-        old.taken_ns += 60_000_000_000;
-        assert!(!old.racy(), "a minute later the same times are safe");
-    }
 }

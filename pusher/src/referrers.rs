@@ -104,7 +104,7 @@ pub fn attached_tree(origin: &dyn ImageStore, subject: &OciDigest) -> Result<Vec
 /// An attached image index is skipped with a warning (copy moves single manifests).
 pub fn copy_attached(origin: &dyn ImageStore, subject: &OciDigest, target: &Target, opts: &CopyOptions) -> Result<Vec<Attached>, CopyError> {
     let found = attached_tree(origin, subject)?;
-    let quiet = CopyOptions { jobs: opts.jobs, mount_from: opts.mount_from.clone(), upload: opts.upload.clone(), progress: None };
+    let quiet = CopyOptions { jobs: opts.jobs, mount_from: opts.mount_from.clone(), upload: opts.upload.clone(), observer: None };
     let mut carried = Vec::new();
     let mut to_index: BTreeMap<OciDigest, Vec<Descriptor>> = BTreeMap::new();
     for a in found {

@@ -56,7 +56,7 @@ pub use known::KnownBlobs;
 pub use lease::{Purpose, LEASE_HEADER, MAX_LEASE_SECONDS, PURPOSE_HEADER};
 pub use listing::{refuses_deletes, Tags};
 pub use open::{open, Opened};
-pub use upload::{MemSource, PutManifest, UploadOptions, Uploaded, DEFAULT_PIECE, MAX_PIECE};
+pub use upload::{MemSource, PutManifest, UploadOptions, UploadProgress, Uploaded, DEFAULT_PIECE, MAX_PIECE};
 
 use std::collections::{BTreeSet, HashSet};
 use std::io::Read;

@@ -56,6 +56,21 @@ pub struct Uploaded {
     pub resumed_from: u64,
 }
 
+/// How an upload moves, for its progress callback. Over a finished upload, what was sent
+/// is the blob's size less what was [`Skipped`](UploadProgress::Skipped) plus what was
+/// sent [`Again`](UploadProgress::Again): the sum of [`Sent`](UploadProgress::Sent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UploadProgress {
+    /// `n` more bytes were sent, in request bodies the registry took.
+    Sent(u64),
+    /// The registry holds `n` bytes that were not sent: an earlier, interrupted run
+    /// uploaded them (a resumed session), or it said it kept more than it was sent.
+    Skipped(u64),
+    /// The registry holds `n` bytes fewer than it was sent (it kept less, or lost the
+    /// session): they are sent again.
+    Again(u64),
+}
+
 /// What a manifest PUT learned.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PutManifest {
@@ -156,7 +171,9 @@ struct Upload<'a> {
     d: &'a OciDigest,
     size: u64,
     src: &'a dyn BlobSource,
-    progress: &'a (dyn Fn(u64) + Sync),
+    progress: &'a (dyn Fn(UploadProgress) + Sync),
+    /// Where the registry's offset is as far as `progress` was told.
+    told: u64,
     state_file: Option<PathBuf>,
     /// Bytes per PATCH (raised to the registry's minimum).
     piece: u64,
@@ -188,7 +205,6 @@ impl Upload<'_> {
             Some(Some(s)) if s.offset <= size => {
                 tracing::info!("{d}: resuming upload at {} of {size} bytes", s.offset);
                 self.out.resumed_from = s.offset;
-                (self.progress)(s.offset);
                 Ok(Some(s))
             }
             _ => {
@@ -253,6 +269,7 @@ impl Upload<'_> {
                 None => self.start()?,
             };
             self.open = Some(s.location.clone());
+            self.moved_to(s.offset);
             self.prefix.advance_to(s.offset, &mut self.buf)?;
             if self.send_pieces(&mut s)?.is_break() {
                 // The session is gone: start over.
@@ -273,6 +290,24 @@ impl Upload<'_> {
                 self.forget_state();
             }
         }
+    }
+
+    /// `n` bytes were sent and taken.
+    fn sent(&mut self, n: u64) {
+        self.out.bytes_sent += n;
+        self.told += n;
+        (self.progress)(UploadProgress::Sent(n));
+    }
+
+    /// The registry's offset is now `offset`: `progress` is told of bytes it holds without
+    /// their being sent, or of bytes to send again.
+    fn moved_to(&mut self, offset: u64) {
+        match offset.cmp(&self.told) {
+            std::cmp::Ordering::Greater => (self.progress)(UploadProgress::Skipped(offset - self.told)),
+            std::cmp::Ordering::Less => (self.progress)(UploadProgress::Again(self.told - offset)),
+            std::cmp::Ordering::Equal => {}
+        }
+        self.told = offset;
     }
 
     /// The saved state names a session that will not be continued.
@@ -312,7 +347,7 @@ impl Upload<'_> {
             })?;
             match r {
                 Attempt::Done(resp) if resp.status().as_u16() == 202 => {
-                    self.out.bytes_sent += piece;
+                    self.sent(piece);
                     super::count_transferred(piece);
                     let held = resp.headers().get(reqwest::header::RANGE).and_then(|v| v.to_str().ok()).and_then(state::parse_upload_range);
                     let new_loc = reg.location(&resp, &self.what).unwrap_or(loc);
@@ -326,9 +361,9 @@ impl Upload<'_> {
                     } else {
                         // The registry kept a different amount: believe it.
                         *s = Session { location: new_loc, offset: held.expect("checked").min(size) };
+                        self.moved_to(s.offset);
                         self.prefix.advance_to(s.offset, &mut self.buf)?;
                     }
-                    (self.progress)(piece);
                     self.retry.progressed();
                     self.save(s);
                 }
@@ -337,6 +372,7 @@ impl Upload<'_> {
                     match reg.upload_status(&s.location)? {
                         Some(st) if st.offset <= size => {
                             *s = st;
+                            self.moved_to(s.offset);
                             self.prefix.advance_to(s.offset, &mut self.buf)?;
                             self.failed(format!("PATCH answered {}", resp.status()), None)?;
                         }
@@ -355,6 +391,7 @@ impl Upload<'_> {
                     match reg.upload_status(&s.location)? {
                         Some(st) if st.offset <= size => {
                             *s = st;
+                            self.moved_to(s.offset);
                             self.prefix.advance_to(s.offset, &mut self.buf)?;
                         }
                         _ => return Ok(ControlFlow::Break(())),
@@ -391,9 +428,8 @@ impl Upload<'_> {
         })?;
         match r {
             Attempt::Done(resp) if resp.status().is_success() => {
-                self.out.bytes_sent += n as u64;
+                self.sent(n as u64);
                 super::count_transferred(n as u64);
-                (self.progress)(n as u64);
                 self.forget_state();
                 Ok(ControlFlow::Break(self.out))
             }
@@ -409,7 +445,7 @@ impl Upload<'_> {
                 self.failed(message, retry_after)?;
                 // The PUT may have committed before the connection broke.
                 if reg.blob_exists(d)? {
-                    self.out.bytes_sent += n as u64;
+                    self.sent(n as u64);
                     self.forget_state();
                     return Ok(ControlFlow::Break(self.out));
                 }
@@ -534,14 +570,15 @@ impl RegistrySource {
     /// Upload blob `d` (`size` bytes) read from `src`. Sends only what the registry does
     /// not hold from an earlier interrupted run (when `opts.cache_dir` is set), retries
     /// transient failures from the registry's own offset, and commits (final PUT) only
-    /// bytes that hash to `d`. `progress` is called with bytes as they are accepted.
+    /// bytes that hash to `d`. `progress` is told of bytes as they are sent and taken, of
+    /// bytes the registry holds from an earlier run, and of bytes it asks for again.
     pub fn upload_blob(
         &self,
         d: &OciDigest,
         size: u64,
         src: &dyn BlobSource,
         opts: &UploadOptions,
-        progress: &(dyn Fn(u64) + Sync),
+        progress: &(dyn Fn(UploadProgress) + Sync),
     ) -> Result<Uploaded, ClientError> {
         self.mark_writing();
         let mut up = Upload {
@@ -550,6 +587,7 @@ impl RegistrySource {
             size,
             src,
             progress,
+            told: 0,
             state_file: opts.cache_dir.as_ref().map(|c| state::state_path(c, &self.host, &self.repository, d)),
             piece: opts.piece.clamp(1, MAX_PIECE),
             buf: Vec::new(),

@@ -11,7 +11,7 @@
 //! The defaults are the libraries': [`ChunkCache::default_dir`] and
 //! [`puller::cache::DEFAULT_LIMIT`] (`$SNAPCTL_CACHE_SIZE` overrides it, through clap).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -142,14 +142,6 @@ impl HostCacheArgs {
         let dir = self.dir.path();
         let cache = ChunkCache::open(&dir, self.budget.cache_size).with_context(|| format!("opening the chunk cache in {}", dir.display()))?;
         Ok(Some(cache))
-    }
-}
-
-/// Bring the cache directory within `limit` after a command that added to it. Failing
-/// to is a warning: the command itself succeeded.
-pub fn keep_within_budget(dir: &Path, limit: u64) {
-    if let Err(e) = ChunkCache::open(dir, limit) {
-        eprintln!("warning: keeping the cache directory {} within {}: {e}", dir.display(), imgfmt::size::human(limit));
     }
 }
 

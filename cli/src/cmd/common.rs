@@ -359,6 +359,12 @@ fn bars() -> &'static indicatif::MultiProgress {
     BARS.get_or_init(|| indicatif::MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::stderr()))
 }
 
+/// Print `line` on stderr, above the progress bars when there are some (they are drawn
+/// again below it).
+pub fn say(line: &str) {
+    bars().suspend(|| eprintln!("{line}"));
+}
+
 /// A byte progress bar on stderr, only when stderr is a terminal. Its ETA is from the
 /// rate over the last few seconds ([`RecentRate`]), not from the average since the start.
 pub fn progress_bar(total: u64, what: &str) -> Option<indicatif::ProgressBar> {
@@ -369,7 +375,7 @@ pub fn progress_bar(total: u64, what: &str) -> Option<indicatif::ProgressBar> {
     pb.set_style(
         indicatif::ProgressStyle::with_template("{msg:>8} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {recent_eta}")
             .expect("valid template")
-            .with_key("recent_eta", RecentRate::default())
+            .with_key("recent_eta", RecentRate::eta())
             .progress_chars("=> "),
     );
     pb.set_message(what.to_string());
@@ -385,47 +391,77 @@ pub fn network_progress_bar(total: u64, what: &str) -> Option<indicatif::Progres
     pb.set_style(
         indicatif::ProgressStyle::with_template("{msg:>8} [{bar:30}] {bytes}/{total_bytes} {net} eta {recent_eta}")
             .expect("valid template")
-            .with_key("net", NetRate::default())
-            .with_key("recent_eta", RecentRate::default())
+            .with_key("net", RecentRate::network())
+            .with_key("recent_eta", RecentRate::eta())
             .progress_chars("=> "),
     );
     Some(pb)
 }
 
-/// A line on stderr (only when stderr is a terminal) for uploads whose total is not known
-/// yet (packs sent while the packer makes the next): bytes sent and the network's rate.
-pub fn upload_counter(what: &str) -> Option<indicatif::ProgressBar> {
-    let pb = progress_bar(0, what)?;
-    pb.set_style(indicatif::ProgressStyle::with_template("{msg:>8} {bytes} sent, {net}").expect("valid template").with_key("net", NetRate::default()));
+/// A bar on stderr (only when stderr is a terminal) for uploads whose total grows as it
+/// becomes known (`push DIR`: the packs sealed so far, then the whole image): bytes sent
+/// of the total, the network's rate, and the time left at the recent rate. Redrawn four
+/// times a second, so the rate and the estimate move between pieces.
+pub fn upload_bar(what: &str) -> Option<indicatif::ProgressBar> {
+    let pb = network_progress_bar(0, what)?;
     pb.enable_steady_tick(Duration::from_millis(250));
     Some(pb)
 }
 
-/// The time left at the rate of the last few seconds of a bar's progress: what is left
-/// over what moved in the window. Indicatif's own estimate weighs the whole history, so a
+/// A rate over the last few seconds, for a progress bar: of the bar's own position,
+/// shown as the time left at that rate, or of the body bytes the registry client moved,
+/// shown as the network's rate. Indicatif's own estimate weighs the whole history, so a
 /// bar that leapt at its start (zeros, blobs already there) promised the end too soon.
-#[derive(Clone, Default)]
-struct RecentRate(std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<(std::time::Instant, u64)>>>);
+#[derive(Clone)]
+struct RecentRate {
+    window: std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<(std::time::Instant, u64)>>>,
+    shows: Shows,
+}
+
+/// What a [`RecentRate`] measures and shows.
+#[derive(Clone, Copy)]
+enum Shows {
+    /// The bar's position: what is left at its rate.
+    Eta,
+    /// [`regclient::bytes_transferred`]: bytes per second.
+    Network,
+}
+
+/// The rate is taken over this much of the recent past.
+const RATE_WINDOW: Duration = Duration::from_secs(3);
+/// No rate from a window shorter than this.
+const MIN_RATE_SPAN: Duration = Duration::from_millis(500);
 
 impl RecentRate {
-    /// Seconds left for `left` bytes, at the rate between the oldest sample in the window
-    /// and `(now, pos)`; `None` until the window has a rate.
-    fn eta(&self, now: std::time::Instant, pos: u64, left: u64) -> Option<Duration> {
-        let mut w = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        while w.len() > 1 && w.front().is_some_and(|(t, _)| now.duration_since(*t) > NET_RATE_WINDOW) {
+    fn eta() -> RecentRate {
+        RecentRate { window: Default::default(), shows: Shows::Eta }
+    }
+
+    fn network() -> RecentRate {
+        RecentRate { window: Default::default(), shows: Shows::Network }
+    }
+
+    /// Units per second between the oldest sample in the window and `(now, value)`, which
+    /// joins the window; `None` until the window spans [`MIN_RATE_SPAN`].
+    fn rate(&self, now: std::time::Instant, value: u64) -> Option<f64> {
+        let mut w = self.window.lock().unwrap_or_else(|p| p.into_inner());
+        while w.len() > 1 && w.front().is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW) {
             w.pop_front();
         }
-        w.push_back((now, pos));
-        let (t0, p0) = w[0];
-        let secs = now.duration_since(t0).as_secs_f64();
-        let moved = pos.saturating_sub(p0);
+        w.push_back((now, value));
+        let (t0, v0) = w[0];
+        let span = now.duration_since(t0);
+        (span >= MIN_RATE_SPAN).then(|| value.saturating_sub(v0) as f64 / span.as_secs_f64())
+    }
+
+    /// The time `left` takes at the recent rate of a position now at `pos`: `None` until
+    /// there is a rate, or while nothing moves.
+    fn eta_at(&self, now: std::time::Instant, pos: u64, left: u64) -> Option<Duration> {
+        let rate = self.rate(now, pos);
         if left == 0 {
             return Some(Duration::ZERO);
         }
-        if secs < 0.5 || moved == 0 {
-            return None;
-        }
-        Some(Duration::from_secs_f64((left as f64 * secs / moved as f64).min(1e7)))
+        rate.filter(|r| *r > 0.0).map(|r| Duration::from_secs_f64((left as f64 / r).min(1e7)))
     }
 }
 
@@ -435,54 +471,20 @@ impl indicatif::style::ProgressTracker for RecentRate {
     }
     fn tick(&mut self, _: &indicatif::ProgressState, _: std::time::Instant) {}
     fn reset(&mut self, _: &indicatif::ProgressState, _: std::time::Instant) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.window.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
     fn write(&self, state: &indicatif::ProgressState, w: &mut dyn std::fmt::Write) {
-        let left = state.len().unwrap_or(0).saturating_sub(state.pos());
-        let _ = match self.eta(std::time::Instant::now(), state.pos(), left) {
-            Some(d) => write!(w, "{}", indicatif::HumanDuration(d)),
-            None => write!(w, "?"),
+        let now = std::time::Instant::now();
+        let _ = match self.shows {
+            Shows::Eta => match self.eta_at(now, state.pos(), state.len().unwrap_or(0).saturating_sub(state.pos())) {
+                Some(d) => write!(w, "{}", indicatif::HumanDuration(d)),
+                None => write!(w, "?"),
+            },
+            Shows::Network => {
+                let rate = self.rate(now, regclient::bytes_transferred()).unwrap_or(0.0);
+                write!(w, "{}/s net", imgfmt::size::human(rate as u64))
+            }
         };
-    }
-}
-
-/// The network's rate for a progress bar: bytes moved by the registry client over a
-/// window of recent draws.
-#[derive(Clone, Default)]
-struct NetRate(std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<(std::time::Instant, u64)>>>);
-
-/// The rate is taken over this much of the recent past.
-const NET_RATE_WINDOW: Duration = Duration::from_secs(3);
-
-impl NetRate {
-    /// Bytes per second between the oldest sample in the window and `(now, bytes)`, which
-    /// joins the window.
-    fn sample(&self, now: std::time::Instant, bytes: u64) -> f64 {
-        let mut w = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        while w.len() > 1 && w.front().is_some_and(|(t, _)| now.duration_since(*t) > NET_RATE_WINDOW) {
-            w.pop_front();
-        }
-        w.push_back((now, bytes));
-        let (t0, b0) = w[0];
-        let secs = now.duration_since(t0).as_secs_f64();
-        if secs < 0.05 {
-            return 0.0;
-        }
-        bytes.saturating_sub(b0) as f64 / secs
-    }
-}
-
-impl indicatif::style::ProgressTracker for NetRate {
-    fn clone_box(&self) -> Box<dyn indicatif::style::ProgressTracker> {
-        Box::new(self.clone())
-    }
-    fn tick(&mut self, _: &indicatif::ProgressState, _: std::time::Instant) {}
-    fn reset(&mut self, _: &indicatif::ProgressState, _: std::time::Instant) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
-    }
-    fn write(&self, _: &indicatif::ProgressState, w: &mut dyn std::fmt::Write) {
-        let rate = self.sample(std::time::Instant::now(), regclient::bytes_transferred());
-        let _ = write!(w, "{}/s net", imgfmt::size::human(rate as u64));
     }
 }
 
@@ -504,26 +506,26 @@ mod tests {
     /// chunks come from the cache or are zero shows 0 B/s.
     #[test]
     fn the_network_rate_counts_moved_bytes_over_a_window() {
-        let r = NetRate::default();
+        let r = RecentRate::network();
         let t = std::time::Instant::now();
-        assert_eq!(r.sample(t, 1000), 0.0, "no rate from one sample");
-        assert_eq!(r.sample(t + Duration::from_secs(1), 1000), 0.0, "nothing moved");
-        assert_eq!(r.sample(t + Duration::from_secs(2), 1000 + (4 << 20)), (2 << 20) as f64, "4 MiB over 2 s");
+        assert_eq!(r.rate(t, 1000), None, "no rate from one sample");
+        assert_eq!(r.rate(t + Duration::from_secs(1), 1000), Some(0.0), "nothing moved");
+        assert_eq!(r.rate(t + Duration::from_secs(2), 1000 + (4 << 20)), Some((2 << 20) as f64), "4 MiB over 2 s");
         // Samples older than the window leave it.
-        assert_eq!(r.sample(t + Duration::from_secs(6), 1000 + (4 << 20)), 0.0);
+        assert_eq!(r.rate(t + Duration::from_secs(6), 1000 + (4 << 20)), Some(0.0));
     }
 
     /// Issue 39: a pull's bar leapt to half (zeros) and promised the end in a second for
     /// five. The estimate is what is left at the rate of the last seconds.
     #[test]
     fn regression_issue_39_the_eta_is_from_the_recent_rate() {
-        let r = RecentRate::default();
+        let r = RecentRate::eta();
         let t = std::time::Instant::now();
-        assert_eq!(r.eta(t, 128 << 20, 128 << 20), None, "no rate from one sample, whatever came before");
-        assert_eq!(r.eta(t + Duration::from_secs(1), (128 << 20) + (25 << 20), 103 << 20), Some(Duration::from_secs_f64(103.0 / 25.0)));
+        assert_eq!(r.eta_at(t, 128 << 20, 128 << 20), None, "no rate from one sample, whatever came before");
+        assert_eq!(r.eta_at(t + Duration::from_secs(1), (128 << 20) + (25 << 20), 103 << 20), Some(Duration::from_secs_f64(103.0 / 25.0)));
         // A stall empties the rate once the window has only the stall.
-        assert_eq!(r.eta(t + Duration::from_secs(6), 153 << 20, 103 << 20), None);
-        assert_eq!(r.eta(t + Duration::from_secs(7), 153 << 20, 0), Some(Duration::ZERO));
+        assert_eq!(r.eta_at(t + Duration::from_secs(6), 153 << 20, 103 << 20), None);
+        assert_eq!(r.eta_at(t + Duration::from_secs(7), 153 << 20, 0), Some(Duration::ZERO));
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context};
 use imgfmt::reference::{Reference, Selector};
 use imgfmt::{BlobSource, Compression, HashAlgo, Kind, OciLayout};
-use pusher::PackOptions;
+use pusher::{PackOptions, ParentNote};
 
 use super::common::{self, open_image, open_ref, outln, progress_bar};
 
@@ -195,20 +195,31 @@ impl PackFlags {
 }
 
 pub fn run(a: PackArgs) -> anyhow::Result<ExitCode> {
-    validate(&a.src, &a.flags)?;
+    let scan = validate(&a.src, &a.flags)?;
     let dest: Reference = a.dest.parse()?;
     let Some(path) = dest.layout_path() else { bail!("{}: pack writes a local layout (oci:PATH:TAG); to send it to a registry use `snapctl push`", a.dest) };
     let Selector::Tag(tag) = dest.selector() else { bail!("{}: pack needs a tag, not a digest", a.dest) };
     let layout = OciLayout::open_or_create(path).with_context(|| format!("opening layout {}", path.display()))?;
     // The image already under the tag, as the parent of this one if it is of the same files.
     let held = match layout.resolve_tag(tag) {
-        Ok(digest) if a.flags.parent.is_none() && !a.flags.no_parent => {
-            Some(TagImage { source: &layout, digest, reference: a.dest.clone(), elsewhere: false, why: None })
-        }
+        Ok(digest) if a.flags.parent.is_none() && !a.flags.no_parent => Some(digest),
         _ => None,
     };
-    let report =
-        with_pack_options(&a.src, &a.flags, held, |opts, _| pusher::pack(&a.src, &layout, tag, &opts).with_context(|| format!("packing {}", a.src.display())))?;
+    let report = with_pack_options(&a.flags, |opts| {
+        let parent = held.and_then(|digest| tag_image(&layout, digest, &a.dest, &scan, &opts));
+        let pb = progress_bar(scan.total_bytes(), "pack");
+        let tick = |n: u64| {
+            if let Some(pb) = &pb {
+                pb.inc(n)
+            }
+        };
+        let opts = PackOptions { parent: parent.or(opts.parent), progress: Some(&tick), ..opts };
+        let report = pusher::pack_scanned(&scan, &layout, tag, &opts).with_context(|| format!("packing {}", a.src.display()));
+        if let Some(pb) = pb {
+            pb.finish_and_clear();
+        }
+        report
+    })?;
     for s in &report.skipped {
         eprintln!("warning: skipped {s}: not a regular file");
     }
@@ -243,6 +254,42 @@ pub fn run(a: PackArgs) -> anyhow::Result<ExitCode> {
     Ok(common::code(common::EXIT_OK))
 }
 
+/// The image `digest` the destination tag (`reference`) holds, as the parent of the new
+/// image when it is of the same files as the directory `scan` walked; stderr says which,
+/// or why not.
+fn tag_image<'a>(
+    layout: &'a OciLayout,
+    digest: imgfmt::OciDigest,
+    reference: &str,
+    scan: &pusher::DirScan,
+    opts: &PackOptions<'_>,
+) -> Option<pusher::Related<'a>> {
+    let image = imgfmt::Image::open(layout, &digest).map_err(anyhow::Error::new).and_then(|img| Ok(pusher::same_files(&img, scan, opts).map(|()| img)?));
+    match image {
+        Ok(image) => {
+            let why = "the tag holds an image of the same files";
+            eprintln!("{}", parent_line(&ParentNote::Taken { reference, digest: &digest, why }));
+            Some(pusher::Related { source: layout, image, reference: reference.to_string() })
+        }
+        Err(e) => {
+            eprintln!("{}", parent_line(&ParentNote::NotTaken { reference, why: &format!("{e:#}") }));
+            None
+        }
+    }
+}
+
+/// For people: the parent a new image of a directory was made over by itself, or why
+/// none was.
+pub fn parent_line(note: &ParentNote<'_>) -> String {
+    match note {
+        ParentNote::Taken { reference, digest, why } => {
+            format!("{} as the parent ({digest}): {why}, so only what changed is stored and sent (--no-parent: a full image)", common::printable(reference))
+        }
+        ParentNote::NotTaken { reference, why } => format!("not taking {} as the parent: {why}; packing a full image", common::printable(reference)),
+        ParentNote::None { why } => format!("no parent: {why}; pushing a full image (--parent REF names one)"),
+    }
+}
+
 /// For people: what a compaction did, when there was one.
 pub fn compaction_note(report: &pusher::PackReport) -> Option<String> {
     report.compacted.then(|| {
@@ -267,47 +314,19 @@ pub fn rebase_note(report: &pusher::PackReport, max_chain: u16) -> Option<String
     })
 }
 
-/// Check the flags and the source before anything is created.
-pub fn validate(src: &Path, f: &PackFlags) -> anyhow::Result<()> {
+/// Check the flags and the source before anything is created; the source's one walk.
+pub fn validate(src: &Path, f: &PackFlags) -> anyhow::Result<pusher::DirScan> {
     if !f.chunk_size.is_power_of_two() || !(64 << 10..=16 << 20).contains(&f.chunk_size) {
         bail!("--chunk-size {}: must be a power of two from 64KiB to 16MiB", f.chunk_size);
     }
     f.slice_shift()?;
-    if !src.is_dir() {
-        bail!("{}: not a directory", src.display());
-    }
-    // An image of no file restores nothing: a wrong path is likelier than a wish for one.
-    let scan = pusher::scan::scan_dir(src).with_context(|| format!("reading {}", src.display()))?;
-    if scan.files.is_empty() {
-        bail!("{}: nothing to pack: no regular file in it", src.display());
-    }
-    Ok(())
+    let scan = pusher::DirScan::take(src)?;
+    scan.require_files()?;
+    Ok(scan)
 }
 
-/// The image a destination tag already holds: the parent of a new image of the same
-/// files, unless `--parent` or `--no-parent` says otherwise.
-pub struct TagImage<'a> {
-    /// Where to read it (for a push: the push layout's copy of its metadata first).
-    pub source: &'a dyn imgfmt::BlobSource,
-    pub digest: imgfmt::OciDigest,
-    /// The destination as the user wrote it.
-    pub reference: String,
-    /// Its packs are where the new image goes (a push to the same repository): the
-    /// layout packed into gets no copy of them.
-    pub elsewhere: bool,
-    /// Why it was chosen, when not because it is the destination tag's image.
-    pub why: Option<String>,
-}
-
-/// Run `body` with the [`PackOptions`] the flags say (base and parent opened, a progress
-/// bar on a terminal, cleared when `body` returns) and whether the parent is `held`, the
-/// tag's image, taken because it is of the same files (stderr says so, or why not).
-pub fn with_pack_options<R>(
-    src: &Path,
-    f: &PackFlags,
-    held: Option<TagImage<'_>>,
-    body: impl FnOnce(PackOptions<'_>, bool) -> anyhow::Result<R>,
-) -> anyhow::Result<R> {
+/// Run `body` with the [`PackOptions`] the flags say (base and parent opened).
+pub fn with_pack_options<R>(f: &PackFlags, body: impl FnOnce(PackOptions<'_>) -> anyhow::Result<R>) -> anyhow::Result<R> {
     let mut annotations = BTreeMap::new();
     for kv in &f.annotations {
         let (k, v) = kv.split_once('=').with_context(|| format!("--annotation {kv:?}: expected KEY=VALUE"))?;
@@ -315,58 +334,26 @@ pub fn with_pack_options<R>(
     }
     let base_src = f.base.as_deref().map(open_ref).transpose()?;
     let parent_src = f.parent.as_deref().map(open_ref).transpose()?;
-    let base = match &base_src {
-        Some(o) => Some(pusher::Related { source: o.source.as_ref(), image: open_image(o)?, reference: o.reference.clone() }),
-        None => None,
-    };
-    let mut parent = match &parent_src {
-        Some(o) => Some(pusher::Related { source: o.source.as_ref(), image: open_image(o)?, reference: o.reference.clone() }),
-        None => None,
-    };
-    let mut from_tag = false;
-    let mut parent_packs_elsewhere = false;
-    let total: u64 = pusher::scan::scan_dir(src).with_context(|| format!("reading {}", src.display()))?.files.iter().map(|f| f.size).sum();
-    let pb = progress_bar(total, "pack");
-    let tick = |n: u64| {
-        if let Some(pb) = &pb {
-            pb.inc(n)
-        }
-    };
-    let mut opts = PackOptions {
+    let opts = PackOptions {
         kind: f.kind,
         chunk_shift: f.chunk_size.trailing_zeros() as u8,
         compression: f.compression,
         hash: f.hash,
         pack_size: f.pack_size,
         slice_shift: f.slice_shift()?,
-        base,
-        parent: None,
+        base: base_src.as_ref().map(related).transpose()?,
+        parent: parent_src.as_ref().map(related).transpose()?,
         diff: f.diff,
         max_chain: f.max_chain as usize,
         compact_after: f.compact_after.0,
         base_delta: f.base_delta.0,
         annotations,
-        progress: Some(&tick),
         ..Default::default()
     };
-    if let Some(t) = held.filter(|_| parent.is_none() && !f.no_parent) {
-        let shown = common::printable(&t.reference);
-        match imgfmt::Image::open(t.source, &t.digest).map_err(anyhow::Error::new).and_then(|img| Ok(pusher::same_files(&img, src, &opts).map(|()| img)?)) {
-            Ok(image) => {
-                let why = t.why.as_deref().unwrap_or("the tag holds an image of the same files");
-                eprintln!("{shown} as the parent ({}): {why}, so only what changed is stored and sent (--no-parent: a full image)", t.digest);
-                parent = Some(pusher::Related { source: t.source, image, reference: t.reference.clone() });
-                from_tag = true;
-                parent_packs_elsewhere = t.elsewhere;
-            }
-            Err(e) => eprintln!("not taking {shown} as the parent: {e:#}; packing a full image"),
-        }
-    }
-    opts.parent = parent;
-    opts.parent_packs_elsewhere = parent_packs_elsewhere;
-    let out = body(opts, from_tag);
-    if let Some(pb) = pb {
-        pb.finish_and_clear();
-    }
-    out
+    body(opts)
+}
+
+/// The image `o` names, opened, as an image a new one builds on.
+fn related(o: &common::Opened) -> anyhow::Result<pusher::Related<'_>> {
+    Ok(pusher::Related { source: o.source.as_ref(), image: open_image(o)?, reference: o.reference.clone() })
 }

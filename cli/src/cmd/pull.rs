@@ -87,7 +87,7 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
             sign_key: None,
             upload_piece: 16 << 20,
             registry: a.registry.clone(),
-            cache: None,
+            cache: Default::default(),
             json: a.json,
         };
         super::copy::copy_refs(&a.image, &a.dest, &flags, &a.policy)?;

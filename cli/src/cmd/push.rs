@@ -3,13 +3,14 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::OnceLock;
 
 use anyhow::{bail, Context as _};
 use imgfmt::reference::{Reference, Selector};
 use imgfmt::{BlobSource, OciDigest};
-use pusher::push::Reused;
-use pusher::{CopyOptions, PushReport};
-use regclient::UploadOptions;
+use pusher::{CopyOptions, ParentNote, PushReport, Reused};
+use regclient::{UploadOptions, UploadProgress};
 
 use super::common::{self, outln, IntegrityError};
 use super::pack::PackFlags;
@@ -39,6 +40,11 @@ use super::pack::PackFlags;
 /// else there (see `snapctl cache`).
 ///
 /// --sign-key signs the pushed manifest in the same step, as `snapctl sign` does.
+///
+/// On a terminal, stderr shows the progress: for a directory, a bar for packing (the
+/// directory's bytes) and one for uploading (the bytes to upload: growing as packs are
+/// made, exact once packing ends), each with the time left at the rate of the last
+/// seconds.
 ///
 /// Credentials come from ~/.docker/config.json (see `snapctl login`). Plain HTTP is used
 /// for 127.0.0.1/localhost, with --plain-http, or with SNAPCTL_PLAIN_HTTP=1.
@@ -88,10 +94,8 @@ pub struct TransferFlags {
     pub upload_piece: u64,
     #[command(flatten)]
     pub registry: super::common::RegistryFlags,
-    /// Cache directory (resume state, where blobs were seen, packed directories)
-    /// [default: $SNAPCTL_CACHE, $XDG_CACHE_HOME/snapctl or ~/.cache/snapctl].
-    #[arg(long, value_name = "DIR")]
-    pub cache: Option<PathBuf>,
+    #[command(flatten)]
+    pub cache: super::cache::CacheDir,
     /// Print a JSON report on stdout instead of the manifest digest.
     #[arg(long)]
     pub json: bool,
@@ -99,7 +103,7 @@ pub struct TransferFlags {
 
 impl TransferFlags {
     pub fn cache_dir(&self) -> PathBuf {
-        self.cache.clone().unwrap_or_else(regclient::cache_dir)
+        self.cache.path()
     }
 }
 
@@ -154,40 +158,41 @@ pub fn transfer_then(
     then: impl FnOnce(&CopyOptions, &mut PushReport) -> Result<(), pusher::CopyError>,
 ) -> anyhow::Result<PushReport> {
     let signing = Signing::for_target(target, tag, Some(digest), flags)?;
-    with_progress(src, digest, flags, verb, signing, |opts| {
-        let mut report = pusher::copy::copy_after(src, digest, target, tag, opts, &[])?;
-        then(opts, &mut report)?;
-        Ok(report)
-    })
-}
-
-/// Run `send` (which moves manifest `digest` of `src`) with a progress bar on a terminal,
-/// sign what arrived when `signing` says so, then print the digest or the report.
-fn with_progress(
-    src: &dyn BlobSource,
-    digest: &OciDigest,
-    flags: &TransferFlags,
-    verb: &str,
-    signing: Option<Signing<'_>>,
-    send: impl FnOnce(&CopyOptions) -> Result<PushReport, pusher::CopyError>,
-) -> anyhow::Result<PushReport> {
     let (_, manifest) = pusher::copy::manifest_blobs(src, digest).map_err(|e| wrap(e, verb))?;
     let total: u64 = std::iter::once(&manifest.config).chain(&manifest.layers).map(|d| d.size).sum();
-    let pb = common::network_progress_bar(total, verb);
-    let tick = |n: u64| {
-        if let Some(pb) = &pb {
-            pb.inc(n)
-        }
-    };
-    if flags.upload_piece == 0 {
-        bail!("--upload-piece must be at least 1 byte");
-    }
-    let mut opts = copy_options(flags);
-    opts.progress = Some(&tick);
-    let mut report = send(&opts).map_err(|e| wrap(e, verb))?;
-    if let Some(pb) = pb {
+    let bar = CopyBar(common::network_progress_bar(total, verb));
+    let mut opts = copy_options(flags)?;
+    opts.observer = Some(&bar);
+    let sent = pusher::copy::copy_after(src, digest, target, tag, &opts, &[]).and_then(|mut report| then(&opts, &mut report).map(|()| report));
+    if let Some(pb) = &bar.0 {
         pb.finish_and_clear();
     }
+    finish(sent.map_err(|e| wrap(e, verb))?, digest, flags, verb, signing)
+}
+
+/// A copy's bar: the work done, blobs found at the destination included, so that it ends
+/// at the image's size.
+struct CopyBar(Option<indicatif::ProgressBar>);
+
+impl pusher::TransferObserver for CopyBar {
+    fn found(&self, blob: &imgfmt::Descriptor) {
+        if let Some(pb) = &self.0 {
+            pb.inc(blob.size);
+        }
+    }
+    fn progress(&self, _: &imgfmt::Descriptor, p: UploadProgress) {
+        if let Some(pb) = &self.0 {
+            match p {
+                UploadProgress::Sent(n) | UploadProgress::Skipped(n) => pb.inc(n),
+                UploadProgress::Again(n) => pb.set_position(pb.position().saturating_sub(n)),
+            }
+        }
+    }
+}
+
+/// After a transfer: say what the registry declined, sign what arrived when `signing`
+/// says so, then print the digest or the report.
+fn finish(mut report: PushReport, digest: &OciDigest, flags: &TransferFlags, verb: &str, signing: Option<Signing<'_>>) -> anyhow::Result<PushReport> {
     if report.mounts_declined > 0 {
         eprintln!(
             "{verb}: the registry declined to mount {} blob(s) from the other repositories recorded as holding them (no pull access there, or gone since): uploaded instead",
@@ -219,13 +224,16 @@ fn with_progress(
     Ok(report)
 }
 
-fn copy_options(flags: &TransferFlags) -> CopyOptions<'static> {
-    CopyOptions {
+fn copy_options(flags: &TransferFlags) -> anyhow::Result<CopyOptions<'static>> {
+    if flags.upload_piece == 0 {
+        bail!("--upload-piece must be at least 1 byte");
+    }
+    Ok(CopyOptions {
         jobs: flags.jobs as usize,
         mount_from: flags.mount_from.clone(),
         upload: UploadOptions { piece: flags.upload_piece.min(regclient::MAX_PIECE), cache_dir: Some(flags.cache_dir()), source_hashed: false },
-        progress: None,
-    }
+        observer: None,
+    })
 }
 
 fn wrap(e: pusher::CopyError, verb: &str) -> anyhow::Error {
@@ -236,30 +244,78 @@ fn wrap(e: pusher::CopyError, verb: &str) -> anyhow::Error {
     }
 }
 
-/// The image of the destination repository a new image of `dir` is made over when no
-/// parent is named ([`pusher::closest`]); stderr says why none is taken.
-fn closest_parent<'a>(
-    dir: &Path,
-    dest: &regclient::RegistrySource,
-    source: &'a dyn BlobSource,
-    flags: &PackFlags,
-    tag: &str,
-    cache_dir: &Path,
-) -> Option<super::pack::TagImage<'a>> {
-    let opts = pusher::PackOptions { kind: flags.kind, chunk_shift: flags.chunk_size.trailing_zeros() as u8, hash: flags.hash, ..Default::default() };
-    let last = pusher::push::last_packed(dir, cache_dir);
-    let search = pusher::closest::closest_image(dest, source, dir, &opts, tag, last.as_ref(), pusher::closest::DEFAULT_CANDIDATES);
-    let Some(c) = search.chosen else {
-        eprintln!("no parent: {}; pushing a full image (--parent REF names one)", search.none_because);
-        return None;
-    };
-    Some(super::pack::TagImage {
-        source,
-        digest: c.digest,
-        reference: format!("{}/{}:{}", dest.host(), dest.repository(), c.tag),
-        elsewhere: true,
-        why: Some(c.why),
-    })
+/// `push DIR`'s progress on a terminal, and the notes it prints on stderr as it goes: a
+/// bar for packing (the directory's bytes, from the walk; finished at its total when
+/// packing ends) and one for uploading (the bytes to upload as far as known: growing as
+/// packs are sealed, exact once packing is done), each with the time left at the rate of
+/// the last seconds.
+struct PushBars<'a> {
+    dir: &'a Path,
+    max_chain: u16,
+    pack_total: AtomicU64,
+    pack: OnceLock<Option<indicatif::ProgressBar>>,
+    upload: OnceLock<Option<indicatif::ProgressBar>>,
+}
+
+impl PushBars<'_> {
+    fn new(dir: &Path, max_chain: u16) -> PushBars<'_> {
+        PushBars { dir, max_chain, pack_total: AtomicU64::new(0), pack: OnceLock::new(), upload: OnceLock::new() }
+    }
+
+    /// Take the bars off the terminal.
+    fn clear(&self) {
+        for pb in [self.pack.get(), self.upload.get()].into_iter().flatten().flatten() {
+            pb.finish_and_clear();
+        }
+    }
+}
+
+impl pusher::PushObserver for PushBars<'_> {
+    fn scanned(&self, scan: &pusher::DirScan) {
+        self.pack_total.store(scan.total_bytes(), Relaxed);
+    }
+    fn parent(&self, note: &ParentNote<'_>) {
+        common::say(&super::pack::parent_line(note));
+    }
+    fn packed(&self, n: u64) {
+        if let Some(pb) = self.pack.get_or_init(|| common::progress_bar(self.pack_total.load(Relaxed), "pack")) {
+            pb.inc(n);
+        }
+    }
+    fn packing_done(&self, reused: Option<Reused>, report: Option<&pusher::PackReport>) {
+        if let Some(Some(pb)) = self.pack.get() {
+            pb.set_position(pb.length().unwrap_or(0));
+            pb.finish();
+        }
+        let dir = self.dir.display();
+        match reused {
+            Some(Reused::Stamp) => common::say(&format!("{dir}: unchanged since it was last packed (same stamp): not packing again")),
+            Some(Reused::Parent) => common::say(&format!("{dir}: unchanged: the parent already holds this content (its manifest is pushed as it is)")),
+            Some(Reused::Previous) | None => {
+                for s in report.iter().flat_map(|r| &r.skipped) {
+                    common::say(&format!("warning: skipped {s}: not a regular file"));
+                }
+                if reused == Some(Reused::Previous) {
+                    common::say(&format!("{dir}: unchanged since the last push"));
+                }
+            }
+        }
+        if let Some(r) = report {
+            for line in super::pack::rebase_note(r, self.max_chain).into_iter().chain(super::pack::compaction_note(r)) {
+                common::say(&line);
+            }
+        }
+    }
+    fn upload_total(&self, bytes: u64) {
+        if let Some(pb) = self.upload.get_or_init(|| common::upload_bar("upload")) {
+            pb.set_length(bytes);
+        }
+    }
+    fn uploaded(&self, n: u64) {
+        if let Some(Some(pb)) = self.upload.get() {
+            pb.inc(n);
+        }
+    }
 }
 
 pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
@@ -273,72 +329,48 @@ pub fn run(a: PushArgs) -> anyhow::Result<ExitCode> {
         let layout = common::open_ref(&a.src)?;
         let digest = common::resolve(&layout)?;
         transfer(layout.source.as_ref(), &digest, &pusher::Target::Registry(&dest), Some(tag), &a.transfer, "push")?;
-        super::cache::keep_within_budget(&a.transfer.cache_dir(), a.budget.cache_size);
     } else if !Path::new(&a.src).exists() && a.src.parse::<Reference>().is_ok_and(|r| r.host().is_some()) {
         bail!("{}: push sends a local image or directory; to move an image from one registry to another use `snapctl copy {} {}`", a.src, a.src, a.dest);
     } else {
-        let dir = Path::new(&a.src);
-        super::pack::validate(dir, &a.pack)?;
-        let cache_dir = a.transfer.cache_dir();
-        // The metadata of the image pushed last from this directory is in its push layout:
-        // read there, not fetched again.
-        let local_first = pusher::push::LocalFirst::new(dir, &cache_dir, &dest);
-        let target = pusher::Target::Registry(&dest);
-        let signing = Signing::for_target(&target, Some(tag), None, &a.transfer)?;
-        let held = match (&a.pack.parent, a.pack.no_parent) {
-            (None, false) => closest_parent(dir, &dest, &local_first, &a.pack, tag, &cache_dir),
-            _ => None,
-        };
-        // A --parent in the repository pushed to has its packs there as well.
-        let parent_here = a.pack.parent.as_deref().and_then(|p| p.parse::<Reference>().ok()).is_some_and(|r| r.registry() == Some((host, repository)));
-        let packed = super::pack::with_pack_options(dir, &a.pack, held, |mut pack, from_tag| {
-            pack.parent_packs_elsewhere |= parent_here;
-            let opts = pusher::DirOptions {
-                pack,
-                // Another version or other options pack differently: a stamp recorded
-                // under another key is not trusted.
-                options_key: format!("snapctl {} {:?}", env!("CARGO_PKG_VERSION"), a.pack),
-                cache_dir: cache_dir.clone(),
-                parent_is_the_tags: from_tag,
-            };
-            // Packs go up while the next is made: their bytes are counted on a line of
-            // their own, under the packing bar.
-            let sent = common::upload_counter("upload");
-            let tick = |n: u64| {
-                if let Some(pb) = &sent {
-                    pb.inc(n)
-                }
-            };
-            let mut copy = copy_options(&a.transfer);
-            copy.progress = Some(&tick);
-            let packed = pusher::push::pack_dir(dir, &dest, opts, &copy).map_err(anyhow::Error::new);
-            if let Some(pb) = sent {
-                pb.finish_and_clear();
-            }
-            packed
-        })?;
-        match packed.reused {
-            Some(Reused::Stamp) => eprintln!("{}: unchanged since it was last packed (same stamp): not packing again", dir.display()),
-            Some(Reused::Parent) => eprintln!("{}: unchanged: the parent already holds this content (its manifest is pushed as it is)", dir.display()),
-            Some(Reused::Previous) | None => {
-                for s in packed.report.iter().flat_map(|r| &r.skipped) {
-                    eprintln!("warning: skipped {s}: not a regular file");
-                }
-                if packed.reused == Some(Reused::Previous) {
-                    eprintln!("{}: unchanged since the last push", dir.display());
-                }
-            }
-        }
-        if let Some(r) = &packed.report {
-            for line in super::pack::rebase_note(r, a.pack.max_chain).into_iter().chain(super::pack::compaction_note(r)) {
-                eprintln!("{line}");
-            }
-        }
-        with_progress(&packed.layout, &packed.digest, &a.transfer, "push", signing, |opts| pusher::push::push_packed(&packed, &dest, tag, opts))?;
-        // The layout is released (a later eviction may take it); then everything under the
-        // cache directory is brought within the budget.
-        drop(packed);
-        super::cache::keep_within_budget(&cache_dir, a.budget.cache_size);
+        push_dir(&a, &dest, tag, (host, repository))?;
+    }
+    // Everything under the cache directory is brought within the budget (the push layout
+    // was released when the push ended: an eviction may take it).
+    let cache_dir = a.transfer.cache_dir();
+    if let Err(e) = puller::cache::keep_within_budget(&cache_dir, a.budget.cache_size) {
+        eprintln!("warning: keeping the cache directory {} within {}: {e}", cache_dir.display(), imgfmt::size::human(a.budget.cache_size));
     }
     Ok(common::code(common::EXIT_OK))
+}
+
+/// `push DIR`: the directory walked once, checked, then packed and pushed in one library
+/// call with bars on a terminal.
+fn push_dir(a: &PushArgs, dest: &regclient::RegistrySource, tag: &str, (host, repository): (&str, &str)) -> anyhow::Result<()> {
+    let dir = Path::new(&a.src);
+    let scan = super::pack::validate(dir, &a.pack)?;
+    let target = pusher::Target::Registry(dest);
+    let signing = Signing::for_target(&target, Some(tag), None, &a.transfer)?;
+    let copy = copy_options(&a.transfer)?;
+    // A --parent in the repository pushed to has its packs there as well.
+    let parent_here = a.pack.parent.as_deref().and_then(|p| p.parse::<Reference>().ok()).is_some_and(|r| r.registry() == Some((host, repository)));
+    let pushed = super::pack::with_pack_options(&a.pack, |mut pack| {
+        pack.parent_packs_elsewhere |= parent_here;
+        let opts = pusher::DirOptions {
+            pack,
+            // Another version or other options pack differently: a stamp recorded
+            // under another key is not trusted.
+            options_key: format!("snapctl {} {:?}", env!("CARGO_PKG_VERSION"), a.pack),
+            cache_dir: a.transfer.cache_dir(),
+            closest: (a.pack.parent.is_none() && !a.pack.no_parent).then_some(pusher::closest::DEFAULT_CANDIDATES),
+        };
+        let bars = PushBars::new(dir, a.pack.max_chain);
+        let pushed = pusher::push_dir(&scan, dest, tag, opts, &copy, &bars);
+        bars.clear();
+        pushed.map_err(|e| match e {
+            pusher::PushError::Copy(e) => wrap(e, "push"),
+            e => anyhow::Error::new(e),
+        })
+    })?;
+    finish(pushed.push, &pushed.manifest, &a.transfer, "push", signing)?;
+    Ok(())
 }

@@ -18,12 +18,11 @@ mod tests;
 
 pub use layers::ensure_blob;
 pub use options::{OnPack, PackError, PackOptions, PackReport, Related, DEFAULT_BASE_DELTA_LEVEL, DEFAULT_COMPACT_AFTER, DEFAULT_PACK_SIZE};
-pub use same::{same_files, same_files_scanned, NotSameFiles};
+pub use same::{same_files, same_files_of_config, NotSameFiles};
 
 use chunker::{chunk_into_packs, ChunkInput, Chunked};
 use compaction::{excess_packs, Compaction};
 use layers::{ancestor_layers, foreign_pack_layers, image_config, manifest_annotations};
-use options::io_at;
 use outboard::{base_outboard_layer, outboard_of_pack, own_outboard_layer, shared_base_outboard};
 use placement::{add_chain_packs, foreign_packs, known_chunks, Placement, Slots};
 
@@ -38,6 +37,12 @@ use crate::scan;
 
 /// Pack `src_dir` into `dest` and tag it `tag`.
 pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> Result<PackReport, PackError> {
+    pack_scanned(&scan::DirScan::take(src_dir)?, dest, tag, opts)
+}
+
+/// [`pack`] of a directory walked already: its files are read as `scan` lists them (the
+/// directory is not listed again).
+pub fn pack_scanned(scan: &scan::DirScan, dest: &OciLayout, tag: &str, opts: &PackOptions) -> Result<PackReport, PackError> {
     let t0 = Instant::now();
     imgfmt::layout::check_tag(tag)?;
     check_options(opts)?;
@@ -47,8 +52,8 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     let rebase = opts.parent.as_ref().is_some_and(|p| p.image.chain.len() > opts.max_chain);
     // Packs of the chain a rebased image points into are no ancestor's any more.
     let chain_owner = if rebase { media::OWNER_REBASED } else { "parent" };
-    let (sc, kind) = scan_source(src_dir, opts)?;
-    let mut report = PackReport { kind: kind.to_string(), files: sc.files.len(), skipped: sc.skipped.clone(), ..Default::default() };
+    let (files, kind) = source_files(scan, opts)?;
+    let mut report = PackReport { kind: kind.to_string(), files: files.len(), skipped: scan.skipped.clone(), ..Default::default() };
 
     let compaction = Compaction::plan(opts);
     if let Some(c) = &compaction {
@@ -61,10 +66,10 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
     let mut slots = Slots::default();
     let base_outboard = shared_base_outboard(opts);
     let input = ChunkInput { opts, parent_files: &parent_files, known: &known, retired: &retired, base_outboard: base_outboard.as_ref().map(|(_, ob)| ob) };
-    let (Chunked { placed, own_bytes, slices, base_outboard_used }, own_packs) = chunk_into_packs(dest, &sc.files, &input, &mut slots, &mut report)?;
+    let (Chunked { placed, own_bytes, slices, base_outboard_used }, own_packs) = chunk_into_packs(dest, &files, &input, &mut slots, &mut report)?;
     report.pack_bytes = own_bytes;
     report.packs = own_packs.len();
-    let placement = Placement { files: &sc.files, placed: &placed, parent_files: &parent_files };
+    let placement = Placement { files: &files, placed: &placed, parent_files: &parent_files };
 
     if rebase {
         add_chain_packs(opts, &placement, &mut slots, chain_owner);
@@ -74,7 +79,7 @@ pub fn pack(src_dir: &Path, dest: &OciLayout, tag: &str, opts: &PackOptions) -> 
         Some(s) => outboard_of_pack(&index, s, opts, rebase, base_outboard.as_ref().map(|(_, ob)| ob))?,
         None => None,
     };
-    let image_root = verify::image_root(algo, sc.files.iter().zip(&roots).map(|(f, r)| (f.name.as_str(), f.size, *r)));
+    let image_root = verify::image_root(algo, files.iter().zip(&roots).map(|(f, r)| (f.name.as_str(), f.size, *r)));
     let index_bytes = index.encode();
     let index_digest = dest.put_blob(&index_bytes)?;
 
@@ -170,16 +175,16 @@ fn check_options(opts: &PackOptions) -> Result<(), PackError> {
     Ok(())
 }
 
-/// The source directory's files, named and given their roles, and the runtime kind.
-fn scan_source(src_dir: &Path, opts: &PackOptions) -> Result<(scan::Scan, Kind), PackError> {
-    let mut sc = scan::scan_dir(src_dir).map_err(io_at(src_dir))?;
-    if sc.files.len() as u64 > imgfmt::index::MAX_FILES {
-        return Err(PackError::Invalid(format!("{} files, at most {}", sc.files.len(), imgfmt::index::MAX_FILES)));
+/// The source directory's files, given their roles, and the runtime kind.
+fn source_files(scan: &scan::DirScan, opts: &PackOptions) -> Result<(Vec<scan::SourceFile>, Kind), PackError> {
+    if scan.files.len() as u64 > imgfmt::index::MAX_FILES {
+        return Err(PackError::Invalid(format!("{} files, at most {}", scan.files.len(), imgfmt::index::MAX_FILES)));
     }
-    let kind = opts.kind.unwrap_or_else(|| scan::detect_kind(&sc.files));
-    for f in &mut sc.files {
+    let kind = opts.kind.unwrap_or_else(|| scan::detect_kind(&scan.files));
+    let mut files = scan.files.clone();
+    for f in &mut files {
         imgfmt::config::check_name(&f.name)?;
         f.role = scan::role_of(kind, &f.name);
     }
-    Ok((sc, kind))
+    Ok((files, kind))
 }

@@ -22,6 +22,8 @@ pub enum PackError {
     /// {path}: {source}
     Io { path: PathBuf, source: std::io::Error },
     /// {0}
+    Scan(#[from] crate::scan::ScanError),
+    /// {0}
     Format(#[from] FormatError),
     /// {0}
     Verify(#[from] verify::VerifyError),

@@ -1,7 +1,5 @@
 //! Whether an image holds "the same files" as a directory, so a new image of it is a layer over it.
 
-use std::path::Path;
-
 use imgfmt::{HashAlgo, Image, ImageConfig, Kind};
 
 use crate::scan;
@@ -19,22 +17,19 @@ pub enum NotSameFiles {
     Chunking { image_chunk: u64, image_hash: HashAlgo, chunk: u64, hash: HashAlgo },
     /// not the same files (only in the directory: {added}; only in the image: {removed})
     Files { added: String, removed: String },
-    /// reading the directory: {0}
-    Io(#[from] std::io::Error),
 }
 
-/// Whether `image` holds a snapshot of "the same files" as `src_dir` packed with `opts`,
-/// so that a new image of the directory is made as a layer over it without being asked:
-/// the same kind, chunk size and hash, and the same set of file names (sizes and content
-/// may differ; that is what a layer records).
-pub fn same_files(image: &Image, src_dir: &Path, opts: &PackOptions) -> Result<(), NotSameFiles> {
-    let sc = scan::scan_dir(src_dir)?;
-    same_files_scanned(image.config(), image.files.iter().map(|f| f.name.as_str()), &sc, opts)
+/// Whether `image` holds a snapshot of "the same files" as the directory `scan` lists,
+/// packed with `opts`, so that a new image of the directory is made as a layer over it
+/// without being asked: the same kind, chunk size and hash, and the same set of file
+/// names (sizes and content may differ; that is what a layer records).
+pub fn same_files(image: &Image, scan: &scan::DirScan, opts: &PackOptions) -> Result<(), NotSameFiles> {
+    same_files_of_config(image.config(), image.files.iter().map(|f| f.name.as_str()), scan, opts)
 }
 
-/// [`same_files`] of an image's config `c` (its file names `names`) and a directory
-/// scanned already: what a push checks of each image of a repository before opening any.
-pub fn same_files_scanned<'a>(c: &ImageConfig, names: impl Iterator<Item = &'a str>, sc: &scan::Scan, opts: &PackOptions) -> Result<(), NotSameFiles> {
+/// [`same_files`] of an image's config `c` (its file names `names`): what a push checks of
+/// each image of a repository before opening any.
+pub fn same_files_of_config<'a>(c: &ImageConfig, names: impl Iterator<Item = &'a str>, sc: &scan::DirScan, opts: &PackOptions) -> Result<(), NotSameFiles> {
     if c.hash != opts.hash || c.chunk_shift() != opts.chunk_shift {
         return Err(NotSameFiles::Chunking { image_chunk: c.chunk_size >> 10, image_hash: c.hash, chunk: (1u64 << opts.chunk_shift) >> 10, hash: opts.hash });
     }

@@ -10,7 +10,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use imgfmt::{BlobSource, OciDigest};
@@ -165,6 +165,64 @@ fn push_directory_twice_sends_nothing_the_second_time() {
     assert!(n(&rep, "bytes_sent") < MIB, "only the new config and index: {rep}");
 }
 
+/// What a `push_dir` observer was told.
+#[derive(Default)]
+struct Seen {
+    scanned: AtomicU64,
+    packed: AtomicU64,
+    uploaded: AtomicU64,
+    /// The last upload total.
+    total: AtomicU64,
+    /// At `packing_done`: the bytes packed, and the upload total.
+    at_packing_done: Mutex<Option<(u64, u64)>>,
+    /// The parent notes, in order: `taken <reference>`, `not taken …`, `none: why`.
+    parents: Mutex<Vec<String>>,
+}
+
+impl pusher::PushObserver for Seen {
+    fn scanned(&self, scan: &pusher::DirScan) {
+        self.scanned.store(scan.total_bytes(), Relaxed);
+    }
+    fn parent(&self, note: &pusher::ParentNote<'_>) {
+        let line = match note {
+            pusher::ParentNote::Taken { reference, .. } => format!("taken {reference}"),
+            pusher::ParentNote::NotTaken { reference, why } => format!("not taken {reference}: {why}"),
+            pusher::ParentNote::None { why } => format!("none: {why}"),
+        };
+        self.parents.lock().unwrap().push(line);
+    }
+    fn packed(&self, n: u64) {
+        self.packed.fetch_add(n, Relaxed);
+    }
+    fn packing_done(&self, _: Option<pusher::Reused>, _: Option<&pusher::PackReport>) {
+        *self.at_packing_done.lock().unwrap() = Some((self.packed.load(Relaxed), self.total.load(Relaxed)));
+    }
+    fn upload_total(&self, bytes: u64) {
+        self.total.store(bytes, Relaxed);
+    }
+    fn uploaded(&self, n: u64) {
+        self.uploaded.fetch_add(n, Relaxed);
+    }
+}
+
+/// `pusher::push_dir` of `snap` to `dest` as `tag` (the closest image of the repository as
+/// the parent, packs of 2 MiB, the work area's cache), walking the directory once here:
+/// the report, what the observer saw, and the walks the push itself made (0 expected).
+fn push_dir_lib(w: &Work, snap: &Path, dest: &RegistrySource, tag: &str) -> (pusher::PushDirReport, Seen, u64) {
+    let scan = pusher::DirScan::take(snap).unwrap();
+    let walks = pusher::scan::walks_on_this_thread();
+    let opts = pusher::DirOptions {
+        pack: pusher::PackOptions { pack_size: 2 * MIB, ..Default::default() },
+        options_key: "library test".into(),
+        cache_dir: w.path("cache"),
+        closest: Some(pusher::closest::DEFAULT_CANDIDATES),
+    };
+    let copy = pusher::CopyOptions { upload: regclient::UploadOptions { cache_dir: Some(w.path("cache")), ..Default::default() }, ..Default::default() };
+    let seen = Seen::default();
+    let report = pusher::push_dir(&scan, dest, tag, opts, &copy, &seen).unwrap();
+    (report, seen, pusher::scan::walks_on_this_thread() - walks)
+}
+
 /// Push is a library call (issue 15): `pusher::push_dir` packs a directory into the
 /// cache, sends its packs while packing and PUTs the manifest, with no binary involved;
 /// a second call on the unchanged directory sends nothing, and the image pulls back
@@ -176,27 +234,82 @@ fn push_dir_is_a_library_call() {
     let w = Work::new();
     let snap = w.sample("snap", "8MiB");
     let dest = RegistrySource::new(&s.addr, "vm/lib", true, None).unwrap();
-    let push = || {
-        let opts = pusher::DirOptions {
-            pack: pusher::PackOptions { pack_size: 2 * MIB, ..Default::default() },
-            options_key: "library test".into(),
-            cache_dir: w.path("cache"),
-            parent_is_the_tags: false,
-        };
-        let copy = pusher::CopyOptions { upload: regclient::UploadOptions { cache_dir: Some(w.path("cache")), ..Default::default() }, ..Default::default() };
-        pusher::push_dir(&snap, &dest, "v1", opts, &copy).unwrap()
-    };
-    let first = push();
+    let (first, seen, _) = push_dir_lib(&w, &snap, &dest, "v1");
+    let first = first.push;
     assert!(first.blobs >= 4, "several packs, index, config, outboard: {first:?}");
     assert_eq!(first.uploaded_blobs, first.blobs, "{first:?}");
     assert_eq!(first.pack.as_ref().map(|p| p.skipped), Some(false), "{first:?}");
     assert_eq!(dest.resolve_tag("v1").unwrap().to_string(), first.manifest);
-    let second = push();
+    assert_eq!(seen.parents.lock().unwrap().len(), 1, "the closest image was looked for: none yet");
+    let (second, _, _) = push_dir_lib(&w, &snap, &dest, "v1");
+    let second = second.push;
     assert_eq!(second.manifest, first.manifest, "unchanged directory, same image");
     assert_eq!((second.bytes_sent, second.uploaded_blobs), (0, 0), "{second:?}");
     let out = w.path("pulled");
     w.ok(&["pull", &format!("{}/vm/lib:v1", s.addr), out.to_str().unwrap()]);
     same_files(&snap, &out);
+}
+
+/// Issue 36: `push DIR` listed the directory four times (the checks, the closest image's
+/// search, the stamp before and after packing, the packer). Now one walk is handed to
+/// every step: a first push (no image in the repository), a push of the changed
+/// directory (the closest image found, sampled and taken; stamped, packed, stamped
+/// again) and one of the unchanged directory (the stamp) each walk it only when the
+/// caller takes the scan.
+#[test]
+fn regression_issue_36_push_walks_the_directory_once() {
+    let store = tempfile::tempdir().unwrap();
+    let s = Serve::start(store.path().to_str().unwrap(), &[], &[]);
+    let w = Work::new();
+    let snap = w.sample("snap", "8MiB");
+    let dest = RegistrySource::new(&s.addr, "vm/walks", true, None).unwrap();
+    let (first, seen, walks) = push_dir_lib(&w, &snap, &dest, "h1");
+    assert_eq!(walks, 0, "the first push walked the directory again");
+    assert!(seen.parents.lock().unwrap()[0].starts_with("none: "), "{:?}", seen.parents.lock().unwrap());
+
+    w.ok(&["sample", snap.to_str().unwrap(), "--size", "8MiB", "--mutate", "2"]);
+    // Long enough after the change that the stamp is not racy: it is recorded.
+    std::thread::sleep(Duration::from_millis(50));
+    let (changed, seen, walks) = push_dir_lib(&w, &snap, &dest, "h2");
+    assert_eq!(walks, 0, "the push over the closest image walked the directory again");
+    assert_eq!(*seen.parents.lock().unwrap(), [format!("taken {}/vm/walks:h1", s.addr)], "the closest image was searched and taken");
+    assert_ne!(changed.manifest, first.manifest);
+    assert!(changed.pack.is_some(), "packed");
+
+    let (same, _, walks) = push_dir_lib(&w, &snap, &dest, "h3");
+    assert_eq!(walks, 0, "the stamp's check walked the directory again");
+    assert_eq!(same.reused, Some(pusher::Reused::Stamp), "{:?}", same.push);
+    assert_eq!(same.manifest, changed.manifest);
+}
+
+/// Issue 39: at 200 Mbit/s `push DIR` showed a pack bar frozen below its total for the
+/// whole upload, and no upload bar: the uploads made while packing had no total. The
+/// observer is told the bytes to upload as packs are sealed, exactly once packing is
+/// done, and every byte sent: the sum of `uploaded` is the report's `bytes_sent` and the
+/// final total equals it, and packing is reported done at the directory's size.
+#[test]
+fn regression_issue_39_push_progress_counts_every_uploaded_byte() {
+    let store = tempfile::tempdir().unwrap();
+    let s = Serve::start(store.path().to_str().unwrap(), &[], &[]);
+    let w = Work::new();
+    let snap = w.sample("snap", "24MiB");
+    let dest = RegistrySource::new(&s.addr, "vm/progress", true, None).unwrap();
+    let (r, seen, _) = push_dir_lib(&w, &snap, &dest, "v1");
+    let sent = r.push.bytes_sent;
+    assert!(r.push.uploaded_blobs >= 6 && sent > 8 * MIB, "several packs went up: {:?}", r.push);
+    assert_eq!(seen.uploaded.load(Relaxed), sent, "every uploaded byte was told, once");
+    assert_eq!(seen.total.load(Relaxed), sent, "the upload total ends at the bytes uploaded");
+    let (packed, total) = seen.at_packing_done.lock().unwrap().expect("packing_done was told");
+    assert!(seen.scanned.load(Relaxed) > 24 * MIB, "the memory file and the state");
+    assert_eq!(packed, seen.scanned.load(Relaxed), "packing ends at the directory's size");
+    assert_eq!(total, sent, "the upload total is exact once packing is done");
+
+    // Changed a little and pushed over the first image: only the change is counted.
+    w.ok(&["sample", snap.to_str().unwrap(), "--size", "24MiB", "--mutate", "1"]);
+    let (r, seen, _) = push_dir_lib(&w, &snap, &dest, "v2");
+    assert!(r.push.bytes_sent > 0 && r.push.bytes_sent < 4 * MIB, "{:?}", r.push);
+    assert_eq!(seen.uploaded.load(Relaxed), r.push.bytes_sent);
+    assert_eq!(seen.total.load(Relaxed), r.push.bytes_sent);
 }
 
 /// Issue 4: re-pushing an unchanged directory re-packed all of it before finding nothing to
