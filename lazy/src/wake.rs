@@ -28,10 +28,10 @@ pub const WARM_FAULT_CONNECTIONS: usize = 3;
 /// of it in flight).
 pub const WARM_BACKGROUND_CONNECTIONS: usize = 2;
 /// The same for the client reading the image's metadata: beside the manifest's own
-/// connection (the config's next), one each for the index, the outboard's entries and the
-/// trace lookup, all read at once. One fewer and the last of them waits for a new
+/// connection (the config's next), one each for the index, the outboard's entries, the
+/// trace lookup and the lease, all at once. One fewer and the last of them waits for a new
 /// connection: a round trip more before the socket is bound.
-pub const WARM_METADATA_CONNECTIONS: usize = 3;
+pub const WARM_METADATA_CONNECTIONS: usize = 4;
 
 /// What a front end supplies to wake an image: how it reaches stores (its transport and
 /// credentials), how it names what fails, its policy's gate around the opening, and the

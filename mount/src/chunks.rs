@@ -159,7 +159,7 @@ const PUT_QUEUE: usize = 64;
 /// Fill requests in flight at most (the pacing window's bound, in chunks).
 pub const FILL_JOBS: usize = 8;
 /// Chunks fetched ahead of a reader that reads a file in order, at most.
-const READ_AHEAD: u64 = 8;
+const READ_AHEAD: u64 = 16;
 /// A read of at most this many bytes of a chunk nobody asked for before fetches only its
 /// slices from the source (one range request); a later miss in the chunk fetches it whole.
 const SOURCE_SLICE_MAX: u64 = 16 << 10;
