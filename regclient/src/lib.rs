@@ -196,6 +196,35 @@ pub(crate) fn count_transferred(n: u64) {
     TRANSFERRED.fetch_add(n, Ordering::Relaxed);
 }
 
+/// Whether a range's body is counted in [`bytes_transferred`] piece by piece as it arrives
+/// ([`count_as_bytes_arrive`]), not once it is whole.
+static COUNT_AS_ARRIVING: AtomicBool = AtomicBool::new(false);
+
+/// Count range bodies in [`bytes_transferred`] as their bytes arrive rather than once each
+/// is whole, for a progress bar someone watches: a pull's ranges are megabytes each, and a
+/// bar fed only whole ones stands still, then leaps. It costs zeroing the buffer a body is
+/// read into (otherwise the HTTP stack's own buffer is taken), so it is off unless asked.
+pub fn count_as_bytes_arrive(on: bool) {
+    COUNT_AS_ARRIVING.store(on, Ordering::Relaxed);
+}
+
+/// Fill `buf` from `body`, counting each piece in [`bytes_transferred`] as it arrives.
+fn read_counting(mut body: impl Read, buf: &mut [u8]) -> std::io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        match body.read(&mut buf[got..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => {
+                got += n;
+                count_transferred(n as u64);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// Redirects followed per request (reqwest's own default).
 const MAX_REDIRECTS: usize = 10;
 
@@ -905,6 +934,14 @@ impl BlobSource for RegistrySource {
             // Not the plain answer (a registry ignoring Range, an error status): the
             // general path reads this response and says what went wrong.
             Some(resp)
+        } else if COUNT_AS_ARRIVING.load(Ordering::Relaxed) {
+            let mut buf = vec![0u8; len];
+            match read_counting(resp, &mut buf) {
+                Ok(()) => return Ok(buf.into()),
+                // Cut short: the general path asks again, with its retries.
+                Err(e) => tracing::debug!("{what}: {e}; asking again"),
+            }
+            None
         } else {
             // The body as the HTTP stack collected it: one copy out of the socket's
             // buffers, where reading into a zeroed buffer of our own cost a memset and a
@@ -1011,6 +1048,57 @@ fn read_limited(resp: reqwest::blocking::Response, limit: u64, what: &str) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A range's body is counted as it arrives once a bar watches: half of it sent, the
+    /// rest held back, and the count has the half while the read still waits.
+    #[test]
+    fn regression_issue_39_range_bytes_count_as_they_arrive_when_a_bar_watches() {
+        use std::io::{BufRead, BufReader, Write};
+        const LEN: usize = 4 << 20;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            for c in l.incoming() {
+                let Ok(mut c) = c else { return };
+                let mut r = BufReader::new(c.try_clone().unwrap());
+                let mut target = String::new();
+                let mut line = String::new();
+                while r.read_line(&mut line).is_ok_and(|n| n > 2) {
+                    if target.is_empty() {
+                        target = line.clone();
+                    }
+                    line.clear();
+                }
+                if !target.contains("/blobs/") {
+                    let _ = c.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+                    continue;
+                }
+                let head =
+                    format!("HTTP/1.1 206 Partial Content\r\nContent-Length: {LEN}\r\nContent-Range: bytes 0-{}/{LEN}\r\nConnection: close\r\n\r\n", LEN - 1);
+                let body = vec![7u8; LEN];
+                let _ = c.write_all(head.as_bytes()).and_then(|()| c.write_all(&body[..LEN / 2])).and_then(|()| c.flush());
+                let _ = wait.recv();
+                let _ = c.write_all(&body[LEN / 2..]);
+                return;
+            }
+        });
+        count_as_bytes_arrive(true);
+        let c = RegistrySource::new(&addr, "vm/x", true, None).unwrap();
+        let before = bytes_transferred();
+        let reading = std::thread::spawn(move || c.read_range_unverified(&OciDigest::of(b"x"), 0, LEN));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while bytes_transferred() - before < (LEN / 2) as u64 {
+            assert!(Instant::now() < deadline, "the half that arrived was never counted: {}", bytes_transferred() - before);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(!reading.is_finished(), "the read waits for the rest");
+        go.send(()).unwrap();
+        let got = reading.join().unwrap().unwrap();
+        count_as_bytes_arrive(false);
+        assert_eq!(got.len(), LEN);
+        assert!(got.iter().all(|&b| b == 7));
+    }
 
     /// A tiny HTTP/1.1 server on 127.0.0.1 for tests: one request per connection
     /// (`Connection: close`), answered by `answer(method, target, authorization)` with

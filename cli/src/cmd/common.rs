@@ -387,12 +387,29 @@ pub fn progress_bar(total: u64, what: &str) -> Option<indicatif::ProgressBar> {
 /// so it ends at the total), and the rate beside it is the network's, from the body bytes
 /// the registry client moved ([`regclient::bytes_transferred`]) over the last few seconds.
 pub fn network_progress_bar(total: u64, what: &str) -> Option<indicatif::ProgressBar> {
+    bar_with_eta(total, what, RecentRate::eta())
+}
+
+/// [`network_progress_bar`] for a download (`pull`), redrawn four times a second: the time
+/// left is taken at the faster of the bar's rate and the network's. The bar moves when a range's chunks are verified
+/// (megabytes at a time), the network's count as bytes arrive, so it is the truer one
+/// while the link sets the pace; the bar's is while the chunks come from the cache.
+pub fn download_progress_bar(total: u64, what: &str) -> Option<indicatif::ProgressBar> {
+    let pb = bar_with_eta(total, what, RecentRate::eta_fastest())?;
+    // Redrawn four times a second: the rate and the estimate move while a range arrives.
+    pb.enable_steady_tick(Duration::from_millis(250));
+    Some(pb)
+}
+
+fn bar_with_eta(total: u64, what: &str, eta: RecentRate) -> Option<indicatif::ProgressBar> {
     let pb = progress_bar(total, what)?;
+    // Someone watches: range bodies are counted as they arrive, so the rate moves with them.
+    regclient::count_as_bytes_arrive(true);
     pb.set_style(
         indicatif::ProgressStyle::with_template("{msg:>8} [{bar:30}] {bytes}/{total_bytes} {net} eta {recent_eta}")
             .expect("valid template")
             .with_key("net", RecentRate::network())
-            .with_key("recent_eta", RecentRate::eta())
+            .with_key("recent_eta", eta)
             .progress_chars("=> "),
     );
     Some(pb)
@@ -416,6 +433,8 @@ pub fn upload_bar(what: &str) -> Option<indicatif::ProgressBar> {
 struct RecentRate {
     window: std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<(std::time::Instant, u64)>>>,
     shows: Shows,
+    /// For [`Shows::EtaFastest`]: the network's rate beside the bar's.
+    net: Option<Box<RecentRate>>,
 }
 
 /// What a [`RecentRate`] measures and shows.
@@ -425,6 +444,8 @@ enum Shows {
     Eta,
     /// [`regclient::bytes_transferred`]: bytes per second.
     Network,
+    /// What is left of the bar at the faster of its rate and the network's.
+    EtaFastest,
 }
 
 /// The rate is taken over this much of the recent past.
@@ -434,11 +455,15 @@ const MIN_RATE_SPAN: Duration = Duration::from_millis(500);
 
 impl RecentRate {
     fn eta() -> RecentRate {
-        RecentRate { window: Default::default(), shows: Shows::Eta }
+        RecentRate { window: Default::default(), shows: Shows::Eta, net: None }
     }
 
     fn network() -> RecentRate {
-        RecentRate { window: Default::default(), shows: Shows::Network }
+        RecentRate { window: Default::default(), shows: Shows::Network, net: None }
+    }
+
+    fn eta_fastest() -> RecentRate {
+        RecentRate { window: Default::default(), shows: Shows::EtaFastest, net: Some(Box::new(RecentRate::network())) }
     }
 
     /// Units per second between the oldest sample in the window and `(now, value)`, which
@@ -457,7 +482,16 @@ impl RecentRate {
     /// The time `left` takes at the recent rate of a position now at `pos`: `None` until
     /// there is a rate, or while nothing moves.
     fn eta_at(&self, now: std::time::Instant, pos: u64, left: u64) -> Option<Duration> {
-        let rate = self.rate(now, pos);
+        self.eta_with(now, pos, left, self.net.is_some().then(regclient::bytes_transferred))
+    }
+
+    /// [`eta_at`](Self::eta_at), the network's count given (`None`: the bar's rate alone).
+    fn eta_with(&self, now: std::time::Instant, pos: u64, left: u64, net_bytes: Option<u64>) -> Option<Duration> {
+        let net = self.net.as_ref().zip(net_bytes).and_then(|(n, b)| n.rate(now, b));
+        let rate = match (self.rate(now, pos), net) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
         if left == 0 {
             return Some(Duration::ZERO);
         }
@@ -476,7 +510,7 @@ impl indicatif::style::ProgressTracker for RecentRate {
     fn write(&self, state: &indicatif::ProgressState, w: &mut dyn std::fmt::Write) {
         let now = std::time::Instant::now();
         let _ = match self.shows {
-            Shows::Eta => match self.eta_at(now, state.pos(), state.len().unwrap_or(0).saturating_sub(state.pos())) {
+            Shows::Eta | Shows::EtaFastest => match self.eta_at(now, state.pos(), state.len().unwrap_or(0).saturating_sub(state.pos())) {
                 Some(d) => write!(w, "{}", indicatif::HumanDuration(d)),
                 None => write!(w, "?"),
             },
@@ -526,6 +560,23 @@ mod tests {
         // A stall empties the rate once the window has only the stall.
         assert_eq!(r.eta_at(t + Duration::from_secs(6), 153 << 20, 103 << 20), None);
         assert_eq!(r.eta_at(t + Duration::from_secs(7), 153 << 20, 0), Some(Duration::ZERO));
+    }
+
+    /// Issue 39: at 200 Mbit/s a pull's bar, moved only by whole 8 MiB ranges, stood still
+    /// and then said "eta 1 second" with 2.4 s left. Its estimate takes the network's
+    /// rate when that is the faster, and the bar's when the chunks come from the cache.
+    #[test]
+    fn regression_issue_39_a_downloads_eta_takes_the_faster_of_the_bars_and_the_networks_rate() {
+        let r = RecentRate::eta_fastest();
+        let t = std::time::Instant::now();
+        let at = |s: f64| t + Duration::from_secs_f64(s);
+        assert_eq!(r.eta_with(t, 0, 100 << 20, Some(0)), None);
+        // The bar has not moved; 20 MiB arrived in a second: 100 MiB left at 20 MiB/s.
+        assert_eq!(r.eta_with(at(1.0), 0, 100 << 20, Some(20 << 20)), Some(Duration::from_secs(5)));
+        // From the cache: the bar moves 50 MiB in a second, the network not at all.
+        let r = RecentRate::eta_fastest();
+        assert_eq!(r.eta_with(t, 0, 100 << 20, Some(7)), None);
+        assert_eq!(r.eta_with(at(1.0), 50 << 20, 50 << 20, Some(7)), Some(Duration::from_secs(1)));
     }
 
     #[test]

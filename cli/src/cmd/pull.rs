@@ -98,7 +98,7 @@ pub fn run(a: PullArgs) -> anyhow::Result<ExitCode> {
     let cache = a.cache.open()?;
     // The bar counts the data to fetch (from the registry, the cache or a file in place);
     // zero chunks are holes, written by nobody.
-    let pb = common::network_progress_bar(puller::data_bytes(&image), "pull");
+    let pb = common::download_progress_bar(puller::data_bytes(&image), "pull");
     let tick = |n: u64| {
         if let Some(pb) = &pb {
             pb.inc(n)
