@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 
-use imgfmt::{BlobSource, ChunkDigest, HashAlgo, Image, RetryPolicy, StoredAt};
+use imgfmt::{BlobSource, ChunkDigest, Image, RetryPolicy, StoredAt};
 use lazy::pacing::{Background, Class, Kind};
 use lazy::ChunkStore;
 use puller::ChunkCache;
@@ -152,8 +152,9 @@ impl Recent {
     }
 }
 
-/// Chunks a fetch put in the queue for the chunk cache's writer thread.
-type PutItem = (HashAlgo, ChunkDigest, Arc<VerifiedChunk>);
+/// Chunks a fetch put in the queue for the chunk cache's writer thread (all of the image's
+/// one hash).
+type PutItem = (ChunkDigest, Arc<VerifiedChunk>);
 /// Chunks waiting for the cache's writer at most: a read never waits for the disk.
 const PUT_QUEUE: usize = 64;
 /// Fill requests in flight at most (the pacing window's bound, in chunks).
@@ -211,24 +212,16 @@ impl Fetcher {
         let (puts, putter) = match &store {
             Some(st) => {
                 let (tx, rx) = sync_channel::<PutItem>(PUT_QUEUE);
-                let st = st.clone();
+                let (st, algo) = (st.clone(), image.config().hash);
                 let h = std::thread::Builder::new()
                     .name("mount-cache-put".into())
                     .spawn(move || {
                         while let Ok(first) = rx.recv() {
-                            // One put per batch (per hash: an image has one): the disk's
-                            // latency is paid once for all of them, not once per chunk.
+                            // One put per batch: the disk's latency is paid once for all
+                            // of them, not once per chunk.
                             let batch = imgfmt::work::batch_after(first, &rx, 32);
-                            let mut algos: Vec<HashAlgo> = Vec::new();
-                            for (a, _, _) in &batch {
-                                if !algos.contains(a) {
-                                    algos.push(*a);
-                                }
-                            }
-                            for algo in algos {
-                                let items: Vec<_> = batch.iter().filter(|(a, _, _)| *a == algo).map(|(_, d, c)| (*d, c.as_ref())).collect();
-                                ChunkStore::put_many(st.as_ref(), algo, &items);
-                            }
+                            let items: Vec<_> = batch.iter().map(|(d, c)| (*d, c.as_ref())).collect();
+                            ChunkStore::put_many(st.as_ref(), algo, &items);
                         }
                     })
                     .ok();
@@ -326,7 +319,7 @@ impl Fetcher {
     fn queue_put(&self, digest: ChunkDigest, c: &Arc<VerifiedChunk>, need: Need) {
         let puts = self.puts.lock().expect("poisoned");
         let Some(q) = puts.as_ref() else { return };
-        let item = (self.image.config().hash, digest, c.clone());
+        let item = (digest, c.clone());
         match need {
             // The fill's chunks all reach the cache: it is not on a reader's path.
             Need::Fill => {
@@ -423,10 +416,10 @@ fn load_outboards(image: &Image, src: &dyn BlobSource) {
 
 impl Fetcher {
     /// A reader reading a file in order (chunk `chunk` follows the one it read last, zero
-    /// chunks included) gets the next [`READ_AHEAD`] stored chunks fetched beside it, each on a thread of its own
-    /// as a reader's fetch (verified, into recent memory and the cache, counted against the
-    /// fill's window), so it waits about one round trip per [`READ_AHEAD`] chunks rather
-    /// than one per chunk.
+    /// chunks included) gets the next [`READ_AHEAD`] stored chunks fetched beside it, each
+    /// on a thread of its own as a reader's fetch (verified, into recent memory and the
+    /// cache, counted against the fill's window), so it waits about one round trip per
+    /// [`READ_AHEAD`] chunks rather than one per chunk.
     fn read_ahead(&self, file: usize, chunk: u64) {
         let prev = self.last_read.lock().expect("poisoned").insert(file, chunk);
         if prev.is_none_or(|p| p + 1 != chunk) {
@@ -586,7 +579,7 @@ impl Fetcher {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::path::Path;
     use std::time::{Duration, Instant};
 
@@ -596,13 +589,13 @@ mod tests {
 
     const MIB: usize = 1 << 20;
 
-    /// A layout holding a 4 MiB file of distinct bytes, packed with the defaults (1 MiB
-    /// chunks, raw, 4 KiB outboard slices), and the file's bytes.
-    fn packed(dir: &Path) -> (Arc<OciLayout>, Arc<Image>, Vec<u8>) {
+    /// A layout holding a `mib` MiB `vm.mem` of distinct bytes (no two chunks alike),
+    /// packed with the defaults (1 MiB chunks, raw, 4 KiB outboard slices), and its bytes.
+    pub(crate) fn packed_mib(dir: &Path, mib: usize) -> (Arc<OciLayout>, Arc<Image>, Vec<u8>) {
         let src = dir.join("src");
         std::fs::create_dir_all(&src).unwrap();
         let mut x = 7u64;
-        let data: Vec<u8> = (0..4 * MIB)
+        let data: Vec<u8> = (0..mib * MIB)
             .map(|_| {
                 x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 (x >> 56) as u8
@@ -613,6 +606,10 @@ mod tests {
         pusher::pack(&src, &layout, "v1", &Default::default()).unwrap();
         let image = Image::open(&layout, &layout.resolve_tag("v1").unwrap()).unwrap();
         (Arc::new(layout), Arc::new(image), data)
+    }
+
+    fn packed(dir: &Path) -> (Arc<OciLayout>, Arc<Image>, Vec<u8>) {
+        packed_mib(dir, 4)
     }
 
     fn fetcher(layout: &Arc<OciLayout>, image: &Arc<Image>, cache: Option<Arc<ChunkCache>>) -> Arc<Fetcher> {

@@ -84,8 +84,7 @@ pub fn run(served: &Weak<Served>, order: &[(usize, u64)], stop: &AtomicBool) {
         probes_done.store(true, Relaxed);
     });
     if let Some(served) = served.upgrade().filter(|_| !stop.load(Relaxed)) {
-        let report = served.chunks.pacing().map(|(bg, _)| bg.report());
-        let cuts = report.map_or(0, |r| r.cuts);
+        let cuts = pacing.as_ref().map_or(0, |(bg, _)| bg.report().cuts);
         tracing::info!("{}: fill done: {} chunks (pacing: {cuts} cuts)", served.name, order.len());
     }
 }
@@ -105,7 +104,7 @@ pub fn spawn(served: Arc<Served>, order: Vec<(usize, u64)>, stop: Arc<AtomicBool
 mod tests {
     use std::time::Instant;
 
-    use imgfmt::{BlobSource, OciLayout, RetryPolicy};
+    use imgfmt::{BlobSource, RetryPolicy};
     use puller::ChunkCache;
 
     use super::*;
@@ -114,20 +113,8 @@ mod tests {
     #[test]
     fn regression_issue_37_the_mount_fill_takes_every_chunk_through_the_pacing_window() {
         let t = tempfile::tempdir().unwrap();
-        let src_dir = t.path().join("src");
-        std::fs::create_dir_all(&src_dir).unwrap();
-        let mut x = 3u64;
-        let data: Vec<u8> = (0..6 << 20)
-            .map(|_| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                (x >> 56) as u8
-            })
-            .collect();
-        std::fs::write(src_dir.join("vm.mem"), &data).unwrap();
-        let layout = OciLayout::open_or_create(t.path().join("l")).unwrap();
-        pusher::pack(&src_dir, &layout, "v1", &Default::default()).unwrap();
-        let image = Arc::new(Image::open(&layout, &layout.resolve_tag("v1").unwrap()).unwrap());
-        let src: Arc<dyn BlobSource> = Arc::new(layout);
+        let (layout, image, _) = crate::chunks::tests::packed_mib(t.path(), 6);
+        let src: Arc<dyn BlobSource> = layout;
         let cache = Arc::new(ChunkCache::open(&t.path().join("cache"), 1 << 30).unwrap());
         let served = Arc::new(Served {
             name: "img".into(),

@@ -208,23 +208,6 @@ pub fn count_as_bytes_arrive(on: bool) {
     COUNT_AS_ARRIVING.store(on, Ordering::Relaxed);
 }
 
-/// Fill `buf` from `body`, counting each piece in [`bytes_transferred`] as it arrives.
-fn read_counting(mut body: impl Read, buf: &mut [u8]) -> std::io::Result<()> {
-    let mut got = 0;
-    while got < buf.len() {
-        match body.read(&mut buf[got..]) {
-            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => {
-                got += n;
-                count_transferred(n as u64);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
 /// Redirects followed per request (reqwest's own default).
 const MAX_REDIRECTS: usize = 10;
 
@@ -930,18 +913,12 @@ impl BlobSource for RegistrySource {
         let range = format!("bytes={offset}-{last}");
         let what = format!("range {range} of {d} from {}", self.describe());
         let resp = self.send_sized(&what, len as u64, &|c| c.get(&url).header(reqwest::header::RANGE, range.clone())).map_err(|e| self.source_err(e))?;
-        let first = if resp.status().as_u16() != 206 || resp.content_length() != Some(len as u64) {
-            // Not the plain answer (a registry ignoring Range, an error status): the
-            // general path reads this response and says what went wrong.
+        let plain = resp.status().as_u16() == 206 && resp.content_length() == Some(len as u64);
+        let first = if !plain || COUNT_AS_ARRIVING.load(Ordering::Relaxed) {
+            // Not the plain answer (a registry ignoring Range, an error status), or a bar
+            // watching: the general path reads this response piece by piece, counting
+            // each as it arrives, and says what went wrong.
             Some(resp)
-        } else if COUNT_AS_ARRIVING.load(Ordering::Relaxed) {
-            let mut buf = vec![0u8; len];
-            match read_counting(resp, &mut buf) {
-                Ok(()) => return Ok(buf.into()),
-                // Cut short: the general path asks again, with its retries.
-                Err(e) => tracing::debug!("{what}: {e}; asking again"),
-            }
-            None
         } else {
             // The body as the HTTP stack collected it: one copy out of the socket's
             // buffers, where reading into a zeroed buffer of our own cost a memset and a
