@@ -433,7 +433,7 @@ pub fn upload_bar(what: &str) -> Option<indicatif::ProgressBar> {
 struct RecentRate {
     window: std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<(std::time::Instant, u64)>>>,
     shows: Shows,
-    /// For [`Shows::EtaFastest`]: the network's rate beside the bar's.
+    /// For an estimate: the network's rate, taken instead of the bar's when faster.
     net: Option<Box<RecentRate>>,
 }
 
@@ -444,8 +444,6 @@ enum Shows {
     Eta,
     /// [`regclient::bytes_transferred`]: bytes per second.
     Network,
-    /// What is left of the bar at the faster of its rate and the network's.
-    EtaFastest,
 }
 
 /// The rate is taken over this much of the recent past.
@@ -463,7 +461,7 @@ impl RecentRate {
     }
 
     fn eta_fastest() -> RecentRate {
-        RecentRate { window: Default::default(), shows: Shows::EtaFastest, net: Some(Box::new(RecentRate::network())) }
+        RecentRate { window: Default::default(), shows: Shows::Eta, net: Some(Box::new(RecentRate::network())) }
     }
 
     /// Units per second between the oldest sample in the window and `(now, value)`, which
@@ -510,7 +508,7 @@ impl indicatif::style::ProgressTracker for RecentRate {
     fn write(&self, state: &indicatif::ProgressState, w: &mut dyn std::fmt::Write) {
         let now = std::time::Instant::now();
         let _ = match self.shows {
-            Shows::Eta | Shows::EtaFastest => match self.eta_at(now, state.pos(), state.len().unwrap_or(0).saturating_sub(state.pos())) {
+            Shows::Eta => match self.eta_at(now, state.pos(), state.len().unwrap_or(0).saturating_sub(state.pos())) {
                 Some(d) => write!(w, "{}", indicatif::HumanDuration(d)),
                 None => write!(w, "?"),
             },
