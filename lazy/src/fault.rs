@@ -523,8 +523,13 @@ impl Conn {
                     pool.send(key, Job::Slices(c, range))?;
                     // The whole chunk at once, beside the slice: the slice serves this
                     // fault in a round trip, the chunk the guest's next touches there
-                    // without another (installed when it arrives).
+                    // without another (installed when it arrives). Not while a working set
+                    // is replayed or on its way: it carries those touches, and whole chunks
+                    // beside it would be megabytes ahead of it on the link.
                     let whole = Key::Chunk(c);
+                    if self.ws.expected() {
+                        return Ok(());
+                    }
                     if let std::collections::hash_map::Entry::Vacant(e) = q.parked.entry(whole) {
                         e.insert(Vec::new());
                         pool.send(whole, Job::Chunk(c, cvs_to_read))?;

@@ -606,6 +606,9 @@ impl Daemon {
             tracing::info!("pid {}: replaying a working set of {} slices and {} zero chunks", pid, p.slices(), p.zero_chunks());
             conn.ws.arm(p);
         }
+        if plan.is_some() || late {
+            conn.ws.expect();
+        }
         let replayer = (plan.is_some() || late).then(|| {
             let (d, pid, i, ws, b, s, src) =
                 (self.clone(), pid, inst.clone(), conn.ws.clone(), bg.clone(), stop_prefetch.clone(), self.fetcher.background_source());
@@ -613,6 +616,15 @@ impl Daemon {
             let replaying = prefetch::Demand::replaying(demand);
             std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || {
                 let _replaying = replaying;
+                // However the replay ends (or never starts: no plan came), faults go back to
+                // fetching whole chunks.
+                struct Over(Arc<workingset::Pending>);
+                impl Drop for Over {
+                    fn drop(&mut self) {
+                        self.0.disarm();
+                    }
+                }
+                let _over = Over(ws.clone());
                 let p = match plan {
                     Some(p) => p,
                     None => {

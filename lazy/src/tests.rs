@@ -1036,6 +1036,51 @@ fn regression_issue_16_tampered_working_set_slice_is_never_installed() {
     assert_eq!(rep.poisoned_pages, 0);
 }
 
+/// Whether a connection of `d` has a working-set replay coming or running.
+fn replay_expected(d: &Daemon) -> bool {
+    d.conns.lock().unwrap().iter().filter_map(|w| w.upgrade()).any(|c| c.ws.expected())
+}
+
+/// Issue 37: while a working set is replayed or on its way, a fault outside it is served by
+/// its slice alone, not with its whole chunk beside it (those chunks were megabytes on the
+/// link ahead of the working set at wake); once the replay is over, a fault's whole chunk
+/// comes beside its slice again.
+#[test]
+fn regression_issue_37_a_fault_during_a_replay_fetches_its_slice_without_its_chunk() {
+    let (dir, mem, image) = distinct_image(24);
+    if Guest::new(&[(4096, 0)]).is_none() {
+        return;
+    }
+    let pages = scattered_pages();
+    record_working_set(dir.path(), &mem, &image, &pages, true);
+    let data = pages.iter().filter(|&&p| data_page(p)).count() as u64;
+    let guest = Guest::new(&[(mem.len(), 0)]).unwrap();
+    let (p0, _, _) = guest.regions[0];
+    // Every read takes 150 ms: the guest's first touch comes while the blob is in flight.
+    let src = slow(imgfmt::OciLayout::open(dir.path().join("layout")).unwrap(), Duration::from_millis(150));
+    let run = start(dir.path(), image.clone(), src.clone(), |o| o.stream_after = None, layout_traces(dir.path()));
+    let sock = guest.connect(&run.socket);
+    // Chunks 11 and 14 hold data and no page of the working set.
+    let (during, after) = (11 * 16 + 1, 14 * 16 + 1);
+    assert!(data_page(during) && data_page(after) && !pages.iter().any(|p| [11, 14].contains(&(p / 16))));
+    // The connection's replay is on its way (the blob's first read takes 150 ms).
+    wait_for("the connection's replay coming", || replay_expected(&run.daemon));
+    assert_eq!(guest.region(0)[during * 4096..(during + 1) * 4096], mem[during * 4096..(during + 1) * 4096]);
+    wait_for("the working set installed", || metric(&run.daemon, "snapctl_lazy_working_set_slices_total") == data);
+    wait_for("the replay over", || !replay_expected(&run.daemon));
+    assert_eq!(guest.region(0)[after * 4096..(after + 1) * 4096], mem[after * 4096..(after + 1) * 4096]);
+    wait_for("the whole chunk beside the fault after the replay", || resident(p0, mem.len())[after + 1]);
+    let present = resident(p0, mem.len());
+    assert!(!present[during + 1], "no whole chunk was fetched beside the fault during the replay");
+    for p in [during + 1, after + 1] {
+        assert_eq!(guest.region(0)[p * 4096..(p + 1) * 4096], mem[p * 4096..(p + 1) * 4096], "page {p}");
+    }
+    drop(sock);
+    let rep = run.reports.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(rep.working_set_slices, data, "{rep:?}");
+    assert_eq!((rep.verify_failures, rep.poisoned_pages), (0, 0));
+}
+
 /// The worked example of spec/lazy.md "Prefetch and traces": the trace JSON and the
 /// working-set blob a recording restore stores for a guest touching pages 157, 13, 333 (data)
 /// and 20 (zero chunk 1) of the 64 KiB-chunk sample, byte for byte.

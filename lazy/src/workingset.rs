@@ -140,6 +140,9 @@ impl Plan {
 pub(crate) struct Pending {
     bits: Mutex<Vec<u64>>,
     active: AtomicBool,
+    /// A replay is on its way or running ([`expect`](Pending::expect) until
+    /// [`disarm`](Pending::disarm)).
+    expected: AtomicBool,
 }
 
 /// The word and bit of file offset `at` in [`Pending`].
@@ -163,8 +166,22 @@ impl Pending {
         self.active.store(true, Ordering::Relaxed);
     }
 
-    /// Undo [`arm`](Self::arm): faults on the working set fetch for themselves.
+    /// A replay is coming (its plan may still be on its way): until [`disarm`](Self::disarm),
+    /// a fault's slice goes without its whole chunk beside it, as the working set carries
+    /// the guest's next touches there.
+    pub fn expect(&self) {
+        self.expected.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a replay is coming or running.
+    pub fn expected(&self) -> bool {
+        self.expected.load(Ordering::Relaxed)
+    }
+
+    /// Undo [`arm`](Self::arm) and [`expect`](Self::expect): faults on the working set
+    /// fetch for themselves.
     pub fn disarm(&self) {
+        self.expected.store(false, Ordering::Relaxed);
         self.active.store(false, Ordering::Relaxed);
         *self.bits.lock().expect("poisoned") = Vec::new();
     }
