@@ -5,8 +5,9 @@
 #
 #   bash bench/mount.sh                  1 GiB image; N = 1 2 4 8 16 64; 3 runs of the read race
 #   bash bench/mount.sh --quick          64 MiB, N = 1 2 4, 1 run: a smoke test, not a result
+#   bash bench/mount.sh --warm-only      the warm cases only (1 GiB unless --size)
 #
-# Options: --size SIZE  --ns "1 2 4"  --lazy-ns "1 2"  --runs N  --clones N  --keep
+# Options: --size SIZE  --ns "1 2 4"  --lazy-ns "1 2"  --runs N  --clones N  --warm-only  --keep
 # (--lazy-ns "" --clones 0 --runs 0: the flatten cases only)
 #
 # Measures (source: an OCI layout on local disk; fresh chunk cache per case):
@@ -23,9 +24,16 @@
 #               `snapctl pull` of the image to a directory: median of --runs, ratio (from
 #               `snapctl mount` to `snapctl umount` answered, and of the reads alone; the
 #               daemon's exit, after it wrote its queued chunks to the cache, beside).
-#   warm        a new mount over a warm chunk cache (completed by a mount's fill first):
-#               sequential read of vm.mem (GB/s, every read through the daemon); then 4 KiB
-#               random reads (pread, one page cache miss each: a new mount) p50/p99 µs.
+#   warm        a new mount over a warm chunk cache (completed by a mount's fill first),
+#               --passthrough off: sequential read of vm.mem (GB/s, every read through the
+#               daemon); then 4 KiB random reads (pread, one page cache miss each: a new
+#               mount) p50/p99 µs.
+#   passthrough a mount whose fill and whole-file copies are done (--prefetch all): vm.mem
+#               read whole through the mount (FUSE passthrough) against a direct read of
+#               its copy in the cache's mount-files/, alternating, the page cache dropped
+#               before each (echo 3 > /proc/sys/vm/drop_caches): medians of 3 (GB/s) and
+#               their ratio; then 4 KiB random reads through the mount and of the copy
+#               (page cache dropped first, pread, POSIX_FADV_RANDOM) p50/p99 µs.
 #
 # Output: JSON lines in bench/results/mount-DATE.jsonl and a summary on stdout. Needs root
 # and /dev/fuse, python3. SNAPCTL / FAKE_VMM pick binaries (default target/debug: the dev
@@ -33,7 +41,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-SIZE=1GiB NS="1 2 4 8 16 64" LAZY_NS="1 2 4 8" RUNS=3 CLONES=8 KEEP=0 WRITE_PCT=1.7
+SIZE=1GiB NS="1 2 4 8 16 64" LAZY_NS="1 2 4 8" RUNS=3 CLONES=8 KEEP=0 WRITE_PCT=1.7 WARM_ONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) SIZE=64MiB; NS="1 2 4"; LAZY_NS="1 2"; RUNS=1; CLONES=2 ;;
@@ -43,6 +51,7 @@ while [ $# -gt 0 ]; do
     --runs) RUNS=$2; shift ;;
     --clones) CLONES=$2; shift ;;
     --keep) KEEP=1 ;;
+    --warm-only) WARM_ONLY=1; NS=""; LAZY_NS=""; CLONES=0 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "mount.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -52,7 +61,7 @@ TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
 export SNAPCTL=${SNAPCTL:-$TARGET/debug/snapctl} FAKE_VMM=${FAKE_VMM:-$TARGET/debug/fake_vmm}
 [ -x "$SNAPCTL" ] && [ -x "$FAKE_VMM" ] || { echo "mount.sh: build snapctl and fake_vmm first" >&2; exit 2; }
 WORK=$(mktemp -d /var/tmp/snapctl-mount-bench.XXXXXX)
-export WORK SIZE NS LAZY_NS RUNS CLONES WRITE_PCT
+export WORK SIZE NS LAZY_NS RUNS CLONES WRITE_PCT WARM_ONLY
 export OUT="$ROOT/bench/results/mount-$(date -u +%F).jsonl"
 cleanup() {
   for d in "$WORK"/m-*; do mountpoint -q "$d" 2>/dev/null && "$SNAPCTL" umount --lazy "$d" >/dev/null 2>&1; done
@@ -65,6 +74,7 @@ import glob, json, os, random, shutil, statistics, subprocess, time
 
 W, SN, VMM, OUT = os.environ["WORK"], os.environ["SNAPCTL"], os.environ["FAKE_VMM"], os.environ["OUT"]
 SIZE, RUNS, CLONES, PCT = os.environ["SIZE"], int(os.environ["RUNS"]), int(os.environ["CLONES"]), float(os.environ["WRITE_PCT"])
+WARM_ONLY = os.environ["WARM_ONLY"] == "1"
 NS = [int(x) for x in os.environ["NS"].split()]
 LAZY_NS = [int(x) for x in os.environ["LAZY_NS"].split()]
 ENV = dict(os.environ, SNAPCTL_MOUNT_HOST=f"{W}/host")
@@ -259,10 +269,10 @@ def read_all(d):
 
 
 # 4. every file whole through a cold mount vs snapctl pull.
-if RUNS == 0:
+if RUNS == 0 and not WARM_ONLY:
     raise SystemExit(0)
 mt, rt, pt, xt = [], [], [], []
-for r in range(RUNS):
+for r in range(0 if WARM_ONLY else RUNS):
     shutil.rmtree(f"{W}/cache-r", ignore_errors=True)
     t = time.time()
     m = Mount(REF, f"r{r}", f"{W}/cache-r", [])
@@ -278,19 +288,20 @@ for r in range(RUNS):
     t = time.time()
     sh(SN, "pull", REF, f"{W}/pulled", "--cache", f"{W}/cache-p")
     pt.append(time.time() - t)
-emit({"case": "read_all_cold", "mount_s": [round(x, 2) for x in mt], "read_s": [round(x, 2) for x in rt], "pull_s": [round(x, 2) for x in pt],
-      "daemon_exit_s": [round(x, 2) for x in xt],
-      "median_ratio": round(statistics.median(mt) / statistics.median(pt), 2), "median_ratio_reads_only": round(statistics.median(rt) / statistics.median(pt), 2)})
+if not WARM_ONLY:
+    emit({"case": "read_all_cold", "mount_s": [round(x, 2) for x in mt], "read_s": [round(x, 2) for x in rt], "pull_s": [round(x, 2) for x in pt],
+         "daemon_exit_s": [round(x, 2) for x in xt],
+         "median_ratio": round(statistics.median(mt) / statistics.median(pt), 2), "median_ratio_reads_only": round(statistics.median(rt) / statistics.median(pt), 2)})
 
 # 5. warm: chunk cache warm (a mount's fill completed it: the reads above skip the cache
 # when its disk is behind), page cache of a new mount cold.
-m = Mount(REF, "w0", f"{W}/cache-r", [])
+m = Mount(REF, "w0", f"{W}/cache-r", ["--passthrough", "off"])
 deadline = time.time() + 600
 while "fill done" not in open(m.log).read():
     assert time.time() < deadline and m.p.poll() is None, open(m.log).read()
     time.sleep(0.1)
 m.umount()
-m = Mount(REF, "w", f"{W}/cache-r", ["--prefetch", "none"])
+m = Mount(REF, "w", f"{W}/cache-r", ["--prefetch", "none", "--passthrough", "off"])
 t = time.time()
 with open(f"{m.dir}/vm.mem", "rb", buffering=0) as f:
     n = 0
@@ -298,7 +309,7 @@ with open(f"{m.dir}/vm.mem", "rb", buffering=0) as f:
         n += len(b)
 seq = n / (time.time() - t) / 1e9
 m.umount()
-m = Mount(REF, "w2", f"{W}/cache-r", ["--prefetch", "none"])
+m = Mount(REF, "w2", f"{W}/cache-r", ["--prefetch", "none", "--passthrough", "off"])
 fd = os.open(f"{m.dir}/vm.mem", os.O_RDONLY)
 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
 lat = []
@@ -313,4 +324,57 @@ lat.sort()
 emit({"case": "warm", "seq_gb_s": round(seq, 2), "rand4k_p50_us": round(lat[len(lat) // 2], 1), "rand4k_p99_us": round(lat[int(len(lat) * 0.99)], 1),
       "daemon_read_p99_us": rep.get("read_latency_us", {}).get("p99"), "passthrough_files": rep.get("passthrough_files"),
       "cache_slice_reads": rep.get("cache_slice_reads"), "fetched_chunks": rep.get("fetched_chunks")})
+
+
+# 6. passthrough: the same warm cache, a mount that has copied vm.mem whole.
+def drop_caches():
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def seq_read(path):
+    drop_caches()
+    t = time.time()
+    n = 0
+    with open(path, "rb", buffering=0) as f:
+        while b := f.read(1 << 20):
+            n += len(b)
+    assert n == MEM, (path, n)
+    return n / (time.time() - t) / 1e9
+
+
+def rand_reads(path, seed):
+    drop_caches()
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    lat = []
+    for pg in random.Random(seed).sample(range(PAGES), min(4000, PAGES)):
+        t = time.perf_counter_ns()
+        os.pread(fd, 4096, pg * 4096)
+        lat.append((time.perf_counter_ns() - t) / 1000)
+    os.close(fd)
+    lat.sort()
+    return round(lat[len(lat) // 2], 1), round(lat[int(len(lat) * 0.99)], 1)
+
+
+m = Mount(REF, "pt", f"{W}/cache-r", ["--prefetch", "all"])
+deadline = time.time() + 600
+while "vm.mem: complete: later opens are served by FUSE passthrough" not in open(m.log).read():
+    assert time.time() < deadline and m.p.poll() is None, open(m.log).read()
+    time.sleep(0.1)
+copy = [c for c in glob.glob(f"{W}/cache-r/mount-files/*/*") if os.path.getsize(c) == MEM]
+assert len(copy) == 1, copy
+mnt, direct = [], []
+for r in range(3):
+    mnt.append(seq_read(f"{m.dir}/vm.mem"))
+    direct.append(seq_read(copy[0]))
+mp50, mp99 = rand_reads(f"{m.dir}/vm.mem", 6)
+dp50, dp99 = rand_reads(copy[0], 6)
+rep = m.umount()
+emit({"case": "warm_passthrough", "seq_gb_s": [round(x, 2) for x in mnt], "copy_seq_gb_s": [round(x, 2) for x in direct],
+      "median_seq_gb_s": round(statistics.median(mnt), 2), "median_copy_seq_gb_s": round(statistics.median(direct), 2),
+      "seq_ratio": round(statistics.median(mnt) / statistics.median(direct), 3),
+      "rand4k_p50_us": mp50, "rand4k_p99_us": mp99, "copy_rand4k_p50_us": dp50, "copy_rand4k_p99_us": dp99,
+      "passthrough_files": rep.get("passthrough_files"), "daemon_reads": rep.get("reads"), "passthrough_refused": rep.get("passthrough_refused")})
 PY

@@ -111,6 +111,14 @@ pub trait ChunkSource: Send + Sync {
         None
     }
     fn counters(&self) -> &FetchCounters;
+    /// Whether every stored chunk of file `file` is in the host's chunk cache (by name:
+    /// each is re-hashed when it is read), so the whole file can be read without a fetch.
+    fn complete(&self, _file: usize) -> bool {
+        false
+    }
+    /// Wait, a bounded time, until the chunks queued for the host's chunk cache are written
+    /// (so that [`complete`](Self::complete) sees what the fill brought).
+    fn settle(&self) {}
     /// Verified bytes `within .. within + out.len()` of the chunk, copied into `out`. A
     /// source that can check part of a chunk (against its outboard slices) may read only
     /// that part; by default the whole chunk is read.
@@ -157,6 +165,10 @@ impl Recent {
 type PutItem = (ChunkDigest, Arc<VerifiedChunk>);
 /// Chunks waiting for the cache's writer at most: a read never waits for the disk.
 const PUT_QUEUE: usize = 64;
+/// How long [`ChunkSource::settle`] waits for the cache's writer at most.
+const SETTLE_MAX: std::time::Duration = std::time::Duration::from_secs(60);
+/// Chunks queued for the cache's writer and not written yet, with a wake-up for `settle`.
+type Pending = Arc<(Mutex<u64>, Condvar)>;
 /// Fill requests in flight at most (the pacing window's bound, in chunks).
 pub const FILL_JOBS: usize = 8;
 /// Chunks fetched ahead of a reader that reads a file in order, at most.
@@ -172,6 +184,7 @@ pub struct Fetcher {
     store: Option<Arc<ChunkCache>>,
     puts: Mutex<Option<SyncSender<PutItem>>>,
     putter: Mutex<Option<std::thread::JoinHandle<()>>>,
+    pending: Pending,
     policy: RetryPolicy,
     inflight: Mutex<HashMap<ChunkDigest, Arc<Flight>>>,
     recent: Mutex<Recent>,
@@ -209,10 +222,11 @@ impl Fetcher {
     /// what readers read; this serves the rest of a chunk a read fetched for part of it).
     /// The image's outboards are read here, before it is shown.
     pub fn new(image: Arc<Image>, src: Arc<dyn BlobSource>, store: Option<Arc<ChunkCache>>, policy: RetryPolicy, memory_bytes: u64) -> Arc<Fetcher> {
+        let pending = Pending::default();
         let (puts, putter) = match &store {
             Some(st) => {
                 let (tx, rx) = sync_channel::<PutItem>(PUT_QUEUE);
-                let (st, algo) = (st.clone(), image.config().hash);
+                let (st, algo, pending) = (st.clone(), image.config().hash, pending.clone());
                 let h = std::thread::Builder::new()
                     .name("mount-cache-put".into())
                     .spawn(move || {
@@ -222,6 +236,10 @@ impl Fetcher {
                             let batch = imgfmt::work::batch_after(first, &rx, 32);
                             let items: Vec<_> = batch.iter().map(|(d, c)| (*d, c.as_ref())).collect();
                             ChunkStore::put_many(st.as_ref(), algo, &items);
+                            let (n, cv) = &*pending;
+                            let mut n = n.lock().expect("poisoned");
+                            *n = n.saturating_sub(items.len() as u64);
+                            cv.notify_all();
                         }
                     })
                     .ok();
@@ -244,6 +262,7 @@ impl Fetcher {
             store,
             puts: Mutex::new(puts),
             putter: Mutex::new(putter),
+            pending,
             policy,
             inflight: Mutex::new(HashMap::new()),
             recent: Mutex::new(Recent { map: HashMap::new(), order: VecDeque::new(), bytes: 0, limit: memory_bytes }),
@@ -320,19 +339,27 @@ impl Fetcher {
         let puts = self.puts.lock().expect("poisoned");
         let Some(q) = puts.as_ref() else { return };
         let item = (digest, c.clone());
-        match need {
+        // Counted before it is sent: the writer may be done with it before `send` returns.
+        *self.pending.0.lock().expect("poisoned") += 1;
+        let sent = match need {
             // The fill's chunks all reach the cache: it is not on a reader's path.
             Need::Fill => {
                 let q = q.clone();
                 drop(puts);
-                let _ = q.send(item);
+                q.send(item).is_ok()
             }
             // A reader's chunk is skipped when the disk is behind.
-            Need::Read => {
-                if let Err(TrySendError::Disconnected(_)) = q.try_send(item) {
+            Need::Read => match q.try_send(item) {
+                Ok(()) => true,
+                Err(TrySendError::Full(_)) => false,
+                Err(TrySendError::Disconnected(_)) => {
                     tracing::debug!("chunk cache writer gone");
+                    false
                 }
-            }
+            },
+        };
+        if !sent {
+            *self.pending.0.lock().expect("poisoned") -= 1;
         }
     }
 }
@@ -387,6 +414,25 @@ impl ChunkSource for Fetcher {
 
     fn counters(&self) -> &FetchCounters {
         &self.counters
+    }
+
+    fn settle(&self) {
+        let (n, cv) = &*self.pending;
+        let deadline = std::time::Instant::now() + SETTLE_MAX;
+        let mut left = n.lock().expect("poisoned");
+        while *left > 0 {
+            let wait = deadline.saturating_duration_since(std::time::Instant::now());
+            if wait.is_zero() {
+                return;
+            }
+            left = cv.wait_timeout(left, wait).expect("poisoned").0;
+        }
+    }
+
+    fn complete(&self, file: usize) -> bool {
+        let Some(store) = &self.store else { return false };
+        let algo = self.image.config().hash;
+        self.image.files[file].chunks.iter().filter(|c| c.at != StoredAt::Zero).all(|c| store.contains_unverified(algo, &c.digest))
     }
 
     /// A read of part of a stored chunk that is not in recent memory reads only the slices

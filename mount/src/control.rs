@@ -4,10 +4,10 @@
 //! <host>.sock  (mode 0600, bound in a private directory then moved into place; every
 //!               peer's SO_PEERCRED uid must be the daemon's before a byte is read)
 //!   {"op":"add","reference":"oci:/l@sha256:…","dir":"/srv/vm1","prefetch":"trace"}
-//!        -> {"ok":true,"name":"sha256:…"}
+//!        -> {"ok":true,"name":"sha256:…","passthrough":"on"}
 //!   {"op":"remove","dir":"/srv/vm1","busy":"refuse|wait|detach"} -> {"ok":true,"report":{…}}
 //!   {"op":"wait","dir":"/srv/vm1"}  -> answered when that DIR is unmounted: {"ok":true,"report":{…}}
-//!   {"op":"status"}                 -> {"ok":true,"binds":[{"dir":…,"name":…,"open_files":N}]}
+//!   {"op":"status"}                 -> {"ok":true,"binds":[{"dir":…,"name":…,"open_files":N}],"passthrough":"on"}
 //!   any failure                     -> {"ok":false,"error":"one line"}
 //! ```
 
@@ -65,6 +65,9 @@ pub struct Response {
     pub report: Option<Report>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub binds: Vec<BindStatus>,
+    /// The host mount's passthrough: `on`, or `off: why` (the host's, whoever asks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub passthrough: Option<String>,
 }
 
 impl Response {

@@ -14,7 +14,7 @@
 //! ```
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, Weak};
+use std::sync::Weak;
 
 use imgfmt::{Image, StoredAt};
 use lazy::{PrefetchMode, Trace};
@@ -89,20 +89,11 @@ pub fn run(served: &Weak<Served>, order: &[(usize, u64)], stop: &AtomicBool) {
     }
 }
 
-/// [`run`] on a thread of its own.
-pub fn spawn(served: Arc<Served>, order: Vec<(usize, u64)>, stop: Arc<AtomicBool>) {
-    if order.is_empty() {
-        return;
-    }
-    let (name, served) = (served.name.clone(), Arc::downgrade(&served));
-    if let Err(e) = std::thread::Builder::new().name("mount-fill".into()).spawn(move || run(&served, &order, &stop)) {
-        tracing::warn!("{name}: no fill (cannot start its thread: {e})");
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::time::Instant;
+
+    use std::sync::Arc;
 
     use imgfmt::{BlobSource, RetryPolicy};
     use puller::ChunkCache;

@@ -8,7 +8,7 @@
 //! add DIR:    DIR checked -> image into the tree -> bind <host>/<name> onto DIR
 //! remove DIR: files open? refuse | wait | detach -> umount DIR -> tree: one bind fewer
 //! the last DIR gone (or the host mount unmounted under it): the daemon ends, the host
-//!             mount and the socket removed
+//!             mount, the socket and the whole-file copies removed
 //! ```
 
 use std::collections::BTreeMap;
@@ -28,7 +28,7 @@ use puller::ChunkCache;
 use crate::control::{self, BindStatus, Busy, Request, Response};
 use crate::fs::{MountFs, Shared};
 use crate::target::{self, TargetError};
-use crate::{fill, io_err, Fetcher, MountError, Report, Served};
+use crate::{copies, fill, io_err, Fetcher, MountError, Report, Served};
 
 /// How the host daemon runs.
 #[derive(Debug, Clone)]
@@ -41,11 +41,34 @@ pub struct HostOptions {
     pub memory_bytes: u64,
     /// How long a read may wait for a failing source before it gets `EIO`.
     pub retry: RetryPolicy,
+    /// Whether complete files are served through FUSE passthrough.
+    pub passthrough: Passthrough,
+}
+
+/// Whether a file complete in the chunk cache is copied whole and its opens served by
+/// FUSE passthrough (the kernel reads the copy), or every read goes through the daemon.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Passthrough {
+    /// Where the kernel offers it (Linux 6.9 or later) and there is a chunk cache.
+    #[default]
+    Auto,
+    Off,
+}
+
+impl std::str::FromStr for Passthrough {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Passthrough, String> {
+        match s {
+            "auto" => Ok(Passthrough::Auto),
+            "off" => Ok(Passthrough::Off),
+            _ => Err(format!("{s:?}: expected auto or off")),
+        }
+    }
 }
 
 impl HostOptions {
     pub fn new(dir: PathBuf) -> HostOptions {
-        HostOptions { dir, threads: 16, memory_bytes: 64 << 20, retry: RetryPolicy::stall(Duration::from_secs(60)) }
+        HostOptions { dir, threads: 16, memory_bytes: 64 << 20, retry: RetryPolicy::stall(Duration::from_secs(60)), passthrough: Passthrough::Auto }
     }
 
     /// `$SNAPCTL_MOUNT_HOST`, else `/run/snapctl/mount` for root, else
@@ -124,7 +147,7 @@ impl Host {
             return Err(MountError::Refused(format!("{}: a host mount daemon already answers there", socket.display())));
         }
         detach_dead(dir);
-        let shared = Shared::new();
+        let shared = Shared::new(copies_for(opts.passthrough, store.as_deref()));
         let mut config = Config::default();
         config.mount_options = vec![
             MountOption::FSName("snapctl".into()),
@@ -210,7 +233,7 @@ impl Host {
             if !order.is_empty() {
                 tracing::info!("{name}: filling the chunk cache: {} chunks, {traced} of them first from its trace", order.len());
             }
-            fill::spawn(served, order, self.stop_fill.clone());
+            self.background(served, order);
         }
         tracing::info!("{} ({}) shown in {}", name, o.reference, dir.display());
         Ok(name)
@@ -247,7 +270,11 @@ impl Host {
         unmount(&dir, flags)?;
         let bind = self.binds.lock().expect("poisoned").remove(&dir).expect("bound");
         let report = bind.served.report(&dir.display().to_string());
-        self.shared.tree_mut().remove(&bind.name);
+        let gone = self.shared.tree_mut().remove(&bind.name).is_some();
+        if let (true, Some(copies)) = (gone, self.shared.copies()) {
+            let tree = self.shared.tree();
+            copies.retain(|id| tree.holds(id));
+        }
         tracing::info!("{} unmounted from {}", bind.name, dir.display());
         self.removed.lock().expect("poisoned").insert(dir, report.clone());
         self.retire(bind);
@@ -353,7 +380,34 @@ impl Host {
         for h in std::mem::take(&mut *self.retiring.lock().expect("poisoned")) {
             let _ = h.join();
         }
+        self.shared.clear_copies();
         self.changed.notify_all();
+    }
+
+    /// Whether passthrough is on, or why not (`off: …`).
+    pub fn passthrough(&self) -> String {
+        self.shared.passthrough_state()
+    }
+
+    /// The fill of a newly presented image on a thread of its own, then the whole-file
+    /// copies of its files complete in the chunk cache (with passthrough on).
+    fn background(&self, served: Arc<Served>, order: Vec<(usize, u64)>) {
+        let (stop, shared, name) = (self.stop_fill.clone(), self.shared.clone(), served.name.clone());
+        if order.is_empty() && shared.copies().is_none() {
+            return;
+        }
+        let served = Arc::downgrade(&served);
+        let spawned = std::thread::Builder::new().name("mount-fill".into()).spawn(move || {
+            if !order.is_empty() {
+                fill::run(&served, &order, &stop);
+            }
+            if let Some(copies) = shared.copies() {
+                copies::make_complete(&shared.tree, copies, &served, &stop);
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!("{name}: no fill and no whole-file copies (cannot start their thread: {e})");
+        }
     }
 
     /// Accept control connections on a thread of their own, each request on its own thread.
@@ -388,7 +442,8 @@ impl Host {
     }
 
     fn handle(&self, r: Request) -> Response {
-        let ok = |name: Option<String>, report: Option<Report>| Response { ok: true, name, report, ..Response::default() };
+        let ok =
+            |name: Option<String>, report: Option<Report>| Response { ok: true, name, report, passthrough: Some(self.passthrough()), ..Response::default() };
         match r {
             Request::Add { reference, dir, prefetch } => {
                 let mode = match prefetch.parse::<PrefetchMode>() {
@@ -402,8 +457,22 @@ impl Host {
             }
             Request::Remove { dir, busy } => self.remove(&dir, busy).map_or_else(Response::failed, |r| ok(None, Some(r))),
             Request::Wait { dir } => self.wait(&dir).map_or_else(Response::failed, |r| ok(None, Some(r))),
-            Request::Status => Response { ok: true, binds: self.status(), ..Response::default() },
+            Request::Status => Response { ok: true, binds: self.status(), passthrough: Some(self.passthrough()), ..Response::default() },
         }
+    }
+}
+
+/// The host's whole-file copies, in the chunk cache's directory (a killed daemon's swept
+/// first), or why there are none and passthrough is off.
+fn copies_for(mode: Passthrough, store: Option<&ChunkCache>) -> Result<copies::Copies, String> {
+    let swept = store.map_or(0, |s| copies::sweep(s.root()));
+    if swept > 0 {
+        tracing::info!("removed the whole-file copies of {swept} host daemon(s) that are gone");
+    }
+    match (mode, store) {
+        (Passthrough::Off, _) => Err("--passthrough off".into()),
+        (Passthrough::Auto, None) => Err("no chunk cache (--no-cache): no file is ever complete".into()),
+        (Passthrough::Auto, Some(s)) => copies::Copies::start(s.root()).map_err(|e| format!("no place for whole-file copies: {e}")),
     }
 }
 

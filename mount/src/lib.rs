@@ -15,6 +15,8 @@
 //!        recent memory -> chunk cache -> source (single-flight, retried, verified twice
 //!        at most) -> bytes;  no verified bytes -> EIO for that read, logged by chunk
 //!   fill (background): trace order, then file order, yielding to reads -> chunk cache
+//!   copies (after the fill): a file complete in the chunk cache -> a whole-file copy;
+//!        later opens of it -> FUSE passthrough: the kernel reads the copy, not the daemon
 //! ```
 //!
 //! | module | its one job |
@@ -27,14 +29,17 @@
 //! | [`read`] | the bytes of a read: files, a clone's own pages and their map, from chunks |
 //! | [`chunks`] | verified chunks of one image (the seam to the page server's fetcher) |
 //! | [`fill`] | the background fill of the chunk cache |
+//! | [`copies`] | whole-file copies of complete files, for passthrough: made, kept, swept |
 //! | [`target`] | checks of DIR and of the host before anything is mounted; finding a DIR's image |
 //!
-//! Who calls whom: `host` drives `fs` (through fuser), `control` and `fill`; `fs` reads
-//! through `read`, which asks `chunks`; `tree` is data that `host` changes and `fs` reads.
+//! Who calls whom: `host` drives `fs` (through fuser), `control`, `fill` and `copies`; `fs`
+//! reads through `read`, which asks `chunks`, and opens copies through `copies`, which
+//! writes them from `chunks`; `tree` is data that `host` changes and `fs` and `copies` read.
 //! The wire contract, the clone layout and the life cycle are in `spec/mount.md`.
 
 pub mod chunks;
 pub mod control;
+pub mod copies;
 pub mod fill;
 pub mod fs;
 pub mod host;
@@ -49,7 +54,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 pub use chunks::{ChunkSource, Fetcher, Need};
-pub use host::{Host, HostOptions, Opened, Opener};
+pub use host::{Host, HostOptions, Opened, Opener, Passthrough};
 
 /// Reads of one image through the mount.
 #[derive(Default)]
@@ -59,8 +64,11 @@ pub struct ReadCounters {
     pub bytes_read: AtomicU64,
     /// Reads answered with EIO (a chunk under them had no verified bytes).
     pub read_failures: AtomicU64,
-    /// Files opened through FUSE passthrough.
+    /// Opens served by FUSE passthrough (the kernel reads the whole-file copy).
     pub passthrough_files: AtomicU64,
+    /// Opens of a file with a whole-file copy that the kernel refused to take as a backing
+    /// file (served through the daemon instead).
+    pub passthrough_refused: AtomicU64,
     pub latency: lazy::stats::Histogram,
 }
 
@@ -95,7 +103,12 @@ pub struct Report {
     pub verify_failures: u64,
     pub read_failures: u64,
     pub retries: u64,
+    /// Opens served by FUSE passthrough: the kernel read the file's whole-file copy, and
+    /// none of their reads is in `reads`.
     pub passthrough_files: u64,
+    /// Opens that would have been served by passthrough but the kernel refused the copy.
+    #[serde(default)]
+    pub passthrough_refused: u64,
     /// Chunks the background fill brought into the chunk cache.
     pub filled_chunks: u64,
     /// Reads served from part of a cached chunk, checked slice by slice.
@@ -137,6 +150,7 @@ impl Served {
             read_failures: c.read_failures.load(Relaxed),
             retries: sum(&|x| &x.retries),
             passthrough_files: c.passthrough_files.load(Relaxed),
+            passthrough_refused: c.passthrough_refused.load(Relaxed),
             filled_chunks: sum(&|x| &x.filled_chunks),
             cache_slice_reads: sum(&|x| &x.cache_slice_reads),
             fetched_slice_reads: sum(&|x| &x.fetched_slice_reads),

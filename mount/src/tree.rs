@@ -58,10 +58,19 @@ pub struct Attr {
     pub mtime: SystemTime,
 }
 
+/// What a file's bytes are, whichever image holds them: the image's hash name, then the
+/// file's Merkle root as `files[].root` writes it (`algo:hex`); and its size. Files with
+/// one content have the same bytes, whatever their mode.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ContentId {
+    pub root: String,
+    pub size: u64,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Key {
     /// A file's content and mode: shared by every image holding it.
-    Content { root: String, size: u64, mode: u32 },
+    Content { id: ContentId, mode: u32 },
     /// A view of one image (its clone layout).
     View { image: String, content: ContentKey },
 }
@@ -257,6 +266,34 @@ impl Tree {
         }
     }
 
+    /// The content of file `ino`, if it is an image's file (not a view of the clone layout).
+    pub fn content_id(&self, ino: Ino) -> Option<ContentId> {
+        match self.nodes.get(&ino)? {
+            Node::File(FileNode { key: Key::Content { id, .. }, .. }) => Some(id.clone()),
+            _ => None,
+        }
+    }
+
+    /// The files image `name` provides that are an image's file (its own, or its base's
+    /// in the clone layout): their content and what they are in that image.
+    pub fn contents_of(&self, name: &str) -> Vec<(ContentId, Content)> {
+        let Some(e) = self.images.get(name) else { return Vec::new() };
+        e.files
+            .iter()
+            .filter_map(|f| match self.nodes.get(f) {
+                Some(Node::File(FileNode { key: Key::Content { id, .. }, providers, .. })) => {
+                    providers.iter().find(|(s, _)| Arc::ptr_eq(s, &e.served)).map(|(_, c)| (id.clone(), *c))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Whether a file with content `id` is presented (by any image, in any mode).
+    pub fn holds(&self, id: &ContentId) -> bool {
+        self.by_key.keys().any(|k| matches!(k, Key::Content { id: i, .. } if i == id))
+    }
+
     /// Count an open (`delta` 1) or a release (-1) of file `ino`.
     pub fn opened(&mut self, ino: Ino, delta: i64) {
         if let Some(Node::File(f)) = self.nodes.get_mut(&ino) {
@@ -334,7 +371,7 @@ fn placements(served: &Served) -> Result<Vec<Placed>, TreeError> {
         return Err(TreeError::NoFiles(served.reference.clone()));
     }
     let algo = image.config().hash;
-    let content_key = |root: &str, size: u64, mode: u32| Key::Content { root: format!("{}:{root}", algo.name()), size, mode: mode & 0o775 };
+    let content_key = |root: &str, size: u64, mode: u32| Key::Content { id: ContentId { root: format!("{}:{root}", algo.name()), size }, mode: mode & 0o775 };
     let mut out: Vec<Placed> = image
         .files
         .iter()

@@ -424,6 +424,11 @@ impl ChunkCache {
         regclient::cache_dir()
     }
 
+    /// The cache directory itself (`--cache DIR`).
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
     /// The directory chunks live under (`<root>/chunks/v1`).
     pub fn dir(&self) -> &Path {
         &self.base

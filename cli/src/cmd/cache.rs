@@ -33,7 +33,9 @@ use super::common::{self, outln, parse_size};
 ///   uploads       resume state of interrupted uploads
 ///   known-blobs   which repositories hold which blobs (for cross-repository mounts)
 /// Lazy-restore traces are not kept here: lazy stores each trace beside its image (a
-/// referrer in the registry, or the layout's fallback tag). A push layout a running push
+/// referrer in the registry, or the layout's fallback tag). Nor are a running `snapctl
+/// mount`'s whole-file copies (mount-files/) counted: they last only while their images
+/// are mounted. A push layout a running push
 /// holds, the chunks a running lazy restore pins (its image, so it does not depend on the
 /// registry) and files being written are never evicted, not even by `prune --all`; pinned
 /// chunks count toward the budget. Removing the directory by hand is safe while nothing

@@ -14,7 +14,7 @@ use imgfmt::reference::{Reference, Selector};
 use imgfmt::{Image, RetryPolicy};
 use lazy::PrefetchMode;
 use mount::control::{self, Busy, Request};
-use mount::{Host, HostOptions, Opened, Opener, Report};
+use mount::{Host, HostOptions, Opened, Opener, Passthrough, Report};
 
 use super::common;
 
@@ -28,6 +28,11 @@ use super::common;
 /// file, chunk and offset) and the rest of the file keeps working. The page cache is kept
 /// across opens and shared by every process that reads or maps a file; other users may
 /// read (allow_other, the image's modes).
+///
+/// A file whose every stored chunk is in the chunk cache (after the fill, or at once when
+/// the cache holds it) is copied whole, verified, to a private file under the cache
+/// directory, and later opens of it are served by FUSE passthrough: the kernel reads the
+/// copy without asking the daemon (--passthrough; spec/mount.md §8).
 ///
 /// One host mount (--host) presents every image mounted on this host, each in a
 /// directory named by its manifest digest; a file two images share is one inode, read
@@ -64,6 +69,13 @@ pub struct MountArgs {
     /// every chunk in file order; `none` nothing (reads only).
     #[arg(long, default_value = "trace", value_parser = parse_prefetch)]
     pub prefetch: PrefetchMode,
+    /// `auto`: once a file is complete in the chunk cache, serve its later opens by FUSE
+    /// passthrough from a verified whole-file copy (needs Linux 6.9 or later and a chunk
+    /// cache; its reads are not re-hashed); `off`: every read goes through the daemon.
+    /// The host mount's setting: a mount that joins a running host mount keeps the host's
+    /// and says so when this differs. [default: auto]
+    #[arg(long, value_name = "auto|off", value_parser = parse_passthrough)]
+    pub passthrough: Option<Passthrough>,
     /// How long a read waits for a failing source before it fails with EIO (500ms, 60s, 2m).
     #[arg(long, default_value = "60s", value_parser = common::parse_duration)]
     pub retry_budget: Duration,
@@ -113,6 +125,10 @@ fn parse_prefetch(s: &str) -> Result<PrefetchMode, String> {
     s.parse()
 }
 
+fn parse_passthrough(s: &str) -> Result<Passthrough, String> {
+    s.parse()
+}
+
 fn prefetch_name(m: PrefetchMode) -> &'static str {
     match m {
         PrefetchMode::None => "none",
@@ -140,7 +156,12 @@ pub fn run(a: MountArgs) -> anyhow::Result<ExitCode> {
         if !r.ok {
             anyhow::bail!("{}", r.error.unwrap_or_default());
         }
-        eprintln!("snapctl mount: {} shown in {} (host mount {})", common::printable(&a.image), dir.display(), host_dir.display());
+        let pt = r.passthrough.unwrap_or_else(|| "unknown".into());
+        eprintln!("snapctl mount: {} shown in {} (host mount {}, passthrough {pt})", common::printable(&a.image), dir.display(), host_dir.display());
+        if let Some(asked) = a.passthrough.filter(|&p| (p == Passthrough::Off) == (pt == "on")) {
+            let asked = if asked == Passthrough::Off { "off" } else { "auto" };
+            eprintln!("snapctl mount: --passthrough {asked} not applied: it is the host mount's, which runs with passthrough {pt} (unmount all of its DIRs to start it anew)");
+        }
         ready(a.ready_fd);
         if a.daemon {
             return Ok(common::code(common::EXIT_OK));
@@ -174,13 +195,20 @@ fn serve(a: &MountArgs, dir: &Path, host_dir: PathBuf, o: common::Opened, image:
     let mut opts = HostOptions::new(host_dir.clone());
     opts.memory_bytes = a.memory;
     opts.retry = RetryPolicy { budget: Some(a.retry_budget), ..RetryPolicy::stall(a.retry_budget) };
+    opts.passthrough = a.passthrough.unwrap_or_default();
     let host = Host::start(opts, Box::new(CliOpener), store)?;
     let opened = opened(o.source, Arc::new(image), pinned, a.prefetch);
     if let Err(e) = host.add(opened, dir) {
         host.detach_all();
         return Err(e.into());
     }
-    eprintln!("snapctl mount: {} shown in {} (host mount {})", common::printable(&a.image), dir.display(), host_dir.display());
+    eprintln!(
+        "snapctl mount: {} shown in {} (host mount {}, passthrough {})",
+        common::printable(&a.image),
+        dir.display(),
+        host_dir.display(),
+        host.passthrough()
+    );
     ready(a.ready_fd);
     let (h1, h2) = (host.clone(), host.clone());
     on_terminate(
@@ -219,9 +247,11 @@ fn wait_as_client(socket: &Path, dir: &Path, json: bool) -> anyhow::Result<ExitC
 fn finish(report: Option<Report>, json: bool) -> anyhow::Result<ExitCode> {
     let Some(r) = report else { return Ok(common::code(common::EXIT_OK)) };
     eprintln!(
-        "snapctl mount: {} unmounted from {}: {} reads ({}), {} chunks fetched ({}), {} cache hits, {} verify failures, {} reads failed, {:.2}s",
+        "snapctl mount: {} unmounted from {}: {} opens ({} by passthrough), {} reads ({}), {} chunks fetched ({}), {} cache hits, {} verify failures, {} reads failed, {:.2}s",
         r.image,
         r.dir,
+        r.opens,
+        r.passthrough_files,
         r.reads,
         imgfmt::size::human(r.bytes_read),
         r.fetched_chunks,

@@ -751,3 +751,192 @@ fn regression_issue_38_a_mounted_images_chunks_stay_in_the_cache_through_prune_a
     let u = cache_cmd(&["prune", "--all"]);
     assert_eq!((u["pins"].as_u64(), entries(&u)), (Some(0), 0), "nothing mounted, nothing pinned: {u}");
 }
+
+/// Wait until the daemon's log (`m`'s, the process that runs the host mount) says `what`
+/// `times` times.
+fn wait_for_log(m: &Mounted, what: &str, times: usize) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while m.log_text().matches(what).count() < times {
+        assert!(Instant::now() < deadline, "the log never said {what:?} {times} times: {}", m.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// What the daemon logs when a file's whole-file copy is ready.
+const COPY_READY: &str = "complete: later opens are served by FUSE passthrough";
+
+/// The directories of whole-file copies under a cache (one per running host daemon).
+fn copy_dirs(cache: &Path) -> Vec<PathBuf> {
+    let Ok(rd) = fs::read_dir(cache.join("mount-files")) else { return Vec::new() };
+    rd.map(|e| e.unwrap().path()).filter(|p| p.is_dir()).collect()
+}
+
+/// Once the fill is done every file is served by FUSE passthrough from its whole-file copy:
+/// every byte right by read and by mmap, no read reaching the daemon; the copies are
+/// private, sparse, and gone with the mount.
+#[test]
+fn regression_issue_38_a_filled_file_is_read_through_passthrough_by_read_and_mmap() {
+    if !mount_usable() {
+        return;
+    }
+    let place = Place::new();
+    let src = place.path().join("src");
+    write_patterns(&src);
+    let image = pack(&place, &src, "v1", &["--chunk-size", "256KiB"]);
+    let dir = place.dir("d");
+    let mut m = Mounted::start(&place, &image, &dir, &["--prefetch", "all"]);
+    assert!(m.log_text().contains("passthrough on"), "{}", m.log_text());
+    wait_for_log(&m, COPY_READY, PATTERN_FILES.len());
+
+    let copies = copy_dirs(&place.cache());
+    assert_eq!(copies.len(), 1, "one daemon's copies: {copies:?}");
+    let mode = |p: &Path| fs::symlink_metadata(p).unwrap().mode() & 0o777;
+    assert_eq!((mode(&place.cache().join("mount-files")), mode(&copies[0])), (0o700, 0o700));
+    let files: Vec<PathBuf> = fs::read_dir(&copies[0]).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(files.len(), PATTERN_FILES.len(), "one copy per content: {files:?}");
+    for f in &files {
+        assert_eq!(mode(f), 0o600, "{}", f.display());
+    }
+    let zero = files.iter().find(|f| fs::metadata(f).unwrap().len() == 3 * MIB + 5).expect("zero.img's copy");
+    assert_eq!(fs::metadata(zero).unwrap().blocks(), 0, "zero chunks are holes in the copy");
+
+    for name in PATTERN_FILES {
+        let (want, path) = (fs::read(src.join(name)).unwrap(), dir.join(name));
+        assert!(fs::read(&path).unwrap() == want, "{name}: read differs");
+        assert!(mapped(&path) == want, "{name}: mmap differs");
+        let f = fs::File::open(&path).unwrap();
+        for (off, len) in [(256 * 1024 - 3, 10usize), (1, 1), (want.len().saturating_sub(7) as u64, 100), (want.len() as u64 + 10, 10)] {
+            let mut buf = vec![0u8; len];
+            let got = f.read_at(&mut buf, off).unwrap();
+            let end = (off as usize + len).min(want.len());
+            let expect = if (off as usize) < want.len() { &want[off as usize..end] } else { &[][..] };
+            assert_eq!(&buf[..got], expect, "{name}: {len} bytes at {off}");
+        }
+    }
+    let (r, code, report) = m.umount(&place);
+    assert_eq!((r.code, code), (0, 0), "{r:?} {}", m.log_text());
+    let opens = 3 * PATTERN_FILES.len() as u64;
+    assert_eq!((n(&report, "opens"), n(&report, "passthrough_files")), (opens, opens), "every open by passthrough: {report}");
+    assert_eq!(n(&report, "reads"), 0, "no read reached the daemon: {report}");
+    assert_eq!((n(&report, "read_failures"), n(&report, "passthrough_refused")), (0, 0), "{report}");
+    assert_eq!(fs::read_dir(place.cache().join("mount-files")).unwrap().count(), 0, "the copies went with the mount");
+}
+
+/// An open served by the daemon before the file's copy was ready keeps later opens of that
+/// inode on the daemon (the kernel fails an open whose mode differs from the inode's other
+/// opens with EIO): right bytes by read and through a mapping held across; passthrough
+/// starts once those opens are closed. A second `snapctl mount` joining the host mount
+/// keeps the host's --passthrough and says so.
+#[test]
+fn regression_issue_38_an_open_held_before_the_copy_keeps_later_opens_on_the_daemon() {
+    use std::os::fd::AsRawFd;
+    if !mount_usable() {
+        return;
+    }
+    let place = Place::new();
+    let snap = place.path().join("snap");
+    assert_eq!(run(snapctl().arg("sample").arg(&snap).args(["--size", "8MiB", "--seed", "41"])).code, 0);
+    let image1 = pack(&place, &snap, "v1", &[]);
+    // A second image with the same vm.mem (so the same inode) and a vm.state of its own.
+    let snap2 = place.path().join("snap2");
+    fs::create_dir_all(&snap2).unwrap();
+    fs::copy(snap.join("vm.mem"), snap2.join("vm.mem")).unwrap();
+    let mut state = fs::read(snap.join("vm.state")).unwrap();
+    state.push(1);
+    fs::write(snap2.join("vm.state"), &state).unwrap();
+    let image2 = pack(&place, &snap2, "v2", &[]);
+    let want = fs::read(snap.join("vm.mem")).unwrap();
+
+    let (d1, d2) = (place.dir("d1"), place.dir("d2"));
+    let mut m1 = Mounted::start(&place, &image1, &d1, &["--prefetch", "none"]);
+    let held = fs::File::open(d1.join("vm.mem")).unwrap();
+    let len = want.len();
+    // SAFETY: a fresh private read-only mapping of a file we opened, unmapped below.
+    let map = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, held.as_raw_fd(), 0) };
+    assert_ne!(map, libc::MAP_FAILED);
+    drop(held);
+    // SAFETY: `len` bytes are mapped at `map` until the munmap below.
+    let mapped_bytes = || unsafe { std::slice::from_raw_parts(map as *const u8, len) }.to_vec();
+    assert!(mapped_bytes()[..MIB as usize] == want[..MIB as usize]);
+
+    let mut m2 = Mounted::start(&place, &image2, &d2, &["--prefetch", "all", "--passthrough", "off"]);
+    // The host's setting is kept, and said.
+    wait_for_log(&m2, "--passthrough off not applied", 1);
+    wait_for_log(&m1, &format!("vm.mem: {COPY_READY}"), 1);
+
+    // The copy is ready, the mapping still holds a cached open: new opens stay cached.
+    let f = fs::File::open(d1.join("vm.mem")).unwrap();
+    let mut all = vec![0u8; len];
+    f.read_exact_at(&mut all, 0).expect("no EIO while a cached open lasts");
+    assert!(all == want, "read through the daemon while the mapping lasts");
+    assert!(fs::read(d2.join("vm.mem")).unwrap() == want, "the same inode through the other image");
+    assert!(mapped_bytes() == want, "the mapping made before the copy reads right");
+    drop(f);
+    // SAFETY: unmapping what we mapped; no slice of it is alive.
+    unsafe { libc::munmap(map, len) };
+
+    // Every cached open closed: the next ones are served by passthrough.
+    assert!(fs::read(d1.join("vm.mem")).unwrap() == want);
+    assert!(mapped(&d1.join("vm.mem")) == want);
+    let (r, _, _) = m2.umount(&place);
+    assert_eq!(r.code, 0, "{r:?}");
+    let (r, code, report) = m1.umount(&place);
+    assert_eq!((r.code, code), (0, 0), "{r:?} {}", m1.log_text());
+    assert_eq!((n(&report, "opens"), n(&report, "passthrough_files")), (5, 2), "three opens cached, the last two by passthrough: {report}");
+    assert_eq!(n(&report, "read_failures"), 0, "{report}");
+}
+
+/// `--passthrough off`: every open and read through the daemon, right bytes, no copies.
+#[test]
+fn regression_issue_38_passthrough_off_serves_every_read_through_the_daemon() {
+    if !mount_usable() {
+        return;
+    }
+    let place = Place::new();
+    let snap = place.path().join("snap");
+    assert_eq!(run(snapctl().arg("sample").arg(&snap).args(["--size", "8MiB", "--seed", "42"])).code, 0);
+    let image = pack(&place, &snap, "v1", &[]);
+    let dir = place.dir("d");
+    let mut m = Mounted::start(&place, &image, &dir, &["--prefetch", "all", "--passthrough", "off"]);
+    wait_for_log(&m, "fill done", 1);
+    assert!(m.log_text().contains("passthrough off (--passthrough off)"), "the log says which path and why: {}", m.log_text());
+    let want = fs::read(snap.join("vm.mem")).unwrap();
+    assert!(fs::read(dir.join("vm.mem")).unwrap() == want);
+    assert!(mapped(&dir.join("vm.mem")) == want);
+    let (_, code, report) = m.umount(&place);
+    assert_eq!(code, 0, "{}", m.log_text());
+    assert_eq!(n(&report, "passthrough_files"), 0, "{report}");
+    assert!(n(&report, "reads") > 0, "{report}");
+    assert!(!m.log_text().contains(COPY_READY) && copy_dirs(&place.cache()).is_empty(), "no copies: {}", m.log_text());
+}
+
+/// A killed daemon leaves its whole-file copies; the next host mount removes them.
+#[test]
+fn regression_issue_38_a_killed_daemons_copies_are_swept_by_the_next_host_mount() {
+    if !mount_usable() {
+        return;
+    }
+    let place = Place::new();
+    let snap = place.path().join("snap");
+    assert_eq!(run(snapctl().arg("sample").arg(&snap).args(["--size", "4MiB", "--seed", "43"])).code, 0);
+    let image = pack(&place, &snap, "v1", &[]);
+    let dir = place.dir("d");
+    let mut m = Mounted::start(&place, &image, &dir, &["--prefetch", "all"]);
+    wait_for_log(&m, &format!("vm.mem: {COPY_READY}"), 1);
+    let dead = copy_dirs(&place.cache());
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    m.child.kill().unwrap();
+    m.child.wait().unwrap();
+    assert!(dead[0].is_dir(), "a killed daemon cannot remove its copies");
+    assert_eq!(run(place.snapctl().arg("umount").arg(&dir)).code, 0);
+
+    // The cache holds the image whole: the new daemon copies it at once.
+    let mut m = Mounted::start(&place, &image, &dir, &["--prefetch", "none"]);
+    assert!(!dead[0].exists(), "the dead daemon's copies are swept when a host mount starts");
+    wait_for_log(&m, &format!("vm.mem: {COPY_READY}"), 1);
+    assert!(fs::read(dir.join("vm.mem")).unwrap() == fs::read(snap.join("vm.mem")).unwrap());
+    let (_, code, report) = m.umount(&place);
+    assert_eq!(code, 0);
+    assert_eq!((n(&report, "passthrough_files"), n(&report, "fetched_chunks")), (1, 0), "{report}");
+    assert!(copy_dirs(&place.cache()).is_empty());
+}
