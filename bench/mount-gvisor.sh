@@ -13,6 +13,8 @@
 #                          recorded restore read, in its order (default 64MiB)
 #            --runsc PATH  runsc 2024 (default /opt/snapctl-runsc/runsc,
 #                          scripts/install-trixie.sh)
+#            --mount-flags "--prefetch none"  more `snapctl mount` flags for (b) and (c)
+#                          (default: none, the mount's defaults)
 #
 # Setup (untimed): tests/runtimes/heap_counter.c, built static, runs under runsc
 # (--platform=ptrace --network=none) with SIZE of heap, every byte of it from a random
@@ -45,7 +47,7 @@ trap 'echo "mount-gvisor.sh: line $LINENO failed: $BASH_COMMAND" >&2' ERR
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ARGV=("$@")
-SIZE=1GiB RTT=20 RATE=1gbit RUNS=3 TAG="" LINKS=window FIRST=64MiB RUNSC=/opt/snapctl-runsc/runsc
+SIZE=1GiB RTT=20 RATE=1gbit RUNS=3 TAG="" LINKS=window FIRST=64MiB RUNSC=/opt/snapctl-runsc/runsc MOUNT_FLAGS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --size) SIZE=$2; shift ;;
@@ -56,6 +58,7 @@ while [ $# -gt 0 ]; do
     --links) LINKS=$2; shift ;;
     --first) FIRST=$2; shift ;;
     --runsc) RUNSC=$2; shift ;;
+    --mount-flags) MOUNT_FLAGS=$2; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "mount-gvisor.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -102,7 +105,8 @@ RUNLOG=$ROOT/bench/results/$NAME.jsonl
 : > "$RUNLOG"
 
 COMMON=$(jq -nc --arg runsc "$RUNSC" --arg root "$W/runsc" --arg heap "$W/heap_counter" --argjson mib "$MIB" \
-  --arg snapctl "$SNAPCTL" --arg work "$W" '{runsc: $runsc, root: $root, heap: $heap, mib: $mib, snapctl: $snapctl, work: $work}')
+  --arg snapctl "$SNAPCTL" --arg work "$W" --arg mf "$MOUNT_FLAGS" \
+  '{runsc: $runsc, root: $root, heap: $heap, mib: $mib, snapctl: $snapctl, work: $work, mount_flags: ($mf | split(" ") | map(select(. != "")))}')
 # g COMMAND JSON: a step of bench/lib/gvisor.py with COMMON and JSON as its arguments.
 g() { python3 "$ROOT/bench/lib/gvisor.py" "$1" "$(jq -c --argjson e "$2" '. + $e' <<<"$COMMON")"; }
 
@@ -173,7 +177,8 @@ done
 stop_server
 
 exec > >(tee "$OUT")
-echo "### $NAME: \`bash bench/mount-gvisor.sh ${ARGV[*]}\`, $(date -u '+%Y-%m-%d %H:%M UTC')"
+SHOWN_ARGS=$(for a in "${ARGV[@]}"; do case $a in *" "*) printf ' "%s"' "$a" ;; *) printf ' %s' "$a" ;; esac; done)
+echo "### $NAME: \`bash bench/mount-gvisor.sh$SHOWN_ARGS\`, $(date -u '+%Y-%m-%d %H:%M UTC')"
 echo
 echo "$(nproc) cores, load average at the start $LOAD_START and at the end $(cut -d' ' -f1-3 /proc/loadavg), snapctl $(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- . 2>/dev/null || echo '+changes') ($SNAPCTL), $($RUNSC --version | head -1); a $SIZE sandbox, RTT $RTT ms, cap $RATE, medians of $RUNS runs (min-max)."
 echo
@@ -191,7 +196,10 @@ def f(xs, d=2):
 print("| file | bytes | stored bytes (chunks fetched) |")
 print("|---|---:|---:|")
 for n, size in ck["sizes"].items():
-    print(f"| {n} | {size} | {sum(chunks['files'].get(n, []))} ({sum(1 for s in chunks['files'].get(n, []) if s)} chunks of {chunks['chunk_size'] // 1024} KiB) |")
+    k = sum(1 for s in chunks["files"].get(n, []) if s)
+    print(f"| {n} | {size} | {sum(chunks['files'].get(n, []))} ({k} chunk{'' if k == 1 else 's'} of {chunks['chunk_size'] // 1024} KiB) |")
+print()
+print("The image's metadata blobs, which a mount reads before it shows the files: " + ", ".join(f"{k} {v} bytes" for k, v in chunks["metadata_blobs"].items()) + ".")
 print()
 print("**Restore: pull then restore, against a restore from the mount.** Each from its command's start until the restored counter is seen to continue.")
 print()

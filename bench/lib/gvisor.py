@@ -3,11 +3,13 @@
     python3 gvisor.py COMMAND JSON-ARGS      prints one JSON object on stdout
 
 Commands (JSON-ARGS: one object, fields below; `runsc`, `root` (its state root), `heap`
-(the static workload), `mib` (its heap) in each that runs a sandbox):
+(the static workload), `mib` (its heap) in each that runs a sandbox; `mount_flags`, more
+`snapctl mount` flags, in each that mounts):
   checkpoint  run the workload in a new sandbox until it has ticked `ticks` times, then
             checkpoint it into `image`: {bundle, ticks, image} -> {at, seed, sizes}
   chunks    the image's chunk table from the registry (no proxy): {registry, repo, tag}
-            -> {chunk_size, files: {name: [stored bytes of each chunk, 0 for zero]}}
+            -> {chunk_size, files: {name: [stored bytes of each chunk, 0 for zero]},
+            metadata_blobs: {config, index, outboard: bytes}}
   record    a restore from `image` (a local directory, its files evicted from the page cache
             first), every read of its files taken from the filemap tracepoints:
             {image, bundle, at, seed, trace_instance (a tracefs instance name)}
@@ -154,7 +156,12 @@ def cmd_chunks(a):
             sizes.append(int.from_bytes(ix[r + 24 : r + 28], "little") if kind == 1 and key not in seen else 0)
             seen.add(key)
         files[fc["name"]] = sizes
-    return {"chunk_size": config["chunkSize"], "files": files}
+    kinds = {"application/vnd.snapctl.snapshot.index.v1": "index", "application/vnd.snapctl.snapshot.outboard.v1": "outboard"}
+    meta = {"config": m["config"]["size"]}
+    for layer in m["layers"]:
+        if layer["mediaType"] in kinds:
+            meta[kinds[layer["mediaType"]]] = meta.get(kinds[layer["mediaType"]], 0) + layer["size"]
+    return {"chunk_size": config["chunkSize"], "files": files, "metadata_blobs": meta}
 
 
 def tracefs_write(path, value):
@@ -290,7 +297,8 @@ def cmd_first(a):
 def mount_start(a, cache, log):
     t0 = time.monotonic()
     out = open(f"{log}.json", "w")
-    p = subprocess.Popen([a["snapctl"], "mount", a["ref"], a["mnt"], "--cache", cache, "--json"], stdout=out, stderr=open(log, "w"))
+    cmd = [a["snapctl"], "mount", a["ref"], a["mnt"], "--cache", cache, "--json", *a.get("mount_flags", [])]
+    p = subprocess.Popen(cmd, stdout=out, stderr=open(log, "w"))
     while "shown in" not in open(log).read():
         if p.poll() is not None or time.monotonic() - t0 > 120:
             sys.exit(f"gvisor.py: snapctl mount failed: {open(log).read()}")
