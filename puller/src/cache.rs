@@ -441,46 +441,110 @@ impl ChunkCache {
     }
 
     /// The chunk if present AND its bytes still hash to `digest` (re-checked on every read,
-    /// so a damaged entry is deleted and reported as a miss, never served).
+    /// so a damaged entry is deleted and reported as a miss, never served). A copy is read
+    /// under its name; else a reference entry is followed, if there is one and the file it
+    /// names still holds those bytes (re-hashed, like a copy): a reference whose file is gone,
+    /// shorter, or changed is stale, deleted, a miss.
     pub fn get(&self, algo: HashAlgo, digest: &ChunkDigest, len: u32) -> Result<Option<VerifiedChunk>, CacheError> {
-        let path = self.entry_path(algo, digest);
-        let mut f = match imgfmt::file::open_regular(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == ErrorKind::NotFound => return self.get_by_ref(algo, digest, len),
-            // A symlink, FIFO or device under an entry's name is not one of ours: a miss,
-            // never opened through (and gone, as a damaged entry would be).
-            Err(e) if imgfmt::file::refusal(&e).is_some() => {
-                self.drop_damaged(&path);
-                return Ok(None);
-            }
-            Err(e) => return Err(io(&path)(e)),
-        };
-        let md = f.metadata().map_err(io(&path))?;
-        if md.len() != len as u64 || md.len() > MAX_ENTRY {
-            // Wrong length: damaged (or a chunk of another length sharing a digest, which
-            // a collision-resistant hash rules out).
-            self.drop_damaged(&path);
-            return Ok(None);
-        }
         let mut buf = vec![0u8; len as usize];
-        if let Err(e) = f.read_exact(&mut buf) {
-            if e.kind() == ErrorKind::UnexpectedEof {
+        // What is wrong when the bytes are short or do not hash: the copy, or the reference.
+        let (entry, modified, wrong) = match self.locate(algo, digest, len)? {
+            Found::Missing => {
+                self.misses.fetch_add(1, Ordering::Relaxed);
+                return Ok(None);
+            }
+            Found::Damaged(path) => {
                 self.drop_damaged(&path);
                 return Ok(None);
             }
-            return Err(io(&path)(e));
-        }
+            Found::Stale(rpath) => {
+                self.drop_stale(&rpath);
+                return Ok(None);
+            }
+            Found::Copy { mut file, path, modified } => {
+                if let Err(e) = file.read_exact(&mut buf) {
+                    if e.kind() != ErrorKind::UnexpectedEof {
+                        return Err(io(&path)(e));
+                    }
+                    self.drop_damaged(&path);
+                    return Ok(None);
+                }
+                (file, modified, Wrong::Copy(path))
+            }
+            Found::Ref { rfile, rpath, modified, file, offset } => {
+                use std::os::unix::fs::FileExt;
+                if file.read_exact_at(&mut buf, offset).is_err() {
+                    // Unreadable or shorter now: the reference is what is wrong, not the disk.
+                    self.drop_stale(&rpath);
+                    return Ok(None);
+                }
+                (rfile, modified, Wrong::Ref(rpath))
+            }
+        };
         match verify::verify_stored(algo, Codec::Raw, buf, len, digest) {
             Ok(chunk) => {
                 self.hits.fetch_add(1, Ordering::Relaxed);
-                touch(&f, md.modified().ok());
+                touch(&entry, modified);
                 Ok(Some(chunk))
             }
+            // Damaged; or, through a reference, the file changed after it was pulled: never
+            // served.
             Err(_) => {
-                self.drop_damaged(&path);
+                match wrong {
+                    Wrong::Copy(path) => self.drop_damaged(&path),
+                    Wrong::Ref(rpath) => self.drop_stale(&rpath),
+                }
                 Ok(None)
             }
         }
+    }
+
+    /// Where the cache holds chunk `digest` (of `len` bytes), nothing read of it yet: its
+    /// copy (a regular file of that length), else the file its reference entry names (only a
+    /// regular file the reference's writer could have pulled, long enough), else nothing.
+    /// What cannot be ours is said, for [`get`](Self::get) to delete; nothing is deleted or
+    /// counted here.
+    pub(crate) fn locate(&self, algo: HashAlgo, digest: &ChunkDigest, len: u32) -> Result<Found, CacheError> {
+        let path = self.entry_path(algo, digest);
+        match imgfmt::file::open_regular(&path) {
+            Ok(file) => {
+                let md = file.metadata().map_err(io(&path))?;
+                // Wrong length: damaged (or a chunk of another length sharing a digest, which
+                // a collision-resistant hash rules out).
+                if md.len() != u64::from(len) || md.len() > MAX_ENTRY {
+                    return Ok(Found::Damaged(path));
+                }
+                return Ok(Found::Copy { file, path, modified: md.modified().ok() });
+            }
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            // A symlink, FIFO or device under an entry's name is not one of ours: a miss,
+            // never opened through (and gone, as a damaged entry would be).
+            Err(e) if imgfmt::file::refusal(&e).is_some() => return Ok(Found::Damaged(path)),
+            Err(e) => return Err(io(&path)(e)),
+        }
+        let rpath = self.ref_path(algo, digest);
+        let mut rfile = match imgfmt::file::open_regular(&rpath) {
+            Ok(f) => f,
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(Found::Missing),
+            Err(e) if imgfmt::file::refusal(&e).is_some() => return Ok(Found::Stale(rpath)),
+            Err(e) => return Err(io(&rpath)(e)),
+        };
+        let rmd = rfile.metadata().map_err(io(&rpath))?;
+        // A reference is a few hundred bytes; more is not one of ours.
+        let mut raw = Vec::new();
+        (&mut rfile).take(MAX_REF + 1).read_to_end(&mut raw).map_err(io(&rpath))?;
+        let Some(r) = ChunkRef::decode(&raw).filter(|r| r.len == len && raw.len() as u64 <= MAX_REF) else {
+            return Ok(Found::Stale(rpath));
+        };
+        // The referenced file is read only if it is (still) a regular file: a symlink, FIFO
+        // or device swapped in under its name is stale, never opened through. And only a
+        // file its reference's writer could have pulled (`may_follow`): a root pull must
+        // not read, for whoever can write into a shared cache, a file they could not.
+        let followed = imgfmt::file::open_regular(&r.file).and_then(|f| Self::may_follow(&f, rmd.uid(), &self.base, r.offset + u64::from(len)).map(|()| f));
+        Ok(match followed {
+            Ok(file) => Found::Ref { rfile, rpath, modified: rmd.modified().ok(), file, offset: r.offset },
+            Err(_) => Found::Stale(rpath),
+        })
     }
 
     /// Where the reference entry for `digest` lives (beside where its copy would be).
@@ -488,63 +552,6 @@ impl ChunkCache {
         let mut p = self.entry_path(algo, digest).into_os_string();
         p.push(REF_SUFFIX);
         PathBuf::from(p)
-    }
-
-    /// The chunk through its reference entry, if there is one and the file it names still
-    /// holds those bytes (re-hashed, like a copy). A reference whose file is gone, shorter,
-    /// or changed is stale: deleted, a miss.
-    fn get_by_ref(&self, algo: HashAlgo, digest: &ChunkDigest, len: u32) -> Result<Option<VerifiedChunk>, CacheError> {
-        let rpath = self.ref_path(algo, digest);
-        let (rfile, raw, modified) = match imgfmt::file::open_regular(&rpath) {
-            // A reference is a few hundred bytes; more is not one of ours.
-            Ok(mut f) => {
-                let modified = f.metadata().and_then(|m| m.modified()).ok();
-                let mut raw = Vec::new();
-                (&mut f).take(MAX_REF + 1).read_to_end(&mut raw).map_err(io(&rpath))?;
-                (f, raw, modified)
-            }
-            Err(e) if e.kind() == ErrorKind::NotFound => {
-                self.misses.fetch_add(1, Ordering::Relaxed);
-                return Ok(None);
-            }
-            Err(e) if imgfmt::file::refusal(&e).is_some() => {
-                self.drop_stale(&rpath);
-                return Ok(None);
-            }
-            Err(e) => return Err(io(&rpath)(e)),
-        };
-        let Some(r) = ChunkRef::decode(&raw).filter(|r| r.len == len && raw.len() as u64 <= MAX_REF) else {
-            self.drop_stale(&rpath);
-            return Ok(None);
-        };
-        let mut buf = vec![0u8; len as usize];
-        // The referenced file is read only if it is (still) a regular file: a symlink,
-        // FIFO or device swapped in under its name is stale, never opened through. And
-        // only a file its reference's writer could have pulled (`may_follow`): a root pull
-        // must not read, for whoever can write into a shared cache, a file they could not.
-        let ref_owner = rfile.metadata().map(|m| m.uid()).map_err(io(&rpath))?;
-        let read = imgfmt::file::open_regular(&r.file).and_then(|f| {
-            use std::os::unix::fs::FileExt;
-            Self::may_follow(&f, ref_owner, &self.base, r.offset + u64::from(len))?;
-            f.read_exact_at(&mut buf, r.offset)
-        });
-        if read.is_err() {
-            // Gone, unreadable or shorter now: the reference is what is wrong, not the disk.
-            self.drop_stale(&rpath);
-            return Ok(None);
-        }
-        match verify::verify_stored(algo, Codec::Raw, buf, len, digest) {
-            Ok(chunk) => {
-                self.hits.fetch_add(1, Ordering::Relaxed);
-                touch(&rfile, modified);
-                Ok(Some(chunk))
-            }
-            Err(_) => {
-                // The file was changed after it was pulled (or damaged): never served.
-                self.drop_stale(&rpath);
-                Ok(None)
-            }
-        }
     }
 
     /// Whether a reference entry owned by `ref_owner` may be followed to the open file `f`,
@@ -1259,6 +1266,26 @@ impl ChunkCache {
 /// relatime), so the cache keeps its own in mtime; failing to touch only makes eviction
 /// less fair. `entry`: the entry as just opened and read (through its descriptor: never
 /// a file a symlink swapped in since points at); `modified`: its mtime (unknown: touch).
+/// Where [`ChunkCache::locate`] found a chunk's bytes.
+pub(crate) enum Found {
+    /// Its copy, `path`, of the right length.
+    Copy { file: File, path: PathBuf, modified: Option<SystemTime> },
+    /// The file `file` its reference entry `rpath` names, the bytes at `offset`.
+    Ref { rfile: File, rpath: PathBuf, modified: Option<SystemTime>, file: File, offset: u64 },
+    /// Neither a copy nor a reference.
+    Missing,
+    /// A copy that is not one of ours (another kind of file, another length).
+    Damaged(PathBuf),
+    /// A reference that is not one of ours, or may not be followed.
+    Stale(PathBuf),
+}
+
+/// Which entry to drop when the bytes read do not hash to the digest.
+enum Wrong {
+    Copy(PathBuf),
+    Ref(PathBuf),
+}
+
 fn touch(entry: &File, modified: Option<SystemTime>) {
     if modified.is_none_or(|m| m.elapsed().unwrap_or_default() > TOUCH_EVERY) {
         let _ = entry.set_modified(SystemTime::now());

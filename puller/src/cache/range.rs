@@ -7,13 +7,13 @@
 //! the wrong one): the caller reads the whole chunk with [`ChunkCache::get`], which
 //! re-hashes it and drops a damaged entry.
 
-use std::io::{ErrorKind, Read};
+use std::io::ErrorKind;
 use std::ops::Range;
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::FileExt;
 
 use imgfmt::{ChunkDigest, HashAlgo};
 
-use super::{io, CacheError, ChunkCache, ChunkRef, MAX_ENTRY, MAX_REF};
+use super::{io, CacheError, ChunkCache, Found};
 
 impl ChunkCache {
     /// Bytes `range` of the chunk `digest` (of `len` bytes) as the cache holds it, in a copy
@@ -25,36 +25,12 @@ impl ChunkCache {
         if range.start >= range.end || range.end > u64::from(len) {
             return Ok(None);
         }
-        let path = self.entry_path(algo, digest);
         let mut buf = vec![0u8; (range.end - range.start) as usize];
-        match imgfmt::file::open_regular(&path) {
-            Ok(f) => {
-                let md = f.metadata().map_err(io(&path))?;
-                if md.len() != u64::from(len) || md.len() > MAX_ENTRY {
-                    return Ok(None);
-                }
-                return Ok(read_exact_at(&f, &mut buf, range.start).map_err(io(&path))?.then_some(buf));
-            }
-            Err(e) if e.kind() == ErrorKind::NotFound => {}
-            Err(e) if imgfmt::file::refusal(&e).is_some() => return Ok(None),
-            Err(e) => return Err(io(&path)(e)),
-        }
-        let rpath = self.ref_path(algo, digest);
-        let mut rfile = match imgfmt::file::open_regular(&rpath) {
-            Ok(f) => f,
-            Err(e) if e.kind() == ErrorKind::NotFound || imgfmt::file::refusal(&e).is_some() => return Ok(None),
-            Err(e) => return Err(io(&rpath)(e)),
-        };
-        let mut raw = Vec::new();
-        (&mut rfile).take(MAX_REF + 1).read_to_end(&mut raw).map_err(io(&rpath))?;
-        let Some(r) = ChunkRef::decode(&raw).filter(|r| r.len == len && raw.len() as u64 <= MAX_REF) else { return Ok(None) };
-        let ref_owner = rfile.metadata().map_err(io(&rpath))?.uid();
-        // As `get` follows a reference: only to a regular file its writer could have pulled.
-        let Ok(f) = imgfmt::file::open_regular(&r.file) else { return Ok(None) };
-        if Self::may_follow(&f, ref_owner, &self.base, r.offset + u64::from(len)).is_err() {
-            return Ok(None);
-        }
-        Ok(read_exact_at(&f, &mut buf, r.offset + range.start).unwrap_or(false).then_some(buf))
+        Ok(match self.locate(algo, digest, len)? {
+            Found::Copy { file, path, .. } => read_exact_at(&file, &mut buf, range.start).map_err(io(&path))?.then_some(buf),
+            Found::Ref { file, offset, .. } => read_exact_at(&file, &mut buf, offset + range.start).unwrap_or(false).then_some(buf),
+            Found::Missing | Found::Damaged(_) | Found::Stale(_) => None,
+        })
     }
 }
 
