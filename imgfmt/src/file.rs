@@ -220,6 +220,11 @@ impl Dir {
         nix::unistd::unlinkat(&self.fd, plain(name)?, nix::unistd::UnlinkatFlags::NoRemoveDir).map_err(nix_io)
     }
 
+    /// Remove the empty directory `name`.
+    pub fn remove_dir(&self, name: &OsStr) -> io::Result<()> {
+        nix::unistd::unlinkat(&self.fd, plain(name)?, nix::unistd::UnlinkatFlags::RemoveDir).map_err(nix_io)
+    }
+
     /// fsync the directory, so renames and creations in it are durable.
     pub fn sync(&self) -> io::Result<()> {
         nix::unistd::fsync(&self.fd).map_err(nix_io)

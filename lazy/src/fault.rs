@@ -526,10 +526,10 @@ impl Conn {
                     // without another (installed when it arrives). Not while a working set
                     // is replayed or on its way: it carries those touches, and whole chunks
                     // beside it would be megabytes ahead of it on the link.
-                    let whole = Key::Chunk(c);
                     if self.ws.expected() {
                         return Ok(());
                     }
+                    let whole = Key::Chunk(c);
                     if let std::collections::hash_map::Entry::Vacant(e) = q.parked.entry(whole) {
                         e.insert(Vec::new());
                         pool.send(whole, Job::Chunk(c, cvs_to_read))?;

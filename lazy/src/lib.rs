@@ -606,29 +606,23 @@ impl Daemon {
             tracing::info!("pid {}: replaying a working set of {} slices and {} zero chunks", pid, p.slices(), p.zero_chunks());
             conn.ws.arm(p);
         }
-        if plan.is_some() || late {
-            conn.ws.expect();
-        }
         let replayer = (plan.is_some() || late).then(|| {
+            conn.ws.expect();
             let (d, pid, i, ws, b, s, src) =
                 (self.clone(), pid, inst.clone(), conn.ws.clone(), bg.clone(), stop_prefetch.clone(), self.fetcher.background_source());
             // The fill waits while the replay runs (or its thread is not started), no longer.
             let replaying = prefetch::Demand::replaying(demand);
             std::thread::Builder::new().name("lazy-workingset".into()).spawn(move || {
                 let _replaying = replaying;
-                // However the replay ends (or never starts: no plan came), faults go back to
-                // fetching whole chunks.
-                struct Over(Arc<workingset::Pending>);
-                impl Drop for Over {
-                    fn drop(&mut self) {
-                        self.0.disarm();
-                    }
-                }
-                let _over = Over(ws.clone());
                 let p = match plan {
                     Some(p) => p,
                     None => {
-                        let p = d.replay_when_known(&s)?.1?;
+                        let Some(p) = d.replay_when_known(&s).and_then(|(_, plan)| plan) else {
+                            // No working set came: faults take their whole chunks again (a
+                            // replay disarms the set itself when it ends).
+                            ws.disarm();
+                            return None;
+                        };
                         tracing::info!(
                             "pid {pid}: replaying a working set of {} slices and {} zero chunks, which arrived after the guest",
                             p.slices(),

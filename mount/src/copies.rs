@@ -23,7 +23,7 @@
 use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::AsFd;
 use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -94,11 +94,16 @@ fn remove_tree(parent: &Dir, name: &OsStr) {
             let _ = d.remove_file(&n);
         }
     }
-    let Ok(c) = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(name)) else { return };
-    // SAFETY: a NUL-terminated plain name, relative to a directory descriptor we hold.
-    if unsafe { libc::unlinkat(parent.as_fd().as_raw_fd(), c.as_ptr(), libc::AT_REMOVEDIR) } != 0 {
-        tracing::debug!("{}: {}", parent.display_path(name).display(), std::io::Error::last_os_error());
+    if let Err(e) = parent.remove_dir(name) {
+        tracing::debug!("{}: {e}", parent.display_path(name).display());
     }
+}
+
+/// The lock file beside a daemon's directory of copies `name`.
+fn lock_name(name: &OsStr) -> OsString {
+    let mut lock = name.to_os_string();
+    lock.push(".lock");
+    lock
 }
 
 /// Remove the copies of host daemons that are gone (their lock is free) under
@@ -115,9 +120,7 @@ pub fn sweep(cache_root: &Path) -> usize {
     owners.dedup();
     let mut swept = 0;
     for o in owners {
-        let mut lock_name = o.clone();
-        lock_name.push(".lock");
-        let Ok(Some(lock)) = UseLock::try_exclusive(&parent.display_path(&lock_name)) else { continue };
+        let Ok(Some(lock)) = UseLock::try_exclusive(&parent.display_path(lock_name(&o))) else { continue };
         remove_tree(&parent, &o);
         let _ = lock.remove();
         swept += 1;
@@ -140,9 +143,7 @@ impl Copies {
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
         static STARTED: AtomicU64 = AtomicU64::new(0);
         let name = OsString::from(format!("{}-{}-{nanos}", std::process::id(), STARTED.fetch_add(1, Relaxed)));
-        let mut lock_name = name.clone();
-        lock_name.push(".lock");
-        let lock_path = parent.display_path(&lock_name);
+        let lock_path = parent.display_path(lock_name(&name));
         let lock = UseLock::shared(&lock_path).map_err(|source| CopyError::Io { path: lock_path, source })?;
         let dir = private_dir(&parent, &name)?;
         Ok(Copies { dir, parent, name, lock: Mutex::new(Some(lock)), slots: Mutex::new(HashMap::new()), seq: AtomicU64::new(0) })
@@ -228,7 +229,7 @@ impl Copies {
         remove_tree(&self.parent, &self.name);
         drop(lock);
         // Removed by whoever holds it alone: a sweep of another daemon may be looking.
-        if let Ok(Some(l)) = UseLock::try_exclusive(&self.parent.display_path(format!("{}.lock", self.name.to_string_lossy()))) {
+        if let Ok(Some(l)) = UseLock::try_exclusive(&self.parent.display_path(lock_name(&self.name))) {
             let _ = l.remove();
         }
     }

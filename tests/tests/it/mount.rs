@@ -241,6 +241,21 @@ fn mapped(path: &Path) -> Vec<u8> {
     v
 }
 
+/// The file at `path` holds `want`: read whole, mapped, and read at odd places (across a
+/// 256 KiB chunk boundary, one byte, the tail, past the end).
+fn reads_right(path: &Path, want: &[u8], name: &str) {
+    assert!(fs::read(path).unwrap() == want, "{name}: read differs");
+    assert!(mapped(path) == want, "{name}: mmap differs");
+    let f = fs::File::open(path).unwrap();
+    for (off, len) in [(256 * 1024 - 3, 10usize), (1, 1), (want.len().saturating_sub(7) as u64, 100), (want.len() as u64 + 10, 10)] {
+        let mut buf = vec![0u8; len];
+        let got = f.read_at(&mut buf, off).unwrap();
+        let end = (off as usize + len).min(want.len());
+        let expect = if (off as usize) < want.len() { &want[off as usize..end] } else { &[][..] };
+        assert_eq!(&buf[..got], expect, "{name}: {len} bytes at {off}");
+    }
+}
+
 const PATTERN_FILES: [&str; 5] = ["zero.img", "random.img", "text.img", "sparse.img", "sub/dir/nested.img"];
 
 #[test]
@@ -259,17 +274,7 @@ fn every_byte_of_every_data_pattern_reads_right_by_read_and_by_mmap() {
         let meta = fs::metadata(&path).unwrap();
         assert_eq!(meta.len(), want.len() as u64, "{name}: size");
         assert_eq!(meta.mode() & 0o7777, fs::metadata(src.join(name)).unwrap().mode() & 0o775, "{name}: mode");
-        assert!(fs::read(&path).unwrap() == want, "{name}: read differs");
-        assert!(mapped(&path) == want, "{name}: mmap differs");
-        // Reads at odd places: across a chunk boundary, one byte, the tail, past the end.
-        let f = fs::File::open(&path).unwrap();
-        for (off, len) in [(256 * 1024 - 3, 10usize), (1, 1), (want.len().saturating_sub(7) as u64, 100), (want.len() as u64 + 10, 10)] {
-            let mut buf = vec![0u8; len];
-            let got = f.read_at(&mut buf, off).unwrap();
-            let end = (off as usize + len).min(want.len());
-            let expect = if (off as usize) < want.len() { &want[off as usize..end] } else { &[][..] };
-            assert_eq!(&buf[..got], expect, "{name}: {len} bytes at {off}");
-        }
+        reads_right(&path, &want, name);
     }
     assert!(fs::OpenOptions::new().write(true).open(dir.join("text.img")).is_err(), "read-only");
     let (r, code, report) = m.umount(&place);
@@ -802,16 +807,7 @@ fn regression_issue_38_a_filled_file_is_read_through_passthrough_by_read_and_mma
 
     for name in PATTERN_FILES {
         let (want, path) = (fs::read(src.join(name)).unwrap(), dir.join(name));
-        assert!(fs::read(&path).unwrap() == want, "{name}: read differs");
-        assert!(mapped(&path) == want, "{name}: mmap differs");
-        let f = fs::File::open(&path).unwrap();
-        for (off, len) in [(256 * 1024 - 3, 10usize), (1, 1), (want.len().saturating_sub(7) as u64, 100), (want.len() as u64 + 10, 10)] {
-            let mut buf = vec![0u8; len];
-            let got = f.read_at(&mut buf, off).unwrap();
-            let end = (off as usize + len).min(want.len());
-            let expect = if (off as usize) < want.len() { &want[off as usize..end] } else { &[][..] };
-            assert_eq!(&buf[..got], expect, "{name}: {len} bytes at {off}");
-        }
+        reads_right(&path, &want, name);
     }
     let (r, code, report) = m.umount(&place);
     assert_eq!((r.code, code), (0, 0), "{r:?} {}", m.log_text());
