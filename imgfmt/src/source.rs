@@ -30,6 +30,26 @@ pub trait BlobSource: Send + Sync {
         self.read_at_unverified(digest, offset, &mut buf)?;
         Ok(buf.into())
     }
+    /// The bytes of a blob from `offset`, cut into pieces of `lens` bytes in order, each
+    /// handed to `each(i, bytes)` as soon as it is in: a source reading one response
+    /// (an HTTP body) hands a reader its first piece once that piece has arrived, not
+    /// once the whole range has, and the later pieces come behind it on the same
+    /// connection. Pieces handed over before an error stay handed over; the caller reads
+    /// the rest some other way. The default reads the whole range, then hands out every
+    /// piece.
+    fn read_pieces_unverified(&self, digest: &OciDigest, offset: u64, lens: &[usize], each: &mut dyn FnMut(usize, bytes::Bytes)) -> Result<(), FormatError> {
+        split_pieces(self.read_range_unverified(digest, offset, lens.iter().sum())?, lens, each);
+        Ok(())
+    }
+}
+
+/// Hand `all` out as consecutive pieces of `lens` bytes (it holds their sum).
+pub fn split_pieces(all: bytes::Bytes, lens: &[usize], each: &mut dyn FnMut(usize, bytes::Bytes)) {
+    let mut at = 0;
+    for (i, &n) in lens.iter().enumerate() {
+        each(i, all.slice(at..at + n));
+        at += n;
+    }
 }
 
 /// A shared source is a source: a daemon hands one client to many threads (and to the
@@ -53,6 +73,9 @@ impl<T: BlobSource + ?Sized> BlobSource for std::sync::Arc<T> {
     }
     fn read_range_unverified(&self, digest: &OciDigest, offset: u64, len: usize) -> Result<bytes::Bytes, FormatError> {
         (**self).read_range_unverified(digest, offset, len)
+    }
+    fn read_pieces_unverified(&self, digest: &OciDigest, offset: u64, lens: &[usize], each: &mut dyn FnMut(usize, bytes::Bytes)) -> Result<(), FormatError> {
+        (**self).read_pieces_unverified(digest, offset, lens, each)
     }
 }
 
@@ -104,6 +127,11 @@ impl<T: Forward> BlobSource for T {
     }
     fn read_range_unverified(&self, digest: &OciDigest, offset: u64, len: usize) -> Result<bytes::Bytes, FormatError> {
         Forward::read_range_unverified(self, digest, offset, len)
+    }
+    /// Through the wrapper's own `read_range_unverified`, so a wrapper sees these reads too.
+    fn read_pieces_unverified(&self, digest: &OciDigest, offset: u64, lens: &[usize], each: &mut dyn FnMut(usize, bytes::Bytes)) -> Result<(), FormatError> {
+        split_pieces(Forward::read_range_unverified(self, digest, offset, lens.iter().sum())?, lens, each);
+        Ok(())
     }
 }
 

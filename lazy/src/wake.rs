@@ -198,7 +198,7 @@ fn chunk_client<F: Front>(front: &F, host: &str, repository: &str, warm: usize) 
 /// faults paid a connection's set-up (a round trip, more with TLS) on top of their own
 /// round trip. `GET /v2/`, each on a thread of its own so they overlap; a failure is left
 /// to the first real request to report.
-fn warm_up(client: &Arc<regclient::RegistrySource>, n: usize) {
+pub fn warm_up(client: &Arc<regclient::RegistrySource>, n: usize) {
     for _ in 0..n {
         let c = client.clone();
         let _ = std::thread::Builder::new().name("lazy-warm-up".into()).spawn(move || {

@@ -171,11 +171,33 @@ const SETTLE_MAX: std::time::Duration = std::time::Duration::from_secs(60);
 type Pending = Arc<(Mutex<u64>, Condvar)>;
 /// Fill requests in flight at most (the pacing window's bound, in chunks).
 pub const FILL_JOBS: usize = 8;
-/// Chunks fetched ahead of a reader that reads a file in order, at most.
-const READ_AHEAD: u64 = 16;
+/// A reader reading a file in order has a new read-ahead stream started once fewer than
+/// this many stored chunks ahead of it are taken on (8 MiB of 1 MiB chunks: a round trip
+/// of 64 ms at 1 Gbit/s, so the link does not idle between streams).
+const READ_AHEAD: u64 = 8;
+/// A file's first read-ahead stream takes on this many stored chunks; each next one twice
+/// as many as the one before, up to [`MAX_STRETCH`] (a reader that keeps reading in order
+/// has fewer, longer requests, whose bytes come in order).
+const FIRST_STRETCH: u64 = 16;
+const MAX_STRETCH: u64 = 64;
+/// A read this many chunks or fewer before the last one read is taken as a read the
+/// kernel sent out of order (its reads run at once), not as a reader going back.
+const REORDER: u64 = 2;
+/// Read-ahead streams running at once, at most.
+const AHEAD_STREAMS: u64 = 4;
+/// How often a fill worker waiting for a reader's streams to end looks again.
+const STREAM_YIELD_POLL: std::time::Duration = std::time::Duration::from_millis(5);
 /// A read of at most this many bytes of a chunk nobody asked for before fetches only its
 /// slices from the source (one range request); a later miss in the chunk fetches it whole.
 const SOURCE_SLICE_MAX: u64 = 16 << 10;
+
+/// What a file's read-ahead streams took on: every stored chunk before `next`; the next
+/// stream takes on `stretch` more.
+#[derive(Debug, Clone, Copy)]
+struct Ahead {
+    next: u64,
+    stretch: u64,
+}
 
 /// [`ChunkSource`] over an image's source and the host's chunk cache.
 pub struct Fetcher {
@@ -198,7 +220,11 @@ pub struct Fetcher {
     pacer: Arc<Background>,
     /// Per file, the chunk a reader read last: a read of the next one reads ahead.
     last_read: Mutex<HashMap<usize, u64>>,
-    /// Read-ahead fetches running.
+    /// Per file, what its read-ahead streams took on.
+    frontier: Mutex<HashMap<usize, Ahead>>,
+    /// Read-ahead streams running.
+    streams: AtomicU64,
+    /// Read-ahead loads of chunks from the chunk cache running.
     ahead: AtomicU64,
     me: Weak<Fetcher>,
     counters: FetchCounters,
@@ -220,7 +246,10 @@ impl Drop for Fetcher {
 impl Fetcher {
     /// `memory_bytes` of recently used chunks are kept in memory (the page cache keeps
     /// what readers read; this serves the rest of a chunk a read fetched for part of it).
-    /// The image's outboards are read here, before it is shown.
+    /// An image opened with its outboards' tables ([`imgfmt::OutboardsAhead::Tables`])
+    /// reads a chunk's CVs beside its first slice read; any other has its whole outboards
+    /// read on a thread of its own, its reads taking whole chunks until they are in. Either
+    /// way nothing of the outboards is read before the image is shown.
     pub fn new(image: Arc<Image>, src: Arc<dyn BlobSource>, store: Option<Arc<ChunkCache>>, policy: RetryPolicy, memory_bytes: u64) -> Arc<Fetcher> {
         let pending = Pending::default();
         let (puts, putter) = match &store {
@@ -254,7 +283,12 @@ impl Fetcher {
             chunks.dedup();
             ChunkStore::pin(s.as_ref(), &format!("snapctl mount (pid {}) presenting {}", std::process::id(), image.manifest_digest), &chunks)
         });
-        load_outboards(&image, src.as_ref());
+        if !image.slices_on_demand() {
+            let (i, s) = (image.clone(), src.clone());
+            if let Err(e) = std::thread::Builder::new().name("mount-outboards".into()).spawn(move || load_outboards(&i, s.as_ref())) {
+                tracing::warn!("{}: its outboards are not read ({e}): reads take whole chunks", image.manifest_digest);
+            }
+        }
         let pacer = Background::new(1 << image.chunk_shift(), FILL_JOBS);
         Arc::new_cyclic(|me| Fetcher {
             image,
@@ -270,6 +304,8 @@ impl Fetcher {
             sliced: Mutex::new(HashSet::new()),
             pacer,
             last_read: Mutex::new(HashMap::new()),
+            frontier: Mutex::new(HashMap::new()),
+            streams: AtomicU64::new(0),
             ahead: AtomicU64::new(0),
             me: me.clone(),
             counters: FetchCounters::default(),
@@ -281,9 +317,10 @@ impl Fetcher {
         (self.image.files[file].name.clone(), chunk << self.image.chunk_shift())
     }
 
-    /// Lead a flight: the cache, else the source (retried, verified twice at most). A
-    /// reader's fetch counts against the fill's pacing window while it is in flight.
-    fn load(&self, file: usize, chunk: u64, need: Need) -> (Outcome, bool) {
+    /// Lead a flight: the cache, else the source (retried, verified twice at most, once
+    /// when `mismatch` says an earlier read of it did not verify). A reader's fetch counts
+    /// against the fill's pacing window while it is in flight.
+    fn load(&self, file: usize, chunk: u64, need: Need, mismatch: Option<String>) -> (Outcome, bool) {
         let rec = self.image.files[file].chunks[chunk as usize];
         let algo = self.image.config().hash;
         if let Some(v) = self.store.as_ref().and_then(|s| ChunkStore::get(s.as_ref(), algo, &rec.digest, rec.len)) {
@@ -296,7 +333,7 @@ impl Fetcher {
         };
         let _foreground = (need == Need::Read).then(|| self.pacer.foreground(stored));
         let mut retry = self.policy.start();
-        let mut mismatch: Option<String> = None;
+        let mut mismatch = mismatch;
         loop {
             match verify::read_chunk(self.src.as_ref(), &self.image, file, chunk) {
                 Ok(v) => {
@@ -403,6 +440,16 @@ impl ChunkSource for Fetcher {
             return Ok(());
         }
         let StoredAt::Pack { stored_len, .. } = rec.at else { return Ok(()) };
+        // A reader reading in order is served by its own streams, which bring the file in
+        // order at the link's pace: the fill waits for them to end instead of sharing the
+        // link with them (on a bottleneck that takes turns between connections, its
+        // workers would outnumber the reader's stream).
+        while self.streams.load(Relaxed) > 0 {
+            if ended() {
+                return Ok(());
+            }
+            std::thread::sleep(STREAM_YIELD_POLL);
+        }
         let Some(_permit) = self.pacer.acquire(u64::from(stored_len), Class::Fill, ended) else { return Ok(()) };
         self.counters.filled_chunks.fetch_add(1, Relaxed);
         self.stored(file, chunk, Need::Fill).map(|_| ())
@@ -448,9 +495,27 @@ impl ChunkSource for Fetcher {
     }
 }
 
-/// Read the image's outboards and put them in place, before the image is shown: a read
-/// of part of a chunk may then read only that part ([`Fetcher::slices_into`]) from its
-/// first read on. Without them (none packed, or unreadable: logged) reads take whole chunks.
+/// Whether a chunk stored at `b` follows one stored at `a` in the same pack, byte for byte.
+fn adjacent(a: &StoredAt, b: &StoredAt) -> bool {
+    match (a, b) {
+        (StoredAt::Pack { pack: p, offset, stored_len, .. }, StoredAt::Pack { pack: q, offset: next, .. }) => {
+            p == q && offset + u64::from(*stored_len) == *next
+        }
+        _ => false,
+    }
+}
+
+/// The bytes a chunk's record says it takes in its pack (none for a zero chunk).
+fn stored_len(at: &StoredAt) -> u32 {
+    match at {
+        StoredAt::Pack { stored_len, .. } => *stored_len,
+        StoredAt::Zero => 0,
+    }
+}
+
+/// Read the image's whole outboards and put them in place: a read of part of a chunk may
+/// then read only that part ([`Fetcher::slices_into`]). Without them (none packed, not
+/// in yet, or unreadable: logged) reads take whole chunks.
 fn load_outboards(image: &Image, src: &dyn BlobSource) {
     match image.read_all_outboards(src) {
         Ok(o) => {
@@ -462,73 +527,218 @@ fn load_outboards(image: &Image, src: &dyn BlobSource) {
 
 impl Fetcher {
     /// A reader reading a file in order (chunk `chunk` follows the one it read last, zero
-    /// chunks included) gets the next [`READ_AHEAD`] stored chunks fetched beside it, each
-    /// on a thread of its own as a reader's fetch (verified, into recent memory and the
-    /// cache, counted against the fill's window), so it waits about one round trip per
-    /// [`READ_AHEAD`] chunks rather than one per chunk.
+    /// chunks included; a read of that one again or of one at most [`REORDER`] before it
+    /// changes nothing) gets the chunks after it
+    /// fetched ahead of it as a reader's fetches (verified, into recent memory and the
+    /// cache, counted against the fill's window). Those the source must send come in
+    /// streams ([`Fetcher::stream`]): one request per stretch, its chunks landed one by one
+    /// as they arrive, so the reader's next chunk is not slowed by the ones after it, and a
+    /// reader that stops waits for none of what was fetched beyond it. A new stream starts
+    /// once fewer than [`READ_AHEAD`] stored chunks ahead of the reader are taken on; the
+    /// first takes on [`FIRST_STRETCH`], each next twice as many up to [`MAX_STRETCH`]. A
+    /// read out of order ends the file's read-ahead until the reader is in order again.
+    /// Chunks in the chunk cache are loaded from there, each on a thread of its own.
     fn read_ahead(&self, file: usize, chunk: u64) {
-        let prev = self.last_read.lock().expect("poisoned").insert(file, chunk);
-        if prev.is_none_or(|p| p + 1 != chunk) {
-            return;
+        {
+            let mut last = self.last_read.lock().expect("poisoned");
+            match last.get(&file).copied() {
+                // The same chunk again, or one the kernel sent behind a later one.
+                Some(p) if chunk <= p && p - chunk <= REORDER => return,
+                Some(p) if chunk == p + 1 => {
+                    last.insert(file, chunk);
+                }
+                _ => {
+                    // A first read, or not in order: what a stream took on is no guide.
+                    last.insert(file, chunk);
+                    self.frontier.lock().expect("poisoned").remove(&file);
+                    return;
+                }
+            }
         }
         let chunks = &self.image.files[file].chunks;
-        // The next READ_AHEAD stored chunks (zero chunks cost nothing to read).
-        let next = (chunk + 1..chunks.len() as u64).filter(|&c| chunks[c as usize].at != StoredAt::Zero).take(READ_AHEAD as usize);
-        for c in next {
-            let d = chunks[c as usize].digest;
-            let have = self.recent.lock().expect("poisoned").map.contains_key(&d) || self.inflight.lock().expect("poisoned").contains_key(&d);
-            if have {
-                continue;
-            }
-            if self.ahead.fetch_add(1, Relaxed) >= READ_AHEAD {
-                self.ahead.fetch_sub(1, Relaxed);
+        let stored = |c: &u64| chunks[*c as usize].at != StoredAt::Zero;
+        let run: Vec<u64> = {
+            let mut frontier = self.frontier.lock().expect("poisoned");
+            let ahead = frontier.get(&file).copied().filter(|a| a.next > chunk).unwrap_or(Ahead { next: chunk + 1, stretch: FIRST_STRETCH });
+            // Zero chunks cost nothing to read: only stored ones count.
+            if (chunk + 1..ahead.next).filter(stored).count() as u64 >= READ_AHEAD {
                 return;
             }
-            let me = self.me.clone();
-            let spawned = std::thread::Builder::new().name("mount-readahead".into()).spawn(move || {
-                if let Some(f) = me.upgrade() {
-                    // A failure is the reader's to meet (and log) when it reads the chunk.
-                    let _ = f.stored(file, c, Need::Read);
-                    f.ahead.fetch_sub(1, Relaxed);
-                }
-            });
-            if spawned.is_err() {
-                self.ahead.fetch_sub(1, Relaxed);
+            let run: Vec<u64> = (ahead.next..chunks.len() as u64).filter(stored).take(ahead.stretch as usize).collect();
+            let Some(&last) = run.last() else { return };
+            frontier.insert(file, Ahead { next: last + 1, stretch: (ahead.stretch * 2).min(MAX_STRETCH) });
+            run
+        };
+        let algo = self.image.config().hash;
+        let (cached, fetch): (Vec<u64>, Vec<u64>) = match &self.store {
+            Some(st) => run.into_iter().partition(|&c| st.contains_unverified(algo, &chunks[c as usize].digest)),
+            None => (Vec::new(), run),
+        };
+        for c in cached {
+            self.load_ahead(file, c);
+        }
+        if fetch.is_empty() || self.streams.fetch_add(1, Relaxed) >= AHEAD_STREAMS {
+            self.streams.fetch_sub(u64::from(!fetch.is_empty()), Relaxed);
+            return;
+        }
+        let me = self.me.clone();
+        let spawned = std::thread::Builder::new().name("mount-readahead".into()).spawn(move || {
+            if let Some(f) = me.upgrade() {
+                f.stream(file, &fetch);
+                f.streams.fetch_sub(1, Relaxed);
             }
+        });
+        if spawned.is_err() {
+            self.streams.fetch_sub(1, Relaxed);
+        }
+    }
+
+    /// Load chunk `c` of file `file` from the chunk cache into recent memory on a thread of
+    /// its own (at most [`FIRST_STRETCH`] at once), unless it is there or in flight already.
+    fn load_ahead(&self, file: usize, c: u64) {
+        let d = self.image.files[file].chunks[c as usize].digest;
+        let have = self.recent.lock().expect("poisoned").map.contains_key(&d) || self.inflight.lock().expect("poisoned").contains_key(&d);
+        if have || self.ahead.fetch_add(1, Relaxed) >= FIRST_STRETCH {
+            self.ahead.fetch_sub(u64::from(!have), Relaxed);
+            return;
+        }
+        let me = self.me.clone();
+        let spawned = std::thread::Builder::new().name("mount-readahead".into()).spawn(move || {
+            if let Some(f) = me.upgrade() {
+                // A failure is the reader's to meet (and log) when it reads the chunk.
+                let _ = f.stored(file, c, Need::Read);
+                f.ahead.fetch_sub(1, Relaxed);
+            }
+        });
+        if spawned.is_err() {
+            self.ahead.fetch_sub(1, Relaxed);
+        }
+    }
+
+    /// Fetch the chunks of `run` (stored chunks of file `file`, in order) that nobody holds
+    /// or is fetching: each stretch of them adjacent in their pack with one request, its
+    /// chunks verified and landed one by one as the response brings them (into recent
+    /// memory and the cache's queue, like any reader's fetch). A chunk the response did not
+    /// bring (the source failed part way, or the bytes did not verify) is fetched on its
+    /// own as any reader's miss is, with its retries and second chance.
+    fn stream(&self, file: usize, run: &[u64]) {
+        let chunks = &self.image.files[file].chunks;
+        let mut i = 0;
+        while i < run.len() {
+            let mut led: Vec<(u64, Arc<Flight>)> = Vec::new();
+            while let Some(&c) = run.get(i) {
+                if led.last().is_some_and(|&(p, _)| !adjacent(&chunks[p as usize].at, &chunks[c as usize].at)) {
+                    break;
+                }
+                i += 1;
+                match self.claim(file, c) {
+                    Some(f) => led.push((c, f)),
+                    None if led.is_empty() => {}
+                    None => break,
+                }
+            }
+            if !led.is_empty() {
+                self.fetch_stretch(file, &led);
+            }
+        }
+    }
+
+    /// Lead the flight of chunk `c` of file `file`, unless it is in recent memory, the
+    /// chunk cache (the fill may have brought it since the stream was planned), refused,
+    /// or another caller's flight.
+    fn claim(&self, file: usize, c: u64) -> Option<Arc<Flight>> {
+        let d = self.image.files[file].chunks[c as usize].digest;
+        if self.store.as_ref().is_some_and(|s| s.contains_unverified(self.image.config().hash, &d)) {
+            return None;
+        }
+        let mut m = self.inflight.lock().expect("poisoned");
+        if m.contains_key(&d) || self.recent.lock().expect("poisoned").map.contains_key(&d) || self.refused.lock().expect("poisoned").contains(&d) {
+            return None;
+        }
+        let f = Arc::new(Flight { done: Mutex::new(None), cv: Condvar::new() });
+        m.insert(d, f.clone());
+        Some(f)
+    }
+
+    /// One request for the stretch `led` (adjacent stored chunks whose flights this caller
+    /// leads), counted against the fill's window while it runs; see [`Fetcher::stream`].
+    fn fetch_stretch(&self, file: usize, led: &[(u64, Arc<Flight>)]) {
+        let chunks = &self.image.files[file].chunks;
+        let lens: Vec<usize> = led.iter().map(|&(c, _)| stored_len(&chunks[c as usize].at) as usize).collect();
+        let StoredAt::Pack { pack, offset, .. } = chunks[led[0].0 as usize].at else { unreachable!("a stretch holds stored chunks only") };
+        let foreground = self.pacer.foreground(lens.iter().sum::<usize>() as u64);
+        let mut landed = vec![false; led.len()];
+        let digest = &self.image.packs[pack as usize].digest;
+        let mut mismatches: HashMap<usize, String> = HashMap::new();
+        let read = self.src.read_pieces_unverified(digest, offset, &lens, &mut |i, bytes| {
+            let Some(&(c, ref flight)) = led.get(i) else { return };
+            self.counters.bytes_fetched.fetch_add(lens[i] as u64, Relaxed);
+            match verify::check_stored_chunk(self.src.as_ref(), &self.image, file, c, Vec::from(bytes)) {
+                Ok(v) => {
+                    self.counters.fetched_chunks.fetch_add(1, Relaxed);
+                    // Its waiters have it; the reader reads it from recent memory.
+                    let _ = self.land(file, c, flight, Ok(Arc::new(v)), true, Need::Read);
+                    landed[i] = true;
+                }
+                Err(e) => {
+                    self.counters.verify_failures.fetch_add(1, Relaxed);
+                    tracing::error!("VERIFY FAILURE: {e}");
+                    mismatches.insert(i, e.to_string());
+                }
+            }
+        });
+        drop(foreground);
+        if let Err(e) = read {
+            tracing::debug!("{}: reading ahead from chunk {}: {e}; fetching the rest one by one", self.image.files[file].name, led[0].0);
+        }
+        for (i, &(c, ref flight)) in led.iter().enumerate().filter(|&(i, _)| !landed[i]) {
+            // A chunk whose bytes did not verify has had its first chance.
+            let (outcome, fetched) = self.load(file, c, Need::Read, mismatches.remove(&i));
+            let _ = self.land(file, c, flight, outcome, fetched, Need::Read);
         }
     }
 
     /// Copy bytes `within ..` of a stored chunk into `out` from its slices, each checked
     /// against the chunk's outboard entry (merged to its digest first): from the chunk
-    /// cache, else, for a read of at most [`SOURCE_SLICE_MAX`] in a chunk no read fetched
-    /// slices of before, with one range request to the source. `false`: nothing copied
-    /// (no slices, the chunk in recent memory, a check or a fetch failed): read the whole
-    /// chunk, which is verified and, on a failure, refused as any chunk is.
+    /// cache (when the entry's CVs are here), else, for a read of at most
+    /// [`SOURCE_SLICE_MAX`] in a chunk no read fetched slices of before, with one range
+    /// request to the source (the CVs, when only the table is here, read beside it).
+    /// `false`: nothing copied (no slices, the chunk in recent memory or refused, a cached
+    /// chunk whose CVs are not here, a check or a fetch failed): read the whole chunk, which is
+    /// verified and, on a failure, refused as any chunk is.
     fn slices_into(&self, file: usize, chunk: u64, within: usize, out: &mut [u8]) -> bool {
         let rec = self.image.files[file].chunks[chunk as usize];
-        if self.recent.lock().expect("poisoned").map.contains_key(&rec.digest) {
+        // A refused chunk is refused whole, without another read.
+        if self.recent.lock().expect("poisoned").map.contains_key(&rec.digest) || self.refused.lock().expect("poisoned").contains(&rec.digest) {
             return false;
         }
-        let Some(cvs) = self.image.slice_cvs(file, chunk) else { return false };
-        let shift = cvs.shape().slice_size().trailing_zeros();
+        let Some(shape) = self.image.slice_shape(file, chunk) else { return false };
+        let shift = shape.slice_size().trailing_zeros();
         let (first, last) = ((within >> shift) as u32, ((within + out.len() - 1) >> shift) as u32);
-        let range = cvs.slice_range(first).start..cvs.slice_range(last).end;
+        let range = shape.slice_range(first).start..shape.slice_range(last).end;
         let algo = self.image.config().hash;
         let check = |bytes: Vec<u8>| -> Result<Vec<verify::VerifiedSlice>, VerifyError> {
             let bytes = bytes::Bytes::from(bytes);
             (first..=last)
                 .map(|i| {
-                    let r = cvs.slice_range(i);
+                    let r = shape.slice_range(i);
                     verify::check_slice(&self.image, file, chunk, i, bytes.slice((r.start - range.start) as usize..(r.end - range.start) as usize))
                 })
                 .collect()
         };
-        let cached = self.store.as_ref().and_then(|s| s.read_range_unverified(algo, &rec.digest, rec.len, range.clone()).ok().flatten());
+        // Part of a cached chunk is checked against the chunk's CVs when they are here (an
+        // image opened with its tables reads them from the source when first wanted: not
+        // worth a round trip when the whole chunk is on disk).
+        let cvs_here = self.image.slice_cvs(file, chunk).is_some();
+        let cached = self.store.as_ref().filter(|_| cvs_here).and_then(|s| s.read_range_unverified(algo, &rec.digest, rec.len, range.clone()).ok().flatten());
         let (slices, counter) = match cached {
             // A part that fails its check is left to the whole chunk's read, which re-hashes
             // the entry and drops it if it is damaged.
             Some(bytes) => (check(bytes).ok(), &self.counters.cache_slice_reads),
             None => {
+                if !cvs_here && self.store.as_ref().is_some_and(|s| s.contains_unverified(algo, &rec.digest)) {
+                    return false;
+                }
                 if range.end - range.start > SOURCE_SLICE_MAX || !self.sliced.lock().expect("poisoned").insert(rec.digest) {
                     return false;
                 }
@@ -604,18 +814,26 @@ impl Fetcher {
             self.counters.cache_hits.fetch_add(1, Relaxed);
             return g.clone().expect("set");
         }
-        let (outcome, fetched) = self.load(file, chunk, need);
+        let (outcome, fetched) = self.load(file, chunk, need, None);
+        self.land(file, chunk, &flight, outcome, fetched, need)
+    }
+
+    /// Land a flight this caller leads with `outcome`: a reader's chunk into recent memory,
+    /// the outcome to its waiters, and a chunk `fetched` from the source into the cache's
+    /// queue (else it came from the cache: a hit).
+    fn land(&self, file: usize, chunk: u64, flight: &Flight, outcome: Outcome, fetched: bool, need: Need) -> Outcome {
+        let digest = self.image.files[file].chunks[chunk as usize].digest;
         if let (Ok(c), Need::Read) = (&outcome, need) {
-            self.recent.lock().expect("poisoned").insert(rec.digest, c.clone());
+            self.recent.lock().expect("poisoned").insert(digest, c.clone());
         }
         // Waiters get the chunk before it is queued for the cache: the fill's put may wait
         // for the disk, a reader joined to its flight must not.
         *flight.done.lock().expect("poisoned") = Some(outcome.clone());
         flight.cv.notify_all();
-        self.inflight.lock().expect("poisoned").remove(&rec.digest);
+        self.inflight.lock().expect("poisoned").remove(&digest);
         if let Ok(c) = &outcome {
             if fetched {
-                self.queue_put(rec.digest, c, need);
+                self.queue_put(digest, c, need);
             } else {
                 self.counters.cache_hits.fetch_add(1, Relaxed);
             }
@@ -659,13 +877,7 @@ pub(crate) mod tests {
     }
 
     fn fetcher(layout: &Arc<OciLayout>, image: &Arc<Image>, cache: Option<Arc<ChunkCache>>) -> Arc<Fetcher> {
-        let f = Fetcher::new(image.clone(), layout.clone(), cache, RetryPolicy::never(), 64 << 20);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while image.slice_cvs(0, 0).is_none() {
-            assert!(Instant::now() < deadline, "the outboards were never put in place");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        f
+        fetcher_over(image, layout.clone(), cache)
     }
 
     fn read(f: &Fetcher, offset: usize, len: usize) -> Result<Vec<u8>, ChunkFailure> {
@@ -701,6 +913,114 @@ pub(crate) mod tests {
         // A read larger than a few slices takes the chunk whole at once.
         assert_eq!(read(&f, 3 * MIB + 8192, 64 << 10).unwrap(), data[3 * MIB + 8192..3 * MIB + 8192 + (64 << 10)]);
         assert_eq!((count(&c.fetched_slice_reads), count(&c.fetched_chunks)), (1, 2));
+    }
+
+    /// A source counting its ranged reads and whole-blob reads, and damaging the bytes
+    /// of one pack range when asked to.
+    struct Counting {
+        inner: Arc<OciLayout>,
+        ranges: AtomicU64,
+        whole: Mutex<Vec<imgfmt::OciDigest>>,
+        damage_at: Option<u64>,
+    }
+
+    impl imgfmt::source::Forward for Counting {
+        fn inner(&self) -> &dyn BlobSource {
+            self.inner.as_ref()
+        }
+        fn read_blob_unverified(&self, digest: &imgfmt::OciDigest, limit: u64) -> Result<Vec<u8>, imgfmt::FormatError> {
+            self.whole.lock().unwrap().push(digest.clone());
+            self.inner.read_blob_unverified(digest, limit)
+        }
+        fn read_at_unverified(&self, digest: &imgfmt::OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), imgfmt::FormatError> {
+            self.ranges.fetch_add(1, Relaxed);
+            self.inner.read_at_unverified(digest, offset, buf)?;
+            if let Some(at) = self.damage_at.filter(|&at| (offset..offset + buf.len() as u64).contains(&at)) {
+                buf[(at - offset) as usize] ^= 1;
+            }
+            Ok(())
+        }
+    }
+
+    fn counting(layout: &Arc<OciLayout>, damage_at: Option<u64>) -> Arc<Counting> {
+        Arc::new(Counting { inner: layout.clone(), ranges: AtomicU64::new(0), whole: Mutex::new(Vec::new()), damage_at })
+    }
+
+    #[test]
+    fn regression_issue_38_a_reader_in_order_gets_the_chunks_ahead_in_one_request_per_stretch() {
+        let t = tempfile::tempdir().unwrap();
+        let (layout, image, data) = packed_mib(t.path(), 24);
+        let src = counting(&layout, None);
+        let f = fetcher_over(&image, src.clone(), None);
+        assert_eq!(read(&f, 0, MIB).unwrap(), data[..MIB]);
+        assert_eq!(read(&f, MIB, MIB).unwrap(), data[MIB..2 * MIB]);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while count(&f.counters().fetched_chunks) < 2 + FIRST_STRETCH {
+            assert!(Instant::now() < deadline, "the chunks ahead were never fetched");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Two single chunks, then the sixteen after them in one request.
+        assert_eq!(count(&src.ranges), 3, "one request for the stretch ahead, not one per chunk");
+        for c in 2..10 {
+            assert_eq!(read(&f, c * MIB, MIB).unwrap(), data[c * MIB..(c + 1) * MIB], "chunk {c}");
+        }
+        assert_eq!(count(&src.ranges), 3, "eight chunks still taken on ahead: no new stream yet");
+        // Fewer than eight ahead: the next stream takes on the rest (up to 32).
+        assert_eq!(read(&f, 10 * MIB, MIB).unwrap(), data[10 * MIB..11 * MIB]);
+        while count(&f.counters().fetched_chunks) < 24 {
+            assert!(Instant::now() < deadline, "the next stretch was never fetched");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(count(&src.ranges), 4, "the rest in one request");
+        for c in 11..24 {
+            assert_eq!(read(&f, c * MIB, MIB).unwrap(), data[c * MIB..(c + 1) * MIB], "chunk {c}");
+        }
+        assert_eq!(count(&f.counters().fetched_chunks), 24, "each chunk fetched once");
+    }
+
+    #[test]
+    fn regression_issue_38_a_damaged_chunk_in_a_stretch_ahead_is_refused_and_the_rest_served() {
+        let t = tempfile::tempdir().unwrap();
+        let (layout, image, data) = packed_mib(t.path(), 8);
+        let StoredAt::Pack { offset, .. } = image.files[0].chunks[4].at else { panic!("chunk 4 is stored") };
+        let f = fetcher_over(&image, counting(&layout, Some(offset + 100)), None);
+        assert_eq!(read(&f, 0, MIB).unwrap(), data[..MIB]);
+        assert_eq!(read(&f, MIB, MIB).unwrap(), data[MIB..2 * MIB]);
+        for c in [2, 3, 5, 6, 7] {
+            assert_eq!(read(&f, c * MIB, MIB).unwrap(), data[c * MIB..(c + 1) * MIB], "chunk {c}");
+        }
+        let e = read(&f, 4 * MIB, MIB).unwrap_err();
+        assert!(matches!(e, ChunkFailure::Integrity { chunk: 4, .. }), "{e}");
+        assert_eq!(count(&f.counters().verify_failures), 2, "the stretch's read and one more, then refused");
+    }
+
+    #[test]
+    fn regression_issue_38_an_image_opened_with_its_tables_never_reads_the_whole_outboard() {
+        let t = tempfile::tempdir().unwrap();
+        let (layout, first, data) = packed(t.path());
+        let src = counting(&layout, None);
+        let (image, _) = Image::open_outboards_later(src.clone(), &first.manifest_digest, imgfmt::OutboardsAhead::Tables).unwrap();
+        let image = Arc::new(image);
+        assert!(image.slices_on_demand());
+        let f = Fetcher::new(image.clone(), src.clone(), None, RetryPolicy::never(), 64 << 20);
+        let at = 2 * MIB + 3 * 4096;
+        assert_eq!(read(&f, at, 4096).unwrap(), data[at..at + 4096]);
+        let c = f.counters();
+        assert_eq!((count(&c.fetched_slice_reads), count(&c.fetched_chunks)), (1, 0), "the slice, checked against CVs read beside it");
+        std::thread::sleep(Duration::from_millis(100));
+        let outboard = image.chain[0].outboard_blob.as_ref().expect("packed with an outboard").digest.clone();
+        assert!(!src.whole.lock().unwrap().contains(&outboard), "the whole outboard was read");
+    }
+
+    /// A fetcher over `src` whose outboards are in place.
+    fn fetcher_over(image: &Arc<Image>, src: Arc<dyn BlobSource>, cache: Option<Arc<ChunkCache>>) -> Arc<Fetcher> {
+        let f = Fetcher::new(image.clone(), src, cache, RetryPolicy::never(), 64 << 20);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while image.slice_cvs(0, 0).is_none() {
+            assert!(Instant::now() < deadline, "the outboards were never put in place");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        f
     }
 
     #[test]

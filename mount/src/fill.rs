@@ -4,7 +4,9 @@
 //!
 //! ```text
 //! order: the memory file's recorded trace (`--prefetch trace`, when there is one),
-//!        then every file's stored chunks in file order (`trace` and `all`); `none`: no fill
+//!        then every file's stored chunks in file order, the small files a runtime reads
+//!        first (state, metadata) before the bulk ones (memory, pages) (`trace` and
+//!        `all`); `none`: no fill
 //! each chunk: skipped when the cache has it; else fetched through the image's chunk
 //!             source (single-flight with the readers: a chunk a reader is fetching is
 //!             waited for, not fetched twice) and queued for the cache
@@ -16,14 +18,16 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::Weak;
 
-use imgfmt::{Image, StoredAt};
+use imgfmt::{Image, Role, StoredAt};
 use lazy::{PrefetchMode, Trace};
 
 use crate::chunks::FILL_JOBS;
 use crate::Served;
 
-/// The fill's order: `(file, chunk)` of every stored chunk, the trace's first; and how
-/// many came from the trace.
+/// The fill's order: `(file, chunk)` of every stored chunk, the trace's first, then the
+/// files' in file order, those of role memory or pages last (a runtime reads the state
+/// and the maps before it reads memory: gVisor's `checkpoint.img` and `pages_meta.img`
+/// before `pages.img`); and how many came from the trace.
 pub fn order(image: &Image, mode: PrefetchMode, trace: Option<(usize, &Trace)>) -> (Vec<(usize, u64)>, usize) {
     if mode == PrefetchMode::None {
         return (Vec::new(), 0);
@@ -37,7 +41,9 @@ pub fn order(image: &Image, mode: PrefetchMode, trace: Option<(usize, &Trace)>) 
         }
     }
     let traced = out.len();
-    for (f, file) in image.files.iter().enumerate() {
+    let mut files: Vec<_> = image.files.iter().enumerate().collect();
+    files.sort_by_key(|(_, f)| matches!(f.role, Role::Memory | Role::Pages));
+    for (f, file) in files {
         for (c, ch) in file.chunks.iter().enumerate() {
             if !seen[f][c] && ch.at != StoredAt::Zero {
                 out.push((f, c as u64));
@@ -100,6 +106,24 @@ mod tests {
 
     use super::*;
     use crate::Fetcher;
+
+    #[test]
+    fn regression_issue_38_the_fill_takes_the_state_before_the_memory() {
+        let t = tempfile::tempdir().unwrap();
+        let src = t.path().join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("vm.mem"), vec![3u8; 3 << 20]).unwrap();
+        std::fs::write(src.join("vm.state"), vec![5u8; 5000]).unwrap();
+        let layout = imgfmt::OciLayout::open_or_create(t.path().join("l")).unwrap();
+        pusher::pack(&src, &layout, "v1", &Default::default()).unwrap();
+        let image = Image::open(&layout, &layout.resolve_tag("v1").unwrap()).unwrap();
+        let names: Vec<_> = image.files.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(names, ["vm.mem", "vm.state"], "the memory file comes first in file order");
+        let (order, traced) = order(&image, PrefetchMode::All, None);
+        assert_eq!(traced, 0);
+        let files: Vec<_> = order.iter().map(|&(f, _)| image.files[f].name.as_str()).collect();
+        assert_eq!(files, ["vm.state", "vm.mem", "vm.mem", "vm.mem"], "the state is filled first");
+    }
 
     #[test]
     fn regression_issue_37_the_mount_fill_takes_every_chunk_through_the_pacing_window() {

@@ -98,9 +98,15 @@ pub struct Opened {
     /// Its base, when it has one that could be opened from the same source.
     pub base: Option<Arc<Image>>,
     pub prefetch: PrefetchMode,
-    /// The memory file's recorded trace, for the fill's order.
-    pub trace: Option<(usize, Trace)>,
+    /// Reads the memory file's recorded trace, for the fill's order. Called on the fill's
+    /// thread once the image is shown: looking a trace up costs round trips that the
+    /// first reads should not wait behind.
+    pub trace: Option<TraceLookup>,
 }
+
+/// Looks up an image's recorded trace: `(file, trace)`, or `None` when it has none (or it
+/// cannot be read: the lookup logs why).
+pub type TraceLookup = Box<dyn FnOnce() -> Option<(usize, Trace)> + Send>;
 
 /// Opens the references later `snapctl mount`s send (the CLI's: registries, credentials).
 pub trait Opener: Send + Sync {
@@ -229,11 +235,7 @@ impl Host {
         self.binds.lock().expect("poisoned").insert(dir.clone(), Bind { name: name.clone(), served: served.clone() });
         self.added_any.store(true, Relaxed);
         if fresh {
-            let (order, traced) = fill::order(&o.image, o.prefetch, o.trace.as_ref().map(|(f, t)| (*f, t)));
-            if !order.is_empty() {
-                tracing::info!("{name}: filling the chunk cache: {} chunks, {traced} of them first from its trace", order.len());
-            }
-            self.background(served, order);
+            self.background(served, o.prefetch, o.trace);
         }
         tracing::info!("{} ({}) shown in {}", name, o.reference, dir.display());
         Ok(name)
@@ -391,14 +393,18 @@ impl Host {
 
     /// The fill of a newly presented image on a thread of its own, then the whole-file
     /// copies of its files complete in the chunk cache (with passthrough on).
-    fn background(&self, served: Arc<Served>, order: Vec<(usize, u64)>) {
+    fn background(&self, served: Arc<Served>, prefetch: PrefetchMode, trace: Option<TraceLookup>) {
         let (stop, shared, name) = (self.stop_fill.clone(), self.shared.clone(), served.name.clone());
-        if order.is_empty() && shared.copies().is_none() {
+        if prefetch == PrefetchMode::None && shared.copies().is_none() {
             return;
         }
+        let (image, who) = (served.chunks.image().clone(), name.clone());
         let served = Arc::downgrade(&served);
         let spawned = std::thread::Builder::new().name("mount-fill".into()).spawn(move || {
+            let trace = trace.filter(|_| prefetch == PrefetchMode::Trace).and_then(|t| t());
+            let (order, traced) = fill::order(&image, prefetch, trace.as_ref().map(|(f, t)| (*f, t)));
             if !order.is_empty() {
+                tracing::info!("{who}: filling the chunk cache: {} chunks, {traced} of them first from its trace", order.len());
                 fill::run(&served, &order, &stop);
             }
             if let Some(copies) = shared.copies() {

@@ -54,7 +54,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 pub use chunks::{ChunkSource, Fetcher, Need};
-pub use host::{Host, HostOptions, Opened, Opener, Passthrough};
+pub use host::{Host, HostOptions, Opened, Opener, Passthrough, TraceLookup};
 
 /// Reads of one image through the mount.
 #[derive(Default)]

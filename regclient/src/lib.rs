@@ -899,7 +899,7 @@ impl BlobSource for RegistrySource {
     }
 
     fn read_at_unverified(&self, d: &OciDigest, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
-        self.read_into(d, offset, buf, None)
+        self.read_into(d, offset, buf, None, &mut |_| {})
     }
 
     fn read_range_unverified(&self, d: &OciDigest, offset: u64, len: usize) -> Result<Bytes, FormatError> {
@@ -936,15 +936,40 @@ impl BlobSource for RegistrySource {
             None
         };
         let mut buf = vec![0u8; len];
-        self.read_into(d, offset, &mut buf, first)?;
+        self.read_into(d, offset, &mut buf, first, &mut |_| {})?;
         Ok(buf.into())
+    }
+
+    /// One range request; each piece is handed over as soon as the body has brought it
+    /// (a body cut short is asked again for the rest, as any range read is).
+    fn read_pieces_unverified(&self, d: &OciDigest, offset: u64, lens: &[usize], each: &mut dyn FnMut(usize, Bytes)) -> Result<(), FormatError> {
+        let mut buf = vec![0u8; lens.iter().sum()];
+        let (mut next, mut start) = (0usize, 0usize);
+        let mut hand_over = |got: &[u8]| {
+            while let Some(&n) = lens.get(next).filter(|&&n| start + n <= got.len()) {
+                each(next, Bytes::copy_from_slice(&got[start..start + n]));
+                (next, start) = (next + 1, start + n);
+            }
+        };
+        self.read_into(d, offset, &mut buf, None, &mut hand_over)?;
+        // Empty pieces at the end (or an empty range) bring no bytes to announce them.
+        hand_over(&buf);
+        Ok(())
     }
 }
 
 impl RegistrySource {
     /// Fill `buf` with a blob's bytes from `offset` by range requests, starting from
-    /// `first` if a response to the whole range is already in hand.
-    fn read_into(&self, d: &OciDigest, offset: u64, buf: &mut [u8], mut first: Option<reqwest::blocking::Response>) -> Result<(), FormatError> {
+    /// `first` if a response to the whole range is already in hand; `arrived` is shown the
+    /// bytes in so far each time more have come.
+    fn read_into(
+        &self,
+        d: &OciDigest,
+        offset: u64,
+        buf: &mut [u8],
+        mut first: Option<reqwest::blocking::Response>,
+        arrived: &mut dyn FnMut(&[u8]),
+    ) -> Result<(), FormatError> {
         let url = self.url("blobs", d.as_str());
         // A connection reset or a body cut short after the status line is as transient as a
         // 503: ask again for the bytes still missing, within the same retry budget
@@ -976,6 +1001,7 @@ impl RegistrySource {
                     Ok(n) => {
                         got += n;
                         count_transferred(n as u64);
+                        arrived(&buf[..got]);
                         if got == buf.len() {
                             return Ok(());
                         }
@@ -1026,12 +1052,10 @@ fn read_limited(resp: reqwest::blocking::Response, limit: u64, what: &str) -> Re
 mod tests {
     use super::*;
 
-    /// A range's body is counted as it arrives once a bar watches: half of it sent, the
-    /// rest held back, and the count has the half while the read still waits.
-    #[test]
-    fn regression_issue_39_range_bytes_count_as_they_arrive_when_a_bar_watches() {
+    /// A registry on 127.0.0.1 answering every blob read with a 206 of `len` bytes of 7s
+    /// whose first `first` bytes are sent at once and the rest once the sender is told.
+    fn holding_back(len: usize, first: usize) -> (String, std::sync::mpsc::Sender<()>) {
         use std::io::{BufRead, BufReader, Write};
-        const LEN: usize = 4 << 20;
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap().to_string();
         let (go, wait) = std::sync::mpsc::channel::<()>();
@@ -1052,14 +1076,23 @@ mod tests {
                     continue;
                 }
                 let head =
-                    format!("HTTP/1.1 206 Partial Content\r\nContent-Length: {LEN}\r\nContent-Range: bytes 0-{}/{LEN}\r\nConnection: close\r\n\r\n", LEN - 1);
-                let body = vec![7u8; LEN];
-                let _ = c.write_all(head.as_bytes()).and_then(|()| c.write_all(&body[..LEN / 2])).and_then(|()| c.flush());
+                    format!("HTTP/1.1 206 Partial Content\r\nContent-Length: {len}\r\nContent-Range: bytes 0-{}/{len}\r\nConnection: close\r\n\r\n", len - 1);
+                let body = vec![7u8; len];
+                let _ = c.write_all(head.as_bytes()).and_then(|()| c.write_all(&body[..first])).and_then(|()| c.flush());
                 let _ = wait.recv();
-                let _ = c.write_all(&body[LEN / 2..]);
+                let _ = c.write_all(&body[first..]);
                 return;
             }
         });
+        (addr, go)
+    }
+
+    /// A range's body is counted as it arrives once a bar watches: half of it sent, the
+    /// rest held back, and the count has the half while the read still waits.
+    #[test]
+    fn regression_issue_39_range_bytes_count_as_they_arrive_when_a_bar_watches() {
+        const LEN: usize = 4 << 20;
+        let (addr, go) = holding_back(LEN, LEN / 2);
         count_as_bytes_arrive(true);
         let c = RegistrySource::new(&addr, "vm/x", true, None).unwrap();
         let before = bytes_transferred();
@@ -1075,6 +1108,25 @@ mod tests {
         count_as_bytes_arrive(false);
         assert_eq!(got.len(), LEN);
         assert!(got.iter().all(|&b| b == 7));
+    }
+
+    /// A read in pieces hands over each piece once it is in: the first of two pieces
+    /// while the second is still held back, the second once it comes.
+    #[test]
+    fn regression_issue_38_pieces_are_handed_over_as_they_arrive() {
+        const PIECE: usize = 1 << 20;
+        let (addr, go) = holding_back(2 * PIECE, PIECE + 10);
+        let c = RegistrySource::new(&addr, "vm/x", true, None).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reading = std::thread::spawn(move || c.read_pieces_unverified(&OciDigest::of(b"x"), 0, &[PIECE, PIECE], &mut |i, b| tx.send((i, b)).unwrap()));
+        let (i, first) = rx.recv_timeout(Duration::from_secs(20)).expect("the first piece was handed over while the second was held back");
+        assert_eq!((i, first.len()), (0, PIECE));
+        assert!(rx.try_recv().is_err() && !reading.is_finished(), "the second piece waits for its bytes");
+        go.send(()).unwrap();
+        reading.join().unwrap().unwrap();
+        let (i, second) = rx.recv().unwrap();
+        assert_eq!((i, second.len()), (1, PIECE));
+        assert!(first.iter().chain(second.iter()).all(|&b| b == 7));
     }
 
     /// A tiny HTTP/1.1 server on 127.0.0.1 for tests: one request per connection

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use imgfmt::reference::{Reference, Selector};
-use imgfmt::{Image, RetryPolicy};
+use imgfmt::{Image, OutboardsAhead, RetryPolicy};
 use lazy::PrefetchMode;
 use mount::control::{self, Busy, Request};
 use mount::{Host, HostOptions, Opened, Opener, Passthrough, Report};
@@ -143,7 +143,7 @@ pub const DEFAULT_LOG: &str = "warn,mount=info";
 pub fn run(a: MountArgs) -> anyhow::Result<ExitCode> {
     mount::target::check_host()?;
     let dir = mount::target::check_dir(&a.dir)?;
-    let (o, image) = a.policy.open_image(&a.image)?;
+    let (o, image) = open_to_show(&a.policy, &a.image)?;
     if image.files.is_empty() {
         anyhow::bail!("{}: the image has no files: nothing to mount", common::printable(&a.image));
     }
@@ -359,16 +359,42 @@ fn on_terminate(first: impl Fn() + Send + Sync + 'static, second: impl Fn() + Se
     Ok(())
 }
 
-/// An image and what the host needs to present it.
+/// The image `reference` names, admitted by `policy`, opened as a mount shows it soonest:
+/// connections to a registry opened while the manifest is read, and only the outboards'
+/// tables read (beside the config and index), never their whole blobs, whose megabytes
+/// would sit in front of the first reads on the link; a chunk's CVs are read beside its
+/// first slice read.
+fn open_to_show(policy: &super::policy::PolicyFlags, reference: &str) -> anyhow::Result<(common::Opened, Image)> {
+    let r: Reference = reference.parse()?;
+    let mut o = common::open_to_restore(&r, reference)?;
+    if let Some(c) = &o.registry {
+        lazy::wake::warm_up(c, lazy::wake::WARM_METADATA_CONNECTIONS);
+    }
+    let image = policy.gate(&r, &mut o, open_tables)?;
+    Ok((o, image))
+}
+
+/// [`open_to_show`]'s opening, once the policy admits the image.
+fn open_tables(o: &common::Opened) -> anyhow::Result<Image> {
+    // With the tables read, nothing is pending: the image reads each chunk's CVs itself.
+    let (image, _nothing_pending) = common::open_image_outboards_later(o.source.clone(), o, OutboardsAhead::Tables)?;
+    Ok(image)
+}
+
+/// An image and what the host needs to present it. Its trace is looked up once it is
+/// shown, on the fill's thread.
 fn opened(source: Arc<dyn imgfmt::BlobSource>, image: Arc<Image>, reference: String, prefetch: PrefetchMode) -> Opened {
-    let base = image.config().base.as_ref().and_then(|b| match Image::open(source.as_ref(), &b.manifest) {
-        Ok(i) => Some(Arc::new(i)),
+    let base = image.config().base.as_ref().and_then(|b| match Image::open_outboards_later(source.clone(), &b.manifest, OutboardsAhead::Tables) {
+        Ok((i, _nothing_pending)) => Some(Arc::new(i)),
         Err(e) => {
             tracing::warn!("{reference}: its base {} cannot be opened from the same place ({e}): no clone layout", b.manifest);
             None
         }
     });
-    let trace = if prefetch == PrefetchMode::Trace { memory_trace(&reference, &image) } else { None };
+    let trace = (prefetch == PrefetchMode::Trace).then(|| {
+        let (reference, image) = (reference.clone(), image.clone());
+        Box::new(move || memory_trace(&reference, &image)) as mount::TraceLookup
+    });
     Opened { reference, image, source, base, prefetch, trace }
 }
 
@@ -400,7 +426,7 @@ impl Opener for CliOpener {
     fn open(&self, reference: &str, prefetch: PrefetchMode) -> Result<Opened, String> {
         let r: Reference = reference.parse().map_err(|e| format!("{e:#}"))?;
         let o = common::open_to_restore(&r, reference).map_err(|e| format!("{e:#}"))?;
-        let image = common::open_image(&o).map_err(|e| format!("{e:#}"))?;
+        let image = open_tables(&o).map_err(|e| format!("{e:#}"))?;
         Ok(opened(o.source, Arc::new(image), reference.to_string(), prefetch))
     }
 }
