@@ -167,8 +167,10 @@ type PutItem = (ChunkDigest, Arc<VerifiedChunk>);
 const PUT_QUEUE: usize = 64;
 /// How long [`ChunkSource::settle`] waits for the cache's writer at most.
 const SETTLE_MAX: std::time::Duration = std::time::Duration::from_secs(60);
-/// Chunks queued for the cache's writer and not written yet, with a wake-up for `settle`.
-type Pending = Arc<(Mutex<u64>, Condvar)>;
+/// Chunks queued for the cache's writer and not written yet, by digest (with how many
+/// times each is queued), with a wake-up for `settle`. A reader (or the fill, or a stream)
+/// finds a chunk here that was fetched and is not on disk yet, instead of fetching it again.
+type Pending = Arc<(Mutex<HashMap<ChunkDigest, (Arc<VerifiedChunk>, u32)>>, Condvar)>;
 /// Fill requests in flight at most (the pacing window's bound, in chunks).
 pub const FILL_JOBS: usize = 8;
 /// A reader reading a file in order has a new read-ahead stream started once fewer than
@@ -265,9 +267,11 @@ impl Fetcher {
                             let batch = imgfmt::work::batch_after(first, &rx, 32);
                             let items: Vec<_> = batch.iter().map(|(d, c)| (*d, c.as_ref())).collect();
                             ChunkStore::put_many(st.as_ref(), algo, &items);
-                            let (n, cv) = &*pending;
-                            let mut n = n.lock().expect("poisoned");
-                            *n = n.saturating_sub(items.len() as u64);
+                            let (queued, cv) = &*pending;
+                            let mut queued = queued.lock().expect("poisoned");
+                            for (d, _) in &batch {
+                                unqueue(&mut queued, d);
+                            }
                             cv.notify_all();
                         }
                     })
@@ -377,7 +381,7 @@ impl Fetcher {
         let Some(q) = puts.as_ref() else { return };
         let item = (digest, c.clone());
         // Counted before it is sent: the writer may be done with it before `send` returns.
-        *self.pending.0.lock().expect("poisoned") += 1;
+        self.pending.0.lock().expect("poisoned").entry(digest).or_insert_with(|| (c.clone(), 0)).1 += 1;
         let sent = match need {
             // The fill's chunks all reach the cache: it is not on a reader's path.
             Need::Fill => {
@@ -396,8 +400,13 @@ impl Fetcher {
             },
         };
         if !sent {
-            *self.pending.0.lock().expect("poisoned") -= 1;
+            unqueue(&mut self.pending.0.lock().expect("poisoned"), &digest);
         }
+    }
+
+    /// A chunk fetched and queued for the chunk cache, not written yet.
+    fn queued(&self, digest: &ChunkDigest) -> Option<Arc<VerifiedChunk>> {
+        self.pending.0.lock().expect("poisoned").get(digest).map(|(c, _)| c.clone())
     }
 }
 
@@ -429,7 +438,7 @@ impl ChunkSource for Fetcher {
     fn fill_paced(&self, file: usize, chunk: u64, ended: &dyn Fn() -> bool) -> Result<(), ChunkFailure> {
         let rec = self.image.files[file].chunks[chunk as usize];
         let cached = |s: &Arc<ChunkCache>| s.contains_unverified(self.image.config().hash, &rec.digest);
-        if rec.at == StoredAt::Zero || self.store.as_ref().is_none_or(cached) {
+        if rec.at == StoredAt::Zero || self.store.as_ref().is_none_or(cached) || self.queued(&rec.digest).is_some() {
             return Ok(());
         }
         // A chunk a reader has in recent memory (its put skipped while the disk was behind)
@@ -467,7 +476,7 @@ impl ChunkSource for Fetcher {
         let (n, cv) = &*self.pending;
         let deadline = std::time::Instant::now() + SETTLE_MAX;
         let mut left = n.lock().expect("poisoned");
-        while *left > 0 {
+        while !left.is_empty() {
             let wait = deadline.saturating_duration_since(std::time::Instant::now());
             if wait.is_zero() {
                 return;
@@ -492,6 +501,16 @@ impl ChunkSource for Fetcher {
         }
         self.chunk(file, chunk, need)?.copy_to(within, out);
         Ok(())
+    }
+}
+
+/// One queueing of `d` for the chunk cache is over (written, or not sent).
+fn unqueue(queued: &mut HashMap<ChunkDigest, (Arc<VerifiedChunk>, u32)>, d: &ChunkDigest) {
+    if let Some((_, n)) = queued.get_mut(d) {
+        *n -= 1;
+        if *n == 0 {
+            queued.remove(d);
+        }
     }
 }
 
@@ -644,11 +663,11 @@ impl Fetcher {
     }
 
     /// Lead the flight of chunk `c` of file `file`, unless it is in recent memory, the
-    /// chunk cache (the fill may have brought it since the stream was planned), refused,
-    /// or another caller's flight.
+    /// chunk cache or its queue (the fill may have brought it since the stream was
+    /// planned), refused, or another caller's flight.
     fn claim(&self, file: usize, c: u64) -> Option<Arc<Flight>> {
         let d = self.image.files[file].chunks[c as usize].digest;
-        if self.store.as_ref().is_some_and(|s| s.contains_unverified(self.image.config().hash, &d)) {
+        if self.queued(&d).is_some() || self.store.as_ref().is_some_and(|s| s.contains_unverified(self.image.config().hash, &d)) {
             return None;
         }
         let mut m = self.inflight.lock().expect("poisoned");
@@ -783,9 +802,10 @@ impl Fetcher {
     /// A stored chunk: recent memory, another caller's flight, or a flight of our own.
     fn stored(&self, file: usize, chunk: u64, need: Need) -> Outcome {
         let rec = self.image.files[file].chunks[chunk as usize];
-        if let Some(c) = self.recent.lock().expect("poisoned").map.get(&rec.digest) {
+        let here = self.recent.lock().expect("poisoned").map.get(&rec.digest).cloned();
+        if let Some(c) = here.or_else(|| self.queued(&rec.digest)) {
             self.counters.cache_hits.fetch_add(1, Relaxed);
-            return Ok(c.clone());
+            return Ok(c);
         }
         if self.refused.lock().expect("poisoned").contains(&rec.digest) {
             let (file, offset) = self.failure_at(file, chunk);
@@ -1010,6 +1030,25 @@ pub(crate) mod tests {
         std::thread::sleep(Duration::from_millis(100));
         let outboard = image.chain[0].outboard_blob.as_ref().expect("packed with an outboard").digest.clone();
         assert!(!src.whole.lock().unwrap().contains(&outboard), "the whole outboard was read");
+    }
+
+    #[test]
+    fn regression_issue_38_a_chunk_the_fill_fetched_is_not_fetched_again_before_it_is_on_disk() {
+        let t = tempfile::tempdir().unwrap();
+        let (layout, image, data) = packed_mib(t.path(), 48);
+        let cache = Arc::new(ChunkCache::open(&t.path().join("cache"), 1 << 30).unwrap());
+        let f = fetcher(&layout, &image, Some(cache));
+        for c in 0..48 {
+            f.fill(0, c).unwrap();
+        }
+        // Read at once, most of them still queued for the disk: every byte right, and
+        // none fetched a second time.
+        for c in (0..48).rev() {
+            assert_eq!(read(&f, c * MIB + 4096, MIB - 8192).unwrap(), data[c * MIB + 4096..(c + 1) * MIB - 4096], "chunk {c}");
+        }
+        assert_eq!(count(&f.counters().fetched_chunks), 48, "each chunk fetched once");
+        f.settle();
+        assert!(f.complete(0));
     }
 
     /// A fetcher over `src` whose outboards are in place.
