@@ -119,6 +119,9 @@ pub trait ChunkSource: Send + Sync {
     /// Wait, a bounded time, until the chunks queued for the host's chunk cache are written
     /// (so that [`complete`](Self::complete) sees what the fill brought).
     fn settle(&self) {}
+    /// The fill is through: the link is the readers' alone, and the source may read what
+    /// it put off.
+    fn fill_done(&self) {}
     /// Verified bytes `within .. within + out.len()` of the chunk, copied into `out`. A
     /// source that can check part of a chunk (against its outboard slices) may read only
     /// that part; by default the whole chunk is read.
@@ -228,6 +231,8 @@ pub struct Fetcher {
     streams: AtomicU64,
     /// Read-ahead loads of chunks from the chunk cache running.
     ahead: AtomicU64,
+    /// Whether the whole outboards of an image opened with their tables were asked for.
+    outboards_asked: std::sync::atomic::AtomicBool,
     me: Weak<Fetcher>,
     counters: FetchCounters,
     /// The image's chunks, pinned in the chunk cache for as long as the image is presented:
@@ -294,7 +299,7 @@ impl Fetcher {
             }
         }
         let pacer = Background::new(1 << image.chunk_shift(), FILL_JOBS);
-        Arc::new_cyclic(|me| Fetcher {
+        let fetcher = Arc::new_cyclic(|me| Fetcher {
             image,
             src,
             store,
@@ -311,10 +316,38 @@ impl Fetcher {
             frontier: Mutex::new(HashMap::new()),
             streams: AtomicU64::new(0),
             ahead: AtomicU64::new(0),
+            outboards_asked: Default::default(),
             me: me.clone(),
             counters: FetchCounters::default(),
             _pin,
-        })
+        });
+        if let Some(store) = fetcher.store.clone() {
+            // Every chunk cached already: the link is quiet from the start.
+            let me = Arc::downgrade(&fetcher);
+            let _ = std::thread::Builder::new().name("mount-outboards".into()).spawn(move || {
+                let Some(f) = me.upgrade() else { return };
+                let algo = f.image.config().hash;
+                let stored = f.image.files.iter().flat_map(|file| &file.chunks).filter(|c| c.at != StoredAt::Zero);
+                if stored.clone().all(|c| store.contains_unverified(algo, &c.digest)) {
+                    f.outboards_when_quiet();
+                }
+            });
+        }
+        fetcher
+    }
+
+    /// Read the whole outboards of an image opened with only their tables, once, on a
+    /// thread of their own: a read of part of a cached chunk then reads and checks only its
+    /// slices. Asked for once the link is quiet (the fill is through, or every chunk was
+    /// cached from the start), so their bytes never sit in front of a reader's.
+    fn outboards_when_quiet(&self) {
+        if !self.image.slices_on_demand() || self.outboards_asked.swap(true, Relaxed) {
+            return;
+        }
+        let (i, s) = (self.image.clone(), self.src.clone());
+        if let Err(e) = std::thread::Builder::new().name("mount-outboards".into()).spawn(move || load_outboards(&i, s.as_ref())) {
+            tracing::warn!("{}: its whole outboards are not read ({e}): parts of cached chunks are read whole", self.image.manifest_digest);
+        }
     }
 
     fn failure_at(&self, file: usize, chunk: u64) -> (String, u64) {
@@ -470,6 +503,10 @@ impl ChunkSource for Fetcher {
 
     fn counters(&self) -> &FetchCounters {
         &self.counters
+    }
+
+    fn fill_done(&self) {
+        self.outboards_when_quiet();
     }
 
     fn settle(&self) {
@@ -1049,6 +1086,31 @@ pub(crate) mod tests {
         assert_eq!(count(&f.counters().fetched_chunks), 48, "each chunk fetched once");
         f.settle();
         assert!(f.complete(0));
+    }
+
+    #[test]
+    fn regression_issue_38_an_image_opened_with_its_tables_over_a_complete_cache_reads_slices_of_cached_chunks() {
+        let t = tempfile::tempdir().unwrap();
+        let (layout, first, data) = packed(t.path());
+        let cache = Arc::new(ChunkCache::open(&t.path().join("cache"), 1 << 30).unwrap());
+        let warm = fetcher(&layout, &first, Some(cache.clone()));
+        for c in 0..4 {
+            warm.fill(0, c).unwrap();
+        }
+        warm.settle();
+        drop(warm);
+        let (image, _) = Image::open_outboards_later(layout.clone(), &first.manifest_digest, imgfmt::OutboardsAhead::Tables).unwrap();
+        let image = Arc::new(image);
+        let f = Fetcher::new(image.clone(), layout.clone(), Some(cache), RetryPolicy::never(), 64 << 20);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while image.slice_cvs(0, 2).is_none() {
+            assert!(Instant::now() < deadline, "a mount over a complete cache never read the whole outboards");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let at = 2 * MIB + 5 * 4096;
+        assert_eq!(read(&f, at, 4096).unwrap(), data[at..at + 4096]);
+        let c = f.counters();
+        assert_eq!((count(&c.cache_slice_reads), count(&c.fetched_chunks)), (1, 0), "one slice from the cache, nothing fetched");
     }
 
     /// A fetcher over `src` whose outboards are in place.

@@ -406,6 +406,12 @@ impl Host {
             if !order.is_empty() {
                 tracing::info!("{who}: filling the chunk cache: {} chunks, {traced} of them first from its trace", order.len());
                 fill::run(&served, &order, &stop);
+                if let Some(s) = served.upgrade().filter(|_| !stop.load(Relaxed)) {
+                    s.chunks.fill_done();
+                    if let Some(b) = &s.base {
+                        b.fill_done();
+                    }
+                }
             }
             if let Some(copies) = shared.copies() {
                 copies::make_complete(&shared.tree, copies, &served, &stop);
