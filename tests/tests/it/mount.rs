@@ -215,6 +215,16 @@ fn write_patterns(src: &Path) {
     file("sub/dir/nested.img", 10_000, 0o644, &|f| f.write_all_at(b"nested file", 5000).unwrap());
 }
 
+/// A `snapctl sample` of `size` with `seed` (and `sample_args`) in `place`'s `snap`, packed
+/// as `v1` with `pack_args`: the snapshot's directory and the image's reference.
+fn sampled(place: &Place, size: &str, seed: u32, sample_args: &[&str], pack_args: &[&str]) -> (PathBuf, String) {
+    let snap = place.path().join("snap");
+    let r = run(snapctl().arg("sample").arg(&snap).args(["--size", size, "--seed", &seed.to_string()]).args(sample_args));
+    assert_eq!(r.code, 0, "sample: {r:?}");
+    let image = pack(place, &snap, "v1", pack_args);
+    (snap, image)
+}
+
 /// Pack `src` into a layout under `place` as `tag`.
 fn pack(place: &Place, src: &Path, tag: &str, extra: &[&str]) -> String {
     let reference = format!("oci:{}:{tag}", place.path().join("layout").display());
@@ -303,9 +313,7 @@ fn concurrent_readers_see_the_same_bytes_and_each_chunk_is_fetched_once() {
         return;
     }
     let place = Place::new();
-    let snap = place.path().join("snap");
-    assert_eq!(run(snapctl().arg("sample").arg(&snap).args(["--size", "24MiB", "--seed", "11"])).code, 0);
-    let image = pack(&place, &snap, "v1", &[]);
+    let (snap, image) = sampled(&place, "24MiB", 11, &[], &[]);
     let dir = place.dir("d");
     let mut m = Mounted::start(&place, &image, &dir, &["--prefetch", "none", "--no-cache"]);
     let want = fs::read(snap.join("vm.mem")).unwrap();
@@ -338,9 +346,7 @@ fn a_tampered_chunk_fails_its_range_with_eio_the_rest_reads_right_and_the_log_na
         return;
     }
     let place = Place::new();
-    let snap = place.path().join("snap");
-    assert_eq!(run(snapctl().arg("sample").arg(&snap).args(["--size", "8MiB", "--seed", "4", "--zero-fraction", "0"])).code, 0);
-    let image = pack(&place, &snap, "v1", &["--compress", "none"]);
+    let (snap, image) = sampled(&place, "8MiB", 4, &["--zero-fraction", "0"], &["--compress", "none"]);
     let bad = snapctl_tests::tamper_first_stored_chunk(&place.path().join("layout"), "v1", "vm.mem");
     let dir = place.dir("d");
     let mut m = Mounted::start(&place, &image, &dir, &["--prefetch", "none", "--no-cache"]);
@@ -373,9 +379,7 @@ fn n_vmms_mapping_one_mounted_memory_file_private_see_its_bytes_and_only_their_o
         return;
     }
     let place = Place::new();
-    let snap = place.path().join("snap");
-    assert_eq!(run(snapctl().arg("sample").arg(&snap).args(["--size", "32MiB", "--seed", "21"])).code, 0);
-    let image = pack(&place, &snap, "v1", &[]);
+    let (snap, image) = sampled(&place, "32MiB", 21, &[], &[]);
     let dir = place.dir("d");
     let mut m = Mounted::start(&place, &image, &dir, &["--prefetch", "none"]);
     let vmms: Vec<Child> = (0..4)
@@ -474,9 +478,7 @@ fn unmount_refuses_while_a_file_is_open_then_waits_or_detaches() {
         return;
     }
     let place = Place::new();
-    let snap = place.path().join("snap");
-    assert_eq!(run(snapctl().arg("sample").arg(&snap).args(["--size", "4MiB", "--seed", "5"])).code, 0);
-    let image = pack(&place, &snap, "v1", &[]);
+    let (snap, image) = sampled(&place, "4MiB", 5, &[], &[]);
     let dir = place.dir("d");
     let mut m = Mounted::start(&place, &image, &dir, &[]);
     let mut f = fs::File::open(dir.join("vm.state")).unwrap();
@@ -522,9 +524,7 @@ fn a_killed_daemon_leaves_enotconn_and_a_new_mount_resumes_from_the_cache() {
         return;
     }
     let place = Place::new();
-    let snap = place.path().join("snap");
-    assert_eq!(run(snapctl().arg("sample").arg(&snap).args(["--size", "8MiB", "--seed", "6"])).code, 0);
-    let image = pack(&place, &snap, "v1", &[]);
+    let (snap, image) = sampled(&place, "8MiB", 6, &[], &[]);
     let dir = place.dir("d");
     let mut m = Mounted::start(&place, &image, &dir, &["--prefetch", "all"]);
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -556,9 +556,7 @@ fn each_bad_input_is_one_line_and_exit_2_and_leaves_nothing_mounted() {
         return;
     }
     let place = Place::new();
-    let snap = place.path().join("snap");
-    assert_eq!(run(snapctl().arg("sample").arg(&snap).args(["--size", "2MiB", "--seed", "8"])).code, 0);
-    let image = pack(&place, &snap, "v1", &[]);
+    let (_, image) = sampled(&place, "2MiB", 8, &[], &[]);
     let check = |r: &Run, code: i32, says: &str| {
         assert_eq!(r.code, code, "{r:?}");
         let lines: Vec<&str> = r.stderr.trim().lines().collect();
@@ -682,9 +680,7 @@ fn daemon_returns_once_mounted_and_sigterm_waits_for_open_files() {
         return;
     }
     let place = Place::new();
-    let snap = place.path().join("snap");
-    assert_eq!(run(snapctl().arg("sample").arg(&snap).args(["--size", "4MiB", "--seed", "12"])).code, 0);
-    let image = pack(&place, &snap, "v1", &[]);
+    let (snap, image) = sampled(&place, "4MiB", 12, &[], &[]);
     let dir = place.dir("d");
     let r = run(place.snapctl().args(["mount", &image]).arg(&dir).arg("--cache").arg(place.cache()).arg("--daemon"));
     assert_eq!(r.code, 0, "{r:?}");
@@ -723,9 +719,7 @@ fn regression_issue_38_a_mounted_images_chunks_stay_in_the_cache_through_prune_a
         return;
     }
     let place = Place::new();
-    let snap = place.path().join("snap");
-    assert_eq!(run(snapctl().arg("sample").arg(&snap).args(["--size", "8MiB", "--seed", "13"])).code, 0);
-    let image = pack(&place, &snap, "v1", &[]);
+    let (snap, image) = sampled(&place, "8MiB", 13, &[], &[]);
     let want = stored_chunks(&place.path().join("layout"), "v1", "vm.mem");
     let cache = place.cache();
     let cache_cmd = |args: &[&str]| -> Value {
@@ -830,9 +824,7 @@ fn regression_issue_38_an_open_held_before_the_copy_keeps_later_opens_on_the_dae
         return;
     }
     let place = Place::new();
-    let snap = place.path().join("snap");
-    assert_eq!(run(snapctl().arg("sample").arg(&snap).args(["--size", "8MiB", "--seed", "41"])).code, 0);
-    let image1 = pack(&place, &snap, "v1", &[]);
+    let (snap, image1) = sampled(&place, "8MiB", 41, &[], &[]);
     // A second image with the same vm.mem (so the same inode) and a vm.state of its own.
     let snap2 = place.path().join("snap2");
     fs::create_dir_all(&snap2).unwrap();
@@ -889,9 +881,7 @@ fn regression_issue_38_passthrough_off_serves_every_read_through_the_daemon() {
         return;
     }
     let place = Place::new();
-    let snap = place.path().join("snap");
-    assert_eq!(run(snapctl().arg("sample").arg(&snap).args(["--size", "8MiB", "--seed", "42"])).code, 0);
-    let image = pack(&place, &snap, "v1", &[]);
+    let (snap, image) = sampled(&place, "8MiB", 42, &[], &[]);
     let dir = place.dir("d");
     let mut m = Mounted::start(&place, &image, &dir, &["--prefetch", "all", "--passthrough", "off"]);
     wait_for_log(&m, "fill done", 1);
@@ -913,9 +903,7 @@ fn regression_issue_38_a_killed_daemons_copies_are_swept_by_the_next_host_mount(
         return;
     }
     let place = Place::new();
-    let snap = place.path().join("snap");
-    assert_eq!(run(snapctl().arg("sample").arg(&snap).args(["--size", "4MiB", "--seed", "43"])).code, 0);
-    let image = pack(&place, &snap, "v1", &[]);
+    let (snap, image) = sampled(&place, "4MiB", 43, &[], &[]);
     let dir = place.dir("d");
     let mut m = Mounted::start(&place, &image, &dir, &["--prefetch", "all"]);
     wait_for_log(&m, &format!("vm.mem: {COPY_READY}"), 1);
