@@ -591,7 +591,8 @@ impl Fetcher {
     /// as they arrive, so the reader's next chunk is not slowed by the ones after it, and a
     /// reader that stops waits for none of what was fetched beyond it. A new stream starts
     /// once fewer than [`READ_AHEAD`] stored chunks ahead of the reader are taken on; the
-    /// first takes on [`FIRST_STRETCH`], each next twice as many up to [`MAX_STRETCH`]. A
+    /// first takes on [`FIRST_STRETCH`], each next twice as many up to [`MAX_STRETCH`] and
+    /// half of recent memory (where they wait for the reader). A
     /// read out of order ends the file's read-ahead until the reader is in order again.
     /// Chunks in the chunk cache are loaded from there, each on a thread of its own.
     fn read_ahead(&self, file: usize, chunk: u64) {
@@ -611,18 +612,27 @@ impl Fetcher {
                 }
             }
         }
+        // Chunks fetched ahead wait in recent memory (and the chunk cache's queue) until the
+        // reader comes: a stream takes on at most half of recent memory, or, with a chunk
+        // cache to find them in, at least FIRST_STRETCH; with neither, nothing.
+        let room = (self.recent.lock().expect("poisoned").limit >> self.image.chunk_shift()) / 2;
+        let most = MAX_STRETCH.min(if self.store.is_some() { room.max(FIRST_STRETCH) } else { room });
+        if most == 0 {
+            return;
+        }
         let chunks = &self.image.files[file].chunks;
         let stored = |c: &u64| chunks[*c as usize].at != StoredAt::Zero;
         let run: Vec<u64> = {
             let mut frontier = self.frontier.lock().expect("poisoned");
-            let ahead = frontier.get(&file).copied().filter(|a| a.next > chunk).unwrap_or(Ahead { next: chunk + 1, stretch: FIRST_STRETCH });
+            let mut ahead = frontier.get(&file).copied().filter(|a| a.next > chunk).unwrap_or(Ahead { next: chunk + 1, stretch: FIRST_STRETCH });
+            ahead.stretch = ahead.stretch.min(most);
             // Zero chunks cost nothing to read: only stored ones count.
             if (chunk + 1..ahead.next).filter(stored).count() as u64 >= READ_AHEAD {
                 return;
             }
             let run: Vec<u64> = (ahead.next..chunks.len() as u64).filter(stored).take(ahead.stretch as usize).collect();
             let Some(&last) = run.last() else { return };
-            frontier.insert(file, Ahead { next: last + 1, stretch: (ahead.stretch * 2).min(MAX_STRETCH) });
+            frontier.insert(file, Ahead { next: last + 1, stretch: (ahead.stretch * 2).min(most) });
             run
         };
         let algo = self.image.config().hash;
@@ -1033,6 +1043,30 @@ pub(crate) mod tests {
             assert_eq!(read(&f, c * MIB, MIB).unwrap(), data[c * MIB..(c + 1) * MIB], "chunk {c}");
         }
         assert_eq!(count(&f.counters().fetched_chunks), 24, "each chunk fetched once");
+    }
+
+    #[test]
+    fn regression_issue_38_a_stream_takes_on_no_more_than_half_of_recent_memory() {
+        let t = tempfile::tempdir().unwrap();
+        let (layout, image, data) = packed_mib(t.path(), 24);
+        let read_in_order = |memory: u64| -> u64 {
+            let f = Fetcher::new(image.clone(), layout.clone(), None, RetryPolicy::never(), memory);
+            for c in 0..3 {
+                assert_eq!(read(&f, c * MIB, MIB).unwrap(), data[c * MIB..(c + 1) * MIB]);
+            }
+            // Whatever was started ahead has landed once no stream runs.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while f.streams.load(Relaxed) > 0 {
+                assert!(Instant::now() < deadline, "a stream never ended");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            count(&f.counters().fetched_chunks)
+        };
+        // No chunk cache and no recent memory: nowhere to keep chunks fetched ahead.
+        assert_eq!(read_in_order(0), 3, "nothing fetched ahead");
+        // 8 MiB of recent memory: streams of 4 chunks.
+        // Chunks 0 and 1 read, then streams of four: 2-5 (chunk 2 read from it), then 6-9.
+        assert_eq!(read_in_order(8 << 20), 2 + 4 + 4, "two streams of four");
     }
 
     #[test]
