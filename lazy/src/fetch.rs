@@ -446,10 +446,11 @@ impl Fetcher {
     /// response waits for). Every chunk is verified on its own against its record before
     /// it enters recent memory and the chunk cache; one that fails is fetched alone once
     /// more, then refused (the run's read was its first chance, as [`get`](Self::get)
-    /// gives a chunk two). A fault on a chunk of the run
-    /// waits for the run. Chunks already in memory, in the cache or in flight are left to
-    /// their holder. Returns the work and the chunks of the run it refused (or gave up on),
-    /// which nobody should fetch again just to install them.
+    /// gives a chunk two). A fault on a chunk of the run waits for that chunk's bytes in the
+    /// response (each chunk is landed as it arrives), not for the whole run. Chunks already
+    /// in memory, in the cache or in flight are left to their holder. Returns the work and
+    /// the chunks of the run it refused (or gave up on), which nobody should fetch again
+    /// just to install them.
     pub fn get_background_run(&self, run: &[u64]) -> (Work, Vec<u64>) {
         self.background_run(run, None)
     }
@@ -528,65 +529,65 @@ impl Fetcher {
     }
 
     /// One range request for the stretch `led` (adjacent chunks whose flights this caller
-    /// leads), each chunk verified on its own, every flight landed; the chunks that failed
-    /// go onto `refused`. With `fill`, the verified chunks go there instead of into recent
-    /// memory and the cache's queue.
+    /// leads), each chunk verified on its own and its flight landed as soon as the
+    /// response has brought it (a fault waiting on a chunk of the run waits for that chunk,
+    /// not for the run); the chunks that failed go onto `refused`. A chunk that did not
+    /// verify is fetched alone once more (the run's read was its first chance); one the
+    /// response did not bring (the source failed part way) is fetched alone with its
+    /// retries. With `fill`, the verified chunks go there instead of into recent memory and
+    /// the cache's queue.
     fn fetch_stretch(&self, led: &[(u64, Arc<Flight>)], refused: &mut Vec<u64>, mut fill: Option<&mut Vec<(u64, Arc<VerifiedChunk>)>>) -> Work {
         let chunks = &self.image.files[self.file].chunks;
-        let (first, last) = (led[0].0, led[led.len() - 1].0);
-        let (StoredAt::Pack { pack, offset: start, .. }, StoredAt::Pack { offset: l_off, stored_len: l_len, .. }) =
-            (chunks[first as usize].at, chunks[last as usize].at)
-        else {
-            unreachable!("a stretch holds stored chunks only")
-        };
-        let end = l_off + u64::from(l_len);
+        let StoredAt::Pack { pack, offset: start, .. } = chunks[led[0].0 as usize].at else { unreachable!("a stretch holds stored chunks only") };
+        let lens: Vec<usize> = led
+            .iter()
+            .map(|&(c, _)| match chunks[c as usize].at {
+                StoredAt::Pack { stored_len, .. } => stored_len as usize,
+                StoredAt::Zero => unreachable!("a stretch holds stored chunks only"),
+            })
+            .collect();
         let src = self.background_source();
         let digest = &self.image.packs[pack as usize].digest;
-        let name = &self.image.files[self.file].name;
-        let read = || -> Result<Vec<u8>, VerifyError> {
-            let mut buf = vec![0u8; (end - start) as usize];
-            src.read_at_unverified(digest, start, &mut buf).map_err(|source| VerifyError::Read {
-                file: name.clone(),
-                chunk: first,
-                offset: first << self.image.chunk_shift(),
-                source,
-            })?;
-            Ok(buf)
-        };
-        let (res, mut work) = self.retrying(first, end - start, read, |_| false);
-        let buf = match res {
-            Ok(buf) => buf,
-            Err(Stop::Failed(f)) => {
-                // The source gave up on the whole range: each chunk's waiters hear it as theirs.
-                for (c, flight) in led {
-                    let f = f.for_chunk(*c);
-                    self.land_for(*c, flight, &Err(f), fill.as_deref_mut());
-                    refused.push(*c);
+        let mut work = Work::default();
+        // Per chunk of the run: landed, or what its read did not verify with.
+        let mut landed = vec![false; led.len()];
+        let mut mismatch: Vec<Option<String>> = vec![None; led.len()];
+        let read = src.read_pieces_unverified(digest, start, &lens, &mut |i, bytes| {
+            let Some((c, flight)) = led.get(i) else { return };
+            work.bytes_fetched += lens[i] as u64;
+            match verify::check_stored_chunk(src.as_ref(), &self.image, self.file, *c, Vec::from(bytes)) {
+                Ok(v) => {
+                    self.land_for(*c, flight, &Ok(Arc::new(v)), fill.as_deref_mut());
+                    landed[i] = true;
                 }
-                return work;
-            }
-            Err(Stop::Declined(e)) => unreachable!("nothing declined: {e}"),
-        };
-        for (c, flight) in led {
-            let StoredAt::Pack { offset, stored_len, .. } = chunks[*c as usize].at else { unreachable!("stored") };
-            let at = (offset - start) as usize;
-            let stored = buf[at..at + stored_len as usize].to_vec();
-            let (outcome, w) = match verify::check_stored_chunk(src.as_ref(), &self.image, self.file, *c, stored) {
-                Ok(v) => (Ok(Arc::new(v)), Work::default()),
                 Err(e) => {
-                    // A damaged transfer or a damaged pack: this chunk alone, once more
-                    // (the run's read was its first chance), then refused.
                     tracing::error!("VERIFY FAILURE: {e}; fetching the chunk alone");
                     work.verify_failures += 1;
-                    let len = u64::from(stored_len);
-                    let (res, w) =
-                        self.retrying_after(Some(e.to_string()), *c, len, || verify::read_chunk(src.as_ref(), &self.image, self.file, *c), |_| false);
-                    match res {
-                        Ok(v) => (Ok(Arc::new(v)), w),
-                        Err(Stop::Failed(f)) => (Err(f), w),
-                        Err(Stop::Declined(e)) => unreachable!("nothing declined: {e}"),
-                    }
+                    mismatch[i] = Some(e.to_string());
                 }
+            }
+        });
+        if let Err(e) = &read {
+            tracing::debug!("chunks {}-{}: {e}; fetching the rest one by one", led[0].0, led[led.len() - 1].0);
+        }
+        // A source that gave up on one chunk (its retries spent) gave up on the run: the
+        // rest hear the same, not a retry budget each.
+        let mut gave_up: Option<FetchFailure> = None;
+        for (i, (c, flight)) in led.iter().enumerate().filter(|&(i, _)| !landed[i]) {
+            let len = lens[i] as u64;
+            let (res, w) = match &gave_up {
+                Some(f) if mismatch[i].is_none() => (Err(Stop::Failed(f.for_chunk(*c))), Work::default()),
+                _ => self.retrying_after(mismatch[i].take(), *c, len, || verify::read_chunk(src.as_ref(), &self.image, self.file, *c), |_| false),
+            };
+            let outcome = match res {
+                Ok(v) => Ok(Arc::new(v)),
+                Err(Stop::Failed(f)) => {
+                    if !matches!(f, FetchFailure::Integrity { .. }) {
+                        gave_up.get_or_insert_with(|| f.clone());
+                    }
+                    Err(f)
+                }
+                Err(Stop::Declined(e)) => unreachable!("nothing declined: {e}"),
             };
             work.bytes_fetched += w.bytes_fetched;
             work.retries += w.retries;
@@ -1055,6 +1056,76 @@ pub(crate) mod tests {
         assert_eq!(o.unwrap().as_bytes(), &mem[6 << 16..7 << 16]);
         run.join().unwrap();
         assert_eq!(src.reads.load(Ordering::SeqCst), 1);
+    }
+
+    /// A source that reads ranges in pieces as a registry's body brings them: the first
+    /// piece at once, the rest once `go` says so.
+    struct HeldBack {
+        inner: imgfmt::OciLayout,
+        go: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+    }
+    impl BlobSource for HeldBack {
+        fn describe(&self) -> String {
+            "held back".into()
+        }
+        fn resolve_tag(&self, tag: &str) -> Result<OciDigest, FormatError> {
+            self.inner.resolve_tag(tag)
+        }
+        fn read_blob_unverified(&self, d: &OciDigest, limit: u64) -> Result<Vec<u8>, FormatError> {
+            self.inner.read_blob_unverified(d, limit)
+        }
+        fn blob_size(&self, d: &OciDigest) -> Result<u64, FormatError> {
+            self.inner.blob_size(d)
+        }
+        fn read_at_unverified(&self, d: &OciDigest, o: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+            self.inner.read_at_unverified(d, o, buf)
+        }
+        fn read_pieces_unverified(&self, d: &OciDigest, o: u64, lens: &[usize], each: &mut dyn FnMut(usize, bytes::Bytes)) -> Result<(), FormatError> {
+            let all = self.inner.read_range_unverified(d, o, lens.iter().sum())?;
+            each(0, all.slice(..lens[0]));
+            let _ = self.go.lock().unwrap().recv();
+            imgfmt::source::split_pieces(all.slice(lens[0]..), &lens[1..], &mut |i, b| each(i + 1, b));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn regression_issue_37_a_fault_on_a_chunk_of_a_background_run_gets_it_when_its_bytes_arrive() {
+        let (_d, mem, image, layout) = sample_image(9);
+        let (go, wait) = std::sync::mpsc::channel();
+        let src = Arc::new(HeldBack { inner: layout, go: std::sync::Mutex::new(wait) });
+        let file = image.file("vm.mem").unwrap().0;
+        let f = Arc::new(Fetcher::new(image, file, src, None, RetryPolicy::never(), 0));
+        let g = f.clone();
+        let run = std::thread::spawn(move || g.get_background_run(&data_chunks(9)));
+        while !f.in_flight(0) && !f.has_recent(0) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The run's first chunk has arrived, the rest is held back: a fault on it is served.
+        let (o, origin, _) = f.get(0);
+        assert_eq!(origin, Origin::Cache, "joined the run's flight");
+        assert_eq!(o.unwrap().as_bytes(), &mem[..1 << 16]);
+        assert!(!run.is_finished() && f.in_flight(8), "the rest of the run still on its way");
+        go.send(()).unwrap();
+        let (work, refused) = run.join().unwrap();
+        assert!(refused.is_empty());
+        assert_eq!(work.bytes_fetched, data_chunks(9).iter().map(|&c| f.wire_bytes(c)).sum::<u64>());
+        for c in data_chunks(9) {
+            assert_eq!(f.get(c).0.unwrap().as_bytes(), &mem[(c as usize) << 16..((c as usize) + 1) << 16]);
+        }
+    }
+
+    #[test]
+    fn regression_issue_37_a_run_whose_source_gives_up_fails_its_chunks_within_one_budget() {
+        let (_d, _mem, image, layout) = sample_image(9);
+        let src = flaky(layout, Duration::ZERO);
+        src.fail.store(u64::MAX / 2, Ordering::SeqCst);
+        let f = fetcher(src.clone(), image, Duration::from_millis(300));
+        let t = std::time::Instant::now();
+        let (_, refused) = f.get_background_run(&data_chunks(9));
+        assert_eq!(refused, data_chunks(9), "every chunk of the run failed");
+        // One retry budget for the run, not one per chunk (six would be 1.8 s).
+        assert!(t.elapsed() < Duration::from_millis(1200), "took {:?}", t.elapsed());
     }
 
     #[test]

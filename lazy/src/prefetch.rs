@@ -357,11 +357,11 @@ enum Event {
 }
 
 /// Install `order`'s chunks ahead of the guest, each through the fetcher's single-flight
-/// path (a fault on a chunk being streamed waits for that fetch; every chunk is verified
-/// before it is installed and goes into the chunk cache), with as many requests in flight
-/// as the background's window allows (`bg`, [`crate::pacing`]: the faults' requests meet
-/// at most a small queue of the stream's bytes), at most `max_jobs`, at no more than `rate`
-/// bytes per second (0: unbounded). The first `traced` are the trace's; the rest wait for
+/// path (a fault on a chunk being streamed waits for its bytes in that fetch; every chunk
+/// is verified before it is installed and goes into the chunk cache), with as many
+/// requests in flight as the background's window allows (`bg`, [`crate::pacing`]: the
+/// faults' requests meet at most a small queue of the stream's bytes), at most `max_jobs`,
+/// at no more than `rate` bytes per second (0: unbounded). The first `traced` are the trace's; the rest wait for
 /// the [`Demand`]'s go. Until done, the connection ends or `stop` is set.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run(
