@@ -72,6 +72,26 @@ impl Place {
     fn cache(&self) -> PathBuf {
         self.path().join("cache")
     }
+    /// Wait (10 s at most) until the host mount's daemon counts no open file of the
+    /// images it shows: the kernel tells it of a closed open (FUSE_RELEASE) after `close`
+    /// or `munmap` has returned, so a next open may otherwise still find it alive.
+    fn wait_all_closed(&self) {
+        use std::io::{BufRead, Write};
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let mut s = std::os::unix::net::UnixStream::connect(self.path().join("host.sock")).unwrap();
+            s.write_all(b"{\"op\":\"status\"}\n").unwrap();
+            let mut line = String::new();
+            std::io::BufReader::new(s).read_line(&mut line).unwrap();
+            let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+            let open: u64 = v["binds"].as_array().expect("binds").iter().map(|b| b["open_files"].as_u64().unwrap_or(0)).sum();
+            if open == 0 {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the daemon still counts {open} open files: {line}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
     /// An empty directory to mount into.
     fn dir(&self, name: &str) -> PathBuf {
         let d = self.path().join(name);
@@ -862,6 +882,7 @@ fn regression_issue_38_an_open_held_before_the_copy_keeps_later_opens_on_the_dae
     drop(f);
     // SAFETY: unmapping what we mapped; no slice of it is alive.
     unsafe { libc::munmap(map, len) };
+    place.wait_all_closed();
 
     // Every cached open closed: the next ones are served by passthrough.
     assert!(fs::read(d1.join("vm.mem")).unwrap() == want);
