@@ -31,6 +31,28 @@ pub enum StoredAt {
     },
 }
 
+impl StoredAt {
+    /// The bytes the chunk takes in its pack (none for a zero chunk).
+    pub fn stored_len(&self) -> u64 {
+        match self {
+            StoredAt::Pack { stored_len, .. } => u64::from(*stored_len),
+            StoredAt::Zero => 0,
+        }
+    }
+
+    /// Whether one range read may take a chunk stored here right after one stored at
+    /// `prev`: both in the same pack, this one starting where that one ends, and neither a
+    /// `zstd-ref` chunk (whose reference is read besides it).
+    pub fn follows(&self, prev: &StoredAt) -> bool {
+        match (prev, self) {
+            (StoredAt::Pack { pack: p, offset, stored_len, codec: cp }, StoredAt::Pack { pack: q, offset: next, codec: cq, .. }) => {
+                p == q && offset + u64::from(*stored_len) == *next && cp.ref_pack().is_none() && cq.ref_pack().is_none()
+            }
+            _ => false,
+        }
+    }
+}
+
 /// One chunk after resolving the chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ResolvedChunk {

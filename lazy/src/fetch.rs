@@ -320,10 +320,7 @@ impl Fetcher {
     /// Bytes a fetch of chunk `chunk` moves from the source (its stored length; 0 for a
     /// zero chunk).
     pub fn wire_bytes(&self, chunk: u64) -> u64 {
-        match self.image.files[self.file].chunks.get(chunk as usize).map(|c| c.at) {
-            Some(StoredAt::Pack { stored_len, .. }) => u64::from(stored_len),
-            _ => 0,
-        }
+        self.image.files[self.file].chunks.get(chunk as usize).map_or(0, |c| c.at.stored_len())
     }
 
     /// Bytes a fetch of slices `slices` of chunk `chunk` moves (0 where it has no slices).
@@ -431,10 +428,8 @@ impl Fetcher {
     /// (no reference to read besides) in the same pack, `b`'s bytes right after `a`'s.
     pub fn adjacent(&self, a: u64, b: u64) -> bool {
         let chunks = &self.image.files[self.file].chunks;
-        match (chunks.get(a as usize).map(|c| c.at), chunks.get(b as usize).map(|c| c.at)) {
-            (Some(StoredAt::Pack { pack: p, offset: o, stored_len: l, codec: ca }), Some(StoredAt::Pack { pack: q, offset: r, codec: cb, .. })) => {
-                p == q && o + u64::from(l) == r && ca.ref_pack().is_none() && cb.ref_pack().is_none()
-            }
+        match (chunks.get(a as usize), chunks.get(b as usize)) {
+            (Some(a), Some(b)) => b.at.follows(&a.at),
             _ => false,
         }
     }
@@ -539,13 +534,7 @@ impl Fetcher {
     fn fetch_stretch(&self, led: &[(u64, Arc<Flight>)], refused: &mut Vec<u64>, mut fill: Option<&mut Vec<(u64, Arc<VerifiedChunk>)>>) -> Work {
         let chunks = &self.image.files[self.file].chunks;
         let StoredAt::Pack { pack, offset: start, .. } = chunks[led[0].0 as usize].at else { unreachable!("a stretch holds stored chunks only") };
-        let lens: Vec<usize> = led
-            .iter()
-            .map(|&(c, _)| match chunks[c as usize].at {
-                StoredAt::Pack { stored_len, .. } => stored_len as usize,
-                StoredAt::Zero => unreachable!("a stretch holds stored chunks only"),
-            })
-            .collect();
+        let lens: Vec<usize> = led.iter().map(|&(c, _)| chunks[c as usize].at.stored_len() as usize).collect();
         let src = self.background_source();
         let digest = &self.image.packs[pack as usize].digest;
         let mut work = Work::default();
@@ -620,10 +609,7 @@ impl Fetcher {
                 return (Ok(Arc::new(v)), Origin::Cache, Work::default());
             }
         }
-        let stored_len = match c.at {
-            StoredAt::Pack { stored_len, .. } => stored_len as u64,
-            StoredAt::Zero => 0,
-        };
+        let stored_len = c.at.stored_len();
         let src = if background { self.background.get().unwrap_or(&self.src) } else { &self.src };
         let (res, work) = self.retrying(chunk, stored_len, || verify::read_chunk(src.as_ref(), &self.image, self.file, chunk), |_| false);
         match res {

@@ -321,14 +321,12 @@ impl Fetcher {
             counters: FetchCounters::default(),
             _pin,
         });
-        if let Some(store) = fetcher.store.clone() {
+        if fetcher.store.is_some() && fetcher.image.slices_on_demand() {
             // Every chunk cached already: the link is quiet from the start.
             let me = Arc::downgrade(&fetcher);
             let _ = std::thread::Builder::new().name("mount-outboards".into()).spawn(move || {
                 let Some(f) = me.upgrade() else { return };
-                let algo = f.image.config().hash;
-                let stored = f.image.files.iter().flat_map(|file| &file.chunks).filter(|c| c.at != StoredAt::Zero);
-                if stored.clone().all(|c| store.contains_unverified(algo, &c.digest)) {
+                if (0..f.image.files.len()).all(|file| f.complete(file)) {
                     f.outboards_when_quiet();
                 }
             });
@@ -364,10 +362,7 @@ impl Fetcher {
             return (Ok(Arc::new(v)), false);
         }
         let (name, offset) = self.failure_at(file, chunk);
-        let stored = match rec.at {
-            StoredAt::Pack { stored_len, .. } => u64::from(stored_len),
-            StoredAt::Zero => 0,
-        };
+        let stored = rec.at.stored_len();
         let _foreground = (need == Need::Read).then(|| self.pacer.foreground(stored));
         let mut retry = self.policy.start();
         let mut mismatch = mismatch;
@@ -551,24 +546,6 @@ fn unqueue(queued: &mut HashMap<ChunkDigest, (Arc<VerifiedChunk>, u32)>, d: &Chu
     }
 }
 
-/// Whether a chunk stored at `b` follows one stored at `a` in the same pack, byte for byte.
-fn adjacent(a: &StoredAt, b: &StoredAt) -> bool {
-    match (a, b) {
-        (StoredAt::Pack { pack: p, offset, stored_len, .. }, StoredAt::Pack { pack: q, offset: next, .. }) => {
-            p == q && offset + u64::from(*stored_len) == *next
-        }
-        _ => false,
-    }
-}
-
-/// The bytes a chunk's record says it takes in its pack (none for a zero chunk).
-fn stored_len(at: &StoredAt) -> u32 {
-    match at {
-        StoredAt::Pack { stored_len, .. } => *stored_len,
-        StoredAt::Zero => 0,
-    }
-}
-
 /// Read the image's whole outboards and put them in place: a read of part of a chunk may
 /// then read only that part ([`Fetcher::slices_into`]). Without them (none packed, not
 /// in yet, or unreadable: logged) reads take whole chunks.
@@ -693,7 +670,7 @@ impl Fetcher {
         while i < run.len() {
             let mut led: Vec<(u64, Arc<Flight>)> = Vec::new();
             while let Some(&c) = run.get(i) {
-                if led.last().is_some_and(|&(p, _)| !adjacent(&chunks[p as usize].at, &chunks[c as usize].at)) {
+                if led.last().is_some_and(|&(p, _)| !chunks[c as usize].at.follows(&chunks[p as usize].at)) {
                     break;
                 }
                 i += 1;
@@ -730,7 +707,7 @@ impl Fetcher {
     /// leads), counted against the fill's window while it runs; see [`Fetcher::stream`].
     fn fetch_stretch(&self, file: usize, led: &[(u64, Arc<Flight>)]) {
         let chunks = &self.image.files[file].chunks;
-        let lens: Vec<usize> = led.iter().map(|&(c, _)| stored_len(&chunks[c as usize].at) as usize).collect();
+        let lens: Vec<usize> = led.iter().map(|&(c, _)| chunks[c as usize].at.stored_len() as usize).collect();
         let StoredAt::Pack { pack, offset, .. } = chunks[led[0].0 as usize].at else { unreachable!("a stretch holds stored chunks only") };
         let foreground = self.pacer.foreground(lens.iter().sum::<usize>() as u64);
         let mut landed = vec![false; led.len()];
